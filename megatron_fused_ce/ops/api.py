@@ -1,0 +1,324 @@
+"""Public entry points: `linear_logprobs` and `linear_cross_entropy`.
+
+One token's path: its hidden row (all-gathered first under sequence parallelism) -> if its label is
+not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this rank's vocab shard ->
+backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
+(sum of logits, expected logit) -> log-prob / entropy / loss here. Ignored rows are dropped before
+the first GEMM: they cost no flops and get exactly zero output and zero gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import reductions, torch_backend
+from .chunked import ChunkSpec, LinearSoftmaxStats, forward_stats
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The auto chunk size keeps one chunk of logits under this many elements (64 Mi: 128 MiB in bf16
+# plus the backend's fp32 work space), whatever the number of tokens.
+_AUTO_CHUNK_ELEMENTS = 64 * 1024 * 1024
+
+
+class LogprobsOutput(NamedTuple):
+    logprobs: Tensor  # fp32, labels.shape; 0.0 at ignored positions
+    entropy: Optional[Tensor]  # fp32, labels.shape (0.0 at ignored positions) or None
+
+
+def _triton_backend_or_none():
+    try:
+        from . import triton_backend
+    except ImportError:
+        return None
+    return triton_backend
+
+
+def select_backend(impl: str, device: torch.device):
+    if impl == "torch":
+        return torch_backend
+    if impl == "triton":
+        backend = _triton_backend_or_none()
+        if backend is None:
+            raise ValueError("impl: 'triton' was requested but triton cannot be imported")
+        return backend
+    # "auto": Triton where it compiles for the device, the torch reference elsewhere.
+    if device.type == "cuda":
+        backend = _triton_backend_or_none()
+        if backend is not None:
+            return backend
+    return torch_backend
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks. Each rank collects its own problems without raising, then all ranks agree on
+# the union with one tiny all-reduce, so that every rank raises the same error before any real
+# collective (a check failing on one rank while the others wait in an all-reduce is a hang).
+# --------------------------------------------------------------------------------------------
+_CHECKS = ("hidden", "weight", "labels", "temperature", "chunk_size", "vocab_size", "impl",
+           "reduction", "label_smoothing", "z_loss_weight", "ignore_index")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _local_problems(fn_name, hidden, weight, labels, tp_size, vocab_size, temperature, chunk_size,
+                    sequence_parallel, impl, ignore_index, extra_checks) -> dict:
+    problems = {}
+    if not isinstance(hidden, Tensor) or hidden.dim() < 1 or hidden.dtype not in _FLOAT_DTYPES:
+        problems["hidden"] = "hidden must be a float32/bfloat16/float16 tensor of shape [..., H]"
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        problems["weight"] = "weight must be a 2-D tensor [V_local, H]"
+    if "hidden" not in problems and "weight" not in problems:
+        if hidden.shape[-1] != weight.shape[1]:
+            problems["weight"] = (f"weight has hidden size {weight.shape[1]} but hidden has "
+                                  f"{hidden.shape[-1]} (H mismatch)")
+        elif weight.dtype != hidden.dtype:
+            problems["weight"] = f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}"
+        elif weight.device != hidden.device:
+            problems["weight"] = f"weight is on {weight.device} but hidden is on {hidden.device}"
+    if not isinstance(labels, Tensor):
+        problems["labels"] = "labels must be an integer tensor"
+    elif labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        problems["labels"] = f"labels must hold integer class ids, got dtype {labels.dtype}"
+    elif "hidden" not in problems:
+        expected = tuple(hidden.shape[:-1])
+        if sequence_parallel:
+            if hidden.dim() < 2:
+                problems["hidden"] = "sequence_parallel needs hidden of shape [S/TP, ..., H]"
+            else:
+                expected = (hidden.shape[0] * tp_size,) + expected[1:]
+        if "hidden" not in problems and tuple(labels.shape) != expected:
+            problems["labels"] = (f"labels shape {tuple(labels.shape)} does not match "
+                                  f"{'gathered ' if sequence_parallel and tp_size > 1 else ''}"
+                                  f"hidden.shape[:-1] = {expected}")
+        elif labels.device != hidden.device:
+            problems["labels"] = f"labels are on {labels.device} but hidden is on {hidden.device}"
+    if not isinstance(temperature, numbers.Real) or not (temperature > 0) or not math.isfinite(temperature):
+        problems["temperature"] = f"temperature must be a finite number > 0, got {temperature!r}"
+    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size <= 0):
+        problems["chunk_size"] = f"chunk_size must be a positive integer or None, got {chunk_size!r}"
+    if not _is_int(ignore_index):
+        problems["ignore_index"] = f"ignore_index must be an integer, got {ignore_index!r}"
+    if "weight" not in problems:
+        padded_vocab = weight.shape[0] * tp_size
+        if vocab_size is not None and (not _is_int(vocab_size) or not 0 < vocab_size <= padded_vocab):
+            problems["vocab_size"] = (f"vocab_size must be an integer in [1, V_local * tp_size = "
+                                      f"{padded_vocab}], got {vocab_size!r}")
+    if impl not in ("auto", "torch", "triton"):
+        problems["impl"] = f"impl must be 'auto', 'torch' or 'triton', got {impl!r}"
+    elif impl == "triton" and _triton_backend_or_none() is None:
+        problems["impl"] = "impl='triton' was requested but triton cannot be imported"
+    problems.update(extra_checks)
+    return problems
+
+
+def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temperature, chunk_size,
+                     sequence_parallel, impl, ignore_index, extra_checks=None) -> int:
+    """Raise the same ValueError on every TP rank for bad input; return the true vocab size."""
+    tp_size = reductions.group_size(tp_group)
+    problems = _local_problems(fn_name, hidden, weight, labels, tp_size, vocab_size, temperature,
+                               chunk_size, sequence_parallel, impl, ignore_index, extra_checks or {})
+    v_local = weight.shape[0] if "weight" not in problems else -1
+    true_vocab = (vocab_size if "vocab_size" not in problems and vocab_size is not None
+                  else max(v_local, 0) * tp_size)
+    bad_labels, outside = 0, None
+    device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
+    if "labels" not in problems and "hidden" not in problems and labels.numel() > 0:
+        outside = ((labels < 0) | (labels >= true_vocab)) & (labels != ignore_index)
+        bad_labels = outside.sum()
+    # One vector, one all-reduce MAX: the failed checks, the bad label count, and +-(V_local,
+    # H, tokens) so that unequal shapes across ranks show as max != -min.
+    h = hidden.shape[-1] if "hidden" not in problems else -1
+    n = labels.numel() if "labels" not in problems else -1
+    header = torch.tensor([int(k in problems) for k in _CHECKS]
+                          + [v_local, -v_local, h, -h, n, -n], dtype=torch.int64)
+    agreed = torch.cat([header.to(device), torch.as_tensor(bad_labels, device=device).reshape(1)])
+    agreed = reductions.max_over_ranks(agreed, tp_group).tolist()
+
+    messages = []
+    for key, failed in zip(_CHECKS, agreed):
+        if failed:
+            messages.append(problems.get(key, f"{key}: invalid on another tensor-parallel rank"))
+    (v_max, v_min, h_max, h_min, n_max, n_min), bad = agreed[len(_CHECKS):-1], agreed[-1]
+    if v_max != -v_min and v_max >= 0 and -v_min >= 0:
+        messages.append(f"weight: vocab shards differ in size across tensor-parallel ranks "
+                        f"({-v_min} to {v_max} rows); Megatron pads the vocab so they are equal")
+    if h_max != -h_min and not messages:
+        messages.append(f"hidden: hidden size differs across tensor-parallel ranks ({-h_min} to {h_max})")
+    if n_max != -n_min and not messages:
+        messages.append(f"labels: number of tokens differs across tensor-parallel ranks ({-n_min} to {n_max})")
+    if bad:
+        if outside is not None and int(bad_labels) > 0:
+            example = int(labels[outside][0])
+            messages.append(f"labels: {int(bad_labels)} label(s) outside [0, vocab_size={true_vocab}) "
+                            f"that are not ignore_index={ignore_index} (e.g. {example})")
+        else:
+            messages.append(f"labels: labels outside [0, vocab_size={true_vocab}) on another "
+                            f"tensor-parallel rank")
+    if messages:
+        raise ValueError(f"{fn_name}: " + "; ".join(messages))
+    return true_vocab
+
+
+# --------------------------------------------------------------------------------------------
+# The shared pipeline: flatten, drop ignored rows, run the chunked statistics.
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _TokenStats:
+    """Differentiable per-token statistics on the labelled rows, plus how to scatter them back."""
+
+    target: Tensor
+    lse: Tensor
+    sum_logits: Optional[Tensor]
+    expected_logit: Optional[Tensor]
+    row_index: Optional[Tensor]  # labelled rows among all (gathered) rows; None = all rows
+    out_shape: tuple
+    num_rows: int
+
+    def to_full(self, values: Tensor) -> Tensor:
+        """[num labelled rows] -> labels.shape with zeros at ignored positions (differentiable)."""
+        if self.row_index is None:
+            return values.reshape(self.out_shape)
+        full = values.new_zeros(self.num_rows)
+        return full.index_put((self.row_index,), values).reshape(self.out_shape)
+
+
+def auto_chunk_size(num_rows: int, v_local: int) -> int:
+    return max(1, min(max(num_rows, 1), max(64, _AUTO_CHUNK_ELEMENTS // max(v_local, 1))))
+
+
+def _token_stats(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
+                 chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
+                 want_entropy, extra_checks=None) -> _TokenStats:
+    true_vocab = _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temperature,
+                                  chunk_size, sequence_parallel, impl, ignore_index, extra_checks)
+    tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
+    sequence_parallel = bool(sequence_parallel) and tp_size > 1
+    v_local, hidden_size = weight.shape
+    hidden2d = hidden.reshape(-1, hidden_size)
+    flat_labels = labels.reshape(-1)
+    num_rows = flat_labels.numel()
+
+    labelled = flat_labels != ignore_index
+    row_index = None if bool(labelled.all()) else labelled.nonzero().squeeze(1)
+    row_labels = flat_labels if row_index is None else flat_labels.index_select(0, row_index)
+    vocab_start = tp_rank * v_local
+    local_target = row_labels - vocab_start
+    local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
+
+    spec = ChunkSpec(
+        tp_group=tp_group,
+        backend=select_backend(impl, hidden.device),
+        num_valid_cols=min(max(true_vocab - vocab_start, 0), v_local),
+        inv_temperature=1.0 / float(temperature),
+        chunk_size=chunk_size or auto_chunk_size(row_labels.numel(), v_local),
+        want_sum_logits=want_sum_logits,
+        want_entropy=want_entropy,
+        sequence_parallel=sequence_parallel,
+        accumulate_into_main_grad=accumulate_into_main_grad,
+    )
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        target, lse, sum_logits, expected = LinearSoftmaxStats.apply(
+            hidden2d, weight, row_index, local_target, spec)
+    else:  # reference / old log-prob passes: no autograd Function, nothing saved
+        full_hidden = reductions.gather_sequence(hidden2d, tp_group) if sequence_parallel else hidden2d
+        rows = full_hidden if row_index is None else full_hidden.index_select(0, row_index)
+        merged = forward_stats(rows, weight, local_target, spec)
+        target, lse, sum_logits, expected = merged.target, merged.lse, merged.sum_logits, merged.expected_logit
+    return _TokenStats(target, lse, sum_logits, expected, row_index, tuple(labels.shape), num_rows)
+
+
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    tp_group=None,
+    vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    chunk_size: Optional[int] = None,
+    sequence_parallel: bool = False,
+    impl: str = "auto",
+    accumulate_into_main_grad: bool = False,
+) -> LogprobsOutput:
+    """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature).
+
+    Never materializes the [tokens, V_local] logits: see the module docs of api.py and chunked.py.
+    `weight` is this rank's contiguous vocab shard (rank r owns ids [r*V_local, (r+1)*V_local));
+    results are identical on every rank of `tp_group`. dX is the full input gradient (summed over
+    TP ranks; reduce-scattered under `sequence_parallel`), dW this shard's gradient.
+    `accumulate_into_main_grad=True` (Megatron's gradient_accumulation_fusion): when the weight has
+    a `main_grad` buffer the fp32 weight gradient is added into it directly and autograd receives a
+    dummy zero gradient (as Megatron's own linear layers do).
+    """
+    stats = _token_stats(
+        "linear_logprobs", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
+        temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
+        sequence_parallel=sequence_parallel, impl=impl,
+        accumulate_into_main_grad=accumulate_into_main_grad,
+        want_sum_logits=False, want_entropy=return_entropy)
+    logprobs = stats.to_full(stats.target - stats.lse)
+    entropy = stats.to_full(stats.lse - stats.expected_logit) if return_entropy else None
+    return LogprobsOutput(logprobs, entropy)
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    tp_group=None,
+    vocab_size: Optional[int] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    sequence_parallel: bool = False,
+    impl: str = "auto",
+    accumulate_into_main_grad: bool = False,
+) -> Tensor:
+    """F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss, without the logits.
+
+    Per labelled token: (1 - eps) * (lse - z_y) + eps * (lse - sum_k z_k / vocab_size)
+    + z_loss_weight * lse**2, with eps = label_smoothing over the global unpadded vocab.
+    "mean" divides by the number of labelled tokens (0.0 with zero gradients when there are none),
+    "sum" adds, "none" returns fp32 per-token losses of labels.shape (0 at ignored positions).
+    """
+    extra = {}
+    if reduction not in ("mean", "sum", "none"):
+        extra["reduction"] = f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
+    if not isinstance(label_smoothing, numbers.Real) or not 0.0 <= label_smoothing < 1.0:
+        extra["label_smoothing"] = f"label_smoothing must be in [0, 1), got {label_smoothing!r}"
+    if not isinstance(z_loss_weight, numbers.Real) or not z_loss_weight >= 0.0:
+        extra["z_loss_weight"] = f"z_loss_weight must be >= 0, got {z_loss_weight!r}"
+    smoothing = float(label_smoothing) if "label_smoothing" not in extra else 0.0
+    stats = _token_stats(
+        "linear_cross_entropy", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
+        temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
+        sequence_parallel=sequence_parallel, impl=impl,
+        accumulate_into_main_grad=accumulate_into_main_grad,
+        want_sum_logits=smoothing > 0.0, want_entropy=False, extra_checks=extra)
+    true_vocab = vocab_size or weight.shape[0] * reductions.group_size(tp_group)
+
+    per_token = stats.lse - stats.target
+    if smoothing > 0.0:
+        per_token = (1.0 - smoothing) * per_token + smoothing * (stats.lse - stats.sum_logits / true_vocab)
+    if z_loss_weight:
+        per_token = per_token + z_loss_weight * stats.lse.square()
+    if reduction == "none":
+        return stats.to_full(per_token)
+    total = per_token.sum()
+    if reduction == "mean":
+        total = total / max(per_token.numel(), 1)
+    return total

@@ -1,0 +1,213 @@
+"""The chunk loop and its autograd Function (backend-agnostic).
+
+`LinearSoftmaxStats` maps (hidden, weight shard, targets) to four differentiable per-token fp32
+statistics of z = hidden @ W_full.T / T over the global unpadded vocab:
+
+    target          z_y
+    lse             log sum_k exp(z_k)
+    sum_logits      sum_k z_k            (only when asked: label smoothing)
+    expected_logit  E_p[z] = sum_k p_k z_k  (only when asked: entropy)
+
+Everything users want is an O(tokens) expression of these (api.py): log p_y = target - lse,
+entropy = lse - expected_logit, cross-entropy with label smoothing and z-loss, ...
+
+Forward: for each chunk of token rows, logits = h_chunk @ W.T (the only [chunk, V_local] tensor),
+backend.shard_stats reduces it to per-token partials; after the loop the partials of all chunks are
+merged across TP ranks with two collectives. Only hidden, weight, row indices and per-token lse /
+E_p[z] are saved.
+
+Backward: the upstream gradients of the four statistics become per-token coefficients
+(see torch_backend.shard_dlogits_):
+
+    d target / dz_k          = [k == y]          -> coef_target  += g_target
+    d lse / dz_k             = p_k               -> coef_p       += g_lse
+    d sum_logits / dz_k      = 1                 -> coef_uniform += g_sum
+    d E_p[z] / dz_k          = p_k (1 + z_k - E) -> coef_p += g_E (1 - E), coef_pz += g_E
+
+and each chunk's logits are recomputed, overwritten in place with dlogits, and multiplied into
+dX (rows of this chunk) and dW (accumulated in fp32 over chunks, straight into Megatron's
+`weight.main_grad` when asked). dX is then summed over TP ranks (reduce-scattered under sequence
+parallelism), as Megatron's ColumnParallelLinear does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from . import reductions
+from .torch_backend import ShardStats
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Static settings of one call (everything but tensors)."""
+
+    tp_group: Any
+    backend: Any  # torch_backend or triton_backend module
+    num_valid_cols: int  # columns of this shard below the true vocab size
+    inv_temperature: float
+    chunk_size: int
+    want_sum_logits: bool
+    want_entropy: bool
+    sequence_parallel: bool
+    accumulate_into_main_grad: bool
+
+
+def _chunks(num_rows: int, chunk_size: int):
+    for start in range(0, num_rows, chunk_size):
+        yield start, min(start + chunk_size, num_rows)
+
+
+def _rows(full_hidden: Tensor, row_index: Optional[Tensor]) -> Tensor:
+    """Hidden rows that have a label (all rows when row_index is None)."""
+    return full_hidden if row_index is None else full_hidden.index_select(0, row_index)
+
+
+def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec):
+    """Chunk loop of the forward pass -> reductions.MergedStats over the rows given."""
+    backend, partials = spec.backend, []
+    for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
+        logits = torch.mm(hidden_rows[start:end], weight.t())
+        partials.append(
+            backend.shard_stats(
+                logits,
+                local_target[start:end],
+                spec.num_valid_cols,
+                spec.inv_temperature,
+                want_sum_logits=spec.want_sum_logits,
+                want_entropy=spec.want_entropy,
+            )
+        )
+        del logits
+    if partials:
+        stats = ShardStats(**{
+            name: None if getattr(partials[0], name) is None
+            else torch.cat([getattr(p, name) for p in partials])
+            for name in ShardStats.__dataclass_fields__
+        })
+    else:  # no labelled row here: still take part in the collectives
+        empty = hidden_rows.new_zeros(0, dtype=torch.float32)
+        stats = ShardStats(max=empty, sum_exp=empty, target=empty,
+                           sum_logits=empty if spec.want_sum_logits else None,
+                           sum_exp_logits=empty if spec.want_entropy else None)
+    return reductions.merge_shard_stats(stats, spec.tp_group)
+
+
+def accumulate_matmul_(acc_fp32: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc_fp32 += a @ b with an fp32 accumulator whatever the input dtype.
+
+    Low-precision weight-gradient accumulation across chunks drifts (axolotl #1601, Liger #827),
+    so each chunk's product is added in fp32. On CUDA cuBLAS writes the fp32 sum directly.
+    """
+    if a.dtype == torch.float32:
+        acc_fp32.addmm_(a, b)
+    elif acc_fp32.is_cuda:
+        torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32)
+    else:
+        acc_fp32.add_(torch.mm(a, b).float())
+
+
+def backward_grads(
+    hidden_rows: Tensor,
+    weight: Tensor,
+    local_target: Tensor,
+    spec: ChunkSpec,
+    lse: Tensor,
+    coefs: dict,
+    dx_rows: Optional[Tensor],
+    dw_acc: Optional[Tensor],
+) -> None:
+    """Chunk loop of the backward pass: writes dX rows and accumulates the fp32 dW."""
+    for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
+        h = hidden_rows[start:end]
+        dlogits = spec.backend.shard_dlogits_(
+            torch.mm(h, weight.t()),
+            local_target[start:end],
+            spec.num_valid_cols,
+            spec.inv_temperature,
+            lse[start:end],
+            *(None if c is None else c[start:end] for c in
+              (coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"])),
+        )
+        if dx_rows is not None:
+            torch.mm(dlogits, weight, out=dx_rows[start:end])
+        if dw_acc is not None:
+            accumulate_matmul_(dw_acc, dlogits.t(), h)
+
+
+def coefficients(g_target, g_lse, g_sum, g_expected, expected_logit, lse) -> Optional[dict]:
+    """Upstream grads of the four statistics -> per-token dlogits coefficients (see module doc)."""
+    if all(g is None for g in (g_target, g_lse, g_sum, g_expected)):
+        return None
+    coef_p = torch.zeros_like(lse)
+    if g_lse is not None:
+        coef_p = coef_p + g_lse
+    coef_pz = None
+    if g_expected is not None:
+        coef_p = coef_p + g_expected * (1.0 - expected_logit)
+        coef_pz = g_expected
+    return {"p": coef_p, "pz": coef_pz, "target": g_target, "uniform": g_sum}
+
+
+class LinearSoftmaxStats(torch.autograd.Function):
+    """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, E_p[z]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec):
+        full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
+        merged = forward_stats(_rows(full_hidden, row_index), weight, local_target, spec)
+        ctx.spec = spec
+        ctx.num_full_rows = full_hidden.shape[0]
+        ctx.set_materialize_grads(False)
+        saved_expected = merged.expected_logit if spec.want_entropy else None
+        # Only the local hidden slice is kept under SP: backward all-gathers it again, as
+        # Megatron's ColumnParallelLinear does, instead of holding the tp-times larger copy.
+        ctx.save_for_backward(hidden, weight, row_index, local_target, merged.lse, saved_expected)
+        return merged.target, merged.lse, merged.sum_logits, merged.expected_logit
+
+    @staticmethod
+    def backward(ctx, g_target, g_lse, g_sum, g_expected):
+        hidden, weight, row_index, local_target, lse, expected_logit = ctx.saved_tensors
+        spec: ChunkSpec = ctx.spec
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        coefs = coefficients(g_target, g_lse, g_sum, g_expected, expected_logit, lse)
+
+        full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
+        rows = _rows(full_hidden, row_index)
+        dx_rows = rows.new_empty(rows.shape) if needs_dx else None
+        dw_acc = None
+        into_main_grad = needs_dw and spec.accumulate_into_main_grad and hasattr(weight, "main_grad")
+        if needs_dw:
+            dw_acc = weight.main_grad if into_main_grad else torch.zeros(
+                weight.shape, dtype=torch.float32, device=weight.device)
+        if coefs is not None:
+            backward_grads(rows, weight, local_target, spec, lse, coefs, dx_rows, dw_acc)
+        elif dx_rows is not None:
+            dx_rows.zero_()
+
+        grad_hidden = None
+        if needs_dx:
+            if row_index is None:
+                dx_full = dx_rows
+            else:
+                dx_full = full_hidden.new_zeros(full_hidden.shape).index_copy_(0, row_index, dx_rows)
+            if spec.sequence_parallel:
+                grad_hidden = reductions.reduce_scatter_sequence(dx_full, spec.tp_group)
+            else:
+                grad_hidden = reductions.all_reduce_sum_(dx_full, spec.tp_group)
+
+        grad_weight = None
+        if needs_dw:
+            if into_main_grad:
+                # Megatron's gradient-accumulation-fusion convention: the gradient is already in
+                # main_grad; hand autograd a dummy so DDP's per-parameter hook still fires.
+                if hasattr(weight, "grad_added_to_main_grad"):
+                    weight.grad_added_to_main_grad = True
+                    grad_weight = torch.zeros_like(weight)
+            else:
+                grad_weight = dw_acc if weight.dtype == torch.float32 else dw_acc.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None

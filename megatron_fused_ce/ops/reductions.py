@@ -1,0 +1,101 @@
+"""Every collective of the op lives here: merging per-shard softmax partials across the
+tensor-parallel group, the sequence-parallel gather/scatter of hidden states, the dX reduction and
+the pre-flight agreement on argument errors. No other module calls torch.distributed.
+
+A forward pass makes two O(tokens) collectives whatever the number of chunks: all chunks' partials
+are merged at once (one all-reduce MAX of the row maxima, one all-reduce SUM of the rescaled
+partials stacked into one tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .torch_backend import ShardStats
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class MergedStats:
+    """Per-token statistics over the full (unpadded) vocab, identical on every rank (fp32, [n])."""
+
+    lse: Tensor  # log sum_k exp(z_k)
+    target: Tensor  # z_y
+    sum_logits: Optional[Tensor] = None  # sum_k z_k
+    expected_logit: Optional[Tensor] = None  # E_p[z] = sum_k p_k z_k
+
+
+def merge_shard_stats(stats: ShardStats, group) -> MergedStats:
+    global_max = stats.max
+    sum_exp, sum_exp_logits = stats.sum_exp, stats.sum_exp_logits
+    if group_size(group) > 1:
+        global_max = stats.max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        # Rescale each shard's exp-sums to the common max; a shard without valid columns has
+        # max = -inf and contributes exp(-inf) = 0.
+        rescale = torch.exp(stats.max - global_max)
+        parts = [stats.sum_exp * rescale, stats.target]
+        if stats.sum_logits is not None:
+            parts.append(stats.sum_logits)
+        if stats.sum_exp_logits is not None:
+            parts.append(stats.sum_exp_logits * rescale)
+        summed = torch.stack(parts)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+        summed = list(summed.unbind(0))
+        sum_exp, target = summed[0], summed[1]
+        sum_logits = summed[2] if stats.sum_logits is not None else None
+        sum_exp_logits = summed[-1] if stats.sum_exp_logits is not None else None
+    else:
+        target, sum_logits = stats.target, stats.sum_logits
+    return MergedStats(
+        lse=global_max + torch.log(sum_exp),
+        target=target,
+        sum_logits=sum_logits,
+        expected_logit=None if sum_exp_logits is None else sum_exp_logits / sum_exp,
+    )
+
+
+def all_reduce_sum_(tensor: Tensor, group) -> Tensor:
+    """Sum partial input gradients over the TP group (ColumnParallelLinear's backward)."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def gather_sequence(local: Tensor, group) -> Tensor:
+    """Sequence parallel: all-gather [n_local, ...] slices along dim 0 into [n_local * tp, ...]."""
+    world = group_size(group)
+    if world == 1:
+        return local
+    out = local.new_empty((local.shape[0] * world,) + tuple(local.shape[1:]))
+    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_sequence(full: Tensor, group) -> Tensor:
+    """Sequence parallel backward: sum [n, ...] over ranks, keep this rank's [n / tp, ...] slice."""
+    world = group_size(group)
+    if world == 1:
+        return full
+    out = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
+    dist.reduce_scatter_tensor(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def max_over_ranks(values: Tensor, group) -> Tensor:
+    """Element-wise max over the group of a small int64 vector (argument checks agree on it)."""
+    if group_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values

@@ -1,0 +1,116 @@
+"""Per-chunk softmax math on one vocab shard, in plain torch: the reference backend (any device).
+
+A chunk is `logits[n, v]` = hidden_chunk @ weight_shard.T in the input dtype, exactly what
+Megatron's output layer would produce. Here it is scaled by 1/temperature (z = logits / T) and
+reduced in fp32. Columns at or past `num_valid_cols` are Megatron's vocab padding: they take no part
+in any sum and get zero gradient.
+
+Two functions make a backend (triton_backend.py has the same two, with the same arguments):
+
+- `shard_stats` -> `ShardStats`: this shard's per-token partials, to be merged across tensor-parallel
+  ranks by `reductions.merge_shard_stats`.
+- `shard_dlogits_`: overwrite the chunk with d(loss)/d(logits), given per-token coefficients that
+  the chunk loop derived from the upstream gradients. With p = softmax(z) over the *global* vocab
+  (p_k = exp(z_k - lse)) and y the target column on this shard (-1 if elsewhere):
+
+      dL/dz_k = p_k * (coef_p + coef_pz * z_k) + coef_target * [k == y] + coef_uniform
+
+  Every statistic we expose has a gradient of this form (see chunked.py), so one kernel serves
+  log-probs, entropy, cross-entropy with label smoothing and z-loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ShardStats:
+    """Per-token partials over this rank's valid vocab columns (fp32, shape [n])."""
+
+    max: Tensor  # m = max_k z_k (-inf when the shard has no valid column)
+    sum_exp: Tensor  # sum_k exp(z_k - m)
+    target: Tensor  # z_y when the label lives on this shard, else 0
+    sum_logits: Optional[Tensor] = None  # sum_k z_k (label smoothing)
+    sum_exp_logits: Optional[Tensor] = None  # sum_k exp(z_k - m) * z_k (entropy)
+
+
+def _scaled_fp32(logits: Tensor, num_valid_cols: int, inv_temperature: float) -> Tensor:
+    z = logits[:, :num_valid_cols].float()
+    if inv_temperature != 1.0:
+        z = z * inv_temperature
+    return z
+
+
+def _target_mask(local_target: Tensor) -> tuple[Tensor, Tensor]:
+    on_shard = local_target >= 0
+    return on_shard, local_target.clamp(min=0).unsqueeze(1)
+
+
+def shard_stats(
+    logits: Tensor,
+    local_target: Tensor,
+    num_valid_cols: int,
+    inv_temperature: float,
+    want_sum_logits: bool = False,
+    want_entropy: bool = False,
+) -> ShardStats:
+    n = logits.shape[0]
+    if num_valid_cols == 0:  # a shard made only of padding columns
+        zeros = logits.new_zeros(n, dtype=torch.float32)
+        return ShardStats(
+            max=torch.full_like(zeros, float("-inf")),
+            sum_exp=zeros,
+            target=zeros.clone(),
+            sum_logits=zeros.clone() if want_sum_logits else None,
+            sum_exp_logits=zeros.clone() if want_entropy else None,
+        )
+    z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
+    on_shard, target_col = _target_mask(local_target)
+    row_max = z.amax(dim=1)
+    exp_shifted = torch.exp(z - row_max.unsqueeze(1))
+    target = torch.where(on_shard, z.gather(1, target_col).squeeze(1), 0.0)
+    return ShardStats(
+        max=row_max,
+        sum_exp=exp_shifted.sum(dim=1),
+        target=target,
+        sum_logits=z.sum(dim=1) if want_sum_logits else None,
+        sum_exp_logits=(exp_shifted * z).sum(dim=1) if want_entropy else None,
+    )
+
+
+def shard_dlogits_(
+    logits: Tensor,
+    local_target: Tensor,
+    num_valid_cols: int,
+    inv_temperature: float,
+    lse: Tensor,
+    coef_p: Tensor,
+    coef_pz: Optional[Tensor],
+    coef_target: Optional[Tensor],
+    coef_uniform: Optional[Tensor],
+) -> Tensor:
+    """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included)."""
+    if num_valid_cols < logits.shape[1]:
+        logits[:, num_valid_cols:].zero_()
+    if num_valid_cols == 0:
+        return logits
+    z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
+    grad = torch.exp(z - lse.unsqueeze(1))  # p_k
+    coef = coef_p.unsqueeze(1)
+    if coef_pz is not None:
+        coef = coef + coef_pz.unsqueeze(1) * z
+    grad.mul_(coef)
+    if coef_uniform is not None:
+        grad.add_(coef_uniform.unsqueeze(1))
+    if coef_target is not None:
+        on_shard, target_col = _target_mask(local_target)
+        grad.scatter_add_(1, target_col, torch.where(on_shard, coef_target, 0.0).unsqueeze(1))
+    if inv_temperature != 1.0:
+        grad.mul_(inv_temperature)
+    logits[:, :num_valid_cols].copy_(grad)
+    return logits

@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_fused_ce",
+    version="0.1.0",
+    description="Fused vocab-parallel linear cross-entropy / log-probs for Megatron-Core "
+    "(no [tokens, vocab/TP] logits tensor)",
+    packages=find_packages(include=["megatron_fused_ce", "megatron_fused_ce.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned here on purpose: install the wheel you want first (see README), so that a
+    # loose requirement never pulls a multi-GB CUDA build on a CPU machine.
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "megatron": ["megatron-core>=0.16.1", "pyyaml", "tqdm"],
+        "triton": ["triton>=3.0"],
+        "test": ["pytest>=7", "megatron-core>=0.16.1", "triton>=3.0", "pyyaml", "tqdm"],
+        "bench": ["matplotlib", "triton>=3.0"],
+    },
+)
