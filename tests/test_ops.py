@@ -282,3 +282,44 @@ def test_accumulates_into_main_grad():
     assert w.grad_added_to_main_grad is True
     assert torch.all(w.grad == 0)  # dummy gradient, as Megatron's own layers hand autograd
     assert reference.rel_err(w.main_grad - 1.0, expected) < 1e-2
+
+
+# ---------------------------------------------------------------- gradients in the forward pass
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                    torch.ops.aten.addmm_.default, torch.ops.aten.addmm.out):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("reduction,gemms_per_chunk", [("mean", 3), ("sum", 3), ("none", 4)])
+def test_cross_entropy_gradients_in_forward_use_three_gemms(reduction, gemms_per_chunk):
+    h = torch.randn(40, 8, requires_grad=True)
+    w = torch.randn(30, 8, requires_grad=True)
+    y = torch.randint(0, 30, (40,))
+    with _CountMatmuls() as mode:
+        loss = linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=10)
+        loss.sum().backward()
+    assert mode.count == 4 * gemms_per_chunk  # 4 chunks; "none" must recompute (arbitrary upstream)
+
+
+def test_cross_entropy_gradients_in_forward_into_main_grad():
+    torch.manual_seed(4)
+    h = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    y = torch.randint(0, 16, (12,))
+    (2.0 * linear_cross_entropy(h, w, y, chunk_size=5, z_loss_weight=0.01)).backward()
+    expected_dw, expected_dx = w.grad.clone(), h.grad.clone()
+    h.grad, w.grad = None, None
+    w.main_grad = torch.full((16, 8), 0.5)
+    w.grad_added_to_main_grad = False
+    (2.0 * linear_cross_entropy(h, w, y, chunk_size=5, z_loss_weight=0.01,
+                                accumulate_into_main_grad=True)).backward()
+    assert w.grad_added_to_main_grad is True and torch.all(w.grad == 0)
+    assert torch.allclose(w.main_grad - 0.5, expected_dw, atol=1e-6)
+    assert torch.allclose(h.grad, expected_dx, atol=1e-6)

@@ -1,0 +1,264 @@
+"""Per-chunk softmax math on one vocab shard, in Triton: the GPU backend.
+
+Same two functions, arguments and results as torch_backend.py (read its module docstring for the
+math); tests/test_triton_backend.py checks them against each other, on CPU under TRITON_INTERPRET=1.
+
+- `shard_stats`: one read of the [n, V_local] chunk. Each program takes one row and one contiguous
+  range ("split") of its valid columns and walks it in blocks of BLOCK_N columns, keeping an online
+  max / sum-exp (one exp per element: the block's exps are taken against the running max, the old
+  sum is rescaled once per block), plus sum z and sum exp(z - m) z when asked. When there are few
+  rows (n=256 against V_local=128k) the columns are split over several programs so that the GPU
+  fills up, and a tiny second kernel merges the per-split partials of each row.
+- `shard_dlogits_`: one read and one write of the chunk, in place. A 2-D grid of (row, column
+  block) programs; each computes dL/dlogits = inv_T * (exp(z - lse) (c_p + c_pz z) + c_u
+  + c_t [k == y]) in fp32 and stores it in the chunk's dtype; padding columns get 0.
+
+Math is fp32 whatever the chunk dtype (bf16/fp16/fp32); z = fp32(logits) * inv_temperature exactly
+as in the torch backend, so the target logit is bit-identical. Row offsets are 64-bit (a chunk may
+hold more than 2^31 elements).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .torch_backend import ShardStats
+
+# Launch settings. Module-level so that tools/benchmark.py can try a variant; not a public API.
+STATS_BLOCK_N = 2048  # columns per step of the online softmax
+STATS_WARPS = 8
+DLOGITS_BLOCK_N = 2048  # columns per program of the dlogits kernel
+DLOGITS_WARPS = 8
+PROGRAMS_PER_SM = 8  # split columns until the stats grid has at least this many programs per SM
+MERGE_BLOCK_R = 64
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr, stride_row, target_ptr,
+    max_ptr, sum_exp_ptr, target_out_ptr, sum_logits_ptr, sum_exp_logits_ptr,
+    num_valid_cols, cols_per_split, num_splits, inv_temperature,
+    WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    start = split * cols_per_split
+    end = tl.minimum(start + cols_per_split, num_valid_cols)  # every split holds >= 1 column
+
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    s_logits = tl.zeros([], tl.float32)
+    s_exp_logits = tl.zeros([], tl.float32)
+    for col0 in range(start, end, BLOCK_N):
+        cols = col0 + tl.arange(0, BLOCK_N)
+        valid = cols < end
+        z = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
+        m_new = tl.maximum(m, tl.max(z, axis=0))  # finite: each block holds >= 1 valid column
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(z - m_new)  # 0 at masked columns
+        s = s * alpha + tl.sum(e, axis=0)
+        if WANT_ENTROPY or WANT_SUM:
+            z_valid = tl.where(valid, z, 0.0)  # -inf -> 0 at masked columns
+            if WANT_ENTROPY:
+                s_exp_logits = s_exp_logits * alpha + tl.sum(e * z_valid, axis=0)
+            if WANT_SUM:
+                s_logits += tl.sum(z_valid, axis=0)
+        m = m_new
+
+    out = row.to(tl.int64) * num_splits + split
+    tl.store(max_ptr + out, m)
+    tl.store(sum_exp_ptr + out, s)
+    if WANT_SUM:
+        tl.store(sum_logits_ptr + out, s_logits)
+    if WANT_ENTROPY:
+        tl.store(sum_exp_logits_ptr + out, s_exp_logits)
+    if split == 0:
+        t = tl.load(target_ptr + row)
+        z_t = tl.load(row_ptr + tl.maximum(t, 0)).to(tl.float32) * inv_temperature
+        tl.store(target_out_ptr + row, tl.where(t >= 0, z_t, 0.0))
+
+
+@triton.jit
+def _merge_kernel(
+    pmax_ptr, psum_ptr, psum_logits_ptr, psum_exp_logits_ptr,
+    max_ptr, sum_exp_ptr, sum_logits_ptr, sum_exp_logits_ptr,
+    n, num_splits,
+    WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    splits = tl.arange(0, BLOCK_S)
+    row_ok = rows < n
+    mask = row_ok[:, None] & (splits[None, :] < num_splits)
+    offs = rows.to(tl.int64)[:, None] * num_splits + splits[None, :]
+    pm = tl.load(pmax_ptr + offs, mask=mask, other=float("-inf"))
+    m = tl.max(pm, axis=1)
+    scale = tl.where(mask, tl.exp(pm - tl.where(row_ok, m, 0.0)[:, None]), 0.0)
+    tl.store(max_ptr + rows, m, mask=row_ok)
+    ps = tl.load(psum_ptr + offs, mask=mask, other=0.0)
+    tl.store(sum_exp_ptr + rows, tl.sum(ps * scale, axis=1), mask=row_ok)
+    if WANT_SUM:
+        pl = tl.load(psum_logits_ptr + offs, mask=mask, other=0.0)
+        tl.store(sum_logits_ptr + rows, tl.sum(pl, axis=1), mask=row_ok)
+    if WANT_ENTROPY:
+        pe = tl.load(psum_exp_logits_ptr + offs, mask=mask, other=0.0)
+        tl.store(sum_exp_logits_ptr + rows, tl.sum(pe * scale, axis=1), mask=row_ok)
+
+
+@triton.jit
+def _dlogits_kernel(
+    logits_ptr, stride_row, target_ptr, lse_ptr,
+    coef_p_ptr, coef_pz_ptr, coef_target_ptr, coef_uniform_ptr,
+    num_cols, num_valid_cols, inv_temperature,
+    HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    valid = cols < num_valid_cols
+    z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
+    coef = tl.load(coef_p_ptr + row)
+    if HAS_PZ:
+        coef = coef + tl.load(coef_pz_ptr + row) * z
+    grad = tl.exp(z - tl.load(lse_ptr + row)) * coef
+    if HAS_UNIFORM:
+        grad += tl.load(coef_uniform_ptr + row)
+    if HAS_TARGET:
+        t = tl.load(target_ptr + row)
+        grad += tl.where(cols == t, tl.load(coef_target_ptr + row), 0.0)
+    grad = tl.where(valid, grad * inv_temperature, 0.0)
+    if ROUND_BF16:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
+        bits = grad.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        grad = bits.to(tl.float32, bitcast=True)
+    tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < num_cols)
+
+
+_SM_COUNT: dict = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # TRITON_INTERPRET on CPU: any small number
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def shard_stats(
+    logits: Tensor,
+    local_target: Tensor,
+    num_valid_cols: int,
+    inv_temperature: float,
+    want_sum_logits: bool = False,
+    want_entropy: bool = False,
+) -> ShardStats:
+    n = logits.shape[0]
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    if num_valid_cols == 0 or n == 0:  # a shard made only of padding columns, or no rows
+        zeros = torch.zeros(n, **f32)
+        return ShardStats(
+            max=torch.full_like(zeros, float("-inf")),
+            sum_exp=zeros,
+            target=zeros.clone(),
+            sum_logits=zeros.clone() if want_sum_logits else None,
+            sum_exp_logits=zeros.clone() if want_entropy else None,
+        )
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    local_target = local_target.contiguous()
+
+    block_n = STATS_BLOCK_N
+    col_blocks = triton.cdiv(num_valid_cols, block_n)
+    wanted_splits = triton.cdiv(PROGRAMS_PER_SM * _sm_count(logits.device), n)
+    splits = max(1, min(col_blocks, wanted_splits))
+    cols_per_split = triton.cdiv(col_blocks, splits) * block_n
+    splits = triton.cdiv(num_valid_cols, cols_per_split)  # no empty split
+
+    target = torch.empty(n, **f32)
+    if splits == 1:
+        part_shape = (n,)
+    else:
+        part_shape = (n, splits)
+    pmax, psum = torch.empty(part_shape, **f32), torch.empty(part_shape, **f32)
+    psum_logits = torch.empty(part_shape, **f32) if want_sum_logits else pmax  # dummy when unused
+    psum_exp_logits = torch.empty(part_shape, **f32) if want_entropy else pmax
+    _stats_kernel[(n, splits)](
+        logits, logits.stride(0), local_target,
+        pmax, psum, target, psum_logits, psum_exp_logits,
+        num_valid_cols, cols_per_split, splits, float(inv_temperature),
+        WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy, BLOCK_N=block_n,
+        num_warps=STATS_WARPS,
+    )
+    if splits == 1:
+        row_max, sum_exp, sum_logits, sum_exp_logits = pmax, psum, psum_logits, psum_exp_logits
+    else:
+        row_max, sum_exp = torch.empty(n, **f32), torch.empty(n, **f32)
+        sum_logits = torch.empty(n, **f32) if want_sum_logits else row_max
+        sum_exp_logits = torch.empty(n, **f32) if want_entropy else row_max
+        _merge_kernel[(triton.cdiv(n, MERGE_BLOCK_R),)](
+            pmax, psum, psum_logits, psum_exp_logits,
+            row_max, sum_exp, sum_logits, sum_exp_logits,
+            n, splits,
+            WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy,
+            BLOCK_R=MERGE_BLOCK_R, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return ShardStats(
+        max=row_max,
+        sum_exp=sum_exp,
+        target=target,
+        sum_logits=sum_logits if want_sum_logits else None,
+        sum_exp_logits=sum_exp_logits if want_entropy else None,
+    )
+
+
+def shard_dlogits_(
+    logits: Tensor,
+    local_target: Tensor,
+    num_valid_cols: int,
+    inv_temperature: float,
+    lse: Tensor,
+    coef_p: Tensor,
+    coef_pz: Optional[Tensor],
+    coef_target: Optional[Tensor],
+    coef_uniform: Optional[Tensor],
+) -> Tensor:
+    """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included)."""
+    n, num_cols = logits.shape
+    if n == 0 or num_cols == 0:
+        return logits
+    if num_valid_cols == 0:
+        return logits.zero_()
+    if logits.stride(1) != 1:  # not produced by torch.mm: work on a contiguous copy
+        return logits.copy_(shard_dlogits_(logits.contiguous(), local_target, num_valid_cols,
+                                           inv_temperature, lse, coef_p, coef_pz, coef_target,
+                                           coef_uniform))
+    coef_p = _f32(coef_p)
+    pz, tgt, uni = (None if c is None else _f32(c) for c in (coef_pz, coef_target, coef_uniform))
+    block_n = DLOGITS_BLOCK_N
+    _dlogits_kernel[(n, triton.cdiv(num_cols, block_n))](
+        logits, logits.stride(0), local_target.contiguous(), _f32(lse),
+        coef_p, coef_p if pz is None else pz, coef_p if tgt is None else tgt,
+        coef_p if uni is None else uni,
+        num_cols, num_valid_cols, float(inv_temperature),
+        HAS_PZ=pz is not None, HAS_TARGET=tgt is not None, HAS_UNIFORM=uni is not None,
+        BLOCK_N=block_n, ROUND_BF16=_interpreting() and logits.dtype == torch.bfloat16,
+        num_warps=DLOGITS_WARPS,
+    )
+    return logits
