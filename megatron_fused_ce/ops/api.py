@@ -171,7 +171,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temp
 # The shared pipeline: flatten, drop ignored rows, run the chunked statistics.
 # --------------------------------------------------------------------------------------------
 @dataclass
-class _TokenStats:
+class TokenStats:
     """Differentiable per-token statistics on the labelled rows, plus how to scatter them back."""
 
     target: Tensor
@@ -195,9 +195,9 @@ def auto_chunk_size(num_rows: int, v_local: int) -> int:
     return max(1, min(max(num_rows, 1), max(64, _AUTO_CHUNK_ELEMENTS // max(v_local, 1))))
 
 
-def _token_stats(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
+def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
                  chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
-                 want_entropy, extra_checks=None, token_grads=None) -> _TokenStats:
+                 want_entropy, extra_checks=None, token_grads=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
@@ -242,7 +242,7 @@ def _token_stats(fn_name, hidden, weight, labels, *, tp_group, vocab_size, tempe
         rows = full_hidden if row_index is None else full_hidden.index_select(0, row_index)
         merged = forward_stats(rows, weight, local_target, spec)
         target, lse, sum_logits, expected = merged.target, merged.lse, merged.sum_logits, merged.expected_logit
-    return _TokenStats(target, lse, sum_logits, expected, row_index, tuple(labels.shape), num_rows, anchor)
+    return TokenStats(target, lse, sum_logits, expected, row_index, tuple(labels.shape), num_rows, anchor)
 
 
 def linear_logprobs(
@@ -270,7 +270,7 @@ def linear_logprobs(
     a `main_grad` buffer the fp32 weight gradient is added into it directly and autograd receives a
     dummy zero gradient (as Megatron's own linear layers do).
     """
-    stats = _token_stats(
+    stats = token_statistics(
         "linear_logprobs", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
@@ -325,13 +325,13 @@ def linear_cross_entropy(
         if reduction == "mean" and not labels.dtype.is_floating_point:
             scale = 1.0 / max(int((labels != ignore_index).sum()), 1)
 
-        def token_grads(merged, start, end):
+        def token_grads(merged, positions):
             g_lse = merged.lse * (2.0 * z_weight * scale) + scale if z_weight else torch.full_like(merged.lse, scale)
             g_target = torch.full_like(merged.lse, -(1.0 - smoothing) * scale)
             g_sum = torch.full_like(merged.lse, -smoothing * scale / true_vocab) if smoothing > 0 else None
             return g_target, g_lse, g_sum, None
 
-    stats = _token_stats(
+    stats = token_statistics(
         "linear_cross_entropy", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,

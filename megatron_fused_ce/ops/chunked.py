@@ -218,8 +218,9 @@ class LinearLossGradInForward(torch.autograd.Function):
 
     Valid for a scalar loss whose gradient w.r.t. each token's statistics is known as soon as that
     token's chunk has been merged across TP ranks (cross-entropy, token-level GRPO ...).
-    `token_grads(merged_chunk, start, end)` returns (g_target, g_lse, g_sum_logits, g_expected)
-    for rows [start, end) under a unit upstream gradient (None = no dependence).
+    `token_grads(merged_chunk, positions)` returns (g_target, g_lse, g_sum_logits, g_expected)
+    for the chunk's tokens under a unit upstream gradient (None = no dependence); `positions` are
+    their flat indices into labels.reshape(-1).
 
     Outputs: (anchor, target, lse, sum_logits, expected_logit). The statistics are plain values;
     `anchor` is a zero scalar that carries the gradient: callers return `loss_value + anchor`, and
@@ -245,7 +246,9 @@ class LinearLossGradInForward(torch.autograd.Function):
                                          want_entropy=spec.want_entropy),
                 spec.tp_group)
             merged_chunks.append(merged)
-            coefs = coefficients(*token_grads(merged, start, end), merged.expected_logit, merged.lse)
+            positions = (row_index[start:end] if row_index is not None
+                         else torch.arange(start, end, device=rows.device))
+            coefs = coefficients(*token_grads(merged, positions), merged.expected_logit, merged.lse)
             if coefs is None:
                 coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
             dlogits = spec.backend.shard_dlogits_(
