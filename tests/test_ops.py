@@ -96,7 +96,7 @@ def check_against_reference(case, results, what_prefix=""):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("sp", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("ignored", [0.0, 0.5])
 def test_logprobs_match_dense_reference(tp, sp, dtype, ignored):
     if sp and tp == 1:
@@ -157,7 +157,7 @@ def _reference_ce(case, reduction, smoothing, z_loss, upstream):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cross_entropy_matches_dense_reference(tp, reduction, dtype):
     case = make_case(100 + tp, tp, dtype=dtype, sp=tp > 1 and reduction != "sum")
     smoothing, z_loss = 0.1, 1e-3

@@ -97,18 +97,28 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
     return reductions.merge_shard_stats(stats, spec.tp_group)
 
 
+_FP32_ADDMM_OK = None  # whether torch.addmm(..., out_dtype=float32, out=acc) works here (CUDA)
+
+
 def accumulate_matmul_(acc_fp32: Tensor, a: Tensor, b: Tensor) -> None:
     """acc_fp32 += a @ b with an fp32 accumulator whatever the input dtype.
 
     Low-precision weight-gradient accumulation across chunks drifts (axolotl #1601, Liger #827),
-    so each chunk's product is added in fp32. On CUDA cuBLAS writes the fp32 sum directly.
+    so each chunk's product is added in fp32. On CUDA cuBLAS adds the fp32 product in place
+    (addmm with out_dtype); elsewhere the chunk product is rounded to the input dtype first.
     """
+    global _FP32_ADDMM_OK
     if a.dtype == torch.float32:
         acc_fp32.addmm_(a, b)
-    elif acc_fp32.is_cuda:
-        torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32)
-    else:
-        acc_fp32.add_(torch.mm(a, b).float())
+        return
+    if acc_fp32.is_cuda and _FP32_ADDMM_OK is not False:
+        try:
+            torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32)
+            _FP32_ADDMM_OK = True
+            return
+        except (TypeError, RuntimeError):
+            _FP32_ADDMM_OK = False
+    acc_fp32.add_(torch.mm(a, b))
 
 
 def backward_grads(
