@@ -1,0 +1,58 @@
+"""Losses on per-token log-probs: SFT (NLL), DPO and the GRPO family (design.md §2.3 and §3).
+
+Pure functions of tensors, without collectives: they give the same result on log-probs from
+``linear_logprobs`` (no logits tensor) and on ``log_softmax`` of materialized logits. Each returns
+``(loss, metrics)`` with a 0-dim loss and a dict of detached 0-dim metrics.
+
+Data parallelism is handled through ``normalizer``: pass the global count (tokens, pairs or
+sequences, as each loss documents) and the per-rank gradients add up to the gradient of the whole
+batch; ``normalizer=1`` returns a plain sum (Megatron's ``calculate_per_token_loss``).
+
+    from megatron_fused_ce.losses import GRPOConfig, grpo_loss
+    config = GRPOConfig(loss_type="dapo", beta=0.0)
+    if config.needs_reference_logprobs: ...   # False: skip the reference pass
+    loss, metrics = grpo_loss(logprobs, advantages, mask, config, old_logprobs=old)
+"""
+
+from .dpo import DPO_LOSS_TYPES, dpo_loss
+from .grpo import (
+    GRPO_LOSS_TYPES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    IS_CORRECTIONS,
+    KL_ESTIMATORS,
+    PPO_CLIP_LOSS_TYPES,
+    GRPOConfig,
+    grpo_loss,
+)
+from .linear_grpo import linear_grpo_loss
+from .nll import masked_mean, masked_sum, nll_loss, safe_divide
+
+
+def needs_reference_logprobs(config: GRPOConfig) -> bool:
+    """Whether a trainer must run the reference-model log-prob pass for ``config`` (beta > 0)."""
+    return config.needs_reference_logprobs
+
+
+def needs_old_logprobs(config: GRPOConfig) -> bool:
+    """Whether a trainer should run the old-policy log-prob pass (not with force_on_policy_ratio)."""
+    return config.needs_old_logprobs
+
+
+__all__ = [
+    "nll_loss",
+    "dpo_loss",
+    "GRPOConfig",
+    "grpo_loss",
+    "linear_grpo_loss",
+    "needs_reference_logprobs",
+    "needs_old_logprobs",
+    "masked_sum",
+    "masked_mean",
+    "safe_divide",
+    "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
+    "PPO_CLIP_LOSS_TYPES",
+    "KL_ESTIMATORS",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "IS_CORRECTIONS",
+]

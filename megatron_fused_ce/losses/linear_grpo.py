@@ -1,0 +1,109 @@
+"""Fused GRPO: the GRPO-family loss straight from hidden states, gradients made in the forward pass.
+
+    linear_grpo_loss(hidden, weight, labels, advantages, mask, config, ...)
+        == grpo_loss(linear_logprobs(hidden, weight, labels, ...).logprobs, advantages, mask, config, ...)
+
+for values and gradients, at 3 GEMMs per chunk instead of 4 (no backward recompute of the logits).
+
+Why it is exact: with token-level importance ratios every GRPO variant here is a weighted sum of
+per-token terms, the weights depending only on the mask, so d loss / d lp_t depends on lp_t and
+constants alone. As soon as a chunk's log-probs are known (merged over TP ranks), `grpo_loss`
+itself is evaluated with autograd on a [B, T] buffer holding them and its gradient w.r.t. those
+tokens is read off; the chunk's dlogits, dX and dW follow at once. The loss value and metrics come
+from one final `grpo_loss` call on all log-probs. Reusing `grpo_loss` keeps one definition of
+every option.
+
+Not decomposable, hence computed with the recompute path (same result, 4 GEMMs): sequence-level
+ratios (GSPO), and sequence-level train/inference correction when the old log-probs are the
+policy's own (on-policy), since then rho of one token depends on the others' log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..ops.api import linear_logprobs, token_statistics
+from .grpo import GRPOConfig, grpo_loss
+from .nll import Normalizer
+
+
+def gradients_in_forward_apply(config: GRPOConfig, old_logprobs, sampling_logprobs) -> bool:
+    """Whether each token's loss gradient is known once its own log-prob is (see module doc)."""
+    if config.importance_sampling_level != "token":
+        return False
+    on_policy = old_logprobs is None or config.force_on_policy_ratio
+    sequence_correction = sampling_logprobs is not None and config.is_correction.startswith("sequence")
+    return not (sequence_correction and on_policy)
+
+
+def linear_grpo_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: GRPOConfig,
+    *,
+    tp_group=None,
+    vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    old_logprobs: Optional[Tensor] = None,
+    reference_logprobs: Optional[Tensor] = None,
+    sampling_logprobs: Optional[Tensor] = None,
+    normalizer: Optional[Normalizer] = None,
+    chunk_size: Optional[int] = None,
+    sequence_parallel: bool = False,
+    impl: str = "auto",
+    ignore_index: int = -100,
+    accumulate_into_main_grad: bool = False,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GRPO loss and metrics from hidden states (see the module doc and `grpo_loss`).
+
+    `mask`, `advantages` and the old / reference / sampling log-probs are [B, T] (advantages may be
+    [B]). `hidden` / `labels` are [B, T, H] / [B, T], or Megatron's sequence-first [T, B, H] /
+    [T, B] when `sequence_parallel=True` (hidden then being this rank's [T/TP, B, H] slice).
+    Tokens where mask == 0 are skipped before the first GEMM.
+    """
+    config.validate()
+    sequence_first = bool(sequence_parallel)
+    mask_in_label_layout = mask.t() if sequence_first else mask
+    if isinstance(labels, Tensor) and labels.shape == mask_in_label_layout.shape:
+        # masked tokens never reach the loss: drop their rows before any GEMM
+        labels = torch.where(mask_in_label_layout != 0, labels, torch.full_like(labels, ignore_index))
+    op_kwargs = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=temperature,
+                     ignore_index=ignore_index, chunk_size=chunk_size,
+                     sequence_parallel=sequence_parallel, impl=impl,
+                     accumulate_into_main_grad=accumulate_into_main_grad)
+    loss_kwargs = dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs,
+                       sampling_logprobs=sampling_logprobs, normalizer=normalizer)
+
+    def to_batch_layout(logprobs: Tensor) -> Tensor:
+        return logprobs.t() if sequence_first else logprobs
+
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if not needs_grad or not gradients_in_forward_apply(config, old_logprobs, sampling_logprobs):
+        logprobs = linear_logprobs(hidden, weight, labels, **op_kwargs).logprobs
+        return grpo_loss(to_batch_layout(logprobs), advantages, mask, config, **loss_kwargs)
+
+    batch, length = mask.shape
+    placeholder = torch.zeros(batch * length, dtype=torch.float32, device=hidden.device)
+
+    def token_grads(merged, positions):
+        if sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
+            positions = (positions % batch) * length + positions // batch
+        with torch.enable_grad():
+            chunk_logprobs = (merged.target - merged.lse).detach().requires_grad_()
+            logprobs = placeholder.index_put((positions,), chunk_logprobs).view(batch, length)
+            loss, _ = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs)
+            (grad,) = torch.autograd.grad(loss, chunk_logprobs)
+        return grad, -grad, None, None  # log p = target - lse
+
+    stats = token_statistics("linear_grpo_loss", hidden, weight, labels, **op_kwargs,
+                             want_sum_logits=False, want_entropy=False, token_grads=token_grads)
+    with torch.no_grad():
+        logprobs = to_batch_layout(stats.to_full(stats.target - stats.lse))
+        loss, metrics = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs)
+    return loss + stats.anchor, metrics

@@ -1,0 +1,747 @@
+"""Tests of megatron_fused_ce.losses against independent float64 per-token reference loops.
+
+The references below are written from design.md §3 token by token, with plain Python control
+flow (if/else instead of clamp/max/where), so they share no code with the vectorized losses.
+Values, gradients w.r.t. the log-probs and metrics are compared; gradcheck covers small cases.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_fused_ce.losses import (
+    DPO_LOSS_TYPES,
+    GRPO_LOSS_TYPES,
+    GRPOConfig,
+    dpo_loss,
+    grpo_loss,
+    needs_old_logprobs,
+    needs_reference_logprobs,
+    nll_loss,
+)
+
+F64 = torch.float64
+
+
+def const(x) -> torch.Tensor:
+    return torch.tensor(float(x), dtype=F64)
+
+
+def zero() -> torch.Tensor:
+    return torch.zeros((), dtype=F64)
+
+
+# ---- test data ---------------------------------------------------------------------------------
+
+
+def make_batch(batch=8, length=6, seed=0, float_mask=False, token_advantages=False, garbage=True):
+    """Random log-probs with spread-out ratios (so every clip branch is hit), an empty sequence
+    (row 2), and NaN/-inf garbage at masked positions (which must never leak into anything)."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = -(torch.rand(batch, length, generator=gen, dtype=F64) * 2.0 + 0.05)
+    valid = torch.rand(batch, length, generator=gen) < 0.75
+    valid[2] = False
+    valid[0, 0] = True
+    mask = valid.to(F64)
+    if float_mask:
+        mask = mask * (0.5 + torch.rand(batch, length, generator=gen, dtype=F64))
+    old = lp + 0.6 * torch.randn(batch, length, generator=gen, dtype=F64)
+    ref = lp + 0.5 * torch.randn(batch, length, generator=gen, dtype=F64)
+    sampling = old + 0.3 * torch.randn(batch, length, generator=gen, dtype=F64)
+    entropy = torch.rand(batch, length, generator=gen, dtype=F64) * 3
+    adv_shape = (batch, length) if token_advantages else (batch,)
+    adv = torch.randn(*adv_shape, generator=gen, dtype=F64)
+    if garbage:
+        lp = lp.masked_fill(~valid, float("-inf"))
+        for t in (old, ref, sampling, entropy):
+            t.masked_fill_(~valid, float("nan"))
+    return dict(lp=lp, mask=mask, old=old, ref=ref, sampling=sampling, entropy=entropy, adv=adv)
+
+
+# ---- independent reference implementations ------------------------------------------------------
+
+
+def ref_nll(lp, mask, normalizer=None):
+    total, count = zero(), 0.0
+    for i in range(lp.shape[0]):
+        for t in range(lp.shape[1]):
+            w = float(mask[i, t])
+            if w != 0:
+                total = total - w * lp[i, t]
+                count += w
+    n = count if normalizer is None else float(normalizer)
+    return total / n if n != 0 else total * 0.0
+
+
+def ref_log_sigmoid(x):
+    # log σ(x) = -log(1 + e^{-x}), written differently from F.logsigmoid on purpose
+    return -torch.log1p(torch.exp(-x)) if x.item() >= 0 else x - torch.log1p(torch.exp(x))
+
+
+def ref_dpo(lp, ref, mask, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, average_log_probs=False,
+            sft_weight=0.0, preference_weight=1.0, normalizer=None, sft_normalizer=None):
+    def score(x, i):
+        s, n = zero(), 0.0
+        for t in range(x.shape[1]):
+            w = float(mask[i, t])
+            if w != 0:
+                s = s + w * x[i, t]
+                n += w
+        if average_log_probs:
+            return s / n if n else s * 0.0
+        return s
+
+    pairs = lp.shape[0] // 2
+    total, rc, rr = zero(), [], []
+    for p in range(pairs):
+        c, r = 2 * p, 2 * p + 1
+        chosen = score(lp, c) - score(ref, c)
+        rejected = score(lp, r) - score(ref, r)
+        h = chosen - rejected
+        if loss_type == "sigmoid":
+            loss_p = (-(1 - label_smoothing) * ref_log_sigmoid(beta * h)
+                      - label_smoothing * ref_log_sigmoid(-beta * h))
+        elif loss_type == "ipo":
+            loss_p = (h - 1.0 / (2 * beta)) ** 2
+        else:
+            loss_p = 1 - beta * h if (1 - beta * h).item() > 0 else zero()
+        total = total + loss_p
+        rc.append(beta * chosen.item())
+        rr.append(beta * rejected.item())
+    n_p = pairs if normalizer is None else normalizer
+    preference = total / n_p
+    sft = ref_nll(lp[0::2], mask[0::2], sft_normalizer)
+    loss = preference_weight * preference + sft_weight * sft
+    metrics = dict(preference_loss=preference.item(), sft_loss=sft.item(),
+                   rewards_chosen=sum(rc) / pairs, rewards_rejected=sum(rr) / pairs,
+                   reward_margin=sum(a - b for a, b in zip(rc, rr)) / pairs,
+                   accuracy=sum(a > b for a, b in zip(rc, rr)) / pairs)
+    return loss, metrics
+
+
+def ref_grpo(lp, adv, mask, cfg: GRPOConfig, old=None, ref=None, sampling=None, normalizer=None):
+    """design.md §3, one token at a time. Returns (loss, pg_loss, kl_loss, metrics)."""
+    batch, length = lp.shape
+    on_policy = old is None or cfg.force_on_policy_ratio
+    lo_clip, hi_clip = 1 - cfg.epsilon_low, 1 + cfg.epsilon_high
+    use_is = sampling is not None and cfg.is_correction != "none"
+    ppo = cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo")
+
+    def old_at(i, t):
+        return lp[i, t].detach() if on_policy else old[i, t]
+
+    pg, kl = {}, {}
+    stats = dict(w=[], r=[], low=[], high=[], dual=[], rho_raw=[], rho_changed=[], mult_err=[])
+    for i in range(batch):
+        toks = [t for t in range(length) if float(mask[i, t]) != 0]
+        w = {t: float(mask[i, t]) for t in toks}
+        if toks and cfg.importance_sampling_level == "sequence":
+            seq_ratio = torch.exp(sum(w[t] * (lp[i, t] - old_at(i, t)) for t in toks) / sum(w.values()))
+        if use_is:
+            seq_log_rho = sum(w[t] * (old_at(i, t).item() - sampling[i, t].item()) for t in toks)
+        for t in toks:
+            a = float(adv[i]) if adv.dim() == 1 else float(adv[i, t])
+            if cfg.importance_sampling_level == "token":
+                r = torch.exp(lp[i, t] - old_at(i, t))
+            else:
+                r = seq_ratio
+            rv = r.item()
+            dual = False
+            if ppo:
+                r_unclipped = const(cfg.delta) if cfg.delta is not None and rv > cfg.delta else r
+                r_clipped = const(lo_clip) if rv < lo_clip else (const(hi_clip) if rv > hi_clip else r)
+                b1, b2 = -a * r_unclipped, -a * r_clipped
+                loss_t = b1 if b1.item() >= b2.item() else b2
+                if cfg.dual_clip_c is not None and a < 0 and loss_t.item() > -a * cfg.dual_clip_c:
+                    loss_t = const(-a * cfg.dual_clip_c)
+                    dual = True
+                low, high = rv < lo_clip and a < 0, rv > hi_clip and a > 0
+            elif cfg.loss_type == "cispo":
+                loss_t = -a * min(rv, cfg.cispo_max_ratio) * lp[i, t]
+                low, high = False, rv > cfg.cispo_max_ratio
+            else:  # sapo
+                tau = cfg.sapo_temperature_pos if a > 0 else cfg.sapo_temperature_neg
+                loss_t = -a * (1.0 / (1.0 + torch.exp(-tau * (r - 1.0)))) * 4.0 / tau
+                low = high = False
+            if use_is:
+                log_rho = (seq_log_rho if cfg.is_correction.startswith("sequence")
+                           else old_at(i, t).item() - sampling[i, t].item())
+                rho_raw = math.exp(log_rho)
+                lo, hi = cfg.is_clip_min, cfg.is_clip_max
+                if cfg.is_correction.endswith("truncate"):
+                    rho = min(rho_raw, hi)
+                    if lo is not None:
+                        rho = max(rho, lo)
+                else:
+                    inside = (lo is None or rho_raw >= lo) and (hi is None or rho_raw <= hi)
+                    rho = rho_raw if inside else 0.0
+                loss_t = loss_t * rho
+                stats["rho_raw"].append(rho_raw)
+                stats["rho_changed"].append(rho != rho_raw)
+            if sampling is not None:
+                stats["mult_err"].append(math.exp(abs(sampling[i, t].item() - old_at(i, t).item())))
+            pg[i, t] = loss_t
+            if cfg.beta > 0:
+                d = ref[i, t] - lp[i, t]
+                c_in = cfg.kl_input_clamp
+                if c_in is not None and d.item() > c_in:
+                    d = const(c_in)
+                elif c_in is not None and d.item() < -c_in:
+                    d = const(-c_in)
+                if cfg.kl_estimator == "k1":
+                    k = -d
+                elif cfg.kl_estimator == "k2":
+                    k = d * d / 2
+                else:
+                    k = torch.exp(d) - 1 - d
+                c_out = cfg.kl_output_clamp
+                if c_out is not None and k.item() > c_out:
+                    k = const(c_out)
+                elif c_out is not None and k.item() < -c_out:
+                    k = const(-c_out)
+                if cfg.use_bias_correction_kl:
+                    k = k * r
+                kl[i, t] = k
+            for key, val in (("w", w[t]), ("r", rv), ("low", low), ("high", high), ("dual", dual)):
+                stats[key].append(val)
+
+    def reduce(values):
+        if cfg.loss_type == "grpo":
+            total = zero()
+            for i in range(batch):
+                toks = [t for t in range(length) if (i, t) in values]
+                if toks:
+                    wsum = sum(float(mask[i, t]) for t in toks)
+                    total = total + sum(float(mask[i, t]) * values[i, t] for t in toks) / wsum
+            return total / (batch if normalizer is None else normalizer)
+        total = sum((float(mask[i, t]) * v for (i, t), v in values.items()), zero())
+        if cfg.loss_type == "dr_grpo":
+            return total / ((batch if normalizer is None else normalizer) * cfg.max_completion_length)
+        n = float(mask.sum()) if normalizer is None else normalizer
+        return total / n if n else total * 0.0
+
+    pg_loss = reduce(pg)
+    kl_loss = reduce(kl) if cfg.beta > 0 else zero()
+    loss = pg_loss + cfg.beta * kl_loss
+
+    wsum = sum(stats["w"])
+
+    def wmean(vals):
+        return sum(w * float(v) for w, v in zip(stats["w"], vals)) / wsum if wsum else 0.0
+
+    metrics = dict(loss=loss.item(), pg_loss=pg_loss.item(), kl=kl_loss.item(),
+                   ratio_mean=wmean(stats["r"]), ratio_min=min(stats["r"], default=0.0),
+                   ratio_max=max(stats["r"], default=0.0), clip_ratio_low=wmean(stats["low"]),
+                   clip_ratio_high=wmean(stats["high"]),
+                   clip_ratio=wmean([a or b for a, b in zip(stats["low"], stats["high"])]))
+    if cfg.dual_clip_c is not None:
+        metrics["dual_clip_ratio"] = wmean(stats["dual"])
+    if use_is:
+        rho_raw = stats["rho_raw"]
+        metrics.update(is_ratio_mean=wmean(rho_raw), is_ratio_min=min(rho_raw, default=0.0),
+                       is_ratio_max=max(rho_raw, default=0.0), is_clip_ratio=wmean(stats["rho_changed"]))
+    if sampling is not None:
+        metrics["token_mult_prob_error"] = wmean(stats["mult_err"])
+    return loss, pg_loss, kl_loss, metrics
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def grad_of(fn, lp):
+    x = lp.detach().clone().requires_grad_(True)
+    loss = fn(x)
+    (g,) = torch.autograd.grad(loss, x, allow_unused=True)
+    return loss.detach(), (torch.zeros_like(x) if g is None else g)
+
+
+def assert_close(actual, expected, what=""):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=F64), torch.as_tensor(expected, dtype=F64),
+                               rtol=1e-9, atol=1e-11, msg=lambda m: f"{what}: {m}")
+
+
+def grpo_inputs(data, inputs):
+    """Keyword tensors for grpo_loss from a case's input flags."""
+    kwargs = {}
+    if inputs.get("old", True):
+        kwargs["old_logprobs"] = data["old"]
+    if inputs.get("ref", False):
+        kwargs["reference_logprobs"] = data["ref"]
+    if inputs.get("sampling", False):
+        kwargs["sampling_logprobs"] = data["sampling"]
+    if "normalizer" in inputs:
+        kwargs["normalizer"] = inputs["normalizer"]
+    return kwargs
+
+
+def call_ref_grpo(x, data, cfg, kwargs):
+    return ref_grpo(x, data["adv"], data["mask"], cfg, old=kwargs.get("old_logprobs"),
+                    ref=kwargs.get("reference_logprobs"), sampling=kwargs.get("sampling_logprobs"),
+                    normalizer=kwargs.get("normalizer"))
+
+
+# ---- NLL -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("float_mask", [False, True])
+@pytest.mark.parametrize("normalizer", [None, 1, 23.0])
+def test_nll_matches_reference(float_mask, normalizer):
+    data = make_batch(float_mask=float_mask)
+    loss, grad = grad_of(lambda x: nll_loss(x, data["mask"], normalizer=normalizer)[0], data["lp"])
+    ref_loss, ref_grad = grad_of(lambda x: ref_nll(x, data["mask"], normalizer), data["lp"])
+    assert_close(loss, ref_loss, "loss")
+    assert_close(grad, ref_grad, "grad")
+    _, metrics = nll_loss(data["lp"], data["mask"] > 0)  # bool mask
+    assert_close(metrics["num_tokens"], (data["mask"] > 0).sum(), "num_tokens")
+
+
+# ---- DPO -----------------------------------------------------------------------------------------
+
+DPO_CASES = {
+    "sigmoid": dict(),
+    "sigmoid_label_smoothing": dict(label_smoothing=0.2),
+    "sigmoid_beta": dict(beta=0.5),
+    "ipo": dict(loss_type="ipo"),
+    "ipo_average": dict(loss_type="ipo", average_log_probs=True, beta=0.3),
+    "hinge": dict(loss_type="hinge", beta=0.5),
+    "sigmoid_average": dict(average_log_probs=True, beta=2.0),
+    "sft_and_weights": dict(sft_weight=0.5, preference_weight=0.7),
+    "normalizers": dict(normalizer=7, sft_normalizer=31.0, sft_weight=0.3),
+}
+
+
+@pytest.mark.parametrize("float_mask", [False, True])
+@pytest.mark.parametrize("case", list(DPO_CASES))
+def test_dpo_matches_reference(case, float_mask):
+    kwargs = DPO_CASES[case]
+    data = make_batch(batch=8, float_mask=float_mask, seed=3)
+    ref_lp = data["ref"]
+    loss, grad = grad_of(lambda x: dpo_loss(x, ref_lp, data["mask"], **kwargs)[0], data["lp"])
+    ref_loss, ref_grad = grad_of(lambda x: ref_dpo(x, ref_lp, data["mask"], **kwargs)[0], data["lp"])
+    assert_close(loss, ref_loss, "loss")
+    assert_close(grad, ref_grad, "grad")
+    _, metrics = dpo_loss(data["lp"], ref_lp, data["mask"], **kwargs)
+    _, ref_metrics = ref_dpo(data["lp"], ref_lp, data["mask"], **kwargs)
+    for name, value in ref_metrics.items():
+        assert_close(metrics[name], value, name)
+    assert_close(metrics["loss"], ref_loss, "metrics.loss")
+
+
+def test_dpo_hinge_is_active_and_inactive():
+    """The fixture puts hinge pairs on both sides of the kink (so both branches are tested)."""
+    data = make_batch(batch=8, seed=3)
+    scores = ((data["lp"] - data["ref"]).nan_to_num(0, 0, 0) * data["mask"]).sum(-1)
+    margins = torch.stack([scores[2 * p] - scores[2 * p + 1] for p in range(4)])
+    beta = DPO_CASES["hinge"]["beta"]
+    assert (1 - beta * margins > 0).any() and (1 - beta * margins < 0).any()
+
+
+# ---- GRPO: every loss type and option against the reference loops -------------------------------
+
+L = 9  # max_completion_length for dr_grpo (> T)
+GRPO_CASES = {
+    # every loss type with its defaults
+    **{lt: (dict(loss_type=lt, max_completion_length=L), dict()) for lt in GRPO_LOSS_TYPES},
+    # PPO-clip options
+    "dapo_asymmetric_clip": (dict(epsilon_low=0.1, epsilon_high=0.28), dict()),
+    "dapo_delta": (dict(delta=1.5), dict()),
+    "dapo_dual_clip": (dict(dual_clip_c=1.3), dict()),
+    "grpo_delta_dual_clip": (dict(loss_type="grpo", delta=1.6, dual_clip_c=1.4), dict()),
+    "dr_grpo_dual_clip": (dict(loss_type="dr_grpo", max_completion_length=L, dual_clip_c=2.0), dict()),
+    "cispo_low_max_ratio": (dict(loss_type="cispo", cispo_max_ratio=1.2), dict()),
+    "sapo_temperatures": (dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0), dict()),
+    # KL estimators and clamps
+    "kl_k1": (dict(beta=0.1, kl_estimator="k1"), dict(ref=True)),
+    "kl_k2": (dict(beta=0.1, kl_estimator="k2"), dict(ref=True)),
+    "kl_k3": (dict(beta=0.1, kl_estimator="k3"), dict(ref=True)),
+    "kl_input_clamp": (dict(beta=0.2, kl_estimator="k1", kl_input_clamp=0.3), dict(ref=True)),
+    "kl_output_clamp": (dict(beta=0.2, kl_estimator="k3", kl_output_clamp=0.05), dict(ref=True)),
+    "kl_no_clamps": (dict(beta=0.2, kl_estimator="k2", kl_input_clamp=None, kl_output_clamp=None),
+                     dict(ref=True)),
+    "kl_bias_correction": (dict(beta=0.3, use_bias_correction_kl=True), dict(ref=True)),
+    "grpo_kl_bias_correction": (dict(loss_type="grpo", beta=0.3, kl_estimator="k2",
+                                     use_bias_correction_kl=True), dict(ref=True)),
+    "sapo_kl": (dict(loss_type="sapo", beta=0.1), dict(ref=True)),
+    "cispo_kl": (dict(loss_type="cispo", beta=0.1, kl_estimator="k1"), dict(ref=True)),
+    # train/inference importance-sampling correction
+    "is_token_truncate": (dict(is_correction="token_truncate", is_clip_max=1.2), dict(sampling=True)),
+    "is_token_truncate_min": (dict(is_correction="token_truncate", is_clip_min=0.8, is_clip_max=1.2),
+                              dict(sampling=True)),
+    "is_token_mask": (dict(is_correction="token_mask", is_clip_min=0.7, is_clip_max=1.4),
+                      dict(sampling=True)),
+    "is_token_mask_max_only": (dict(is_correction="token_mask", is_clip_max=1.3), dict(sampling=True)),
+    "is_sequence_truncate": (dict(is_correction="sequence_truncate", is_clip_min=0.5, is_clip_max=1.5),
+                             dict(sampling=True)),
+    "is_sequence_mask": (dict(is_correction="sequence_mask", is_clip_min=0.5, is_clip_max=2.0),
+                         dict(sampling=True)),
+    "is_with_kl": (dict(beta=0.2, is_correction="token_truncate", is_clip_max=1.1),
+                   dict(ref=True, sampling=True)),
+    "is_cispo": (dict(loss_type="cispo", is_correction="token_mask", is_clip_min=0.8, is_clip_max=1.25),
+                 dict(sampling=True)),
+    "is_none_with_sampling": (dict(), dict(sampling=True)),
+    # old log-probs
+    "on_policy_no_old": (dict(), dict(old=False)),
+    "force_on_policy_ratio": (dict(force_on_policy_ratio=True), dict()),
+    "force_on_policy_is": (dict(force_on_policy_ratio=True, is_correction="token_truncate", is_clip_max=1.2),
+                           dict(sampling=True)),
+    # normalizers
+    "dapo_normalizer": (dict(), dict(normalizer=57.0)),
+    "bnpo_normalizer_tensor": (dict(loss_type="bnpo"), dict(normalizer=torch.tensor(41))),
+    "grpo_normalizer": (dict(loss_type="grpo"), dict(normalizer=13)),
+    "dr_grpo_normalizer": (dict(loss_type="dr_grpo", max_completion_length=L), dict(normalizer=11)),
+    # everything at once
+    "everything": (dict(loss_type="grpo", delta=1.7, dual_clip_c=1.5, beta=0.05, kl_estimator="k3",
+                        use_bias_correction_kl=True, is_correction="sequence_mask", is_clip_min=0.3,
+                        is_clip_max=3.0, epsilon_high=0.28),
+                   dict(ref=True, sampling=True, normalizer=10)),
+}
+
+
+@pytest.mark.parametrize("advantages", ["seq", "token"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_grpo_matches_reference(case, level, advantages):
+    cfg_kwargs, inputs = GRPO_CASES[case]
+    cfg = GRPOConfig(importance_sampling_level=level, **cfg_kwargs)
+    data = make_batch(seed=7, token_advantages=advantages == "token", float_mask=advantages == "token")
+    kwargs = grpo_inputs(data, inputs)
+
+    loss, grad = grad_of(lambda x: grpo_loss(x, data["adv"], data["mask"], cfg, **kwargs)[0], data["lp"])
+    ref_loss, ref_grad = grad_of(lambda x: call_ref_grpo(x, data, cfg, kwargs)[0], data["lp"])
+    assert_close(loss, ref_loss, "loss")
+    assert_close(grad, ref_grad, "grad")
+    assert torch.isfinite(grad).all() and (grad[data["mask"] == 0] == 0).all()
+
+    _, metrics = grpo_loss(data["lp"], data["adv"], data["mask"], cfg, entropy=data["entropy"], **kwargs)
+    _, _, _, ref_metrics = call_ref_grpo(data["lp"], data, cfg, kwargs)
+    assert set(ref_metrics) | {"entropy"} == set(metrics), "metric names"
+    for name, value in ref_metrics.items():
+        assert_close(metrics[name], value, name)
+    w = data["mask"]
+    assert_close(metrics["entropy"], (data["entropy"].nan_to_num(0) * w).sum() / w.sum(), "entropy")
+    assert_close(metrics["loss"], metrics["pg_loss"] + cfg.beta * metrics["kl"], "loss = pg + beta*kl")
+    for name, value in metrics.items():
+        assert value.dim() == 0 and not value.requires_grad and torch.isfinite(value), name
+
+
+def test_fixture_exercises_every_branch():
+    """Guard against a vacuous parity test: on the fixture every clip / clamp / mask is active
+    for some tokens and inactive for others."""
+    data = make_batch(seed=7)
+    kw = dict(old_logprobs=data["old"], sampling_logprobs=data["sampling"], reference_logprobs=data["ref"])
+
+    def metric(name, **cfg):
+        return float(grpo_loss(data["lp"], data["adv"], data["mask"], GRPOConfig(**cfg), **kw)[1][name])
+
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        assert 0 < metric(name) < 1, name
+    assert 0 < metric("dual_clip_ratio", dual_clip_c=1.3) < 1
+    assert 0 < metric("clip_ratio_high", loss_type="cispo", cispo_max_ratio=1.2) < 1
+    for mode, lo, hi in [("token_truncate", 0.8, 1.2), ("token_mask", 0.7, 1.4),
+                         ("sequence_truncate", 0.5, 1.5), ("sequence_mask", 0.5, 2.0)]:
+        assert 0 < metric("is_clip_ratio", is_correction=mode, is_clip_min=lo, is_clip_max=hi) < 1, mode
+    # delta binds where A < 0 and r > delta; input / output KL clamps bind on some tokens
+    valid = data["mask"] > 0
+    ratio = torch.exp(data["lp"] - data["old"])[valid]
+    adv = data["adv"][:, None].expand_as(data["lp"])[valid]
+    assert ((ratio > 1.5) & (adv < 0)).any() and ((ratio < 1.5) & (adv < 0)).any()
+    d = (data["ref"] - data["lp"])[valid]
+    assert (d.abs() > 0.3).any() and (d.abs() < 0.3).any()
+    k3 = torch.exp(d) - 1 - d
+    assert (k3 > 0.05).any() and (k3 < 0.05).any()
+
+
+def test_grpo_zero_length_sequence_gets_ratio_one():
+    data = make_batch(seed=7)
+    mask = data["mask"].clone()
+    mask[:, :] = 0
+    mask[0, 0] = 1  # only one token in the batch
+    cfg = GRPOConfig(importance_sampling_level="sequence")
+    _, metrics = grpo_loss(data["lp"], data["adv"], mask, cfg, old_logprobs=data["old"])
+    expected = torch.exp(data["lp"][0, 0] - data["old"][0, 0])
+    assert_close(metrics["ratio_mean"], expected, "ratio of the only token")
+
+
+# ---- gradcheck -------------------------------------------------------------------------------------
+
+GRADCHECK_GRPO = [
+    dict(loss_type="dapo", beta=0.1, is_correction="token_truncate", is_clip_max=1.2),
+    dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5, dual_clip_c=1.3),
+    dict(loss_type="dr_grpo", max_completion_length=5, beta=0.2, kl_estimator="k2"),
+    dict(loss_type="bnpo", is_correction="sequence_mask", is_clip_max=3.0, beta=0.1, kl_estimator="k1"),
+    dict(loss_type="sapo", beta=0.1, use_bias_correction_kl=True),
+    dict(loss_type="sapo", importance_sampling_level="sequence"),
+]
+
+
+def _small(seed):
+    data = make_batch(batch=4, length=3, seed=seed, float_mask=True, garbage=False)
+    data["mask"][2] = 0.0
+    data["mask"][0, 0] = 1.0
+    return data
+
+
+@pytest.mark.parametrize("cfg_kwargs", GRADCHECK_GRPO, ids=lambda c: c["loss_type"])
+def test_grpo_gradcheck(cfg_kwargs):
+    # cispo is left out on purpose: its stop-gradient makes the analytic gradient differ from the
+    # finite differences by design (its gradient is checked against the reference loops above).
+    # old_logprobs are always passed: with old = lp.detach() the finite differences would move old.
+    data = _small(seed=1)
+    cfg = GRPOConfig(**cfg_kwargs)
+    kw = dict(old_logprobs=data["old"], reference_logprobs=data["ref"], sampling_logprobs=data["sampling"])
+    x = data["lp"].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda lp: grpo_loss(lp, data["adv"], data["mask"], cfg, **kw)[0], (x,))
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(loss_type="ipo", average_log_probs=True),
+                                    dict(loss_type="hinge", beta=0.5),
+                                    dict(label_smoothing=0.1, sft_weight=0.5)], ids=str)
+def test_dpo_gradcheck(kwargs):
+    data = _small(seed=2)
+    x = data["lp"].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda lp: dpo_loss(lp, data["ref"], data["mask"], **kwargs)[0], (x,))
+
+
+def test_nll_gradcheck():
+    data = _small(seed=3)
+    x = data["lp"].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda lp: nll_loss(lp, data["mask"])[0], (x,))
+
+
+# ---- normalizer semantics across simulated data-parallel ranks -------------------------------------
+
+RANK_ROWS = [slice(0, 2), slice(2, 8)]  # unequal numbers of sequences and tokens per rank
+
+
+def _split_grads(fn, lp):
+    """Sum of per-rank losses and the concatenated per-rank gradients."""
+    total, grads = 0.0, []
+    for rows in RANK_ROWS:
+        loss, grad = grad_of(lambda x: fn(x, rows), lp[rows])
+        total += float(loss)
+        grads.append(grad)
+    return total, torch.cat(grads)
+
+
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+def test_grpo_global_normalizer_matches_whole_batch(loss_type):
+    data = make_batch(seed=11)
+    mask = data["mask"]
+    assert mask[RANK_ROWS[0]].sum() != mask[RANK_ROWS[1]].sum()
+    cfg = GRPOConfig(loss_type=loss_type, max_completion_length=L, beta=0.1,
+                     is_correction="token_truncate", is_clip_max=1.3)
+    normalizer = mask.shape[0] if cfg.normalizer_unit == "sequences" else mask.sum()
+
+    def loss_fn(x, rows, norm):
+        return grpo_loss(x, data["adv"][rows], mask[rows], cfg, old_logprobs=data["old"][rows],
+                         reference_logprobs=data["ref"][rows], sampling_logprobs=data["sampling"][rows],
+                         normalizer=norm)[0]
+
+    whole_loss, whole_grad = grad_of(lambda x: loss_fn(x, slice(None), None), data["lp"])
+    split_loss, split_grad = _split_grads(lambda x, rows: loss_fn(x, rows, normalizer), data["lp"])
+    assert_close(split_loss, whole_loss, "summed loss")
+    assert_close(split_grad, whole_grad, "gradients")
+    if loss_type in ("dapo", "grpo"):  # the local default normalizer would not add up
+        local_loss, _ = _split_grads(lambda x, rows: loss_fn(x, rows, None), data["lp"])
+        assert abs(local_loss - float(whole_loss)) > 1e-3
+
+
+def test_nll_and_dpo_global_normalizer_match_whole_batch():
+    data = make_batch(seed=12)
+    mask, lp, ref = data["mask"], data["lp"], data["ref"]
+    whole, whole_grad = grad_of(lambda x: nll_loss(x, mask)[0], lp)
+    split, split_grad = _split_grads(lambda x, rows: nll_loss(x, mask[rows], normalizer=mask.sum())[0], lp)
+    assert_close(split, whole, "nll loss")
+    assert_close(split_grad, whole_grad, "nll grad")
+
+    kw = dict(sft_weight=0.4, beta=0.2)
+    whole, whole_grad = grad_of(lambda x: dpo_loss(x, ref, mask, **kw)[0], lp)
+    split, split_grad = _split_grads(
+        lambda x, rows: dpo_loss(x, ref[rows], mask[rows], normalizer=4, sft_normalizer=mask[0::2].sum(),
+                                 **kw)[0], lp)
+    assert_close(split, whole, "dpo loss")
+    assert_close(split_grad, whole_grad, "dpo grad")
+
+
+# ---- edge cases ------------------------------------------------------------------------------------
+
+
+EMPTY_GRPO = [dict(loss_type=lt, max_completion_length=L) for lt in GRPO_LOSS_TYPES] + [
+    dict(importance_sampling_level="sequence", beta=0.1, use_bias_correction_kl=True,
+         is_correction="sequence_mask", is_clip_min=0.5, is_clip_max=2.0),
+    dict(loss_type="grpo", dual_clip_c=2.0, is_correction="token_truncate", is_clip_max=2.0),
+]
+
+
+@pytest.mark.parametrize("cfg_kwargs", EMPTY_GRPO, ids=str)
+def test_zero_valid_tokens_give_zero_loss_and_grads(cfg_kwargs):
+    data = make_batch(seed=5)
+    mask = torch.zeros_like(data["mask"])
+    lp = data["lp"].nan_to_num(neginf=-1.0)
+    cfg = GRPOConfig(**cfg_kwargs)
+    kw = dict(old_logprobs=data["old"], reference_logprobs=data["ref"], sampling_logprobs=data["sampling"],
+              entropy=data["entropy"])
+    loss, grad = grad_of(lambda x: grpo_loss(x, data["adv"], mask, cfg, **kw)[0], lp)
+    assert float(loss) == 0.0 and (grad == 0).all()
+    _, metrics = grpo_loss(lp, data["adv"], mask, cfg, **kw)
+    for name, value in metrics.items():
+        assert float(value) == 0.0, name
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_zero_valid_tokens_nll_dpo(mask_dtype):
+    data = make_batch(seed=5)
+    mask = torch.zeros(data["lp"].shape, dtype=mask_dtype)
+    for fn in (lambda x: nll_loss(x, mask)[0],
+               lambda x: dpo_loss(x, data["ref"], mask, sft_weight=1.0, average_log_probs=True)[0]):
+        loss, grad = grad_of(fn, data["lp"])
+        assert torch.isfinite(loss) and (grad == 0).all()
+    loss, grad = grad_of(lambda x: nll_loss(x, mask, normalizer=0)[0], data["lp"])
+    assert float(loss) == 0.0 and (grad == 0).all()
+
+
+def test_empty_batch():
+    lp = torch.zeros(0, 4, dtype=F64, requires_grad=True)
+    loss, metrics = grpo_loss(lp, torch.zeros(0, dtype=F64), torch.zeros(0, 4), GRPOConfig(loss_type="grpo"))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
+    loss, _ = dpo_loss(lp, lp.detach(), torch.zeros(0, 4))
+    assert float(loss.detach()) == 0.0
+
+
+def test_float32_and_bool_mask():
+    data = make_batch(seed=9, garbage=False)
+    lp32 = data["lp"].float()
+    cfg = GRPOConfig(beta=0.1)
+    loss32, m32 = grpo_loss(lp32, data["adv"].float(), data["mask"] > 0, cfg,
+                            old_logprobs=data["old"].float(), reference_logprobs=data["ref"].float())
+    loss64, _ = grpo_loss(data["lp"], data["adv"], data["mask"], cfg, old_logprobs=data["old"],
+                          reference_logprobs=data["ref"])
+    assert loss32.dtype == torch.float32 and m32["ratio_mean"].dtype == torch.float32
+    torch.testing.assert_close(loss32.double(), loss64, rtol=1e-5, atol=1e-6)
+
+
+# ---- which passes can be skipped; config validation ------------------------------------------------
+
+
+def test_reference_logprobs_only_needed_with_kl():
+    data = make_batch(seed=4)
+    cfg = GRPOConfig(beta=0.0)
+    assert not cfg.needs_reference_logprobs and not needs_reference_logprobs(cfg)
+    assert GRPOConfig(beta=0.01).needs_reference_logprobs
+    # beta == 0: reference log-probs are never read, even when they are garbage
+    kw = dict(old_logprobs=data["old"])
+    plain, _ = grpo_loss(data["lp"], data["adv"], data["mask"], cfg, **kw)
+    poisoned = torch.full_like(data["lp"], float("nan"))
+    with_ref, metrics = grpo_loss(data["lp"], data["adv"], data["mask"], cfg, reference_logprobs=poisoned,
+                                  **kw)
+    assert_close(with_ref, plain, "beta=0 ignores reference")
+    assert float(metrics["kl"]) == 0.0
+    with pytest.raises(ValueError, match="reference_logprobs"):
+        grpo_loss(data["lp"], data["adv"], data["mask"], GRPOConfig(beta=0.1), **kw)
+
+
+def test_force_on_policy_ratio_skips_old_logprobs():
+    data = make_batch(seed=4)
+    cfg = GRPOConfig(force_on_policy_ratio=True)
+    assert not cfg.needs_old_logprobs and not needs_old_logprobs(cfg)
+    assert GRPOConfig().needs_old_logprobs
+    with_old = grad_of(lambda x: grpo_loss(x, data["adv"], data["mask"], cfg, old_logprobs=data["old"])[0],
+                       data["lp"])
+    without = grad_of(lambda x: grpo_loss(x, data["adv"], data["mask"], cfg)[0], data["lp"])
+    assert_close(with_old[0], without[0], "loss")
+    assert_close(with_old[1], without[1], "grad")
+    _, metrics = grpo_loss(data["lp"], data["adv"], data["mask"], cfg, old_logprobs=data["old"])
+    assert float(metrics["ratio_min"]) == float(metrics["ratio_max"]) == 1.0
+
+
+def test_is_correction_needs_sampling_logprobs_to_apply():
+    """Per §3 the correction applies only when sampling log-probs are passed."""
+    data = make_batch(seed=4)
+    cfg = GRPOConfig(is_correction="token_mask", is_clip_max=1.1)
+    assert cfg.needs_sampling_logprobs and not GRPOConfig().needs_sampling_logprobs
+    loss, metrics = grpo_loss(data["lp"], data["adv"], data["mask"], cfg, old_logprobs=data["old"])
+    plain, _ = grpo_loss(data["lp"], data["adv"], data["mask"], GRPOConfig(), old_logprobs=data["old"])
+    assert_close(loss, plain, "no sampling log-probs: no correction")
+    assert "is_ratio_mean" not in metrics and "token_mult_prob_error" not in metrics
+
+
+def test_normalizer_unit():
+    assert GRPOConfig(loss_type="grpo").normalizer_unit == "sequences"
+    assert GRPOConfig(loss_type="dr_grpo", max_completion_length=4).normalizer_unit == "sequences"
+    for lt in ("dapo", "bnpo", "cispo", "sapo"):
+        assert GRPOConfig(loss_type=lt).normalizer_unit == "tokens"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(loss_type="ppo"), "loss_type"),
+    (dict(dual_clip_c=1.0), "dual_clip_c"),
+    (dict(dual_clip_c=0.5), "dual_clip_c"),
+    (dict(loss_type="cispo", dual_clip_c=3.0), "dual_clip_c"),
+    (dict(delta=1.0), "delta"),
+    (dict(loss_type="sapo", delta=2.0), "delta"),
+    (dict(loss_type="dr_grpo"), "max_completion_length"),
+    (dict(loss_type="dr_grpo", max_completion_length=0), "max_completion_length"),
+    (dict(kl_estimator="k4"), "kl_estimator"),
+    (dict(importance_sampling_level="seq"), "importance_sampling_level"),
+    (dict(is_correction="truncate"), "is_correction"),
+    (dict(is_correction="token_truncate"), "is_clip_max"),
+    (dict(is_correction="sequence_mask"), "is_clip_min"),
+    (dict(is_clip_min=2.0, is_clip_max=1.0), "is_clip_min"),
+    (dict(is_clip_max=-1.0), "is_clip_max"),
+    (dict(beta=-0.1), "beta"),
+    (dict(epsilon_low=1.0), "epsilon_low"),
+    (dict(epsilon_high=-0.1), "epsilon_high"),
+    (dict(cispo_max_ratio=0.0), "cispo_max_ratio"),
+    (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
+    (dict(kl_input_clamp=0.0), "kl_input_clamp"),
+    (dict(kl_output_clamp=-1.0), "kl_output_clamp"),
+])
+def test_grpo_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        GRPOConfig(**kwargs)
+
+
+def test_grpo_validates_at_call_time():
+    data = make_batch(seed=4)
+    cfg = GRPOConfig()
+    cfg.loss_type = "dr_grpo"  # mutated after construction
+    with pytest.raises(ValueError, match="max_completion_length"):
+        grpo_loss(data["lp"], data["adv"], data["mask"], cfg)
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(data["lp"], data["adv"][:3], data["mask"], GRPOConfig())
+    with pytest.raises(ValueError, match="old_logprobs"):
+        grpo_loss(data["lp"], data["adv"], data["mask"], GRPOConfig(), old_logprobs=data["old"][:, :2])
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(loss_type="kto"), "loss_type"),
+    (dict(beta=0.0), "beta"),
+    (dict(label_smoothing=0.7), "label_smoothing"),
+    (dict(loss_type="ipo", label_smoothing=0.1), "label_smoothing"),
+])
+def test_dpo_validation(kwargs, field):
+    data = make_batch(seed=4)
+    with pytest.raises(ValueError, match=field):
+        dpo_loss(data["lp"], data["ref"], data["mask"], **kwargs)
+    assert set(DPO_LOSS_TYPES) == {"sigmoid", "ipo", "hinge"}
+
+
+def test_dpo_needs_pairs():
+    data = make_batch(batch=5, seed=4)
+    with pytest.raises(ValueError, match="even"):
+        dpo_loss(data["lp"], data["ref"], data["mask"])
+
+
+def test_grpo_config_defaults():
+    cfg = GRPOConfig()
+    expected = dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, delta=None, dual_clip_c=None,
+                    cispo_max_ratio=5.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, beta=0.0,
+                    kl_estimator="k3", kl_input_clamp=20.0, kl_output_clamp=10.0,
+                    use_bias_correction_kl=False, importance_sampling_level="token", is_correction="none",
+                    is_clip_min=None, is_clip_max=None,
+                    force_on_policy_ratio=False, max_completion_length=None)
+    assert {k: getattr(cfg, k) for k in expected} == expected
