@@ -3,7 +3,7 @@ import sys
 import tempfile
 
 # Importing megatron compiles/caches under /tmp: keep that inside a private temp dir.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mfce_inductor_"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "megatron_fused_ce_inductor"))
 sys.path.insert(0, os.path.dirname(__file__))  # `from dist import run_workers`, `import reference`
 
 import torch  # noqa: E402  (imported once here so that forked workers inherit it)

@@ -323,3 +323,29 @@ def test_cross_entropy_gradients_in_forward_into_main_grad():
     assert w.grad_added_to_main_grad is True and torch.all(w.grad == 0)
     assert torch.allclose(w.main_grad - 0.5, expected_dw, atol=1e-6)
     assert torch.allclose(h.grad, expected_dx, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", ["cross_entropy", "logprobs"])
+def test_second_backward_with_retained_graph(fn):
+    """A saved gradient buffer must not be modified by the first backward (retain_graph=True)."""
+    h = torch.randn(20, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(12, 8, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 12, (20,))
+    loss = (linear_cross_entropy(h, w, y, chunk_size=6) if fn == "cross_entropy"
+            else linear_logprobs(h, w, y, chunk_size=6).logprobs.sum())
+    (3.0 * loss).backward(retain_graph=True)
+    first_dx, first_dw = h.grad.clone(), w.grad.clone()
+    (3.0 * loss).backward()
+    assert torch.allclose(h.grad.float(), 2 * first_dx.float(), rtol=1e-2)
+    assert torch.allclose(w.grad.float(), 2 * first_dw.float(), rtol=1e-2)
+
+
+def test_auto_chunk_size_bounds_the_chunk():
+    from megatron_fused_ce.ops.api import auto_chunk_size
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert auto_chunk_size(100_000, 128_256, cpu) * 128_256 <= 64 * 2**20
+    assert auto_chunk_size(10, 128_256, cpu) == 10
+    assert auto_chunk_size(100_000, 128_256, cuda) == 2**29 // 128_256  # 1 GiB of bf16 logits
+    assert auto_chunk_size(100_000, 256_000, cuda) == 4096  # never below 4096 rows
+    assert auto_chunk_size(1000, 256_000, cuda) == 1000

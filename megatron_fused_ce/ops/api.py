@@ -21,9 +21,13 @@ from . import reductions, torch_backend
 from .chunked import ChunkSpec, LinearLossGradInForward, LinearSoftmaxStats, forward_stats
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The auto chunk size keeps one chunk of logits under this many elements (64 Mi: 128 MiB in bf16
-# plus the backend's fp32 work space), whatever the number of tokens.
+# The automatic chunk size bounds one chunk of logits, whatever the number of tokens. CPU (torch
+# backend, which also holds fp32 copies of the chunk): 64 Mi elements. CUDA: GEMMs of >= 4096 rows
+# run near the cuBLAS peak while 256-500 rows cost 1.8-2.9x the GEMM floor (docs/benchmarks.md),
+# so at least 4096 rows, and more while the bf16 chunk stays under 512 Mi elements (1 GiB).
 _AUTO_CHUNK_ELEMENTS = 64 * 1024 * 1024
+_AUTO_CHUNK_ELEMENTS_CUDA = 512 * 1024 * 1024
+_AUTO_CHUNK_MIN_ROWS_CUDA = 4096
 
 
 class LogprobsOutput(NamedTuple):
@@ -191,8 +195,13 @@ class TokenStats:
         return full.index_put((self.row_index,), values).reshape(self.out_shape)
 
 
-def auto_chunk_size(num_rows: int, v_local: int) -> int:
-    return max(1, min(max(num_rows, 1), max(64, _AUTO_CHUNK_ELEMENTS // max(v_local, 1))))
+def auto_chunk_size(num_rows: int, v_local: int, device: torch.device) -> int:
+    v_local = max(v_local, 1)
+    if device.type == "cuda":
+        rows = max(_AUTO_CHUNK_MIN_ROWS_CUDA, _AUTO_CHUNK_ELEMENTS_CUDA // v_local)
+    else:
+        rows = max(64, _AUTO_CHUNK_ELEMENTS // v_local)
+    return max(1, min(max(num_rows, 1), rows))
 
 
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
@@ -223,7 +232,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         backend=select_backend(impl, hidden.device),
         num_valid_cols=min(max(true_vocab - vocab_start, 0), v_local),
         inv_temperature=1.0 / float(temperature),
-        chunk_size=chunk_size or auto_chunk_size(row_labels.numel(), v_local),
+        chunk_size=chunk_size or auto_chunk_size(row_labels.numel(), v_local, hidden.device),
         want_sum_logits=want_sum_logits,
         want_entropy=want_entropy,
         sequence_parallel=sequence_parallel,

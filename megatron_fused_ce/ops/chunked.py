@@ -97,28 +97,39 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
     return reductions.merge_shard_stats(stats, spec.tp_group)
 
 
-_FP32_ADDMM_OK = None  # whether torch.addmm(..., out_dtype=float32, out=acc) works here (CUDA)
+_FP32_OUT_MATMUL_OK = None  # whether cuBLAS fp32-output matmuls of bf16/fp16 inputs work here
 
 
-def accumulate_matmul_(acc_fp32: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc_fp32 += a @ b with an fp32 accumulator whatever the input dtype.
+def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool) -> None:
+    """out (+)= a @ b; `accumulate=False` overwrites (no zero-fill, no read of `out`).
 
-    Low-precision weight-gradient accumulation across chunks drifts (axolotl #1601, Liger #827),
-    so each chunk's product is added in fp32. On CUDA cuBLAS adds the fp32 product in place
-    (addmm with out_dtype); elsewhere the chunk product is rounded to the input dtype first.
+    `out` is fp32 when gradients are summed over chunks: low-precision weight-gradient
+    accumulation drifts (axolotl #1601, Liger #827). On CUDA cuBLAS writes or adds the fp32 product
+    of bf16/fp16 inputs in place (out_dtype); elsewhere (CPU) the chunk product is rounded to the
+    input dtype first. A single GEMM over all rows may write the input dtype directly: cuBLAS
+    accumulates in fp32 internally.
     """
-    global _FP32_ADDMM_OK
-    if a.dtype == torch.float32:
-        acc_fp32.addmm_(a, b)
+    global _FP32_OUT_MATMUL_OK
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
         return
-    if acc_fp32.is_cuda and _FP32_ADDMM_OK is not False:
+    if out.is_cuda and _FP32_OUT_MATMUL_OK is not False:
         try:
-            torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32)
-            _FP32_ADDMM_OK = True
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            else:
+                torch.mm(a, b, out_dtype=out.dtype, out=out)
+            _FP32_OUT_MATMUL_OK = True
             return
         except (TypeError, RuntimeError):
-            _FP32_ADDMM_OK = False
-    acc_fp32.add_(torch.mm(a, b))
+            _FP32_OUT_MATMUL_OK = False
+    if accumulate:
+        out.add_(torch.mm(a, b))
+    else:
+        out.copy_(torch.mm(a, b))
 
 
 def backward_grads(
@@ -129,10 +140,12 @@ def backward_grads(
     lse: Tensor,
     coefs: dict,
     dx_rows: Optional[Tensor],
-    dw_acc: Optional[Tensor],
+    dw_out: Optional[Tensor],
+    dw_accumulate: bool,
 ) -> None:
-    """Chunk loop of the backward pass: writes dX rows and accumulates the fp32 dW."""
-    for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
+    """Chunk loop of the backward pass: writes dX rows, and dW into `dw_out` (adding to what it
+    holds if `dw_accumulate`, e.g. Megatron's main_grad; else the first chunk overwrites)."""
+    for index, (start, end) in enumerate(_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = hidden_rows[start:end]
         dlogits = spec.backend.shard_dlogits_(
             torch.mm(h, weight.t()),
@@ -145,8 +158,9 @@ def backward_grads(
         )
         if dx_rows is not None:
             torch.mm(dlogits, weight, out=dx_rows[start:end])
-        if dw_acc is not None:
-            accumulate_matmul_(dw_acc, dlogits.t(), h)
+        if dw_out is not None:
+            matmul_into_(dw_out, dlogits.t(), h, accumulate=dw_accumulate or index > 0)
+        del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
 
 
 def coefficients(g_target, g_lse, g_sum, g_expected, expected_logit, lse) -> Optional[dict]:
@@ -189,15 +203,25 @@ class LinearSoftmaxStats(torch.autograd.Function):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
         rows = _rows(full_hidden, row_index)
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-        dw_acc = None
         into_main_grad = needs_dw and spec.accumulate_into_main_grad and hasattr(weight, "main_grad")
+        dw_out = grad_weight = None
         if needs_dw:
-            dw_acc = weight.main_grad if into_main_grad else torch.zeros(
-                weight.shape, dtype=torch.float32, device=weight.device)
-        if coefs is not None:
-            backward_grads(rows, weight, local_target, spec, lse, coefs, dx_rows, dw_acc)
-        elif dx_rows is not None:
-            dx_rows.zero_()
+            if into_main_grad:
+                dw_out = weight.main_grad
+            elif rows.shape[0] <= spec.chunk_size:  # one GEMM over all rows: no fp32 buffer
+                dw_out = torch.empty_like(weight)
+            else:
+                dw_out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        if coefs is None or rows.shape[0] == 0:  # nothing to differentiate: zero gradients
+            if dx_rows is not None:
+                dx_rows.zero_()
+            if dw_out is not None and not into_main_grad:
+                dw_out.zero_()
+        else:
+            backward_grads(rows, weight, local_target, spec, lse, coefs, dx_rows, dw_out,
+                           dw_accumulate=into_main_grad)
+        if needs_dw and not into_main_grad:
+            grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
 
         grad_hidden = None
         if needs_dx:
@@ -210,16 +234,12 @@ class LinearSoftmaxStats(torch.autograd.Function):
             else:
                 grad_hidden = reductions.all_reduce_sum_(dx_full, spec.tp_group)
 
-        grad_weight = None
-        if needs_dw:
-            if into_main_grad:
-                # Megatron's gradient-accumulation-fusion convention: the gradient is already in
-                # main_grad; hand autograd a dummy so DDP's per-parameter hook still fires.
-                if hasattr(weight, "grad_added_to_main_grad"):
-                    weight.grad_added_to_main_grad = True
-                    grad_weight = torch.zeros_like(weight)
-            else:
-                grad_weight = dw_acc if weight.dtype == torch.float32 else dw_acc.to(weight.dtype)
+        if into_main_grad:
+            # Megatron's gradient-accumulation-fusion convention: the gradient is already in
+            # main_grad; hand autograd a dummy so DDP's per-parameter hook still fires.
+            if hasattr(weight, "grad_added_to_main_grad"):
+                weight.grad_added_to_main_grad = True
+                grad_weight = torch.zeros_like(weight)
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -245,9 +265,11 @@ class LinearLossGradInForward(torch.autograd.Function):
         rows = _rows(full_hidden, row_index)
         needs_dx, needs_dw = hidden.requires_grad, weight.requires_grad
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-        dw_acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_dw else None
+        dw_acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_dw else None
+        if dw_acc is not None and rows.shape[0] == 0:
+            dw_acc.zero_()
         merged_chunks = []
-        for start, end in _chunks(rows.shape[0], spec.chunk_size):
+        for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
             h = rows[start:end]
             logits = torch.mm(h, weight.t())
             merged = reductions.merge_shard_stats(
@@ -267,7 +289,8 @@ class LinearLossGradInForward(torch.autograd.Function):
             if dx_rows is not None:
                 torch.mm(dlogits, weight, out=dx_rows[start:end])
             if dw_acc is not None:
-                accumulate_matmul_(dw_acc, dlogits.t(), h)
+                matmul_into_(dw_acc, dlogits.t(), h, accumulate=index > 0)
+            del logits, dlogits  # one chunk alive at the peak
 
         def cat(name, wanted=True):
             if not wanted:
@@ -304,12 +327,12 @@ class LinearLossGradInForward(torch.autograd.Function):
             else:
                 grad_hidden = reductions.all_reduce_sum_(dx_full, spec.tp_group)
         if dw_acc is not None:
-            dw_acc.mul_(g_anchor)
+            # Not in place: the saved buffer must stay valid for a second backward (retain_graph).
             if ctx.into_main_grad:
-                weight.main_grad.add_(dw_acc)
+                weight.main_grad.addcmul_(dw_acc, g_anchor)
                 if hasattr(weight, "grad_added_to_main_grad"):
                     weight.grad_added_to_main_grad = True
                     grad_weight = torch.zeros_like(weight)
             else:
-                grad_weight = dw_acc if weight.dtype == torch.float32 else dw_acc.to(weight.dtype)
+                grad_weight = spec.backend.scale_cast(dw_acc, g_anchor, weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None

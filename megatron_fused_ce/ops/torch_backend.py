@@ -114,3 +114,8 @@ def shard_dlogits_(
         grad.mul_(inv_temperature)
     logits[:, :num_valid_cols].copy_(grad)
     return logits
+
+
+def scale_cast(src_fp32: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """dtype(src_fp32 * scale): the fp32 weight gradient scaled by the upstream gradient."""
+    return (src_fp32 * scale).to(dtype)

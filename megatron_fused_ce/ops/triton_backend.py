@@ -9,6 +9,8 @@ math); tests/test_triton_backend.py checks them against each other, on CPU under
   sum is rescaled once per block), plus sum z and sum exp(z - m) z when asked. When there are few
   rows (n=256 against V_local=128k) the columns are split over several programs so that the GPU
   fills up, and a tiny second kernel merges the per-split partials of each row.
+- `scale_cast`: dtype(fp32 dW * upstream gradient) in one pass (6 bytes/element instead of 14 for
+  a multiply followed by a cast).
 - `shard_dlogits_`: one read and one write of the chunk, in place. A 2-D grid of (row, column
   block) programs; each computes dL/dlogits = inv_T * (exp(z - lse) (c_p + c_pz z) + c_u
   + c_t [k == y]) in fp32 and stores it in the chunk's dtype; padding columns get 0.
@@ -31,7 +33,9 @@ from torch import Tensor
 from .torch_backend import ShardStats
 
 # Launch settings. Module-level so that tools/benchmark.py can try a variant; not a public API.
-STATS_BLOCK_N = 2048  # columns per step of the online softmax
+# H100, [4096, 128256] bf16 chunk (docs/benchmarks.md): stats 0.41-0.46 ms at 4096/8 (~2.4 TB/s)
+# against 0.50-0.66 ms at 2048/8; dlogits 0.79-0.89 ms (~2.5 TB/s) for every block size tried.
+STATS_BLOCK_N = 4096  # columns per step of the online softmax
 STATS_WARPS = 8
 DLOGITS_BLOCK_N = 2048  # columns per program of the dlogits kernel
 DLOGITS_WARPS = 8
@@ -262,3 +266,22 @@ def shard_dlogits_(
         num_warps=DLOGITS_WARPS,
     )
     return logits
+
+
+@triton.jit
+def _scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < numel
+    scaled = tl.load(src_ptr + offsets, mask=in_range) * tl.load(scale_ptr)
+    tl.store(dst_ptr + offsets, scaled.to(dst_ptr.dtype.element_ty), mask=in_range)
+
+
+def scale_cast(src_fp32: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """dtype(src_fp32 * scale) in one pass over the fp32 weight gradient."""
+    if dtype == torch.float32 or not src_fp32.is_contiguous() or _interpreting() and src_fp32.is_cuda:
+        return (src_fp32 * scale).to(dtype)
+    out = torch.empty(src_fp32.shape, dtype=dtype, device=src_fp32.device)
+    block = 4096
+    _scale_cast_kernel[(triton.cdiv(src_fp32.numel(), block),)](
+        src_fp32, out, scale.reshape(1).to(torch.float32), src_fp32.numel(), BLOCK=block, num_warps=8)
+    return out

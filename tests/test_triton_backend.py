@@ -1,0 +1,222 @@
+"""The Triton backend against the torch backend (the reference), kernel by kernel and end to end.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1). Triton
+reads that variable when a kernel is *defined*, so it is set here, at import (pytest imports every
+test module before running any test), and triton_backend is imported inside the fixture; if triton
+or triton_backend was imported before the variable was set (megatron.core imports triton), the
+fixture imports them again under the interpreter. The interpreter is slow: shapes are small,
+and the launch settings are shrunk (blocks of 32-64 columns) so that the column-split + merge path
+of `shard_stats` and the multi-block grid of `shard_dlogits_` both run.
+
+Tolerances: the two backends do the same fp32 math on the same inputs (the torch backend in one
+shot, the kernel with an online max/sum-exp), so fp32 results agree to ~1e-6 relative; bf16
+dlogits are rounded to nearest-even by both and agree to one bf16 ulp where the fp32 values sit
+on either side of a rounding boundary.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from dist import run_workers  # noqa: E402
+from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
+from megatron_fused_ce.ops import torch_backend  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SMALL_BLOCKS = dict(STATS_BLOCK_N=64, DLOGITS_BLOCK_N=64, MERGE_BLOCK_R=4)
+
+
+def _interpreted(jit_function) -> bool:
+    return type(jit_function).__name__ == "InterpretedFunction"
+
+
+@pytest.fixture(scope="module")
+def tb():
+    from megatron_fused_ce.ops import triton_backend
+
+    if DEVICE.type == "cuda":
+        return triton_backend
+    import triton.language as tl
+
+    if not _interpreted(tl.standard.max):
+        # Something (megatron.core, torch._inductor) imported triton before TRITON_INTERPRET was
+        # set: its own @jit library functions (tl.max, tl.sum ...) are compiled-mode objects that
+        # cannot run inside an interpreted kernel. Import triton's Python modules afresh (the
+        # compiled extension triton._C stays loaded) and redefine our kernels with them.
+        for name in list(sys.modules):
+            if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
+                del sys.modules[name]
+        triton_backend = importlib.reload(triton_backend)
+    elif not _interpreted(triton_backend._stats_kernel):
+        triton_backend = importlib.reload(triton_backend)  # imported before TRITON_INTERPRET was set
+    assert _interpreted(triton_backend._stats_kernel)
+    return triton_backend
+
+
+@pytest.fixture
+def small_blocks(tb, monkeypatch):
+    for name, value in SMALL_BLOCKS.items():
+        monkeypatch.setattr(tb, name, value)
+    return tb
+
+
+def _chunk(n, v, dtype, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g) * scale).to(dtype).to(DEVICE)
+    return logits, g
+
+
+def _targets(n, num_valid_cols, g):
+    t = torch.randint(0, max(num_valid_cols, 1), (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.3] = -1  # label on another shard
+    t[0] = -1
+    if num_valid_cols == 0:
+        t[:] = -1
+    return t.to(DEVICE)
+
+
+def _close(out, ref, dtype=torch.float32, what=""):
+    out, ref = out.detach().float().cpu(), ref.detach().float().cpu()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6, msg=lambda m: f"{what}: {m}")
+    else:  # one ulp of the low-precision type
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+# ------------------------------------------------------------------------------- shard_stats
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("n, v, pad", [(5, 300, 13), (40, 100, 0), (3, 64, 64)])
+def test_shard_stats(small_blocks, dtype, temperature, n, v, pad):
+    tb = small_blocks
+    logits, g = _chunk(n, v, dtype, seed=n * v + pad)
+    nvc = v - pad
+    target = _targets(n, nvc, g)
+    for want_sum, want_ent in ((False, False), (True, True), (True, False)):
+        got = tb.shard_stats(logits, target, nvc, 1.0 / temperature, want_sum, want_ent)
+        ref = torch_backend.shard_stats(logits, target, nvc, 1.0 / temperature, want_sum, want_ent)
+        for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+            a, b = getattr(got, name), getattr(ref, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.dtype == torch.float32 and a.shape == (n,)
+                _close(a, b, what=name)
+        assert torch.equal(got.target.cpu(), ref.target.cpu())  # same fp32 op on the same element
+        assert torch.all(got.target[target.cpu() < 0] == 0)
+
+
+def test_shard_stats_default_blocks_and_zero_valid_columns(tb):
+    logits, g = _chunk(7, 500, torch.bfloat16, seed=3)
+    target = _targets(7, 450, g)
+    got = tb.shard_stats(logits, target, 450, 1.3, True, True)
+    ref = torch_backend.shard_stats(logits, target, 450, 1.3, True, True)
+    for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+        _close(getattr(got, name), getattr(ref, name), what=name)
+    # a shard made only of padding columns
+    empty = tb.shard_stats(logits, _targets(7, 0, g), 0, 1.0, True, True)
+    assert torch.all(empty.max == float("-inf"))
+    for name in ("sum_exp", "target", "sum_logits", "sum_exp_logits"):
+        assert torch.all(getattr(empty, name) == 0), name
+    # no rows
+    none = tb.shard_stats(logits[:0], target[:0], 450, 1.0, False, True)
+    assert none.max.shape == (0,) and none.sum_logits is None and none.sum_exp_logits.shape == (0,)
+
+
+# ---------------------------------------------------------------------------- shard_dlogits_
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shard_dlogits_all_coefficient_combinations(small_blocks, dtype, temperature):
+    tb = small_blocks
+    n, v, pad = 6, 150, 11
+    nvc = v - pad
+    for combo in range(8):
+        logits, g = _chunk(n, v, dtype, seed=combo)
+        target = _targets(n, nvc, g)
+        z = logits[:, :nvc].float() / temperature
+        lse = torch.logsumexp(z, dim=1) + torch.randn(n, generator=g).to(DEVICE) * 0.1
+        coef_p = torch.randn(n, generator=g).to(DEVICE)
+        coef_pz = torch.randn(n, generator=g).to(DEVICE) if combo & 1 else None
+        coef_t = torch.randn(n, generator=g).to(DEVICE) if combo & 2 else None
+        coef_u = torch.randn(n, generator=g).to(DEVICE) * 1e-2 if combo & 4 else None
+        args = (target, nvc, 1.0 / temperature, lse, coef_p, coef_pz, coef_t, coef_u)
+        got = logits.clone()
+        out = tb.shard_dlogits_(got, *args)
+        assert out.data_ptr() == got.data_ptr() and out.dtype == dtype  # in place
+        ref = torch_backend.shard_dlogits_(logits.clone(), *args)
+        _close(got, ref, dtype, what=f"combo {combo}")
+        assert torch.all(got[:, nvc:] == 0)  # padding columns, poisoned by random logits before
+
+
+def test_shard_dlogits_zero_valid_columns_and_default_blocks(tb):
+    logits, g = _chunk(4, 70, torch.bfloat16, seed=9)
+    ones = torch.ones(4, device=DEVICE)
+    out = tb.shard_dlogits_(logits, _targets(4, 0, g), 0, 1.0, ones, ones, ones, ones, ones)
+    assert torch.all(out == 0)
+    logits, g = _chunk(4, 2100, torch.float32, seed=10)  # two column blocks of 2048
+    target = _targets(4, 2090, g)
+    lse = torch.logsumexp(logits[:, :2090] * 2.0, dim=1)
+    args = (target, 2090, 2.0, lse, -ones, None, ones, None)
+    _close(tb.shard_dlogits_(logits.clone(), *args), torch_backend.shard_dlogits_(logits.clone(), *args))
+
+
+# ------------------------------------------------------------------------- end to end, TP 1/2
+def _case(seed, tp, dtype):
+    g = torch.Generator().manual_seed(seed)
+    vocab, hidden_size, v_local = 101, 16, -(-101 // tp) + 3  # padded vocab: last shard pads
+    return dict(
+        tp=tp, vocab=vocab, v_local=v_local,
+        hidden=torch.randn(6, 4, hidden_size, generator=g).to(dtype),
+        weight=(torch.randn(v_local * tp, hidden_size, generator=g) * 0.5).to(dtype),
+        labels=torch.where(torch.rand(6, 4, generator=g) < 0.25, -100,
+                           torch.randint(0, vocab, (6, 4), generator=g)),
+        grad_lp=torch.randn(6, 4, generator=g), grad_ent=torch.randn(6, 4, generator=g),
+    )
+
+
+def _e2e_worker(rank, world, case, impl):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if world > 1 else None
+    v_local = case["v_local"]
+    results = []
+    for what in ("logprobs", "ce"):
+        h = case["hidden"].clone().requires_grad_()
+        w = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+        common = dict(tp_group=group, vocab_size=case["vocab"], temperature=0.7, chunk_size=7, impl=impl)
+        if what == "logprobs":
+            out = linear_logprobs(h, w, case["labels"], return_entropy=True, **common)
+            value = torch.stack([out.logprobs, out.entropy])
+            loss = (out.logprobs * case["grad_lp"]).sum() + (out.entropy * case["grad_ent"]).sum()
+        else:
+            value = linear_cross_entropy(h, w, case["labels"], label_smoothing=0.1, z_loss_weight=1e-3,
+                                         **common)
+            loss = value * 3.0
+        loss.backward()
+        results.append((value.detach(), h.grad, w.grad))
+    return results
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_end_to_end_matches_torch_backend(small_blocks, tp, dtype):
+    if DEVICE.type == "cuda":
+        pytest.skip("the gloo harness runs on CPU tensors; tests/test_ops-style GPU runs use tools/")
+    case = _case(17 * tp, tp, dtype)
+    got = run_workers(_e2e_worker, tp, case, "triton")
+    ref = run_workers(_e2e_worker, tp, case, "torch")
+    for rank in range(tp):
+        for what, (v, dx, dw), (rv, rdx, rdw) in zip(("logprobs", "ce"), got[rank], ref[rank]):
+            _close(v, rv, what=f"{what} value rank {rank}")
+            for name, a, b in (("dX", dx, rdx), ("dW", dw, rdw)):
+                assert a.dtype == dtype
+                # bf16: products of dlogits that may differ by one ulp, summed: compare by norm
+                err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                assert err <= (1e-5 if dtype == torch.float32 else 4e-3), f"{what} {name} rank {rank}: {err:.2e}"

@@ -1,0 +1,902 @@
+#!/usr/bin/env python3
+"""Fused linear cross-entropy / log-probs: everything side by side, one process, one GPU, bf16,
+forward + backward (loss -> dX, dW).
+
+    python tools/benchmark.py                       # all shapes, memory sweep, writes to $OUT or ./bench_out
+    python tools/benchmark.py --quick               # tiny shapes (smoke test; runs on CPU too)
+    python tools/benchmark.py --shapes 8192x4096x128256 --impls floor,ours_ce --chunks 4096,auto
+
+What is measured, per shape (N tokens, H hidden, V vocab):
+  floor              the 3 GEMMs every method must do (logits, dX, dW: 6*N*H*V flops), cuBLAS,
+                     measured in this run. x_floor of a method = its time / this time.
+  torch_eager        materialized logits, .float(), F.cross_entropy (what users write)
+  torch_compile      torch.compile of the same function
+  megatron           megatron.core vocab_parallel_cross_entropy on materialized bf16 logits (TP=1)
+  liger              liger_kernel LigerFusedLinearCrossEntropyLoss
+  cce                Apple cut_cross_entropy.linear_cross_entropy
+  ours_logprobs@C    linear_logprobs(..., chunk_size=C, impl=triton), backward through -sum(lp)/N
+  ours_ce@C          linear_cross_entropy(..., chunk_size=C, impl=triton) (mean)
+  ours_ce_torch@C    the same with the torch backend (backend comparison)
+  ours_ce_main_grad@C  ours_ce with Megatron's accumulate_into_main_grad (weight.main_grad fp32
+                     pre-allocated, as Megatron's DDP buffers are: not counted as extra memory)
+  ours_grpo@C        megatron_fused_ce.losses linear_grpo_loss (DAPO, beta=0) when it exists
+  proto_ce_gif@C     a prototype in this file: SFT CE with gradients made in the forward pass
+                     (3 GEMMs per chunk, fp32 dW accumulator), as chunked.py does it
+  proto_ce_gif2@C    the same with the changes recommended in docs/benchmarks.md: first chunk's
+                     dW written (no zero-fill), grad_output scale fused into the dW fp32->bf16 cast
+  proto_lp2@C        recompute-path log-probs with the first chunk's dW written, and no fp32 dW
+                     accumulator when one chunk holds every row
+C = "auto" uses the package's default chunk size. Peers that are not installed, or fail, are
+skipped with a note. Every method's loss, dX and dW are checked against torch_eager (rel. error).
+
+Memory: "extra" = torch.cuda.max_memory_allocated during one forward+backward minus what was
+allocated before it (inputs, warm caches) minus the returned gradients (dX, dW in bf16), i.e. the
+working memory the method needs; compared with the dense bf16 logits N*V*2 bytes.
+Timing: CUDA events around each forward+backward, warm-up first, median of the repetitions.
+Also a per-chunk breakdown (GEMMs vs the Triton kernels) and a kernel check of the Triton backend
+against the torch backend on the GPU.
+Outputs (in --out): results.json (every number), results.md (tables), results.png (plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+if not torch.cuda.is_available():  # smoke tests on CPU: Triton kernels under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import megatron_fused_ce  # noqa: E402
+from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
+
+SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000), (16384, 3584, 152064)]
+SWEEP_HV = (4096, 128256)
+SWEEP_N = [8192, 16384, 32768, 65536, 131072]
+QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
+QUICK_SHAPES_CPU = [(48, 32, 500)]
+DEFAULT_IMPLS = ("floor,torch_eager,torch_compile,megatron,liger,cce,ours_logprobs,ours_ce,"
+                 "ours_ce_torch,ours_ce_main_grad,ours_grpo,proto_ce_gif,proto_ce_gif2,proto_lp2")
+SWEEP_IMPLS = ("floor,torch_eager,megatron,liger,cce,ours_logprobs,ours_ce,ours_ce_main_grad,ours_grpo,"
+               "proto_ce_gif2,proto_lp2")
+GIB = 1024.0 ** 3
+
+
+class Skip(Exception):
+    """A method that cannot run here (not installed, not applicable): reported, never fatal."""
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+# ------------------------------------------------------------------------------ the methods
+def _grads(loss, h, w):
+    dx, dw = torch.autograd.grad(loss, (h, w))
+    return loss.detach(), dx, dw
+
+
+def _eager_loss(h, w, y):
+    logits = (h @ w.t()).float()
+    return F.cross_entropy(logits, y)
+
+
+def make_floor(h, w, y, chunk):
+    def step():
+        logits = h @ w.t()
+        dx = logits @ w
+        dw = logits.t() @ h
+        return None, dx, dw
+    return step
+
+
+def make_torch_eager(h, w, y, chunk):
+    return lambda: _grads(_eager_loss(h, w, y), h, w)
+
+
+_COMPILED = {}
+
+
+def make_torch_compile(h, w, y, chunk):
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(_eager_loss)
+    fn = _COMPILED["fn"]
+    return lambda: _grads(fn(h, w, y), h, w)
+
+
+_MEGATRON = {}
+
+
+def _megatron_init():
+    if "vpce" in _MEGATRON:
+        return _MEGATRON["vpce"]
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"megatron-core not importable: {type(exc).__name__}: {exc}")
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store,
+                                rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    _MEGATRON["vpce"] = vocab_parallel_cross_entropy
+    return vocab_parallel_cross_entropy
+
+
+def make_megatron(h, w, y, chunk):
+    vpce = _megatron_init()
+    return lambda: _grads(vpce(h @ w.t(), y).mean(), h, w)
+
+
+def make_liger(h, w, y, chunk):
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"liger-kernel not importable: {type(exc).__name__}: {exc}")
+    if h.device.type != "cuda":
+        raise Skip("liger needs CUDA")
+    loss_fn = LigerFusedLinearCrossEntropyLoss()
+    return lambda: _grads(loss_fn(w, h, y), h, w)
+
+
+def make_cce(h, w, y, chunk):
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"cut-cross-entropy not importable: {type(exc).__name__}: {exc}")
+    if h.device.type != "cuda":
+        raise Skip("cce needs CUDA")
+    return lambda: _grads(cce(h, w, y), h, w)
+
+
+def _impl():
+    return "triton"
+
+
+def make_ours_logprobs(h, w, y, chunk):
+    n = h.shape[0]
+    return lambda: _grads(-linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl()).logprobs.sum() / n, h, w)
+
+
+def make_ours_ce(h, w, y, chunk):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl()), h, w)
+
+
+def make_ours_ce_torch(h, w, y, chunk):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl="torch"), h, w)
+
+
+def make_ours_ce_main_grad(h, w, y, chunk):
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+
+    def step():
+        loss = linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), accumulate_into_main_grad=True)
+        dx, _ = torch.autograd.grad(loss, (h, w), allow_unused=True)
+        return loss.detach(), dx, w.main_grad
+    step.main_grad = True
+    return step
+
+
+def _linear_grpo():
+    try:
+        from megatron_fused_ce import losses
+        fn = getattr(losses, "linear_grpo_loss", None)
+        if fn is None:
+            from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss as fn
+        from megatron_fused_ce.losses import GRPOConfig
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"fused GRPO not available: {type(exc).__name__}: {exc}")
+    return fn, GRPOConfig
+
+
+def _grpo_inputs(h, y):
+    n = h.shape[0]
+    batch = 8 if n % 8 == 0 else 1
+    g = torch.Generator(device=h.device).manual_seed(1)
+    adv = torch.randn(batch, device=h.device, generator=g)
+    mask = torch.ones(batch, n // batch, device=h.device)
+    return batch, adv, mask
+
+
+def make_ours_grpo(h, w, y, chunk):
+    fn, GRPOConfig = _linear_grpo()
+    batch, adv, mask = _grpo_inputs(h, y)
+    config = GRPOConfig()
+    hb, yb = h.view(batch, -1, h.shape[-1]), y.view(batch, -1)
+
+    def step():
+        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=_impl())
+        return _grads(loss, h, w)
+    step.loss_kind = "grpo"
+    return step
+
+
+class _ProtoGradInForwardCE(torch.autograd.Function):
+    """Mean CE at TP=1, dX and dW made chunk by chunk in the forward (3 GEMMs per chunk)."""
+
+    @staticmethod
+    def forward(ctx, h, w, y, chunk, backend):
+        n, v = h.shape[0], w.shape[0]
+        dx = torch.empty_like(h)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        coef_p = torch.full((min(chunk, n),), 1.0 / n, dtype=torch.float32, device=h.device)
+        coef_t = -coef_p
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            logits = torch.mm(h[s:e], w.t())
+            st = backend.shard_stats(logits, y[s:e], v, 1.0)
+            lse = st.max + torch.log(st.sum_exp)
+            loss += (lse - st.target).sum()
+            backend.shard_dlogits_(logits, y[s:e], v, 1.0, lse, coef_p[:e - s], None, coef_t[:e - s], None)
+            torch.mm(logits, w, out=dx[s:e])
+            if dw.is_cuda:
+                torch.addmm(dw, logits.t(), h[s:e], out_dtype=torch.float32, out=dw)
+            else:
+                dw.add_(torch.mm(logits.t(), h[s:e]).float())
+            del logits
+        ctx.save_for_backward(dx, dw.to(w.dtype))
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, dw = ctx.saved_tensors
+        return dx * g, dw * g, None, None, None
+
+
+def make_proto_ce_gif(h, w, y, chunk):
+    from megatron_fused_ce.ops import triton_backend
+    chunk = chunk or 4096
+    return lambda: _grads(_ProtoGradInForwardCE.apply(h, w, y, chunk, triton_backend), h, w)
+
+
+# ---- prototypes of the chunk-loop changes recommended in docs/benchmarks.md (TP=1, all labels valid)
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        x = tl.load(src_ptr + offs, mask=mask) * tl.load(scale_ptr)
+        tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def scale_cast(src_fp32, scale, dtype):
+    """dtype(src * scale) in one pass (6 B/elt) instead of mul_ (8 B/elt) then .to (6 B/elt)."""
+    if dtype == torch.float32 or triton is None or not src_fp32.is_cuda:
+        return (src_fp32 * scale).to(dtype)
+    out = torch.empty(src_fp32.shape, dtype=dtype, device=src_fp32.device)
+    block = 4096
+    _scale_cast_kernel[(triton.cdiv(src_fp32.numel(), block),)](
+        src_fp32, out, scale.reshape(1).float(), src_fp32.numel(), BLOCK=block, num_warps=8)
+    return out
+
+
+def _dw_product(dw, i, a, b):
+    """dW chunk product into the fp32 accumulator: the first chunk writes (no zero-fill, no read)."""
+    if not dw.is_cuda:
+        if i == 0:
+            dw.copy_(torch.mm(a, b))
+        else:
+            dw.add_(torch.mm(a, b))
+    elif i == 0:
+        torch.mm(a, b, out_dtype=torch.float32, out=dw)
+    else:
+        torch.addmm(dw, a, b, out_dtype=torch.float32, out=dw)
+
+
+class _ProtoGradInForwardCE2(torch.autograd.Function):
+    """_ProtoGradInForwardCE with (b) the first chunk's dW written, not added to zeros, and (a) the
+    backward scale by grad_output fused with the fp32 -> bf16 cast of dW."""
+
+    @staticmethod
+    def forward(ctx, h, w, y, chunk, backend):
+        n, v = h.shape[0], w.shape[0]
+        dx = torch.empty_like(h)
+        dw = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        coef_p = torch.full((min(chunk, n),), 1.0 / n, dtype=torch.float32, device=h.device)
+        coef_t = -coef_p
+        for i, s in enumerate(range(0, n, chunk)):
+            e = min(s + chunk, n)
+            logits = torch.mm(h[s:e], w.t())
+            st = backend.shard_stats(logits, y[s:e], v, 1.0)
+            lse = st.max + torch.log(st.sum_exp)
+            loss += (lse - st.target).sum()
+            backend.shard_dlogits_(logits, y[s:e], v, 1.0, lse, coef_p[:e - s], None, coef_t[:e - s], None)
+            torch.mm(logits, w, out=dx[s:e])
+            _dw_product(dw, i, logits.t(), h[s:e])
+            del logits
+        ctx.save_for_backward(dx, dw)
+        ctx.w_dtype = w.dtype
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, dw = ctx.saved_tensors
+        return dx * g.to(dx.dtype), scale_cast(dw, g, ctx.w_dtype), None, None, None
+
+
+def make_proto_ce_gif2(h, w, y, chunk):
+    from megatron_fused_ce.ops import triton_backend
+    chunk = chunk or 4096
+    return lambda: _grads(_ProtoGradInForwardCE2.apply(h, w, y, chunk, triton_backend), h, w)
+
+
+class _ProtoLogprobs(torch.autograd.Function):
+    """Recompute-path log-probs with (b) the first chunk's dW written, not added to zeros, and
+    (c) no fp32 accumulator at all when one chunk holds every row (cuBLAS accumulates in fp32)."""
+
+    @staticmethod
+    def forward(ctx, h, w, y, chunk, backend):
+        n, v = h.shape[0], w.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=h.device)
+        target = torch.empty_like(lse)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            st = backend.shard_stats(torch.mm(h[s:e], w.t()), y[s:e], v, 1.0)
+            torch.add(st.max, torch.log(st.sum_exp), out=lse[s:e])
+            target[s:e] = st.target
+        ctx.save_for_backward(h, w, y, lse)
+        ctx.chunk, ctx.backend = chunk, backend
+        return target - lse
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, y, lse = ctx.saved_tensors
+        chunk, backend = ctx.chunk, ctx.backend
+        n, v = h.shape[0], w.shape[0]
+        g = g.float().contiguous()
+        dx = torch.empty_like(h)
+        single = chunk >= n
+        dw = None if single else torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        for i, s in enumerate(range(0, n, chunk)):
+            e = min(s + chunk, n)
+            logits = torch.mm(h[s:e], w.t())
+            backend.shard_dlogits_(logits, y[s:e], v, 1.0, lse[s:e], -g[s:e], None, g[s:e], None)
+            torch.mm(logits, w, out=dx[s:e])
+            if single:
+                dw_out = torch.mm(logits.t(), h)
+            else:
+                _dw_product(dw, i, logits.t(), h[s:e])
+            del logits
+        return dx, dw_out if single else dw.to(w.dtype), None, None, None
+
+
+def make_proto_lp2(h, w, y, chunk):
+    from megatron_fused_ce.ops import triton_backend
+    chunk = chunk or 4096
+    n = h.shape[0]
+    return lambda: _grads(-_ProtoLogprobs.apply(h, w, y, chunk, triton_backend).sum() / n, h, w)
+
+
+MAKERS = {name[len("make_"):]: fn for name, fn in globals().items() if name.startswith("make_")}
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo", "proto_ce_gif",
+           "proto_ce_gif2", "proto_lp2"}
+ALL_CHUNKS = {"ours_logprobs", "ours_ce", "proto_ce_gif2", "proto_lp2"}  # run at every --chunks value
+
+
+# ------------------------------------------------------------------------------ measuring
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def time_step(step, warmup, min_reps, max_reps, budget_ms):
+    for _ in range(warmup):
+        out = step()
+        del out
+    sync()
+    times = []
+    while True:
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            out = step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        del out
+        if len(times) >= max_reps or (len(times) >= min_reps and sum(times) >= budget_ms):
+            break
+    return statistics.median(times), times
+
+
+def _nbytes(t):
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def measure_memory(step):
+    """Extra bytes one forward+backward needs beyond what exists before it and its outputs."""
+    if not torch.cuda.is_available():
+        return None, step()
+    free()
+    sync()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    sync()
+    peak = torch.cuda.max_memory_allocated()
+    loss, dx, dw = out
+    out_bytes = _nbytes(dx) + (0 if getattr(step, "main_grad", False) else _nbytes(dw))
+    return peak - base - out_bytes, out
+
+
+def rel_err(a, b):
+    if a is None or b is None:
+        return None
+    a, b = a.detach().float(), b.detach().float()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom > 0 else (a - b).norm().item()
+
+
+def make_inputs(n, hdim, v, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(n, hdim, device=device, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    w = (torch.randn(v, hdim, device=device, generator=g, dtype=torch.float32) / math.sqrt(hdim) * 2)
+    w = w.to(torch.bfloat16)
+    y = torch.randint(0, v, (n,), device=device, generator=g)
+    return h.requires_grad_(), w.requires_grad_(), y
+
+
+def run_one(name, chunk, h, w, y, args, reference=None):
+    n, hdim = h.shape
+    v = w.shape[0]
+    label = f"{name}@{chunk or 'auto'}" if name in CHUNKED else name
+    row = dict(impl=label, method=name, chunk=(chunk or "auto") if name in CHUNKED else None,
+               N=n, H=hdim, V=v, flops=6.0 * n * hdim * v, dense_logits_bytes=2 * n * v)
+    if name in CHUNKED and chunk is None and name != "proto_ce_gif":
+        from megatron_fused_ce.ops import api
+        row["chunk_resolved"] = api.auto_chunk_size(n, v) if hasattr(api, "auto_chunk_size") else None
+    out = None
+    try:
+        step = MAKERS[name](h, w, y, chunk)
+        t0 = time.perf_counter()
+        out = step()  # first call: compiles (torch.compile, Triton JIT)
+        sync()
+        row["first_call_s"] = time.perf_counter() - t0
+        if reference is not None and getattr(step, "loss_kind", "ce") == "ce":
+            loss, dx, dw = out
+            row["err_loss"] = rel_err(loss, reference[0]) if loss is not None and name != "floor" else None
+            if name != "floor":
+                row["err_dx"], row["err_dw"] = rel_err(dx, reference[1]), rel_err(dw, reference[2])
+        del out
+        out = None
+        extra, out = measure_memory(step)
+        del out
+        out = None
+        row["extra_bytes"] = extra
+        if extra is not None:
+            row["extra_gib"] = extra / GIB
+            row["extra_pct_dense_logits"] = 100.0 * extra / row["dense_logits_bytes"]
+        ms, times = time_step(step, args.warmup, args.min_reps, args.max_reps, args.budget_ms)
+        row.update(ms=ms, times_ms=times, tflops=row["flops"] / ms / 1e9)
+        if name == "ours_ce_main_grad":
+            w.main_grad = None
+            del w.main_grad
+    except Skip as exc:
+        row["skipped"] = str(exc)
+    except torch.cuda.OutOfMemoryError as exc:
+        row["skipped"] = "OOM: " + str(exc).split("\n")[0][:200]
+    except Exception as exc:  # noqa: BLE001  (a broken peer must not stop the run)
+        row["skipped"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+        row["traceback"] = traceback.format_exc()[-2000:]
+    finally:
+        out = None
+        if hasattr(w, "main_grad"):
+            del w.main_grad
+        free()
+    status = row.get("skipped") or (f"{row['ms']:.2f} ms  {row['tflops']:.0f} TFLOP/s  "
+                                    f"extra {row.get('extra_gib', float('nan')):.3f} GiB  "
+                                    f"err dx {row.get('err_dx')} dw {row.get('err_dw')}")
+    log(f"  {label:28s} {status}")
+    return row
+
+
+def impl_list(spec, chunks):
+    out = []
+    for name in spec.split(","):
+        name = name.strip()
+        if not name:
+            continue
+        if name not in MAKERS:
+            raise SystemExit(f"unknown impl {name!r}; known: {', '.join(MAKERS)}")
+        if name in CHUNKED:
+            cs = chunks if name in ALL_CHUNKS else [c for c in chunks if c is not None][:1] or [None]
+            if name.startswith("proto"):
+                cs = [c for c in cs if c is not None] or [None]
+            out.extend((name, c) for c in cs)
+        else:
+            out.append((name, None))
+    return out
+
+
+def bench_shape(shape, impls, args, device, results, section, check=True):
+    n, hdim, v = shape
+    log(f"\n== {section}: N={n} H={hdim} V={v}  (floor flops 6NHV = {6.0 * n * hdim * v / 1e12:.1f} TFLOP)")
+    free()
+    h, w, y = make_inputs(n, hdim, v, device)
+    reference = None
+    rows = []
+    if check and any(name != "floor" for name, _ in impls):
+        try:
+            loss, dx, dw = _grads(_eager_loss(h, w, y), h, w)
+            reference = (loss, dx, dw)
+        except torch.cuda.OutOfMemoryError:
+            log("  (no torch_eager reference: OOM; errors not checked)")
+        free()
+    floor_ms = None
+    seen = set()
+    for name, chunk in impls:
+        effective = (name, None if chunk is None else min(chunk, n))
+        if effective in seen:  # chunk >= N: the same run as chunk = N
+            continue
+        seen.add(effective)
+        row = run_one(name, chunk, h, w, y, args, reference)
+        row["section"] = section
+        if name == "floor" and "ms" in row:
+            floor_ms = row["ms"]
+        rows.append(row)
+        results["rows"].append(row)
+        write_json(results, args.out)
+    for row in rows:
+        if floor_ms and "ms" in row:
+            row["x_floor"] = row["ms"] / floor_ms
+            row["floor_ms"] = floor_ms
+    write_json(results, args.out)
+    del h, w, y, reference
+    free()
+    return rows
+
+
+# ------------------------------------------------------------------------------ kernel check + breakdown
+def kernel_check_and_breakdown(args, device, results, shape, chunk):
+    """Triton backend vs torch backend on production block sizes, and one chunk's cost split."""
+    from megatron_fused_ce.ops import torch_backend, triton_backend as tb
+    n_tok, hdim, v = shape
+    out = dict(shape=list(shape), chunk=chunk, checks={}, times_ms={})
+    log(f"\n== kernel check + per-chunk breakdown: chunk [{chunk}, {v}] bf16, H={hdim}")
+    g = torch.Generator(device=device).manual_seed(5)
+    h = torch.randn(chunk, hdim, device=device, generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, hdim, device=device, generator=g) / math.sqrt(hdim) * 2).to(torch.bfloat16)
+    nvc = v - 17  # some padding columns
+    tgt = torch.randint(-1, nvc, (chunk,), device=device, generator=g)
+    logits = h @ w.t()
+    for rows in sorted({chunk, min(256, chunk), 7}, reverse=True):  # few rows: the column-split path
+        lg = logits[:rows]
+        for temp in (1.0, 0.7):
+            a = tb.shard_stats(lg, tgt[:rows], nvc, 1 / temp, True, True)
+            b = torch_backend.shard_stats(lg, tgt[:rows], nvc, 1 / temp, True, True)
+            for f in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+                out["checks"][f"stats.{f} rows={rows} T={temp}"] = rel_err(getattr(a, f), getattr(b, f))
+            lse = b.max + torch.log(b.sum_exp)
+            cp, cpz, ct, cu = (torch.randn(rows, device=device, generator=g) for _ in range(4))
+            ga = tb.shard_dlogits_(lg.clone(), tgt[:rows], nvc, 1 / temp, lse, cp, cpz, ct, cu)
+            gb = torch_backend.shard_dlogits_(lg.clone(), tgt[:rows], nvc, 1 / temp, lse, cp, cpz, ct, cu)
+            out["checks"][f"dlogits rows={rows} T={temp}"] = rel_err(ga, gb)
+            out["checks"][f"dlogits padding zero rows={rows}"] = bool((ga[:, nvc:] == 0).all().item())
+            ulp = ((ga.float() - gb.float()).abs() > 0).float().mean().item()
+            out["checks"][f"dlogits frac elements differing rows={rows} T={temp}"] = ulp
+    bad = [k for k, e in out["checks"].items() if isinstance(e, float) and "frac" not in k and not e < 1e-4]
+    bad += [k for k, e in out["checks"].items() if e is False]
+    out["ok"] = not bad
+    log("  kernel check: " + ("OK" if not bad else f"FAILED: {bad}"))
+    for k, e in out["checks"].items():
+        log(f"    {k:48s} {e}")
+
+    lse = torch.logsumexp(logits.float(), 1)
+    ones = torch.ones(chunk, device=device)
+    dw_acc = torch.zeros(v, hdim, dtype=torch.float32, device=device)
+    dx = torch.empty_like(h)
+    buf = logits.clone()
+
+    def t(fn):
+        return time_step(fn, 2, 5, 20, 150)[0]
+
+    elems = chunk * v
+    ops = {
+        "logits GEMM (bf16 out)": lambda: torch.mm(h, w.t(), out=buf),
+        "logits GEMM (fp32 out, out_dtype)": lambda: torch.mm(h, w.t(), out_dtype=torch.float32),
+        "triton shard_stats": lambda: tb.shard_stats(logits, tgt, v, 1.0),
+        "triton shard_stats +entropy+sum": lambda: tb.shard_stats(logits, tgt, v, 1.0, True, True),
+        "torch shard_stats": lambda: torch_backend.shard_stats(logits, tgt, v, 1.0),
+        "triton shard_dlogits_": lambda: tb.shard_dlogits_(buf, tgt, v, 1.0, lse, ones, None, -ones, None),
+        "torch shard_dlogits_": lambda: torch_backend.shard_dlogits_(buf, tgt, v, 1.0, lse, ones, None, -ones, None),
+        "dX GEMM": lambda: torch.mm(logits, w, out=dx),
+        "dW GEMM bf16 out": lambda: torch.mm(logits.t(), h),
+        "dW addmm into fp32 acc (out_dtype)": lambda: torch.addmm(dw_acc, logits.t(), h,
+                                                                   out_dtype=torch.float32, out=dw_acc),
+        "dW mm fp32 out + add_": lambda: dw_acc.add_(torch.mm(logits.t(), h, out_dtype=torch.float32)),
+    }
+    for name, fn in ops.items():
+        try:
+            ms = t(fn)
+            out["times_ms"][name] = ms
+            extra = ""
+            if "stats" in name and "triton" in name:
+                extra = f"  {2 * elems / ms / 1e6:.0f} GB/s (2 B/elt read)"
+            if "dlogits" in name and "triton" in name:
+                extra = f"  {4 * elems / ms / 1e6:.0f} GB/s (2 B/elt read + 2 written)"
+            if "GEMM" in name or "addmm" in name:
+                extra = f"  {2.0 * chunk * hdim * v / ms / 1e9:.0f} TFLOP/s"
+            log(f"    {name:40s} {ms:8.3f} ms{extra}")
+        except Exception as exc:  # noqa: BLE001
+            out["times_ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log(f"    {name:40s} failed: {exc}")
+        free()
+    # launch-setting variants of the two kernels (module attributes; restored afterwards)
+    saved = {k: getattr(tb, k) for k in ("STATS_BLOCK_N", "STATS_WARPS", "DLOGITS_BLOCK_N", "DLOGITS_WARPS")}
+    variants = [(1024, 4), (2048, 8), (4096, 8), (4096, 16)] if not args.quick else [(64, 4)]
+    for block, warps in variants:
+        tb.STATS_BLOCK_N, tb.STATS_WARPS, tb.DLOGITS_BLOCK_N, tb.DLOGITS_WARPS = block, warps, block, warps
+        try:
+            ms_s = t(lambda: tb.shard_stats(logits, tgt, v, 1.0))
+            ms_d = t(lambda: tb.shard_dlogits_(buf, tgt, v, 1.0, lse, ones, None, -ones, None))
+            out["times_ms"][f"variant block={block} warps={warps}: stats"] = ms_s
+            out["times_ms"][f"variant block={block} warps={warps}: dlogits"] = ms_d
+            log(f"    variant block={block:5d} warps={warps:2d}: stats {ms_s:.3f} ms "
+                f"({2 * elems / ms_s / 1e6:.0f} GB/s), dlogits {ms_d:.3f} ms ({4 * elems / ms_d / 1e6:.0f} GB/s)")
+        except Exception as exc:  # noqa: BLE001
+            log(f"    variant block={block} warps={warps} failed: {exc}")
+    for k, val in saved.items():
+        setattr(tb, k, val)
+    # few rows (TP / small microbatch): the column-split path
+    for rows in (min(256, chunk),):
+        ms = t(lambda: tb.shard_stats(logits[:rows], tgt[:rows], v, 1.0))
+        out["times_ms"][f"triton shard_stats rows={rows}"] = ms
+        log(f"    {'triton shard_stats rows=' + str(rows):40s} {ms:8.3f} ms  {2 * rows * v / ms / 1e6:.0f} GB/s")
+    results["kernels"] = out
+    write_json(results, args.out)
+    del h, w, logits, buf, dw_acc, dx
+    free()
+    return out["ok"]
+
+
+# ------------------------------------------------------------------------------ reports
+def write_json(results, out_dir):
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(results):
+    lines = [f"Device: {results['env'].get('device')}; torch {results['env']['torch']}, "
+             f"triton {results['env'].get('triton')}; command: `{results['command']}`", ""]
+    for section in dict.fromkeys(r["section"] for r in results["rows"]):
+        rows = [r for r in results["rows"] if r["section"] == section]
+        shapes = list(dict.fromkeys((r["N"], r["H"], r["V"]) for r in rows))
+        for shape in shapes:
+            sr = [r for r in rows if (r["N"], r["H"], r["V"]) == shape]
+            floor = next((r for r in sr if r["method"] == "floor" and "ms" in r), None)
+            lines.append(f"### {section}: N={shape[0]}, H={shape[1]}, V={shape[2]}"
+                         + (f" — floor {floor['ms']:.2f} ms" if floor else ""))
+            lines.append("")
+            lines.append("| method | ms | TFLOP/s | × floor | extra GiB | extra % dense logits | "
+                         "err dX | err dW | note |")
+            lines.append("|---|---|---|---|---|---|---|---|---|")
+            for r in sr:
+                if "ms" not in r:
+                    lines.append(f"| {r['impl']} | - | - | - | - | - | - | - | {r.get('skipped', '')[:120]} |")
+                    continue
+                note = f"auto = {r['chunk_resolved']} rows" if r.get("chunk_resolved") else ""
+                lines.append(
+                    f"| {r['impl']} | {r['ms']:.2f} | {r['tflops']:.0f} | {_fmt(r.get('x_floor'), '.3f')} | "
+                    f"{_fmt(r.get('extra_gib'), '.3f')} | {_fmt(r.get('extra_pct_dense_logits'), '.1f')} | "
+                    f"{_fmt(r.get('err_dx'), '.1e')} | {_fmt(r.get('err_dw'), '.1e')} | {note} |")
+            lines.append("")
+    if "kernels" in results:
+        k = results["kernels"]
+        lines.append(f"### Per-chunk breakdown: [{k['chunk']}, {k['shape'][2]}] bf16 chunk, H={k['shape'][1]}")
+        lines.append("")
+        lines.append("| op | ms |")
+        lines.append("|---|---|")
+        for name, ms in k["times_ms"].items():
+            lines.append(f"| {name} | {ms if isinstance(ms, str) else format(ms, '.3f')} |")
+        lines.append("")
+        lines.append(f"Kernel check (triton vs torch backend, rel. err.): {'OK' if k['ok'] else 'FAILED'}; "
+                     f"worst {max((v for v in k['checks'].values() if isinstance(v, float)), default=0):.2e}")
+    return "\n".join(lines) + "\n"
+
+
+def _best_per_method(rows):
+    """{(shape, method): the row of that method's fastest chunk size}."""
+    best = {}
+    for r in rows:
+        key = ((r["N"], r["H"], r["V"]), r["method"])
+        if key not in best or r["ms"] < best[key]["ms"]:
+            best[key] = r
+    return best
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no plot")
+        return
+    main = [r for r in results["rows"] if r["section"] == "shapes" and "x_floor" in r and r["method"] != "floor"]
+    sweep = [r for r in results["rows"] if r["section"] == "memory sweep" and "extra_gib" in r
+             and r["method"] != "floor"]
+    best = _best_per_method(main)
+    shapes = list(dict.fromkeys(k[0] for k in best))
+    methods = list(dict.fromkeys(k[1] for k in best))
+    colors = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, 2, figsize=(17, 6.5))
+    ax = axes[0]
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        xs, ys = [], []
+        for j, shape in enumerate(shapes):
+            r = best.get((shape, method))
+            if r:
+                xs.append(j + i * width)
+                ys.append(r["x_floor"])
+        ax.bar(xs, ys, width, label=method, color=colors[i % len(colors)])
+        for x, y_ in zip(xs, ys):
+            ax.text(x, y_ + 0.02, f"{y_:.2f}", ha="center", va="bottom", fontsize=5, rotation=90)
+    ax.axhline(1.0, color="k", lw=0.8)
+    for target, style in ((1.10, ":"), (1.40, "--")):
+        ax.axhline(target, color="gray", ls=style, lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+    ax.set_xticklabels([f"N={s[0]}\nH={s[1]}\nV={s[2]}" for s in shapes])
+    ax.set_ylabel("time / 3-GEMM floor (fwd+bwd), best chunk size per method")
+    ax.set_title("Time vs floor (dotted 1.10x SFT target, dashed 1.40x log-probs target)")
+    ax.legend(fontsize=7, ncol=2)
+    ax = axes[1]
+    for i, impl in enumerate(dict.fromkeys(r["impl"] for r in sweep)):
+        pts = sorted((r["N"], r["extra_gib"]) for r in sweep if r["impl"] == impl)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, color=colors[i % len(colors)])
+    ns = sorted({r["N"] for r in sweep})
+    if ns:
+        v = sweep[0]["V"]
+        ax.plot(ns, [n * v * 2 / GIB for n in ns], "k--", lw=0.8, label="dense bf16 logits")
+        ax.plot(ns, [0.03 * 8192 * v * 2 / GIB for n in ns], "k:", lw=0.8, label="target: 3% of N=8192 logits")
+        ax.set_title("Extra memory vs tokens (H=%d, V=%d)" % (sweep[0]["H"], v))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens N")
+    ax.set_ylabel("extra memory, GiB")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"plot: {path}")
+
+
+def environment():
+    env = dict(python=platform.python_version(), torch=torch.__version__,
+               package=getattr(megatron_fused_ce, "__version__", None))
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(device=torch.cuda.get_device_name(0), sms=p.multi_processor_count,
+                   memory_gib=p.total_memory / GIB, cuda=torch.version.cuda)
+    else:
+        env["device"] = "cpu (TRITON_INTERPRET=1)"
+    for mod, dist in (("megatron.core", "megatron-core"), ("liger_kernel", "liger-kernel"),
+                      ("cut_cross_entropy", "cut-cross-entropy")):
+        try:
+            from importlib.metadata import version
+            env[dist] = version(dist)
+        except Exception:  # noqa: BLE001
+            env[dist] = None
+    try:
+        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        env["git"] = None
+    return env
+
+
+def parse_chunks(spec):
+    return [None if c.strip() == "auto" else int(c) for c in spec.split(",") if c.strip()]
+
+
+def parse_shapes(spec):
+    return [tuple(int(x) for x in s.lower().split("x")) for s in spec.split(",") if s.strip()]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", help="comma list of NxHxV (default: the 3 design shapes)")
+    p.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma list (default {DEFAULT_IMPLS})")
+    p.add_argument("--chunks", default="4096,8192,auto", help="chunk sizes for ours (rows; 'auto')")
+    p.add_argument("--sweep", default=None, help="memory sweep N list at H=4096, V=128256 ('' = none)")
+    p.add_argument("--sweep-impls", default=SWEEP_IMPLS)
+    p.add_argument("--sweep-chunk", default="4096", help="chunk size for ours in the sweep")
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernel check / breakdown")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "bench_out"))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--min-reps", type=int, default=3)
+    p.add_argument("--max-reps", type=int, default=15)
+    p.add_argument("--budget-ms", type=float, default=400.0, help="time to spend per method")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        shapes = parse_shapes(args.shapes) if args.shapes else (
+            QUICK_SHAPES_GPU if device.type == "cuda" else QUICK_SHAPES_CPU)
+        sweep = parse_chunks(args.sweep) if args.sweep is not None else ([2048, 4096] if device.type == "cuda" else [32, 64])
+        args.warmup, args.min_reps, args.max_reps, args.budget_ms = 1, 2, 3, 1.0
+        if args.chunks == "4096,8192,auto":
+            args.chunks = "512,auto" if device.type == "cuda" else "16,auto"
+        if args.sweep_chunk == "4096":
+            args.sweep_chunk = "512" if device.type == "cuda" else "16"
+    else:
+        shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
+        sweep = SWEEP_N if args.sweep is None else parse_chunks(args.sweep)
+    chunks = parse_chunks(args.chunks)
+    results = dict(command=" ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]) if argv is None
+                   else " ".join(argv), env=environment(), quick=args.quick, rows=[])
+    log(json.dumps(results["env"]))
+    t_start = time.time()
+    impls = impl_list(args.impls, chunks)
+
+    if not args.no_kernels:
+        kshape = shapes[0]
+        kernel_chunk = min(4096 if not args.quick else 64, kshape[0])
+        results["kernel_ok"] = kernel_check_and_breakdown(args, device, results, kshape, kernel_chunk)
+
+    for shape in shapes:
+        bench_shape(shape, impls, args, device, results, "shapes")
+        log(f"  [{time.time() - t_start:.0f} s elapsed]")
+    if sweep:
+        sweep_impls = impl_list(args.sweep_impls, parse_chunks(args.sweep_chunk))
+        hv = (shapes[0][1], shapes[0][2]) if args.quick else SWEEP_HV
+        for n in sweep:
+            bench_shape((n, *hv), sweep_impls, args, device, results, "memory sweep", check=False)
+            log(f"  [{time.time() - t_start:.0f} s elapsed]")
+
+    results["elapsed_s"] = time.time() - t_start
+    write_json(results, args.out)
+    md = markdown(results)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md)
+    plot(results, os.path.join(args.out, "results.png"))
+    log("\n" + md)
+    return 0 if results.get("kernel_ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
