@@ -278,7 +278,8 @@ def _scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
 
 def scale_cast(src_fp32: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """dtype(src_fp32 * scale) in one pass over the fp32 weight gradient."""
-    if dtype == torch.float32 or not src_fp32.is_contiguous() or _interpreting() and src_fp32.is_cuda:
+    # Off CUDA (incl. the interpreter, whose fp32 -> bf16 cast truncates) the torch math is used.
+    if dtype == torch.float32 or not src_fp32.is_cuda or not src_fp32.is_contiguous():
         return (src_fp32 * scale).to(dtype)
     out = torch.empty(src_fp32.shape, dtype=dtype, device=src_fp32.device)
     block = 4096
