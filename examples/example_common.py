@@ -1,0 +1,383 @@
+"""What the four examples share: config + command line, torchrun/parallel setup, a tiny GPT,
+the optimizer step, progress bar, and the fused-vs-unfused check on the first batch.
+
+Launch with torchrun. Without CUDA the processes talk over gloo and megatron-core runs in CPU mode
+(`enable_cpu_mode`); with CUDA, NCCL and one GPU per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, List, Optional
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's SP advice on GPUs
+
+import torch
+import torch.distributed as dist
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megatron_fused_ce.megatron import (  # noqa: E402
+    FusedCEConfig,
+    LogprobsPostProcessor,
+    enable_cpu_mode,
+    install_fused_output_layer,
+    is_fused,
+    uninstall_fused_output_layer,
+)
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+# ------------------------------------------------------------------------------------------------
+# Config: YAML file, then --tp/--pp/--seq-length/--steps, then `a.b.c=value` overrides.
+# ------------------------------------------------------------------------------------------------
+def parse_args(default_config: str, description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=os.path.join(CONFIG_DIR, default_config))
+    parser.add_argument("--tp", type=int, help="tensor-parallel size (megatron_cfg)")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel size (megatron_cfg)")
+    parser.add_argument("--seq-length", type=int, help="sequence length (data.seq_length)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    parser.add_argument("--compare-unfused", action="store_true",
+                        help="report the fused-vs-unfused loss difference on the first batch")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="e.g. megatron_cfg.use_linear_ce_fusion_loss=false train.lr=1e-3")
+    args = parser.parse_intermixed_args()
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    for key, value in (("megatron_cfg.tensor_model_parallel_size", args.tp),
+                       ("megatron_cfg.pipeline_model_parallel_size", args.pp),
+                       ("data.seq_length", args.seq_length), ("train.steps", args.steps)):
+        if value is not None:
+            _set(cfg, key, value)
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"override {item!r} is not KEY=VALUE")
+        _set(cfg, key, yaml.safe_load(value))
+    args.cfg = cfg
+    return args
+
+
+def _set(cfg: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for name in parents:
+        cfg = cfg.setdefault(name, {})
+    cfg[leaf] = value
+
+
+# ------------------------------------------------------------------------------------------------
+# Processes and megatron parallel state.
+# ------------------------------------------------------------------------------------------------
+def init_distributed(cfg: dict, seed: int):
+    """torchrun env -> process group (NCCL on CUDA, gloo otherwise) -> megatron parallel_state."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl"
+    else:
+        enable_cpu_mode()
+        backend = "gloo"
+    if not dist.is_initialized():  # (the tests run main() in already-initialized workers)
+        dist.init_process_group(backend)
+        if backend == "gloo":  # share the cores between the processes on this machine
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    mcfg = cfg["megatron_cfg"]
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=mcfg.get("tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=mcfg.get("pipeline_model_parallel_size", 1))
+    torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return parallel_state
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocab to a multiple of `divisible_by x TP` (the padding is excluded
+    from the softmax by passing the true `vocab_size` to the post-processor)."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def layer_spec(mcfg: dict, config):
+    """megatron-core's local layer spec, or Transformer Engine's with
+    `megatron_cfg.transformer_impl: transformer_engine` (TE is imported only then)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if mcfg.get("transformer_impl", "local") == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    if config.sequence_parallel:
+        raise SystemExit("sequence_parallel needs a norm that supports it: set "
+                         "megatron_cfg.transformer_impl=transformer_engine (TE installed)")
+    return gpt_layer_specs.get_gpt_layer_local_spec()
+
+
+def build_model(cfg: dict, parallel_state):
+    """A tiny GPTModel (megatron-core local spec) wrapped in megatron's DDP, fusion installed
+    per `megatron_cfg`. Returns (model, transformer_config, fused_config)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    m, mcfg, data = cfg["model"], cfg["megatron_cfg"], cfg["data"]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[mcfg.get("dtype", "float32")]
+    config = TransformerConfig(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"], ffn_hidden_size=m.get("ffn_hidden_size"),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=bool(mcfg.get("sequence_parallel", False)) and tp > 1,
+        pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available())
+    gpt = GPTModel(
+        config, layer_spec(mcfg, config),
+        vocab_size=padded_vocab_size(m["vocab_size"], m.get("make_vocab_size_divisible_by", 128), tp),
+        max_sequence_length=data["seq_length"],
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=m.get("tie_embeddings", True))
+    if dtype != torch.float32:
+        from megatron.core.transformer.module import Float16Module
+
+        gpt = Float16Module(config, gpt)
+    gpt.to(device())
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt)
+    config.finalize_model_grads_func = finalize_model_grads
+    fused = FusedCEConfig.from_megatron_cfg(mcfg)
+    install_fused_output_layer(model, fused)
+    return model, config, fused
+
+
+def LogprobsPostProcessorFor(cfg: dict, fused: FusedCEConfig, **kwargs) -> LogprobsPostProcessor:
+    """The post-processor with the tokenizer's vocab size (the model's is padded)."""
+    return LogprobsPostProcessor(fused, vocab_size=cfg["model"]["vocab_size"], **kwargs)
+
+
+def build_frozen_copy(model, cfg: dict, parallel_state):
+    """A reference model with the policy's current weights (DPO / GRPO KL), never trained."""
+    ref, _, _ = build_model(cfg, parallel_state)
+    ref.load_state_dict(model.state_dict())
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+class MainGradAdamW:
+    """torch AdamW stepping on megatron DDP's fp32 `main_grad` buffers (megatron's own optimizer
+    allocates CUDA tensors, so it does not run on CPU). Tied embeddings stay tied:
+    `finalize_model_grads` gave both copies the same gradient. A demo optimizer: bf16 parameters
+    are updated in place, without fp32 master weights, and there is no gradient clipping."""
+
+    def __init__(self, model, lr: float, weight_decay: float = 0.0):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+
+    def zero_grad(self):
+        self.model.zero_grad_buffer()
+
+    def step(self):
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype)
+        self.opt.step()
+        for p in self.params:
+            p.grad = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Mock data: learnable token patterns, different on every data-parallel rank and step.
+# ------------------------------------------------------------------------------------------------
+def pattern_sequences(rows: int, length: int, vocab_size: int, generator) -> torch.Tensor:
+    """Arithmetic progressions mod vocab (random start and stride <= 8): after a couple of tokens
+    the continuation is predictable, so the loss visibly drops within a few dozen steps."""
+    start = torch.randint(0, vocab_size, (rows, 1), generator=generator)
+    stride = torch.randint(1, 9, (rows, 1), generator=generator)
+    return (start + stride * torch.arange(length)) % vocab_size
+
+
+def causal_mask(seq_length: int) -> torch.Tensor:
+    """[1, 1, s, s], True = masked (megatron's convention); passed explicitly to the model."""
+    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool), diagonal=1)
+
+
+def micro_batches(rows: Dict[str, torch.Tensor], micro_batch_size: int) -> List[dict]:
+    """Split `[R, ...]` tensors into micro-batch dicts on the compute device; adds position ids
+    and the causal mask unless given."""
+    total = next(iter(rows.values())).shape[0]
+    out = []
+    for start in range(0, total, micro_batch_size):
+        batch = {k: v[start:start + micro_batch_size].to(device()) for k, v in rows.items()}
+        b, s = batch["tokens"].shape
+        batch.setdefault("position_ids", torch.arange(s, device=device()).unsqueeze(0).expand(b, s))
+        batch.setdefault("attention_mask", causal_mask(s).to(device()))
+        out.append(batch)
+    return out
+
+
+def rows_per_rank(cfg: dict, parallel_state) -> int:
+    train = cfg["train"]
+    dp = parallel_state.get_data_parallel_world_size()
+    per_rank, rest = divmod(train["global_batch_size"], dp)
+    if rest or per_rank % train["micro_batch_size"]:
+        raise SystemExit(f"global_batch_size {train['global_batch_size']} must split into DP={dp} "
+                         f"ranks x micro-batches of {train['micro_batch_size']}")
+    return per_rank
+
+
+def data_generator(cfg: dict, parallel_state, step: int) -> torch.Generator:
+    seed = cfg["train"].get("seed", 1234) * 1000003 + step * 1009 + parallel_state.get_data_parallel_rank()
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running micro-batches through megatron's schedule.
+# ------------------------------------------------------------------------------------------------
+def forward_fn(model, batch):
+    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+
+def run_batches(model, batches: List[dict], make_loss_func: Callable, seq_length: int,
+                forward_only: bool = False) -> List[dict]:
+    """One `get_forward_backward_func` call over `batches` (micro-batches)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        return forward_fn(chunk, batch), make_loss_func(chunk, batch)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=seq_length,
+        micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
+
+
+def reduce_metrics(metrics: List[Dict[str, torch.Tensor]], parallel_state) -> Dict[str, float]:
+    """Sum the `[sum, count]` pairs over micro-batches and data-parallel ranks -> means.
+    Only meaningful on the last pipeline stage (empty elsewhere)."""
+    if not metrics:
+        return {}
+    totals = {k: torch.stack([m[k] for m in metrics]).sum(0) for k in metrics[0]}
+    names = sorted(totals)
+    packed = torch.stack([totals[k].float() for k in names]).to(device())
+    dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
+    return {k: (v[0] / v[1].clamp(min=1)).item() for k, v in zip(names, packed)}
+
+
+@contextmanager
+def output_layer(model, fused_on: bool, chunk_size: int):
+    """Temporarily run with (or without) the fused output layer, then restore what was there."""
+    was_fused = _is_last(model) and is_fused(model)
+    if fused_on:
+        install_fused_output_layer(model, FusedCEConfig(enabled=True, chunk_size=chunk_size))
+    else:
+        uninstall_fused_output_layer(model)
+    try:
+        yield
+    finally:
+        if was_fused:
+            install_fused_output_layer(model, FusedCEConfig(enabled=True, chunk_size=chunk_size))
+        else:
+            uninstall_fused_output_layer(model)
+
+
+def _is_last(model) -> bool:
+    from megatron_fused_ce.megatron import unwrap_model
+
+    return bool(getattr(unwrap_model(model), "post_process", False))
+
+
+def compare_unfused(model, fused: FusedCEConfig, batches, make_loss_func, seq_length: int,
+                    parallel_state, key: str) -> Optional[str]:
+    """Forward-only loss on `batches` with and without fusion -> a one-line report (last rank).
+    Works whether or not `megatron_cfg` switched fusion on."""
+    results = {}
+    with torch.no_grad():
+        for fused_on in (True, False):
+            with output_layer(model, fused_on, fused.chunk_size):
+                metrics = run_batches(model, batches, make_loss_func, seq_length, forward_only=True)
+                results[fused_on] = reduce_metrics(metrics, parallel_state)
+    if not results[True]:
+        return None
+    a, b = results[True][key], results[False][key]
+    return (f"first batch, {key}: fused {a:.6f} vs unfused {b:.6f}, |difference| {abs(a - b):.2e} "
+            f"(relative {abs(a - b) / max(abs(b), 1e-12):.2e})")
+
+
+# ------------------------------------------------------------------------------------------------
+# Progress: a tqdm bar on the last rank (on the last pipeline stage, where the loss is).
+# ------------------------------------------------------------------------------------------------
+def peak_memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (peak RSS)
+
+
+class Progress:
+    def __init__(self, steps: int, desc: str):
+        self.is_reporter = dist.get_rank() == dist.get_world_size() - 1
+        self.bar = None
+        if self.is_reporter:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, desc=desc, dynamic_ncols=True, file=sys.stdout)
+        self.last = time.perf_counter()
+
+    def update(self, metrics: Dict[str, float], tokens: int, **extra):
+        now = time.perf_counter()
+        tokens_per_s = tokens / max(now - self.last, 1e-9)
+        self.last = now
+        peak = torch.tensor([peak_memory_gib()], device=device())
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # every rank takes part
+        if self.bar is not None:
+            shown = {k: f"{v:.4f}" for k, v in metrics.items()}
+            shown.update({"tok/s": f"{tokens_per_s:.0f}", "peak_mem": f"{peak.item():.2f}GiB"})
+            shown.update({k: str(v) for k, v in extra.items()})
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(1)
+
+    def write(self, line: Optional[str]):
+        if self.is_reporter and line:
+            (self.bar.write if self.bar is not None else print)(line)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def describe(cfg: dict, fused: FusedCEConfig, parallel_state) -> str:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    dp = parallel_state.get_data_parallel_world_size()
+    m = cfg["model"]
+    return (f"world {dist.get_world_size()} = TP {tp} x PP {pp} x DP {dp} on "
+            f"{'CUDA/NCCL' if torch.cuda.is_available() else 'CPU/gloo'}; model {m['num_layers']} "
+            f"layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}; "
+            f"fused linear CE: {'on' if fused.enabled else 'off'} (chunk {fused.chunk_size})")
+
+
+def shutdown():
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+

@@ -1,0 +1,70 @@
+"""Pretrain a tiny GPT on mock data with megatron-core, the loss computed without the logits.
+
+    torchrun --nproc_per_node 4 examples/pretrain_gpt.py --tp 2 --pp 2 --compare-unfused
+    torchrun --nproc_per_node 2 examples/pretrain_gpt.py megatron_cfg.use_linear_ce_fusion_loss=false
+
+The loss is the token-level cross-entropy, computed as -log p(label) by the post-processor:
+from the final hidden states and the output-weight shard when `use_linear_ce_fusion_loss` is on,
+from megatron's `[b, s, V/TP]` logits when it is off.
+"""
+
+from example_common import (
+    LogprobsPostProcessorFor,
+    MainGradAdamW,
+    Progress,
+    build_model,
+    compare_unfused,
+    data_generator,
+    describe,
+    init_distributed,
+    micro_batches,
+    parse_args,
+    pattern_sequences,
+    reduce_metrics,
+    rows_per_rank,
+    run_batches,
+    shutdown,
+)
+
+from megatron_fused_ce.megatron import sft_loss_func
+
+
+def make_batches(cfg, parallel_state, step):
+    seq, vocab = cfg["data"]["seq_length"], cfg["model"]["vocab_size"]
+    tokens = pattern_sequences(rows_per_rank(cfg, parallel_state), seq + 1, vocab,
+                               data_generator(cfg, parallel_state, step))
+    rows = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+            "loss_mask": tokens.new_ones(tokens.shape[0], seq).float()}
+    return micro_batches(rows, cfg["train"]["micro_batch_size"])
+
+
+def main():
+    args = parse_args("pretrain_gpt.yaml", __doc__)
+    cfg, train = args.cfg, args.cfg["train"]
+    parallel_state = init_distributed(cfg, train["seed"])
+    model, _, fused = build_model(cfg, parallel_state)
+    post = LogprobsPostProcessorFor(cfg, fused)
+    optimizer = MainGradAdamW(model, lr=train["lr"])
+    seq = cfg["data"]["seq_length"]
+
+    def make_loss_func(chunk, batch):
+        return sft_loss_func(post, chunk, batch["labels"], batch["loss_mask"])
+
+    progress = Progress(train["steps"], "pretrain")
+    progress.write(describe(cfg, fused, parallel_state))
+    for step in range(train["steps"]):
+        batches = make_batches(cfg, parallel_state, step)
+        if step == 0 and args.compare_unfused:
+            progress.write(compare_unfused(model, fused, batches, make_loss_func, seq,
+                                           parallel_state, "lm loss"))
+        optimizer.zero_grad()
+        metrics = run_batches(model, batches, make_loss_func, seq)
+        optimizer.step()
+        progress.update(reduce_metrics(metrics, parallel_state),
+                        tokens=train["global_batch_size"] * seq)
+    progress.close()
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

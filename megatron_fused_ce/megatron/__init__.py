@@ -1,0 +1,63 @@
+"""Megatron-Core integration: flip `use_linear_ce_fusion_loss: true` in `megatron_cfg` and the
+last pipeline stage computes log-probs and losses from hidden states, never the `[b, s, V/TP]` logits.
+
+    from megatron_fused_ce.megatron import (FusedCEConfig, install_fused_output_layer,
+                                            LogprobsPostProcessor, sft_loss_func)
+
+    fused = FusedCEConfig.from_megatron_cfg(cfg["megatron_cfg"])
+    install_fused_output_layer(model, fused)            # no-op when fused.enabled is False
+    post = LogprobsPostProcessor(fused, vocab_size=tokenizer_vocab_size)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+        return output, sft_loss_func(post, model, batch["labels"], batch["loss_mask"])
+
+`compute_logprobs` runs forward-only passes (reference / old policy) and broadcasts the result from
+the last pipeline stage to every stage; `grpo_logprob_passes(config)` says which passes GRPO needs.
+Megatron-LM-style `model(..., labels=labels)` keeps returning the per-token loss with fusion on.
+
+Modules: config.py (the switches), output_layer.py (hidden states out of the last stage),
+postprocess.py (log-probs from hidden states or logits; pipeline broadcast), loss_funcs.py
+(Megatron loss funcs for SFT / DPO / GRPO), cpu.py (megatron-core on CPU/gloo).
+Importing this package does not import megatron-core or transformer-engine.
+"""
+
+from .config import FusedCEConfig
+from .cpu import enable_cpu_mode
+from .loss_funcs import dpo_loss_func, grpo_logprob_passes, grpo_loss_func, sft_loss_func
+from .output_layer import (
+    FusedOutputLayer,
+    install_fused_output_layer,
+    is_fused,
+    output_weight,
+    uninstall_fused_output_layer,
+    unwrap_model,
+)
+from .postprocess import (
+    LogprobsPostProcessor,
+    broadcast_from_last_stage,
+    compute_logprobs,
+    packed_sequence_labels,
+    vocab_parallel_logprobs,
+)
+
+__all__ = [
+    "FusedCEConfig",
+    "enable_cpu_mode",
+    "install_fused_output_layer",
+    "uninstall_fused_output_layer",
+    "FusedOutputLayer",
+    "is_fused",
+    "output_weight",
+    "unwrap_model",
+    "LogprobsPostProcessor",
+    "broadcast_from_last_stage",
+    "compute_logprobs",
+    "packed_sequence_labels",
+    "vocab_parallel_logprobs",
+    "sft_loss_func",
+    "dpo_loss_func",
+    "grpo_loss_func",
+    "grpo_logprob_passes",
+]

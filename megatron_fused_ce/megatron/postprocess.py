@@ -1,0 +1,307 @@
+"""Per-token log-probs on the last pipeline stage, from hidden states (fused) or logits (unfused).
+
+`LogprobsPostProcessor(...)(output_tensor, model, labels)` is what a Megatron `loss_func` calls on
+the model output. Follow one token t of row i:
+
+1. `labels[i, t]` is Megatron-style, already shifted: the id of token t+1. With packed sequences
+   (`cu_seqlens`) the last position of each sequence would be scored against the first token of
+   the next one, so it gets `ignore_index` (log-prob exactly 0, no gradient), as does the padding
+   after the last sequence.
+2. Fusion on (`install_fused_output_layer`): `output_tensor[i, t]` is the final hidden state. It
+   goes to `linear_logprobs` with this rank's vocab shard of the output weight; the `[tokens, V/TP]`
+   logits never exist. Under sequence parallelism `output_tensor` is `[b, s/TP, h]` and the op
+   all-gathers it along the sequence.
+3. Fusion off: `output_tensor[i, t]` is the row of logits `[V/TP]`; the same softmax statistics
+   (max, sum-exp, target logit, expected logit) are merged over tensor-parallel ranks here.
+Both give `LogprobsOutput(logprobs [b, s], entropy [b, s] | None)`, fp32, identical on all TP
+ranks, of `softmax(z[:vocab_size] / temperature)`.
+
+`broadcast_from_last_stage` and `compute_logprobs` carry the result of a forward-only pass
+(reference / old policy log-probs) to every pipeline stage.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, List, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_fused_ce import LogprobsOutput, linear_logprobs
+
+from .config import FusedCEConfig
+from .output_layer import is_fused, output_weight, unwrap_model
+
+IGNORE_INDEX = -100
+
+
+def _tp_group(gpt):
+    group = getattr(gpt, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
+
+
+def packed_sequence_labels(labels: Tensor, cu_seqlens: Optional[Tensor],
+                           ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """`labels` with the positions that would cross a sequence boundary set to `ignore_index`.
+
+    `cu_seqlens` (int, `[num_seqs + 1]`, starting at 0) are offsets into the row-major flattened
+    `[b * s]` token stream (for the usual packed batch, b = 1: offsets along the sequence). The
+    last position of each sequence and every position at or after `cu_seqlens[-1]` are not scored.
+    """
+    if cu_seqlens is None:
+        return labels
+    flat = labels.reshape(-1).clone()
+    bounds = cu_seqlens.to(device=labels.device, dtype=torch.long)
+    ends = bounds[1:] - 1
+    ends = ends[(ends >= 0) & (bounds[1:] > bounds[:-1])]  # skip empty sequences
+    flat[ends] = ignore_index
+    flat[int(bounds[-1]):] = ignore_index
+    return flat.reshape(labels.shape)
+
+
+class LogprobsPostProcessor:
+    """Turn a last-stage model output into per-token log-probs (and entropy).
+
+    Args:
+        config: the `FusedCEConfig` (its `chunk_size` is used on the fused path).
+        vocab_size: the true vocab size; ids >= vocab_size (Megatron's padding of the vocab to a
+            multiple of TP x 128) take no part in the softmax. Default: the model's vocab size.
+        temperature: logits are divided by it before the softmax (sampling temperature of the
+            rollouts in RL). Applied here, i.e. only on the last stage.
+        return_entropy: also return the full-vocab entropy per token.
+    """
+
+    def __init__(self, config: FusedCEConfig, *, vocab_size: Optional[int] = None,
+                 temperature: float = 1.0, return_entropy: bool = False,
+                 ignore_index: int = IGNORE_INDEX):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.config = config
+        self.vocab_size = vocab_size
+        self.temperature = float(temperature)
+        self.return_entropy = return_entropy
+        self.ignore_index = ignore_index
+
+    def __call__(self, output_tensor: Tensor, model: torch.nn.Module, labels: Tensor, *,
+                 cu_seqlens: Optional[Tensor] = None) -> LogprobsOutput:
+        gpt = unwrap_model(model)
+        if not getattr(gpt, "post_process", False):
+            raise RuntimeError("LogprobsPostProcessor runs on the last pipeline stage only")
+        labels = packed_sequence_labels(labels.long(), cu_seqlens, self.ignore_index)
+        if is_fused(gpt):
+            return self._from_hidden(output_tensor, gpt, labels)
+        return self._from_logits(output_tensor, gpt, labels)
+
+    # -- fusion on -------------------------------------------------------------------------------
+    def fused_inputs(self, output_tensor: Tensor, model: torch.nn.Module, labels: Tensor, *,
+                     cu_seqlens: Optional[Tensor] = None) -> Optional[dict]:
+        """The fused op's arguments for this output, or None when the model returns logits.
+
+        `hidden`, `weight` and `labels` are in the op's layout: `[b, s, h]` / `[b, s]`, or
+        Megatron's sequence-first `[s/TP, b, h]` / `[s, b]` when `sequence_parallel` is True. The
+        loss funcs use this to call the gradients-in-forward losses (`linear_cross_entropy`,
+        `linear_grpo_loss`) on exactly what `linear_logprobs` would see.
+        """
+        gpt = unwrap_model(model)
+        if not is_fused(gpt):
+            return None
+        labels = packed_sequence_labels(labels.long(), cu_seqlens, self.ignore_index)
+        weight = output_weight(gpt)
+        if output_tensor.shape[-1] != weight.shape[1]:
+            raise RuntimeError(
+                f"the fused output layer is installed but the model returned [..., "
+                f"{output_tensor.shape[-1]}], not hidden states of size {weight.shape[1]}: this "
+                f"megatron-core version does not route the logits through model.output_layer")
+        tp_group = _tp_group(gpt)
+        sequence_parallel = bool(gpt.config.sequence_parallel) and dist.get_world_size(tp_group) > 1
+        # Float16Module hands the last stage's output back in fp32; the GEMMs run in the weight's
+        # dtype (the cast is exact for bf16/fp16 hidden states and differentiable).
+        hidden = output_tensor.to(weight.dtype)
+        if sequence_parallel:
+            # The op gathers along dim 0: back to Megatron's [s/TP, b, h] layout, labels [s, b].
+            hidden, labels = hidden.transpose(0, 1), labels.t()
+        return dict(
+            hidden=hidden, weight=weight, labels=labels, tp_group=tp_group,
+            vocab_size=self.vocab_size, temperature=self.temperature,
+            ignore_index=self.ignore_index, chunk_size=self.config.chunk_size,
+            sequence_parallel=sequence_parallel,
+            accumulate_into_main_grad=bool(getattr(gpt.config, "gradient_accumulation_fusion", False)),
+        )
+
+    def _from_hidden(self, hidden: Tensor, gpt, labels: Tensor) -> LogprobsOutput:
+        inputs = self.fused_inputs(hidden, gpt, labels)
+        out = linear_logprobs(**inputs, return_entropy=self.return_entropy)
+        if inputs["sequence_parallel"]:  # [s, b] -> [b, s]
+            out = LogprobsOutput(out.logprobs.t(), None if out.entropy is None else out.entropy.t())
+        return out
+
+    # -- fusion off ------------------------------------------------------------------------------
+    def _from_logits(self, logits: Tensor, gpt, labels: Tensor) -> LogprobsOutput:
+        tp_group = _tp_group(gpt)
+        tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        v_local = output_weight(gpt).shape[0]
+        if logits.shape[-1] == v_local * tp_size and tp_size > 1:  # gathered (parallel_output=False)
+            tp_group, tp_size, tp_rank, v_local = None, 1, 0, logits.shape[-1]
+        return vocab_parallel_logprobs(
+            logits, labels, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
+            vocab_size=self.vocab_size, temperature=self.temperature,
+            ignore_index=self.ignore_index, return_entropy=self.return_entropy)
+
+
+def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp_rank: int = 0,
+                            tp_size: int = 1, vocab_size: Optional[int] = None,
+                            temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
+                            return_entropy: bool = False) -> LogprobsOutput:
+    """Log-softmax over materialized vocab-parallel logits `[..., V/TP]` (the unfused path).
+
+    The same statistics as the fused op, with autograd through the logits: a max (detached) and
+    sums of `exp(z - max)`, `exp(z - max) * z` and the target logit, each all-reduced over TP with
+    an identity backward (each rank's partial depends only on its own shard).
+    """
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    def tp_sum(x):
+        return x if tp_size == 1 else reduce_from_tensor_model_parallel_region(x, group=tp_group)
+
+    v_local = logits.shape[-1]
+    vocab_size = vocab_size or v_local * tp_size
+    if not 0 < vocab_size <= v_local * tp_size:
+        raise ValueError(f"vocab_size must be in [1, {v_local * tp_size}], got {vocab_size}")
+    start = tp_rank * v_local
+    if bool(((labels < 0) | (labels >= vocab_size)).logical_and(labels != ignore_index).any()):
+        raise ValueError(f"labels outside [0, vocab_size={vocab_size}) that are not ignore_index")
+
+    valid_col = torch.arange(start, start + v_local, device=logits.device) < vocab_size
+    z = logits.float() / temperature
+    z = torch.where(valid_col, z, torch.zeros_like(z))  # padded columns: finite, then excluded
+    local_max = z.masked_fill(~valid_col, float("-inf")).amax(-1).detach()
+    if tp_size > 1:
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp_group)
+    exp = torch.exp(z - local_max.unsqueeze(-1)) * valid_col
+    sum_exp = tp_sum(exp.sum(-1))
+    lse = local_max + torch.log(sum_exp)
+
+    scored = labels != ignore_index
+    local_label = labels - start
+    in_shard = scored & (local_label >= 0) & (local_label < v_local)
+    target = z.gather(-1, local_label.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
+    target = tp_sum(torch.where(in_shard, target, torch.zeros_like(target)))
+    logprobs = torch.where(scored, target - lse, torch.zeros_like(lse))
+
+    entropy = None
+    if return_entropy:
+        expected_logit = tp_sum((exp * z).sum(-1)) / sum_exp
+        entropy = torch.where(scored, lse - expected_logit, torch.zeros_like(lse))
+    return LogprobsOutput(logprobs, entropy)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipeline parallelism: results of the last stage on every stage.
+# ------------------------------------------------------------------------------------------------
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.bool]
+_MAX_DIMS = 6
+_TENSOR, _LOGPROBS, _LOGPROBS_WITH_ENTROPY = 1, 2, 3
+
+BroadcastValue = Union[Tensor, LogprobsOutput]
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+        torch.device("cpu")
+
+
+def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_group=None,
+                              src: Optional[int] = None) -> BroadcastValue:
+    """Send a tensor or `LogprobsOutput` from the last pipeline stage to every stage.
+
+    The last stage passes its value; the other stages pass None (they need not know the shape or
+    dtype: a small header travels first). Returns the value on every stage. `pp_group`/`src`
+    default to megatron's pipeline group and its last rank.
+    """
+    if pp_group is None:
+        from megatron.core import parallel_state
+
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        src = parallel_state.get_pipeline_model_parallel_last_rank() if src is None else src
+    if src is None:
+        src = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
+    if dist.get_world_size(pp_group) == 1:
+        return value
+    sender = dist.get_rank() == src
+
+    header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=_comm_device())
+    if sender:
+        if value is None:
+            raise ValueError("broadcast_from_last_stage: the last stage must pass a value")
+        first = value.logprobs if isinstance(value, LogprobsOutput) else value
+        if first.dim() > _MAX_DIMS:
+            raise ValueError(f"at most {_MAX_DIMS} dims, got {first.dim()}")
+        kind = _TENSOR
+        if isinstance(value, LogprobsOutput):
+            kind = _LOGPROBS if value.entropy is None else _LOGPROBS_WITH_ENTROPY
+        header[:3] = torch.tensor([kind, _DTYPES.index(first.dtype), first.dim()])
+        header[3:3 + first.dim()] = torch.tensor(first.shape)
+        header = header.to(first.device)
+    dist.broadcast(header, src=src, group=pp_group)
+    kind, dtype, ndim = header[:3].tolist()
+    shape = header[3:3 + ndim].tolist()
+
+    def one(tensor: Optional[Tensor]) -> Tensor:
+        if sender:
+            buffer = tensor.detach().contiguous()
+        else:
+            buffer = torch.empty(shape, dtype=_DTYPES[dtype], device=header.device)
+        dist.broadcast(buffer, src=src, group=pp_group)
+        return tensor if sender else buffer
+
+    if kind == _TENSOR:
+        return one(value if sender else None)
+    logprobs = one(value.logprobs if sender else None)
+    entropy = None
+    if kind == _LOGPROBS_WITH_ENTROPY:
+        entropy = one(value.entropy if sender else None)
+    return LogprobsOutput(logprobs, entropy)
+
+
+def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
+                     post_processor: LogprobsPostProcessor, *, seq_length: int,
+                     micro_batch_size: int) -> List[LogprobsOutput]:
+    """A forward-only pass (no autograd graph) returning each micro-batch's log-probs on every stage.
+
+    For reference-policy / old-policy log-probs. `forward_fn(model_chunk, batch)` runs the model on
+    one micro-batch (`model_chunk(tokens, position_ids, attention_mask)`), `batch["labels"]` holds
+    the shifted labels and `batch.get("cu_seqlens")` the packed-sequence offsets. `model` is a
+    model chunk or the list of virtual-pipeline chunks.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+
+    def loss_func(batch, chunk, output_tensor):
+        out = post_processor(output_tensor, chunk, batch["labels"],
+                             cu_seqlens=batch.get("cu_seqlens"))
+        zero = output_tensor.new_zeros(())
+        return zero, torch.ones((), dtype=torch.int, device=zero.device), {"logprobs": out}
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        return forward_fn(chunk, batch), partial(loss_func, batch, chunk)
+
+    iterators = [iter(batches) for _ in chunks]
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks, num_microbatches=len(batches), seq_length=seq_length,
+            micro_batch_size=micro_batch_size, forward_only=True)
+    last = parallel_state.is_pipeline_last_stage()
+    return [broadcast_from_last_stage(outputs[i]["logprobs"] if last else None)
+            for i in range(len(batches))]

@@ -1,0 +1,191 @@
+"""Shared pieces of the Megatron integration tests (no tests in here).
+
+A tiny GPTModel (local spec, fp32, no dropout) on CPU/gloo, wrapped in Megatron's DDP, driven by
+`get_forward_backward_func` exactly like a training job: micro-batches, 1F1B or interleaved
+pipelining, `finalize_model_grads` (DP all-reduce, tied-embedding all-reduce, division by the
+token count of `calculate_per_token_loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# Import megatron-core once, here in the pytest process: the forked workers inherit it (a worker
+# importing it itself costs ~5 s).
+import megatron.core.distributed  # noqa: F401
+import megatron.core.models.gpt  # noqa: F401
+import megatron.core.pipeline_parallel  # noqa: F401
+
+from megatron_fused_ce.megatron import enable_cpu_mode
+
+TRUE_VOCAB = 100  # the tokenizer's vocab; the model's is padded to PADDED_VOCAB
+PADDED_VOCAB = 128
+HIDDEN = 32
+HEADS = 4
+SEQ = 16
+MBS = 2  # micro-batch size (rows)
+
+
+@dataclass(frozen=True)
+class Setup:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vp: Optional[int] = None
+    tied: bool = False
+    sp: bool = False
+    layers: int = 2
+    chunk_size: int = 8  # small, so that chunking is exercised on 32-token micro-batches
+    bf16: bool = False  # bf16 parameters, wrapped in megatron's Float16Module
+    grad_acc_fusion: bool = False  # fused path adds dW straight into main_grad
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self):
+        vp = f"vp{self.vp}-" if self.vp else ""
+        return (f"tp{self.tp}-pp{self.pp}-{vp}dp{self.dp}-{'tied' if self.tied else 'untied'}"
+                f"{'-sp' if self.sp else ''}{'-bf16' if self.bf16 else ''}"
+                f"{'-gradaccfusion' if self.grad_acc_fusion else ''}")
+
+
+class SPLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm usable under sequence parallelism: marks its parameters so that
+    `finalize_model_grads` all-reduces their gradients over TP (megatron's torch-norm wrapper
+    refuses SP; the Apex/TE norms are not available on CPU)."""
+
+    def __init__(self, config, hidden_size, eps=1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(config, setup: Setup, vp_stage=None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec = get_gpt_layer_local_spec()
+    if not setup.sp:
+        return spec
+    sub = dataclasses.replace(spec.submodules, input_layernorm=SPLayerNorm,
+                              pre_mlp_layernorm=SPLayerNorm)
+    layer = ModuleSpec(module=spec.module, submodules=sub)
+    n = get_num_layers_to_build(config, vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=SPLayerNorm)
+
+
+def build(setup: Setup, seed: int = 1234):
+    """parallel_state + a DDP-wrapped GPTModel (list of chunks) with deterministic weights."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from dist import init_megatron_parallel
+
+    enable_cpu_mode()
+    init_megatron_parallel(setup.tp, setup.pp, virtual_pipeline_model_parallel_size=setup.vp)
+    torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    dtype = torch.bfloat16 if setup.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=setup.layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        tensor_model_parallel_size=setup.tp, pipeline_model_parallel_size=setup.pp,
+        virtual_pipeline_model_parallel_size=setup.vp, sequence_parallel=setup.sp,
+        pipeline_dtype=dtype, params_dtype=dtype, bf16=setup.bf16,
+        calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0)
+    chunks = []
+    for vp_stage in range(setup.vp or 1):
+        kw = {} if setup.vp is None else {"vp_stage": vp_stage}
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=setup.vp is None, **kw)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=setup.vp is None, **kw)
+        gpt = GPTModel(config, layer_spec(config, setup, kw.get("vp_stage")),
+                       vocab_size=PADDED_VOCAB, max_sequence_length=SEQ, pre_process=pre,
+                       post_process=post, share_embeddings_and_output_weights=setup.tied, **kw)
+        if setup.bf16:
+            gpt = Float16Module(config, gpt)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                      gpt)
+        chunks.append(ddp)
+    config.finalize_model_grads_func = finalize_model_grads
+    return chunks
+
+
+def causal_mask(seq: int = SEQ) -> torch.Tensor:
+    return torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+
+
+def make_batches(kind: str, num_microbatches: int, seed: int):
+    """Micro-batches of the data-parallel rank `seed` (identical on all its TP/PP ranks)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_microbatches):
+        seqs = torch.randint(0, TRUE_VOCAB, (MBS, SEQ + 1), generator=g)
+        loss_mask = (torch.rand(MBS, SEQ, generator=g) > 0.2).float()
+        loss_mask[:, :3] = 0.0  # a "prompt"
+        batch = {
+            "tokens": seqs[:, :-1].contiguous(),
+            "labels": seqs[:, 1:].contiguous(),
+            "loss_mask": loss_mask,
+            "position_ids": torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ),
+            "attention_mask": causal_mask(),
+        }
+        if kind == "grpo":
+            batch["advantages"] = torch.randn(MBS, generator=g)
+            batch["noise"] = 0.1 * torch.randn(MBS, SEQ, generator=g)
+        if kind == "dpo":
+            batch["noise"] = 0.1 * torch.randn(MBS, SEQ, generator=g)
+        batches.append(batch)
+    return batches
+
+
+def forward_fn(chunk, batch):
+    return chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+
+def run_step(chunks, batches, make_loss_func, forward_only=False):
+    """One `get_forward_backward_func` call; returns the last stage's per-micro-batch metrics."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, chunk):
+        index, batch = next(data_iterator)
+        return forward_fn(chunk, batch), make_loss_func(chunk, batch, index)
+
+    iterators = [iter(list(enumerate(batches))) for _ in chunks]
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks, num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MBS,
+        forward_only=forward_only)
+
+
+def grads(chunks):
+    """{name: main_grad copy} of every parameter of every chunk (after finalize_model_grads)."""
+    out = {}
+    for i, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            out[f"{i}.{name}"] = param.main_grad.detach().clone()
+    return out
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 when both vanish)."""
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff

@@ -1,0 +1,151 @@
+"""The loss funcs under Megatron's `calculate_per_token_loss` give the design-§3 loss of the whole
+global batch: 2 data-parallel ranks x 2 micro-batches through `get_forward_backward_func` + DDP +
+`finalize_model_grads` must equal one process computing `megatron_fused_ce.losses` on all rows
+at once with the default (= global) normalizer. Checked for the loss value and every gradient, for
+SFT, DPO (with its SFT term) and each GRPO reduction (token, sequence, Dr. GRPO, CISPO).
+
+Tolerance: 1e-5 relative (fp32; only the order of the sums differs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_megatron_common as common
+from dist import run_workers
+from test_megatron_common import Setup
+
+from megatron_fused_ce.losses import GRPOConfig, dpo_loss, grpo_loss, nll_loss
+from megatron_fused_ce.megatron import (
+    FusedCEConfig,
+    LogprobsPostProcessor,
+    dpo_loss_func,
+    grpo_logprob_passes,
+    grpo_loss_func,
+    install_fused_output_layer,
+    sft_loss_func,
+)
+
+RTOL = 1e-5
+DP, MICRO = 2, 2
+FUSED = FusedCEConfig(enabled=True, chunk_size=8)
+DPO = dict(beta=0.3, sft_weight=0.5, loss_type="sigmoid", label_smoothing=0.1)
+GRPO_CONFIGS = {
+    "dapo": GRPOConfig(loss_type="dapo", beta=0.1, is_correction="token_truncate", is_clip_max=1.1),
+    "grpo": GRPOConfig(loss_type="grpo", beta=0.1, importance_sampling_level="sequence"),
+    "dr_grpo": GRPOConfig(loss_type="dr_grpo", max_completion_length=12),
+    "cispo": GRPOConfig(loss_type="cispo", cispo_max_ratio=1.05),
+}
+
+
+def _all_batches(kind):
+    """Every micro-batch of every DP rank: [(dp_rank, [micro-batches])]."""
+    return [(r, common.make_batches(kind, MICRO, seed=100 + r)) for r in range(DP)]
+
+
+def _extras(batch):
+    """Deterministic stand-ins for old / reference / sampling log-probs (GRPO) and the reference
+    log-probs (DPO): around log(1/100), data-dependent noise."""
+    noise = batch["noise"] * (batch["loss_mask"] != 0)
+    base = torch.full_like(noise, -4.6) * (batch["loss_mask"] != 0)
+    return {"old": base + noise, "reference": base - noise, "sampling": base + 0.5 * noise}
+
+
+def _cat(batches, key):
+    return torch.cat([b[key] for b in batches])
+
+
+def megatron_worker(rank, world, kind, grpo_name):
+    """DP=2 through the schedule: the loss funcs' (sum, count) and Megatron's normalization."""
+    from megatron.core import parallel_state
+
+    chunks = common.build(Setup(dp=DP))
+    install_fused_output_layer(chunks, FUSED)
+    post = LogprobsPostProcessor(FUSED, vocab_size=common.TRUE_VOCAB)
+    everything = _all_batches(kind)
+    batches = dict(everything)[parallel_state.get_data_parallel_rank()]
+    all_rows = [b for _, bs in everything for b in bs]
+    pairs = sum(b["tokens"].shape[0] // 2 for b in all_rows)
+    sft_tokens = sum(float(b["loss_mask"][0::2].sum()) for b in all_rows)
+
+    def make(chunk, batch, index):
+        labels, mask = batch["labels"], batch["loss_mask"]
+        if kind == "sft":
+            return sft_loss_func(post, chunk, labels, mask)
+        extra = _extras(batch)
+        if kind == "dpo":
+            return dpo_loss_func(post, chunk, labels, mask, extra["reference"],
+                                 global_num_pairs=pairs, global_num_sft_tokens=sft_tokens, **DPO)
+        config = GRPO_CONFIGS[grpo_name]
+        return grpo_loss_func(post, chunk, labels, mask, batch["advantages"], config,
+                              old_logprobs=extra["old"], reference_logprobs=extra["reference"],
+                              sampling_logprobs=extra["sampling"])
+
+    metrics = common.run_step(chunks, batches, make)
+    key = "lm loss" if kind == "sft" else "loss"
+    total = torch.stack([m[key] for m in metrics]).sum(0)
+    torch.distributed.all_reduce(total)
+    return {"loss": float(total[0] / total[1]), "grads": common.grads(chunks)}
+
+
+def direct_worker(rank, world, kind, grpo_name):
+    """One process, all rows at once, plain autograd on megatron_fused_ce.losses."""
+    (model,) = common.build(Setup())
+    install_fused_output_layer(model, FUSED)
+    post = LogprobsPostProcessor(FUSED, vocab_size=common.TRUE_VOCAB)
+    rows = [b for _, bs in _all_batches(kind) for b in bs]
+    batch = {k: _cat(rows, k) for k in ("tokens", "labels", "loss_mask")}
+    batch["position_ids"] = _cat(rows, "position_ids")
+    batch["attention_mask"] = common.causal_mask()
+    model.zero_grad_buffer()
+    lp = post(common.forward_fn(model, batch), model, batch["labels"]).logprobs
+    mask = batch["loss_mask"]
+    if kind == "sft":
+        loss, _ = nll_loss(lp, mask)
+    else:
+        extras = [_extras(b) for b in rows]
+        extra = {k: torch.cat([e[k] for e in extras]) for k in extras[0]}
+        if kind == "dpo":
+            loss, _ = dpo_loss(lp, extra["reference"], mask, **DPO)
+        else:
+            loss, _ = grpo_loss(lp, _cat(rows, "advantages"), mask, GRPO_CONFIGS[grpo_name],
+                                old_logprobs=extra["old"], reference_logprobs=extra["reference"],
+                                sampling_logprobs=extra["sampling"])
+    loss.backward()
+    return {"loss": float(loss), "grads": common.grads([model])}
+
+
+CASES = [("sft", None), ("dpo", None)] + [("grpo", name) for name in GRPO_CONFIGS]
+
+
+@pytest.mark.parametrize("kind,grpo_name", CASES, ids=[c[1] or c[0] for c in CASES])
+def test_global_normalization(kind, grpo_name):
+    via_megatron = run_workers(megatron_worker, DP, kind, grpo_name)
+    (direct,) = run_workers(direct_worker, 1, kind, grpo_name)
+    for result in via_megatron:
+        assert result["loss"] == pytest.approx(direct["loss"], rel=RTOL)
+        assert result["grads"].keys() == direct["grads"].keys()
+        for name, grad in direct["grads"].items():
+            assert common.max_rel_diff(result["grads"][name], grad) <= RTOL, name
+
+
+def test_grpo_logprob_passes():
+    assert grpo_logprob_passes(GRPOConfig()) == {"reference": False, "old": True}
+    assert grpo_logprob_passes(GRPOConfig(force_on_policy_ratio=True)) == \
+        {"reference": False, "old": False}
+    assert grpo_logprob_passes(GRPOConfig(beta=0.1)) == {"reference": True, "old": True}
+
+
+def test_grpo_loss_func_requires_reference_only_with_kl():
+    post = LogprobsPostProcessor(FUSED)
+    labels = mask = advantages = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="reference_logprobs"):
+        grpo_loss_func(post, None, labels, mask, advantages, GRPOConfig(beta=0.1))
+    grpo_loss_func(post, None, labels, mask, advantages, GRPOConfig(beta=0.0))  # no reference: fine
+
+
+def test_dpo_loss_func_owns_the_normalizers():
+    post = LogprobsPostProcessor(FUSED)
+    with pytest.raises(ValueError, match="normalizer"):
+        dpo_loss_func(post, None, None, None, None, normalizer=4)
