@@ -36,6 +36,20 @@ Timing: CUDA events around each forward+backward, warm-up first, median of the r
 Also a per-chunk breakdown (GEMMs vs the Triton kernels) and a kernel check of the Triton backend
 against the torch backend on the GPU.
 Outputs (in --out): results.json (every number), results.md (tables), results.png (plots).
+
+Tensor parallel (one process per GPU, NCCL; tools/gpu_tp.sh runs it with the multi-GPU tests):
+    torchrun --nproc_per_node 2 tools/benchmark.py --tp 2 [--shapes ...] [--chunks auto,4096] [--out DIR]
+Same global shapes; every rank holds the full hidden [N, H] (no sequence parallel) and a V/TP shard
+of the bf16 weight. Per GPU, forward+backward, dist.barrier() before each timed region, median over
+repeats, max over ranks. Rows: floor_gemm (the shard's 3 GEMMs), allreduce (dX [N, H] bf16), floor =
+their sum; ours_ce@C, ours_logprobs@C (tp_group=WORLD); megatron (vocab_parallel_cross_entropy on
+materialized logits.float()) and megatron_fused (fused_vocab_parallel_cross_entropy on bf16 logits),
+both + the dX all-reduce after backward; liger_tp (LigerFusedLinearScaledCrossEntropyTPFunction).
+Errors vs an fp32 reference with explicit collectives. Scaling vs TP=1: measured on rank 0 alone
+before each shape (default; --tp1 none to skip) or read from a single-GPU results.json
+(--tp1-json PATH); fraction = t_TP / t_1, efficiency = t_1 / (TP * t_TP). A failure on any rank
+skips that item on every rank (agreed after each phase). Rank 0 writes tp{N}_results.json / .md.
+Debug on CPU: torchrun --nproc_per_node 2 tools/benchmark.py --tp 2 --device cpu --quick (gloo).
 """
 
 from __future__ import annotations
@@ -471,6 +485,21 @@ def make_inputs(n, hdim, v, device, seed=0):
     return h.requires_grad_(), w.requires_grad_(), y
 
 
+def resolved_auto_chunk(n, v_local, device):
+    """The package's auto chunk size (its signature has changed over time); None if unknown."""
+    try:
+        from megatron_fused_ce.ops import api
+        fn = getattr(api, "auto_chunk_size", None)
+        if fn is None:
+            return None
+        try:
+            return fn(n, v_local, device)
+        except TypeError:
+            return fn(n, v_local)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def run_one(name, chunk, h, w, y, args, reference=None):
     n, hdim = h.shape
     v = w.shape[0]
@@ -478,8 +507,7 @@ def run_one(name, chunk, h, w, y, args, reference=None):
     row = dict(impl=label, method=name, chunk=(chunk or "auto") if name in CHUNKED else None,
                N=n, H=hdim, V=v, flops=6.0 * n * hdim * v, dense_logits_bytes=2 * n * v)
     if name in CHUNKED and chunk is None and name != "proto_ce_gif":
-        from megatron_fused_ce.ops import api
-        row["chunk_resolved"] = api.auto_chunk_size(n, v) if hasattr(api, "auto_chunk_size") else None
+        row["chunk_resolved"] = resolved_auto_chunk(n, v, h.device)
     out = None
     try:
         step = MAKERS[name](h, w, y, chunk)
@@ -685,8 +713,8 @@ def kernel_check_and_breakdown(args, device, results, shape, chunk):
 
 
 # ------------------------------------------------------------------------------ reports
-def write_json(results, out_dir):
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
+def write_json(results, out_dir, name="results.json"):
+    with open(os.path.join(out_dir, name), "w") as f:
         json.dump(results, f, indent=1, default=str)
 
 
@@ -828,6 +856,521 @@ def environment():
     return env
 
 
+# ------------------------------------------------------------------------------ tensor-parallel mode
+# torchrun --nproc_per_node N tools/benchmark.py --tp N: one process per GPU (NCCL), the same global
+# shapes (N tokens, H, V); every rank holds the full hidden [N, H] (no sequence parallel) and a V/TP
+# vocab shard of the weight. Every method's dX is the full (TP-summed) input gradient, so the
+# Megatron rows all-reduce it after backward, as ColumnParallelLinear's backward does.
+TP_IMPLS = "floor,ours_ce,ours_logprobs,megatron,megatron_fused,liger_tp"
+TP1_IMPLS = ("floor", "ours_ce", "ours_logprobs")  # measured on rank 0 alone for the scaling table
+SCALED = ("floor", "ours_ce", "ours_logprobs")
+
+
+class _TPCtx:
+    def __init__(self, dist, group, tp, rank, device):
+        self.dist, self.group, self.tp, self.rank, self.device = dist, group, tp, rank, device
+
+
+def tp_make_floor_gemm(h, w, y, chunk, ctx):
+    return make_floor(h, w, y, chunk)
+
+
+def tp_make_allreduce(h, w, y, chunk, ctx):
+    buf = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
+
+    def step():
+        ctx.dist.all_reduce(buf, group=ctx.group)
+        return None, None, None
+    return step
+
+
+def tp_make_ours_ce(h, w, y, chunk, ctx):
+    return lambda: _grads(linear_cross_entropy(h, w, y, tp_group=ctx.group, chunk_size=chunk, impl=_impl()), h, w)
+
+
+def tp_make_ours_logprobs(h, w, y, chunk, ctx):
+    n = h.shape[0]
+    return lambda: _grads(-linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk,
+                                           impl=_impl()).logprobs.sum() / n, h, w)
+
+
+def _tp_grads_allreduce(loss, h, w, ctx):
+    dx, dw = torch.autograd.grad(loss, (h, w))
+    ctx.dist.all_reduce(dx, group=ctx.group)  # ColumnParallelLinear's backward: dX summed over TP
+    return loss.detach(), dx, dw
+
+
+def tp_make_megatron(h, w, y, chunk, ctx):
+    try:
+        from megatron.core import tensor_parallel
+        vpce = tensor_parallel.vocab_parallel_cross_entropy
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"megatron-core not importable: {type(exc).__name__}: {exc}")
+    if ctx.megatron_error:
+        raise Skip(ctx.megatron_error)
+    return lambda: _tp_grads_allreduce(vpce((h @ w.t()).float(), y).mean(), h, w, ctx)
+
+
+def tp_make_megatron_fused(h, w, y, chunk, ctx):
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy as fvpce
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"megatron fused_vocab_parallel_cross_entropy not importable: {type(exc).__name__}: {exc}")
+    if ctx.megatron_error:
+        raise Skip(ctx.megatron_error)
+    group = parallel_state.get_tensor_model_parallel_group()
+    # bf16 logits in, as Megatron's language module calls it (cross_entropy_loss_fusion=True)
+    return lambda: _tp_grads_allreduce(fvpce(h @ w.t(), y, group).mean(), h, w, ctx)
+
+
+def tp_make_liger_tp(h, w, y, chunk, ctx):
+    try:
+        from liger_kernel.ops import fused_linear_scaled_cross_entropy as lfsce
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"liger-kernel not importable: {type(exc).__name__}: {exc}")
+    fn = getattr(lfsce, "LigerFusedLinearScaledCrossEntropyTPFunction", None)
+    if fn is None:
+        raise Skip("this liger-kernel has no LigerFusedLinearScaledCrossEntropyTPFunction")
+    if h.device.type != "cuda":
+        raise Skip("liger TP needs CUDA")
+    native = False
+    try:
+        native = bool(lfsce._supports_native_tp_architecture(h.device) and lfsce._load_native_tp_function())
+    except Exception:  # noqa: BLE001
+        native = False
+    n = h.shape[0]
+
+    def step():
+        return _grads(fn.apply(h, w, y, ctx.group).sum() / n, h, w)  # dX comes back TP-reduced
+    step.note = ("native CUTLASS+NVSHMEM path" if native else
+                 "fallback path (512-token chunks; native CuTe/NVSHMEM backend not available)")
+    return step
+
+
+TP_MAKERS = {name[len("tp_make_"):]: fn for name, fn in globals().items() if name.startswith("tp_make_")}
+
+
+def tp_reference(h, w, y, ctx):
+    """Mean CE over the sharded vocab in fp32 with explicit collectives: (loss, dX summed, dW shard)."""
+    dist, g = ctx.dist, ctx.group
+    v_local = w.shape[0]
+    start = ctx.rank * v_local
+    logits = h.detach().float() @ w.detach().float().t()
+    m = logits.max(1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=g)
+    logits.sub_(m[:, None])
+    se = logits.exp().sum(1)
+    dist.all_reduce(se, group=g)
+    local = (y >= start) & (y < start + v_local)
+    idx = (y - start).clamp(0, v_local - 1)
+    tgt = torch.where(local, logits.gather(1, idx[:, None])[:, 0], torch.zeros_like(se))
+    dist.all_reduce(tgt, group=g)
+    lse = torch.log(se)
+    n = h.shape[0]
+    loss = (lse - tgt).mean()
+    logits.sub_(lse[:, None]).exp_()  # softmax of the shard
+    rows = torch.arange(n, device=h.device)[local]
+    logits[rows, idx[local]] -= 1.0
+    logits.div_(n)
+    dx = logits @ w.detach().float()
+    dist.all_reduce(dx, group=g)
+    dw = logits.t() @ h.detach().float()
+    return loss, dx, dw
+
+
+class _ItemFailed(Exception):
+    pass
+
+
+def _tp_agree(ctx, fn):
+    """fn() on every rank; if it raised on any rank, raise _ItemFailed on every rank (same message),
+    so that all ranks skip the same item and stay in step for the next one's collectives."""
+    err, res = None, None
+    try:
+        res = fn()
+    except Skip as exc:
+        err = str(exc)
+    except torch.cuda.OutOfMemoryError as exc:
+        err = "OOM: " + str(exc).split("\n")[0][:200]
+    except Exception as exc:  # noqa: BLE001
+        err = (f"failed: {type(exc).__name__}: {str(exc)[:300]}", traceback.format_exc()[-1500:])
+    if err is not None:
+        res = None
+        free()
+    errs = [None] * ctx.tp
+    ctx.dist.all_gather_object(errs, err)
+    bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+    if bad:
+        r, e = bad[0]
+        msg, tb = (e if isinstance(e, tuple) else (e, None))
+        exc = _ItemFailed(msg if r == 0 else f"{msg} (rank {r})")
+        exc.tb = tb
+        raise exc
+    return res
+
+
+def tp_time_step(step, args, ctx):
+    """Median of per-rep CUDA-event times; a barrier before each timed region. The repetition count is
+    agreed over ranks (from the slowest rank's first timed rep) so every rank runs the same number."""
+    dist = ctx.dist
+    cuda = ctx.device.type == "cuda"
+    for _ in range(args.warmup):
+        out = step()
+        del out
+    sync()
+
+    def one():
+        dist.barrier(group=ctx.group)
+        sync()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = step()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            out = step()
+            ms = (time.perf_counter() - t0) * 1e3
+        del out
+        return ms
+
+    times = [one()]
+    t = torch.tensor([times[0]], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    reps = max(args.min_reps, min(args.max_reps, int(args.budget_ms / max(t.item(), 1e-3))))
+    times += [one() for _ in range(reps - 1)]
+    return statistics.median(times), times
+
+
+def tp_run_one(name, chunk, h, w, y, args, ctx, reference):
+    n, hdim = h.shape
+    v_local = w.shape[0]
+    chunked = name in ("ours_ce", "ours_logprobs")
+    label = f"{name}@{chunk or 'auto'}" if chunked else name
+    row = dict(impl=label, method=name, chunk=(chunk or "auto") if chunked else None, N=n, H=hdim,
+               V=v_local * ctx.tp, V_local=v_local, tp=ctx.tp, flops_per_gpu=6.0 * n * hdim * v_local,
+               dense_logits_bytes_per_gpu=2 * n * v_local)
+    if chunked and chunk is None:
+        row["chunk_resolved"] = resolved_auto_chunk(n, v_local, h.device)
+    try:
+        step = _tp_agree(ctx, lambda: TP_MAKERS[name](h, w, y, chunk, ctx))
+        if getattr(step, "note", None):
+            row["note"] = step.note
+
+        def first():
+            t0 = time.perf_counter()
+            out = step()  # compiles (Triton JIT)
+            sync()
+            errs = {}
+            if reference is not None and name not in ("floor_gemm", "allreduce"):
+                loss, dx, dw = out
+                errs = dict(err_loss=rel_err(loss, reference[0]), err_dx=rel_err(dx, reference[1]),
+                            err_dw=rel_err(dw, reference[2]))
+            return time.perf_counter() - t0, errs
+        row["first_call_s"], errs = _tp_agree(ctx, first)
+        row.update(errs)  # errors of dX are the same on every rank (reduced); dW: rank 0's shard
+
+        def memory():
+            extra, out = measure_memory(step)
+            del out
+            return extra
+        extra = _tp_agree(ctx, memory)
+        ms, times = _tp_agree(ctx, lambda: tp_time_step(step, args, ctx))
+        per_rank = [None] * ctx.tp
+        ctx.dist.all_gather_object(per_rank, (ms, extra))
+        row["ms_ranks"] = [p[0] for p in per_rank]
+        row["ms"] = max(row["ms_ranks"])  # the step takes as long as its slowest rank
+        row["times_ms_rank0"] = times
+        row["tflops_per_gpu"] = row["flops_per_gpu"] / row["ms"] / 1e9
+        if extra is not None:
+            row["extra_bytes_ranks"] = [p[1] for p in per_rank]
+            row["extra_bytes"] = max(row["extra_bytes_ranks"])
+            row["extra_gib"] = row["extra_bytes"] / GIB
+            row["extra_pct_dense_logits"] = 100.0 * row["extra_bytes"] / row["dense_logits_bytes_per_gpu"]
+    except _ItemFailed as exc:
+        row["skipped"] = str(exc)
+        if getattr(exc, "tb", None):
+            row["traceback"] = exc.tb
+    finally:
+        step = None
+        free()
+    status = row.get("skipped") or (f"{row['ms']:.3f} ms (ranks {', '.join(f'{m:.3f}' for m in row['ms_ranks'])})"
+                                    f"  extra {row.get('extra_gib', float('nan')):.3f} GiB"
+                                    f"  err dx {row.get('err_dx')} dw {row.get('err_dw')}")
+    log(f"  {label:24s} {status}")
+    return row
+
+
+def tp_inputs(n, hdim, v_local, ctx, seed=0):
+    """hidden and labels identical on every rank (rank 0's, broadcast); a per-rank weight shard."""
+    device = ctx.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(n, hdim, device=device, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    y = torch.randint(0, v_local * ctx.tp, (n,), device=device, generator=g)
+    ctx.dist.broadcast(h, 0, group=ctx.group)
+    ctx.dist.broadcast(y, 0, group=ctx.group)
+    gw = torch.Generator(device=device).manual_seed(seed + 1000 + ctx.rank)
+    w = (torch.randn(v_local, hdim, device=device, generator=gw, dtype=torch.float32) / math.sqrt(hdim) * 2)
+    return h.requires_grad_(), w.to(torch.bfloat16).requires_grad_(), y
+
+
+def tp1_measure(shape, chunks, args, ctx, results):
+    """TP=1 on rank 0 alone (the other ranks wait at a barrier): floor and ours at the full vocab."""
+    rows = []
+    if ctx.rank == 0:
+        log(f"\n== TP=1 on rank 0 alone: N={shape[0]} H={shape[1]} V={shape[2]}")
+        try:
+            h, w, y = make_inputs(*shape, ctx.device)
+            seen = set()
+            wanted = {"floor"} | {name for name, _ in getattr(ctx, "impls", [])}
+            for name in (m for m in TP1_IMPLS if m in wanted):
+                for chunk in (chunks if name != "floor" else [None]):
+                    key = (name, None if chunk is None else min(chunk, shape[0]))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    row = run_one(name, chunk, h, w, y, args)
+                    row.update(section="tp1", tp=1, source="measured on rank 0 alone in this run")
+                    rows.append(row)
+            del h, w, y
+        except Exception as exc:  # noqa: BLE001
+            log(f"  TP=1 measurement failed: {type(exc).__name__}: {exc}")
+        free()
+        results["rows"].extend(rows)
+    ctx.dist.barrier(group=ctx.group)
+    return rows
+
+
+def tp1_from_json(path, shape):
+    with open(path) as f:
+        data = json.load(f)
+    rows = []
+    for r in data.get("rows", []):
+        if (r.get("N"), r.get("H"), r.get("V")) == tuple(shape) and r.get("method") in TP1_IMPLS and "ms" in r:
+            rows.append(dict(r, section="tp1", tp=1, source=path))
+    return rows
+
+
+def _best(rows, method):
+    cands = [r for r in rows if r.get("method") == method and "ms" in r]
+    return min(cands, key=lambda r: r["ms"]) if cands else None
+
+
+def tp_scaling(shape, tp, tp_rows, tp1_rows):
+    out = []
+    for method in SCALED:
+        r1, rn = _best(tp1_rows, method), _best(tp_rows, method)
+        if r1 is None or rn is None:
+            continue
+        out.append(dict(N=shape[0], H=shape[1], V=shape[2], tp=tp, method=method, impl_tp1=r1["impl"],
+                        impl_tp=rn["impl"], t1_ms=r1["ms"], tN_ms=rn["ms"], fraction=rn["ms"] / r1["ms"],
+                        efficiency=r1["ms"] / (tp * rn["ms"]), source=r1.get("source")))
+    return out
+
+
+def tp_bench_shape(shape, impls, chunks, args, ctx, results, tp1_rows):
+    n, hdim, v = shape
+    tp = ctx.tp
+    v_local = -(-v // tp)
+    if v_local * tp != v:
+        log(f"  note: V={v} is not divisible by TP={tp}; using V={v_local * tp}")
+    log(f"\n== TP={tp}: N={n} H={hdim} V={v_local * tp} (per GPU: [{n},{hdim}] x [{hdim},{v_local}], "
+        f"3-GEMM floor {6.0 * n * hdim * v_local / 1e12:.2f} TFLOP per GPU)")
+    free()
+    h, w, y = tp_inputs(n, hdim, v_local, ctx)
+    reference = None
+    if not args.no_check:
+        try:
+            reference = _tp_agree(ctx, lambda: tp_reference(h, w, y, ctx))
+        except _ItemFailed as exc:
+            log(f"  (no fp32 reference: {exc}; errors not checked)")
+        free()
+    rows = []
+    for name, chunk in [("floor_gemm", None), ("allreduce", None)] + impls:
+        row = tp_run_one(name, chunk, h, w, y, args, ctx, reference)
+        row["section"] = f"tp{tp}"
+        rows.append(row)
+        if ctx.rank == 0:
+            results["rows"].append(row)
+            write_json(results, args.out, f"tp{tp}_results.json")
+    gemm = next((r for r in rows if r["method"] == "floor_gemm" and "ms" in r), None)
+    ar = next((r for r in rows if r["method"] == "allreduce" and "ms" in r), None)
+    if gemm and ar:
+        floor = dict(impl="floor", method="floor", chunk=None, N=n, H=hdim, V=v_local * tp, V_local=v_local,
+                     tp=tp, section=f"tp{tp}", floor_gemm_ms=gemm["ms"], allreduce_ms=ar["ms"],
+                     ms=gemm["ms"] + ar["ms"], flops_per_gpu=gemm["flops_per_gpu"],
+                     note="floor_gemm + allreduce of dX [N, H] bf16, measured separately")
+        rows.append(floor)
+        if ctx.rank == 0:
+            results["rows"].append(floor)
+        for r in rows:
+            if "ms" in r:
+                r["floor_ms"], r["floor_gemm_ms"], r["allreduce_ms"] = floor["ms"], gemm["ms"], ar["ms"]
+                r["x_floor"] = r["ms"] / floor["ms"]
+                r["x_floor_gemm"] = r["ms"] / gemm["ms"]
+    if ctx.rank == 0:
+        results["scaling"].extend(tp_scaling((n, hdim, v_local * tp), tp, rows, tp1_rows))
+        write_json(results, args.out, f"tp{tp}_results.json")
+    del h, w, y, reference
+    free()
+    return rows
+
+
+def tp_markdown(results):
+    tp = results["tp"]
+    lines = [f"Device: {results['env'].get('device')} × {tp} ({results['backend']}); torch {results['env']['torch']}, "
+             f"triton {results['env'].get('triton')}; command: `{results['command']}`", "",
+             "Per GPU, forward+backward, median over repeats (max over ranks), barrier before each timed "
+             "region; every dX is the full TP-summed input gradient (Megatron rows include the "
+             "all-reduce after backward). Floor = the 3 GEMMs of one vocab shard + the dX all-reduce "
+             "([N, H] bf16), each measured in this run.", ""]
+    sec = f"tp{tp}"
+    rows = [r for r in results["rows"] if r.get("section") == sec]
+    for shape in dict.fromkeys((r["N"], r["H"], r["V"]) for r in rows):
+        sr = [r for r in rows if (r["N"], r["H"], r["V"]) == shape]
+        floor = next((r for r in sr if r["method"] == "floor"), None)
+        head = f"### TP={tp}: N={shape[0]}, H={shape[1]}, V={shape[2]}"
+        if floor:
+            head += (f" — per-GPU floor {floor['ms']:.2f} ms = GEMMs {floor['floor_gemm_ms']:.2f} + "
+                     f"dX all-reduce {floor['allreduce_ms']:.2f}")
+        lines += [head, "", "| method | ms | × per-GPU floor | × floor GEMMs | extra GiB | extra % dense logits "
+                  "(shard) | err loss | err dX | err dW | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sr:
+            if r["method"] == "floor":
+                continue
+            if "ms" not in r:
+                lines.append(f"| {r['impl']} | - | - | - | - | - | - | - | - | {r.get('skipped', '')[:160]} |")
+                continue
+            note = r.get("note", "")
+            if r.get("chunk_resolved"):
+                note = (note + "; " if note else "") + f"auto = {r['chunk_resolved']} rows"
+            lines.append(
+                f"| {r['impl']} | {r['ms']:.2f} | {_fmt(r.get('x_floor'), '.3f')} | {_fmt(r.get('x_floor_gemm'), '.3f')} | "
+                f"{_fmt(r.get('extra_gib'), '.3f')} | {_fmt(r.get('extra_pct_dense_logits'), '.1f')} | "
+                f"{_fmt(r.get('err_loss'), '.1e')} | {_fmt(r.get('err_dx'), '.1e')} | {_fmt(r.get('err_dw'), '.1e')} | "
+                f"{note} |")
+        lines.append("")
+    if results["scaling"]:
+        lines += [f"### Scaling TP=1 → TP={tp} (best chunk per method; targets: fraction ≤ 0.55 at TP=2, "
+                  f"efficiency ≥ 85% at TP=4)", "",
+                  "| N, H, V | method | TP=1 ms | TP=%d ms per GPU | fraction of TP=1 | efficiency t1/(TP·tN) | "
+                  "TP=1 source |" % tp, "|---|---|---|---|---|---|---|"]
+        for s in results["scaling"]:
+            lines.append(f"| {s['N']}, {s['H']}, {s['V']} | {s['method']} ({s['impl_tp1']} → {s['impl_tp']}) | "
+                         f"{s['t1_ms']:.2f} | {s['tN_ms']:.2f} | {s['fraction']:.3f} | {100 * s['efficiency']:.1f}% | "
+                         f"{s.get('source') or ''} |")
+        lines.append("")
+    for note in results.get("notes", []):
+        lines.append(f"- {note}")
+    return "\n".join(lines) + "\n"
+
+
+def tp_main(args):
+    import datetime
+
+    import torch.distributed as dist
+    global log
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if world != args.tp:
+        raise SystemExit(f"--tp {args.tp} needs torchrun --nproc_per_node {args.tp} (WORLD_SIZE is {world})")
+    dev_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = args.backend or ("nccl" if dev_type == "cuda" else "gloo")
+    if dev_type == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    kw = dict(device_id=device) if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), **kw)
+    if rank != 0:
+        log = lambda *a: None  # noqa: E731  (only rank 0 prints)
+    ctx = _TPCtx(dist, dist.group.WORLD, world, rank, device)
+    ctx.megatron_error = None
+    try:
+        from megatron.core import parallel_state
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    except Exception as exc:  # noqa: BLE001
+        ctx.megatron_error = f"megatron parallel_state not initialized: {type(exc).__name__}: {str(exc)[:200]}"
+    flags = [None] * world
+    dist.all_gather_object(flags, ctx.megatron_error)
+    ctx.megatron_error = next((f for f in flags if f), None)
+
+    quick_dev = "cuda" if dev_type == "cuda" else "cpu"
+    if args.quick:
+        shapes = parse_shapes(args.shapes) if args.shapes else (
+            QUICK_SHAPES_GPU if quick_dev == "cuda" else QUICK_SHAPES_CPU)
+        args.warmup, args.min_reps, args.max_reps, args.budget_ms = 1, 2, 3, 1.0
+        if args.chunks == "4096,8192,auto":
+            args.chunks = "auto,512" if quick_dev == "cuda" else "auto,16"
+    else:
+        shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
+        if args.chunks == "4096,8192,auto":
+            args.chunks = "auto,4096"
+        if args.max_reps == 15:
+            args.max_reps = 20
+    chunks = parse_chunks(args.chunks)
+    spec = TP_IMPLS if args.impls == DEFAULT_IMPLS else args.impls
+    impls = []
+    for name in (s.strip() for s in spec.split(",")):
+        if not name or name == "floor":  # the floor (GEMMs + all-reduce) always runs
+            continue
+        if name not in TP_MAKERS:
+            raise SystemExit(f"unknown TP impl {name!r}; known: {', '.join(m for m in TP_MAKERS)}")
+        if name in ("ours_ce", "ours_logprobs"):
+            impls.extend((name, c) for c in chunks)
+        else:
+            impls.append((name, None))
+
+    ctx.impls = impls
+    results = dict(command=" ".join(["torchrun", f"--nproc_per_node {world}", os.path.relpath(sys.argv[0], REPO)]
+                                    + sys.argv[1:]), tp=world, backend=backend, quick=args.quick,
+                   rows=[], scaling=[], notes=[])
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        results["env"] = environment()
+        if dev_type != "cuda":
+            results["env"]["device"] = "cpu (debug; TRITON_INTERPRET=1)"
+        try:
+            results["env"]["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if dev_type == "cuda" else None
+        except Exception:  # noqa: BLE001
+            results["env"]["nccl"] = None
+        log(json.dumps(results["env"]))
+        if ctx.megatron_error:
+            results["notes"].append(ctx.megatron_error)
+    t_start = time.time()
+    tp1_mode = "json" if args.tp1_json else args.tp1
+    for shape in shapes:
+        tp1_rows = []
+        if tp1_mode == "json":
+            try:
+                tp1_rows = tp1_from_json(args.tp1_json, shape) if rank == 0 else []
+                if rank == 0 and not tp1_rows:
+                    results["notes"].append(f"{args.tp1_json}: no TP=1 rows for shape {shape}")
+            except Exception as exc:  # noqa: BLE001
+                if rank == 0:
+                    results["notes"].append(f"--tp1-json {args.tp1_json} unreadable: {exc}")
+        elif tp1_mode == "measure":
+            tp1_rows = tp1_measure(shape, chunks, args, ctx, results)
+        tp_bench_shape(shape, impls, chunks, args, ctx, results, tp1_rows)
+        log(f"  [{time.time() - t_start:.0f} s elapsed]")
+    if rank == 0:
+        results["elapsed_s"] = time.time() - t_start
+        write_json(results, args.out, f"tp{world}_results.json")
+        md = tp_markdown(results)
+        with open(os.path.join(args.out, f"tp{world}_results.md"), "w") as f:
+            f.write(md)
+        log("\n" + md)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def parse_chunks(spec):
     return [None if c.strip() == "auto" else int(c) for c in spec.split(",") if c.strip()]
 
@@ -851,7 +1394,18 @@ def main(argv=None):
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=15)
     p.add_argument("--budget-ms", type=float, default=400.0, help="time to spend per method")
+    tpg = p.add_argument_group("tensor parallel (torchrun --nproc_per_node N tools/benchmark.py --tp N)")
+    tpg.add_argument("--tp", type=int, default=0, help="TP size = number of torchrun processes (one per GPU)")
+    tpg.add_argument("--tp1", choices=("measure", "none"), default="measure",
+                     help="TP=1 times for the scaling table: measured on rank 0 alone before each shape "
+                          "(default) or none")
+    tpg.add_argument("--tp1-json", help="take TP=1 times from a single-GPU results.json instead")
+    tpg.add_argument("--no-check", action="store_true", help="TP: skip the fp32 reference (errors)")
+    tpg.add_argument("--device", choices=("cuda", "cpu"), help=argparse.SUPPRESS)  # debug: --device cpu
+    tpg.add_argument("--backend", choices=("nccl", "gloo"), help=argparse.SUPPRESS)  # debug: --backend gloo
     args = p.parse_args(argv)
+    if args.tp:
+        return tp_main(args)
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
