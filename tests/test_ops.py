@@ -10,6 +10,8 @@ Stated tolerances, as ||out - ref|| / ||ref|| against float64 math on the same (
   rounded to bf16 before the two backward GEMMs; softmax math is fp32).
 """
 
+import zlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -101,7 +103,7 @@ def check_against_reference(case, results, what_prefix=""):
 def test_logprobs_match_dense_reference(tp, sp, dtype, ignored):
     if sp and tp == 1:
         pytest.skip("sequence parallel needs TP > 1")
-    seed = hash((tp, sp, str(dtype), ignored)) % 10_000
+    seed = zlib.crc32(repr((tp, sp, str(dtype), ignored)).encode()) % 10_000
     case = make_case(seed, tp, dtype=dtype, sp=sp, ignored=ignored)
     check_against_reference(case, run_workers(_logprobs_worker, tp, case))
 

@@ -143,14 +143,20 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temp
     n = labels.numel() if "labels" not in problems else -1
     header = torch.tensor([int(k in problems) for k in _CHECKS]
                           + [v_local, -v_local, h, -h, n, -n], dtype=torch.int64)
-    agreed = torch.cat([header.to(device), torch.as_tensor(bad_labels, device=device).reshape(1)])
+    # Labels must be the same on every TP rank; the cheap, sufficient check that keeps the chunk
+    # collectives in step is the number of labelled tokens.
+    labelled = torch.zeros((), dtype=torch.int64, device=device)
+    if "labels" not in problems and "hidden" not in problems and labels.numel() > 0:
+        labelled = (labels != ignore_index).sum()
+    agreed = torch.cat([header.to(device), torch.stack([labelled, -labelled]),
+                        torch.as_tensor(bad_labels, device=device).reshape(1)])
     agreed = reductions.max_over_ranks(agreed, tp_group).tolist()
 
     messages = []
     for key, failed in zip(_CHECKS, agreed):
         if failed:
             messages.append(problems.get(key, f"{key}: invalid on another tensor-parallel rank"))
-    (v_max, v_min, h_max, h_min, n_max, n_min), bad = agreed[len(_CHECKS):-1], agreed[-1]
+    (v_max, v_min, h_max, h_min, n_max, n_min, l_max, l_min), bad = agreed[len(_CHECKS):-1], agreed[-1]
     if v_max != -v_min and v_max >= 0 and -v_min >= 0:
         messages.append(f"weight: vocab shards differ in size across tensor-parallel ranks "
                         f"({-v_min} to {v_max} rows); Megatron pads the vocab so they are equal")
@@ -158,6 +164,9 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temp
         messages.append(f"hidden: hidden size differs across tensor-parallel ranks ({-h_min} to {h_max})")
     if n_max != -n_min and not messages:
         messages.append(f"labels: number of tokens differs across tensor-parallel ranks ({-n_min} to {n_max})")
+    if l_max != -l_min and not messages:
+        messages.append(f"labels: differ across tensor-parallel ranks ({-l_min} to {l_max} labelled "
+                        f"tokens); every rank of tp_group must pass the same labels")
     if bad:
         if outside is not None and int(bad_labels) > 0:
             example = int(labels[outside][0])
