@@ -41,6 +41,8 @@ def cpu_mode_worker(rank, world):
         "first": first, "second": second, "same_objects": same, "flag": is_cpu_mode(),
         "current_device": torch.cuda.current_device(),
         "synchronize": torch.cuda.synchronize(),
+        "stream_waits": (torch.cuda.current_stream().wait_event(None),
+                         torch.cuda.current_stream().wait_stream(None)),
         "dot_cuda_is_cpu": torch.ones(2).cuda().device.type,
         "schedules_zeros": schedules.torch.zeros([], device="cuda").device.type,
         "mask_device": transformer_utils.get_default_causal_mask(4).device.type,
@@ -55,6 +57,7 @@ def test_enable_cpu_mode():
     assert r["first"] and r["second"] and r["same_objects"] and r["flag"]
     assert r["current_device"] == torch.device("cpu")
     assert r["synchronize"] is None
+    assert r["stream_waits"] == (None, None)  # megatron-core >= 0.19 DDP waits on the current stream
     assert r["dot_cuda_is_cpu"] == r["schedules_zeros"] == r["mask_device"] == "cpu"
     assert r["other_modules_see_real_torch"]
     assert r["tracker_streams"] == (True, True)  # the fork continues its stream; reseeding restarts it

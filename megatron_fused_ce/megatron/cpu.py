@@ -8,7 +8,7 @@ calling it twice is a no-op. Not covered (not needed by the tests/examples): meg
 (allocates CUDA tensors), the distributed optimizer, activation recomputation, TE, CUDA graphs.
 
 The redirections (design.md §5 lists the first four; the fifth is needed for tied embeddings with
-pipeline parallelism):
+pipeline parallelism, the sixth by megatron-core >= 0.19's DDP):
 
 1. ``torch.cuda.current_device()`` returns ``torch.device("cpu")``: megatron allocates parameters,
    pipeline receive buffers and SP scatter buffers with ``device=torch.cuda.current_device()``.
@@ -25,6 +25,9 @@ pipeline parallelism):
    copy of the word embeddings is synchronised with ``weight.data = weight.data.cuda()`` followed
    by an all-reduce over the embedding group. On a machine without CUDA every ``.cuda()`` call
    would raise, so this only changes code that could not run otherwise.
+6. ``torch.cuda.current_stream()`` returns a stream whose waits are no-ops: megatron-core 0.19's
+   DDP ``start_grad_sync`` asks for the current stream to wait on CUDA-graph events before every
+   gradient reduction. CPU work is synchronous, so there is nothing to wait for.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def enable_cpu_mode() -> bool:
     torch.cuda.synchronize = _no_synchronize
     # 5: `.cuda()` stays on the CPU (tied embeddings at PP > 1).
     torch.Tensor.cuda = _cuda_stays_on_cpu
+    # 6: DDP's gradient sync (megatron-core >= 0.19) waits on the current stream.
+    torch.cuda.current_stream = _synchronous_stream
 
     # 3: a tracker with the same interface whose states are CPU generator states.
     from megatron.core.tensor_parallel import random as mp_random
@@ -83,6 +88,26 @@ def _cpu_current_device():
 
 def _no_synchronize(device=None):
     return None
+
+
+class _SynchronousStream:
+    """The 'current stream' of CPU work: everything already happened, so every wait is a no-op."""
+
+    def wait_event(self, event):
+        return None
+
+    def wait_stream(self, stream):
+        return None
+
+    def synchronize(self):
+        return None
+
+
+_SYNCHRONOUS_STREAM = _SynchronousStream()
+
+
+def _synchronous_stream(device=None):
+    return _SYNCHRONOUS_STREAM
 
 
 def _cuda_stays_on_cpu(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
