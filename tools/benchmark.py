@@ -20,12 +20,6 @@ What is measured, per shape (N tokens, H hidden, V vocab):
   ours_ce_main_grad@C  ours_ce with Megatron's accumulate_into_main_grad (weight.main_grad fp32
                      pre-allocated, as Megatron's DDP buffers are: not counted as extra memory)
   ours_grpo@C        megatron_fused_ce.losses linear_grpo_loss (DAPO, beta=0) when it exists
-  proto_ce_gif@C     a prototype in this file: SFT CE with gradients made in the forward pass
-                     (3 GEMMs per chunk, fp32 dW accumulator), as chunked.py does it
-  proto_ce_gif2@C    the same with the changes recommended in docs/benchmarks.md: first chunk's
-                     dW written (no zero-fill), grad_output scale fused into the dW fp32->bf16 cast
-  proto_lp2@C        recompute-path log-probs with the first chunk's dW written, and no fp32 dW
-                     accumulator when one chunk holds every row
 C = "auto" uses the package's default chunk size. Peers that are not installed, or fail, are
 skipped with a note. Every method's loss, dX and dW are checked against torch_eager (rel. error).
 
@@ -85,9 +79,8 @@ SWEEP_N = [8192, 16384, 32768, 65536, 131072]
 QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
 QUICK_SHAPES_CPU = [(48, 32, 500)]
 DEFAULT_IMPLS = ("floor,torch_eager,torch_compile,megatron,liger,cce,ours_logprobs,ours_ce,"
-                 "ours_ce_torch,ours_ce_main_grad,ours_grpo,proto_ce_gif,proto_ce_gif2,proto_lp2")
-SWEEP_IMPLS = ("floor,torch_eager,megatron,liger,cce,ours_logprobs,ours_ce,ours_ce_main_grad,ours_grpo,"
-               "proto_ce_gif2,proto_lp2")
+                 "ours_ce_torch,ours_ce_main_grad,ours_grpo")
+SWEEP_IMPLS = "floor,torch_eager,megatron,liger,cce,ours_logprobs,ours_ce,ours_ce_main_grad,ours_grpo"
 GIB = 1024.0 ** 3
 
 
@@ -243,173 +236,9 @@ def make_ours_grpo(h, w, y, chunk):
     return step
 
 
-class _ProtoGradInForwardCE(torch.autograd.Function):
-    """Mean CE at TP=1, dX and dW made chunk by chunk in the forward (3 GEMMs per chunk)."""
-
-    @staticmethod
-    def forward(ctx, h, w, y, chunk, backend):
-        n, v = h.shape[0], w.shape[0]
-        dx = torch.empty_like(h)
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        coef_p = torch.full((min(chunk, n),), 1.0 / n, dtype=torch.float32, device=h.device)
-        coef_t = -coef_p
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            logits = torch.mm(h[s:e], w.t())
-            st = backend.shard_stats(logits, y[s:e], v, 1.0)
-            lse = st.max + torch.log(st.sum_exp)
-            loss += (lse - st.target).sum()
-            backend.shard_dlogits_(logits, y[s:e], v, 1.0, lse, coef_p[:e - s], None, coef_t[:e - s], None)
-            torch.mm(logits, w, out=dx[s:e])
-            if dw.is_cuda:
-                torch.addmm(dw, logits.t(), h[s:e], out_dtype=torch.float32, out=dw)
-            else:
-                dw.add_(torch.mm(logits.t(), h[s:e]).float())
-            del logits
-        ctx.save_for_backward(dx, dw.to(w.dtype))
-        return loss / n
-
-    @staticmethod
-    def backward(ctx, g):
-        dx, dw = ctx.saved_tensors
-        return dx * g, dw * g, None, None, None
-
-
-def make_proto_ce_gif(h, w, y, chunk):
-    from megatron_fused_ce.ops import triton_backend
-    chunk = chunk or 4096
-    return lambda: _grads(_ProtoGradInForwardCE.apply(h, w, y, chunk, triton_backend), h, w)
-
-
-# ---- prototypes of the chunk-loop changes recommended in docs/benchmarks.md (TP=1, all labels valid)
-try:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        x = tl.load(src_ptr + offs, mask=mask) * tl.load(scale_ptr)
-        tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
-except ImportError:  # pragma: no cover
-    triton = None
-
-
-def scale_cast(src_fp32, scale, dtype):
-    """dtype(src * scale) in one pass (6 B/elt) instead of mul_ (8 B/elt) then .to (6 B/elt)."""
-    if dtype == torch.float32 or triton is None or not src_fp32.is_cuda:
-        return (src_fp32 * scale).to(dtype)
-    out = torch.empty(src_fp32.shape, dtype=dtype, device=src_fp32.device)
-    block = 4096
-    _scale_cast_kernel[(triton.cdiv(src_fp32.numel(), block),)](
-        src_fp32, out, scale.reshape(1).float(), src_fp32.numel(), BLOCK=block, num_warps=8)
-    return out
-
-
-def _dw_product(dw, i, a, b):
-    """dW chunk product into the fp32 accumulator: the first chunk writes (no zero-fill, no read)."""
-    if not dw.is_cuda:
-        if i == 0:
-            dw.copy_(torch.mm(a, b))
-        else:
-            dw.add_(torch.mm(a, b))
-    elif i == 0:
-        torch.mm(a, b, out_dtype=torch.float32, out=dw)
-    else:
-        torch.addmm(dw, a, b, out_dtype=torch.float32, out=dw)
-
-
-class _ProtoGradInForwardCE2(torch.autograd.Function):
-    """_ProtoGradInForwardCE with (b) the first chunk's dW written, not added to zeros, and (a) the
-    backward scale by grad_output fused with the fp32 -> bf16 cast of dW."""
-
-    @staticmethod
-    def forward(ctx, h, w, y, chunk, backend):
-        n, v = h.shape[0], w.shape[0]
-        dx = torch.empty_like(h)
-        dw = torch.empty(w.shape, dtype=torch.float32, device=w.device)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        coef_p = torch.full((min(chunk, n),), 1.0 / n, dtype=torch.float32, device=h.device)
-        coef_t = -coef_p
-        for i, s in enumerate(range(0, n, chunk)):
-            e = min(s + chunk, n)
-            logits = torch.mm(h[s:e], w.t())
-            st = backend.shard_stats(logits, y[s:e], v, 1.0)
-            lse = st.max + torch.log(st.sum_exp)
-            loss += (lse - st.target).sum()
-            backend.shard_dlogits_(logits, y[s:e], v, 1.0, lse, coef_p[:e - s], None, coef_t[:e - s], None)
-            torch.mm(logits, w, out=dx[s:e])
-            _dw_product(dw, i, logits.t(), h[s:e])
-            del logits
-        ctx.save_for_backward(dx, dw)
-        ctx.w_dtype = w.dtype
-        return loss / n
-
-    @staticmethod
-    def backward(ctx, g):
-        dx, dw = ctx.saved_tensors
-        return dx * g.to(dx.dtype), scale_cast(dw, g, ctx.w_dtype), None, None, None
-
-
-def make_proto_ce_gif2(h, w, y, chunk):
-    from megatron_fused_ce.ops import triton_backend
-    chunk = chunk or 4096
-    return lambda: _grads(_ProtoGradInForwardCE2.apply(h, w, y, chunk, triton_backend), h, w)
-
-
-class _ProtoLogprobs(torch.autograd.Function):
-    """Recompute-path log-probs with (b) the first chunk's dW written, not added to zeros, and
-    (c) no fp32 accumulator at all when one chunk holds every row (cuBLAS accumulates in fp32)."""
-
-    @staticmethod
-    def forward(ctx, h, w, y, chunk, backend):
-        n, v = h.shape[0], w.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=h.device)
-        target = torch.empty_like(lse)
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            st = backend.shard_stats(torch.mm(h[s:e], w.t()), y[s:e], v, 1.0)
-            torch.add(st.max, torch.log(st.sum_exp), out=lse[s:e])
-            target[s:e] = st.target
-        ctx.save_for_backward(h, w, y, lse)
-        ctx.chunk, ctx.backend = chunk, backend
-        return target - lse
-
-    @staticmethod
-    def backward(ctx, g):
-        h, w, y, lse = ctx.saved_tensors
-        chunk, backend = ctx.chunk, ctx.backend
-        n, v = h.shape[0], w.shape[0]
-        g = g.float().contiguous()
-        dx = torch.empty_like(h)
-        single = chunk >= n
-        dw = None if single else torch.empty(w.shape, dtype=torch.float32, device=w.device)
-        for i, s in enumerate(range(0, n, chunk)):
-            e = min(s + chunk, n)
-            logits = torch.mm(h[s:e], w.t())
-            backend.shard_dlogits_(logits, y[s:e], v, 1.0, lse[s:e], -g[s:e], None, g[s:e], None)
-            torch.mm(logits, w, out=dx[s:e])
-            if single:
-                dw_out = torch.mm(logits.t(), h)
-            else:
-                _dw_product(dw, i, logits.t(), h[s:e])
-            del logits
-        return dx, dw_out if single else dw.to(w.dtype), None, None, None
-
-
-def make_proto_lp2(h, w, y, chunk):
-    from megatron_fused_ce.ops import triton_backend
-    chunk = chunk or 4096
-    n = h.shape[0]
-    return lambda: _grads(-_ProtoLogprobs.apply(h, w, y, chunk, triton_backend).sum() / n, h, w)
-
-
 MAKERS = {name[len("make_"):]: fn for name, fn in globals().items() if name.startswith("make_")}
-CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo", "proto_ce_gif",
-           "proto_ce_gif2", "proto_lp2"}
-ALL_CHUNKS = {"ours_logprobs", "ours_ce", "proto_ce_gif2", "proto_lp2"}  # run at every --chunks value
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo"}
+ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -506,7 +335,7 @@ def run_one(name, chunk, h, w, y, args, reference=None):
     label = f"{name}@{chunk or 'auto'}" if name in CHUNKED else name
     row = dict(impl=label, method=name, chunk=(chunk or "auto") if name in CHUNKED else None,
                N=n, H=hdim, V=v, flops=6.0 * n * hdim * v, dense_logits_bytes=2 * n * v)
-    if name in CHUNKED and chunk is None and name != "proto_ce_gif":
+    if name in CHUNKED and chunk is None:
         row["chunk_resolved"] = resolved_auto_chunk(n, v, h.device)
     out = None
     try:
@@ -563,8 +392,6 @@ def impl_list(spec, chunks):
             raise SystemExit(f"unknown impl {name!r}; known: {', '.join(MAKERS)}")
         if name in CHUNKED:
             cs = chunks if name in ALL_CHUNKS else [c for c in chunks if c is not None][:1] or [None]
-            if name.startswith("proto"):
-                cs = [c for c in cs if c is not None] or [None]
             out.extend((name, c) for c in cs)
         else:
             out.append((name, None))

@@ -163,6 +163,16 @@ def backward_grads(
         del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
 
 
+def _input_grad(dx_rows: Tensor, row_index: Optional[Tensor], full_shape, spec: ChunkSpec) -> Tensor:
+    """This rank's partial dX of the labelled rows -> the full input gradient of `hidden`: scatter
+    back to all (gathered) rows, then sum over TP ranks (reduce-scatter under SP), as Megatron's
+    ColumnParallelLinear does in its backward."""
+    dx_full = dx_rows if row_index is None else dx_rows.new_zeros(full_shape).index_copy_(0, row_index, dx_rows)
+    if spec.sequence_parallel:
+        return reductions.reduce_scatter_sequence(dx_full, spec.tp_group)
+    return reductions.all_reduce_sum_(dx_full, spec.tp_group)
+
+
 def coefficients(g_target, g_lse, g_sum, g_expected, expected_logit, lse) -> Optional[dict]:
     """Upstream grads of the four statistics -> per-token dlogits coefficients (see module doc)."""
     if all(g is None for g in (g_target, g_lse, g_sum, g_expected)):
@@ -223,16 +233,7 @@ class LinearSoftmaxStats(torch.autograd.Function):
         if needs_dw and not into_main_grad:
             grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
 
-        grad_hidden = None
-        if needs_dx:
-            if row_index is None:
-                dx_full = dx_rows
-            else:
-                dx_full = full_hidden.new_zeros(full_hidden.shape).index_copy_(0, row_index, dx_rows)
-            if spec.sequence_parallel:
-                grad_hidden = reductions.reduce_scatter_sequence(dx_full, spec.tp_group)
-            else:
-                grad_hidden = reductions.all_reduce_sum_(dx_full, spec.tp_group)
+        grad_hidden = _input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
 
         if into_main_grad:
             # Megatron's gradient-accumulation-fusion convention: the gradient is already in
@@ -317,15 +318,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         spec: ChunkSpec = ctx.spec
         grad_hidden = grad_weight = None
         if dx_rows is not None:
-            dx_rows = dx_rows * g_anchor.to(dx_rows.dtype)
-            if row_index is None:
-                dx_full = dx_rows
-            else:
-                dx_full = dx_rows.new_zeros(ctx.full_shape).index_copy_(0, row_index, dx_rows)
-            if spec.sequence_parallel:
-                grad_hidden = reductions.reduce_scatter_sequence(dx_full, spec.tp_group)
-            else:
-                grad_hidden = reductions.all_reduce_sum_(dx_full, spec.tp_group)
+            grad_hidden = _input_grad(dx_rows * g_anchor.to(dx_rows.dtype), row_index, ctx.full_shape, spec)
         if dw_acc is not None:
             # Not in place: the saved buffer must stay valid for a second backward (retain_graph).
             if ctx.into_main_grad:
