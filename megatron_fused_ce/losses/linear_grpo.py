@@ -91,7 +91,7 @@ def linear_grpo_loss(
     batch, length = mask.shape
     placeholder = torch.zeros(batch * length, dtype=torch.float32, device=hidden.device)
 
-    def token_grads(merged, positions):
+    def token_grads(merged, positions, num_labelled):
         if sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
             positions = (positions % batch) * length + positions // batch
         with torch.enable_grad():

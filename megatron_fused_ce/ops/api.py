@@ -125,7 +125,9 @@ def _local_problems(fn_name, hidden, weight, labels, tp_size, vocab_size, temper
 
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temperature, chunk_size,
                      sequence_parallel, impl, ignore_index, extra_checks=None) -> int:
-    """Raise the same ValueError on every TP rank for bad input; return the true vocab size."""
+    """Raise the same ValueError on every TP rank for bad input.
+
+    Returns (true vocab size, number of labelled tokens), both agreed by all ranks."""
     tp_size = reductions.group_size(tp_group)
     problems = _local_problems(fn_name, hidden, weight, labels, tp_size, vocab_size, temperature,
                                chunk_size, sequence_parallel, impl, ignore_index, extra_checks or {})
@@ -177,7 +179,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temp
                             f"tensor-parallel rank")
     if messages:
         raise ValueError(f"{fn_name}: " + "; ".join(messages))
-    return true_vocab
+    return true_vocab, l_max
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,8 +222,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
 
     `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
     returned statistics are then plain values and `anchor` carries the gradient."""
-    true_vocab = _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temperature,
-                                  chunk_size, sequence_parallel, impl, ignore_index, extra_checks)
+    true_vocab, num_labelled = _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size,
+                                                temperature, chunk_size, sequence_parallel, impl,
+                                                ignore_index, extra_checks)
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
@@ -229,8 +232,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     flat_labels = labels.reshape(-1)
     num_rows = flat_labels.numel()
 
-    labelled = flat_labels != ignore_index
-    row_index = None if bool(labelled.all()) else labelled.nonzero().squeeze(1)
+    row_index = None if num_labelled == num_rows else (flat_labels != ignore_index).nonzero().squeeze(1)
     row_labels = flat_labels if row_index is None else flat_labels.index_select(0, row_index)
     vocab_start = tp_rank * v_local
     local_target = row_labels - vocab_start
@@ -339,11 +341,8 @@ def linear_cross_entropy(
         # The loss is a scalar whose per-token gradient is known once a chunk is merged: produce
         # dX, dW in the forward pass (3 GEMMs instead of 4). reduction="none" has arbitrary
         # per-token upstream gradients, so it keeps the recompute path.
-        scale = 1.0
-        if reduction == "mean" and not labels.dtype.is_floating_point:
-            scale = 1.0 / max(int((labels != ignore_index).sum()), 1)
-
-        def token_grads(merged, positions):
+        def token_grads(merged, positions, num_labelled):
+            scale = 1.0 / max(num_labelled, 1) if reduction == "mean" else 1.0
             g_lse = merged.lse * (2.0 * z_weight * scale) + scale if z_weight else torch.full_like(merged.lse, scale)
             g_target = torch.full_like(merged.lse, -(1.0 - smoothing) * scale)
             g_sum = torch.full_like(merged.lse, -smoothing * scale / true_vocab) if smoothing > 0 else None

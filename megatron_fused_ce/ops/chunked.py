@@ -249,9 +249,10 @@ class LinearLossGradInForward(torch.autograd.Function):
 
     Valid for a scalar loss whose gradient w.r.t. each token's statistics is known as soon as that
     token's chunk has been merged across TP ranks (cross-entropy, token-level GRPO ...).
-    `token_grads(merged_chunk, positions)` returns (g_target, g_lse, g_sum_logits, g_expected)
-    for the chunk's tokens under a unit upstream gradient (None = no dependence); `positions` are
-    their flat indices into labels.reshape(-1).
+    `token_grads(merged_chunk, positions, num_labelled)` returns (g_target, g_lse, g_sum_logits,
+    g_expected) for the chunk's tokens under a unit upstream gradient (None = no dependence);
+    `positions` are their flat indices into labels.reshape(-1), `num_labelled` the number of
+    labelled tokens of the whole call.
 
     Outputs: (anchor, target, lse, sum_logits, expected_logit). The statistics are plain values;
     `anchor` is a zero scalar that carries the gradient: callers return `loss_value + anchor`, and
@@ -281,7 +282,7 @@ class LinearLossGradInForward(torch.autograd.Function):
             merged_chunks.append(merged)
             positions = (row_index[start:end] if row_index is not None
                          else torch.arange(start, end, device=rows.device))
-            coefs = coefficients(*token_grads(merged, positions), merged.expected_logit, merged.lse)
+            coefs = coefficients(*token_grads(merged, positions, rows.shape[0]), merged.expected_logit, merged.lse)
             if coefs is None:
                 coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
             dlogits = spec.backend.shard_dlogits_(
