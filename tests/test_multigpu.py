@@ -6,10 +6,20 @@ dW, SP on/off, fp32 and bf16) with the Triton backend, plus a larger bf16 shape.
 Every rank runs the same tests in the same order; results are all-gathered and every rank checks
 every rank's result, so a failure fails on all ranks alike (no rank left waiting in a collective).
 Skipped unless launched by torchrun with >= 2 CUDA devices.
+
+Also: a real bf16 GPTModel (Float16Module) trained one step with `get_forward_backward_func`,
+fused vs unfused, for SFT, DPO and GRPO (with and without entropy), comparing every micro-batch's
+loss, the forward-only log-probs and the gradient of every parameter after Megatron's DDP +
+`finalize_model_grads` (the CPU test's `parity_worker`, on CUDA/NCCL; Triton backend). Layouts:
+TP=2 + SP, TP=1 x PP=2, TP=2 x PP=2 (with and without SP), each tied and untied; DP fills the rest
+of the world, and a layout that does not divide the world is skipped (TP=2 x PP=2 needs 4 GPUs):
+
+    torchrun --nproc_per_node 4 -m pytest tests/test_multigpu.py -m multigpu -q
 """
 
 import datetime
 import os
+import traceback
 import zlib
 
 import pytest
@@ -101,3 +111,143 @@ def test_nccl_large_bf16_cross_entropy_and_logprobs(impl, sp):
         for name, err in rank_errors.items():
             reference.record(f"nccl big {name}", tp, torch.bfloat16, err)
             assert err < 2e-2, (name, err)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPTModel + get_forward_backward_func, fused vs unfused, bf16, over NCCL
+# ------------------------------------------------------------------------------------------------
+GPT_LAYOUTS = {  # name: (tp, pp, sequence_parallel); dp = world // (tp * pp)
+    "tp2-sp": (2, 1, True),
+    "tp1-pp2": (1, 2, False),
+    "tp2-pp2": (2, 2, False),
+    "tp2-pp2-sp": (2, 2, True),
+}
+GPT_KINDS = ("sft", "dpo", "grpo", "grpo_entropy")
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # e.g. LogprobsOutput
+        return type(obj)(*(_to_cpu(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def gpt_setup(layout: str, tied: bool, world: int):
+    """The layout's `Setup` (bf16) for `world` ranks, or None when it does not divide the world."""
+    from test_megatron_common import Setup
+
+    tp, pp, sp = GPT_LAYOUTS[layout]
+    if world % (tp * pp):
+        return None
+    return Setup(tp=tp, pp=pp, dp=world // (tp * pp), sp=sp, tied=tied, bf16=True)
+
+
+def gpt_parity_body(layout: str, tied: bool, device: str, kinds=GPT_KINDS,
+                    loss_rtol=None, grad_rtol=None):
+    """Fused vs unfused GPTModel training step on every rank of the initialized default group.
+
+    Calls the CPU parity test's `parity_worker(rank, world, setup, kinds)` (which builds megatron's
+    parallel_state on the default group, a bf16 Float16Module GPTModel in DDP, and runs unfused
+    then fused), with its batches moved to `device`. Every rank's report is all-gathered and every
+    rank runs the same checks on all of them, so all ranks pass or fail together. `device="cuda"`
+    under NCCL (the test below); `device="cpu"` under gloo after `enable_cpu_mode()` runs the same
+    body on CPU. Returns the worst relative difference per loss kind.
+    """
+    import test_megatron_common as common
+    from megatron.core import parallel_state
+    from test_megatron_parity import (
+        GRAD_RTOL_BF16,
+        LOSS_RTOL_BF16,
+        NUM_MICROBATCHES,
+        parity_worker,
+    )
+
+    from megatron_fused_ce.megatron import loss_funcs
+    from megatron_fused_ce.ops import api
+
+    loss_rtol = LOSS_RTOL_BF16 if loss_rtol is None else loss_rtol
+    grad_rtol = GRAD_RTOL_BF16 if grad_rtol is None else grad_rtol
+    world, rank = dist.get_world_size(), dist.get_rank()
+    setup = gpt_setup(layout, tied, world)
+    assert setup is not None and setup.world == world, (layout, world)
+
+    # parity_worker wraps these two with call counters for good; put the originals back after.
+    counted = {name: getattr(loss_funcs, name) for name in ("linear_cross_entropy", "linear_grpo_loss")}
+    make_batches, select_backend = common.make_batches, api.select_backend
+    backends = set()
+
+    def batches_on_device(*args, **kwargs):
+        return [{k: v.to(device) for k, v in batch.items()} for batch in make_batches(*args, **kwargs)]
+
+    def recording_select_backend(impl, dev):
+        backend = select_backend(impl, dev)
+        backends.add(backend.__name__.rsplit(".", 1)[-1])
+        return backend
+
+    common.make_batches, api.select_backend = batches_on_device, recording_select_backend
+    report, error = None, None
+    try:
+        report = _to_cpu(parity_worker(rank, world, setup, kinds))
+        report["backends"] = sorted(backends)
+    except Exception:  # noqa: BLE001  (re-raised on every rank after the gather)
+        error = traceback.format_exc()
+    finally:
+        common.make_batches, api.select_backend = make_batches, select_backend
+        for name, fn in counted.items():
+            setattr(loss_funcs, name, fn)
+        parallel_state.destroy_model_parallel()
+    gathered = _gather((report, error))
+    errors = [f"--- rank {r} ---\n{e}" for r, (_, e) in enumerate(gathered) if e is not None]
+    assert not errors, "\n".join(errors)
+    reports = [r for r, _ in gathered]
+
+    # The checks of test_megatron_parity.test_fused_matches_unfused, bf16 tolerances.
+    worst = {}
+    for rank_, report in enumerate(reports):
+        if device == "cuda":  # the fused path ran the Triton kernels
+            assert "triton_backend" in report["backends"], (rank_, report["backends"])
+        if report["last_stage"]:
+            assert report["grad_added_to_main_grad"] == setup.grad_acc_fusion, rank_
+        for kind in kinds:
+            r = report[kind]
+            assert r["same_keys"], (rank_, kind)
+            assert r["grad_norm"] > 0, (rank_, kind)
+            if report["last_stage"]:
+                assert r["num_metrics"] == NUM_MICROBATCHES, (rank_, kind, r["num_metrics"])
+                expected = {"linear_cross_entropy": NUM_MICROBATCHES if kind == "sft" else 0,
+                            "linear_grpo_loss": NUM_MICROBATCHES if kind == "grpo" else 0}
+                assert r["gradients_in_forward_calls"] == expected, (rank_, kind, r)
+                assert r["loss_diff"] <= loss_rtol, (rank_, kind, "loss", r["loss_diff"])
+            bad = {n: d for n, d in r["grad_diff"].items() if d > grad_rtol}
+            assert not bad, (rank_, kind, "grads", bad)
+            assert r["forward_only_diff"] <= loss_rtol, (rank_, kind, "logprobs", r["forward_only_diff"])
+            worst[kind] = max(worst.get(kind, 0.0), r["loss_diff"], r["forward_only_diff"],
+                              max(r["grad_diff"].values()))
+    # Forward-only log-probs are identical (bitwise) on every rank of a data-parallel replica.
+    for kind in kinds:
+        if kind == "sft":
+            continue
+        for dp_rank in {r["dp_rank"] for r in reports}:
+            replica = [r[kind]["forward_only"] for r in reports if r["dp_rank"] == dp_rank]
+            for other in replica[1:]:
+                for a, b in zip(replica[0], other):
+                    assert torch.equal(a, b), (kind, dp_rank)
+    return worst
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("layout", list(GPT_LAYOUTS))
+def test_nccl_gpt_fused_matches_unfused_bf16(layout, tied, record_property):
+    """bf16 GPTModel step, fused vs unfused: losses to 1e-3 relative, forward-only log-probs to
+    1e-3, each parameter's gradient to 2e-2 of its largest entry (the CPU bf16 test's tolerances)."""
+    setup = gpt_setup(layout, tied, dist.get_world_size())
+    if setup is None:  # the same decision on every rank
+        pytest.skip(f"{layout} needs a world size divisible by its TP x PP, got {dist.get_world_size()}")
+    worst = gpt_parity_body(layout, tied, "cuda")
+    record_property("max_rel_diff", worst)
+    print(f"{setup}: max relative fused-vs-unfused difference {worst}")
