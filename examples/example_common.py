@@ -270,6 +270,28 @@ def run_batches(model, batches: List[dict], make_loss_func: Callable, seq_length
         micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
 
 
+def train_sft(args, cfg: dict, model, fused: FusedCEConfig, parallel_state, make_batches: Callable,
+              make_loss_func: Callable, name: str) -> None:
+    """The SFT-style loop of pretrain_gpt.py and sft.py: one optimizer step per batch of
+    micro-batches; on the first step, with --compare-unfused, the fused-vs-unfused loss."""
+    train, seq = cfg["train"], cfg["data"]["seq_length"]
+    optimizer = MainGradAdamW(model, lr=train["lr"])
+    progress = Progress(train["steps"], name)
+    progress.write(describe(cfg, fused, parallel_state))
+    for step in range(train["steps"]):
+        batches = make_batches(cfg, parallel_state, step)
+        if step == 0 and args.compare_unfused:
+            progress.write(compare_unfused(model, fused, batches, make_loss_func, seq,
+                                           parallel_state, "lm loss"))
+        optimizer.zero_grad()
+        metrics = run_batches(model, batches, make_loss_func, seq)
+        optimizer.step()
+        progress.update(reduce_metrics(metrics, parallel_state),
+                        tokens=train["global_batch_size"] * seq)
+    progress.close()
+    shutdown()
+
+
 def reduce_metrics(metrics: List[Dict[str, torch.Tensor]], parallel_state) -> Dict[str, float]:
     """Sum the `[sum, count]` pairs over micro-batches and data-parallel ranks -> means.
     Only meaningful on the last pipeline stage (empty elsewhere)."""

@@ -10,20 +10,14 @@ from megatron's `[b, s, V/TP]` logits when it is off.
 
 from example_common import (
     LogprobsPostProcessorFor,
-    MainGradAdamW,
-    Progress,
     build_model,
-    compare_unfused,
     data_generator,
-    describe,
     init_distributed,
     micro_batches,
     parse_args,
     pattern_sequences,
-    reduce_metrics,
     rows_per_rank,
-    run_batches,
-    shutdown,
+    train_sft,
 )
 
 from megatron_fused_ce.megatron import sft_loss_func
@@ -44,26 +38,11 @@ def main():
     parallel_state = init_distributed(cfg, train["seed"])
     model, _, fused = build_model(cfg, parallel_state)
     post = LogprobsPostProcessorFor(cfg, fused)
-    optimizer = MainGradAdamW(model, lr=train["lr"])
-    seq = cfg["data"]["seq_length"]
 
     def make_loss_func(chunk, batch):
         return sft_loss_func(post, chunk, batch["labels"], batch["loss_mask"])
 
-    progress = Progress(train["steps"], "pretrain")
-    progress.write(describe(cfg, fused, parallel_state))
-    for step in range(train["steps"]):
-        batches = make_batches(cfg, parallel_state, step)
-        if step == 0 and args.compare_unfused:
-            progress.write(compare_unfused(model, fused, batches, make_loss_func, seq,
-                                           parallel_state, "lm loss"))
-        optimizer.zero_grad()
-        metrics = run_batches(model, batches, make_loss_func, seq)
-        optimizer.step()
-        progress.update(reduce_metrics(metrics, parallel_state),
-                        tokens=train["global_batch_size"] * seq)
-    progress.close()
-    shutdown()
+    train_sft(args, cfg, model, fused, parallel_state, make_batches, make_loss_func, "pretrain")
 
 
 if __name__ == "__main__":

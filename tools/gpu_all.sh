@@ -2,11 +2,7 @@
 # One device call on a 4-GPU machine (run tool, kind nvidia-h200-x4, carry [".wheels"]): the NCCL
 # parity suite at TP=2 and TP=4, then the TP=4 and TP=2 benchmarks at (8192, 4096, 128256).
 # Each step has its own time limit so that one stuck step cannot eat the call; logs under $OUT.
-export OUT=${OUT:-$PWD/bench_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl \
-  && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/device_env.sh"
 { nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv; nvidia-smi topo -m; \
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"

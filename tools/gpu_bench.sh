@@ -3,14 +3,7 @@
 # then tools/benchmark.py with the arguments given. Everything is logged under $OUT.
 #   run(command="bash tools/gpu_bench.sh [benchmark args]", carry=[".wheels"])
 set -o pipefail
-export OUT=${OUT:-$PWD/bench_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
-if ls .wheels/*.whl >/dev/null 2>&1; then
-  # --no-deps: the machine's torch / triton / numpy stay in charge
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.limit \
   --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"

@@ -7,14 +7,7 @@
 set -o pipefail
 NP=${1:-2}
 shift || true
-export OUT=${OUT:-$PWD/bench_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
-if ls .wheels/*.whl >/dev/null 2>&1; then
-  # --no-deps: the machine's torch / triton / numpy stay in charge
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$(dirname "$0")/device_env.sh"
 { nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.limit \
     --format=csv; nvidia-smi topo -m; } > "$OUT/gpu_tp$NP.txt" 2>&1
 cat "$OUT/gpu_tp$NP.txt"
