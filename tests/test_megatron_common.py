@@ -116,6 +116,8 @@ def build(setup: Setup, seed: int = 1234):
         gpt = GPTModel(config, layer_spec(config, setup, kw.get("vp_stage")),
                        vocab_size=PADDED_VOCAB, max_sequence_length=SEQ, pre_process=pre,
                        post_process=post, share_embeddings_and_output_weights=setup.tied, **kw)
+        if torch.cuda.is_available():  # as training scripts do: megatron leaves plain torch
+            gpt.cuda(torch.cuda.current_device())  # modules (position embedding, norms) on the CPU
         if setup.bf16:
             gpt = Float16Module(config, gpt)
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
