@@ -351,3 +351,64 @@ def test_auto_chunk_size_bounds_the_chunk():
     assert auto_chunk_size(100_000, 128_256, cuda) == 2**29 // 128_256  # 1 GiB of bf16 logits
     assert auto_chunk_size(100_000, 256_000, cuda) == 4096  # never below 4096 rows
     assert auto_chunk_size(1000, 256_000, cuda) == 1000
+
+
+def test_auto_chunk_size_takes_one_chunk_when_it_saves_the_fp32_weight_grad():
+    """One chunk of all rows is chosen iff its peak (all logits + dW in bf16) is no larger than the
+    chunked peak (one chunk + the fp32 dW buffer, or that buffer + the cast dW)."""
+    from megatron_fused_ce.ops.api import auto_chunk_size
+
+    cuda = torch.device("cuda")
+
+    def auto(n, v, h, buffer=True):
+        return auto_chunk_size(n, v, cuda, hidden_size=h, element_size=2, fp32_weight_grad_buffer=buffer)
+
+    # benchmark shape 1: 8192 x 128256 x 2 B + dW 1 GiB = 3.0 GiB <= 4185-row chunk + fp32 dW = 3.0 GiB
+    assert auto(8192, 128_256, 4096) == 8192
+    assert auto(8192, 128_256, 4096, buffer=False) == 4185  # main_grad / no dW: the plain cap
+    assert auto(8192, 256_000, 2304) == 4096  # all logits (3.9 GiB) + dW > chunk + fp32 dW
+    assert auto(16384, 152_064, 3584) == 4096
+    for n, v, h in [(8192, 128_256, 4096), (8192, 256_000, 2304), (16384, 152_064, 3584),
+                    (12000, 32_000, 8192), (5000, 151_936, 1024)]:
+        cap = auto(n, v, h, buffer=False)
+        chunked_peak = max(cap * v * 2 + 4 * v * h, 6 * v * h)
+        one_chunk_peak = (n * v + v * h) * 2
+        assert (auto(n, v, h) == n) == (n > cap and one_chunk_peak <= chunked_peak) or n <= cap
+
+
+class _WeightGradBuffers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Dtypes of every tensor created with the weight's shape."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.dtypes = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape:
+                self.dtypes.append(t.dtype)
+        return out
+
+
+@pytest.mark.parametrize("fn", ["logprobs", "cross_entropy"])
+@pytest.mark.parametrize("chunk", [64, 40])
+def test_one_gemm_weight_grad_needs_no_fp32_buffer(fn, chunk):
+    """With one chunk of all rows, dW comes out of one GEMM in bf16: no fp32 [V_local, H] tensor
+    (chunk 40 < 50 rows: several chunks sum dW in fp32, so the check can fail)."""
+    torch.manual_seed(0)
+    h = torch.randn(50, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(24, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 24, (50,))
+    with _WeightGradBuffers(w.shape) as mode:
+        if fn == "logprobs":
+            (linear_logprobs(h, w, y, chunk_size=chunk).logprobs * 0.7).sum().backward()
+        else:
+            (2.5 * linear_cross_entropy(h, w, y, chunk_size=chunk)).backward()
+    assert (torch.float32 in mode.dtypes) == (chunk < 50), mode.dtypes
+    hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logp = torch.log_softmax(hd @ wd.t(), -1).gather(1, y[:, None]).squeeze(1)
+    ref = (logp * 0.7).sum() if fn == "logprobs" else -2.5 * logp.mean()
+    ref_dw, = torch.autograd.grad(ref, wd)
+    assert w.grad.dtype == torch.bfloat16
+    assert reference.rel_err(w.grad, ref_dw) < 2e-2

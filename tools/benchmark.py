@@ -314,17 +314,19 @@ def make_inputs(n, hdim, v, device, seed=0):
     return h.requires_grad_(), w.requires_grad_(), y
 
 
-def resolved_auto_chunk(n, v_local, device):
-    """The package's auto chunk size (its signature has changed over time); None if unknown."""
+def resolved_auto_chunk(n, v_local, device, hdim, method):
+    """The package's auto chunk size for this call (its signature has changed over time); None if
+    unknown. With main_grad the weight gradient needs no fp32 buffer of its own."""
     try:
         from megatron_fused_ce.ops import api
         fn = getattr(api, "auto_chunk_size", None)
         if fn is None:
             return None
         try:
-            return fn(n, v_local, device)
+            return fn(n, v_local, device, hidden_size=hdim, element_size=2,
+                      fp32_weight_grad_buffer=method != "ours_ce_main_grad")
         except TypeError:
-            return fn(n, v_local)
+            return fn(n, v_local, device)
     except Exception:  # noqa: BLE001
         return None
 
@@ -336,7 +338,7 @@ def run_one(name, chunk, h, w, y, args, reference=None):
     row = dict(impl=label, method=name, chunk=(chunk or "auto") if name in CHUNKED else None,
                N=n, H=hdim, V=v, flops=6.0 * n * hdim * v, dense_logits_bytes=2 * n * v)
     if name in CHUNKED and chunk is None:
-        row["chunk_resolved"] = resolved_auto_chunk(n, v, h.device)
+        row["chunk_resolved"] = resolved_auto_chunk(n, v, h.device, hdim, name)
     out = None
     try:
         step = MAKERS[name](h, w, y, chunk)
@@ -391,7 +393,7 @@ def impl_list(spec, chunks):
         if name not in MAKERS:
             raise SystemExit(f"unknown impl {name!r}; known: {', '.join(MAKERS)}")
         if name in CHUNKED:
-            cs = chunks if name in ALL_CHUNKS else [c for c in chunks if c is not None][:1] or [None]
+            cs = chunks if name in ALL_CHUNKS else chunks[:1]  # the first --chunks value
             out.extend((name, c) for c in cs)
         else:
             out.append((name, None))
@@ -881,7 +883,7 @@ def tp_run_one(name, chunk, h, w, y, args, ctx, reference):
                V=v_local * ctx.tp, V_local=v_local, tp=ctx.tp, flops_per_gpu=6.0 * n * hdim * v_local,
                dense_logits_bytes_per_gpu=2 * n * v_local)
     if chunked and chunk is None:
-        row["chunk_resolved"] = resolved_auto_chunk(n, v_local, h.device)
+        row["chunk_resolved"] = resolved_auto_chunk(n, v_local, h.device, hdim, name)
     try:
         step = _tp_agree(ctx, lambda: TP_MAKERS[name](h, w, y, chunk, ctx))
         if getattr(step, "note", None):

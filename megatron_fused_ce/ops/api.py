@@ -206,13 +206,31 @@ class TokenStats:
         return full.index_put((self.row_index,), values).reshape(self.out_shape)
 
 
-def auto_chunk_size(num_rows: int, v_local: int, device: torch.device) -> int:
+def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden_size: int = 0,
+                    element_size: int = 2, fp32_weight_grad_buffer: bool = False) -> int:
+    """Rows per chunk when the caller gives none: bounded chunks of logits (see the caps above).
+
+    `fp32_weight_grad_buffer`: the weight gradient will be computed here and, once the rows span
+    several chunks, summed over them in an fp32 [V_local, H] buffer (i.e. not into Megatron's
+    main_grad). One chunk of all rows then needs no such buffer: its single GEMM writes dW in the
+    weight's dtype. That is taken whenever its peak memory, all logits + dW, is no larger than the
+    chunked peak, one chunk + the fp32 buffer (or the buffer + the cast dW): faster (no fp32
+    read-modify-write of dW per chunk, no final cast pass) at no memory cost.
+    """
     v_local = max(v_local, 1)
     if device.type == "cuda":
         rows = max(_AUTO_CHUNK_MIN_ROWS_CUDA, _AUTO_CHUNK_ELEMENTS_CUDA // v_local)
     else:
         rows = max(64, _AUTO_CHUNK_ELEMENTS // v_local)
-    return max(1, min(max(num_rows, 1), rows))
+    num_rows = max(num_rows, 1)
+    if fp32_weight_grad_buffer and num_rows > rows:
+        weight_elems = v_local * hidden_size
+        chunked_peak = max(rows * v_local * element_size + 4 * weight_elems,
+                           (4 + element_size) * weight_elems)
+        one_chunk_peak = (num_rows * v_local + weight_elems) * element_size
+        if one_chunk_peak <= chunked_peak:
+            return num_rows
+    return min(num_rows, rows)
 
 
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
@@ -238,12 +256,18 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     local_target = row_labels - vocab_start
     local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
 
+    if not chunk_size:
+        dw_into_main_grad = accumulate_into_main_grad and hasattr(weight, "main_grad")
+        chunk_size = auto_chunk_size(
+            row_labels.numel(), v_local, hidden.device, hidden_size=hidden_size,
+            element_size=weight.element_size(),
+            fp32_weight_grad_buffer=torch.is_grad_enabled() and weight.requires_grad and not dw_into_main_grad)
     spec = ChunkSpec(
         tp_group=tp_group,
         backend=select_backend(impl, hidden.device),
         num_valid_cols=min(max(true_vocab - vocab_start, 0), v_local),
         inv_temperature=1.0 / float(temperature),
-        chunk_size=chunk_size or auto_chunk_size(row_labels.numel(), v_local, hidden.device),
+        chunk_size=chunk_size,
         want_sum_logits=want_sum_logits,
         want_entropy=want_entropy,
         sequence_parallel=sequence_parallel,

@@ -258,7 +258,8 @@ class LinearLossGradInForward(torch.autograd.Function):
     `anchor` is a zero scalar that carries the gradient: callers return `loss_value + anchor`, and
     backward scales the dX and dW computed here by the anchor's upstream gradient (loss scaling,
     averaging over micro-batches ...). Costs: the chunk merge is done per chunk (2 collectives per
-    chunk instead of 2 per call) and dX / fp32 dW live from forward to backward.
+    chunk instead of 2 per call) and dX / dW (fp32 when summed over several chunks) live from forward to
+    backward.
     """
 
     @staticmethod
@@ -266,8 +267,13 @@ class LinearLossGradInForward(torch.autograd.Function):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
         rows = _rows(full_hidden, row_index)
         needs_dx, needs_dw = hidden.requires_grad, weight.requires_grad
+        into_main_grad = needs_dw and spec.accumulate_into_main_grad and hasattr(weight, "main_grad")
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-        dw_acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if needs_dw else None
+        # dW is summed over chunks in fp32; one GEMM over all rows writes the weight's dtype
+        # directly (cuBLAS accumulates in fp32 inside the GEMM), halving the buffer and its traffic.
+        one_gemm = rows.shape[0] <= spec.chunk_size and not into_main_grad
+        dw_dtype = weight.dtype if one_gemm else torch.float32
+        dw_acc = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if needs_dw else None
         if dw_acc is not None and rows.shape[0] == 0:
             dw_acc.zero_()
         merged_chunks = []
@@ -302,7 +308,7 @@ class LinearLossGradInForward(torch.autograd.Function):
             return torch.cat([getattr(m, name) for m in merged_chunks])
 
         ctx.spec = spec
-        ctx.into_main_grad = needs_dw and spec.accumulate_into_main_grad and hasattr(weight, "main_grad")
+        ctx.into_main_grad = into_main_grad
         ctx.full_shape = full_hidden.shape
         ctx.save_for_backward(row_index, dx_rows, dw_acc, weight)
         outputs = (cat("target"), cat("lse"), cat("sum_logits", spec.want_sum_logits),

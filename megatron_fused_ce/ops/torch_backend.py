@@ -117,5 +117,6 @@ def shard_dlogits_(
 
 
 def scale_cast(src_fp32: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """dtype(src_fp32 * scale): the fp32 weight gradient scaled by the upstream gradient."""
+    """dtype(src_fp32 * scale): the weight gradient (fp32, or already in `dtype` when one GEMM made
+    it) scaled by the upstream gradient."""
     return (src_fp32 * scale).to(dtype)

@@ -277,7 +277,7 @@ def _scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
 
 
 def scale_cast(src_fp32: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """dtype(src_fp32 * scale) in one pass over the fp32 weight gradient."""
+    """dtype(src_fp32 * scale) in one pass over the weight gradient (fp32, or already `dtype`)."""
     # Off CUDA (incl. the interpreter, whose fp32 -> bf16 cast truncates) the torch math is used.
     if dtype == torch.float32 or not src_fp32.is_cuda or not src_fp32.is_contiguous():
         return (src_fp32 * scale).to(dtype)
