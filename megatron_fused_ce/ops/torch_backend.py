@@ -116,7 +116,7 @@ def shard_dlogits_(
     return logits
 
 
-def scale_cast(src_fp32: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """dtype(src_fp32 * scale): the weight gradient (fp32, or already in `dtype` when one GEMM made
+def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """dtype(src * scale): the weight gradient (fp32, or already in `dtype` when one GEMM made
     it) scaled by the upstream gradient."""
-    return (src_fp32 * scale).to(dtype)
+    return (src * scale).to(dtype)

@@ -276,13 +276,13 @@ def _scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offsets, scaled.to(dst_ptr.dtype.element_ty), mask=in_range)
 
 
-def scale_cast(src_fp32: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """dtype(src_fp32 * scale) in one pass over the weight gradient (fp32, or already `dtype`)."""
+def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """dtype(src * scale) in one pass over the weight gradient (fp32, or already `dtype`)."""
     # Off CUDA (incl. the interpreter, whose fp32 -> bf16 cast truncates) the torch math is used.
-    if dtype == torch.float32 or not src_fp32.is_cuda or not src_fp32.is_contiguous():
-        return (src_fp32 * scale).to(dtype)
-    out = torch.empty(src_fp32.shape, dtype=dtype, device=src_fp32.device)
+    if dtype == torch.float32 or not src.is_cuda or not src.is_contiguous():
+        return (src * scale).to(dtype)
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
     block = 4096
-    _scale_cast_kernel[(triton.cdiv(src_fp32.numel(), block),)](
-        src_fp32, out, scale.reshape(1).to(torch.float32), src_fp32.numel(), BLOCK=block, num_warps=8)
+    _scale_cast_kernel[(triton.cdiv(src.numel(), block),)](
+        src, out, scale.reshape(1).to(torch.float32), src.numel(), BLOCK=block, num_warps=8)
     return out
