@@ -368,6 +368,9 @@ def test_auto_chunk_size_takes_one_chunk_when_it_saves_the_fp32_weight_grad():
     assert auto(8192, 128_256, 4096, buffer=False) == 4185  # main_grad / no dW: the plain cap
     assert auto(8192, 256_000, 2304) == 4096  # all logits (3.9 GiB) + dW > chunk + fp32 dW
     assert auto(16384, 152_064, 3584) == 4096
+    # not on the CPU, whose torch backend also makes fp32 copies of the chunk
+    assert auto_chunk_size(4096, 128_256, torch.device("cpu"), hidden_size=4096,
+                           fp32_weight_grad_buffer=True) == 64 * 2**20 // 128_256
     for n, v, h in [(8192, 128_256, 4096), (8192, 256_000, 2304), (16384, 152_064, 3584),
                     (12000, 32_000, 8192), (5000, 151_936, 1024)]:
         cap = auto(n, v, h, buffer=False)

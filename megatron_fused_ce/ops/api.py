@@ -215,7 +215,9 @@ def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden
     main_grad). One chunk of all rows then needs no such buffer: its single GEMM writes dW in the
     weight's dtype. That is taken whenever its peak memory, all logits + dW, is no larger than the
     chunked peak, one chunk + the fp32 buffer (or the buffer + the cast dW): faster (no fp32
-    read-modify-write of dW per chunk, no final cast pass) at no memory cost.
+    read-modify-write of dW per chunk, no final cast pass) at no memory cost. CUDA only: the peaks
+    assume the Triton backend, which works on the chunk in place (the torch backend on the CPU
+    also makes fp32 copies of it).
     """
     v_local = max(v_local, 1)
     if device.type == "cuda":
@@ -223,7 +225,7 @@ def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden
     else:
         rows = max(64, _AUTO_CHUNK_ELEMENTS // v_local)
     num_rows = max(num_rows, 1)
-    if fp32_weight_grad_buffer and num_rows > rows:
+    if fp32_weight_grad_buffer and device.type == "cuda" and num_rows > rows:
         weight_elems = v_local * hidden_size
         chunked_peak = max(rows * v_local * element_size + 4 * weight_elems,
                            (4 + element_size) * weight_elems)
