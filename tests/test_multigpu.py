@@ -19,6 +19,7 @@ of the world, and a layout that does not divide the world is skipped (TP=2 x PP=
 
 import datetime
 import os
+import sys
 import traceback
 import zlib
 
@@ -196,6 +197,10 @@ def gpt_parity_body(layout: str, tied: bool, device: str, kinds=GPT_KINDS,
         report["backends"] = sorted(backends)
     except Exception:  # noqa: BLE001  (re-raised on every rank after the gather)
         error = traceback.format_exc()
+        # Printed now: a stage that fails leaves its pipeline peer blocked in a p2p receive, so
+        # the gather below may never complete (the NCCL timeout then aborts every rank).
+        print(f"rank {rank} failed in {layout} {'tied' if tied else 'untied'}:\n{error}",
+              file=sys.stderr, flush=True)
     finally:
         common.make_batches, api.select_backend = make_batches, select_backend
         for name, fn in counted.items():
