@@ -18,7 +18,13 @@ import torch
 from torch import Tensor
 
 from . import reductions, torch_backend
-from .chunked import ChunkSpec, LinearLossGradInForward, LinearSoftmaxStats, forward_stats
+from .chunked import (
+    ChunkSpec,
+    LinearLossGradInForward,
+    LinearSoftmaxStats,
+    adds_into_main_grad,
+    forward_stats,
+)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The automatic chunk size bounds one chunk of logits, whatever the number of tokens. CPU (torch
@@ -259,11 +265,11 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
 
     if not chunk_size:
-        dw_into_main_grad = accumulate_into_main_grad and hasattr(weight, "main_grad")
         chunk_size = auto_chunk_size(
             row_labels.numel(), v_local, hidden.device, hidden_size=hidden_size,
             element_size=weight.element_size(),
-            fp32_weight_grad_buffer=torch.is_grad_enabled() and weight.requires_grad and not dw_into_main_grad)
+            fp32_weight_grad_buffer=(torch.is_grad_enabled() and weight.requires_grad
+                                     and not adds_into_main_grad(weight, accumulate_into_main_grad)))
     spec = ChunkSpec(
         tp_group=tp_group,
         backend=select_backend(impl, hidden.device),

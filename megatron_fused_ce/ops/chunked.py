@@ -67,6 +67,17 @@ def _rows(full_hidden: Tensor, row_index: Optional[Tensor]) -> Tensor:
     return full_hidden if row_index is None else full_hidden.index_select(0, row_index)
 
 
+def adds_into_main_grad(weight: Tensor, accumulate_into_main_grad: bool) -> bool:
+    """Whether dW goes into Megatron's fp32 `weight.main_grad` (gradient-accumulation fusion)."""
+    return weight.requires_grad and accumulate_into_main_grad and hasattr(weight, "main_grad")
+
+
+def _weight_grad_dtype(weight: Tensor, num_rows: int, spec: ChunkSpec) -> torch.dtype:
+    """dW summed over chunks is kept in fp32 (low-precision accumulation drifts: axolotl #1601,
+    Liger #827); one GEMM over all rows writes the weight's dtype (cuBLAS accumulates in fp32)."""
+    return weight.dtype if num_rows <= spec.chunk_size else torch.float32
+
+
 def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec):
     """Chunk loop of the forward pass -> reductions.MergedStats over the rows given."""
     backend, partials = spec.backend, []
@@ -213,15 +224,11 @@ class LinearSoftmaxStats(torch.autograd.Function):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
         rows = _rows(full_hidden, row_index)
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-        into_main_grad = needs_dw and spec.accumulate_into_main_grad and hasattr(weight, "main_grad")
+        into_main_grad = needs_dw and adds_into_main_grad(weight, spec.accumulate_into_main_grad)
         dw_out = grad_weight = None
         if needs_dw:
-            if into_main_grad:
-                dw_out = weight.main_grad
-            elif rows.shape[0] <= spec.chunk_size:  # one GEMM over all rows: no fp32 buffer
-                dw_out = torch.empty_like(weight)
-            else:
-                dw_out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+            dw_out = weight.main_grad if into_main_grad else torch.empty(
+                weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec), device=weight.device)
         if coefs is None or rows.shape[0] == 0:  # nothing to differentiate: zero gradients
             if dx_rows is not None:
                 dx_rows.zero_()
@@ -267,12 +274,10 @@ class LinearLossGradInForward(torch.autograd.Function):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
         rows = _rows(full_hidden, row_index)
         needs_dx, needs_dw = hidden.requires_grad, weight.requires_grad
-        into_main_grad = needs_dw and spec.accumulate_into_main_grad and hasattr(weight, "main_grad")
+        into_main_grad = needs_dw and adds_into_main_grad(weight, spec.accumulate_into_main_grad)
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-        # dW is summed over chunks in fp32; one GEMM over all rows writes the weight's dtype
-        # directly (cuBLAS accumulates in fp32 inside the GEMM), halving the buffer and its traffic.
-        one_gemm = rows.shape[0] <= spec.chunk_size and not into_main_grad
-        dw_dtype = weight.dtype if one_gemm else torch.float32
+        # Held until backward scales it: added to main_grad in fp32 there, else cast to the weight's dtype.
+        dw_dtype = torch.float32 if into_main_grad else _weight_grad_dtype(weight, rows.shape[0], spec)
         dw_acc = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if needs_dw else None
         if dw_acc is not None and rows.shape[0] == 0:
             dw_acc.zero_()
