@@ -103,7 +103,7 @@ def test_shard_stats(small_blocks, dtype, temperature, n, v, pad):
     for want_sum, want_ent in ((False, False), (True, True), (True, False)):
         got = tb.shard_stats(logits, target, nvc, 1.0 / temperature, want_sum, want_ent)
         ref = torch_backend.shard_stats(logits, target, nvc, 1.0 / temperature, want_sum, want_ent)
-        for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+        for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
             a, b = getattr(got, name), getattr(ref, name)
             assert (a is None) == (b is None), name
             if a is not None:
@@ -118,16 +118,16 @@ def test_shard_stats_default_blocks_and_zero_valid_columns(tb):
     target = _targets(7, 450, g)
     got = tb.shard_stats(logits, target, 450, 1.3, True, True)
     ref = torch_backend.shard_stats(logits, target, 450, 1.3, True, True)
-    for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+    for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
         _close(getattr(got, name), getattr(ref, name), what=name)
     # a shard made only of padding columns
     empty = tb.shard_stats(logits, _targets(7, 0, g), 0, 1.0, True, True)
     assert torch.all(empty.max == float("-inf"))
-    for name in ("sum_exp", "target", "sum_logits", "sum_exp_logits"):
+    for name in ("sum_exp", "target", "sum_logits", "sum_exp_shifted"):
         assert torch.all(getattr(empty, name) == 0), name
     # no rows
     none = tb.shard_stats(logits[:0], target[:0], 450, 1.0, False, True)
-    assert none.max.shape == (0,) and none.sum_logits is None and none.sum_exp_logits.shape == (0,)
+    assert none.max.shape == (0,) and none.sum_logits is None and none.sum_exp_shifted.shape == (0,)
 
 
 # ---------------------------------------------------------------------------- shard_dlogits_
