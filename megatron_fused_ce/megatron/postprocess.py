@@ -190,13 +190,16 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
     TP with an identity backward (each rank's partial depends only on its own shard). Bad input
     raises the same ValueError on every rank before the first all-reduce, as in the fused op.
     """
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    def tp_sum(x):
-        return x if tp_size == 1 else reduce_from_tensor_model_parallel_region(x, group=tp_group)
-
     _check_logits_arguments(logits, labels, tp_group if tp_size > 1 else None, vocab_size,
                             temperature, ignore_index, return_entropy)
+
+    def tp_sum(x):
+        if tp_size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(x, group=tp_group)
+
     v_local = logits.shape[-1]
     vocab_size = vocab_size if vocab_size is not None else v_local * tp_size
     start = tp_rank * v_local
@@ -264,7 +267,7 @@ def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, i
     agreement.equal_tensor("labels", labels if ok else None,
                            "labels: differ across tensor-parallel ranks; every rank must pass the "
                            "same labels")
-    bad_key = agreement.maximum("labels", bad)
+    bad_key = agreement.maximum_count("labels", bad)
     agreement.equal("vocab_size", true_vocab)
     agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
     agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)

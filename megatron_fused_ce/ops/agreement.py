@@ -8,8 +8,8 @@ word. And a check that raises on one rank only leaves its peers waiting in the n
 each rank first collects, without raising:
 
 - its own problems: a failed check, by argument name;
-- values that must be equal on every rank: numbers, flags, names, dtypes, and tensors by a
-  fingerprint computed where they live (two position-weighted sums, see `tensor_fingerprint`);
+- values that must be equal on every rank: numbers, flags, names, dtypes, counts computed on the
+  device, and tensors by a fingerprint computed where they live (`tensor_fingerprint`);
 - values the ranks agree on by taking the largest (a count of bad labels, a resolved option);
 
 packs them into one int64 vector, all-reduces it once with MAX (reductions.max_over_ranks) and reads
@@ -18,7 +18,9 @@ max(v) == ~max(~v) exactly when every rank had the same v. Then every rank raise
 ValueError naming the arguments, or goes on with the agreed values.
 
 The layout of the vector must be the same on every rank: every entry is registered
-unconditionally, in the same order (pass None for a value a rank cannot compute).
+unconditionally, in the same order and by the same method (pass None, or a 0 count, for a value a
+rank cannot compute). When a check fails anywhere, only the failed checks are reported: the values
+that then differ are its consequences.
 """
 
 from __future__ import annotations
@@ -109,13 +111,17 @@ class Agreement:
         return any(name in self.problems for name in names)
 
     def equal(self, name: str, value, message: Optional[str] = None, *, show_range: bool = False):
-        """`value` (a plain value, or a 0-d integer tensor on `device`) must be the same on every
-        rank; `show_range` prints the smallest and largest value in the error."""
-        if isinstance(value, Tensor):
-            value = value.to(torch.int64).reshape(1)
-            return self._add_dev("equal", name, message, torch.cat([value, ~value]), show_range)
+        """A plain value (number, flag, name, dtype, tuple ...) that must be the same on every
+        rank; `show_range` prints the smallest and largest value (ints) in the error."""
+        assert not isinstance(value, Tensor), "use equal_count / equal_tensor for tensors"
         code = value_code(value)
         return self._add_host("equal", name, message, [code, ~code], show_range)
+
+    def equal_count(self, name: str, count, message: Optional[str] = None):
+        """An integer computed on the device (a 0-d tensor; an int where a rank has none) that
+        must be the same on every rank; kept on the device (no host synchronization here)."""
+        count = self._on_device(count)
+        return self._add_dev("equal", name, message, torch.cat([count, ~count]), True)
 
     def equal_tensor(self, name: str, tensor, message: Optional[str] = None):
         """A tensor (or None, or a plain value) that must be the same on every rank: its shape and
@@ -128,11 +134,20 @@ class Agreement:
             fingerprint = torch.zeros(2, dtype=torch.int64, device=self.device)
         return self._add_dev("equal", name, message, torch.cat([fingerprint, ~fingerprint]), False)
 
-    def maximum(self, name: str, value):
-        """A non-negative count or flag (int or 0-d integer tensor on `device`); agreed = the max."""
-        if isinstance(value, Tensor):
-            return self._add_dev("max", name, None, value.to(torch.int64).reshape(1), False)
+    def maximum(self, name: str, value: int):
+        """A plain int (a flag, an option); agreed = its max over ranks."""
+        assert not isinstance(value, Tensor), "use maximum_count for tensors"
         return self._add_host("max", name, None, [int(value)], False)
+
+    def maximum_count(self, name: str, count):
+        """An integer computed on the device (a 0-d tensor; an int where a rank has none);
+        agreed = its max over ranks."""
+        return self._add_dev("max", name, None, self._on_device(count), False)
+
+    def _on_device(self, count) -> Tensor:
+        if isinstance(count, Tensor):
+            return count.to(device=self.device, dtype=torch.int64).reshape(1)
+        return torch.full((1,), int(count), dtype=torch.int64, device=self.device)
 
     def _add_host(self, kind, name, message, entries, show_range):
         key = len(self._slots)
@@ -166,6 +181,9 @@ class Agreement:
             if failed:
                 messages.append(self.problems.get(name, f"{name}: invalid on another tensor-parallel rank"))
                 named.add(name)
+        # A failed check explains the values that differ (a rank that failed registers None):
+        # differences are reported only when every check passed everywhere.
+        report_differences = not messages
         for key, kind, name, message, (where, offset, width), show_range in self._slots:
             start = (head if where == "host" else dev_start) + offset
             entries = values[start:start + width]
@@ -175,7 +193,7 @@ class Agreement:
             half = width // 2
             largest, complement = entries[:half], entries[half:]
             agreed.values[key] = largest[0]
-            if all(a == ~b for a, b in zip(largest, complement)) or name in named:
+            if not report_differences or all(a == ~b for a, b in zip(largest, complement)) or name in named:
                 continue
             named.add(name)
             if message is None:
@@ -184,7 +202,7 @@ class Agreement:
             if show_range:
                 message += f" ({~complement[0]} to {largest[0]})"
             messages.append(message)
-        if extra_messages is not None and not messages:
+        if extra_messages is not None:
             messages.extend(extra_messages(agreed))
         if messages:
             raise ValueError(f"{self.fn_name}: " + "; ".join(messages))

@@ -163,19 +163,19 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
                     "hidden: dtype differs across tensor-parallel ranks")
     agreement.equal("labels", labels.numel() if not agreement.failed("labels") else -1,
                     "labels: number of tokens differs across tensor-parallel ranks", show_range=True)
-    outside, labelled, bad_labels = None, torch.zeros((), dtype=torch.int64, device=device), 0
+    outside, labelled, bad_labels = None, 0, 0
     if tensors_ok and not agreement.failed("ignore_index") and labels.numel() > 0:
         outside = ((labels < 0) | (labels >= true_vocab)) & (labels != ignore_index)
         bad_labels = outside.sum()
         labelled = (labels != ignore_index).sum()
-    labelled_key = agreement.equal(
+    labelled_key = agreement.equal_count(
         "labels", labelled, "labels: number of labelled tokens differs across tensor-parallel ranks; "
-        "every rank of tp_group must pass the same labels", show_range=True)
+        "every rank of tp_group must pass the same labels")
     # The labels themselves (ids and positions), by a fingerprint: equal counts are not enough.
     agreement.equal_tensor("labels", labels if tensors_ok else None,
                            "labels: differ across tensor-parallel ranks (ids or positions); every "
                            "rank of tp_group must pass the same labels")
-    bad_key = agreement.maximum("labels", bad_labels)
+    bad_key = agreement.maximum_count("labels", bad_labels)
     # Every option that changes the result or the sequence of collectives.
     agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
     agreement.equal("vocab_size", true_vocab)
