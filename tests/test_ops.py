@@ -348,8 +348,9 @@ def test_auto_chunk_size_bounds_the_chunk():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert auto_chunk_size(100_000, 128_256, cpu) * 128_256 <= 64 * 2**20
     assert auto_chunk_size(10, 128_256, cpu) == 10
-    assert auto_chunk_size(100_000, 128_256, cuda) == 2**29 // 128_256  # 1 GiB of bf16 logits
-    assert auto_chunk_size(100_000, 256_000, cuda) == 4096  # never below 4096 rows
+    assert auto_chunk_size(100_000, 128_256, cuda) == 2**32 // 128_256  # 8 GiB of bf16 logits
+    assert auto_chunk_size(100_000, 2**21, cuda) == 4096  # never below 4096 rows
+    assert auto_chunk_size(16384, 152_064, cuda) == 16384  # the benchmark shapes: one chunk
     assert auto_chunk_size(1000, 256_000, cuda) == 1000
 
 
@@ -363,16 +364,15 @@ def test_auto_chunk_size_takes_one_chunk_when_it_saves_the_fp32_weight_grad():
     def auto(n, v, h, buffer=True):
         return auto_chunk_size(n, v, cuda, hidden_size=h, element_size=2, fp32_weight_grad_buffer=buffer)
 
-    # benchmark shape 1: 8192 x 128256 x 2 B + dW 1 GiB = 3.0 GiB <= 4185-row chunk + fp32 dW = 3.0 GiB
-    assert auto(8192, 128_256, 4096) == 8192
-    assert auto(8192, 128_256, 4096, buffer=False) == 4185  # main_grad / no dW: the plain cap
-    assert auto(8192, 256_000, 2304) == 4096  # all logits (3.9 GiB) + dW > chunk + fp32 dW
-    assert auto(16384, 152_064, 3584) == 4096
+    # 40000 x 128256 x 2 B + dW 1 GiB = 10.5 GiB > 33487-row chunk + fp32 dW = 10.0 GiB: chunks
+    assert auto(40_000, 128_256, 4096) == 2**32 // 128_256
+    assert auto(34_000, 128_256, 4096) == 34_000  # 9.1 GiB <= 10.0 GiB: one chunk
+    assert auto(34_000, 128_256, 4096, buffer=False) == 2**32 // 128_256  # main_grad: the plain cap
     # not on the CPU, whose torch backend also makes fp32 copies of the chunk
     assert auto_chunk_size(4096, 128_256, torch.device("cpu"), hidden_size=4096,
                            fp32_weight_grad_buffer=True) == 64 * 2**20 // 128_256
-    for n, v, h in [(8192, 128_256, 4096), (8192, 256_000, 2304), (16384, 152_064, 3584),
-                    (12000, 32_000, 8192), (5000, 151_936, 1024)]:
+    for n, v, h in [(65536, 128_256, 4096), (40000, 256_000, 2304), (36000, 152_064, 3584),
+                    (160_000, 32_000, 8192), (30000, 151_936, 1024)]:
         cap = auto(n, v, h, buffer=False)
         chunked_peak = max(cap * v * 2 + 4 * v * h, 6 * v * h)
         one_chunk_peak = (n * v + v * h) * 2

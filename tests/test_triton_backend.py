@@ -6,7 +6,8 @@ test module before running any test), and triton_backend is imported inside the 
 or triton_backend was imported before the variable was set (megatron.core imports triton), the
 fixture imports them again under the interpreter. The interpreter is slow: shapes are small,
 and the launch settings are shrunk (blocks of 32-64 columns) so that the column-split + merge path
-of `shard_stats` and the multi-block grid of `shard_dlogits_` both run.
+of `shard_stats` and the multi-block grid of `shard_dlogits_` both run. The fused GEMM + stats
+kernel (triton_gemm_stats) and lean mode's `exp_tile_` are checked the same way.
 
 Tolerances: the two backends do the same fp32 math on the same inputs (the torch backend in one
 shot, the kernel with an online max/sum-exp), so fp32 results agree to ~1e-6 relative; bf16
@@ -40,7 +41,7 @@ def _interpreted(jit_function) -> bool:
 
 @pytest.fixture(scope="module")
 def tb():
-    from megatron_fused_ce.ops import triton_backend
+    from megatron_fused_ce.ops import triton_backend, triton_gemm_stats
 
     if DEVICE.type == "cuda":
         return triton_backend
@@ -54,10 +55,13 @@ def tb():
         for name in list(sys.modules):
             if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
                 del sys.modules[name]
+        importlib.reload(triton_gemm_stats)
         triton_backend = importlib.reload(triton_backend)
-    elif not _interpreted(triton_backend._stats_kernel):
-        triton_backend = importlib.reload(triton_backend)  # imported before TRITON_INTERPRET was set
+    elif not _interpreted(triton_backend._stats_kernel):  # imported before TRITON_INTERPRET was set
+        importlib.reload(triton_gemm_stats)
+        triton_backend = importlib.reload(triton_backend)
     assert _interpreted(triton_backend._stats_kernel)
+    assert _interpreted(triton_gemm_stats._gemm_stats_tma)
     return triton_backend
 
 
@@ -172,9 +176,9 @@ def test_shard_dlogits_zero_valid_columns_and_default_blocks(tb):
 
 
 # ------------------------------------------------------------------------- end to end, TP 1/2
-def _case(seed, tp, dtype):
+def _case(seed, tp, dtype, hidden=16):
     g = torch.Generator().manual_seed(seed)
-    vocab, hidden_size, v_local = 101, 16, -(-101 // tp) + 3  # padded vocab: last shard pads
+    vocab, hidden_size, v_local = 101, hidden, -(-101 // tp) + 3  # padded vocab: last shard pads
     return dict(
         tp=tp, vocab=vocab, v_local=v_local,
         hidden=torch.randn(6, 4, hidden_size, generator=g).to(dtype),
@@ -296,3 +300,100 @@ def test_cuda_autocast_bf16(fn):
     for name, out, r in (("loss", loss, ref), ("dX", h.grad, hd.grad), ("dW", w.grad, wd.grad)):
         err = ((out.double() - r).norm() / r.norm()).item()
         assert err <= BF16_TOL, f"{name}: {err:.2e}"
+
+
+# ------------------------------------- fused GEMM + stats (triton_gemm_stats), lean exp_tile_
+@pytest.fixture
+def small_tiles(tb, monkeypatch):
+    from megatron_fused_ce.ops import triton_gemm_stats
+
+    monkeypatch.setattr(triton_gemm_stats, "TILE", (16, 32, 32, 4, 1))
+    monkeypatch.setattr(triton_gemm_stats, "MERGE_BLOCK_T", 4)
+    return triton_gemm_stats
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature, round_logits", [(1.0, True), (0.7, True), (0.7, False)])
+@pytest.mark.parametrize("tma", [True, False])
+def test_gemm_shard_stats_matches_chunked_stats(small_tiles, monkeypatch, dtype, temperature, round_logits, tma):
+    """The logits GEMM with the statistics in its epilogue == GEMM (rounded to the input dtype, or
+    fp32 logits) + shard_stats, for every ShardStats field; rows in several launches (the
+    partials bound), padding columns, labels on other shards, both the TMA and pointer kernels."""
+    gs = small_tiles
+    monkeypatch.setattr(gs, "PARTIALS_BYTES", 4 * 4 * 10 * 16 * 2)  # 10 column tiles -> 2 row slices
+    monkeypatch.setattr(gs, "_use_tma", lambda device: tma)
+    g = torch.Generator().manual_seed(3 + tma)
+    n, hdim, v, nv = 45, 64, 310, 290
+    h = torch.randn(n, hdim, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(v, hdim, generator=g) * 0.4).to(dtype).to(DEVICE)
+    tgt = _targets(n, nv, g)
+    assert gs.supported(h, w)
+    got = gs.gemm_shard_stats(h, w, tgt, nv, 1 / temperature, True, True, round_logits=round_logits)
+    logits = h @ w.t() if round_logits else h.float() @ w.float().t()
+    ref = torch_backend.shard_stats(logits, tgt, nv, 1 / temperature, True, True)
+    for field in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
+        a, b = getattr(got, field).float().cpu(), getattr(ref, field).float().cpu()
+        # fp16 logits: fp32 sums in another order may round a logit to the neighbouring fp16 value
+        tol = 2e-5 if dtype == torch.bfloat16 or not round_logits else 3e-3
+        atol = max(tol, 2e-7 * float(b.abs().max()) * n)  # fp32 sums of ~300 terms in another order
+        if round_logits and field == "sum_logits":  # a logit on a rounding boundary may round apart
+            atol = 2 * 2.0 ** -7 * float(logits.float().abs().max())  # two bf16 ulps of a logit
+        torch.testing.assert_close(a, b, rtol=tol, atol=atol, msg=lambda m: f"{field}: {m}")
+    assert not gs.supported(h[:, :48], w[:, :48])  # H not a multiple of BLOCK_K
+    assert not gs.supported(h.float(), w.float())  # fp32 inputs take the chunked path
+
+
+def _fused_forward_worker(rank, world, case):
+    import torch.distributed as dist
+
+    v_local = case["v_local"]
+    group = dist.group.WORLD if world > 1 else None
+    out = []
+    for impl in ("triton", "torch"):
+        h = case["hidden"].clone().requires_grad_()
+        w = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+        kw = dict(tp_group=group, vocab_size=case["vocab"], temperature=0.7, impl=impl, return_entropy=True)
+        with torch.no_grad():
+            plain = linear_logprobs(h, w, case["labels"], **kw)
+        res = linear_logprobs(h, w, case["labels"], **kw)
+        ((res.logprobs * case["grad_lp"]).sum() + (res.entropy * case["grad_ent"]).sum()).backward()
+        out.append((plain.logprobs, plain.entropy, res.logprobs.detach(), h.grad, w.grad))
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_forward_end_to_end(small_tiles, tp):
+    """linear_logprobs on the Triton backend with H = 64: the forward statistics come from the
+    fused kernel (no_grad and recompute path) and match the torch backend's chunked path."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the gloo harness runs on CPU tensors")
+    case = _case(40 + tp, tp, torch.bfloat16, hidden=64)
+    for got, ref in run_workers(_fused_forward_worker, tp, case):
+        for name, a, b in zip(("no_grad logprobs", "no_grad entropy", "logprobs", "dX", "dW"), got, ref):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            assert err <= (2e-5 if "no_grad" in name or name == "logprobs" else 4e-3), f"{name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exp_tile_matches_torch_backend(tb, dtype):
+    """Lean sweep A's tile transform over three tiles of the same rows (first, later, one with
+    padding columns) on both backends: P in place and the accumulated partials."""
+    g = torch.Generator().manual_seed(9)
+    n, c = 9, 150
+    tiles = [(torch.randn(n, c, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(3)]
+    targets = [_targets(n, c, g) for _ in range(3)]
+    results = []
+    for backend in (tb, torch_backend):
+        state = [torch.zeros(n, device=DEVICE) for _ in range(5)]
+        outs = []
+        for k, tile in enumerate(tiles):
+            t = tile.clone()
+            backend.exp_tile_(t, targets[k], 140 if k == 2 else c, 1 / 0.7, *state, first=k == 0)
+            outs.append(t)
+        results.append((state, outs))
+    (state, outs), (ref_state, ref_outs) = results
+    for name, a, b in zip(("ref_max", "sum_exp", "seen_max", "target", "sum_logits"), state, ref_state):
+        _close(a, b, what=name)
+    for a, b in zip(outs, ref_outs):
+        _close(a, b, dtype, what="P")
+    assert torch.all(outs[2][:, 140:] == 0)

@@ -59,13 +59,15 @@ def linear_grpo_loss(
     impl: str = "auto",
     ignore_index: int = -100,
     accumulate_into_main_grad: bool = False,
+    memory_mode: str = "fast",
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO loss and metrics from hidden states (see the module doc and `grpo_loss`).
 
     `mask`, `advantages` and the old / reference / sampling log-probs are [B, T] (advantages may be
     [B]). `hidden` / `labels` are [B, T, H] / [B, T], or Megatron's sequence-first [T, B, H] /
     [T, B] when `sequence_parallel=True` (hidden then being this rank's [T/TP, B, H] slice).
-    Tokens where mask == 0 are skipped before the first GEMM.
+    Tokens where mask == 0 are skipped before the first GEMM. `memory_mode`: "fast" or "lean"
+    (see `linear_logprobs`).
     """
     config.validate()
     sequence_first = bool(sequence_parallel)
@@ -76,7 +78,7 @@ def linear_grpo_loss(
     op_kwargs = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=temperature,
                      ignore_index=ignore_index, chunk_size=chunk_size,
                      sequence_parallel=sequence_parallel, impl=impl,
-                     accumulate_into_main_grad=accumulate_into_main_grad)
+                     accumulate_into_main_grad=accumulate_into_main_grad, memory_mode=memory_mode)
     loss_kwargs = dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs,
                        sampling_logprobs=sampling_logprobs, normalizer=normalizer)
 

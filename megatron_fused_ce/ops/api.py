@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import reductions, torch_backend
+from . import lean, reductions, torch_backend
 from .agreement import Agreement, finite_real, fits_int64, is_int
 from .chunked import (
     ChunkSpec,
@@ -28,13 +28,22 @@ from .chunked import (
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The automatic chunk size bounds one chunk of logits, whatever the number of tokens. CPU (torch
-# backend, which also holds fp32 copies of the chunk): 64 Mi elements. CUDA: GEMMs of >= 4096 rows
-# run near the cuBLAS peak while 256-500 rows cost 1.8-2.9x the GEMM floor (docs/benchmarks.md),
-# so at least 4096 rows, and more while the bf16 chunk stays under 512 Mi elements (1 GiB).
+MEMORY_MODES = ("fast", "lean")
+# memory_mode="fast": the automatic chunk size bounds one chunk of logits, whatever the number of
+# tokens. CPU (torch backend, which also holds fp32 copies of the chunk): 64 Mi elements. CUDA:
+# GEMMs of >= 4096 rows run near the cuBLAS peak while 256-500 rows cost 1.8-2.9x the GEMM floor
+# (docs/benchmarks.md), and one chunk of all rows writes dW in one GEMM per vocab block with no
+# fp32 buffer (SFT CE 1.01-1.07x the floor against 1.08-1.09x with 4096-row chunks on an H100):
+# at least 4096 rows, all of them while the chunk stays under 4 Gi elements (8 GiB of bf16).
 _AUTO_CHUNK_ELEMENTS = 64 * 1024 * 1024
-_AUTO_CHUNK_ELEMENTS_CUDA = 512 * 1024 * 1024
+_AUTO_CHUNK_ELEMENTS_CUDA = 4 * 1024 * 1024 * 1024
 _AUTO_CHUNK_MIN_ROWS_CUDA = 4096
+# Columns per logits GEMM / kernel inside a chunk (chunked.py): per-block dW GEMMs beat one
+# [V_local, rows] x [rows, H] product by 3-6 % on an H100 (tools/perf_notes.md).
+VOCAB_BLOCK = 16384
+# memory_mode="lean": the working set of the tile sweeps (lean.py), whatever the number of tokens:
+# 2 % of the dense bf16 logits at 8192 x 128256, under the 3 % target on the benchmark shapes.
+LEAN_WORKSET_BYTES = 40 * 1024 * 1024
 
 
 class LogprobsOutput(NamedTuple):
@@ -72,7 +81,7 @@ def select_backend(impl: str, device: torch.device):
 # makes every rank raise the same error before any real collective (agreement.py).
 # --------------------------------------------------------------------------------------------
 _CHECKS = ("hidden", "weight", "labels", "temperature", "chunk_size", "vocab_size", "impl",
-           "ignore_index", "logits_dtype")
+           "ignore_index", "logits_dtype", "memory_mode")
 _LABEL_DTYPES = (torch.int64, torch.int32)
 
 
@@ -84,7 +93,7 @@ class _Agreed:
 
 
 def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_size, temperature,
-                  chunk_size, sequence_parallel, impl, ignore_index, logits_dtype) -> None:
+                  chunk_size, sequence_parallel, impl, ignore_index, logits_dtype, memory_mode) -> None:
     """This rank's own checks (nothing raised here: each failure is recorded by argument name)."""
     fail = agreement.fail
     if not isinstance(hidden, Tensor) or hidden.dim() < 1 or hidden.dtype not in _FLOAT_DTYPES:
@@ -134,18 +143,20 @@ def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_s
     if logits_dtype not in (None, torch.float32):
         fail("logits_dtype", f"logits_dtype must be None (the input dtype) or torch.float32, "
                              f"got {logits_dtype!r}")
+    if memory_mode not in MEMORY_MODES:
+        fail("memory_mode", f"memory_mode must be 'fast' or 'lean', got {memory_mode!r}")
 
 
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, temperature, chunk_size,
-                     sequence_parallel, impl, ignore_index, logits_dtype, want_entropy, grad_path,
-                     fp32_weight_grad_buffer, extra_checks, must_agree) -> _Agreed:
+                     sequence_parallel, impl, ignore_index, logits_dtype, memory_mode, want_entropy,
+                     grad_path, fp32_weight_grad_buffer, extra_checks, must_agree) -> _Agreed:
     """Raise the same ValueError on every TP rank for bad input or arguments that differ across
     ranks; else return what the ranks agreed on. One all-reduce of a small int64 vector."""
     tp_size = reductions.group_size(tp_group)
     device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
     agreement = Agreement(fn_name, tp_group, device, _CHECKS + tuple(k for k in extra_checks if k not in _CHECKS))
     _local_checks(agreement, hidden, weight, labels, tp_size, vocab_size, temperature, chunk_size,
-                  sequence_parallel, impl, ignore_index, logits_dtype)
+                  sequence_parallel, impl, ignore_index, logits_dtype, memory_mode)
     for name, message in extra_checks.items():
         if message:
             agreement.fail(name, message)
@@ -183,6 +194,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     agreement.equal("chunk_size", chunk_size if not agreement.failed("chunk_size") else -1)
     agreement.equal("impl", impl if not agreement.failed("impl") else None)
     agreement.equal("logits_dtype", str(logits_dtype))
+    agreement.equal("memory_mode", memory_mode if not agreement.failed("memory_mode") else None)
     agreement.equal("return_entropy", bool(want_entropy))
     agreement.equal("sequence_parallel", bool(sequence_parallel))
     agreement.equal("requires_grad", grad_path,
@@ -303,8 +315,8 @@ def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_
 
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
                      chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
-                     want_entropy, logits_dtype=None, extra_checks=None, must_agree=None,
-                     token_grads=None) -> TokenStats:
+                     want_entropy, logits_dtype=None, memory_mode="fast", extra_checks=None,
+                     must_agree=None, token_grads=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
@@ -313,7 +325,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
     returned statistics are then plain values and `anchor` carries the gradient. fp16 inputs keep
     that contract on the recompute path (see LinearLossGradInForward on why).
-    `logits_dtype`: None (the input dtype, like Megatron's output layer) or torch.float32."""
+    `logits_dtype`: None (the input dtype, like Megatron's output layer) or torch.float32.
+    `memory_mode`: "fast" (chunks of logits, `chunk_size`) or "lean" (tiles, lean.py; `chunk_size`
+    is not used)."""
     weight_param = weight
     hidden, weight = _autocast_inputs(hidden, weight)
     if isinstance(labels, Tensor) and labels.dtype == torch.int32:
@@ -327,8 +341,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     agreed = _check_arguments(
         fn_name, hidden, weight, labels, tp_group, vocab_size=vocab_size, temperature=temperature,
         chunk_size=chunk_size, sequence_parallel=sequence_parallel, impl=impl,
-        ignore_index=ignore_index, logits_dtype=logits_dtype, want_entropy=want_entropy,
-        grad_path=(needs_grad, needs_dx, grad_in_forward),
+        ignore_index=ignore_index, logits_dtype=logits_dtype, memory_mode=memory_mode,
+        want_entropy=want_entropy, grad_path=(needs_grad, needs_dx, grad_in_forward),
         fp32_weight_grad_buffer=needs_grad and weight.requires_grad and main_grad_param is None,
         extra_checks=extra_checks or {}, must_agree=must_agree or {})
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
@@ -347,6 +361,15 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     local_target = row_labels - vocab_start
     local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
 
+    backend = select_backend(impl, hidden.device)
+    lean_tiles = None
+    if memory_mode == "lean":
+        element_size = 4 if logits_dtype is not None else weight.element_size()
+        lean_tiles = lean.tile_sizes(
+            row_labels.numel(), v_local, hidden_size, weight.element_size(), LEAN_WORKSET_BYTES,
+            # the torch backend makes fp32 copies of a tile; the Triton kernels work in place
+            tile_bytes_per_element=element_size + (12 if backend is torch_backend else 0),
+            weight_grad_accumulates=main_grad_param is not None)
     if not chunk_size:
         chunk_size = auto_chunk_size(
             row_labels.numel(), v_local, hidden.device, hidden_size=hidden_size,
@@ -354,7 +377,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             logits_element_size=None if logits_dtype is None else 4)
     spec = ChunkSpec(
         tp_group=tp_group,
-        backend=select_backend(impl, hidden.device),
+        backend=backend,
         num_valid_cols=min(max(agreed.true_vocab - vocab_start, 0), v_local),
         inv_temperature=1.0 / float(temperature),
         chunk_size=chunk_size,
@@ -363,6 +386,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         sequence_parallel=sequence_parallel,
         main_grad_param=main_grad_param,
         logits_dtype=logits_dtype,
+        vocab_block=VOCAB_BLOCK,
+        lean=lean_tiles,
     )
     anchor = None
     with autocast_off(hidden.device):
@@ -399,6 +424,7 @@ def linear_logprobs(
     impl: str = "auto",
     accumulate_into_main_grad: bool = False,
     logits_dtype: Optional[torch.dtype] = None,
+    memory_mode: str = "fast",
 ) -> LogprobsOutput:
     """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature).
 
@@ -413,13 +439,20 @@ def linear_logprobs(
     softmax, as Megatron's unfused output layer does; torch.float32 keeps the GEMM's fp32 output
     (closer to float64 math for bf16/fp16 inputs, at the cost of a chunk twice as large).
     Under torch.autocast the inputs are cast to the autocast dtype first, as F.linear would.
+    `memory_mode`: "fast" (default) holds one chunk of logits (on CUDA all rows while they stay
+    under 8 GiB, `chunk_size` rows when given) and, over several chunks, an fp32 [V_local, H]
+    weight-gradient buffer; "lean" works in tiles within a fixed working set (about 40 MiB,
+    whatever the number of tokens; `chunk_size` is not used) with both gradients still
+    accumulated in fp32, at the cost of more GEMMs (5 instead of 4 here, 4 instead of 3 for
+    linear_cross_entropy). Forward-only calls (no_grad) need no chunk in either mode on CUDA: the
+    statistics are taken inside the logits GEMM (bf16/fp16).
     """
     stats = token_statistics(
         "linear_logprobs", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
-        want_sum_logits=False, want_entropy=return_entropy)
+        memory_mode=memory_mode, want_sum_logits=False, want_entropy=return_entropy)
     logprobs = stats.to_full(stats.target - stats.lse)
     entropy = stats.to_full(stats.entropy) if return_entropy else None
     return LogprobsOutput(logprobs, entropy)
@@ -442,6 +475,7 @@ def linear_cross_entropy(
     impl: str = "auto",
     accumulate_into_main_grad: bool = False,
     logits_dtype: Optional[torch.dtype] = None,
+    memory_mode: str = "fast",
 ) -> Tensor:
     """F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss, without the logits.
 
@@ -449,6 +483,7 @@ def linear_cross_entropy(
     + z_loss_weight * lse**2, with eps = label_smoothing over the global unpadded vocab.
     "mean" divides by the number of labelled tokens (0.0 with zero gradients when there are none),
     "sum" adds, "none" returns fp32 per-token losses of labels.shape (0 at ignored positions).
+    `memory_mode`: "fast" or "lean", see `linear_logprobs`.
     """
     extra = {"reduction": None, "label_smoothing": None, "z_loss_weight": None}  # None: passed
     if reduction not in ("mean", "sum", "none"):
@@ -481,7 +516,7 @@ def linear_cross_entropy(
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
-        want_sum_logits=smoothing > 0.0, want_entropy=False, extra_checks=extra,
+        memory_mode=memory_mode, want_sum_logits=smoothing > 0.0, want_entropy=False, extra_checks=extra,
         must_agree=must_agree, token_grads=token_grads)
 
     per_token = stats.lse - stats.target

@@ -11,10 +11,11 @@ statistics of z = hidden @ W_full.T / T over the global unpadded vocab:
 Everything users want is an O(tokens) expression of these (api.py): log p_y = target - lse,
 cross-entropy with label smoothing and z-loss, ...
 
-Forward: for each chunk of token rows, logits = h_chunk @ W.T (the only [chunk, V_local] tensor),
-backend.shard_stats reduces it to per-token partials; after the loop the partials of all chunks are
-merged across TP ranks with two collectives. Only hidden, weight, row indices and per-token lse /
-entropy are saved. The chunk of logits is in the input dtype (like Megatron's output layer), or fp32
+Forward: the per-token partials of this shard, merged across TP ranks with two collectives after
+the loop. Where the backend has it (Triton, bf16/fp16), `gemm_shard_stats` computes them in the
+logits GEMM's epilogue: no logits in memory at all. Otherwise, for each chunk of token rows,
+logits = h_chunk @ W.T (the only [chunk, V_local] tensor) and backend.shard_stats reduces it. Only
+hidden, weight, row indices and per-token lse / entropy are saved. The chunk of logits is in the input dtype (like Megatron's output layer), or fp32
 with `logits_dtype=torch.float32` (an fp32-output GEMM; its dlogits are rounded to the input dtype
 for the two backward GEMMs).
 
@@ -32,6 +33,12 @@ dX (rows of this chunk) and dW (accumulated in fp32 over chunks, straight into M
 `weight.main_grad` when asked). dX is then summed over TP ranks (reduce-scattered under sequence
 parallelism), as Megatron's ColumnParallelLinear does.
 
+Inside a chunk the vocab shard is walked in blocks of `spec.vocab_block` columns: one logits GEMM
+and one stats kernel per block, then dlogits and dW per block (K = the chunk's rows), and one dX
+GEMM over the whole chunk. On an H100 this ran 3-6 % faster than whole-chunk GEMMs (the per-block
+dW GEMMs are faster than one [V_local, rows] x [rows, H] product; tools/perf_notes.md).
+`spec.lean` (memory_mode="lean") replaces chunks by tiles (lean.py).
+
 Both autograd Functions are first-order only: a second backward through their gradients (a
 gradient penalty, create_graph=True) raises instead of silently dropping the second-order term.
 They run with autocast off (api.py has already cast the inputs as F.linear would), so forward and a
@@ -48,8 +55,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import reductions
-from .torch_backend import ShardStats
+from . import lean, reductions
+from .gemm import chunk_logits, gemm_input, logits_into, matmul_into_
+from .torch_backend import ShardStats, combine_blocks
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class ChunkSpec:
     # (under autocast, the fp32 parameter of which `weight` is a cast copy); None = autograd.
     main_grad_param: Optional[Tensor] = None
     logits_dtype: Optional[torch.dtype] = None  # None: the input dtype
+    vocab_block: int = 0  # columns per GEMM / kernel inside a chunk (0: the whole shard)
+    lean: Optional[lean.LeanTiles] = None  # memory_mode="lean": tile sizes (None: fast mode)
 
 
 def autocast_off(device: torch.device):
@@ -125,29 +135,32 @@ def adds_into_main_grad(weight: Tensor, accumulate_into_main_grad: bool) -> bool
     return weight.requires_grad and accumulate_into_main_grad and hasattr(weight, "main_grad")
 
 
-def chunk_logits(h: Tensor, weight: Tensor, spec: ChunkSpec) -> Tensor:
-    """The chunk's logits h @ W.T in the input dtype, or in `spec.logits_dtype` (fp32)."""
-    if spec.logits_dtype is None or spec.logits_dtype == h.dtype:
-        return torch.mm(h, weight.t())
-    return matmul_fp32(h, weight.t())
-
-
-def gemm_input(dlogits: Tensor, h: Tensor) -> Tensor:
-    """dlogits as the dX / dW GEMMs take them: in the input dtype (a no-op unless fp32 logits)."""
-    return dlogits if dlogits.dtype == h.dtype else dlogits.to(h.dtype)
-
-
 def _weight_grad_dtype(weight: Tensor, num_rows: int, spec: ChunkSpec) -> torch.dtype:
     """dW summed over chunks is kept in fp32 (low-precision accumulation drifts: axolotl #1601,
     Liger #827); one GEMM over all rows writes the weight's dtype (cuBLAS accumulates in fp32)."""
     return weight.dtype if num_rows <= spec.chunk_size else torch.float32
 
 
+def _fused_stats(rows: Tensor, weight: Tensor, spec: ChunkSpec) -> bool:
+    """Whether the backend computes the statistics inside the logits GEMM for these inputs."""
+    supported = getattr(spec.backend, "gemm_stats_supported", None)
+    return supported is not None and rows.shape[0] > 0 and supported(rows, weight)
+
+
 def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec):
-    """Chunk loop of the forward pass -> reductions.MergedStats over the rows given."""
-    backend, partials = spec.backend, []
+    """The forward pass's statistics -> reductions.MergedStats over the rows given."""
+    backend = spec.backend
+    if _fused_stats(hidden_rows, weight, spec):
+        stats = backend.gemm_shard_stats(
+            hidden_rows, weight, local_target, spec.num_valid_cols, spec.inv_temperature,
+            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
+            round_logits=spec.logits_dtype is None)
+        return reductions.merge_shard_stats(stats, spec.tp_group)
+    if spec.lean is not None:
+        return reductions.merge_shard_stats(lean.tile_stats(hidden_rows, weight, local_target, spec), spec.tp_group)
+    partials = []
     for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
-        logits = chunk_logits(hidden_rows[start:end], weight, spec)
+        logits = chunk_logits(hidden_rows[start:end], weight, spec.logits_dtype)
         partials.append(
             backend.shard_stats(
                 logits,
@@ -173,53 +186,65 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
     return reductions.merge_shard_stats(stats, spec.tp_group)
 
 
-_FP32_OUT_MATMUL_OK = None  # whether cuBLAS fp32-output matmuls of bf16/fp16 inputs work here
+def _vocab_blocks(spec: ChunkSpec, num_cols: int):
+    block = spec.vocab_block if 0 < spec.vocab_block < num_cols else num_cols
+    return [(start, min(num_cols, start + block)) for start in range(0, num_cols, block)]
 
 
-def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """fp32(a @ b) of bf16/fp16 inputs: cuBLAS's fp32 output (out_dtype) on CUDA, fp32 copies
-    of the inputs elsewhere (CPU: no such kernel)."""
-    global _FP32_OUT_MATMUL_OK
-    if a.is_cuda and _FP32_OUT_MATMUL_OK is not False:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _FP32_OUT_MATMUL_OK = True
-            return out
-        except (TypeError, RuntimeError):
-            _FP32_OUT_MATMUL_OK = False
-    return torch.mm(a.float(), b.float())
+def _block_target(local_target: Tensor, start: int, end: int) -> Tensor:
+    """Targets relative to the column block [start, end) (-1 where the label is elsewhere)."""
+    t = local_target - start
+    return torch.where((t >= 0) & (t < end - start), t, -1)
 
 
-def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool) -> None:
-    """out (+)= a @ b; `accumulate=False` overwrites (no zero-fill, no read of `out`).
+def _block_valid(spec: ChunkSpec, start: int, end: int) -> int:
+    return min(max(spec.num_valid_cols - start, 0), end - start)
 
-    `out` is fp32 when gradients are summed over chunks: low-precision weight-gradient
-    accumulation drifts (axolotl #1601, Liger #827). On CUDA cuBLAS writes or adds the fp32 product
-    of bf16/fp16 inputs in place (out_dtype); elsewhere (CPU) the chunk product is rounded to the
-    input dtype first. A single GEMM over all rows may write the input dtype directly: cuBLAS
-    accumulates in fp32 internally.
-    """
-    global _FP32_OUT_MATMUL_OK
-    if out.dtype == a.dtype:
-        if accumulate:
-            out.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=out)
-        return
-    if out.is_cuda and _FP32_OUT_MATMUL_OK is not False:
-        try:
-            if accumulate:
-                torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-            else:
-                torch.mm(a, b, out_dtype=out.dtype, out=out)
-            _FP32_OUT_MATMUL_OK = True
-            return
-        except (TypeError, RuntimeError):
-            _FP32_OUT_MATMUL_OK = False
-    if accumulate:
-        out.add_(torch.mm(a, b))
+
+def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec, want_stats: bool):
+    """A chunk's logits [rows, V_local] (GEMM per vocab block) and, if asked, its ShardStats."""
+    num_cols = weight.shape[0]
+    blocks = _vocab_blocks(spec, num_cols)
+    if len(blocks) == 1:
+        logits = chunk_logits(h, weight, spec.logits_dtype)
     else:
-        out.copy_(torch.mm(a, b))
+        logits = torch.empty(h.shape[0], num_cols, dtype=spec.logits_dtype or h.dtype, device=h.device)
+    parts = []
+    for start, end in blocks:
+        block = logits[:, start:end]
+        if len(blocks) > 1:
+            logits_into(block, h, weight[start:end].t())
+        valid = _block_valid(spec, start, end)
+        if want_stats and (valid > 0 or not parts and end == num_cols):
+            parts.append(spec.backend.shard_stats(
+                block, local_target if len(blocks) == 1 else _block_target(local_target, start, end),
+                valid, spec.inv_temperature, want_sum_logits=spec.want_sum_logits,
+                want_entropy=spec.want_entropy))
+    return logits, (combine_blocks(parts) if want_stats else None)
+
+
+def chunk_grads(logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
+                offsets: tuple, coefs: dict, dx_out: Optional[Tensor], dw_out: Optional[Tensor],
+                dw_accumulate: bool) -> None:
+    """Overwrite a chunk's logits with dlogits (per vocab block), then dW per block into `dw_out`
+    (adding to it if `dw_accumulate`) and dX of the chunk's rows into `dx_out`."""
+    shift, log_sum_exp = offsets
+    blocks = _vocab_blocks(spec, logits.shape[1])
+    for start, end in blocks:
+        spec.backend.shard_dlogits_(
+            logits[:, start:end], local_target if len(blocks) == 1 else _block_target(local_target, start, end),
+            _block_valid(spec, start, end), spec.inv_temperature, shift,
+            coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp)
+    dlogits = gemm_input(logits, h)
+    if dw_out is not None:
+        for start, end in blocks:
+            matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate)
+    if dx_out is not None:
+        torch.mm(dlogits, weight, out=dx_out)
+
+
+def _slice_coefs(coefs: dict, start: int, end: int) -> dict:
+    return {k: None if c is None else c[start:end] for k, c in coefs.items()}
 
 
 def backward_grads(
@@ -239,22 +264,12 @@ def backward_grads(
     shift, log_sum_exp = offsets
     for index, (start, end) in enumerate(_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = hidden_rows[start:end]
-        dlogits = spec.backend.shard_dlogits_(
-            chunk_logits(h, weight, spec),
-            local_target[start:end],
-            spec.num_valid_cols,
-            spec.inv_temperature,
-            shift[start:end],
-            *(None if c is None else c[start:end] for c in
-              (coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"])),
-            log_sum_exp=None if log_sum_exp is None else log_sum_exp[start:end],
-        )
-        dlogits = gemm_input(dlogits, h)
-        if dx_rows is not None:
-            torch.mm(dlogits, weight, out=dx_rows[start:end])
-        if dw_out is not None:
-            matmul_into_(dw_out, dlogits.t(), h, accumulate=dw_accumulate or index > 0)
-        del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
+        logits, _ = chunk_forward(h, weight, local_target[start:end], spec, want_stats=False)
+        chunk_grads(logits, h, weight, local_target[start:end], spec,
+                    (shift[start:end], None if log_sum_exp is None else log_sum_exp[start:end]),
+                    _slice_coefs(coefs, start, end), None if dx_rows is None else dx_rows[start:end],
+                    dw_out, dw_accumulate=dw_accumulate or index > 0)
+        del logits  # free this chunk before the next one's GEMM: one chunk alive at the peak
 
 
 def _input_grad(dx_rows: Tensor, row_index: Optional[Tensor], full_shape, spec: ChunkSpec) -> Tensor:
@@ -315,13 +330,20 @@ class LinearSoftmaxStats(torch.autograd.Function):
             into_main_grad = needs_dw and spec.main_grad_param is not None
             dw_out = grad_weight = None
             if needs_dw:
+                dw_dtype = weight.dtype if spec.lean is not None else _weight_grad_dtype(weight, rows.shape[0], spec)
                 dw_out = spec.main_grad_param.main_grad if into_main_grad else torch.empty(
-                    weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec), device=weight.device)
+                    weight.shape, dtype=dw_dtype, device=weight.device)
             if coefs is None or rows.shape[0] == 0:  # nothing to differentiate: zero gradients
                 if dx_rows is not None:
                     dx_rows.zero_()
                 if dw_out is not None and not into_main_grad:
                     dw_out.zero_()
+            elif spec.lean is not None:  # two tile sweeps: dX token-outer, dW vocab-outer
+                if dx_rows is not None:
+                    lean.input_grad_sweep(rows, weight, local_target, spec, (shift, log_sum_exp), coefs, dx_rows)
+                if dw_out is not None:
+                    lean.weight_grad_sweep(rows, weight, local_target, spec, (shift, log_sum_exp), coefs,
+                                           dw_out, accumulate=into_main_grad)
             else:
                 backward_grads(rows, weight, local_target, spec, (shift, log_sum_exp), coefs, dx_rows,
                                dw_out, dw_accumulate=into_main_grad)
@@ -356,11 +378,23 @@ class LinearLossGradInForward(torch.autograd.Function):
 
     Outputs: (anchor, target, lse, sum_logits, entropy). The statistics are plain values;
     `anchor` is a zero scalar that carries the gradient: callers return `loss_value + anchor`, and
-    backward scales the dX and dW computed here by the anchor's upstream gradient (loss scaling,
+    backward scales the dX and dW computed here by the anchor's upstream gradient g (loss scaling,
     averaging over micro-batches ...). Costs: the chunk merge is done per chunk (2 collectives per
-    chunk instead of 2 per call) and dX / dW (fp32 when summed over several chunks) live from forward to
-    backward. Not for fp16 (api.py takes the recompute path there): dX would be stored in fp16
-    under a unit upstream gradient, before the loss scale, and per-token terms like p/N underflow.
+    chunk instead of 2 per call) and dX / dW (fp32 when summed over several chunks) live from
+    forward to backward. Not for fp16 (api.py takes the recompute path there): dX would be stored in
+    fp16 under a unit upstream gradient, before the loss scale, and per-token terms like p/N underflow.
+
+    Megatron's main_grad (gradient-accumulation fusion): dW is added to the fp32 main_grad in the
+    forward pass, under a unit upstream gradient; no [V_local, H] buffer of its own. Backward adds
+    (g - 1) dW when g != 1 (exactly; recomputed chunk by chunk from the saved per-token coefficients:
+    2 more GEMMs per chunk), and g dW on any further backward through the same graph. With
+    Megatron's bf16 loss functions g is 1 (calculate_per_token_loss: the loss sum, loss scale 1).
+    A forward whose loss is never backpropagated leaves its dW in main_grad: run forward-only passes
+    under torch.no_grad() (as Megatron's evaluation does), where no gradient is made.
+
+    Lean mode (spec.lean): the forward runs lean sweep A (statistics and dX, tile by tile) and the
+    backward lean sweep B (dW with the exact upstream gradient, into main_grad or the weight
+    dtype): 4 GEMMs, no chunk of logits and no [V_local, H] buffer.
     """
 
     @staticmethod
@@ -370,49 +404,68 @@ class LinearLossGradInForward(torch.autograd.Function):
         needs_dx, needs_dw = hidden.requires_grad, weight.requires_grad
         into_main_grad = needs_dw and spec.main_grad_param is not None
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-        # Held until backward scales it: added to main_grad in fp32 there, else cast to the weight's dtype.
-        dw_dtype = torch.float32 if into_main_grad else _weight_grad_dtype(weight, rows.shape[0], spec)
-        dw_acc = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if needs_dw else None
-        if dw_acc is not None and rows.shape[0] == 0:
-            dw_acc.zero_()
-        merged_chunks = []
-        for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
+        # fast mode without main_grad: dW held until backward scales it (cast to the weight dtype)
+        dw_acc = None
+        if needs_dw and spec.lean is None and not into_main_grad:
+            dw_acc = torch.empty(weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec),
+                                 device=weight.device)
+            if rows.shape[0] == 0:
+                dw_acc.zero_()
+        dw_out = spec.main_grad_param.main_grad if into_main_grad and spec.lean is None else dw_acc
+        column_sum = None
+        merged_chunks, coef_chunks = [], []
+        chunk_size = spec.lean.rows_a if spec.lean is not None else spec.chunk_size
+        for index, (start, end) in enumerate(_chunks(rows.shape[0], chunk_size)):
             h = rows[start:end]
-            logits = chunk_logits(h, weight, spec)
-            merged = reductions.merge_shard_stats(
-                spec.backend.shard_stats(logits, local_target[start:end], spec.num_valid_cols,
-                                         spec.inv_temperature, want_sum_logits=spec.want_sum_logits,
-                                         want_entropy=spec.want_entropy),
-                spec.tp_group)
+            if spec.lean is not None:
+                stats, acc = lean.expected_rows(h, weight, local_target[start:end], spec, want_acc=needs_dx)
+            else:
+                logits, stats = chunk_forward(h, weight, local_target[start:end], spec, want_stats=True)
+            merged = reductions.merge_shard_stats(stats, spec.tp_group)
             merged_chunks.append(merged)
             positions = (row_index[start:end] if row_index is not None
                          else torch.arange(start, end, device=rows.device))
             coefs = coefficients(*token_grads(merged, positions, rows.shape[0]), merged.entropy, merged.lse)
             if coefs is None:
                 coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
-            shift, log_sum_exp = merged.softmax_offsets(spec.want_entropy)
-            dlogits = gemm_input(spec.backend.shard_dlogits_(
-                logits, local_target[start:end], spec.num_valid_cols, spec.inv_temperature, shift,
-                coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp), h)
-            if dx_rows is not None:
-                torch.mm(dlogits, weight, out=dx_rows[start:end])
-            if dw_acc is not None:
-                matmul_into_(dw_acc, dlogits.t(), h, accumulate=index > 0)
-            del logits, dlogits  # one chunk alive at the peak
+            coef_chunks.append(coefs)
+            if spec.lean is not None:
+                if needs_dx:
+                    if coefs["uniform"] is not None and column_sum is None:
+                        column_sum = weight[:spec.num_valid_cols].sum(0, dtype=torch.float32)
+                    lean.input_grad_from_expected(acc, stats.max, merged.lse, coefs, weight,
+                                                  local_target[start:end], spec, column_sum, dx_rows[start:end])
+                del acc
+            else:
+                chunk_grads(logits, h, weight, local_target[start:end], spec,
+                            merged.softmax_offsets(spec.want_entropy), coefs,
+                            None if dx_rows is None else dx_rows[start:end],
+                            dw_out if needs_dw else None, dw_accumulate=into_main_grad or index > 0)
+                del logits  # one chunk alive at the peak
 
-        def cat(name, wanted=True):
+        def cat(values, wanted=True):
             if not wanted:
                 return None
-            if not merged_chunks:  # no labelled row
+            if not values:  # no labelled row
                 return rows.new_zeros(0, dtype=torch.float32)
-            return torch.cat([getattr(m, name) for m in merged_chunks])
+            return torch.cat(values)
 
         ctx.spec = spec
         ctx.into_main_grad = into_main_grad
         ctx.full_shape = full_hidden.shape
-        ctx.save_for_backward(row_index, dx_rows, dw_acc, weight)
-        outputs = (cat("target"), cat("lse"), cat("sum_logits", spec.want_sum_logits),
-                   cat("entropy", spec.want_entropy))
+        ctx.unit_grad_in_main_grad = into_main_grad and spec.lean is None
+        saved = [row_index, dx_rows, dw_acc, weight]
+        if needs_dw and (spec.lean is not None or into_main_grad):
+            # What backward needs to make dW (lean) or the (g - 1) dW correction (main_grad).
+            offsets = [m.softmax_offsets(spec.want_entropy) for m in merged_chunks]
+            saved += [hidden, local_target, cat([o[0] for o in offsets]),
+                      cat([o[1] for o in offsets], offsets and offsets[0][1] is not None)]
+            saved += [cat([c[k] for c in coef_chunks], bool(coef_chunks) and coef_chunks[0][k] is not None)
+                      for k in ("p", "pz", "target", "uniform")]
+        ctx.save_for_backward(*saved)
+        outputs = (cat([m.target for m in merged_chunks]), cat([m.lse for m in merged_chunks]),
+                   cat([m.sum_logits for m in merged_chunks], spec.want_sum_logits),
+                   cat([m.entropy for m in merged_chunks], spec.want_entropy))
         for out in outputs:
             if out is not None:
                 ctx.mark_non_differentiable(out)
@@ -422,16 +475,46 @@ class LinearLossGradInForward(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g_anchor, *unused_stat_grads):
-        row_index, dx_rows, dw_acc, weight = ctx.saved_tensors
+        row_index, dx_rows, dw_acc, weight, *rest = ctx.saved_tensors
         spec: ChunkSpec = ctx.spec
         grad_hidden = grad_weight = None
         if dx_rows is not None:
             grad_hidden = _input_grad(dx_rows * g_anchor.to(dx_rows.dtype), row_index, ctx.full_shape, spec)
-        if dw_acc is not None:
-            # Not in place: the saved buffer must stay valid for a second backward (retain_graph).
-            if ctx.into_main_grad:
-                spec.main_grad_param.main_grad.addcmul_(dw_acc, g_anchor)
-                grad_weight = _main_grad_added(spec.main_grad_param, weight)
-            else:
-                grad_weight = spec.backend.scale_cast(dw_acc, g_anchor, weight.dtype)
+        if dw_acc is not None:  # fast mode: the saved buffer stays valid for a second backward
+            grad_weight = spec.backend.scale_cast(dw_acc, g_anchor, weight.dtype)
+        elif rest:  # lean mode, or main_grad: (re)make dW from the saved per-token coefficients
+            hidden, local_target, shift, log_sum_exp, *coef_list = rest
+            first_after_unit = ctx.unit_grad_in_main_grad
+            ctx.unit_grad_in_main_grad = False  # a further backward adds g dW in full
+            grad_weight = _weight_grad_from_coefs(
+                spec, ctx.into_main_grad, hidden, weight, row_index, local_target, (shift, log_sum_exp),
+                coef_list, g_anchor - 1.0 if first_after_unit else g_anchor, skip_if_zero=first_after_unit)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _weight_grad_from_coefs(spec: ChunkSpec, into_main_grad: bool, hidden, weight, row_index, local_target,
+                            offsets, coef_list, scale: Tensor, skip_if_zero: bool):
+    """scale x dW from the saved per-token coefficients (LinearLossGradInForward.backward): into
+    main_grad (added) or returned in the weight dtype. `skip_if_zero`: one host sync decides
+    whether there is anything to add (Megatron's unit upstream gradient: nothing)."""
+    if skip_if_zero:
+        needed = torch.ne(scale, 0.0).to(torch.int64).reshape(1)
+        if spec.sequence_parallel:  # the recompute all-gathers hidden: every rank must take part
+            needed = reductions.max_over_ranks(needed, spec.tp_group)
+        if not bool(needed.item()):
+            return _main_grad_added(spec.main_grad_param, weight)
+    main_grad = spec.main_grad_param.main_grad if into_main_grad else None
+    full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
+    rows = _rows(full_hidden, row_index)
+    coefs = {k: None if c is None else c * scale for k, c in zip(("p", "pz", "target", "uniform"), coef_list)}
+    dw_out = main_grad if main_grad is not None else torch.empty(weight.shape, dtype=weight.dtype,
+                                                                  device=weight.device)
+    with autocast_off(hidden.device):
+        if spec.lean is not None:
+            lean.weight_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dw_out,
+                                   accumulate=main_grad is not None)
+        elif rows.shape[0] > 0:
+            backward_grads(rows, weight, local_target, spec, offsets, coefs, None, dw_out, dw_accumulate=True)
+    if main_grad is not None:
+        return _main_grad_added(spec.main_grad_param, weight)
+    return dw_out

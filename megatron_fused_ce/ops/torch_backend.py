@@ -19,6 +19,10 @@ Two functions make a backend (triton_backend.py has the same two, with the same 
   log-probs, entropy, cross-entropy with label smoothing and z-loss. The entropy terms are taken
   relative to the row max (forward) and to lse (backward, z_k - lse = log p_k): with |z| ~ 50 or
   T = 1e-3 a sum of exp(z) * z followed by lse - E[z] would cancel most of fp32's digits.
+
+Lean mode (lean.py) adds one function, `exp_tile_`: overwrite a tile of logits with
+exp(z - ref_max) against a per-row reference and accumulate its partials. `combine_blocks` (plain
+math, shared by both backends) merges the partials of column blocks of one shard.
 """
 
 from __future__ import annotations
@@ -131,3 +135,69 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """dtype(src * scale): the weight gradient (fp32, or already in `dtype` when one GEMM made
     it) scaled by the upstream gradient."""
     return (src * scale).to(dtype)
+
+
+def combine_blocks(parts: list) -> ShardStats:
+    """Merge the ShardStats of disjoint column blocks of one shard (same rows) into one, exactly as
+    reductions.merge_shard_stats merges shards (without a collective)."""
+    if len(parts) == 1:
+        return parts[0]
+    maxes = torch.stack([p.max for p in parts])
+    row_max = maxes.amax(0)
+    safe_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    rescale = torch.exp(maxes - safe_max)  # a block without valid columns: exp(-inf) = 0
+    sums = torch.stack([p.sum_exp for p in parts])
+    sum_exp_shifted = None
+    if parts[0].sum_exp_shifted is not None:
+        shift = torch.where(torch.isfinite(maxes), maxes - safe_max, 0.0)
+        shifted = torch.stack([p.sum_exp_shifted for p in parts])
+        sum_exp_shifted = ((shifted + shift * sums) * rescale).sum(0)
+    return ShardStats(
+        max=row_max,
+        sum_exp=(sums * rescale).sum(0),
+        target=torch.stack([p.target for p in parts]).sum(0),
+        sum_logits=None if parts[0].sum_logits is None else torch.stack([p.sum_logits for p in parts]).sum(0),
+        sum_exp_shifted=sum_exp_shifted,
+    )
+
+
+def exp_tile_(
+    tile: Tensor,
+    local_target: Tensor,
+    num_valid_cols: int,
+    inv_temperature: float,
+    ref_max: Tensor,
+    sum_exp: Tensor,
+    seen_max: Tensor,
+    target: Tensor,
+    sum_logits: Optional[Tensor],
+    first: bool,
+) -> Tensor:
+    """Lean sweep A on one [n, c] tile of logits (lean.py): overwrite it with P = exp(z - ref_max)
+    (0 at padding columns) and accumulate fp32 [n] partials in place: sum_exp += sum P,
+    seen_max = max(seen_max, max z), target = z_y where the (tile-relative) target is in the tile,
+    sum_logits += sum z. `first`: the first tile of these rows sets ref_max to its row max and
+    initializes the partials. P may exceed 1 where z > ref_max (lean.py bounds that)."""
+    n, cols = tile.shape
+    valid = min(num_valid_cols, cols)
+    z = _scaled_fp32(tile, valid, inv_temperature)
+    block_max = z.amax(dim=1) if valid > 0 else z.new_full((n,), float("-inf"))
+    if first:
+        ref_max.copy_(block_max)
+        sum_exp.zero_()
+        seen_max.copy_(block_max)
+        if sum_logits is not None:
+            sum_logits.zero_()
+    else:
+        torch.maximum(seen_max, block_max, out=seen_max)
+    on_shard, target_col = _target_mask(local_target)
+    if valid > 0:
+        target.copy_(torch.where(on_shard, z.gather(1, target_col).squeeze(1), target))
+        if sum_logits is not None:
+            sum_logits.add_(z.sum(dim=1))
+    p = torch.exp(z - ref_max.unsqueeze(1))
+    sum_exp.add_(p.sum(dim=1))
+    if valid < cols:
+        tile[:, valid:].zero_()
+    tile[:, :valid].copy_(p)
+    return tile

@@ -12,6 +12,10 @@ math); tests/test_triton_backend.py checks them against each other, on CPU under
   fills up, and a tiny second kernel merges the per-split partials of each row.
 - `scale_cast`: dtype(fp32 dW * upstream gradient) in one pass (6 bytes/element instead of 14 for
   a multiply followed by a cast).
+- `exp_tile_` (lean mode, lean.py): one read and one write of a tile of logits, in place: one
+  program per row overwrites it with exp(z - ref_max) and accumulates the row's partials.
+- `gemm_shard_stats` (triton_gemm_stats.py): the logits GEMM with the statistics in its epilogue,
+  for forward passes that need no logits afterwards.
 - `shard_dlogits_`: one read and one write of the chunk, in place. A 2-D grid of (row, column
   block) programs; each computes dL/dlogits = inv_T * (exp(z - lse) (c_p + c_pz (z - lse)) + c_u
   + c_t [k == y]) in fp32 and stores it in the chunk's dtype; padding columns get 0.
@@ -31,7 +35,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .torch_backend import ShardStats
+from .torch_backend import ShardStats, combine_blocks  # noqa: F401  (combine_blocks: shared math)
+from .triton_gemm_stats import gemm_shard_stats  # noqa: F401
+from .triton_gemm_stats import supported as gemm_stats_supported  # noqa: F401
 
 # Launch settings. Module-level so that tools/benchmark.py can try a variant; not a public API.
 # H100, [4096, 128256] bf16 chunk (docs/benchmarks.md): stats 0.41-0.46 ms at 4096/8 (~2.4 TB/s)
@@ -295,3 +301,77 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     _scale_cast_kernel[(triton.cdiv(src.numel(), block),)](
         src, out, scale.reshape(1).to(torch.float32), src.numel(), BLOCK=block, num_warps=8)
     return out
+
+
+@triton.jit
+def _exp_tile_kernel(
+    tile_ptr, stride_row, target_ptr, ref_ptr, sum_exp_ptr, seen_ptr, target_out_ptr, sum_logits_ptr,
+    num_cols, num_valid_cols, inv_temperature,
+    FIRST: tl.constexpr, WANT_SUM: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = tile_ptr + row.to(tl.int64) * stride_row
+    t = tl.load(target_ptr + row)
+    z_t = tl.load(row_ptr + tl.maximum(t, 0)).to(tl.float32) * inv_temperature  # before overwriting
+    if FIRST:  # the reference is this tile's row max: one more read of the row
+        ref = tl.full([], float("-inf"), tl.float32)
+        for col0 in range(0, num_valid_cols, BLOCK_N):
+            cols = col0 + tl.arange(0, BLOCK_N)
+            z = tl.load(row_ptr + cols, mask=cols < num_valid_cols, other=float("-inf")).to(tl.float32)
+            ref = tl.maximum(ref, tl.max(z * inv_temperature, axis=0))
+        tl.store(ref_ptr + row, ref)
+        s = tl.zeros([], tl.float32)
+        seen = ref
+        s_logits = tl.zeros([], tl.float32)
+    else:
+        ref = tl.load(ref_ptr + row)
+        s = tl.load(sum_exp_ptr + row)
+        seen = tl.load(seen_ptr + row)
+        s_logits = tl.load(sum_logits_ptr + row) if WANT_SUM else 0.0
+    for col0 in range(0, num_cols, BLOCK_N):
+        cols = col0 + tl.arange(0, BLOCK_N)
+        valid = cols < num_valid_cols
+        z = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
+        seen = tl.maximum(seen, tl.max(z, axis=0))
+        p = tl.exp(z - ref)  # 0 at padding columns
+        s += tl.sum(p, axis=0)
+        if WANT_SUM:
+            s_logits += tl.sum(tl.where(valid, z, 0.0), axis=0)
+        if ROUND_BF16:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
+            bits = p.to(tl.uint32, bitcast=True)
+            p = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        tl.store(row_ptr + cols, p.to(tile_ptr.dtype.element_ty), mask=cols < num_cols)
+    tl.store(sum_exp_ptr + row, s)
+    tl.store(seen_ptr + row, seen)
+    if WANT_SUM:
+        tl.store(sum_logits_ptr + row, s_logits)
+    if (t >= 0) & (t < num_valid_cols):
+        tl.store(target_out_ptr + row, z_t)
+
+
+def exp_tile_(
+    tile: Tensor,
+    local_target: Tensor,
+    num_valid_cols: int,
+    inv_temperature: float,
+    ref_max: Tensor,
+    sum_exp: Tensor,
+    seen_max: Tensor,
+    target: Tensor,
+    sum_logits: Optional[Tensor],
+    first: bool,
+) -> Tensor:
+    """Same as torch_backend.exp_tile_ (lean sweep A), in place; all partials fp32 contiguous."""
+    n, num_cols = tile.shape
+    if n == 0 or num_cols == 0:
+        return tile
+    if tile.stride(1) != 1:
+        raise ValueError("exp_tile_ needs a tile with unit column stride")
+    _exp_tile_kernel[(n,)](
+        tile, tile.stride(0), local_target.contiguous(), ref_max, sum_exp, seen_max, target,
+        ref_max if sum_logits is None else sum_logits,
+        num_cols, min(num_valid_cols, num_cols), float(inv_temperature),
+        FIRST=first, WANT_SUM=sum_logits is not None, BLOCK_N=STATS_BLOCK_N if tile.is_cuda else 64,
+        ROUND_BF16=_interpreting() and tile.dtype == torch.bfloat16, num_warps=STATS_WARPS,
+    )
+    return tile

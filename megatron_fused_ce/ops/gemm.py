@@ -1,0 +1,82 @@
+"""The op's GEMMs on bf16/fp16/fp32 inputs: a chunk's logits (in the input dtype or fp32), and
+matmuls that write or add an fp32 product in place (weight gradients summed over chunks)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def logits_into(out: Tensor, h: Tensor, weight_t: Tensor) -> Tensor:
+    """out = h @ weight_t in out's dtype (the input dtype, or fp32 logits of bf16/fp16 inputs)."""
+    if out.dtype == h.dtype:
+        return torch.mm(h, weight_t, out=out)
+    if out.is_cuda:
+        matmul_into_(out, h, weight_t, accumulate=False)
+        return out
+    return torch.mm(h.float(), weight_t.float(), out=out)  # CPU: no fp32-output bf16 matmul
+
+
+def chunk_logits(h: Tensor, weight: Tensor, logits_dtype: Optional[torch.dtype]) -> Tensor:
+    """The chunk's logits h @ W.T in the input dtype, or in `logits_dtype` (fp32)."""
+    if logits_dtype is None or logits_dtype == h.dtype:
+        return torch.mm(h, weight.t())
+    return matmul_fp32(h, weight.t())
+
+
+def gemm_input(dlogits: Tensor, h: Tensor) -> Tensor:
+    """dlogits as the dX / dW GEMMs take them: in the input dtype (a no-op unless fp32 logits)."""
+    return dlogits if dlogits.dtype == h.dtype else dlogits.to(h.dtype)
+
+
+_FP32_OUT_MATMUL_OK = None  # whether cuBLAS fp32-output matmuls of bf16/fp16 inputs work here
+
+
+def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """fp32(a @ b) of bf16/fp16 inputs: cuBLAS's fp32 output (out_dtype) on CUDA, fp32 copies
+    of the inputs elsewhere (CPU: no such kernel)."""
+    global _FP32_OUT_MATMUL_OK
+    if a.is_cuda and _FP32_OUT_MATMUL_OK is not False:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _FP32_OUT_MATMUL_OK = True
+            return out
+        except (TypeError, RuntimeError):
+            _FP32_OUT_MATMUL_OK = False
+    return torch.mm(a.float(), b.float())
+
+
+def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool) -> None:
+    """out (+)= a @ b; `accumulate=False` overwrites (no zero-fill, no read of `out`).
+
+    `out` is fp32 when gradients are summed over chunks: low-precision weight-gradient
+    accumulation drifts (axolotl #1601, Liger #827). On CUDA cuBLAS writes or adds the fp32 product
+    of bf16/fp16 inputs in place (out_dtype); elsewhere (CPU) the chunk product is rounded to the
+    input dtype first. A single GEMM over all rows may write the input dtype directly: cuBLAS
+    accumulates in fp32 internally.
+    """
+    global _FP32_OUT_MATMUL_OK
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    if out.is_cuda and _FP32_OUT_MATMUL_OK is not False:
+        try:
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            else:
+                torch.mm(a, b, out_dtype=out.dtype, out=out)
+            _FP32_OUT_MATMUL_OK = True
+            return
+        except (TypeError, RuntimeError):
+            _FP32_OUT_MATMUL_OK = False
+    if accumulate:
+        out.add_(torch.mm(a, b))
+    else:
+        out.copy_(torch.mm(a, b))
+
+

@@ -1,0 +1,258 @@
+"""The logits GEMM with the softmax partials in its epilogue, in Triton: forward statistics without
+a chunk of logits in memory.
+
+`gemm_shard_stats(hidden_rows, weight, local_target, ...)` returns the same `ShardStats` as
+`torch_backend.shard_stats(hidden_rows @ weight.T, ...)`, but no [n, V_local] tensor is written:
+each program multiplies one [BLOCK_M, H] x [H, BLOCK_N] tile in fp32 (tensor cores), rounds it to
+the input dtype exactly as the chunked path's logits are rounded (unless `round_logits=False`,
+i.e. logits_dtype=float32), and reduces it to per-row partials of its BLOCK_N columns: max,
+sum exp(z - max), the target logit when the label falls in the tile, sum z and
+sum exp(z - max)(z - max) when asked. A second small kernel merges the partials of a row over the
+column tiles. Extra memory: 8-16 bytes per row and column tile, about 3 % of the logits at
+BLOCK_N = 256 (rows are processed in slices so that this stays bounded whatever the token count).
+
+Why: the forward pass of reference / old-policy log-probs (no_grad) and of the recompute path
+needs only these O(tokens) statistics. The chunked path writes each chunk of logits (2 B/element)
+and reads it again in the stats kernel (2 B/element), and holds the chunk (50 % of the dense
+logits at 8192 x 128256). On an H100 this kernel ran at 1.055-1.108x the cuBLAS logits GEMM
+including the statistics, against 1.075-1.142x for GEMM + stats kernel (tools/perf_notes.md).
+
+Hopper and newer use tensor descriptors (TMA) in a persistent grid that overlaps a tile's epilogue
+with the next tile's loads; older GPUs use a pointer-based grouped GEMM. Needs bf16/fp16 inputs
+with H a multiple of BLOCK_K (64) and 16-byte aligned rows; `supported()` says when.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .torch_backend import ShardStats
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
+# benchmark shapes (tools/perf_notes.md, call 1). Module-level so that tests can shrink them.
+TILE = (128, 256, 64, 8, 3)
+GROUP_M = 8  # row tiles that share a column tile consecutively (L2 reuse of the weight)
+PARTIALS_BYTES = 64 * 1024 * 1024  # bound on the per-tile partials of one launch
+MERGE_BLOCK_R, MERGE_BLOCK_T = 32, 64
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def supported(hidden_rows: Tensor, weight: Tensor) -> bool:
+    """Whether this kernel can compute the statistics of these inputs."""
+    block_k = TILE[2]
+    if hidden_rows.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden_rows.dtype:
+        return False
+    if not (hidden_rows.is_cuda or _interpreting()):
+        return False
+    h = hidden_rows.shape[1]
+    return (h % block_k == 0 and hidden_rows.stride(1) == 1 and weight.stride(1) == 1
+            and (hidden_rows.stride(0) * 2) % 16 == 0 and (weight.stride(0) * 2) % 16 == 0
+            and hidden_rows.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP: tl.constexpr):
+    in_group = GROUP * num_pid_n
+    first_m = (tile_id // in_group) * GROUP
+    size_m = tl.minimum(num_pid_m - first_m, GROUP)
+    return first_m + (tile_id % in_group) % size_m, (tile_id % in_group) // size_m
+
+
+@triton.jit
+def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+              BM: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr, WANT_SUM: tl.constexpr,
+              WANT_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < M
+    col_ok = cols < NV
+    if BF16_BY_HAND:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
+        bits = acc.to(tl.uint32, bitcast=True)
+        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif ROUND:  # the chunked path's logits are the GEMM output rounded to the input dtype
+        acc = acc.to(OUT_DTYPE).to(tl.float32)
+    z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
+    m = tl.max(z, axis=1)  # finite: every tile holds >= 1 valid column
+    e = tl.exp(z - m[:, None])  # 0 at invalid columns
+    out = pid_n.to(tl.int64) * M + rows
+    tl.store(pm_ptr + out, m, mask=row_ok)
+    tl.store(ps_ptr + out, tl.sum(e, axis=1), mask=row_ok)
+    if WANT_SUM:
+        tl.store(pl_ptr + out, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
+    if WANT_ENTROPY:
+        shifted = tl.where(col_ok[None, :], z - m[:, None], 0.0)
+        tl.store(pe_ptr + out, tl.sum(e * shifted, axis=1), mask=row_ok)
+    t = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    z_t = tl.sum(tl.where(cols[None, :] == t[:, None], z, 0.0), axis=1)
+    tl.store(tz_ptr + rows, z_t, mask=row_ok & (t >= pid_n * BN) & (t < pid_n * BN + BN))
+
+
+@triton.jit
+def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+                    M, NV, K, stride_h, stride_w, inv_t, num_progs,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                    ROUND: tl.constexpr, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+                    DOT_F32: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    a_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, K], strides=[stride_h, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(w_ptr, shape=[NV, K], strides=[stride_w, 1], block_shape=[BN, BK])
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(NV, BN)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_progs, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(tl.cdiv(K, BK)):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            b = b_desc.load([pid_n * BN, ki * BK])
+            if DOT_F32:  # the CPU interpreter's bf16 tl.dot is wrong (Triton 3.9): upcast there
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc)
+        _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+                  BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
+
+
+@triton.jit
+def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+                    M, NV, K, stride_h, stride_w, inv_t,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                    ROUND: tl.constexpr, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+                    DOT_F32: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(NV, BN), GROUP)
+    rows = (pid_m * BM + tl.arange(0, BM)) % M  # wrapped rows/columns: loads need no mask
+    cols = (pid_n * BN + tl.arange(0, BN)) % NV
+    offs_k = tl.arange(0, BK)
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, K, BK):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        if DOT_F32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BK
+        b_ptrs += BK
+    _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+              BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
+
+
+@triton.jit
+def _merge_tiles_kernel(pm_ptr, ps_ptr, pl_ptr, pe_ptr, m_ptr, s_ptr, l_ptr, e_ptr, M, T,
+                        WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """[T, M] column-tile partials -> [M] row partials (online over T, like the stats kernel)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_R], tl.float32)
+    sl = tl.zeros([BLOCK_R], tl.float32)
+    se = tl.zeros([BLOCK_R], tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        mask = (ts[:, None] < T) & row_ok[None, :]
+        offs = ts.to(tl.int64)[:, None] * M + rows[None, :]
+        pm = tl.load(pm_ptr + offs, mask=mask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(pm, axis=0))
+        m_safe = tl.where(row_ok, m_new, 0.0)
+        alpha = tl.exp(m - m_safe)
+        scale = tl.where(mask, tl.exp(pm - m_safe[None, :]), 0.0)
+        ps = tl.load(ps_ptr + offs, mask=mask, other=0.0)
+        if WANT_ENTROPY:  # sum e^(z-m')(z-m') = e^(m-m') (A + (m-m') S) for each part
+            pe = tl.load(pe_ptr + offs, mask=mask, other=0.0)
+            part = tl.sum((pe + tl.where(mask, pm - m_safe[None, :], 0.0) * ps) * scale, axis=0)
+            se = alpha * (se + tl.where(m > float("-inf"), m - m_safe, 0.0) * s) + part
+        s = s * alpha + tl.sum(ps * scale, axis=0)
+        if WANT_SUM:
+            sl += tl.sum(tl.load(pl_ptr + offs, mask=mask, other=0.0), axis=0)
+        m = m_new
+    tl.store(m_ptr + rows, m, mask=row_ok)
+    tl.store(s_ptr + rows, s, mask=row_ok)
+    if WANT_SUM:
+        tl.store(l_ptr + rows, sl, mask=row_ok)
+    if WANT_ENTROPY:
+        tl.store(e_ptr + rows, se, mask=row_ok)
+
+
+_ALLOCATOR_SET = []
+_SM_COUNT: dict = {}
+
+
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _use_tma(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True  # the interpreter runs tensor descriptors too
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gemm_shard_stats(
+    hidden_rows: Tensor,
+    weight: Tensor,
+    local_target: Tensor,
+    num_valid_cols: int,
+    inv_temperature: float,
+    want_sum_logits: bool = False,
+    want_entropy: bool = False,
+    round_logits: bool = True,
+) -> ShardStats:
+    """ShardStats of hidden_rows @ weight.T (see the module doc); `supported()` must hold."""
+    n = hidden_rows.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden_rows.device)
+    if num_valid_cols == 0 or n == 0:
+        zeros = torch.zeros(n, **f32)
+        return ShardStats(max=torch.full_like(zeros, float("-inf")), sum_exp=zeros, target=zeros.clone(),
+                          sum_logits=zeros.clone() if want_sum_logits else None,
+                          sum_exp_shifted=zeros.clone() if want_entropy else None)
+    bm, bn, bk, warps, stages = TILE
+    tiles_n = triton.cdiv(num_valid_cols, bn)
+    per_row = 4 * tiles_n * (2 + want_sum_logits + want_entropy)
+    slice_rows = max(bm, PARTIALS_BYTES // per_row // bm * bm)
+    out = {name: torch.empty(n, **f32) for name in ("max", "sum_exp")}
+    out["target"] = torch.zeros(n, **f32)
+    out["sum_logits"] = torch.empty(n, **f32) if want_sum_logits else None
+    out["sum_exp_shifted"] = torch.empty(n, **f32) if want_entropy else None
+    tma = _use_tma(hidden_rows.device)
+    if tma and not _ALLOCATOR_SET:  # scratch for device-side tensor descriptors
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=hidden_rows.device))
+        _ALLOCATOR_SET.append(True)
+    target = local_target.contiguous()
+    for r0 in range(0, n, slice_rows):
+        r1 = min(n, r0 + slice_rows)
+        rows = r1 - r0
+        pm, ps = torch.empty(tiles_n, rows, **f32), torch.empty(tiles_n, rows, **f32)
+        pl = torch.empty(tiles_n, rows, **f32) if want_sum_logits else pm
+        pe = torch.empty(tiles_n, rows, **f32) if want_entropy else pm
+        h = hidden_rows[r0:r1]
+        args = (h, weight, target[r0:r1], pm, ps, pl, pe, out["target"][r0:r1], rows, num_valid_cols,
+                h.shape[1], h.stride(0), weight.stride(0), float(inv_temperature))
+        meta = dict(BM=bm, BN=bn, BK=bk, GROUP=GROUP_M, ROUND=round_logits, WANT_SUM=want_sum_logits,
+                    WANT_ENTROPY=want_entropy, DOT_F32=_interpreting(),
+                    BF16_BY_HAND=round_logits and _interpreting() and h.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+        tiles = triton.cdiv(rows, bm) * tiles_n
+        if tma:
+            progs = min(tiles, _programs(h.device))
+            _gemm_stats_tma[(progs,)](*args, progs, **meta)
+        else:
+            _gemm_stats_ptr[(tiles,)](*args, **meta)
+        dummy = out["max"]
+        _merge_tiles_kernel[(triton.cdiv(rows, MERGE_BLOCK_R),)](
+            pm, ps, pl, pe, out["max"][r0:r1], out["sum_exp"][r0:r1],
+            dummy if out["sum_logits"] is None else out["sum_logits"][r0:r1],
+            dummy if out["sum_exp_shifted"] is None else out["sum_exp_shifted"][r0:r1],
+            rows, tiles_n, WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy,
+            BLOCK_R=MERGE_BLOCK_R, BLOCK_T=MERGE_BLOCK_T, num_warps=4)
+    return ShardStats(**out)
