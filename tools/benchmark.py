@@ -1,35 +1,50 @@
 #!/usr/bin/env python3
-"""Fused linear cross-entropy / log-probs: everything side by side, one process, one GPU, bf16,
-forward + backward (loss -> dX, dW).
+"""Fused linear cross-entropy / log-probs: everything side by side, one process, one GPU, bf16.
 
-    python tools/benchmark.py                       # all shapes, memory sweep, writes to $OUT or ./bench_out
+    python tools/benchmark.py                       # all shapes and spreads, memory sweep; writes to $OUT or ./bench_out
     python tools/benchmark.py --quick               # tiny shapes (smoke test; runs on CPU too)
-    python tools/benchmark.py --shapes 8192x4096x128256 --impls floor,ours_ce --chunks 4096,auto
+    python tools/benchmark.py --shapes 8192x4096x128256 --impls floor,ours_ce,ours_ce_lean --spreads peaked
 
-What is measured, per shape (N tokens, H hidden, V vocab):
-  floor              the 3 GEMMs every method must do (logits, dX, dW: 6*N*H*V flops), cuBLAS,
-                     measured in this run. x_floor of a method = its time / this time.
+What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
+  floor              the 3 GEMMs every fwd+bwd method must do (logits, dX, dW: 6*N*H*V flops),
+                     cuBLAS, measured in this run. x_floor of a method = its time / this time.
+  floor_fwd          the 1 logits GEMM (2*N*H*V): the floor of the forward-only rows (*_fwd).
   torch_eager        materialized logits, .float(), F.cross_entropy (what users write)
   torch_compile      torch.compile of the same function
+  torch_compile_fwd  torch.compile of log_softmax(logits).gather(label) under no_grad
+  torch_lce          PyTorch >= 2.13 F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())
+                     (skipped where that torch is not installed)
   megatron           megatron.core vocab_parallel_cross_entropy on materialized bf16 logits (TP=1)
   liger              liger_kernel LigerFusedLinearCrossEntropyLoss
-  cce                Apple cut_cross_entropy.linear_cross_entropy
-  ours_logprobs@C    linear_logprobs(..., chunk_size=C, impl=triton), backward through -sum(lp)/N
-  ours_ce@C          linear_cross_entropy(..., chunk_size=C, impl=triton) (mean)
-  ours_ce_torch@C    the same with the torch backend (backend comparison)
+  cce                Apple cut_cross_entropy.linear_cross_entropy, default gradient filter (skips
+                     vocab blocks whose probabilities are all tiny: its speed depends on the spread)
+  cce_exact          the same with filter_eps=None (no filtering: exact gradients)
+  ours_ce@C          linear_cross_entropy(..., chunk_size=C) (mean), memory_mode="fast"
+  ours_ce_lean       the same with memory_mode="lean"
+  ours_logprobs@C    linear_logprobs(...), backward through -sum(lp)/N (recompute path); _lean too
+  ours_grpo@C        losses.linear_grpo_loss (DAPO, beta=0); _lean too
   ours_ce_main_grad@C  ours_ce with Megatron's accumulate_into_main_grad (weight.main_grad fp32
-                     pre-allocated, as Megatron's DDP buffers are: not counted as extra memory)
-  ours_grpo@C        megatron_fused_ce.losses linear_grpo_loss (DAPO, beta=0) when it exists
+                     pre-allocated, as Megatron's DDP buffers are: not counted); _lean too
+  ours_fwd           linear_logprobs under torch.no_grad (reference / old-policy log-probs);
+  ours_fwd_entropy   the same with return_entropy=True
 C = "auto" uses the package's default chunk size. Peers that are not installed, or fail, are
-skipped with a note. Every method's loss, dX and dW are checked against torch_eager (rel. error).
+skipped with a note. Every method's loss, dX and dW (forward rows: log-probs) are checked against
+torch_eager (rel. error).
 
-Memory: "extra" = torch.cuda.max_memory_allocated during one forward+backward minus what was
-allocated before it (inputs, warm caches) minus the returned gradients (dX, dW in bf16), i.e. the
-working memory the method needs; compared with the dense bf16 logits N*V*2 bytes.
-Timing: CUDA events around each forward+backward, warm-up first, median of the repetitions.
-Also a per-chunk breakdown (GEMMs vs the Triton kernels) and a kernel check of the Triton backend
-against the torch backend on the GPU.
-Outputs (in --out): results.json (every number), results.md (tables), results.png (plots).
+Spreads (--spreads): "random" = random bf16 hidden states and weights (logit std 2: a flat softmax,
+top token p ~ 1e-2); "peaked" = each hidden row is pushed towards one token so that its
+probability is 0.3-0.9 (uniform per row), 60 % of the labels being that token: the spread of a
+trained model, where CCE's gradient filter can skip most vocab blocks.
+
+Memory: "extra" = torch.cuda.max_memory_allocated during one call minus what was allocated before it
+(inputs, warm caches) minus what it returns (dX and dW in bf16; for main_grad rows dW lives in the
+pre-allocated fp32 main_grad; forward rows return [N] fp32 log-probs), the same definition for
+every method; compared with the dense bf16 logits N*V*2 bytes.
+Timing: CUDA events around each call, warm-up first, median of the repetitions.
+Optionally (no --no-kernels) a per-chunk breakdown (GEMMs vs the Triton kernels) and a kernel
+check of the Triton backend against the torch backend on the GPU.
+Outputs (in --out): results.json (every number), results.md (tables), pareto_<N>x<H>x<V>.png
+(extra memory vs x floor, every peer and both our modes, both spreads), sweep.png (memory vs N).
 
 Tensor parallel (one process per GPU, NCCL; tools/gpu_tp.sh runs it with the multi-GPU tests):
     torchrun --nproc_per_node 2 tools/benchmark.py --tp 2 [--shapes ...] [--chunks auto,4096] [--out DIR]
@@ -78,9 +93,11 @@ SWEEP_HV = (4096, 128256)
 SWEEP_N = [8192, 16384, 32768, 65536, 131072]
 QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
 QUICK_SHAPES_CPU = [(48, 32, 500)]
-DEFAULT_IMPLS = ("floor,torch_eager,torch_compile,megatron,liger,cce,ours_logprobs,ours_ce,"
-                 "ours_ce_torch,ours_ce_main_grad,ours_grpo")
-SWEEP_IMPLS = "floor,torch_eager,megatron,liger,cce,ours_logprobs,ours_ce,ours_ce_main_grad,ours_grpo"
+DEFAULT_IMPLS = ("floor,floor_fwd,torch_eager,torch_compile,torch_compile_fwd,torch_lce,megatron,liger,cce,"
+                 "cce_exact,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,ours_grpo,ours_grpo_lean,"
+                 "ours_ce_main_grad,ours_ce_main_grad_lean,ours_fwd,ours_fwd_entropy")
+SWEEP_IMPLS = "floor,torch_compile,liger,cce,ours_ce,ours_ce_lean,ours_logprobs_lean,ours_fwd"
+SPREADS = ("random", "peaked")
 GIB = 1024.0 ** 3
 
 
@@ -109,6 +126,22 @@ def make_floor(h, w, y, chunk):
         dx = logits @ w
         dw = logits.t() @ h
         return None, dx, dw
+    step.is_floor = True
+    return step
+
+
+def _forward_only(fn):
+    """A forward-only step: no_grad, returns (log-probs, None, None); x_floor against floor_fwd."""
+    def step():
+        with torch.no_grad():
+            return fn(), None, None
+    step.forward_only = True
+    return step
+
+
+def make_floor_fwd(h, w, y, chunk):
+    step = _forward_only(lambda: h @ w.t())
+    step.is_floor = True
     return step
 
 
@@ -124,6 +157,25 @@ def make_torch_compile(h, w, y, chunk):
         _COMPILED["fn"] = torch.compile(_eager_loss)
     fn = _COMPILED["fn"]
     return lambda: _grads(fn(h, w, y), h, w)
+
+
+def _eager_logprobs(h, w, y):
+    return torch.log_softmax((h @ w.t()).float(), -1).gather(1, y[:, None]).squeeze(1)
+
+
+def make_torch_compile_fwd(h, w, y, chunk):
+    if "fwd" not in _COMPILED:
+        _COMPILED["fwd"] = torch.compile(_eager_logprobs)
+    fn = _COMPILED["fwd"]
+    return _forward_only(lambda: fn(h, w, y))
+
+
+def make_torch_lce(h, w, y, chunk):
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options is None or not hasattr(F, "linear_cross_entropy"):
+        raise Skip(f"needs PyTorch >= 2.13 (F.linear_cross_entropy with LinearCrossEntropyOptions); "
+                   f"this is {torch.__version__}")
+    return lambda: _grads(F.linear_cross_entropy(h, w, y, options=options()), h, w)
 
 
 _MEGATRON = {}
@@ -164,42 +216,59 @@ def make_liger(h, w, y, chunk):
     return lambda: _grads(loss_fn(w, h, y), h, w)
 
 
-def make_cce(h, w, y, chunk):
+def _cce():
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
     except Exception as exc:  # noqa: BLE001
         raise Skip(f"cut-cross-entropy not importable: {type(exc).__name__}: {exc}")
-    if h.device.type != "cuda":
+    if not torch.cuda.is_available():
         raise Skip("cce needs CUDA")
-    return lambda: _grads(cce(h, w, y), h, w)
+    return cce
+
+
+def make_cce(h, w, y, chunk):
+    cce = _cce()
+    return lambda: _grads(cce(h, w, y), h, w)  # default gradient filter
+
+
+def make_cce_exact(h, w, y, chunk):
+    cce = _cce()
+    return lambda: _grads(cce(h, w, y, filter_eps=None), h, w)
 
 
 def _impl():
     return "triton"
 
 
-def make_ours_logprobs(h, w, y, chunk):
+def make_ours_logprobs(h, w, y, chunk, memory_mode="fast"):
     n = h.shape[0]
-    return lambda: _grads(-linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl()).logprobs.sum() / n, h, w)
+    return lambda: _grads(-linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+                                           memory_mode=memory_mode).logprobs.sum() / n, h, w)
 
 
-def make_ours_ce(h, w, y, chunk):
-    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl()), h, w)
+def make_ours_ce(h, w, y, chunk, memory_mode="fast"):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode), h, w)
 
 
 def make_ours_ce_torch(h, w, y, chunk):
     return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl="torch"), h, w)
 
 
-def make_ours_ce_main_grad(h, w, y, chunk):
+def make_ours_ce_main_grad(h, w, y, chunk, memory_mode="fast"):
     w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
 
     def step():
-        loss = linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), accumulate_into_main_grad=True)
+        loss = linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), accumulate_into_main_grad=True,
+                                    memory_mode=memory_mode)
         dx, _ = torch.autograd.grad(loss, (h, w), allow_unused=True)
         return loss.detach(), dx, w.main_grad
     step.main_grad = True
     return step
+
+
+def make_ours_fwd(h, w, y, chunk, entropy=False):
+    return _forward_only(lambda: linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+                                                 return_entropy=entropy).logprobs)
 
 
 def _linear_grpo():
@@ -223,22 +292,38 @@ def _grpo_inputs(h, y):
     return batch, adv, mask
 
 
-def make_ours_grpo(h, w, y, chunk):
+def make_ours_grpo(h, w, y, chunk, memory_mode="fast"):
     fn, GRPOConfig = _linear_grpo()
     batch, adv, mask = _grpo_inputs(h, y)
     config = GRPOConfig()
     hb, yb = h.view(batch, -1, h.shape[-1]), y.view(batch, -1)
 
     def step():
-        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=_impl())
+        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode)
         return _grads(loss, h, w)
     step.loss_kind = "grpo"
     return step
 
 
+def _lean(maker):
+    return lambda h, w, y, chunk: maker(h, w, y, chunk, memory_mode="lean")
+
+
+make_ours_ce_lean = _lean(make_ours_ce)
+make_ours_logprobs_lean = _lean(make_ours_logprobs)
+make_ours_grpo_lean = _lean(make_ours_grpo)
+make_ours_ce_main_grad_lean = _lean(make_ours_ce_main_grad)
+
+
+def make_ours_fwd_entropy(h, w, y, chunk):
+    return make_ours_fwd(h, w, y, chunk, entropy=True)
+
+
 MAKERS = {name[len("make_"):]: fn for name, fn in globals().items() if name.startswith("make_")}
-CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo"}
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo", "ours_fwd",
+           "ours_fwd_entropy"}  # lean rows take no chunk size
 ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
+MAIN_GRAD = {"ours_ce_main_grad", "ours_ce_main_grad_lean"}
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -282,7 +367,8 @@ def _nbytes(t):
 
 
 def measure_memory(step):
-    """Extra bytes one forward+backward needs beyond what exists before it and its outputs."""
+    """Extra bytes one call needs beyond what exists before it and what it returns (dX, dW; for
+    main_grad rows dW is in the pre-allocated main_grad; forward rows return log-probs)."""
     if not torch.cuda.is_available():
         return None, step()
     free()
@@ -292,8 +378,11 @@ def measure_memory(step):
     out = step()
     sync()
     peak = torch.cuda.max_memory_allocated()
-    loss, dx, dw = out
-    out_bytes = _nbytes(dx) + (0 if getattr(step, "main_grad", False) else _nbytes(dw))
+    first, dx, dw = out
+    if getattr(step, "forward_only", False):
+        out_bytes = _nbytes(first)
+    else:
+        out_bytes = _nbytes(dx) + (0 if getattr(step, "main_grad", False) else _nbytes(dw))
     return peak - base - out_bytes, out
 
 
@@ -305,13 +394,35 @@ def rel_err(a, b):
     return (a - b).norm().item() / denom if denom > 0 else (a - b).norm().item()
 
 
-def make_inputs(n, hdim, v, device, seed=0):
+def make_inputs(n, hdim, v, device, seed=0, spread="random"):
+    """bf16 hidden [N, H], weight [V, H] (logit std 2) and labels. spread="peaked": each row is
+    pushed towards one token t so that p(t) is uniform in [0.3, 0.9] (the flat background of V
+    logits of std 2 sums to about V e^2), and 60 % of the labels are t."""
     g = torch.Generator(device=device).manual_seed(seed)
-    h = torch.randn(n, hdim, device=device, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    h = torch.randn(n, hdim, device=device, generator=g, dtype=torch.float32)
     w = (torch.randn(v, hdim, device=device, generator=g, dtype=torch.float32) / math.sqrt(hdim) * 2)
     w = w.to(torch.bfloat16)
     y = torch.randint(0, v, (n,), device=device, generator=g)
-    return h.requires_grad_(), w.requires_grad_(), y
+    if spread == "peaked":
+        top = torch.randint(0, v, (n,), device=device, generator=g)
+        p_top = 0.3 + 0.6 * torch.rand(n, device=device, generator=g)
+        z_top = math.log(v) + 2.0 + torch.log(p_top / (1 - p_top))
+        wt = w[top].float()
+        h = h + ((z_top - (h * wt).sum(1)) / wt.square().sum(1))[:, None] * wt
+        y = torch.where(torch.rand(n, device=device, generator=g) < 0.6, top, y)
+    elif spread != "random":
+        raise SystemExit(f"unknown spread {spread!r}")
+    return h.to(torch.bfloat16).requires_grad_(), w.requires_grad_(), y
+
+
+def top_probability(h, w, rows=1024):
+    """Mean probability of each row's most likely token (describes the spread; no_grad, chunked)."""
+    with torch.no_grad():
+        tops = []
+        for start in range(0, h.shape[0], rows):
+            z = (h[start:start + rows] @ w.t()).float()
+            tops.append(torch.exp(z.max(1).values - torch.logsumexp(z, 1)))
+        return torch.cat(tops).mean().item()
 
 
 def resolved_auto_chunk(n, v_local, device, hdim, method):
@@ -324,7 +435,7 @@ def resolved_auto_chunk(n, v_local, device, hdim, method):
             return None
         try:
             return fn(n, v_local, device, hidden_size=hdim, element_size=2,
-                      fp32_weight_grad_buffer=method != "ours_ce_main_grad")
+                      fp32_weight_grad_buffer=method not in MAIN_GRAD and not method.startswith("ours_fwd"))
         except TypeError:
             return fn(n, v_local, device)
     except Exception:  # noqa: BLE001
@@ -342,17 +453,24 @@ def run_one(name, chunk, h, w, y, args, reference=None):
     out = None
     try:
         step = MAKERS[name](h, w, y, chunk)
+        row["forward_only"] = getattr(step, "forward_only", False)
+        if row["forward_only"]:
+            row["flops"] = 2.0 * n * hdim * v
         t0 = time.perf_counter()
         out = step()  # first call: compiles (torch.compile, Triton JIT)
         sync()
         row["first_call_s"] = time.perf_counter() - t0
-        if reference is not None and getattr(step, "loss_kind", "ce") == "ce":
-            loss, dx, dw = out
-            row["err_loss"] = rel_err(loss, reference[0]) if loss is not None and name != "floor" else None
-            if name != "floor":
+        if reference is not None and not getattr(step, "is_floor", False):
+            first, dx, dw = out
+            if row["forward_only"]:
+                row["err_logprobs"] = rel_err(first, reference[3])
+            elif getattr(step, "loss_kind", "ce") == "ce":
+                row["err_loss"] = rel_err(first, reference[0])
                 row["err_dx"], row["err_dw"] = rel_err(dx, reference[1]), rel_err(dw, reference[2])
         del out
         out = None
+        if name in MAIN_GRAD:
+            w.main_grad.zero_()
         extra, out = measure_memory(step)
         del out
         out = None
@@ -360,11 +478,9 @@ def run_one(name, chunk, h, w, y, args, reference=None):
         if extra is not None:
             row["extra_gib"] = extra / GIB
             row["extra_pct_dense_logits"] = 100.0 * extra / row["dense_logits_bytes"]
+            row["extra_pct_dense_logits_8192"] = 100.0 * extra / (2 * 8192 * v)
         ms, times = time_step(step, args.warmup, args.min_reps, args.max_reps, args.budget_ms)
         row.update(ms=ms, times_ms=times, tflops=row["flops"] / ms / 1e9)
-        if name == "ours_ce_main_grad":
-            w.main_grad = None
-            del w.main_grad
     except Skip as exc:
         row["skipped"] = str(exc)
     except torch.cuda.OutOfMemoryError as exc:
@@ -377,9 +493,10 @@ def run_one(name, chunk, h, w, y, args, reference=None):
         if hasattr(w, "main_grad"):
             del w.main_grad
         free()
+    err = row.get("err_logprobs") if row.get("forward_only") else row.get("err_dx")
     status = row.get("skipped") or (f"{row['ms']:.2f} ms  {row['tflops']:.0f} TFLOP/s  "
                                     f"extra {row.get('extra_gib', float('nan')):.3f} GiB  "
-                                    f"err dx {row.get('err_dx')} dw {row.get('err_dw')}")
+                                    f"err {'lp' if row.get('forward_only') else 'dx'} {err} dw {row.get('err_dw')}")
     log(f"  {label:28s} {status}")
     return row
 
@@ -400,21 +517,26 @@ def impl_list(spec, chunks):
     return out
 
 
-def bench_shape(shape, impls, args, device, results, section, check=True):
+def bench_shape(shape, impls, args, device, results, section, check=True, spread="random"):
     n, hdim, v = shape
-    log(f"\n== {section}: N={n} H={hdim} V={v}  (floor flops 6NHV = {6.0 * n * hdim * v / 1e12:.1f} TFLOP)")
+    log(f"\n== {section} ({spread} logits): N={n} H={hdim} V={v}  "
+        f"(floor flops 6NHV = {6.0 * n * hdim * v / 1e12:.1f} TFLOP)")
     free()
-    h, w, y = make_inputs(n, hdim, v, device)
+    h, w, y = make_inputs(n, hdim, v, device, spread=spread)
+    p_top = top_probability(h, w)
+    log(f"  mean probability of the top token: {p_top:.3f}")
     reference = None
     rows = []
-    if check and any(name != "floor" for name, _ in impls):
+    if check and any(not name.startswith("floor") for name, _ in impls):
         try:
             loss, dx, dw = _grads(_eager_loss(h, w, y), h, w)
-            reference = (loss, dx, dw)
+            with torch.no_grad():
+                lp = _eager_logprobs(h, w, y)
+            reference = (loss, dx, dw, lp)
         except torch.cuda.OutOfMemoryError:
             log("  (no torch_eager reference: OOM; errors not checked)")
         free()
-    floor_ms = None
+    floors = {}
     seen = set()
     for name, chunk in impls:
         effective = (name, None if chunk is None else min(chunk, n))
@@ -422,16 +544,17 @@ def bench_shape(shape, impls, args, device, results, section, check=True):
             continue
         seen.add(effective)
         row = run_one(name, chunk, h, w, y, args, reference)
-        row["section"] = section
-        if name == "floor" and "ms" in row:
-            floor_ms = row["ms"]
+        row.update(section=section, spread=spread, p_top=p_top)
+        if name in ("floor", "floor_fwd") and "ms" in row:
+            floors[name] = row["ms"]
         rows.append(row)
         results["rows"].append(row)
         write_json(results, args.out)
     for row in rows:
-        if floor_ms and "ms" in row:
-            row["x_floor"] = row["ms"] / floor_ms
-            row["floor_ms"] = floor_ms
+        floor = floors.get("floor_fwd" if row.get("forward_only") else "floor")
+        if floor and "ms" in row:
+            row["x_floor"] = row["ms"] / floor
+            row["floor_ms"] = floor
     write_json(results, args.out)
     del h, w, y, reference
     free()
@@ -553,27 +676,58 @@ def _fmt(x, spec):
 
 def markdown(results):
     lines = [f"Device: {results['env'].get('device')}; torch {results['env']['torch']}, "
-             f"triton {results['env'].get('triton')}; command: `{results['command']}`", ""]
+             f"triton {results['env'].get('triton')}; peers: megatron-core {results['env'].get('megatron-core')}, "
+             f"liger-kernel {results['env'].get('liger-kernel')}, cut-cross-entropy "
+             f"{results['env'].get('cut-cross-entropy')}; command: `{results['command']}`", ""]
+    main = [r for r in results["rows"] if r["section"] == "shapes"]
+    shapes = list(dict.fromkeys((r["N"], r["H"], r["V"]) for r in main))
+    for spread in dict.fromkeys(r.get("spread", "random") for r in main):
+        rows = [r for r in main if r.get("spread", "random") == spread]
+        ptop = {(r["N"], r["H"], r["V"]): r.get("p_top") for r in rows}
+        lines += [f"### Summary, {spread} logits: x floor (extra memory, % of the dense bf16 logits)", "",
+                  "Fwd+bwd rows against the 3-GEMM floor, forward-only rows (`*_fwd`) against the 1-GEMM "
+                  "floor, both measured in this run. Mean top-token probability: "
+                  + ", ".join(f"{s[0]}x{s[1]}x{s[2]}: {ptop.get(s, float('nan')):.3f}" for s in shapes), "",
+                  "| method | " + " | ".join(f"{s[0]}x{s[1]}x{s[2]}" for s in shapes) + " |",
+                  "|---|" + "---|" * len(shapes)]
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            cells = []
+            for shape in shapes:
+                r = next((r for r in rows if r["impl"] == impl and (r["N"], r["H"], r["V"]) == shape), None)
+                if r is None:
+                    cells.append("")
+                elif "ms" not in r:
+                    cells.append("skipped")
+                elif r["method"] in ("floor", "floor_fwd"):
+                    cells.append(f"{r['ms']:.2f} ms")
+                else:
+                    mem = r.get("extra_pct_dense_logits")
+                    cells.append(f"{_fmt(r.get('x_floor'), '.3f')} ({_fmt(mem, '.1f')} %)")
+            lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+        lines.append("")
     for section in dict.fromkeys(r["section"] for r in results["rows"]):
         rows = [r for r in results["rows"] if r["section"] == section]
-        shapes = list(dict.fromkeys((r["N"], r["H"], r["V"]) for r in rows))
-        for shape in shapes:
-            sr = [r for r in rows if (r["N"], r["H"], r["V"]) == shape]
+        for key in dict.fromkeys((r.get("spread", "random"), r["N"], r["H"], r["V"]) for r in rows):
+            sr = [r for r in rows if (r.get("spread", "random"), r["N"], r["H"], r["V"]) == key]
             floor = next((r for r in sr if r["method"] == "floor" and "ms" in r), None)
-            lines.append(f"### {section}: N={shape[0]}, H={shape[1]}, V={shape[2]}"
+            lines.append(f"### {section}, {key[0]} logits: N={key[1]}, H={key[2]}, V={key[3]}"
                          + (f" — floor {floor['ms']:.2f} ms" if floor else ""))
             lines.append("")
             lines.append("| method | ms | TFLOP/s | × floor | extra GiB | extra % dense logits | "
-                         "err dX | err dW | note |")
-            lines.append("|---|---|---|---|---|---|---|---|---|")
+                         "% of N=8192 logits | err loss/log-probs | err dX | err dW | note |")
+            lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
             for r in sr:
                 if "ms" not in r:
-                    lines.append(f"| {r['impl']} | - | - | - | - | - | - | - | {r.get('skipped', '')[:120]} |")
+                    lines.append(f"| {r['impl']} | - | - | - | - | - | - | - | - | - | {r.get('skipped', '')[:120]} |")
                     continue
                 note = f"auto = {r['chunk_resolved']} rows" if r.get("chunk_resolved") else ""
+                if r.get("forward_only"):
+                    note = (note + "; " if note else "") + "forward only: x 1-GEMM floor"
+                err_first = r.get("err_logprobs") if r.get("forward_only") else r.get("err_loss")
                 lines.append(
                     f"| {r['impl']} | {r['ms']:.2f} | {r['tflops']:.0f} | {_fmt(r.get('x_floor'), '.3f')} | "
                     f"{_fmt(r.get('extra_gib'), '.3f')} | {_fmt(r.get('extra_pct_dense_logits'), '.1f')} | "
+                    f"{_fmt(r.get('extra_pct_dense_logits_8192'), '.2f')} | {_fmt(err_first, '.1e')} | "
                     f"{_fmt(r.get('err_dx'), '.1e')} | {_fmt(r.get('err_dw'), '.1e')} | {note} |")
             lines.append("")
     if "kernels" in results:
@@ -590,70 +744,76 @@ def markdown(results):
     return "\n".join(lines) + "\n"
 
 
-def _best_per_method(rows):
-    """{(shape, method): the row of that method's fastest chunk size}."""
-    best = {}
-    for r in rows:
-        key = ((r["N"], r["H"], r["V"]), r["method"])
-        if key not in best or r["ms"] < best[key]["ms"]:
-            best[key] = r
-    return best
+OURS_STYLE = {"ours_ce": ("fast", "tab:red"), "ours_ce_lean": ("lean", "tab:red"),
+              "ours_grpo": ("fast", "tab:orange"), "ours_grpo_lean": ("lean", "tab:orange"),
+              "ours_logprobs": ("fast", "tab:purple"), "ours_logprobs_lean": ("lean", "tab:purple"),
+              "ours_ce_main_grad": ("fast", "tab:brown"), "ours_ce_main_grad_lean": ("lean", "tab:brown")}
 
 
-def plot(results, path):
+def plot(results, out_dir):
+    """One Pareto plot per shape (extra memory vs x floor; fwd+bwd rows, both spreads) and the
+    memory sweep."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         log("matplotlib not installed: no plot")
-        return
-    main = [r for r in results["rows"] if r["section"] == "shapes" and "x_floor" in r and r["method"] != "floor"]
-    sweep = [r for r in results["rows"] if r["section"] == "memory sweep" and "extra_gib" in r
-             and r["method"] != "floor"]
-    best = _best_per_method(main)
-    shapes = list(dict.fromkeys(k[0] for k in best))
-    methods = list(dict.fromkeys(k[1] for k in best))
-    colors = plt.get_cmap("tab20").colors
-    fig, axes = plt.subplots(1, 2, figsize=(17, 6.5))
-    ax = axes[0]
-    width = 0.8 / max(len(methods), 1)
-    for i, method in enumerate(methods):
-        xs, ys = [], []
-        for j, shape in enumerate(shapes):
-            r = best.get((shape, method))
-            if r:
-                xs.append(j + i * width)
-                ys.append(r["x_floor"])
-        ax.bar(xs, ys, width, label=method, color=colors[i % len(colors)])
-        for x, y_ in zip(xs, ys):
-            ax.text(x, y_ + 0.02, f"{y_:.2f}", ha="center", va="bottom", fontsize=5, rotation=90)
-    ax.axhline(1.0, color="k", lw=0.8)
-    for target, style in ((1.10, ":"), (1.40, "--")):
-        ax.axhline(target, color="gray", ls=style, lw=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels([f"N={s[0]}\nH={s[1]}\nV={s[2]}" for s in shapes])
-    ax.set_ylabel("time / 3-GEMM floor (fwd+bwd), best chunk size per method")
-    ax.set_title("Time vs floor (dotted 1.10x SFT target, dashed 1.40x log-probs target)")
-    ax.legend(fontsize=7, ncol=2)
-    ax = axes[1]
-    for i, impl in enumerate(dict.fromkeys(r["impl"] for r in sweep)):
-        pts = sorted((r["N"], r["extra_gib"]) for r in sweep if r["impl"] == impl)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, color=colors[i % len(colors)])
-    ns = sorted({r["N"] for r in sweep})
-    if ns:
+        return []
+    paths = []
+    main = [r for r in results["rows"] if r["section"] == "shapes" and "x_floor" in r
+            and not r.get("forward_only") and r["method"] != "floor" and r.get("extra_bytes") is not None]
+    markers = {"random": "o", "peaked": "^"}
+    peers = sorted({r["method"] for r in main if r["method"] not in OURS_STYLE})
+    colors = dict(zip(peers, plt.get_cmap("tab10").colors[:len(peers)]))
+    for shape in dict.fromkeys((r["N"], r["H"], r["V"]) for r in main):
+        fig, ax = plt.subplots(figsize=(9, 6))
+        for r in (r for r in main if (r["N"], r["H"], r["V"]) == shape):
+            mem = max(r["extra_pct_dense_logits"], 0.01)
+            mode, color = OURS_STYLE.get(r["method"], (None, colors.get(r["method"], "gray")))
+            ax.scatter(mem, r["x_floor"], marker=markers.get(r.get("spread"), "s"), s=55 if mode else 35,
+                       color=color, edgecolors="k" if mode == "lean" else "none", linewidths=1.2)
+            ax.annotate(r["impl"].replace("@auto", ""), (mem, r["x_floor"]), fontsize=6,
+                        xytext=(4, 2), textcoords="offset points")
+        ax.axhline(1.0, color="k", lw=0.8)
+        for level, style in ((1.05, ":"), (1.40, "--")):
+            ax.axhline(level, color="gray", ls=style, lw=0.8)
+        ax.axvline(3.0, color="gray", ls="-.", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("extra memory, % of the dense bf16 logits (peak - inputs - returned gradients)")
+        ax.set_ylabel("time / 3-GEMM floor (fwd+bwd, same run)")
+        ax.set_title(f"N={shape[0]} H={shape[1]} V={shape[2]} on {results['env'].get('device')}\n"
+                     "o random logits, ^ peaked logits; ours: red CE, orange GRPO, purple log-probs, "
+                     "brown main_grad; black edge = lean", fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"pareto_{shape[0]}x{shape[1]}x{shape[2]}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+        log(f"plot: {path}")
+    sweep = [r for r in results["rows"] if r["section"] == "memory sweep" and r.get("extra_gib") is not None
+             and not r["method"].startswith("floor")]
+    if sweep:
+        fig, ax = plt.subplots(figsize=(9, 6))
+        for impl in dict.fromkeys(r["impl"] for r in sweep):
+            pts = sorted((r["N"], r["extra_gib"]) for r in sweep if r["impl"] == impl)
+            ax.plot([p[0] for p in pts], [max(p[1], 1e-4) for p in pts], marker="o", label=impl)
+        ns = sorted({r["N"] for r in sweep})
         v = sweep[0]["V"]
         ax.plot(ns, [n * v * 2 / GIB for n in ns], "k--", lw=0.8, label="dense bf16 logits")
-        ax.plot(ns, [0.03 * 8192 * v * 2 / GIB for n in ns], "k:", lw=0.8, label="target: 3% of N=8192 logits")
+        ax.plot(ns, [0.03 * 8192 * v * 2 / GIB for _ in ns], "k:", lw=0.8, label="3 % of the N=8192 logits")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens N")
+        ax.set_ylabel("extra memory, GiB")
         ax.set_title("Extra memory vs tokens (H=%d, V=%d)" % (sweep[0]["H"], v))
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens N")
-    ax.set_ylabel("extra memory, GiB")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    log(f"plot: {path}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, "sweep.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def environment():
@@ -690,9 +850,11 @@ def environment():
 # shapes (N tokens, H, V); every rank holds the full hidden [N, H] (no sequence parallel) and a V/TP
 # vocab shard of the weight. Every method's dX is the full (TP-summed) input gradient, so the
 # Megatron rows all-reduce it after backward, as ColumnParallelLinear's backward does.
-TP_IMPLS = "floor,ours_ce,ours_logprobs,megatron,megatron_fused,liger_tp"
-TP1_IMPLS = ("floor", "ours_ce", "ours_logprobs")  # measured on rank 0 alone for the scaling table
-SCALED = ("floor", "ours_ce", "ours_logprobs")
+TP_IMPLS = "floor,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,megatron,megatron_fused,liger_tp"
+# measured on rank 0 alone for the scaling table
+TP1_IMPLS = ("floor", "ours_ce", "ours_ce_lean", "ours_logprobs", "ours_logprobs_lean")
+SCALED = ("floor", "ours_ce", "ours_ce_lean", "ours_logprobs", "ours_logprobs_lean")
+TP_CHUNKED = ("ours_ce", "ours_logprobs")
 
 
 class _TPCtx:
@@ -713,14 +875,23 @@ def tp_make_allreduce(h, w, y, chunk, ctx):
     return step
 
 
-def tp_make_ours_ce(h, w, y, chunk, ctx):
-    return lambda: _grads(linear_cross_entropy(h, w, y, tp_group=ctx.group, chunk_size=chunk, impl=_impl()), h, w)
+def tp_make_ours_ce(h, w, y, chunk, ctx, memory_mode="fast"):
+    return lambda: _grads(linear_cross_entropy(h, w, y, tp_group=ctx.group, chunk_size=chunk, impl=_impl(),
+                                               memory_mode=memory_mode), h, w)
 
 
-def tp_make_ours_logprobs(h, w, y, chunk, ctx):
+def tp_make_ours_logprobs(h, w, y, chunk, ctx, memory_mode="fast"):
     n = h.shape[0]
     return lambda: _grads(-linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk,
-                                           impl=_impl()).logprobs.sum() / n, h, w)
+                                           impl=_impl(), memory_mode=memory_mode).logprobs.sum() / n, h, w)
+
+
+def tp_make_ours_ce_lean(h, w, y, chunk, ctx):
+    return tp_make_ours_ce(h, w, y, None, ctx, memory_mode="lean")
+
+
+def tp_make_ours_logprobs_lean(h, w, y, chunk, ctx):
+    return tp_make_ours_logprobs(h, w, y, None, ctx, memory_mode="lean")
 
 
 def _tp_grads_allreduce(loss, h, w, ctx):
@@ -877,7 +1048,7 @@ def tp_time_step(step, args, ctx):
 def tp_run_one(name, chunk, h, w, y, args, ctx, reference):
     n, hdim = h.shape
     v_local = w.shape[0]
-    chunked = name in ("ours_ce", "ours_logprobs")
+    chunked = name in TP_CHUNKED
     label = f"{name}@{chunk or 'auto'}" if chunked else name
     row = dict(impl=label, method=name, chunk=(chunk or "auto") if chunked else None, N=n, H=hdim,
                V=v_local * ctx.tp, V_local=v_local, tp=ctx.tp, flops_per_gpu=6.0 * n * hdim * v_local,
@@ -956,7 +1127,7 @@ def tp1_measure(shape, chunks, args, ctx, results):
             seen = set()
             wanted = {"floor"} | {name for name, _ in getattr(ctx, "impls", [])}
             for name in (m for m in TP1_IMPLS if m in wanted):
-                for chunk in (chunks if name != "floor" else [None]):
+                for chunk in (chunks if name in TP_CHUNKED else [None]):
                     key = (name, None if chunk is None else min(chunk, shape[0]))
                     if key in seen:
                         continue
@@ -1151,7 +1322,7 @@ def tp_main(args):
             continue
         if name not in TP_MAKERS:
             raise SystemExit(f"unknown TP impl {name!r}; known: {', '.join(m for m in TP_MAKERS)}")
-        if name in ("ours_ce", "ours_logprobs"):
+        if name in TP_CHUNKED:
             impls.extend((name, c) for c in chunks)
         else:
             impls.append((name, None))
@@ -1212,11 +1383,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", help="comma list of NxHxV (default: the 3 design shapes)")
     p.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma list (default {DEFAULT_IMPLS})")
-    p.add_argument("--chunks", default="4096,8192,auto", help="chunk sizes for ours (rows; 'auto')")
+    p.add_argument("--chunks", default="auto", help="chunk sizes for ours (rows; 'auto')")
+    p.add_argument("--spreads", default=",".join(SPREADS), help="logit spreads: random,peaked (see the doc)")
     p.add_argument("--sweep", default=None, help="memory sweep N list at H=4096, V=128256 ('' = none)")
     p.add_argument("--sweep-impls", default=SWEEP_IMPLS)
-    p.add_argument("--sweep-chunk", default="4096", help="chunk size for ours in the sweep")
-    p.add_argument("--no-kernels", action="store_true", help="skip the kernel check / breakdown")
+    p.add_argument("--sweep-chunk", default="auto", help="chunk size for ours in the sweep")
+    p.add_argument("--kernels", action="store_true", help="also the Triton kernel check / per-chunk breakdown")
+    p.add_argument("--no-kernels", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "bench_out"))
     p.add_argument("--warmup", type=int, default=2)
@@ -1242,10 +1415,6 @@ def main(argv=None):
             QUICK_SHAPES_GPU if device.type == "cuda" else QUICK_SHAPES_CPU)
         sweep = parse_chunks(args.sweep) if args.sweep is not None else ([2048, 4096] if device.type == "cuda" else [32, 64])
         args.warmup, args.min_reps, args.max_reps, args.budget_ms = 1, 2, 3, 1.0
-        if args.chunks == "4096,8192,auto":
-            args.chunks = "512,auto" if device.type == "cuda" else "16,auto"
-        if args.sweep_chunk == "4096":
-            args.sweep_chunk = "512" if device.type == "cuda" else "16"
     else:
         shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
         sweep = SWEEP_N if args.sweep is None else parse_chunks(args.sweep)
@@ -1256,19 +1425,22 @@ def main(argv=None):
     t_start = time.time()
     impls = impl_list(args.impls, chunks)
 
-    if not args.no_kernels:
+    if args.kernels and not args.no_kernels:
         kshape = shapes[0]
         kernel_chunk = min(4096 if not args.quick else 64, kshape[0])
         results["kernel_ok"] = kernel_check_and_breakdown(args, device, results, kshape, kernel_chunk)
 
-    for shape in shapes:
-        bench_shape(shape, impls, args, device, results, "shapes")
-        log(f"  [{time.time() - t_start:.0f} s elapsed]")
+    spreads = [s.strip() for s in args.spreads.split(",") if s.strip()]
+    for spread in spreads:
+        for shape in shapes:
+            bench_shape(shape, impls, args, device, results, "shapes", spread=spread)
+            log(f"  [{time.time() - t_start:.0f} s elapsed]")
     if sweep:
         sweep_impls = impl_list(args.sweep_impls, parse_chunks(args.sweep_chunk))
         hv = (shapes[0][1], shapes[0][2]) if args.quick else SWEEP_HV
         for n in sweep:
-            bench_shape((n, *hv), sweep_impls, args, device, results, "memory sweep", check=False)
+            bench_shape((n, *hv), sweep_impls, args, device, results, "memory sweep", check=False,
+                        spread=spreads[0] if spreads else "random")
             log(f"  [{time.time() - t_start:.0f} s elapsed]")
 
     results["elapsed_s"] = time.time() - t_start
@@ -1276,7 +1448,7 @@ def main(argv=None):
     md = markdown(results)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(md)
-    plot(results, os.path.join(args.out, "results.png"))
+    plot(results, args.out)
     log("\n" + md)
     return 0 if results.get("kernel_ok", True) else 1
 

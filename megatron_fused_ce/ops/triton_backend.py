@@ -327,7 +327,9 @@ def _exp_tile_kernel(
         ref = tl.load(ref_ptr + row)
         s = tl.load(sum_exp_ptr + row)
         seen = tl.load(seen_ptr + row)
-        s_logits = tl.load(sum_logits_ptr + row) if WANT_SUM else 0.0
+        s_logits = tl.zeros([], tl.float32)
+        if WANT_SUM:
+            s_logits = tl.load(sum_logits_ptr + row)
     for col0 in range(0, num_cols, BLOCK_N):
         cols = col0 + tl.arange(0, BLOCK_N)
         valid = cols < num_valid_cols
