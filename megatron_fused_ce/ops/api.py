@@ -42,8 +42,10 @@ _AUTO_CHUNK_MIN_ROWS_CUDA = 4096
 # [V_local, rows] x [rows, H] product by 3-6 % on an H100 (tools/perf_notes.md).
 VOCAB_BLOCK = 16384
 # memory_mode="lean": the working set of the tile sweeps (lean.py), whatever the number of tokens:
-# 2 % of the dense bf16 logits at 8192 x 128256, under the 3 % target on the benchmark shapes.
-LEAN_WORKSET_BYTES = 40 * 1024 * 1024
+# 400 bytes per vocab row of the shard (2.4 % of the bf16 logits of 8192 tokens, under the issue's
+# 3 %), at least 32 MiB.
+LEAN_WORKSET_BYTES = 32 * 1024 * 1024
+LEAN_WORKSET_PER_VOCAB_ROW = 400
 
 
 class LogprobsOutput(NamedTuple):
@@ -366,7 +368,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     if memory_mode == "lean":
         element_size = 4 if logits_dtype is not None else weight.element_size()
         lean_tiles = lean.tile_sizes(
-            row_labels.numel(), v_local, hidden_size, weight.element_size(), LEAN_WORKSET_BYTES,
+            row_labels.numel(), v_local, hidden_size, weight.element_size(),
+            max(LEAN_WORKSET_BYTES, LEAN_WORKSET_PER_VOCAB_ROW * v_local),
             # the torch backend makes fp32 copies of a tile; the Triton kernels work in place
             tile_bytes_per_element=element_size + (12 if backend is torch_backend else 0),
             weight_grad_accumulates=main_grad_param is not None)
@@ -441,8 +444,9 @@ def linear_logprobs(
     Under torch.autocast the inputs are cast to the autocast dtype first, as F.linear would.
     `memory_mode`: "fast" (default) holds one chunk of logits (on CUDA all rows while they stay
     under 8 GiB, `chunk_size` rows when given) and, over several chunks, an fp32 [V_local, H]
-    weight-gradient buffer; "lean" works in tiles within a fixed working set (about 40 MiB,
-    whatever the number of tokens; `chunk_size` is not used) with both gradients still
+    weight-gradient buffer; "lean" works in tiles within a fixed working set (400 bytes per
+    vocab row of the shard, at least 32 MiB: about 2.4 % of the logits of 8192 tokens, whatever the
+    number of tokens; `chunk_size` is not used) with both gradients still
     accumulated in fp32, at the cost of more GEMMs (5 instead of 4 here, 4 instead of 3 for
     linear_cross_entropy). Forward-only calls (no_grad) need no chunk in either mode on CUDA: the
     statistics are taken inside the logits GEMM (bf16/fp16).

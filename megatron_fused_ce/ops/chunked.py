@@ -454,9 +454,15 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.into_main_grad = into_main_grad
         ctx.full_shape = full_hidden.shape
         ctx.unit_grad_in_main_grad = into_main_grad and spec.lean is None
-        saved = [row_index, dx_rows, dw_acc, weight]
-        if needs_dw and (spec.lean is not None or into_main_grad):
-            # What backward needs to make dW (lean) or the (g - 1) dW correction (main_grad).
+        ctx.needs_dw = needs_dw
+        # Lean mode scales dX in place in the first backward (a scaled copy would be one more
+        # [tokens, H] buffer): it is kept outside save_for_backward, whose version check would
+        # reject the mutation; a second backward (retain_graph) recomputes dX from the coefficients.
+        ctx.lean_dx = dx_rows if spec.lean is not None else None
+        saved = [row_index, None if spec.lean is not None else dx_rows, dw_acc, weight]
+        if (needs_dw and into_main_grad) or spec.lean is not None:
+            # What backward needs to make dW (lean), the (g - 1) dW correction (main_grad), or
+            # dX again (lean, second backward).
             offsets = [m.softmax_offsets(spec.want_entropy) for m in merged_chunks]
             saved += [hidden, local_target, cat([o[0] for o in offsets]),
                       cat([o[1] for o in offsets], offsets and offsets[0][1] is not None)]
@@ -478,11 +484,24 @@ class LinearLossGradInForward(torch.autograd.Function):
         row_index, dx_rows, dw_acc, weight, *rest = ctx.saved_tensors
         spec: ChunkSpec = ctx.spec
         grad_hidden = grad_weight = None
-        if dx_rows is not None:
+        if dx_rows is not None:  # fast mode: the saved buffer stays valid for a second backward
             grad_hidden = _input_grad(dx_rows * g_anchor.to(dx_rows.dtype), row_index, ctx.full_shape, spec)
+        elif ctx.lean_dx is not None:
+            dx, ctx.lean_dx = ctx.lean_dx, None
+            grad_hidden = _input_grad(dx.mul_(g_anchor.to(dx.dtype)), row_index, ctx.full_shape, spec)
+        elif ctx.needs_input_grad[0] and rest:  # lean, second backward through the same graph
+            hidden, local_target, shift, log_sum_exp, *coef_list = rest
+            coefs = {k: None if c is None else c * g_anchor for k, c in zip(("p", "pz", "target", "uniform"), coef_list)}
+            with autocast_off(hidden.device):
+                full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
+                rows = _rows(full_hidden, row_index)
+                dx = rows.new_empty(rows.shape)
+                if rows.shape[0] > 0:
+                    lean.input_grad_sweep(rows, weight, local_target, spec, (shift, log_sum_exp), coefs, dx)
+                grad_hidden = _input_grad(dx, row_index, ctx.full_shape, spec)
         if dw_acc is not None:  # fast mode: the saved buffer stays valid for a second backward
             grad_weight = spec.backend.scale_cast(dw_acc, g_anchor, weight.dtype)
-        elif rest:  # lean mode, or main_grad: (re)make dW from the saved per-token coefficients
+        elif rest and ctx.needs_dw:  # lean mode, or main_grad: (re)make dW from the saved coefficients
             hidden, local_target, shift, log_sum_exp, *coef_list = rest
             first_after_unit = ctx.unit_grad_in_main_grad
             ctx.unit_grad_in_main_grad = False  # a further backward adds g dW in full

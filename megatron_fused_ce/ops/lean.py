@@ -57,20 +57,31 @@ def _round_down(x: int, multiple: int, minimum: int) -> int:
     return max(minimum, x // multiple * multiple)
 
 
+_FULL_WAVE = 132 * 128 * 256  # output elements of a GEMM that fills an H100/H200 with 128x256 tiles
+_MIN_COLS_A = 2048  # below this K the fp32 accumulator's read-modify-write outweighs the GEMM
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
 def tile_sizes(num_rows: int, v_local: int, hidden_size: int, element_size: int, workset_bytes: int,
                tile_bytes_per_element: int, weight_grad_accumulates: bool) -> LeanTiles:
     """Tiles whose working set (one tile + one fp32 accumulator + a gathered [rows, H] block of
-    W) fits `workset_bytes`. `tile_bytes_per_element`: bytes a backend touches per tile element
-    (the Triton kernels work in place: the element size; the torch backend makes fp32 copies).
-    `weight_grad_accumulates`: dW goes into an existing fp32 buffer (main_grad): no accumulator."""
+    W) fits `workset_bytes`. Sweep A takes enough rows for its [rows, H] accumulator GEMM to fill
+    the GPU, and as many columns as then fit (K of that GEMM); with a small budget it keeps
+    _MIN_COLS_A columns and takes fewer rows. `tile_bytes_per_element`: bytes a backend touches per
+    tile element (the Triton kernels work in place: the element size; the torch backend makes fp32
+    copies). `weight_grad_accumulates`: dW goes into an existing fp32 buffer (main_grad)."""
     v_local, num_rows = max(v_local, 1), max(num_rows, 1)
-    cols_a = min(v_local, _MAX_COLS_A)
-    while True:
-        per_row = cols_a * tile_bytes_per_element + hidden_size * (4 + element_size)
-        rows_a = _round_down(workset_bytes // per_row, 64, 16)
-        if rows_a >= 512 or cols_a <= 1024:
-            break
-        cols_a //= 2
+    acc_row = hidden_size * (4 + element_size)
+    rows_a = min(num_rows, _round_up(_FULL_WAVE // max(hidden_size, 1), 128))
+    cols_a = min(v_local, _MAX_COLS_A, max(workset_bytes - rows_a * acc_row, 0) // (rows_a * tile_bytes_per_element))
+    if cols_a >= 1024:
+        cols_a = cols_a // 1024 * 1024
+    if cols_a < min(v_local, _MAX_COLS_A, _MIN_COLS_A):
+        cols_a = min(v_local, _MAX_COLS_A, _MIN_COLS_A)
+        rows_a = _round_down(workset_bytes // (cols_a * tile_bytes_per_element + acc_row), 16, 16)
     rows_b = min(num_rows, _MAX_ROWS_B)
     spans = num_rows > rows_b and not weight_grad_accumulates
     if spans:
