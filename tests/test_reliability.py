@@ -61,8 +61,8 @@ def test_fp16_loss_scale_matches_unfused(reduction, scale):
 
 
 def test_fp16_grpo_loss_scale_matches_recompute():
-    """linear_grpo_loss in fp16 (gradients-in-forward before the fix): the same gradients as
-    grpo_loss on linear_logprobs under a loss scale of 65536, and finite."""
+    """linear_grpo_loss in fp16 (gradients-in-forward before the fix: NaN/inf dX under a loss
+    scale of 65536): finite, and the gradients of grpo_loss on linear_logprobs (fp16 dX rounding)."""
     g = torch.Generator().manual_seed(1)
     b, t, hidden, vocab = 8, 256, 32, 128
     h32, w32 = torch.randn(b, t, hidden, generator=g), torch.randn(vocab, hidden, generator=g) * 0.3
@@ -82,7 +82,8 @@ def test_fp16_grpo_loss_scale_matches_recompute():
         grads.append((h.grad, w.grad))
     for (a, b_) in zip(*grads):
         assert torch.isfinite(a).all()
-        assert torch.equal(a, b_)
+        # the same recompute math; the log-prob values fed to grpo_loss may differ in the last bit
+        assert _rel(a, b_) <= 1e-3
 
 
 # ------------------------------------------------------------------ 4. second-order gradients

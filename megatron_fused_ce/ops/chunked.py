@@ -9,12 +9,14 @@ statistics of z = hidden @ W_full.T / T over the global unpadded vocab:
     entropy         H = -sum_k p_k log p_k  (only when asked)
 
 Everything users want is an O(tokens) expression of these (api.py): log p_y = target - lse,
-cross-entropy with label smoothing and z-loss, ...
+cross-entropy with label smoothing and z-loss, ... lse also comes in its two parts, the row max M
+and log S = log sum_k exp(z_k - M) (not differentiable): log p_k = (z_k - M) - log S keeps digits
+that rounding M + log S to fp32 loses (saturated tokens, |z| ~ 50), in values and in dlogits.
 
 Forward: for each chunk of token rows, logits = h_chunk @ W.T (the only [chunk, V_local] tensor),
 backend.shard_stats reduces it to per-token partials; after the loop the partials of all chunks are
-merged across TP ranks with two collectives. Only hidden, weight, row indices and per-token lse /
-entropy are saved. The chunk of logits is in the input dtype (like Megatron's output layer), or fp32
+merged across TP ranks with two collectives. Only hidden, weight, row indices and per-token lse
+(M, log S) / entropy are saved. The chunk of logits is in the input dtype (like Megatron's output layer), or fp32
 with `logits_dtype=torch.float32` (an fp32-output GEMM; its dlogits are rounded to the input dtype
 for the two backward GEMMs).
 
@@ -235,8 +237,8 @@ def backward_grads(
 ) -> None:
     """Chunk loop of the backward pass: writes dX rows, and dW into `dw_out` (adding to what it
     holds if `dw_accumulate`, e.g. Megatron's main_grad; else the first chunk overwrites).
-    `offsets`: MergedStats.softmax_offsets of the rows."""
-    shift, log_sum_exp = offsets
+    `offsets`: the rows' (max, log_sum_exp) of the merged softmax (see MergedStats)."""
+    row_max, log_sum_exp = offsets
     for index, (start, end) in enumerate(_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = hidden_rows[start:end]
         dlogits = spec.backend.shard_dlogits_(
@@ -244,10 +246,10 @@ def backward_grads(
             local_target[start:end],
             spec.num_valid_cols,
             spec.inv_temperature,
-            shift[start:end],
+            row_max[start:end],
             *(None if c is None else c[start:end] for c in
               (coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"])),
-            log_sum_exp=None if log_sum_exp is None else log_sum_exp[start:end],
+            log_sum_exp=log_sum_exp[start:end],
         )
         dlogits = gemm_input(dlogits, h)
         if dx_rows is not None:
@@ -282,7 +284,8 @@ def coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse) -> Optional[di
 
 
 class LinearSoftmaxStats(torch.autograd.Function):
-    """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, entropy."""
+    """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, entropy, and
+    (not differentiable) lse's two parts, max and log_sum_exp, for precise log-probs."""
 
     @staticmethod
     def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec):
@@ -292,17 +295,18 @@ class LinearSoftmaxStats(torch.autograd.Function):
         ctx.num_full_rows = full_hidden.shape[0]
         ctx.set_materialize_grads(False)
         saved_entropy = merged.entropy if spec.want_entropy else None
-        shift, log_sum_exp = merged.softmax_offsets(spec.want_entropy)
         # Only the local hidden slice is kept under SP: backward all-gathers it again, as
         # Megatron's ColumnParallelLinear does, instead of holding the tp-times larger copy.
         ctx.save_for_backward(hidden, weight, row_index, local_target, merged.lse, saved_entropy,
-                              shift, log_sum_exp)
-        return merged.target, merged.lse, merged.sum_logits, merged.entropy
+                              merged.max, merged.log_sum_exp)
+        ctx.mark_non_differentiable(merged.max, merged.log_sum_exp)
+        return (merged.target, merged.lse, merged.sum_logits, merged.entropy, merged.max,
+                merged.log_sum_exp)
 
     @staticmethod
     @first_order_only
-    def backward(ctx, g_target, g_lse, g_sum, g_entropy):
-        hidden, weight, row_index, local_target, lse, entropy, shift, log_sum_exp = ctx.saved_tensors
+    def backward(ctx, g_target, g_lse, g_sum, g_entropy, *unused_parts_of_lse):
+        hidden, weight, row_index, local_target, lse, entropy, row_max, log_sum_exp = ctx.saved_tensors
         spec: ChunkSpec = ctx.spec
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         coefs = coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse)
@@ -323,7 +327,7 @@ class LinearSoftmaxStats(torch.autograd.Function):
                 if dw_out is not None and not into_main_grad:
                     dw_out.zero_()
             else:
-                backward_grads(rows, weight, local_target, spec, (shift, log_sum_exp), coefs, dx_rows,
+                backward_grads(rows, weight, local_target, spec, (row_max, log_sum_exp), coefs, dx_rows,
                                dw_out, dw_accumulate=into_main_grad)
             if needs_dw and not into_main_grad:
                 grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
@@ -354,7 +358,7 @@ class LinearLossGradInForward(torch.autograd.Function):
     `positions` are their flat indices into labels.reshape(-1), `num_labelled` the number of
     labelled tokens of the whole call.
 
-    Outputs: (anchor, target, lse, sum_logits, entropy). The statistics are plain values;
+    Outputs: (anchor, target, lse, sum_logits, entropy, max, log_sum_exp). The statistics are plain values;
     `anchor` is a zero scalar that carries the gradient: callers return `loss_value + anchor`, and
     backward scales the dX and dW computed here by the anchor's upstream gradient (loss scaling,
     averaging over micro-batches ...). Costs: the chunk merge is done per chunk (2 collectives per
@@ -390,10 +394,10 @@ class LinearLossGradInForward(torch.autograd.Function):
             coefs = coefficients(*token_grads(merged, positions, rows.shape[0]), merged.entropy, merged.lse)
             if coefs is None:
                 coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
-            shift, log_sum_exp = merged.softmax_offsets(spec.want_entropy)
             dlogits = gemm_input(spec.backend.shard_dlogits_(
-                logits, local_target[start:end], spec.num_valid_cols, spec.inv_temperature, shift,
-                coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp), h)
+                logits, local_target[start:end], spec.num_valid_cols, spec.inv_temperature, merged.max,
+                coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"],
+                log_sum_exp=merged.log_sum_exp), h)
             if dx_rows is not None:
                 torch.mm(dlogits, weight, out=dx_rows[start:end])
             if dw_acc is not None:
@@ -412,7 +416,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.full_shape = full_hidden.shape
         ctx.save_for_backward(row_index, dx_rows, dw_acc, weight)
         outputs = (cat("target"), cat("lse"), cat("sum_logits", spec.want_sum_logits),
-                   cat("entropy", spec.want_entropy))
+                   cat("entropy", spec.want_entropy), cat("max"), cat("log_sum_exp"))
         for out in outputs:
             if out is not None:
                 ctx.mark_non_differentiable(out)

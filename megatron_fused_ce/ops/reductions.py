@@ -36,13 +36,14 @@ class MergedStats:
     target: Tensor  # z_y
     sum_logits: Optional[Tensor] = None  # sum_k z_k
     entropy: Optional[Tensor] = None  # -sum_k p_k log p_k
-    max: Optional[Tensor] = None  # M = max_k z_k; lse = M + log_sum_exp
-    log_sum_exp: Optional[Tensor] = None  # log sum_k exp(z_k - M)
+    # lse = max + log_sum_exp. Kept apart: log p_k = (z_k - M) - log S keeps the digits that
+    # rounding M + log S to fp32 loses (|z| ~ 50, or log p_y ~ -1e-5 next to M ~ 8).
+    max: Optional[Tensor] = None  # M = max_k z_k
+    log_sum_exp: Optional[Tensor] = None  # log S = log sum_k exp(z_k - M)
 
-    def softmax_offsets(self, split: bool):
-        """How dlogits takes log p_k: z_k - lse (split=False), or (z_k - M) - log_sum_exp, which
-        keeps the digits that rounding M + log_sum_exp to fp32 loses at large |z| (entropy)."""
-        return (self.max, self.log_sum_exp) if split else (self.lse, None)
+    def logprob(self) -> Tensor:
+        """log p_y = (z_y - M) - log S."""
+        return (self.target - self.max) - self.log_sum_exp
 
 
 def merge_shard_stats(stats: ShardStats, group) -> MergedStats:
