@@ -3,13 +3,12 @@
 One token's path: its hidden row (all-gathered first under sequence parallelism) -> if its label is
 not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this rank's vocab shard ->
 backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
-(sum of logits, expected logit) -> log-prob / entropy / loss here. Ignored rows are dropped before
+(sum of logits, entropy) -> log-prob / entropy / loss here. Ignored rows are dropped before
 the first GEMM: they cost no flops and get exactly zero output and zero gradient.
 """
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -181,7 +180,8 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     agreement.equal("vocab_size", true_vocab)
     agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
     agreement.equal("chunk_size", chunk_size if not agreement.failed("chunk_size") else -1)
-    agreement.equal("impl", impl if not agreement.failed("impl") else None)
+    # the backend that will run ("auto" and "torch" agree on a CPU)
+    agreement.equal("impl", select_backend(impl, device).__name__ if not agreement.failed("impl") else None)
     agreement.equal("logits_dtype", str(logits_dtype))
     agreement.equal("return_entropy", bool(want_entropy))
     agreement.equal("sequence_parallel", bool(sequence_parallel))
@@ -462,6 +462,10 @@ def linear_cross_entropy(
     + z_loss_weight * lse**2, with eps = label_smoothing over the global unpadded vocab.
     "mean" divides by the number of labelled tokens (0.0 with zero gradients when there are none),
     "sum" adds, "none" returns fp32 per-token losses of labels.shape (0 at ignored positions).
+    "mean" / "sum" compute dX and dW during the forward pass (3 GEMMs per chunk instead of 4),
+    except for fp16 inputs, which take the recompute path so that the upstream gradient (a loss
+    scale) multiplies the fp32 per-token gradients before anything is rounded to fp16.
+    `logits_dtype`, autocast: as in `linear_logprobs`.
     """
     extra = {"reduction": None, "label_smoothing": None, "z_loss_weight": None}  # None: passed
     if reduction not in ("mean", "sum", "none"):
