@@ -119,7 +119,7 @@ def test_gradient_penalty_raises_instead_of_a_wrong_gradient(fn):
 
 # ------------------------------------------------------------------ 5. torch.autocast
 def _advantages(y):
-    return torch.linspace(-1, 1, y.shape[0])
+    return torch.linspace(-1, 1, y.shape[0], device=y.device)
 
 
 def _autocast_loss(fn, h, w, y, **kw):
