@@ -13,7 +13,6 @@ Per rollout step:
 """
 
 import torch
-import torch.distributed as dist
 
 from example_common import (
     LogprobsPostProcessorFor,
@@ -116,7 +115,9 @@ def main():
     progress.write(f"log-prob passes per rollout: {grpo_logprob_passes(config)} "
                    f"(loss_type={config.loss_type}, beta={config.beta}, "
                    f"force_on_policy_ratio={config.force_on_policy_ratio})")
-    g = torch.Generator().manual_seed(train["seed"] + dist.get_rank())
+    # the simulated engine noise: the same on the ranks of a tensor-parallel group (they score the
+    # same samples), different across data-parallel replicas
+    g = torch.Generator().manual_seed(train["seed"] + parallel_state.get_data_parallel_rank())
     for step in range(train["steps"]):
         batches, reward = mock_rollout(cfg, parallel_state, step)
         ran = logprob_passes(model, reference, batches, config, post, cfg, g)
