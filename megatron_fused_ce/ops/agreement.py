@@ -94,12 +94,15 @@ class Agreement:
     """The checks and must-agree values of one call (see the module doc).
 
     `checks`: the names of every check this call can fail (the same tuple on every rank).
-    Register values with `equal` / `equal_tensor` / `maximum` (each returns a key), then `agree()`
-    raises or returns an object whose `[key]` is the agreed value (the maximum over ranks).
+    Register values with `equal` / `equal_count` / `equal_tensor` / `maximum` / `maximum_count`
+    (each returns a key), then `agree()` raises or returns an object whose `[key]` is the agreed
+    value (the maximum over ranks). Without a group (one rank) nothing can differ: tensors are not
+    fingerprinted, and the vector only carries the checks and the counts.
     """
 
     def __init__(self, fn_name: str, group, device: torch.device, checks):
         self.fn_name, self.group, self.device = fn_name, group, device
+        self.single_rank = reductions.group_size(group) == 1
         self.checks = tuple(checks)
         self.problems: dict = {}
         self._host: list = []  # int64 entries
@@ -130,6 +133,8 @@ class Agreement:
     def equal_tensor(self, name: str, tensor, message: Optional[str] = None):
         """A tensor (or None, or a plain value) that must be the same on every rank: its shape and
         dtype by a host code, its values by `tensor_fingerprint`."""
+        if self.single_rank:
+            return None
         if isinstance(tensor, Tensor):
             self.equal(name, (tuple(tensor.shape), str(tensor.dtype)), message)
             fingerprint = tensor_fingerprint(tensor).to(self.device)
