@@ -99,3 +99,49 @@ def max_over_ranks(values: Tensor, group) -> Tensor:
     if group_size(group) > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values
+
+
+# ------------------------------------------------------------------------------------------------
+# Context parallelism: the collectives of the losses (megatron_fused_ce.losses).
+#
+# Under context parallelism (CP) each rank holds a slice of every sequence. A loss that needs a sum
+# over a sequence or over the batch adds up the ranks' partial sums; every rank then evaluates the
+# same loss f(S), S = Σ_r s_r, and the gradient that rank r must see for its own partial s_r is
+# f'(S): the CP=1 gradient at its positions. Hence the all-reduce below has the identity as its
+# backward (not the all-reduce that a plain "sum of per-rank losses" would call for): summing the
+# parameter gradients over the data x context-parallel group, as Megatron's finalize_model_grads
+# does, then yields the CP=1 gradient. The losses stack what they need into one vector per step,
+# so the number of CP collectives per call is small and never depends on the data.
+# ------------------------------------------------------------------------------------------------
+class _SumOverRanksIdentityBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: Tensor, group) -> Tensor:
+        total = values.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        return grad_total, None
+
+
+def sum_over_context_ranks(values: Tensor, group) -> Tensor:
+    """Element-wise sum over the CP group of a small vector of partial sums.
+
+    Differentiable; the backward is the identity (see above: every rank's loss is the same f(S)).
+    """
+    if group_size(group) == 1:
+        return values
+    return _SumOverRanksIdentityBackward.apply(values, group)
+
+
+@torch.no_grad()
+def max_over_context_ranks(values: Tensor, group) -> Tensor:
+    """Element-wise max over the CP group of a small float vector (metrics only: no gradient).
+
+    Pass ``-x`` for a minimum.
+    """
+    values = values.detach().clone()
+    if group_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
