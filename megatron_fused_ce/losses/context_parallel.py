@@ -4,7 +4,7 @@ With ``cp_group``, each context-parallel (CP) rank passes its slice of every seq
 tensors holding any subset of each sequence's positions (Megatron's load-balanced layout keeps
 chunks ``r`` and ``2·CP−1−r`` of ``2·CP``), the same positions in every per-token argument. A loss
 adds up its sequence- and batch-level partial sums over the group (``sum_over_cp``: one all-reduce
-whose backward is the identity, see ``ops/reductions.py``), so that the loss and every metric are
+per step, see ``ops/reductions.py`` for its backward), so that the loss and every metric are
 the same on every CP rank and equal to the CP=1 values, and each rank's gradient w.r.t. its local
 log-probs equals the CP=1 gradient at those positions.
 
@@ -83,22 +83,24 @@ def agree_on_inputs(
                          "of the same B sequences")
     differing = [name for i, (name, _) in enumerate(flags) if agreed[3 + 2 * i] != -agreed[4 + 2 * i]]
     if differing:
-        raise ValueError(f"{fn_name}: the ranks of cp_group disagree on which of {differing} they "
-                         "pass; every context-parallel rank must pass the same arguments")
+        raise ValueError(f"{fn_name}: the ranks disagree on {', '.join(differing)}; every "
+                         "context-parallel rank must pass the same options and optional arguments")
 
 
-def sum_over_cp(parts: Dict[str, Tensor], cp_group) -> Dict[str, Tensor]:
+def sum_over_cp(parts: Dict[str, Tensor], cp_group, *, feeds_partials: bool = False) -> Dict[str, Tensor]:
     """Each partial sum added up over the CP group, with one all-reduce for all of them.
 
-    Differentiable with the identity as backward (each rank's gradient is the CP=1 one at its
-    positions). The parts must share a dtype and device; counts are passed as floats.
-    Without CP the parts are returned as they are.
+    Differentiable: the backward is the identity when the sums enter the loss the same way on
+    every rank (each rank's gradient is then the CP=1 one at its positions); pass
+    ``feeds_partials=True`` for sums that are inputs of per-rank partial sums reduced again later
+    (``ops.reductions.sum_over_context_ranks``). The parts must share a dtype and device; counts
+    are passed as floats. Without CP the parts are returned as they are.
     """
     if cp_size(cp_group) == 1:
         return parts
     names = list(parts)
     flat = torch.cat([parts[name].reshape(-1) for name in names])
-    total = reductions.sum_over_context_ranks(flat, cp_group)
+    total = reductions.sum_over_context_ranks(flat, cp_group, feeds_partials=feeds_partials)
     sizes = [parts[name].numel() for name in names]
     return {name: piece.reshape(parts[name].shape)
             for name, piece in zip(names, total.split(sizes))}

@@ -384,7 +384,8 @@ def _batch_totals(tokens: _Tokens, config: GRPOConfig, cp_group) -> BatchTotals:
         parts["log_ratio"] = masked_sum(tokens.log_ratio, weights, dim=-1)
     if tokens.log_rho is not None and config.is_correction.startswith("sequence"):
         parts["log_rho"] = masked_sum(tokens.log_rho, weights, dim=-1)
-    sums = sum_over_cp(parts, cp_group)
+    # GSPO's log-ratio sums weigh every rank's tokens, whose partial losses are summed again
+    sums = sum_over_cp(parts, cp_group, feeds_partials=True)
     return BatchTotals(sums["sequence_weight"].detach(), sums["sequence_weight"].sum().detach(),
                        sums["excluded"].detach(), sums.get("log_ratio"),
                        None if "log_rho" not in sums else sums["log_rho"].detach())
