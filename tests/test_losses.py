@@ -1,6 +1,6 @@
 """Tests of megatron_fused_ce.losses against independent float64 per-token reference loops.
 
-The references below are written from design.md §3 token by token, with plain Python control
+The references below are written from the loss formulas token by token, with plain Python control
 flow (if/else instead of clamp/max/where), so they share no code with the vectorized losses.
 Values, gradients w.r.t. the log-probs and metrics are compared; gradcheck covers small cases.
 """
@@ -132,7 +132,7 @@ def ref_dpo(lp, ref, mask, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, a
 
 
 def ref_grpo(lp, adv, mask, cfg: GRPOConfig, old=None, ref=None, sampling=None, normalizer=None):
-    """design.md §3, one token at a time. Returns (loss, pg_loss, kl_loss, metrics)."""
+    """The formulas of grpo.py's module doc, one token at a time. Returns (loss, pg_loss, kl_loss, metrics)."""
     batch, length = lp.shape
     on_policy = old is None or cfg.force_on_policy_ratio
     lo_clip, hi_clip = 1 - cfg.epsilon_low, 1 + cfg.epsilon_high

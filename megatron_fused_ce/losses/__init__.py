@@ -1,4 +1,4 @@
-"""Losses on per-token log-probs: SFT (NLL), DPO and the GRPO family (design.md §2.3 and §3).
+"""Losses on per-token log-probs: SFT (NLL), DPO and the GRPO family.
 
 Pure functions of tensors: they give the same result on log-probs from ``linear_logprobs`` (no
 logits tensor) and on ``log_softmax`` of materialized logits. Each returns ``(loss, metrics)`` with

@@ -1,4 +1,4 @@
-"""Direct Preference Optimization on per-token log-probs (design.md §3, "DPO").
+"""Direct Preference Optimization on per-token log-probs.
 
 Layout (NeMo-RL): the batch interleaves pairs, chosen = rows ``0::2``, rejected = rows ``1::2``.
 For pair p, with ``s = Σ_t m·lp`` (or ``Σ_t m·lp / Σ_t m`` with ``average_log_probs``) and

@@ -1,4 +1,4 @@
-"""GRPO-family policy-gradient losses on per-token log-probs (design.md §3, "GRPO").
+"""GRPO-family policy-gradient losses on per-token log-probs.
 
 Notation, per token t of sequence i: ``lp`` the policy log-prob (trainable), ``A`` the advantage,
 ``m`` the mask weight (loss mask × tool mask: prompt, padding and tool-output tokens get 0).
@@ -72,7 +72,7 @@ __all__ = [
 
 @dataclass
 class GRPOConfig:
-    """Options of ``grpo_loss``; field names and defaults are those of design.md §3.
+    """Options of ``grpo_loss`` (formulas: the module doc).
 
     Policy objective:
         loss_type: ``"grpo" | "bnpo" | "dr_grpo" | "dapo"`` (PPO clip, differing only in the

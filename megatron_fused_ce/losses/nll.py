@@ -37,7 +37,6 @@ __all__ = [
     "exclude_impossible_tokens",
     "masked_sum",
     "masked_mean",
-    "masked_min_max",
     "safe_divide",
 ]
 
@@ -118,23 +117,6 @@ def masked_mean(values: torch.Tensor, weights: torch.Tensor, dim: Optional[int] 
     """Weighted mean ``Σ w·v / Σ w``; 0 where ``Σ w`` is 0."""
     total_weight = weights.sum() if dim is None else weights.sum(dim)
     return safe_divide(masked_sum(values, weights, dim), total_weight)
-
-
-@torch.no_grad()
-def masked_min_max(values: torch.Tensor, weights: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of ``values`` over positions with a nonzero weight (for metrics; detached).
-
-    Both are 0 when no position is valid.
-    """
-    zero = values.new_zeros(())
-    if values.numel() == 0:
-        return zero, zero.clone()
-    valid = weights != 0
-    any_valid = valid.any()
-    # Fill masked positions with ±inf instead of indexing: no host sync, no dynamic shapes.
-    smallest = values.masked_fill(~valid, float("inf")).min()
-    largest = values.masked_fill(~valid, float("-inf")).max()
-    return torch.where(any_valid, smallest, zero), torch.where(any_valid, largest, zero)
 
 
 def nll_loss(
