@@ -16,8 +16,6 @@ Also: bad input under CP raises the same ValueError on every rank instead of han
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -19,6 +19,11 @@ all log-probs. Reusing `grpo.py` keeps one definition of every option.
 Not decomposable, hence computed with the recompute path (same result, 4 GEMMs): sequence-level
 ratios (GSPO), and sequence-level train/inference correction when the old log-probs are the
 policy's own (on-policy), since then rho of one token depends on the others' log-probs.
+
+Excluded tokens (a ``-inf`` log-prob, see ``grpo.py``): those of the old / sampling log-probs are
+known before the loop and enter the totals; the policy's own log-probs here are those of the full
+softmax, never ``-inf``. (A sampler filter on the policy log-probs would change the totals during
+the loop, so it would have to take the recompute path.)
 """
 
 from __future__ import annotations
