@@ -20,6 +20,7 @@ and multi-token prediction (`mtp_num_layers`) computes every depth's loss withou
 
 Modules: config.py (the switches), output_layer.py (hidden states out of the last stage),
 lazy_logits.py (what the output layer returns instead of logits), mtp.py (multi-token prediction),
+megatron_lm.py (the argparse flags for Megatron-LM scripts),
 postprocess.py (log-probs from hidden states or logits; pipeline broadcast), loss_funcs.py
 (Megatron loss funcs for SFT / DPO / GRPO), cpu.py (megatron-core on CPU/gloo).
 Importing this package does not import megatron-core or transformer-engine.
@@ -29,6 +30,7 @@ from .config import FusedCEConfig
 from .cpu import enable_cpu_mode
 from .lazy_logits import LazyLogits
 from .loss_funcs import dpo_loss_func, grpo_logprob_passes, grpo_loss_func, sft_loss_func
+from .megatron_lm import add_fused_ce_args
 from .output_layer import (
     FusedOutputLayer,
     install_fused_output_layer,
@@ -52,6 +54,7 @@ __all__ = [
     "uninstall_fused_output_layer",
     "FusedOutputLayer",
     "LazyLogits",
+    "add_fused_ce_args",
     "is_fused",
     "output_weight",
     "unwrap_model",
