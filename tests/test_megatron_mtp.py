@@ -17,8 +17,8 @@ Two ways of calling the model:
   taken from the output layer (megatron returns their loss, not them, when labels are given).
   GRPO also runs a forward-only log-prob pass (`compute_logprobs`) through the MTP model.
 
-Tolerances: those of test_megatron_parity.py (losses 1e-5 relative, gradients 1e-4 of the
-parameter's largest entry).
+Tolerances: those of test_megatron_parity.py (fp32: losses 1e-5 relative, gradients 1e-4 of the
+parameter's largest entry; bf16 with Float16Module: 1e-3 and 2e-2).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import test_megatron_common as common
 from dist import run_workers
 from test_megatron_common import MBS, SEQ, TRUE_VOCAB, Setup
-from test_megatron_parity import DPO, GRAD_RTOL, GRPO, LOSS_RTOL
+from test_megatron_parity import DPO, GRAD_RTOL, GRAD_RTOL_BF16, GRPO, LOSS_RTOL, LOSS_RTOL_BF16
 
 from megatron_fused_ce.megatron import (
     FusedCEConfig,
@@ -130,9 +130,16 @@ class Counter:
                 self.calls["original_output_layer"] += 1
             return original_forward(module, *args, **kwargs)
 
-        tensor_parallel.vocab_parallel_cross_entropy = counted_ce  # forked worker only
+        tensor_parallel.vocab_parallel_cross_entropy = counted_ce
         if layer is not None:
             type(layer).forward = counted_forward
+
+        def restore():
+            tensor_parallel.vocab_parallel_cross_entropy = original_ce
+            if layer is not None:
+                type(layer).forward = original_forward
+
+        self.restore = restore
 
     def take(self):
         out, self.calls = self.calls, {k: 0 for k in self.calls}
@@ -155,12 +162,19 @@ def logged_mtp_losses():
 
 
 def mtp_worker(rank, world, setup: Setup, kinds):
-    from megatron.core import parallel_state
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
     chunks = common.build(setup)
     gpt = unwrap_model(chunks[-1])
     counter = Counter(gpt)
+    try:
+        return _mtp_runs(chunks, gpt, counter, setup, kinds)
+    finally:
+        counter.restore()  # (the NCCL suite runs this in its own process, not a forked worker)
+
+
+def _mtp_runs(chunks, gpt, counter, setup: Setup, kinds):
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
     fused_config = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
     post = LogprobsPostProcessor(fused_config, vocab_size=TRUE_VOCAB)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -220,19 +234,21 @@ MTP_CASES = [
     (Setup(pp=2, mtp_layers=2), ("labels", "sft")),
     (Setup(pp=2, tied=True, mtp_layers=1, per_token_loss=False), ("labels", "grpo")),
     (Setup(tp=2, pp=2, tied=True, sp=True, mtp_layers=2), ("labels",)),
+    (Setup(tp=2, sp=True, mtp_layers=1, bf16=True), ("labels", "sft")),
 ]
 
 
-@pytest.mark.parametrize("setup,kinds", MTP_CASES, ids=[str(s) for s, _ in MTP_CASES])
-def test_mtp_fused_matches_unfused(setup, kinds, record_property):
-    reports = run_workers(mtp_worker, setup.world, setup, kinds, timeout=240)
+def check_mtp_reports(reports, setup: Setup, kinds, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL,
+                      count_rtol=0.0):
+    """The checks of one layout; returns the worst relative difference per kind. `count_rtol`:
+    allowed relative difference of the argmax acceptance counts (bf16 logits can tie)."""
     assert any(r["last_stage"] for r in reports)
     worst = {}
     for report in reports:
         for kind in kinds:
             r = report[kind]
             assert r["same_keys"]
-            bad = {n: d for n, d in r["grad_diff"].items() if d > GRAD_RTOL}
+            bad = {n: d for n, d in r["grad_diff"].items() if d > grad_rtol}
             assert not bad, (kind, bad)
             (tracker_u, tracker_f), (logged_u, logged_f) = r["tracker"], r["logged"]
             assert tracker_u.keys() == tracker_f.keys() and logged_u.keys() == logged_f.keys()
@@ -243,18 +259,29 @@ def test_mtp_fused_matches_unfused(setup, kinds, record_property):
             assert r["mtp_grad_norm"] > 0
             assert sorted(logged_u) == [f"mtp_{d + 1} loss" for d in range(setup.mtp_layers)]
             assert r["num_metrics"] == NUM_MICROBATCHES
-            assert r["loss_diff"] <= LOSS_RTOL, (kind, r["loss_diff"])
+            assert r["loss_diff"] <= loss_rtol, (kind, r["loss_diff"])
             for name, value in tracker_u.items():
                 if "correct" in name or "total" in name:  # acceptance counts (>= 0.19): argmax
-                    assert torch.equal(tracker_f[name], value), (kind, name, tracker_f[name], value)
+                    diff = (tracker_f[name] - value).abs().max().item()
+                    assert diff <= count_rtol * value.abs().max().item(), (kind, name, tracker_f[name], value)
                 else:
-                    assert common.max_rel_diff(tracker_f[name], value) <= LOSS_RTOL, (kind, name)
+                    assert common.max_rel_diff(tracker_f[name], value) <= loss_rtol, (kind, name)
             for name, value in logged_u.items():
-                assert logged_f[name] == pytest.approx(value, rel=LOSS_RTOL), (kind, name)
+                assert logged_f[name] == pytest.approx(value, rel=loss_rtol), (kind, name)
             # No logits: neither the original output layer nor megatron's cross-entropy ran fused.
             calls_u, calls_f = r["calls"]
             assert calls_u["original_output_layer"] > 0 and calls_u["vocab_parallel_cross_entropy"] > 0
             assert calls_f == {"original_output_layer": 0, "vocab_parallel_cross_entropy": 0}, calls_f
             worst[kind] = max(worst.get(kind, 0.0), r["loss_diff"], max(r["grad_diff"].values()))
+    return worst
+
+
+@pytest.mark.parametrize("setup,kinds", MTP_CASES, ids=[str(s) for s, _ in MTP_CASES])
+def test_mtp_fused_matches_unfused(setup, kinds, record_property):
+    reports = run_workers(mtp_worker, setup.world, setup, kinds, timeout=240)
+    if setup.bf16:  # Float16Module; the two paths round the bf16 logits differently
+        worst = check_mtp_reports(reports, setup, kinds, LOSS_RTOL_BF16, GRAD_RTOL_BF16, count_rtol=0.02)
+    else:
+        worst = check_mtp_reports(reports, setup, kinds)
     record_property("max_rel_diff", worst)
     print(f"{setup}: max relative fused-vs-unfused difference {worst}")
