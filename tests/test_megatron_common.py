@@ -44,6 +44,7 @@ class Setup:
     grad_acc_fusion: bool = False  # fused path adds dW straight into main_grad
     mtp_layers: int = 0  # multi-token prediction depths (on the last stage)
     mtp_scale: float = 0.3  # mtp_loss_scaling_factor
+    mtp_detach_heads: bool = False  # megatron-core >= 0.19: MTP losses do not train the output weight
     per_token_loss: bool = True  # calculate_per_token_loss
     # DDP for the distributed optimizer with overlap_param_gather and overlap_grad_reduce, small
     # buckets (the output weight gets a bucket of its own)
@@ -59,6 +60,7 @@ class Setup:
                 f"{'-sp' if self.sp else ''}{'-bf16' if self.bf16 else ''}"
                 f"{'-gradaccfusion' if self.grad_acc_fusion else ''}"
                 f"{f'-mtp{self.mtp_layers}' if self.mtp_layers else ''}"
+                f"{'-detachheads' if self.mtp_detach_heads else ''}"
                 f"{'' if self.per_token_loss else '-meanloss'}{'-overlap' if self.overlap else ''}")
 
 
@@ -132,7 +134,8 @@ def build(setup: Setup, seed: int = 1234, install_before_wrap=None):
         pipeline_dtype=dtype, params_dtype=dtype, bf16=setup.bf16,
         calculate_per_token_loss=setup.per_token_loss, hidden_dropout=0.0, attention_dropout=0.0,
         **({"mtp_num_layers": setup.mtp_layers, "mtp_loss_scaling_factor": setup.mtp_scale}
-           if setup.mtp_layers else {}))
+           if setup.mtp_layers else {}),
+        **({"mtp_detach_heads": True} if setup.mtp_detach_heads else {}))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     if setup.overlap:
         ddp_config = DistributedDataParallelConfig(

@@ -235,6 +235,7 @@ MTP_CASES = [
     (Setup(pp=2, tied=True, mtp_layers=1, per_token_loss=False), ("labels", "grpo")),
     (Setup(tp=2, pp=2, tied=True, sp=True, mtp_layers=2), ("labels",)),
     (Setup(tp=2, sp=True, mtp_layers=1, bf16=True), ("labels", "sft")),
+    (Setup(tied=True, mtp_layers=2, mtp_detach_heads=True), ("labels",)),
 ]
 
 
@@ -278,6 +279,11 @@ def check_mtp_reports(reports, setup: Setup, kinds, loss_rtol=LOSS_RTOL, grad_rt
 
 @pytest.mark.parametrize("setup,kinds", MTP_CASES, ids=[str(s) for s, _ in MTP_CASES])
 def test_mtp_fused_matches_unfused(setup, kinds, record_property):
+    if setup.mtp_detach_heads:
+        from megatron.core.transformer import TransformerConfig
+
+        if "mtp_detach_heads" not in TransformerConfig.__dataclass_fields__:
+            pytest.skip("mtp_detach_heads arrives in megatron-core 0.19")
     reports = run_workers(mtp_worker, setup.world, setup, kinds, timeout=240)
     if setup.bf16:  # Float16Module; the two paths round the bf16 logits differently
         worst = check_mtp_reports(reports, setup, kinds, LOSS_RTOL_BF16, GRAD_RTOL_BF16, count_rtol=0.02)
@@ -285,3 +291,26 @@ def test_mtp_fused_matches_unfused(setup, kinds, record_property):
         worst = check_mtp_reports(reports, setup, kinds)
     record_property("max_rel_diff", worst)
     print(f"{setup}: max relative fused-vs-unfused difference {worst}")
+
+
+def no_labels_worker(rank, world):
+    from megatron_fused_ce.megatron import mtp
+
+    (chunk,) = common.build(Setup(mtp_layers=1))
+    install_fused_output_layer(chunk, FusedCEConfig(enabled=True, chunk_size=8))
+    batch = common.make_batches("sft", 1, seed=0)[0]
+    try:
+        out = common.forward_fn(chunk, batch)
+        return {"derives": mtp.derives_labels_from_input_ids(), "shape": tuple(out.shape)}
+    except ValueError as error:
+        return {"derives": mtp.derives_labels_from_input_ids(), "error": str(error)}
+
+
+def test_mtp_without_labels():
+    """megatron-core < 0.19 needs labels for the MTP losses: a clear error naming the call to make;
+    >= 0.19 takes them from the input ids, and the fused model returns hidden states."""
+    (r,) = run_workers(no_labels_worker, 1)
+    if r["derives"]:
+        assert r["shape"] == (MBS, SEQ, common.HIDDEN)
+    else:
+        assert "needs labels" in r["error"] and "return_hidden_states=True" in r["error"]

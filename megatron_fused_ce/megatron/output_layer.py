@@ -176,10 +176,10 @@ def _before_forward(gpt, args, kwargs):
     """Take `return_hidden_states` out of the call (GPTModel does not know it) and remember which
     labels tensor is the main head's: its cross-entropy then returns the hidden states instead."""
     return_hidden = bool(kwargs.pop(_RETURN_HIDDEN, False))
+    labels = kwargs.get("labels", args[_LABELS_ARG] if len(args) > _LABELS_ARG else None)
+    mtp.check_mtp_call(gpt, labels)  # on every stage: all ranks raise alike
     layer = getattr(gpt, "output_layer", None)
     if getattr(gpt, "post_process", False) and isinstance(layer, FusedOutputLayer):
-        labels = kwargs.get("labels", args[_LABELS_ARG] if len(args) > _LABELS_ARG else None)
-        mtp.check_mtp_call(gpt, labels)
         layer.__dict__["labels_for_hidden"] = labels if return_hidden else None
     return args, kwargs
 
