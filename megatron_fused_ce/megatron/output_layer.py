@@ -26,11 +26,13 @@ What stays the same:
   all-reduce in `finalize_model_grads` and the optimizer see it as before, once per backward.
 * tied embeddings: GPTModel passes the shared weight in `weight=`; the post-processor reads it back
   from `model.shared_embedding_or_output_weight()`.
-* module hooks: the fused computations run inside a call of the output-layer module
-  (`layer(hidden, weight=..., compute=fn)`), so module hooks fire around every use of the weight.
-  Megatron's DDP with `overlap_param_gather` waits for the weight's all-gather in such a hook: its
-  hooks are moved to the new module whether the model was wrapped before or after install. Hooks of
-  any other wrapper (FSDP, user hooks) cannot be moved: install before wrapping, or it raises.
+* module hooks: GPTModel still calls the output layer in every forward, so its module hooks fire
+  there; the cross-entropy and argmax of `LazyLogits` run inside a call of the output-layer module
+  too (`layer(hidden, weight=..., compute=fn)`). Megatron's DDP with `overlap_param_gather` waits
+  for the weight's all-gather in such a hook, before anything reads the weight (the post-processor
+  reads it later in the same step): its hooks are moved to the new module whether the model was
+  wrapped before or after install. Hooks of any other wrapper (FSDP, user hooks) cannot be moved:
+  install before wrapping, or it raises.
 
 `model(..., labels=labels, loss_mask=loss_mask, return_hidden_states=True)` keeps the labels for
 the MTP losses but returns the main head's hidden states (for this package's loss functions).
