@@ -15,22 +15,19 @@ import torch
 from torch import Tensor
 
 from . import reductions
+from .api import auto_chunk_size
 
 
-def linear_argmax(hidden: Tensor, weight: Tensor, *, tp_group=None, vocab_size: Optional[int] = None,
-                  chunk_size: Optional[int] = None, sequence_parallel: bool = False) -> Tensor:
+def linear_argmax(hidden: Tensor, weight: Tensor, *, tp_group=None, chunk_size: Optional[int] = None,
+                  sequence_parallel: bool = False) -> Tensor:
     """int64 ids of shape `hidden.shape[:-1]` (dim 0 times TP under `sequence_parallel`), identical
-    on every rank of `tp_group`. Columns with global id >= `vocab_size` (padding) are skipped;
-    default: every column."""
-    from .api import auto_chunk_size  # api imports the chunk loop; keep this module light
-
+    on every rank of `tp_group`, over every column of the (padded) vocab as Megatron's argmax of
+    its logits."""
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     v_local, hidden_size = weight.shape
     if hidden.shape[-1] != hidden_size:
         raise ValueError(f"linear_argmax: hidden size {hidden.shape[-1]} != weight's {hidden_size}")
-    vocab_size = v_local * tp_size if vocab_size is None else vocab_size
     start = tp_rank * v_local
-    valid_cols = min(max(vocab_size - start, 0), v_local)
     with torch.no_grad():
         rows = hidden.reshape(-1, hidden_size).to(weight.dtype)
         out_shape = tuple(hidden.shape[:-1])
@@ -40,10 +37,8 @@ def linear_argmax(hidden: Tensor, weight: Tensor, *, tp_group=None, vocab_size: 
         best_value = torch.full((rows.shape[0],), float("-inf"), device=rows.device)
         best_id = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
         step = chunk_size or auto_chunk_size(rows.shape[0], v_local, rows.device)
-        if valid_cols > 0:
-            shard = weight[:valid_cols]
-            for begin in range(0, rows.shape[0], step):
-                values, ids = torch.mm(rows[begin:begin + step], shard.t()).max(dim=-1)
-                best_value[begin:begin + step] = values.float()  # exact: bf16/fp16 -> fp32
-                best_id[begin:begin + step] = ids + start
+        for begin in range(0, rows.shape[0], step):
+            values, ids = torch.mm(rows[begin:begin + step], weight.t()).max(dim=-1)
+            best_value[begin:begin + step] = values.float()  # exact: bf16/fp16 -> fp32
+            best_id[begin:begin + step] = ids + start
         return reductions.argmax_over_ranks(best_value, best_id, tp_group).reshape(out_shape)
