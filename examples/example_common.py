@@ -8,6 +8,7 @@ Launch with torchrun. Without CUDA the processes talk over gloo and megatron-cor
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import textwrap
@@ -18,14 +19,31 @@ from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's SP advice on GPUs
 
-# megatron-core warns on import that Apex / Transformer Engine are missing (they do not exist on
-# a CPU machine and are optional here) and that a TransformerConfig default is deprecated; nothing a
-# user of these examples can act on. Filtered here, in the examples only (the library installs no
-# warning filter), before megatron-core is imported.
-for _message in (r"Transformer Engine and Apex are not installed",
-                 r"Apex is not installed",
-                 r"full scope is deprecated"):
+# megatron-core warns on import that Apex / Transformer Engine (and, from 0.19, absl) are missing
+# (optional here, and absent on a CPU machine), that a TransformerConfig default is deprecated and
+# (0.19) that GPTModel is deprecated, and it uses deprecated torch.jit APIs; a CUDA build of torch on a machine without CUDA logs where it
+# looked for CUDA. Nothing a user of these examples can act on: filtered here, in the examples only
+# (the library installs no filter), before megatron-core is imported.
+for _message in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
+                 r"full scope is deprecated", r"absl\.logging is not installed"):
     warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.")
+# (hidden by Python's defaults, shown with -W default: deprecations inside megatron-core)
+warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.")
+warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                        category=DeprecationWarning)
+
+
+class _DropLogRecords(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropLogRecords("GPTModel IS DEPRECATED"))
+logging.getLogger("torch.utils.cpp_extension").addFilter(_DropLogRecords("No CUDA runtime is found"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -86,7 +104,7 @@ def parse_args(example: str, description: str) -> argparse.Namespace:
     missing package, or a launch without torchrun."""
     parser = build_parser(example, description)
     args = parser.parse_intermixed_args()
-    require_packages(parser.prog)
+    require_packages(parser.prog, ("yaml",))
     flags = (("megatron_cfg.tensor_model_parallel_size", args.tp),
              ("megatron_cfg.pipeline_model_parallel_size", args.pp),
              ("data.seq_length", args.seq_length), ("train.steps", args.steps))
@@ -97,6 +115,7 @@ def parse_args(example: str, description: str) -> argparse.Namespace:
         fail(parser.prog, str(err))
     mcfg = args.cfg["megatron_cfg"]
     require_torchrun(parser.prog, mcfg["tensor_model_parallel_size"] * mcfg["pipeline_model_parallel_size"])
+    require_packages(parser.prog, ("tqdm", "megatron.core"))
     return args
 
 
@@ -107,15 +126,19 @@ def fail(prog: str, message: str) -> None:
     sys.exit(2)
 
 
-def require_packages(prog: str) -> None:
-    """megatron-core, PyYAML and tqdm come with the `megatron` extra."""
+_PACKAGES = {"yaml": "pyyaml", "tqdm": "tqdm", "megatron.core": "megatron-core"}
+
+
+def require_packages(prog: str, modules) -> None:
+    """megatron-core, PyYAML and tqdm come with the package's `megatron` extra."""
     import importlib
 
-    for module, package in (("yaml", "pyyaml"), ("tqdm", "tqdm"), ("megatron.core", "megatron-core")):
+    for module in modules:
         try:
             importlib.import_module(module)
         except ImportError:
-            fail(prog, f"{package} is not installed (the examples need the megatron extra): {INSTALL_HINT}")
+            fail(prog, f"{_PACKAGES[module]} is not installed (the examples need the megatron extra): "
+                       f"{INSTALL_HINT}")
 
 
 def require_torchrun(prog: str, nproc: int) -> None:
