@@ -168,3 +168,16 @@ def test_install_requirements():
     assert "numpy" in names and "torch" in names
     megatron = [re.split(r"[<>=!\[ ]", r)[0] for r in setup["extras_require"]["megatron"]]
     assert {"megatron-core", "pyyaml", "tqdm"} <= set(megatron)
+
+
+def test_multigpu_suite_on_a_cpu_machine_exits_0():
+    """`torchrun --nproc_per_node 2 -m pytest tests/test_multigpu.py -m multigpu -q` on a machine
+    without 2 GPUs: each rank says why it skipped and exits 0 (pytest's "no tests ran", exit 5,
+    would be a torchrun ChildFailedError). Run here as one rank of it."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    env.update(PYTHONPATH=ROOT, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_multigpu.py", "-m", "multigpu",
+                           "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert "tests/test_multigpu.py skipped: needs torchrun with >= 2 CUDA GPUs" in proc.stdout
