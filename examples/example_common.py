@@ -461,8 +461,8 @@ def mib(num_bytes: int) -> str:
 # ------------------------------------------------------------------------------------------------
 class Progress:
     """The progress bar of the last rank, on the last pipeline stage. `loss_mem` is the peak
-    tensor memory of the output layer + loss there (`loss_memory`), where the fused op saves the
-    `[tokens, V/TP]` logits."""
+    tensor memory of the output layer + loss there (`loss_memory`, first step), where the fused op
+    saves the `[tokens, V/TP]` logits."""
 
     def __init__(self, steps: int, desc: str):
         self.is_reporter = dist.get_rank() == dist.get_world_size() - 1
@@ -473,11 +473,13 @@ class Progress:
             self.bar = tqdm(total=steps, desc=desc, dynamic_ncols=True, file=sys.stdout)
         self.last = time.perf_counter()
         self.peak_bytes = 0
+        self.measured = False
 
     @contextmanager
     def measure_memory(self, model):
-        """`loss_memory(model)` of the block, on the reporting rank only."""
-        if not self.is_reporter:
+        """`loss_memory(model)` of the block, on the reporting rank, in the first step only: the
+        shapes never change, and on the CPU the tracker slows every operator down."""
+        if not self.is_reporter or self.measured:
             yield
             return
         with loss_memory(model) as memory:
@@ -494,7 +496,7 @@ class Progress:
             shown.update({k: str(v) for k, v in extra.items()})
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
-        self.peak_bytes = 0
+        self.measured = True
 
     def write(self, line: Optional[str]):
         if self.is_reporter and line:
