@@ -14,16 +14,17 @@ import sys
 import textwrap
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
-from typing import Callable, Dict, List, Optional
+from contextlib import contextmanager
+from typing import Callable, Dict, List, NoReturn, Optional
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's SP advice on GPUs
 
 # megatron-core warns on import that Apex / Transformer Engine (and, from 0.19, absl) are missing
-# (optional here, and absent on a CPU machine), that a TransformerConfig default is deprecated and
-# (0.19) that GPTModel is deprecated, and it uses deprecated torch.jit APIs; a CUDA build of torch on a machine without CUDA logs where it
-# looked for CUDA. Nothing a user of these examples can act on: filtered here, in the examples only
-# (the library installs no filter), before megatron-core is imported.
+# (optional here, and absent on a CPU machine), that a TransformerConfig default is deprecated, and
+# (0.19) that GPTModel is deprecated; it also calls deprecated torch.jit APIs, and a CUDA build of
+# torch on a machine without CUDA logs where it looked for CUDA. Nothing a user of these examples
+# can act on: filtered here, in the examples only (the library installs no filter), before
+# megatron-core is imported.
 for _message in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
                  r"full scope is deprecated", r"absl\.logging is not installed"):
     warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.")
@@ -119,7 +120,7 @@ def parse_args(example: str, description: str) -> argparse.Namespace:
     return args
 
 
-def fail(prog: str, message: str) -> None:
+def fail(prog: str, message: str) -> NoReturn:
     """Print `prog: error: message` once (rank 0 under torchrun) and exit with status 2."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{prog}: error: {message}", file=sys.stderr)

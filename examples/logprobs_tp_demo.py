@@ -1,6 +1,6 @@
 """Fused vs dense vocab-parallel log-probs on a toy problem, under torchrun.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/logprobs_tp_demo.py [--tokens 4096 --hidden 256 --vocab 32000]
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/logprobs_tp_demo.py --tokens 4096 --vocab 32000
 
 Each rank holds a contiguous vocab shard of the output weight. The fused op computes per-token
 log-probs (and their gradients) chunk by chunk; the dense path materializes the [tokens, V/TP]

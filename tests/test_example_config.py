@@ -89,7 +89,8 @@ def test_bad_overrides_name_the_key(override, message):
 @pytest.mark.parametrize("edit,message", [
     (("train:", "trian:"), r"unknown section 'trian' in .*cfg\.yaml; did you mean 'train'\?"),
     (("use_linear_ce_fusion_loss:", "use_linear_ce_fusion_los:"),
-     r"unknown key 'megatron_cfg\.use_linear_ce_fusion_los' in .*; did you mean 'megatron_cfg\.use_linear_ce_fusion_loss'\?"),
+     r"unknown key 'megatron_cfg\.use_linear_ce_fusion_los' in .*; "
+     r"did you mean 'megatron_cfg\.use_linear_ce_fusion_loss'\?"),
     (("steps: 3", "stepz: 3"), r"unknown key 'train\.stepz'.*did you mean 'train\.steps'\?"),
     (("lr: 1e-3", "lr: 1e-3x"), r"train\.lr must be a number, got '1e-3x'"),
     (("steps: 3, ", ""), r"missing key 'train\.steps'"),
