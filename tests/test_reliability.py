@@ -61,8 +61,8 @@ def test_fp16_loss_scale_matches_unfused(reduction, scale):
 
 
 def test_fp16_grpo_loss_scale_matches_recompute():
-    """linear_grpo_loss in fp16 (gradients-in-forward before the fix): the same gradients as
-    grpo_loss on linear_logprobs under a loss scale of 65536, and finite."""
+    """linear_grpo_loss in fp16 (gradients-in-forward before the fix: NaN/inf dX under a loss
+    scale of 65536): finite, and the gradients of grpo_loss on linear_logprobs (fp16 dX rounding)."""
     g = torch.Generator().manual_seed(1)
     b, t, hidden, vocab = 8, 256, 32, 128
     h32, w32 = torch.randn(b, t, hidden, generator=g), torch.randn(vocab, hidden, generator=g) * 0.3
@@ -82,7 +82,8 @@ def test_fp16_grpo_loss_scale_matches_recompute():
         grads.append((h.grad, w.grad))
     for (a, b_) in zip(*grads):
         assert torch.isfinite(a).all()
-        assert torch.equal(a, b_)
+        # the same recompute math; the log-prob values fed to grpo_loss may differ in the last bit
+        assert _rel(a, b_) <= 1e-3
 
 
 # ------------------------------------------------------------------ 4. second-order gradients
@@ -118,7 +119,7 @@ def test_gradient_penalty_raises_instead_of_a_wrong_gradient(fn):
 
 # ------------------------------------------------------------------ 5. torch.autocast
 def _advantages(y):
-    return torch.linspace(-1, 1, y.shape[0])
+    return torch.linspace(-1, 1, y.shape[0], device=y.device)
 
 
 def _autocast_loss(fn, h, w, y, **kw):
@@ -386,10 +387,12 @@ def _count_agreements_worker(rank, world):
 
 def test_agreement_is_one_small_collective_per_call():
     for counts in run_workers(_count_agreements_worker, 2):
-        for calls in counts:  # logprobs, cross-entropy, GRPO: forward + backward
-            assert len(calls) == 1, calls
-            dtype, numel = calls[0]
-            assert dtype == torch.int64 and numel <= 96, calls
+        for fn, calls in zip(("logprobs", "cross_entropy", "grpo"), counts):  # forward + backward
+            # linear_grpo_loss first agrees on its own loss inputs over TP and CP
+            # (losses/context_parallel.agree_on_inputs): one more small vector
+            assert len(calls) == (2 if fn == "grpo" else 1), (fn, calls)
+            for dtype, numel in calls:
+                assert dtype == torch.int64 and numel <= 96, (fn, calls)
 
 
 def test_fingerprint_separates_what_counts_cannot():

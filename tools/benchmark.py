@@ -27,6 +27,9 @@ What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
                      pre-allocated, as Megatron's DDP buffers are: not counted); _lean too
   ours_fwd           linear_logprobs under torch.no_grad (reference / old-policy log-probs);
   ours_fwd_entropy   the same with return_entropy=True
+  ours_ce_fp32_logits@C, ours_logprobs_fp32_logits@C  ours_ce / ours_logprobs with
+                     logits_dtype=torch.float32 (fp32-output logits GEMM; the cost of the option; not
+                     in the default set)
 C = "auto" uses the package's default chunk size. Peers that are not installed, or fail, are
 skipped with a note. Every method's loss, dX and dW (forward rows: log-probs) are checked against
 torch_eager (rel. error).
@@ -271,6 +274,17 @@ def make_ours_fwd(h, w, y, chunk, entropy=False):
                                                  return_entropy=entropy).logprobs)
 
 
+def make_ours_ce_fp32_logits(h, w, y, chunk):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(),
+                                               logits_dtype=torch.float32), h, w)
+
+
+def make_ours_logprobs_fp32_logits(h, w, y, chunk):
+    n = h.shape[0]
+    return lambda: _grads(-linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+                                           logits_dtype=torch.float32).logprobs.sum() / n, h, w)
+
+
 def _linear_grpo():
     try:
         from megatron_fused_ce import losses
@@ -321,7 +335,7 @@ def make_ours_fwd_entropy(h, w, y, chunk):
 
 MAKERS = {name[len("make_"):]: fn for name, fn in globals().items() if name.startswith("make_")}
 CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo", "ours_fwd",
-           "ours_fwd_entropy"}  # lean rows take no chunk size
+           "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits"}  # lean rows take no chunk size
 ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
 MAIN_GRAD = {"ours_ce_main_grad", "ours_ce_main_grad_lean"}
 
@@ -434,8 +448,10 @@ def resolved_auto_chunk(n, v_local, device, hdim, method):
         if fn is None:
             return None
         try:
+            kwargs = dict(logits_element_size=4) if method.endswith("fp32_logits") else {}
             return fn(n, v_local, device, hidden_size=hdim, element_size=2,
-                      fp32_weight_grad_buffer=method not in MAIN_GRAD and not method.startswith("ours_fwd"))
+                      fp32_weight_grad_buffer=method not in MAIN_GRAD and not method.startswith("ours_fwd"),
+                      **kwargs)
         except TypeError:
             return fn(n, v_local, device)
     except Exception:  # noqa: BLE001

@@ -36,9 +36,10 @@ from torch import Tensor
 
 from . import reductions
 
-# Fingerprints are sums of (value mod P) * (weight mod P): every term is below 2^62 and a sum of up
-# to 2^32 terms stays below 2^63, so nothing wraps for any tensor of fewer than 2^32 elements.
-_PRIME = 2**31 - 1
+# Fingerprints are sums of 31-bit terms (value * odd weight, both taken mod 2^31 with a bit mask:
+# integer multiplies, shifts and masks only, no division); a sum of up to 2^32 such terms stays
+# below 2^63. An odd weight is invertible mod 2^31, so a changed element always changes its term.
+_MASK = 2**31 - 1
 _SCRAMBLE = 2654435761  # Knuth's multiplicative hash: a second weight unrelated to the position
 _NONE = -(2**62) + 12345  # the code of None (a value no int argument takes in practice)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -69,9 +70,9 @@ def value_code(value) -> int:
 
 def tensor_fingerprint(tensor: Tensor) -> Tensor:
     """Two int64 sums over the flattened values (their bits for floats), on the tensor's device:
-    sum_i (v_i mod P) * (i + 1) and sum_i (v_i mod P) * hash(i) mod P. Equal tensors give equal
-    sums; a changed, swapped or shifted element changes them (for all but contrived inputs).
-    A few elementwise kernels over the tensor, no host synchronization."""
+    sum_i v_i (2i + 1) and sum_i v_i hash(i), every term mod 2^31, v_i = the value's 64 bits folded
+    to 31. Equal tensors give equal sums; a changed, swapped or shifted element changes them (for
+    all but contrived inputs). A few elementwise integer kernels, no host synchronization."""
     flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
@@ -79,10 +80,13 @@ def tensor_fingerprint(tensor: Tensor) -> Tensor:
         flat = torch.view_as_real(flat).reshape(-1)
     if flat.is_floating_point():
         flat = flat.view(_SAME_WIDTH_INT[flat.element_size()])
-    values = torch.remainder(flat.to(torch.int64), _PRIME)
-    position = torch.arange(1, values.numel() + 1, dtype=torch.int64, device=values.device)
-    by_position = torch.remainder(values * position, _PRIME).sum()
-    by_hash = torch.remainder(values * torch.remainder(position * _SCRAMBLE, _PRIME), _PRIME).sum()
+    bits = flat.to(torch.int64)
+    if flat.element_size() == 8:  # fold the high 33 bits in: ids >= 2^31 or float64 bit patterns
+        bits = bits ^ (bits >> 31)
+    values = bits & _MASK
+    position = torch.arange(values.numel(), dtype=torch.int64, device=values.device)
+    by_position = ((values * (2 * position + 1)) & _MASK).sum()
+    by_hash = ((values * ((position * _SCRAMBLE) | 1)) & _MASK).sum()
     return torch.stack([by_position, by_hash])
 
 
@@ -90,12 +94,15 @@ class Agreement:
     """The checks and must-agree values of one call (see the module doc).
 
     `checks`: the names of every check this call can fail (the same tuple on every rank).
-    Register values with `equal` / `equal_tensor` / `maximum` (each returns a key), then `agree()`
-    raises or returns an object whose `[key]` is the agreed value (the maximum over ranks).
+    Register values with `equal` / `equal_count` / `equal_tensor` / `maximum` / `maximum_count`
+    (each returns a key), then `agree()` raises or returns an object whose `[key]` is the agreed
+    value (the maximum over ranks). Without a group (one rank) nothing can differ: tensors are not
+    fingerprinted, and the vector only carries the checks and the counts.
     """
 
     def __init__(self, fn_name: str, group, device: torch.device, checks):
         self.fn_name, self.group, self.device = fn_name, group, device
+        self.single_rank = reductions.group_size(group) == 1
         self.checks = tuple(checks)
         self.problems: dict = {}
         self._host: list = []  # int64 entries
@@ -126,6 +133,8 @@ class Agreement:
     def equal_tensor(self, name: str, tensor, message: Optional[str] = None):
         """A tensor (or None, or a plain value) that must be the same on every rank: its shape and
         dtype by a host code, its values by `tensor_fingerprint`."""
+        if self.single_rank:
+            return None
         if isinstance(tensor, Tensor):
             self.equal(name, (tuple(tensor.shape), str(tensor.dtype)), message)
             fingerprint = tensor_fingerprint(tensor).to(self.device)

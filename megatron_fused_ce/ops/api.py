@@ -3,13 +3,12 @@
 One token's path: its hidden row (all-gathered first under sequence parallelism) -> if its label is
 not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this rank's vocab shard ->
 backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
-(sum of logits, expected logit) -> log-prob / entropy / loss here. Ignored rows are dropped before
+(sum of logits, entropy) -> log-prob / entropy / loss here. Ignored rows are dropped before
 the first GEMM: they cost no flops and get exactly zero output and zero gradient.
 """
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -194,7 +193,8 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     agreement.equal("vocab_size", true_vocab)
     agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
     agreement.equal("chunk_size", chunk_size if not agreement.failed("chunk_size") else -1)
-    agreement.equal("impl", impl if not agreement.failed("impl") else None)
+    # the backend that will run ("auto" and "torch" agree on a CPU)
+    agreement.equal("impl", select_backend(impl, device).__name__ if not agreement.failed("impl") else None)
     agreement.equal("logits_dtype", str(logits_dtype))
     agreement.equal("memory_mode", memory_mode if not agreement.failed("memory_mode") else None)
     agreement.equal("return_entropy", bool(want_entropy))
@@ -256,6 +256,15 @@ class TokenStats:
     out_shape: tuple
     num_rows: int
     anchor: Optional[Tensor] = None  # with token_grads: zero scalar carrying dX, dW (add to the loss)
+    max: Optional[Tensor] = None  # lse = max + log_sum_exp (plain values, see MergedStats)
+    log_sum_exp: Optional[Tensor] = None
+
+    def logprob(self) -> Tensor:
+        """log p_y of the labelled rows: differentiable as target - lse, valued as
+        (target - max) - log_sum_exp (exact where target - lse would round at lse's scale)."""
+        differentiable = self.target - self.lse
+        precise = (self.target.detach() - self.max) - self.log_sum_exp
+        return differentiable + (precise - differentiable.detach())
 
     def to_full(self, values: Tensor) -> Tensor:
         """[num labelled rows] -> labels.shape with zeros at ignored positions (differentiable)."""
@@ -298,13 +307,14 @@ def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden
     return min(num_rows, rows)
 
 
-def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_index) -> Tensor:
+def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_max, log_sum_exp,
+                             row_index) -> Tensor:
     """Recompute path for a loss with known per-token gradients (fp16): a zero scalar whose
     gradient w.r.t. the differentiable statistics is token_grads' (so backward gets them already
     multiplied by the upstream gradient, in fp32, as the unfused path does)."""
     detached = [None if t is None else t.detach() for t in (target, lse, sum_logits, entropy)]
     merged = reductions.MergedStats(lse=detached[1], target=detached[0], sum_logits=detached[2],
-                                    entropy=detached[3])
+                                    entropy=detached[3], max=row_max, log_sum_exp=log_sum_exp)
     positions = row_index if row_index is not None else torch.arange(lse.shape[0], device=lse.device)
     grads = token_grads(merged, positions, lse.shape[0])
     terms = [(g * stat).sum() for g, stat in zip(grads, (target, lse, sum_logits, entropy))
@@ -395,13 +405,14 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     anchor = None
     with autocast_off(hidden.device):
         if grad_in_forward:
-            anchor, target, lse, sum_logits, entropy = LinearLossGradInForward.apply(
+            anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
                 hidden2d, weight, row_index, local_target, spec, token_grads)
         elif needs_grad:
-            target, lse, sum_logits, entropy = LinearSoftmaxStats.apply(
+            target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearSoftmaxStats.apply(
                 hidden2d, weight, row_index, local_target, spec)
             if token_grads is not None:  # fp16: the same contract, gradients on the recompute path
-                anchor = _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_index)
+                anchor = _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy,
+                                                  row_max, log_sum_exp, row_index)
                 target, lse, sum_logits, entropy = (None if t is None else t.detach()
                                                     for t in (target, lse, sum_logits, entropy))
         else:  # reference / old log-prob passes: no autograd Function, nothing saved
@@ -409,7 +420,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             rows = full_hidden if row_index is None else full_hidden.index_select(0, row_index)
             merged = forward_stats(rows, weight, local_target, spec)
             target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
-    return TokenStats(target, lse, sum_logits, entropy, row_index, tuple(labels.shape), num_rows, anchor)
+            row_max, log_sum_exp = merged.max, merged.log_sum_exp
+    return TokenStats(target, lse, sum_logits, entropy, row_index, tuple(labels.shape), num_rows, anchor,
+                      row_max, log_sum_exp)
 
 
 def linear_logprobs(
@@ -457,7 +470,7 @@ def linear_logprobs(
         sequence_parallel=sequence_parallel, impl=impl,
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
         memory_mode=memory_mode, want_sum_logits=False, want_entropy=return_entropy)
-    logprobs = stats.to_full(stats.target - stats.lse)
+    logprobs = stats.to_full(stats.logprob())
     entropy = stats.to_full(stats.entropy) if return_entropy else None
     return LogprobsOutput(logprobs, entropy)
 
@@ -487,7 +500,11 @@ def linear_cross_entropy(
     + z_loss_weight * lse**2, with eps = label_smoothing over the global unpadded vocab.
     "mean" divides by the number of labelled tokens (0.0 with zero gradients when there are none),
     "sum" adds, "none" returns fp32 per-token losses of labels.shape (0 at ignored positions).
-    `memory_mode`: "fast" or "lean", see `linear_logprobs`.
+    "mean" / "sum" compute dX and dW during the forward pass (3 GEMMs per chunk instead of 4),
+    except for fp16 inputs, which take the recompute path so that the upstream gradient (a loss
+    scale) multiplies the fp32 per-token gradients before anything is rounded to fp16.
+    `logits_dtype`, autocast: as in `linear_logprobs`. `memory_mode`: "fast" or "lean", see
+    `linear_logprobs`.
     """
     extra = {"reduction": None, "label_smoothing": None, "z_loss_weight": None}  # None: passed
     if reduction not in ("mean", "sum", "none"):
@@ -523,7 +540,7 @@ def linear_cross_entropy(
         memory_mode=memory_mode, want_sum_logits=smoothing > 0.0, want_entropy=False, extra_checks=extra,
         must_agree=must_agree, token_grads=token_grads)
 
-    per_token = stats.lse - stats.target
+    per_token = -stats.logprob()
     if smoothing > 0.0:
         per_token = (1.0 - smoothing) * per_token + smoothing * (stats.lse - stats.sum_logits / true_vocab)
     if z_weight:

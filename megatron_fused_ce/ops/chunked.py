@@ -9,13 +9,15 @@ statistics of z = hidden @ W_full.T / T over the global unpadded vocab:
     entropy         H = -sum_k p_k log p_k  (only when asked)
 
 Everything users want is an O(tokens) expression of these (api.py): log p_y = target - lse,
-cross-entropy with label smoothing and z-loss, ...
+cross-entropy with label smoothing and z-loss, ... lse also comes in its two parts, the row max M
+and log S = log sum_k exp(z_k - M) (not differentiable): log p_k = (z_k - M) - log S keeps digits
+that rounding M + log S to fp32 loses (saturated tokens, |z| ~ 50), in values and in dlogits.
 
 Forward: the per-token partials of this shard, merged across TP ranks with two collectives after
 the loop. Where the backend has it (Triton, bf16/fp16), `gemm_shard_stats` computes them in the
 logits GEMM's epilogue: no logits in memory at all. Otherwise, for each chunk of token rows,
 logits = h_chunk @ W.T (the only [chunk, V_local] tensor) and backend.shard_stats reduces it. Only
-hidden, weight, row indices and per-token lse / entropy are saved. The chunk of logits is in the input dtype (like Megatron's output layer), or fp32
+hidden, weight, row indices and per-token lse (M, log S) / entropy are saved. The chunk of logits is in the input dtype (like Megatron's output layer), or fp32
 with `logits_dtype=torch.float32` (an fp32-output GEMM; its dlogits are rounded to the input dtype
 for the two backward GEMMs).
 
@@ -228,12 +230,12 @@ def chunk_grads(logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor,
                 dw_accumulate: bool) -> None:
     """Overwrite a chunk's logits with dlogits (per vocab block), then dW per block into `dw_out`
     (adding to it if `dw_accumulate`) and dX of the chunk's rows into `dx_out`."""
-    shift, log_sum_exp = offsets
+    row_max, log_sum_exp = offsets
     blocks = _vocab_blocks(spec, logits.shape[1])
     for start, end in blocks:
         spec.backend.shard_dlogits_(
             logits[:, start:end], local_target if len(blocks) == 1 else _block_target(local_target, start, end),
-            _block_valid(spec, start, end), spec.inv_temperature, shift,
+            _block_valid(spec, start, end), spec.inv_temperature, row_max,
             coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp)
     dlogits = gemm_input(logits, h)
     if dw_out is not None:
@@ -260,13 +262,13 @@ def backward_grads(
 ) -> None:
     """Chunk loop of the backward pass: writes dX rows, and dW into `dw_out` (adding to what it
     holds if `dw_accumulate`, e.g. Megatron's main_grad; else the first chunk overwrites).
-    `offsets`: MergedStats.softmax_offsets of the rows."""
-    shift, log_sum_exp = offsets
+    `offsets`: the rows' (max, log_sum_exp) of the merged softmax (see MergedStats)."""
+    row_max, log_sum_exp = offsets
     for index, (start, end) in enumerate(_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = hidden_rows[start:end]
         logits, _ = chunk_forward(h, weight, local_target[start:end], spec, want_stats=False)
         chunk_grads(logits, h, weight, local_target[start:end], spec,
-                    (shift[start:end], None if log_sum_exp is None else log_sum_exp[start:end]),
+                    (row_max[start:end], log_sum_exp[start:end]),
                     _slice_coefs(coefs, start, end), None if dx_rows is None else dx_rows[start:end],
                     dw_out, dw_accumulate=dw_accumulate or index > 0)
         del logits  # free this chunk before the next one's GEMM: one chunk alive at the peak
@@ -297,7 +299,8 @@ def coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse) -> Optional[di
 
 
 class LinearSoftmaxStats(torch.autograd.Function):
-    """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, entropy."""
+    """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, entropy, and
+    (not differentiable) lse's two parts, max and log_sum_exp, for precise log-probs."""
 
     @staticmethod
     def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec):
@@ -307,17 +310,18 @@ class LinearSoftmaxStats(torch.autograd.Function):
         ctx.num_full_rows = full_hidden.shape[0]
         ctx.set_materialize_grads(False)
         saved_entropy = merged.entropy if spec.want_entropy else None
-        shift, log_sum_exp = merged.softmax_offsets(spec.want_entropy)
         # Only the local hidden slice is kept under SP: backward all-gathers it again, as
         # Megatron's ColumnParallelLinear does, instead of holding the tp-times larger copy.
         ctx.save_for_backward(hidden, weight, row_index, local_target, merged.lse, saved_entropy,
-                              shift, log_sum_exp)
-        return merged.target, merged.lse, merged.sum_logits, merged.entropy
+                              merged.max, merged.log_sum_exp)
+        ctx.mark_non_differentiable(merged.max, merged.log_sum_exp)
+        return (merged.target, merged.lse, merged.sum_logits, merged.entropy, merged.max,
+                merged.log_sum_exp)
 
     @staticmethod
     @first_order_only
-    def backward(ctx, g_target, g_lse, g_sum, g_entropy):
-        hidden, weight, row_index, local_target, lse, entropy, shift, log_sum_exp = ctx.saved_tensors
+    def backward(ctx, g_target, g_lse, g_sum, g_entropy, *unused_parts_of_lse):
+        hidden, weight, row_index, local_target, lse, entropy, row_max, log_sum_exp = ctx.saved_tensors
         spec: ChunkSpec = ctx.spec
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         coefs = coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse)
@@ -340,12 +344,12 @@ class LinearSoftmaxStats(torch.autograd.Function):
                     dw_out.zero_()
             elif spec.lean is not None:  # two tile sweeps: dX token-outer, dW vocab-outer
                 if dx_rows is not None:
-                    lean.input_grad_sweep(rows, weight, local_target, spec, (shift, log_sum_exp), coefs, dx_rows)
+                    lean.input_grad_sweep(rows, weight, local_target, spec, (row_max, log_sum_exp), coefs, dx_rows)
                 if dw_out is not None:
-                    lean.weight_grad_sweep(rows, weight, local_target, spec, (shift, log_sum_exp), coefs,
+                    lean.weight_grad_sweep(rows, weight, local_target, spec, (row_max, log_sum_exp), coefs,
                                            dw_out, accumulate=into_main_grad)
             else:
-                backward_grads(rows, weight, local_target, spec, (shift, log_sum_exp), coefs, dx_rows,
+                backward_grads(rows, weight, local_target, spec, (row_max, log_sum_exp), coefs, dx_rows,
                                dw_out, dw_accumulate=into_main_grad)
             if needs_dw and not into_main_grad:
                 grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
@@ -376,7 +380,7 @@ class LinearLossGradInForward(torch.autograd.Function):
     `positions` are their flat indices into labels.reshape(-1), `num_labelled` the number of
     labelled tokens of the whole call.
 
-    Outputs: (anchor, target, lse, sum_logits, entropy). The statistics are plain values;
+    Outputs: (anchor, target, lse, sum_logits, entropy, max, log_sum_exp). The statistics are plain values;
     `anchor` is a zero scalar that carries the gradient: callers return `loss_value + anchor`, and
     backward scales the dX and dW computed here by the anchor's upstream gradient g (loss scaling,
     averaging over micro-batches ...). Costs: the chunk merge is done per chunk (2 collectives per
@@ -438,7 +442,7 @@ class LinearLossGradInForward(torch.autograd.Function):
                 del acc
             else:
                 chunk_grads(logits, h, weight, local_target[start:end], spec,
-                            merged.softmax_offsets(spec.want_entropy), coefs,
+                            (merged.max, merged.log_sum_exp), coefs,
                             None if dx_rows is None else dx_rows[start:end],
                             dw_out if needs_dw else None, dw_accumulate=into_main_grad or index > 0)
                 del logits  # one chunk alive at the peak
@@ -463,15 +467,15 @@ class LinearLossGradInForward(torch.autograd.Function):
         if (needs_dw and into_main_grad) or spec.lean is not None:
             # What backward needs to make dW (lean), the (g - 1) dW correction (main_grad), or
             # dX again (lean, second backward).
-            offsets = [m.softmax_offsets(spec.want_entropy) for m in merged_chunks]
-            saved += [hidden, local_target, cat([o[0] for o in offsets]),
-                      cat([o[1] for o in offsets], offsets and offsets[0][1] is not None)]
+            saved += [hidden, local_target, cat([m.max for m in merged_chunks]),
+                      cat([m.log_sum_exp for m in merged_chunks])]
             saved += [cat([c[k] for c in coef_chunks], bool(coef_chunks) and coef_chunks[0][k] is not None)
                       for k in ("p", "pz", "target", "uniform")]
         ctx.save_for_backward(*saved)
         outputs = (cat([m.target for m in merged_chunks]), cat([m.lse for m in merged_chunks]),
                    cat([m.sum_logits for m in merged_chunks], spec.want_sum_logits),
-                   cat([m.entropy for m in merged_chunks], spec.want_entropy))
+                   cat([m.entropy for m in merged_chunks], spec.want_entropy),
+                   cat([m.max for m in merged_chunks]), cat([m.log_sum_exp for m in merged_chunks]))
         for out in outputs:
             if out is not None:
                 ctx.mark_non_differentiable(out)

@@ -36,13 +36,14 @@ class MergedStats:
     target: Tensor  # z_y
     sum_logits: Optional[Tensor] = None  # sum_k z_k
     entropy: Optional[Tensor] = None  # -sum_k p_k log p_k
-    max: Optional[Tensor] = None  # M = max_k z_k; lse = M + log_sum_exp
-    log_sum_exp: Optional[Tensor] = None  # log sum_k exp(z_k - M)
+    # lse = max + log_sum_exp. Kept apart: log p_k = (z_k - M) - log S keeps the digits that
+    # rounding M + log S to fp32 loses (|z| ~ 50, or log p_y ~ -1e-5 next to M ~ 8).
+    max: Optional[Tensor] = None  # M = max_k z_k
+    log_sum_exp: Optional[Tensor] = None  # log S = log sum_k exp(z_k - M)
 
-    def softmax_offsets(self, split: bool):
-        """How dlogits takes log p_k: z_k - lse (split=False), or (z_k - M) - log_sum_exp, which
-        keeps the digits that rounding M + log_sum_exp to fp32 loses at large |z| (entropy)."""
-        return (self.max, self.log_sum_exp) if split else (self.lse, None)
+    def logprob(self) -> Tensor:
+        """log p_y = (z_y - M) - log S."""
+        return (self.target - self.max) - self.log_sum_exp
 
 
 def merge_shard_stats(stats: ShardStats, group) -> MergedStats:
@@ -111,6 +112,76 @@ def reduce_scatter_sequence(full: Tensor, group) -> Tensor:
 def max_over_ranks(values: Tensor, group) -> Tensor:
     """Element-wise max over the group, in place: the int64 vector of the argument agreement
     (agreement.py), the row maxima of the unfused post-processor."""
+    if group_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
+
+
+def argmax_over_ranks(values: Tensor, indices: Tensor, group) -> Tensor:
+    """Per row, the index (int64) of the largest of the shards' best values; among equal values the
+    smallest index, as `argmax` over the gathered row would give."""
+    if group_size(group) == 1:
+        return indices
+    best = values.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+    candidate = torch.where(values == best, indices, torch.iinfo(torch.int64).max)
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
+    return candidate
+
+
+# ------------------------------------------------------------------------------------------------
+# Context parallelism: the collectives of the losses (megatron_fused_ce.losses).
+#
+# Under context parallelism (CP) each rank holds a slice of every sequence. A loss that needs a sum
+# over a sequence or over the batch adds up the ranks' partial sums; every rank then evaluates the
+# same loss f(S), S = Σ_r s_r, and the gradient that rank r must see for its own partial s_r is
+# f'(S): the CP=1 gradient at its positions. Hence the all-reduce below has the identity as its
+# backward (not the all-reduce that a plain "sum of per-rank losses" would call for): summing the
+# parameter gradients over the data x context-parallel group, as Megatron's finalize_model_grads
+# does, then yields the CP=1 gradient.
+#
+# One exception: a sum that is an input of further per-rank partials (GSPO's per-sequence ratio
+# weighs every rank's tokens, whose partial losses are summed again). Rank r's backward then only
+# holds d(its own partials)/dS, and the full dL/dS is the sum of those over the ranks: that sum's
+# backward is an all-reduce (`feeds_partials=True`), valid as long as S reaches the loss only
+# through per-rank partials. Every rank must backpropagate the same upstream gradient (Megatron
+# scales the loss alike on every rank). The losses stack what they need into one vector per step,
+# so the number of CP collectives per call is small and never depends on the data.
+# ------------------------------------------------------------------------------------------------
+class _SumOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: Tensor, group, sum_gradients: bool) -> Tensor:
+        ctx.group, ctx.sum_gradients = group, sum_gradients
+        total = values.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        if ctx.sum_gradients:
+            grad_total = grad_total.clone()
+            dist.all_reduce(grad_total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad_total, None, None
+
+
+def sum_over_context_ranks(values: Tensor, group, *, feeds_partials: bool = False) -> Tensor:
+    """Element-wise sum over the CP group of a small vector of partial sums.
+
+    Differentiable. The backward is the identity (every rank's loss is the same f(S)), or, with
+    ``feeds_partials``, an all-reduce of the gradient (S is an input of per-rank partials; see above).
+    """
+    if group_size(group) == 1:
+        return values
+    return _SumOverRanks.apply(values, group, feeds_partials)
+
+
+@torch.no_grad()
+def max_over_context_ranks(values: Tensor, group) -> Tensor:
+    """Element-wise max over the CP group of a small float vector (metrics only: no gradient).
+
+    Pass ``-x`` for a minimum.
+    """
+    values = values.detach().clone()
     if group_size(group) > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values
