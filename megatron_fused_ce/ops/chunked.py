@@ -459,19 +459,17 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.full_shape = full_hidden.shape
         ctx.unit_grad_in_main_grad = into_main_grad and spec.lean is None
         ctx.needs_dw = needs_dw
-        # Lean mode scales dX in place in the first backward (a scaled copy would be one more
-        # [tokens, H] buffer): it is kept outside save_for_backward, whose version check would
-        # reject the mutation; a second backward (retain_graph) recomputes dX from the coefficients.
-        ctx.lean_dx = dx_rows if spec.lean is not None else None
-        saved = [row_index, None if spec.lean is not None else dx_rows, dw_acc, weight]
-        if (needs_dw and into_main_grad) or spec.lean is not None:
-            # What backward needs to make dW (lean), the (g - 1) dW correction (main_grad), or
-            # dX again (lean, second backward).
-            saved += [hidden, local_target, cat([m.max for m in merged_chunks]),
-                      cat([m.log_sum_exp for m in merged_chunks])]
-            saved += [cat([c[k] for c in coef_chunks], bool(coef_chunks) and coef_chunks[0][k] is not None)
-                      for k in ("p", "pz", "target", "uniform")]
-        ctx.save_for_backward(*saved)
+        # The gradients made here are handed to autograd by the first backward without a copy
+        # (scaled in place by g unless g == 1: one more [tokens, H] and [V_local, H] buffer
+        # otherwise, and a pass over dW). They are kept outside save_for_backward, whose version
+        # check would reject that; a second backward (retain_graph) recomputes them from the saved
+        # per-token coefficients.
+        ctx.dx_buffer, ctx.dw_buffer = dx_rows, dw_acc
+        ctx.save_for_backward(
+            row_index, weight, hidden, local_target, cat([m.max for m in merged_chunks]),
+            cat([m.log_sum_exp for m in merged_chunks]),
+            *(cat([c[k] for c in coef_chunks], bool(coef_chunks) and coef_chunks[0][k] is not None)
+              for k in ("p", "pz", "target", "uniform")))
         outputs = (cat([m.target for m in merged_chunks]), cat([m.lse for m in merged_chunks]),
                    cat([m.sum_logits for m in merged_chunks], spec.want_sum_logits),
                    cat([m.entropy for m in merged_chunks], spec.want_entropy),
@@ -485,59 +483,78 @@ class LinearLossGradInForward(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g_anchor, *unused_stat_grads):
-        row_index, dx_rows, dw_acc, weight, *rest = ctx.saved_tensors
+        row_index, weight, hidden, local_target, row_max, log_sum_exp, *coef_list = ctx.saved_tensors
         spec: ChunkSpec = ctx.spec
+        offsets = (row_max, log_sum_exp)
+        dx, dw = ctx.dx_buffer, ctx.dw_buffer
+        ctx.dx_buffer = ctx.dw_buffer = None
+        first_after_unit = ctx.unit_grad_in_main_grad  # main_grad already holds 1 x dW
+        ctx.unit_grad_in_main_grad = False
+        unit = None
+        if dx is not None or dw is not None or first_after_unit:
+            unit = bool(g_anchor == 1.0)  # one host sync; Megatron's loss functions give g = 1
+            if first_after_unit and spec.sequence_parallel:  # g != 1 re-gathers hidden: all ranks must
+                not_unit = torch.tensor([0 if unit else 1], device=g_anchor.device)
+                unit = not bool(reductions.max_over_ranks(not_unit, spec.tp_group).item())
         grad_hidden = grad_weight = None
-        if dx_rows is not None:  # fast mode: the saved buffer stays valid for a second backward
-            grad_hidden = _input_grad(dx_rows * g_anchor.to(dx_rows.dtype), row_index, ctx.full_shape, spec)
-        elif ctx.lean_dx is not None:
-            dx, ctx.lean_dx = ctx.lean_dx, None
-            grad_hidden = _input_grad(dx.mul_(g_anchor.to(dx.dtype)), row_index, ctx.full_shape, spec)
-        elif ctx.needs_input_grad[0] and rest:  # lean, second backward through the same graph
-            hidden, local_target, shift, log_sum_exp, *coef_list = rest
-            coefs = {k: None if c is None else c * g_anchor for k, c in zip(("p", "pz", "target", "uniform"), coef_list)}
+        if dx is not None:
+            grad_hidden = _input_grad(dx if unit else dx.mul_(g_anchor.to(dx.dtype)), row_index, ctx.full_shape, spec)
+        elif ctx.needs_input_grad[0]:  # a second backward through the same graph: recompute dX
+            coefs = _scaled_coefs(coef_list, g_anchor)
             with autocast_off(hidden.device):
-                full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-                rows = _rows(full_hidden, row_index)
+                rows = _rows(reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
+                             else hidden, row_index)
                 dx = rows.new_empty(rows.shape)
-                if rows.shape[0] > 0:
-                    lean.input_grad_sweep(rows, weight, local_target, spec, (shift, log_sum_exp), coefs, dx)
+                if rows.shape[0] == 0:
+                    dx.zero_()
+                elif spec.lean is not None:
+                    lean.input_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dx)
+                else:
+                    backward_grads(rows, weight, local_target, spec, offsets, coefs, dx, None, dw_accumulate=False)
                 grad_hidden = _input_grad(dx, row_index, ctx.full_shape, spec)
-        if dw_acc is not None:  # fast mode: the saved buffer stays valid for a second backward
-            grad_weight = spec.backend.scale_cast(dw_acc, g_anchor, weight.dtype)
-        elif rest and ctx.needs_dw:  # lean mode, or main_grad: (re)make dW from the saved coefficients
-            hidden, local_target, shift, log_sum_exp, *coef_list = rest
-            first_after_unit = ctx.unit_grad_in_main_grad
-            ctx.unit_grad_in_main_grad = False  # a further backward adds g dW in full
-            grad_weight = _weight_grad_from_coefs(
-                spec, ctx.into_main_grad, hidden, weight, row_index, local_target, (shift, log_sum_exp),
-                coef_list, g_anchor - 1.0 if first_after_unit else g_anchor, skip_if_zero=first_after_unit)
+        if dw is not None:  # fast mode, no main_grad: made in the forward
+            if dw.dtype == weight.dtype:
+                grad_weight = dw if unit else dw.mul_(g_anchor.to(dw.dtype))
+            else:  # summed over chunks in fp32: scale and cast in one pass
+                grad_weight = spec.backend.scale_cast(dw, g_anchor, weight.dtype)
+        elif ctx.needs_dw:  # lean mode, main_grad, or a second backward: from the coefficients
+            if first_after_unit and unit:
+                grad_weight = _main_grad_added(spec.main_grad_param, weight)
+            else:
+                grad_weight = _weight_grad_from_coefs(
+                    spec, ctx.into_main_grad, hidden, weight, row_index, local_target, offsets, coef_list,
+                    g_anchor - 1.0 if first_after_unit else g_anchor)
         return grad_hidden, grad_weight, None, None, None, None
 
 
+def _scaled_coefs(coef_list, scale: Tensor) -> dict:
+    return {k: None if c is None else c * scale for k, c in zip(("p", "pz", "target", "uniform"), coef_list)}
+
+
 def _weight_grad_from_coefs(spec: ChunkSpec, into_main_grad: bool, hidden, weight, row_index, local_target,
-                            offsets, coef_list, scale: Tensor, skip_if_zero: bool):
-    """scale x dW from the saved per-token coefficients (LinearLossGradInForward.backward): into
-    main_grad (added) or returned in the weight dtype. `skip_if_zero`: one host sync decides
-    whether there is anything to add (Megatron's unit upstream gradient: nothing)."""
-    if skip_if_zero:
-        needed = torch.ne(scale, 0.0).to(torch.int64).reshape(1)
-        if spec.sequence_parallel:  # the recompute all-gathers hidden: every rank must take part
-            needed = reductions.max_over_ranks(needed, spec.tp_group)
-        if not bool(needed.item()):
-            return _main_grad_added(spec.main_grad_param, weight)
+                            offsets, coef_list, scale: Tensor):
+    """scale x dW from the saved per-token coefficients (LinearLossGradInForward.backward): added
+    into main_grad, or returned in the weight dtype (fp32-accumulated over chunks)."""
     main_grad = spec.main_grad_param.main_grad if into_main_grad else None
     full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
     rows = _rows(full_hidden, row_index)
-    coefs = {k: None if c is None else c * scale for k, c in zip(("p", "pz", "target", "uniform"), coef_list)}
-    dw_out = main_grad if main_grad is not None else torch.empty(weight.shape, dtype=weight.dtype,
-                                                                  device=weight.device)
+    coefs = _scaled_coefs(coef_list, scale)
     with autocast_off(hidden.device):
+        if main_grad is not None:
+            dw_out = main_grad
+        elif spec.lean is not None:
+            dw_out = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        else:
+            dw_out = torch.empty(weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec),
+                                 device=weight.device)
         if spec.lean is not None:
             lean.weight_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dw_out,
                                    accumulate=main_grad is not None)
         elif rows.shape[0] > 0:
-            backward_grads(rows, weight, local_target, spec, offsets, coefs, None, dw_out, dw_accumulate=True)
+            backward_grads(rows, weight, local_target, spec, offsets, coefs, None, dw_out,
+                           dw_accumulate=main_grad is not None)
+        elif main_grad is None:
+            dw_out.zero_()
     if main_grad is not None:
         return _main_grad_added(spec.main_grad_param, weight)
-    return dw_out
+    return dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
