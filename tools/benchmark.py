@@ -721,6 +721,7 @@ def markdown(results):
                     cells.append(f"{_fmt(r.get('x_floor'), '.3f')} ({_fmt(mem, '.1f')} %)")
             lines.append(f"| {impl} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines.append(targets_markdown(results))
     for section in dict.fromkeys(r["section"] for r in results["rows"]):
         rows = [r for r in results["rows"] if r["section"] == section]
         for key in dict.fromkeys((r.get("spread", "random"), r["N"], r["H"], r["V"]) for r in rows):
@@ -757,6 +758,93 @@ def markdown(results):
         lines.append("")
         lines.append(f"Kernel check (triton vs torch backend, rel. err.): {'OK' if k['ok'] else 'FAILED'}; "
                      f"worst {max((v for v in k['checks'].values() if isinstance(v, float)), default=0):.2e}")
+    return "\n".join(lines) + "\n"
+
+
+def _targets(rows_by_impl, sweep_rows):
+    """(target, {shape: (value text, ok)}) of issue 15's single-GPU targets for one spread."""
+
+    def x(impl, shape):
+        r = rows_by_impl.get((impl, shape))
+        return None if r is None or "x_floor" not in r else r
+
+    def check(impl, test, text):
+        def per_shape(shape):
+            r = x(impl, shape)
+            if r is None:
+                return None
+            return text(r, shape), bool(test(r, shape))
+        return per_shape
+
+    def faster(a, b):  # a's x_floor below b's (same shape, spread)
+        return lambda r, s: x(b, s) is None or r["x_floor"] < x(b, s)["x_floor"]
+
+    mem = lambda r: r.get("extra_pct_dense_logits_8192", float("nan"))
+    out = [
+        ("fast SFT CE (`ours_ce`) ≤ 1.05× floor", check("ours_ce@auto", lambda r, s: r["x_floor"] <= 1.05,
+                                                         lambda r, s: f"{r['x_floor']:.3f}")),
+        ("fast SFT CE faster than torch.compile", check(
+            "ours_ce@auto", faster("ours_ce@auto", "torch_compile"),
+            lambda r, s: f"{r['x_floor']:.3f} vs {_fmt((x('torch_compile', s) or {}).get('x_floor'), '.3f')}")),
+        ("fast GRPO (`ours_grpo`) ≤ 1.08×", check("ours_grpo@auto", lambda r, s: r["x_floor"] <= 1.08,
+                                                   lambda r, s: f"{r['x_floor']:.3f}")),
+        ("log-probs fwd+bwd (`ours_logprobs`) ≤ 1.38×", check(
+            "ours_logprobs@auto", lambda r, s: r["x_floor"] <= 1.38, lambda r, s: f"{r['x_floor']:.3f}")),
+        ("lean CE extra ≤ 3 % of the N=8192 dense logits", check(
+            "ours_ce_lean", lambda r, s: mem(r) <= 3.0, lambda r, s: f"{mem(r):.2f} %")),
+        ("lean CE ≤ 1.40×", check("ours_ce_lean", lambda r, s: r["x_floor"] <= 1.40,
+                                  lambda r, s: f"{r['x_floor']:.3f}")),
+        ("lean CE faster than Liger and exact CCE", check(
+            "ours_ce_lean", lambda r, s: faster("ours_ce_lean", "liger")(r, s) and faster("ours_ce_lean", "cce_exact")(r, s),
+            lambda r, s: f"{r['x_floor']:.3f} vs {_fmt((x('liger', s) or {}).get('x_floor'), '.3f')} / "
+                         f"{_fmt((x('cce_exact', s) or {}).get('x_floor'), '.3f')}")),
+        ("lean CE dW error ≤ 2× fast mode's", check(
+            "ours_ce_lean", lambda r, s: x("ours_ce@auto", s) is None or r.get("err_dw", 1) <= 2 * x("ours_ce@auto", s).get("err_dw", 0),
+            lambda r, s: f"{_fmt(r.get('err_dw'), '.1e')} vs {_fmt((x('ours_ce@auto', s) or {}).get('err_dw'), '.1e')}")),
+        ("RL forward (`ours_fwd`) ≤ 1.05× 1-GEMM floor", check(
+            "ours_fwd@auto", lambda r, s: r["x_floor"] <= 1.05, lambda r, s: f"{r['x_floor']:.3f}")),
+        ("RL forward extra ≤ 15 % of the dense logits", check(
+            "ours_fwd@auto", lambda r, s: r.get("extra_pct_dense_logits", 1e9) <= 15.0,
+            lambda r, s: f"{r.get('extra_pct_dense_logits', float('nan')):.1f} %")),
+        ("main_grad extra ≤ one chunk of logits", check(
+            "ours_ce_main_grad@auto",
+            lambda r, s: r.get("extra_bytes", 1e30) <= 2 * r.get("chunk_resolved", s[0]) * s[2] * 1.01,
+            lambda r, s: f"{r.get('extra_gib', float('nan')):.3f} GiB vs {2 * r.get('chunk_resolved', s[0]) * s[2] / GIB:.3f}")),
+        ("main_grad time ≤ plain path's", check(
+            "ours_ce_main_grad@auto", lambda r, s: x("ours_ce@auto", s) is None or r["ms"] <= x("ours_ce@auto", s)["ms"],
+            lambda r, s: f"{r['ms']:.1f} vs {_fmt((x('ours_ce@auto', s) or {}).get('ms'), '.1f')} ms")),
+    ]
+    if sweep_rows:
+        lean = sorted((r["N"], r) for r in sweep_rows if r["method"] == "ours_ce_lean" and "ms" in r)
+        if lean:
+            worst = max(mem(r) for _, r in lean)
+            text = ", ".join(f"N={n}: {mem(r):.2f} %" for n, r in lean)
+            out.append(("lean CE flat in N (sweep; % of the N=8192 logits)", lambda s, t=text, w=worst: (t, w <= 3.0)))
+    return out
+
+
+def targets_markdown(results):
+    """Each single-GPU target of issue 15 met / missed, per spread, with the measured numbers."""
+    main = [r for r in results["rows"] if r["section"] == "shapes"]
+    sweep = [r for r in results["rows"] if r["section"] != "shapes"]
+    shapes = list(dict.fromkeys((r["N"], r["H"], r["V"]) for r in main))
+    lines = []
+    for spread in dict.fromkeys(r.get("spread", "random") for r in main):
+        by_impl = {(r["impl"], (r["N"], r["H"], r["V"])): r for r in main if r.get("spread", "random") == spread}
+        lines += [f"### Targets, {spread} logits (met / missed, measured in this run)", "",
+                  "| target | " + " | ".join(f"{s[0]}x{s[1]}x{s[2]}" for s in shapes) + " | verdict |",
+                  "|---|" + "---|" * (len(shapes) + 1)]
+        for name, per_shape in _targets(by_impl, sweep):
+            if name.startswith("lean CE flat"):
+                text, ok = per_shape(None)
+                lines.append(f"| {name} | {text} |" + " |" * (len(shapes) - 1) + f" **{'met' if ok else 'missed'}** |")
+                continue
+            cells = [per_shape(s) for s in shapes]
+            measured = [c for c in cells if c is not None]
+            verdict = "not measured" if not measured else ("met" if all(ok for _, ok in measured) else "missed")
+            lines.append(f"| {name} | " + " | ".join("-" if c is None else c[0] + ("" if c[1] else " ✗")
+                                                    for c in cells) + f" | **{verdict}** |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -1412,6 +1500,9 @@ def main(argv=None):
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=15)
     p.add_argument("--budget-ms", type=float, default=400.0, help="time to spend per method")
+    p.add_argument("--report", help="only write results.md and the plots from this results.json")
+    p.add_argument("--time-limit-s", type=float, default=0.0,
+                   help="start no further shape / sweep point after this many seconds (0: no limit)")
     tpg = p.add_argument_group("tensor parallel (torchrun --nproc_per_node N tools/benchmark.py --tp N)")
     tpg.add_argument("--tp", type=int, default=0, help="TP size = number of torchrun processes (one per GPU)")
     tpg.add_argument("--tp1", choices=("measure", "none"), default="measure",
@@ -1422,6 +1513,15 @@ def main(argv=None):
     tpg.add_argument("--device", choices=("cuda", "cpu"), help=argparse.SUPPRESS)  # debug: --device cpu
     tpg.add_argument("--backend", choices=("nccl", "gloo"), help=argparse.SUPPRESS)  # debug: --backend gloo
     args = p.parse_args(argv)
+    if args.report:  # tables and plots again from a results.json (e.g. after a timed-out run)
+        with open(args.report) as f:
+            results = json.load(f)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(markdown(results))
+        plot(results, args.out)
+        print(markdown(results))
+        return 0
     if args.tp:
         return tp_main(args)
     os.makedirs(args.out, exist_ok=True)
@@ -1446,24 +1546,37 @@ def main(argv=None):
         kernel_chunk = min(4096 if not args.quick else 64, kshape[0])
         results["kernel_ok"] = kernel_check_and_breakdown(args, device, results, kshape, kernel_chunk)
 
+    def checkpoint():  # what is measured so far survives a time limit or a crash
+        results["elapsed_s"] = time.time() - t_start
+        write_json(results, args.out)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(markdown(results))
+        log(f"  [{results['elapsed_s']:.0f} s elapsed]")
+
+    def out_of_time(what):
+        if args.time_limit_s and time.time() - t_start > args.time_limit_s:
+            results.setdefault("not_run", []).append(what)
+            log(f"  (time limit {args.time_limit_s:.0f} s: {what} not run)")
+            return True
+        return False
+
     spreads = [s.strip() for s in args.spreads.split(",") if s.strip()]
     for spread in spreads:
         for shape in shapes:
-            bench_shape(shape, impls, args, device, results, "shapes", spread=spread)
-            log(f"  [{time.time() - t_start:.0f} s elapsed]")
+            if not out_of_time(f"{spread} {shape}"):
+                bench_shape(shape, impls, args, device, results, "shapes", spread=spread)
+                checkpoint()
     if sweep:
         sweep_impls = impl_list(args.sweep_impls, parse_chunks(args.sweep_chunk))
         hv = (shapes[0][1], shapes[0][2]) if args.quick else SWEEP_HV
         for n in sweep:
-            bench_shape((n, *hv), sweep_impls, args, device, results, "memory sweep", check=False,
-                        spread=spreads[0] if spreads else "random")
-            log(f"  [{time.time() - t_start:.0f} s elapsed]")
+            if not out_of_time(f"sweep N={n}"):
+                bench_shape((n, *hv), sweep_impls, args, device, results, "memory sweep", check=False,
+                            spread=spreads[0] if spreads else "random")
+                checkpoint()
 
-    results["elapsed_s"] = time.time() - t_start
-    write_json(results, args.out)
+    checkpoint()
     md = markdown(results)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(md)
     plot(results, args.out)
     log("\n" + md)
     return 0 if results.get("kernel_ok", True) else 1
