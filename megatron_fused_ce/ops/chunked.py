@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from . import lean, reductions
-from .gemm import chunk_logits, gemm_input, logits_into, matmul_into_
+from .gemm import gemm_input, logits_gemm, logits_into, matmul_into_
 from .torch_backend import ShardStats, combine_blocks
 
 
@@ -143,6 +143,11 @@ def _weight_grad_dtype(weight: Tensor, num_rows: int, spec: ChunkSpec) -> torch.
     return weight.dtype if num_rows <= spec.chunk_size else torch.float32
 
 
+def chunk_logits(h: Tensor, weight: Tensor, spec: ChunkSpec) -> Tensor:
+    """A chunk's logits h @ W.T in the input dtype, or in `spec.logits_dtype` (fp32)."""
+    return logits_gemm(h, weight, spec.logits_dtype)
+
+
 def _fused_stats(rows: Tensor, weight: Tensor, spec: ChunkSpec) -> bool:
     """Whether the backend computes the statistics inside the logits GEMM for these inputs."""
     supported = getattr(spec.backend, "gemm_stats_supported", None)
@@ -162,7 +167,7 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
         return reductions.merge_shard_stats(lean.tile_stats(hidden_rows, weight, local_target, spec), spec.tp_group)
     partials = []
     for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
-        logits = chunk_logits(hidden_rows[start:end], weight, spec.logits_dtype)
+        logits = chunk_logits(hidden_rows[start:end], weight, spec)
         partials.append(
             backend.shard_stats(
                 logits,
@@ -208,7 +213,7 @@ def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSp
     num_cols = weight.shape[0]
     blocks = _vocab_blocks(spec, num_cols)
     if len(blocks) == 1:
-        logits = chunk_logits(h, weight, spec.logits_dtype)
+        logits = chunk_logits(h, weight, spec)
     else:
         logits = torch.empty(h.shape[0], num_cols, dtype=spec.logits_dtype or h.dtype, device=h.device)
     parts = []

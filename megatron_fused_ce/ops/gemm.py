@@ -19,8 +19,8 @@ def logits_into(out: Tensor, h: Tensor, weight_t: Tensor) -> Tensor:
     return torch.mm(h.float(), weight_t.float(), out=out)  # CPU: no fp32-output bf16 matmul
 
 
-def chunk_logits(h: Tensor, weight: Tensor, logits_dtype: Optional[torch.dtype]) -> Tensor:
-    """The chunk's logits h @ W.T in the input dtype, or in `logits_dtype` (fp32)."""
+def logits_gemm(h: Tensor, weight: Tensor, logits_dtype: Optional[torch.dtype]) -> Tensor:
+    """Logits h @ W.T (a chunk, a tile) in the input dtype, or in `logits_dtype` (fp32)."""
     if logits_dtype is None or logits_dtype == h.dtype:
         return torch.mm(h, weight.t())
     return matmul_fp32(h, weight.t())

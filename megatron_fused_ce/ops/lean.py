@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .gemm import chunk_logits, gemm_input, matmul_into_
+from .gemm import gemm_input, logits_gemm, matmul_into_
 from .torch_backend import ShardStats, combine_blocks
 
 _REF_MARGIN = 60.0  # largest z - ref allowed in sweep A: exp(60) * V_local stays far below fp32 max
@@ -116,7 +116,7 @@ def tile_stats(rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> Shar
     for r0, r1 in _spans(rows.shape[0], tiles.rows_a):
         parts = []
         for c0, c1 in _spans(spec.num_valid_cols, tiles.cols_a):
-            tile = chunk_logits(rows[r0:r1], weight[c0:c1], spec.logits_dtype)
+            tile = logits_gemm(rows[r0:r1], weight[c0:c1], spec.logits_dtype)
             parts.append(spec.backend.shard_stats(
                 tile, _tile_target(local_target[r0:r1], c0, c1), c1 - c0, spec.inv_temperature,
                 want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy))
@@ -142,7 +142,7 @@ def expected_rows(h: Tensor, weight: Tensor, local_target: Tensor, spec, want_ac
     sum_logits = torch.empty(n, **f32) if spec.want_sum_logits else None
     for attempt in range(2):
         for j, (c0, c1) in enumerate(blocks):
-            tile = chunk_logits(h, weight[c0:c1], spec.logits_dtype)
+            tile = logits_gemm(h, weight[c0:c1], spec.logits_dtype)
             spec.backend.exp_tile_(tile, _tile_target(local_target, c0, c1), c1 - c0, spec.inv_temperature,
                                    ref, sum_exp, seen, target, sum_logits, first=(j == 0 and attempt == 0))
             if acc is not None:
@@ -180,7 +180,7 @@ def input_grad_from_expected(acc: Tensor, ref: Tensor, lse: Tensor, coefs: dict,
 def _dlogits_tile(rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets, coefs,
                   r0: int, r1: int, c0: int, c1: int) -> Tensor:
     shift, log_sum_exp = offsets
-    tile = chunk_logits(rows[r0:r1], weight[c0:c1], spec.logits_dtype)
+    tile = logits_gemm(rows[r0:r1], weight[c0:c1], spec.logits_dtype)
     spec.backend.shard_dlogits_(
         tile, _tile_target(local_target[r0:r1], c0, c1), c1 - c0, spec.inv_temperature, shift[r0:r1],
         *(None if coefs[k] is None else coefs[k][r0:r1] for k in ("p", "pz", "target", "uniform")),
