@@ -89,6 +89,49 @@ def test_direct_construction_is_validated():
         FusedCEConfig(enabled="yes")
 
 
+@pytest.mark.parametrize("key", ["linear_ce_fusion_memory_mode", "fused_linear_logprobs_memory_mode"])
+def test_memory_mode_key(key):
+    assert FusedCEConfig().memory_mode == "fast"
+    assert FusedCEConfig.from_megatron_cfg({key: "lean"}) == FusedCEConfig(memory_mode="lean")
+    with pytest.raises(ValueError, match=key):
+        FusedCEConfig.from_megatron_cfg({key: "small"})
+    with pytest.raises(ValueError, match="memory_mode"):
+        FusedCEConfig(memory_mode="Lean")
+    assert near_miss(key[:-1]) == key
+
+
+def test_memory_mode_reaches_the_op(monkeypatch):
+    """FusedCEConfig(memory_mode="lean") runs the op's lean tiles from the fused output layer
+    (same values and gradients as the fast mode)."""
+    import types
+
+    from megatron_fused_ce.megatron.output_layer import FusedOutputLayer
+    from megatron_fused_ce.ops import lean
+
+    calls = []
+    tile_stats = lean.tile_stats
+    monkeypatch.setattr(lean, "tile_stats", lambda *a, **k: calls.append(1) or tile_stats(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(6, 2, 8, generator=g), torch.randn(40, 8, generator=g) / 3
+    labels = torch.randint(0, 40, (2, 6), generator=g)
+    results = {}
+    for mode in ("fast", "lean"):
+        linear = torch.nn.Linear(8, 40, bias=False)
+        linear.weight = torch.nn.Parameter(weight.clone())
+        linear.tp_group, linear.sequence_parallel = None, False
+        linear.config = types.SimpleNamespace(gradient_accumulation_fusion=False)
+        layer = FusedOutputLayer(linear, FusedCEConfig(enabled=True, memory_mode=mode))
+        assert layer.fused_op_kwargs()["memory_mode"] == mode
+        h = hidden.clone().requires_grad_()
+        calls.clear()
+        ce = layer(h)[0].cross_entropy(labels)
+        ce.sum().backward()
+        results[mode] = (ce, h.grad, linear.weight.grad, bool(calls))
+    assert results["lean"][3] and not results["fast"][3]
+    for fast, leaned in zip(results["fast"][:3], results["lean"][:3]):
+        assert torch.allclose(fast, leaned, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=os.path.basename)
 def test_example_configs(path):
     sys.path.insert(0, EXAMPLES_DIR)

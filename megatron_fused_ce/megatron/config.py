@@ -11,7 +11,8 @@ from typing import Any, Optional
 # (canonical key, NeMo-RL's newer alias) for each field.
 _ENABLED_KEYS = ("use_linear_ce_fusion_loss", "use_fused_linear_logprobs")
 _CHUNK_KEYS = ("linear_ce_fusion_chunk_size", "fused_linear_logprobs_chunk_size")
-OWN_KEYS = _ENABLED_KEYS + _CHUNK_KEYS
+_MEMORY_MODE_KEYS = ("linear_ce_fusion_memory_mode", "fused_linear_logprobs_memory_mode")
+OWN_KEYS = _ENABLED_KEYS + _CHUNK_KEYS + _MEMORY_MODE_KEYS
 
 # A key is a near-miss of one of OWN_KEYS when, lower-cased and with '-' read as '_', its
 # difflib similarity ratio to that key is at least this. Every field name of megatron-core's
@@ -26,15 +27,19 @@ class FusedCEConfig:
 
     `chunk_size=None` (the default) lets the op choose (`ops.api.auto_chunk_size`: large chunks,
     fast on GPUs); an int bounds the transient logits of one chunk to `chunk_size x V/TP` elements.
+    `memory_mode`: "fast" (chunks of logits) or "lean" (tiles: extra memory ~2.5 % of the N=8192
+    dense logits whatever N, fp32-accurate dW, slower; see `linear_logprobs`).
     """
 
     enabled: bool = False
     chunk_size: Optional[int] = None
+    memory_mode: str = "fast"
 
     def __post_init__(self):
         _check_bool("enabled", self.enabled)
         if self.chunk_size is not None:
             _check_chunk_size("chunk_size", self.chunk_size)
+        _check_memory_mode("memory_mode", self.memory_mode)
 
     @classmethod
     def from_megatron_cfg(cls, cfg: Optional[Mapping]) -> "FusedCEConfig":
@@ -42,8 +47,9 @@ class FusedCEConfig:
         `use_fused_linear_logprobs` / `fused_linear_logprobs_chunk_size`) from a `megatron_cfg`
         mapping. A missing key keeps its default; a null chunk size means the automatic chunk.
 
+        `linear_ce_fusion_memory_mode` (alias `fused_linear_logprobs_memory_mode`): "fast" / "lean".
         `megatron_cfg` also carries Megatron's own keys, which pass through unread. A key that
-        looks like a misspelling of one of the four keys above (see `near_miss`) raises
+        looks like a misspelling of one of the six keys above (see `near_miss`) raises
         `ValueError` naming it and the intended key: otherwise a typo would silently leave fusion
         off. A wrong type, or an alias that contradicts its canonical key, also raises `ValueError`
         naming the key.
@@ -59,9 +65,11 @@ class FusedCEConfig:
                                  f"mean {intended!r}? (valid: {', '.join(OWN_KEYS)})")
         enabled = _read(cfg, _ENABLED_KEYS, _check_bool)
         chunk_size = _read(cfg, _CHUNK_KEYS, _check_chunk_size)
+        memory_mode = _read(cfg, _MEMORY_MODE_KEYS, _check_memory_mode)
         return cls(
             enabled=False if enabled is None else bool(enabled),
             chunk_size=None if chunk_size is None else int(chunk_size),
+            memory_mode="fast" if memory_mode is None else memory_mode,
         )
 
 
@@ -97,3 +105,8 @@ def _check_bool(key: str, value) -> None:
 def _check_chunk_size(key: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{key} must be a positive int, got {value!r} ({type(value).__name__})")
+
+
+def _check_memory_mode(key: str, value) -> None:
+    if value not in ("fast", "lean"):
+        raise ValueError(f"{key} must be 'fast' or 'lean', got {value!r}")

@@ -100,7 +100,7 @@ class LazyLogits(torch.Tensor):
 
         def fused(hidden, weight):
             kwargs = layer.fused_op_kwargs()
-            del kwargs["accumulate_into_main_grad"]
+            del kwargs["accumulate_into_main_grad"], kwargs["memory_mode"]
             return linear_argmax(hidden, weight, **kwargs)
 
         return layer(self.hidden, weight=self.weight, compute=fused)

@@ -106,7 +106,7 @@ class FusedOutputLayer(torch.nn.Module):
         """Keyword arguments of the fused ops for this layer's inputs (Megatron's `[s, b, h]`)."""
         return dict(
             tp_group=self.tp_group, chunk_size=self.fused_config.chunk_size,
-            sequence_parallel=self.splits_sequence,
+            memory_mode=self.fused_config.memory_mode, sequence_parallel=self.splits_sequence,
             accumulate_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False)))
 
     # ColumnParallelLinear has an (empty) extra state: keep the `output_layer._extra_state` key.

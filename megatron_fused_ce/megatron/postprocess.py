@@ -155,7 +155,7 @@ class LogprobsPostProcessor:
             hidden=hidden, weight=weight, labels=labels, tp_group=tp_group,
             vocab_size=self.vocab_size, temperature=self.temperature,
             ignore_index=self.ignore_index, chunk_size=self.config.chunk_size,
-            sequence_parallel=sequence_parallel,
+            memory_mode=self.config.memory_mode, sequence_parallel=sequence_parallel,
             accumulate_into_main_grad=bool(getattr(gpt.config, "gradient_accumulation_fusion", False)),
         )
 
