@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from . import reductions, torch_backend
+from . import reductions, sampling, torch_backend
 from .chunked import (
     ChunkSpec,
     LinearLossGradInForward,
@@ -36,9 +37,36 @@ _AUTO_CHUNK_ELEMENTS_CUDA = 512 * 1024 * 1024
 _AUTO_CHUNK_MIN_ROWS_CUDA = 4096
 
 
-class LogprobsOutput(NamedTuple):
+class _LogprobsPair(NamedTuple):
     logprobs: Tensor  # fp32, labels.shape; 0.0 at ignored positions
     entropy: Optional[Tensor]  # fp32, labels.shape (0.0 at ignored positions) or None
+
+
+class LogprobsOutput(_LogprobsPair):
+    """`(logprobs, entropy)`: a NamedTuple of two fields, so `lp, ent = out` keeps working.
+
+    `topk_logprobs` / `topk_ids` (`return_topk=k`: `labels.shape + (k,)`, else None) are
+    attributes outside the tuple for the same reason."""
+
+    topk_logprobs: Optional[Tensor] = None  # class defaults: also what _make / pytrees rebuild
+    topk_ids: Optional[Tensor] = None
+
+    def __new__(cls, logprobs, entropy=None, topk_logprobs=None, topk_ids=None):
+        self = super().__new__(cls, logprobs, entropy)
+        if topk_logprobs is not None or topk_ids is not None:
+            self.topk_logprobs, self.topk_ids = topk_logprobs, topk_ids
+        return self
+
+    def _replace(self, **changes):
+        fields = dict(logprobs=self.logprobs, entropy=self.entropy, topk_logprobs=self.topk_logprobs,
+                      topk_ids=self.topk_ids)
+        fields.update(changes)
+        return type(self)(**fields)
+
+    def __repr__(self):
+        extra = "" if self.topk_ids is None else (f", topk_logprobs={self.topk_logprobs!r}, "
+                                                  f"topk_ids={self.topk_ids!r}")
+        return f"LogprobsOutput(logprobs={self.logprobs!r}, entropy={self.entropy!r}{extra})"
 
 
 def _triton_backend_or_none():
@@ -71,7 +99,8 @@ def select_backend(impl: str, device: torch.device):
 # collective (a check failing on one rank while the others wait in an all-reduce is a hang).
 # --------------------------------------------------------------------------------------------
 _CHECKS = ("hidden", "weight", "labels", "temperature", "chunk_size", "vocab_size", "impl",
-           "reduction", "label_smoothing", "z_loss_weight", "ignore_index")
+           "reduction", "label_smoothing", "z_loss_weight", "ignore_index",
+           "top_k", "top_p", "min_p", "return_topk")
 
 
 def _is_int(x) -> bool:
@@ -130,9 +159,11 @@ def _local_problems(fn_name, hidden, weight, labels, tp_size, vocab_size, temper
 
 
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temperature, chunk_size,
-                     sequence_parallel, impl, ignore_index, extra_checks=None) -> int:
+                     sequence_parallel, impl, ignore_index, extra_checks=None, must_agree=None) -> int:
     """Raise the same ValueError on every TP rank for bad input.
 
+    `must_agree`: {argument name: int64 code} of settings that decide the collectives made (the
+    sampler settings); a difference across ranks is an error naming the argument.
     Returns (true vocab size, number of labelled tokens), both agreed by all ranks."""
     tp_size = reductions.group_size(tp_group)
     problems = _local_problems(fn_name, hidden, weight, labels, tp_size, vocab_size, temperature,
@@ -156,9 +187,13 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temp
     labelled = torch.zeros((), dtype=torch.int64, device=device)
     if "labels" not in problems and "hidden" not in problems and labels.numel() > 0:
         labelled = (labels != ignore_index).sum()
+    codes = list((must_agree or {}).values())
     agreed = torch.cat([header.to(device), torch.stack([labelled, -labelled]),
+                        torch.tensor([c for code in codes for c in (code, -code)], dtype=torch.int64,
+                                     device=device),
                         torch.as_tensor(bad_labels, device=device).reshape(1)])
     agreed = reductions.max_over_ranks(agreed, tp_group).tolist()
+    agreed, agreed_codes = agreed[:-1 - 2 * len(codes)] + agreed[-1:], agreed[-1 - 2 * len(codes):-1]
 
     messages = []
     for key, failed in zip(_CHECKS, agreed):
@@ -175,6 +210,10 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temp
     if l_max != -l_min and not messages:
         messages.append(f"labels: differ across tensor-parallel ranks ({-l_min} to {l_max} labelled "
                         f"tokens); every rank of tp_group must pass the same labels")
+    for name, high, low in zip(must_agree or {}, agreed_codes[0::2], agreed_codes[1::2]):
+        if high != -low and not messages:
+            messages.append(f"{name}: differs across tensor-parallel ranks; every rank of tp_group "
+                            f"must pass the same {name}")
     if bad:
         if outside is not None and int(bad_labels) > 0:
             example = int(labels[outside][0])
@@ -186,6 +225,35 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temp
     if messages:
         raise ValueError(f"{fn_name}: " + "; ".join(messages))
     return true_vocab, l_max
+
+
+def _sampler_problems(top_k, top_p, min_p, return_topk, true_vocab) -> dict:
+    problems = {}
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        problems["top_k"] = f"top_k must be None or an integer >= 1, got {top_k!r}"
+    if top_p is not None and (not isinstance(top_p, numbers.Real) or isinstance(top_p, bool)
+                              or not 0.0 < top_p <= 1.0):
+        problems["top_p"] = f"top_p must be None or a number in (0, 1], got {top_p!r}"
+    if min_p is not None and (not isinstance(min_p, numbers.Real) or isinstance(min_p, bool)
+                              or not 0.0 <= min_p < 1.0):
+        problems["min_p"] = f"min_p must be None or a number in [0, 1), got {min_p!r}"
+    if not _is_int(return_topk) or return_topk < 0:
+        problems["return_topk"] = f"return_topk must be an integer >= 0, got {return_topk!r}"
+    elif return_topk > true_vocab:
+        problems["return_topk"] = f"return_topk={return_topk} is larger than the vocab ({true_vocab} tokens)"
+    return problems
+
+
+def _agreement_code(value) -> int:
+    """An int64 that differs when the (validated) setting differs: ints as is, floats by their
+    bits, None as -1."""
+    if value is None:
+        return -1
+    if _is_int(value):
+        return int(value) if 0 <= value < 2**62 else -2
+    if isinstance(value, numbers.Real) and value >= 0:
+        return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    return -2  # invalid: reported by its own check
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,13 +271,19 @@ class TokenStats:
     out_shape: tuple
     num_rows: int
     anchor: Optional[Tensor] = None  # grad-in-forward: zero scalar carrying dX, dW (add to the loss)
+    # sampler fidelity (sampling.py), on the labelled rows
+    kept: Optional[Tensor] = None  # bool: the label is in the kept set (None: no filter)
+    topk_logprobs: Optional[Tensor] = None  # [rows, k]
+    topk_ids: Optional[Tensor] = None  # [rows, k]
 
-    def to_full(self, values: Tensor) -> Tensor:
-        """[num labelled rows] -> labels.shape with zeros at ignored positions (differentiable)."""
+    def to_full(self, values: Tensor, fill=0) -> Tensor:
+        """[num labelled rows, ...] -> labels.shape + (...) with `fill` at ignored positions
+        (differentiable)."""
+        shape = self.out_shape + tuple(values.shape[1:])
         if self.row_index is None:
-            return values.reshape(self.out_shape)
-        full = values.new_zeros(self.num_rows)
-        return full.index_put((self.row_index,), values).reshape(self.out_shape)
+            return values.reshape(shape)
+        full = values.new_full((self.num_rows,) + tuple(values.shape[1:]), fill)
+        return full.index_put((self.row_index,), values).reshape(shape)
 
 
 def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden_size: int = 0,
@@ -243,14 +317,16 @@ def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden
 
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
                  chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
-                 want_entropy, extra_checks=None, token_grads=None) -> TokenStats:
+                 want_entropy, extra_checks=None, token_grads=None, sampler=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
-    returned statistics are then plain values and `anchor` carries the gradient."""
+    returned statistics are then plain values and `anchor` carries the gradient.
+    `sampler`: {top_k, top_p, min_p, return_topk} of linear_logprobs (sampling.py)."""
+    must_agree = None if sampler is None else {name: _agreement_code(value) for name, value in sampler.items()}
     true_vocab, num_labelled = _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size,
                                                 temperature, chunk_size, sequence_parallel, impl,
-                                                ignore_index, extra_checks)
+                                                ignore_index, extra_checks, must_agree)
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
@@ -283,6 +359,13 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     )
     anchor = None
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    sampling_spec = None if sampler is None else sampling.sampling_spec(
+        **sampler, true_vocab=true_vocab, vocab_start=vocab_start)
+    if sampling_spec is not None:  # sampler fidelity: its own chunk loop (sampling.py)
+        out = sampling.sampled_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
+                                          sampling_spec, needs_grad)
+        return TokenStats(out.target, out.lse, None, out.expected_logit, row_index, tuple(labels.shape),
+                          num_rows, kept=out.kept, topk_logprobs=out.topk_logprobs, topk_ids=out.topk_ids)
     if needs_grad and token_grads is not None:
         anchor, target, lse, sum_logits, expected = LinearLossGradInForward.apply(
             hidden2d, weight, row_index, local_target, spec, token_grads)
@@ -310,9 +393,14 @@ def linear_logprobs(
     chunk_size: Optional[int] = None,
     sequence_parallel: bool = False,
     impl: str = "auto",
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    return_topk: int = 0,
     accumulate_into_main_grad: bool = False,
 ) -> LogprobsOutput:
-    """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature).
+    """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature), or of the
+    distribution an inference engine's sampler draws from (`top_k` / `top_p` / `min_p`).
 
     Never materializes the [tokens, V_local] logits: see the module docs of api.py and chunked.py.
     `weight` is this rank's contiguous vocab shard (rank r owns ids [r*V_local, (r+1)*V_local));
@@ -321,16 +409,51 @@ def linear_logprobs(
     `accumulate_into_main_grad=True` (Megatron's gradient_accumulation_fusion): when the weight has
     a `main_grad` buffer the fp32 weight gradient is added into it directly and autograd receives a
     dummy zero gradient (as Megatron's own linear layers do).
+
+    Sampler fidelity (vLLM V1's sampler; sampling.py cites the functions). With z = logits / T over
+    the unpadded vocab, per token row:
+      1. `min_p` in [0, 1): drop tokens with p_k < min_p * max_j p_j (p = softmax(z)), i.e. keep
+         z_k >= max(z) + log(min_p);
+      2. `top_k` >= 1: keep tokens with z_k >= the k-th largest remaining z (every token tied
+         with the k-th is kept);
+      3. `top_p` in (0, 1]: renormalize what is left and keep the smallest prefix of it, in the
+         order z descending then global id ascending, whose mass is >= top_p: a token is kept iff
+         the renormalized mass ranked strictly before it is < top_p (the first token always is);
+      4. renormalize over the kept set K: logprobs = z_y - logsumexp_K(z) if y is in K, else
+         -inf with no gradient. Gradients are exact on K (K itself is piecewise constant).
+         `return_entropy` then gives the entropy of this renormalized distribution.
+    None (or top_p=1, min_p=0, top_k >= vocab) skips a filter; with none left the result is
+    today's, bit for bit. vLLM orders exactly tied z arbitrarily at the top_p cut; here the
+    lower id comes first.
+    `return_topk=k` (0 = off): `LogprobsOutput.topk_logprobs` / `.topk_ids`, labels.shape + (k,):
+    log-probs under the full softmax(z) (not the filtered one) of the k most likely global ids,
+    descending, ties by lower id, never a padded column; identical on every TP rank; no gradient.
+    Ignored positions get logprob 0.0 and id -1. The log-probs and entropy are today's when no
+    filter is set.
+    Cost: per chunk, every rank's M first tokens are all-gathered (M = max(return_topk, top_k,
+    128 with top_p)); rows whose nucleus is longer, or top_k > 1024, take an exact search of up to
+    ~32 extra passes over the chunk (those rows) with one small all-reduce each.
     """
+    true_vocab = vocab_size if _is_int(vocab_size) and vocab_size > 0 else (
+        weight.shape[0] * reductions.group_size(tp_group)
+        if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
+    sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
     stats = token_statistics(
         "linear_logprobs", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
         accumulate_into_main_grad=accumulate_into_main_grad,
-        want_sum_logits=False, want_entropy=return_entropy)
-    logprobs = stats.to_full(stats.target - stats.lse)
+        want_sum_logits=False, want_entropy=return_entropy,
+        extra_checks=_sampler_problems(top_k, top_p, min_p, return_topk, true_vocab), sampler=sampler)
+    logprobs = stats.target - stats.lse
+    if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
+        logprobs = torch.where(stats.kept, logprobs, float("-inf"))
+    logprobs = stats.to_full(logprobs)
     entropy = stats.to_full(stats.lse - stats.expected_logit) if return_entropy else None
-    return LogprobsOutput(logprobs, entropy)
+    if stats.topk_ids is None:
+        return LogprobsOutput(logprobs, entropy)
+    return LogprobsOutput(logprobs, entropy, stats.to_full(stats.topk_logprobs),
+                          stats.to_full(stats.topk_ids, fill=-1))
 
 
 def linear_cross_entropy(
