@@ -27,6 +27,13 @@ CONFIGS = {
     "k2_bias_corrected": (dict(beta=0.1, kl_estimator="k2", use_bias_correction_kl=True), ("old", "ref")),
     "force_on_policy": (dict(force_on_policy_ratio=True, beta=0.1, kl_estimator="k1"), ("old", "ref")),
     "on_policy_normalizer": (dict(), ()),
+    # convention options: the per-sequence SAPO mean needs the sequence totals before the loop
+    "sapo_token_reduction": (dict(loss_type="sapo", sapo_reduction="token"), ("old",)),
+    "sapo_without_empty_sequences": (dict(loss_type="sapo", count_empty_sequences=False), ("old",)),
+    "cispo_two_sided": (dict(loss_type="cispo", cispo_min_ratio=0.9, cispo_max_ratio=1.1), ("old",)),
+    # -inf old / sampling log-probs exclude their tokens (known before the chunk loop)
+    "excluded_tokens": (dict(loss_type="grpo", is_correction="sequence_truncate", is_clip_max=2.0),
+                        ("old", "sampling")),
     # not decomposable per token: must take the recompute path and still agree
     "gspo_sequence_ratio": (dict(importance_sampling_level="sequence"), ("old",)),
     "sequence_truncate_on_policy": (dict(is_correction="sequence_truncate", is_clip_max=1.5), ("sampling",)),
@@ -65,6 +72,9 @@ def _worker(rank, world, name, seed):
         lp_now = lp_now.t() if sp else lp_now
     names = {"old": "old_logprobs", "ref": "reference_logprobs", "sampling": "sampling_logprobs"}
     tensors = {names[k]: lp_now + extra[k] for k in needs}
+    if name == "excluded_tokens":
+        mask[0, 1] = mask[2, 3] = 1.0
+        tensors["old_logprobs"][0, 1] = tensors["sampling_logprobs"][2, 3] = float("-inf")
     normalizer = 37 if name == "on_policy_normalizer" else None
     common = dict(tp_group=group, vocab_size=V_LOCAL * world - 3, chunk_size=5, sequence_parallel=sp,
                   temperature=0.9, **tensors, normalizer=normalizer)
@@ -90,6 +100,7 @@ def test_linear_grpo_matches_recompute_composition(name, tp):
         (lf, mf, dxf, dwf), (lu, mu, dxu, dwu) = fused, unfused
         assert torch.allclose(lf, lu, rtol=1e-5, atol=1e-7), (lf, lu)
         assert mf.keys() == mu.keys()
+        assert float(mf["num_excluded_tokens"]) == (2 if name == "excluded_tokens" else 0)
         for key in mf:
             assert torch.allclose(mf[key], mu[key], rtol=1e-5, atol=1e-7), key
         assert dxu.abs().max() > 0 and dwu.abs().max() > 0
@@ -115,3 +126,45 @@ def test_path_choice_and_gemm_count():
             loss, _ = linear_grpo_loss(h, w, labels, adv, mask, config, chunk_size=B * T, **kw)
             loss.backward()
         assert mode.count == (3 if expect_fused else 4), name
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_mask", ["transposed", "flat", "short", "broadcast"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_wrong_mask_shape_raises(bad_mask, fused):
+    """A mask that does not match the labels used to fail deep in the chunk loop (IndexError) or
+    with a misleading message."""
+    hidden, weight, labels, mask, adv, extra = _inputs(0, 1, False)
+    masks = {"transposed": mask.t().contiguous(), "flat": mask.reshape(-1), "short": mask[:, :-1],
+             "broadcast": mask[:, :1]}
+    h, w = hidden.clone().requires_grad_(fused), weight.clone().requires_grad_(fused)
+    with pytest.raises(ValueError, match="mask"):
+        linear_grpo_loss(h, w, labels, adv, masks[bad_mask], GRPOConfig(), old_logprobs=extra["old"])
+
+
+@pytest.mark.parametrize("normalizer", [0, -3.0, torch.tensor(0.0)], ids=repr)
+def test_bad_normalizer_raises(normalizer):
+    hidden, weight, labels, mask, adv, extra = _inputs(0, 1, False)
+    with pytest.raises(ValueError, match="normalizer"):
+        linear_grpo_loss(hidden.requires_grad_(), weight, labels, adv, mask, GRPOConfig(), normalizer=normalizer)
+
+
+def _bad_mask_on_one_rank(rank, world):
+    hidden, weight, labels, mask, adv, extra = _inputs(0, world, False)
+    shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL]
+    if rank == 1:
+        mask = mask[:, :-1]
+    try:
+        linear_grpo_loss(hidden.requires_grad_(), shard.requires_grad_(), labels, adv, mask, GRPOConfig(),
+                         tp_group=dist.group.WORLD, vocab_size=V_LOCAL * world - 3)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_wrong_mask_on_one_tp_rank_raises_on_every_rank():
+    messages = run_workers(_bad_mask_on_one_rank, 2, timeout=30)
+    assert all(m is not None for m in messages), messages
+    assert "mask" in messages[1] and "another rank" in messages[0]

@@ -1,6 +1,6 @@
 """Tests of megatron_fused_ce.losses against independent float64 per-token reference loops.
 
-The references below are written from design.md §3 token by token, with plain Python control
+The references below are written from the loss formulas token by token, with plain Python control
 flow (if/else instead of clamp/max/where), so they share no code with the vectorized losses.
 Values, gradients w.r.t. the log-probs and metrics are compared; gradcheck covers small cases.
 """
@@ -64,12 +64,17 @@ def make_batch(batch=8, length=6, seed=0, float_mask=False, token_advantages=Fal
 # ---- independent reference implementations ------------------------------------------------------
 
 
+def impossible(*values):
+    """A -inf log-prob (outside a sampler's kept set) excludes its token."""
+    return any(v is not None and float(v.detach()) == -math.inf for v in values)
+
+
 def ref_nll(lp, mask, normalizer=None):
     total, count = zero(), 0.0
     for i in range(lp.shape[0]):
         for t in range(lp.shape[1]):
             w = float(mask[i, t])
-            if w != 0:
+            if w != 0 and not impossible(lp[i, t]):
                 total = total - w * lp[i, t]
                 count += w
     n = count if normalizer is None else float(normalizer)
@@ -87,7 +92,7 @@ def ref_dpo(lp, ref, mask, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, a
         s, n = zero(), 0.0
         for t in range(x.shape[1]):
             w = float(mask[i, t])
-            if w != 0:
+            if w != 0 and not impossible(lp[i, t], ref[i, t]):
                 s = s + w * x[i, t]
                 n += w
         if average_log_probs:
@@ -113,17 +118,21 @@ def ref_dpo(lp, ref, mask, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, a
         rr.append(beta * rejected.item())
     n_p = pairs if normalizer is None else normalizer
     preference = total / n_p
-    sft = ref_nll(lp[0::2], mask[0::2], sft_normalizer)
+    chosen_mask = mask[0::2].clone()
+    chosen_mask[(ref[0::2] == -math.inf) & (chosen_mask != 0)] = 0  # excluded from both terms
+    sft = ref_nll(lp[0::2], chosen_mask, sft_normalizer)
     loss = preference_weight * preference + sft_weight * sft
     metrics = dict(preference_loss=preference.item(), sft_loss=sft.item(),
                    rewards_chosen=sum(rc) / pairs, rewards_rejected=sum(rr) / pairs,
                    reward_margin=sum(a - b for a, b in zip(rc, rr)) / pairs,
-                   accuracy=sum(a > b for a, b in zip(rc, rr)) / pairs)
+                   accuracy=sum(a > b for a, b in zip(rc, rr)) / pairs,
+                   num_excluded_tokens=sum(impossible(lp[i, t], ref[i, t]) for i in range(lp.shape[0])
+                                           for t in range(lp.shape[1]) if float(mask[i, t]) != 0))
     return loss, metrics
 
 
 def ref_grpo(lp, adv, mask, cfg: GRPOConfig, old=None, ref=None, sampling=None, normalizer=None):
-    """design.md §3, one token at a time. Returns (loss, pg_loss, kl_loss, metrics)."""
+    """The formulas of grpo.py's module doc, one token at a time. Returns (loss, pg_loss, kl_loss, metrics)."""
     batch, length = lp.shape
     on_policy = old is None or cfg.force_on_policy_ratio
     lo_clip, hi_clip = 1 - cfg.epsilon_low, 1 + cfg.epsilon_high
@@ -135,8 +144,17 @@ def ref_grpo(lp, adv, mask, cfg: GRPOConfig, old=None, ref=None, sampling=None, 
 
     pg, kl = {}, {}
     stats = dict(w=[], r=[], low=[], high=[], dual=[], rho_raw=[], rho_changed=[], mult_err=[])
+    num_excluded = 0
     for i in range(batch):
-        toks = [t for t in range(length) if float(mask[i, t]) != 0]
+        toks = []
+        for t in range(length):
+            if float(mask[i, t]) == 0:
+                continue
+            if impossible(lp[i, t], None if on_policy else old[i, t],
+                          None if sampling is None else sampling[i, t]):
+                num_excluded += 1
+            else:
+                toks.append(t)
         w = {t: float(mask[i, t]) for t in toks}
         if toks and cfg.importance_sampling_level == "sequence":
             seq_ratio = torch.exp(sum(w[t] * (lp[i, t] - old_at(i, t)) for t in toks) / sum(w.values()))
@@ -160,8 +178,12 @@ def ref_grpo(lp, adv, mask, cfg: GRPOConfig, old=None, ref=None, sampling=None, 
                     dual = True
                 low, high = rv < lo_clip and a < 0, rv > hi_clip and a > 0
             elif cfg.loss_type == "cispo":
-                loss_t = -a * min(rv, cfg.cispo_max_ratio) * lp[i, t]
-                low, high = False, rv > cfg.cispo_max_ratio
+                weight = min(rv, cfg.cispo_max_ratio)
+                if cfg.cispo_min_ratio is not None:
+                    weight = max(weight, cfg.cispo_min_ratio)
+                loss_t = -a * weight * lp[i, t]
+                low = cfg.cispo_min_ratio is not None and rv < cfg.cispo_min_ratio
+                high = rv > cfg.cispo_max_ratio
             else:  # sapo
                 tau = cfg.sapo_temperature_pos if a > 0 else cfg.sapo_temperature_neg
                 loss_t = -a * (1.0 / (1.0 + torch.exp(-tau * (r - 1.0)))) * 4.0 / tau
@@ -209,18 +231,22 @@ def ref_grpo(lp, adv, mask, cfg: GRPOConfig, old=None, ref=None, sampling=None, 
                 stats[key].append(val)
 
     def reduce(values):
-        if cfg.loss_type == "grpo":
-            total = zero()
+        if cfg.loss_type == "grpo" or (cfg.loss_type == "sapo" and cfg.sapo_reduction == "sequence"):
+            total, nonempty = zero(), 0
             for i in range(batch):
                 toks = [t for t in range(length) if (i, t) in values]
                 if toks:
+                    nonempty += 1
                     wsum = sum(float(mask[i, t]) for t in toks)
                     total = total + sum(float(mask[i, t]) * values[i, t] for t in toks) / wsum
-            return total / (batch if normalizer is None else normalizer)
+            if normalizer is None:
+                n = batch if cfg.count_empty_sequences else nonempty
+                return total / n if n else total * 0.0
+            return total / normalizer
         total = sum((float(mask[i, t]) * v for (i, t), v in values.items()), zero())
         if cfg.loss_type == "dr_grpo":
             return total / ((batch if normalizer is None else normalizer) * cfg.max_completion_length)
-        n = float(mask.sum()) if normalizer is None else normalizer
+        n = sum(stats["w"]) if normalizer is None else normalizer
         return total / n if n else total * 0.0
 
     pg_loss = reduce(pg)
@@ -245,6 +271,7 @@ def ref_grpo(lp, adv, mask, cfg: GRPOConfig, old=None, ref=None, sampling=None, 
                        is_ratio_max=max(rho_raw, default=0.0), is_clip_ratio=wmean(stats["rho_changed"]))
     if sampling is not None:
         metrics["token_mult_prob_error"] = wmean(stats["mult_err"])
+    metrics["num_excluded_tokens"] = num_excluded
     return loss, pg_loss, kl_loss, metrics
 
 
@@ -353,6 +380,11 @@ GRPO_CASES = {
     "dr_grpo_dual_clip": (dict(loss_type="dr_grpo", max_completion_length=L, dual_clip_c=2.0), dict()),
     "cispo_low_max_ratio": (dict(loss_type="cispo", cispo_max_ratio=1.2), dict()),
     "sapo_temperatures": (dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0), dict()),
+    # conventions where peers differ
+    "sapo_token_reduction": (dict(loss_type="sapo", sapo_reduction="token"), dict()),
+    "sapo_without_empty_sequences": (dict(loss_type="sapo", count_empty_sequences=False), dict()),
+    "grpo_without_empty_sequences": (dict(loss_type="grpo", count_empty_sequences=False), dict()),
+    "cispo_two_sided": (dict(loss_type="cispo", cispo_min_ratio=0.8, cispo_max_ratio=1.2), dict()),
     # KL estimators and clamps
     "kl_k1": (dict(beta=0.1, kl_estimator="k1"), dict(ref=True)),
     "kl_k2": (dict(beta=0.1, kl_estimator="k2"), dict(ref=True)),
@@ -599,8 +631,6 @@ def test_zero_valid_tokens_nll_dpo(mask_dtype):
                lambda x: dpo_loss(x, data["ref"], mask, sft_weight=1.0, average_log_probs=True)[0]):
         loss, grad = grad_of(fn, data["lp"])
         assert torch.isfinite(loss) and (grad == 0).all()
-    loss, grad = grad_of(lambda x: nll_loss(x, mask, normalizer=0)[0], data["lp"])
-    assert float(loss) == 0.0 and (grad == 0).all()
 
 
 def test_empty_batch():
@@ -672,8 +702,10 @@ def test_is_correction_needs_sampling_logprobs_to_apply():
 def test_normalizer_unit():
     assert GRPOConfig(loss_type="grpo").normalizer_unit == "sequences"
     assert GRPOConfig(loss_type="dr_grpo", max_completion_length=4).normalizer_unit == "sequences"
-    for lt in ("dapo", "bnpo", "cispo", "sapo"):
+    assert GRPOConfig(loss_type="sapo").normalizer_unit == "sequences"  # per sequence by default
+    for lt in ("dapo", "bnpo", "cispo"):
         assert GRPOConfig(loss_type=lt).normalizer_unit == "tokens"
+    assert GRPOConfig(loss_type="sapo", sapo_reduction="token").normalizer_unit == "tokens"
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -699,6 +731,31 @@ def test_normalizer_unit():
     (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
     (dict(kl_input_clamp=0.0), "kl_input_clamp"),
     (dict(kl_output_clamp=-1.0), "kl_output_clamp"),
+    # types: a truthy string must not switch an option on; infinities are typos
+    (dict(use_bias_correction_kl="no"), "use_bias_correction_kl"),
+    (dict(force_on_policy_ratio=1), "force_on_policy_ratio"),
+    (dict(count_empty_sequences="yes"), "count_empty_sequences"),
+    (dict(beta=math.inf), "beta"),
+    (dict(beta=math.nan), "beta"),
+    (dict(beta="0.1"), "beta"),
+    (dict(beta=True), "beta"),
+    (dict(epsilon_high=math.inf), "epsilon_high"),
+    (dict(epsilon_low=math.nan), "epsilon_low"),
+    (dict(delta=math.inf), "delta"),
+    (dict(dual_clip_c=math.inf), "dual_clip_c"),
+    (dict(loss_type="cispo", cispo_max_ratio=math.inf), "cispo_max_ratio"),
+    (dict(loss_type="sapo", sapo_temperature_pos=math.inf), "sapo_temperature_pos"),
+    (dict(beta=0.1, kl_input_clamp=math.inf), "kl_input_clamp"),
+    (dict(kl_output_clamp=math.inf), "kl_output_clamp"),
+    (dict(is_correction="token_truncate", is_clip_max=math.inf), "is_clip_max"),
+    (dict(is_correction="token_mask", is_clip_min=math.nan), "is_clip_min"),
+    (dict(max_completion_length=2.5), "max_completion_length"),
+    (dict(loss_type="dr_grpo", max_completion_length=True), "max_completion_length"),
+    (dict(loss_type=["dapo"]), "loss_type"),
+    (dict(sapo_reduction="mean"), "sapo_reduction"),
+    (dict(cispo_min_ratio=0.8), "cispo_min_ratio"),  # only for cispo
+    (dict(loss_type="cispo", cispo_min_ratio=6.0), "cispo_min_ratio"),
+    (dict(loss_type="cispo", cispo_min_ratio=-0.1), "cispo_min_ratio"),
 ])
 def test_grpo_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -722,6 +779,15 @@ def test_grpo_validates_at_call_time():
     (dict(beta=0.0), "beta"),
     (dict(label_smoothing=0.7), "label_smoothing"),
     (dict(loss_type="ipo", label_smoothing=0.1), "label_smoothing"),
+    (dict(beta=math.inf), "beta"),
+    (dict(beta=math.nan), "beta"),
+    (dict(label_smoothing=math.nan), "label_smoothing"),
+    (dict(average_log_probs="no"), "average_log_probs"),
+    (dict(sft_weight=math.nan), "sft_weight"),
+    (dict(sft_weight=-0.5), "sft_weight"),
+    (dict(preference_weight=math.inf), "preference_weight"),
+    (dict(normalizer=0), "normalizer"),
+    (dict(sft_normalizer=-3.0), "sft_normalizer"),
 ])
 def test_dpo_validation(kwargs, field):
     data = make_batch(seed=4)
@@ -743,5 +809,219 @@ def test_grpo_config_defaults():
                     kl_estimator="k3", kl_input_clamp=20.0, kl_output_clamp=10.0,
                     use_bias_correction_kl=False, importance_sampling_level="token", is_correction="none",
                     is_clip_min=None, is_clip_max=None,
-                    force_on_policy_ratio=False, max_completion_length=None)
+                    force_on_policy_ratio=False, max_completion_length=None,
+                    cispo_min_ratio=None, sapo_reduction="sequence", count_empty_sequences=True)
     assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+# ---- normalizers must be > 0 (issue 11, item 3) ----------------------------------------------------
+
+BAD_NORMALIZERS = [0, 0.0, -1, -2.5, math.inf, math.nan, True, "4", torch.tensor(0), torch.tensor(-1.0),
+                   torch.tensor([1.0, 2.0]), torch.tensor(True), torch.tensor(math.inf)]
+
+
+@pytest.mark.parametrize("normalizer", BAD_NORMALIZERS, ids=repr)
+def test_bad_normalizer_raises(normalizer):
+    """0 used to be replaced by 1 and a negative value flipped the sign of the loss."""
+    data = make_batch(seed=4)
+    calls = {
+        "nll": lambda: nll_loss(data["lp"], data["mask"], normalizer=normalizer),
+        "dpo": lambda: dpo_loss(data["lp"], data["ref"], data["mask"], normalizer=normalizer),
+        "dpo_sft": lambda: dpo_loss(data["lp"], data["ref"], data["mask"], sft_normalizer=normalizer),
+        **{lt: lambda lt=lt: grpo_loss(data["lp"], data["adv"], data["mask"],
+                                       GRPOConfig(loss_type=lt, max_completion_length=L), normalizer=normalizer)
+           for lt in GRPO_LOSS_TYPES},
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="normalizer"):
+            call()
+
+
+def test_good_normalizers_are_accepted():
+    data = make_batch(seed=4)
+    for normalizer in (1, 2.5, torch.tensor(3), torch.tensor([7.0]), torch.tensor(0.5, dtype=F64)):
+        loss, _ = nll_loss(data["lp"], data["mask"], normalizer=normalizer)
+        assert_close(loss, ref_nll(data["lp"], data["mask"], float(normalizer)), "nll")
+
+
+# ---- conventions where peers differ (issue 11, item 10) -----------------------------------------------
+
+
+def _peer_inputs():
+    data = make_batch(seed=21, garbage=False)
+    data["mask"][5] = 0.0  # a second empty sequence
+    return data
+
+
+def test_sapo_default_reduction_is_per_sequence_like_trl_liger_verl():
+    """TRL / Liger: ((x·m).sum(-1) / m.sum(-1).clamp(min=1)).mean() over all rows; verl's
+    "seq-mean-token-mean" leaves fully masked rows out (count_empty_sequences=False)."""
+    data = _peer_inputs()
+    lp, old, mask, adv = data["lp"], data["old"], data["mask"], data["adv"][:, None]
+    ratio = torch.exp(lp - old)
+    tau = torch.where(adv > 0, const(1.0), const(1.05))
+    per_token = -adv * torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    nonempty = (mask.sum(-1) > 0).to(F64)
+    expected = {
+        "default (TRL, Liger)": (dict(), per_sequence.mean()),
+        "verl": (dict(count_empty_sequences=False), (per_sequence * nonempty).sum() / nonempty.sum()),
+        "per token": (dict(sapo_reduction="token"), (per_token * mask).sum() / mask.sum()),
+    }
+    for what, (options, value) in expected.items():
+        loss, _ = grpo_loss(lp, data["adv"], mask, GRPOConfig(loss_type="sapo", **options), old_logprobs=old)
+        assert_close(loss, value, what)
+
+
+def test_cispo_lower_bound_matches_verl_and_nemo_rl():
+    """verl / NeMo-RL: -A · sg(clamp(r, 1 - eps_low, 1 + eps_high)) · lp; TRL / Liger (our
+    default): no lower bound."""
+    data = _peer_inputs()
+    lp, old, mask, adv = data["lp"], data["old"], data["mask"], data["adv"][:, None]
+    ratio = torch.exp(lp - old)
+    assert (ratio < 0.8).any() and (ratio > 1.2).any()
+    two_sided = GRPOConfig(loss_type="cispo", cispo_min_ratio=0.8, cispo_max_ratio=1.2)
+    one_sided = GRPOConfig(loss_type="cispo", cispo_max_ratio=1.2)
+    for config, weight in ((two_sided, ratio.clamp(0.8, 1.2)), (one_sided, ratio.clamp(max=1.2))):
+        loss, grad = grad_of(lambda x: grpo_loss(x, data["adv"], mask, config, old_logprobs=old)[0], lp)
+        expected, expected_grad = grad_of(lambda x: (-adv * weight * x * mask).sum() / mask.sum(), lp)
+        assert_close(loss, expected, "cispo loss")
+        assert_close(grad, expected_grad, "cispo grad")
+    _, metrics = grpo_loss(lp, data["adv"], mask, two_sided, old_logprobs=old)
+    low = ((ratio < 0.8) * mask).sum() / mask.sum()
+    assert_close(metrics["clip_ratio_low"], low, "clip_ratio_low")
+    assert float(metrics["clip_ratio_low"]) > 0
+
+
+def test_grpo_without_empty_sequences_like_verl():
+    data = _peer_inputs()
+    config = GRPOConfig(loss_type="grpo", count_empty_sequences=False)
+    loss, _ = grpo_loss(data["lp"], data["adv"], data["mask"], config, old_logprobs=data["old"])
+    counted, _ = grpo_loss(data["lp"], data["adv"], data["mask"], GRPOConfig(loss_type="grpo"),
+                           old_logprobs=data["old"])
+    nonempty = int((data["mask"].sum(-1) > 0).sum())
+    assert nonempty < data["mask"].shape[0]
+    assert_close(loss, counted * data["mask"].shape[0] / nonempty, "rescaled by B / non-empty rows")
+
+
+# ---- excluded tokens: a -inf log-prob masks its token (issue 14) --------------------------------------
+
+
+def _with_impossible_tokens(seed=13):
+    """A batch without garbage and the positions (all valid) where -inf will be written."""
+    data = make_batch(seed=seed, garbage=False)
+    valid = data["mask"] != 0
+    picks = valid.nonzero()[torch.randperm(int(valid.sum()), generator=torch.Generator().manual_seed(seed))]
+    return data, {"lp": picks[:3], "old": picks[3:5], "sampling": picks[5:7], "ref": picks[7:9]}
+
+
+def _poison(tensor, positions):
+    out = tensor.clone()
+    out[positions[:, 0], positions[:, 1]] = -math.inf
+    return out
+
+
+def _masked_out(mask, *position_sets):
+    out = mask.clone()
+    for positions in position_sets:
+        out[positions[:, 0], positions[:, 1]] = 0.0
+    return out
+
+
+EXCLUSION_GRPO = [
+    dict(),
+    dict(loss_type="grpo", beta=0.1, kl_estimator="k2"),
+    dict(loss_type="sapo", is_correction="sequence_mask", is_clip_min=0.3, is_clip_max=3.0),
+    dict(loss_type="cispo", is_correction="token_truncate", is_clip_max=1.2, beta=0.05),
+    dict(loss_type="dr_grpo", max_completion_length=L, importance_sampling_level="sequence"),
+    dict(loss_type="bnpo", importance_sampling_level="sequence", is_correction="sequence_truncate",
+         is_clip_max=2.0, use_bias_correction_kl=True, beta=0.1),
+]
+
+
+@pytest.mark.parametrize("normalizer", [None, 30.0])
+@pytest.mark.parametrize("cfg_kwargs", EXCLUSION_GRPO, ids=str)
+def test_grpo_minus_inf_tokens_are_masked(cfg_kwargs, normalizer):
+    """-inf policy / old / sampling log-probs: loss and gradient equal to the same batch with those
+    tokens masked out; no NaN anywhere; the count is reported. (Reference -inf is kept: the KL
+    clamps bound it.)"""
+    data, at = _with_impossible_tokens()
+    config = GRPOConfig(**cfg_kwargs)
+    poisoned = dict(old_logprobs=_poison(data["old"], at["old"]),
+                    sampling_logprobs=_poison(data["sampling"], at["sampling"]),
+                    reference_logprobs=data["ref"], normalizer=normalizer)
+    clean = dict(poisoned, old_logprobs=data["old"], sampling_logprobs=data["sampling"])
+    lp_poisoned = _poison(data["lp"], at["lp"])
+    mask_out = _masked_out(data["mask"], at["lp"], at["old"], at["sampling"])
+
+    loss, grad = grad_of(lambda x: grpo_loss(x, data["adv"], data["mask"], config, **poisoned)[0], lp_poisoned)
+    want, want_grad = grad_of(lambda x: grpo_loss(x, data["adv"], mask_out, config, **clean)[0], data["lp"])
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert_close(loss, want, "loss")
+    assert_close(grad, want_grad, "grad")
+    _, metrics = grpo_loss(lp_poisoned, data["adv"], data["mask"], config, entropy=data["entropy"], **poisoned)
+    _, want_metrics = grpo_loss(data["lp"], data["adv"], mask_out, config, entropy=data["entropy"], **clean)
+    assert float(metrics.pop("num_excluded_tokens")) == 7 and float(want_metrics.pop("num_excluded_tokens")) == 0
+    for name, value in want_metrics.items():
+        assert torch.isfinite(metrics[name]), name
+        assert_close(metrics[name], value, name)
+
+    # old log-probs are ignored on-policy: their -inf excludes nothing then
+    on_policy = dict(poisoned, old_logprobs=None)
+    _, metrics = grpo_loss(lp_poisoned, data["adv"], data["mask"], config, **on_policy)
+    assert float(metrics["num_excluded_tokens"]) == 5
+
+
+def test_grpo_minus_inf_reference_is_not_excluded():
+    """A -inf reference log-prob keeps its token: it acts like any very unlikely reference token,
+    whose KL the default clamps bound (d -> -kl_input_clamp, k3 -> kl_output_clamp)."""
+    data, at = _with_impossible_tokens()
+    ref = _poison(data["ref"], at["ref"])
+    very_unlikely = data["ref"].clone()
+    very_unlikely[at["ref"][:, 0], at["ref"][:, 1]] = -1000.0
+    config = GRPOConfig(beta=0.1, kl_estimator="k3")
+    kw = dict(old_logprobs=data["old"])
+    loss, grad = grad_of(lambda x: grpo_loss(x, data["adv"], data["mask"], config, reference_logprobs=ref,
+                                             **kw)[0], data["lp"])
+    want, want_grad = grad_of(lambda x: grpo_loss(x, data["adv"], data["mask"], config,
+                                                  reference_logprobs=very_unlikely, **kw)[0], data["lp"])
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert_close(loss, want, "loss")
+    assert_close(grad, want_grad, "grad")
+    _, metrics = grpo_loss(data["lp"], data["adv"], data["mask"], config, reference_logprobs=ref, **kw)
+    assert float(metrics["num_excluded_tokens"]) == 0
+
+
+@pytest.mark.parametrize("normalizer", [None, 17.0])
+def test_nll_minus_inf_tokens_are_masked(normalizer):
+    data, at = _with_impossible_tokens()
+    lp = _poison(data["lp"], at["lp"])
+    mask_out = _masked_out(data["mask"], at["lp"])
+    loss, grad = grad_of(lambda x: nll_loss(x, data["mask"], normalizer=normalizer)[0], lp)
+    want, want_grad = grad_of(lambda x: nll_loss(x, mask_out, normalizer=normalizer)[0], data["lp"])
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert_close(loss, want, "loss")
+    assert_close(grad, want_grad, "grad")
+    _, metrics = nll_loss(lp, data["mask"], normalizer=normalizer)
+    assert float(metrics["num_excluded_tokens"]) == 3
+    assert_close(metrics["num_tokens"], mask_out.sum(), "num_tokens")
+
+
+@pytest.mark.parametrize("kwargs", [dict(sft_weight=0.4), dict(average_log_probs=True, loss_type="ipo"),
+                                    dict(loss_type="hinge", sft_weight=1.0, sft_normalizer=9.0)], ids=str)
+def test_dpo_minus_inf_tokens_are_masked(kwargs):
+    """A -inf policy or reference log-prob drops the token from both scores and the SFT term."""
+    data, at = _with_impossible_tokens()
+    lp, ref = _poison(data["lp"], at["lp"]), _poison(data["ref"], at["ref"])
+    mask_out = _masked_out(data["mask"], at["lp"], at["ref"])
+    loss, grad = grad_of(lambda x: dpo_loss(x, ref, data["mask"], **kwargs)[0], lp)
+    want, want_grad = grad_of(lambda x: dpo_loss(x, data["ref"], mask_out, **kwargs)[0], data["lp"])
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert_close(loss, want, "loss")
+    assert_close(grad, want_grad, "grad")
+    _, metrics = dpo_loss(lp, ref, data["mask"], **kwargs)
+    _, want_metrics = dpo_loss(data["lp"], data["ref"], mask_out, **kwargs)
+    assert float(metrics.pop("num_excluded_tokens")) == 5
+    want_metrics.pop("num_excluded_tokens")
+    for name, value in want_metrics.items():
+        assert_close(metrics[name], value, name)

@@ -149,3 +149,43 @@ def test_dpo_loss_func_owns_the_normalizers():
     post = LogprobsPostProcessor(FUSED)
     with pytest.raises(ValueError, match="normalizer"):
         dpo_loss_func(post, None, None, None, None, normalizer=4)
+
+
+class _LogprobsStub:
+    """Stands in for the post-processor: returns fixed log-probs (no model needed)."""
+
+    ignore_index = -100
+    return_entropy = False
+
+    def __init__(self, logprobs):
+        self.logprobs = logprobs
+
+    def fused_inputs(self, *args, **kwargs):
+        return None
+
+    def __call__(self, output_tensor, model, labels, cu_seqlens=None):
+        from megatron_fused_ce import LogprobsOutput
+        return LogprobsOutput(self.logprobs, None)
+
+
+def test_loss_funcs_count_excluded_tokens_and_empty_rows():
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(4, 5, generator=g)
+    lp[3, 2] = float("-inf")  # outside a sampler's kept set: excluded
+    labels = torch.ones(4, 5, dtype=torch.long)
+    mask = torch.ones(4, 5)
+    mask[1] = 0.0  # an empty sequence
+    config = GRPOConfig(loss_type="grpo", count_empty_sequences=False)
+    loss_sum, count, out = grpo_loss_func(_LogprobsStub(lp), None, labels, mask, torch.randn(4), config)(None)
+    assert int(count) == 3  # sequences with a loss token, as the loss's own default normalizer
+    assert out["num_excluded_tokens"].tolist() == [1.0, 3.0]  # a sum, not a mean
+    assert int(grpo_loss_func(_LogprobsStub(lp), None, labels, mask, torch.randn(4),
+                              GRPOConfig(loss_type="grpo"))(None)[1]) == 4
+
+    # DPO: chosen rows without loss tokens (the SFT term is 0) must not make a zero normalizer
+    mask = torch.ones(4, 5)
+    mask[0::2] = 0.0
+    loss_sum, pairs, out = dpo_loss_func(_LogprobsStub(lp), None, labels, mask, lp.detach() + 0.1,
+                                         sft_weight=0.5)(None)
+    assert torch.isfinite(loss_sum) and int(pairs) == 2
+    assert out["num_excluded_tokens"].tolist() == [1.0, 2.0]

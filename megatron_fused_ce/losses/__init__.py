@@ -1,12 +1,19 @@
-"""Losses on per-token log-probs: SFT (NLL), DPO and the GRPO family (design.md §2.3 and §3).
+"""Losses on per-token log-probs: SFT (NLL), DPO and the GRPO family.
 
-Pure functions of tensors, without collectives: they give the same result on log-probs from
-``linear_logprobs`` (no logits tensor) and on ``log_softmax`` of materialized logits. Each returns
-``(loss, metrics)`` with a 0-dim loss and a dict of detached 0-dim metrics.
+Pure functions of tensors: they give the same result on log-probs from ``linear_logprobs`` (no
+logits tensor) and on ``log_softmax`` of materialized logits. Each returns ``(loss, metrics)`` with
+a 0-dim loss and a dict of detached 0-dim metrics.
 
-Data parallelism is handled through ``normalizer``: pass the global count (tokens, pairs or
+Data parallelism is handled through ``normalizer`` (> 0): pass the global count (tokens, pairs or
 sequences, as each loss documents) and the per-rank gradients add up to the gradient of the whole
 batch; ``normalizer=1`` returns a plain sum (Megatron's ``calculate_per_token_loss``).
+
+Context parallelism is handled through ``cp_group``: each rank passes its slice of every sequence
+and the losses sum what they need over the group (``context_parallel.py``); the loss and metrics
+are then the CP=1 values on every rank, and each rank's gradient the CP=1 gradient at its tokens.
+
+A token whose log-prob is ``-inf`` (outside a top-k / top-p / min-p sampler's kept set) is treated
+as masked and counted in the ``num_excluded_tokens`` metric (see ``nll.py``).
 
     from megatron_fused_ce.losses import GRPOConfig, grpo_loss
     config = GRPOConfig(loss_type="dapo", beta=0.0)
@@ -21,6 +28,7 @@ from .grpo import (
     IS_CORRECTIONS,
     KL_ESTIMATORS,
     PPO_CLIP_LOSS_TYPES,
+    SAPO_REDUCTIONS,
     GRPOConfig,
     grpo_loss,
 )
@@ -55,4 +63,5 @@ __all__ = [
     "KL_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
     "IS_CORRECTIONS",
+    "SAPO_REDUCTIONS",
 ]

@@ -5,17 +5,25 @@
 
 for values and gradients, at 3 GEMMs per chunk instead of 4 (no backward recompute of the logits).
 
-Why it is exact: with token-level importance ratios every GRPO variant here is a weighted sum of
-per-token terms, the weights depending only on the mask, so d loss / d lp_t depends on lp_t and
-constants alone. As soon as a chunk's log-probs are known (merged over TP ranks), `grpo_loss`
-itself is evaluated with autograd on a [B, T] buffer holding them and its gradient w.r.t. those
-tokens is read off; the chunk's dlogits, dX and dW follow at once. The loss value and metrics come
-from one final `grpo_loss` call on all log-probs. Reusing `grpo_loss` keeps one definition of
-every option.
+Why it is exact: once the batch totals are known (per-sequence and batch counts, and with given old
+log-probs the sequence-level correction; ``grpo.BatchTotals``), every GRPO variant with token-level
+importance ratios is a weighted sum of per-token terms, so d loss / d lp_t depends on lp_t and
+constants alone. The totals depend on the mask and old / sampling log-probs only, so they are
+computed (and summed over ``cp_group``) before the chunk loop. As soon as a chunk's log-probs are
+known (merged over TP ranks), the loss given those totals is evaluated with autograd on a [B, T]
+buffer holding them and its gradient w.r.t. those tokens is read off; the chunk's dlogits, dX and
+dW follow at once. No context-parallel collective runs inside the chunk loop (CP ranks may have
+different numbers of chunks). The loss value and metrics come from one final `grpo_loss` call on
+all log-probs. Reusing `grpo.py` keeps one definition of every option.
 
 Not decomposable, hence computed with the recompute path (same result, 4 GEMMs): sequence-level
 ratios (GSPO), and sequence-level train/inference correction when the old log-probs are the
 policy's own (on-policy), since then rho of one token depends on the others' log-probs.
+
+Excluded tokens (a ``-inf`` log-prob, see ``grpo.py``): those of the old / sampling log-probs are
+known before the loop and enter the totals; the policy's own log-probs here are those of the full
+softmax, never ``-inf``. (A sampler filter on the policy log-probs would change the totals during
+the loop, so it would have to take the recompute path.)
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..ops.api import linear_logprobs, token_statistics
-from .grpo import GRPOConfig, grpo_loss
+from .grpo import GRPOConfig, batch_totals, check_grpo_arguments, grpo_loss, loss_given_totals
 from .nll import Normalizer
 
 
@@ -48,6 +56,7 @@ def linear_grpo_loss(
     config: GRPOConfig,
     *,
     tp_group=None,
+    cp_group=None,
     vocab_size: Optional[int] = None,
     temperature: float = 1.0,
     old_logprobs: Optional[Tensor] = None,
@@ -65,31 +74,52 @@ def linear_grpo_loss(
     `mask`, `advantages` and the old / reference / sampling log-probs are [B, T] (advantages may be
     [B]). `hidden` / `labels` are [B, T, H] / [B, T], or Megatron's sequence-first [T, B, H] /
     [T, B] when `sequence_parallel=True` (hidden then being this rank's [T/TP, B, H] slice).
-    Tokens where mask == 0 are skipped before the first GEMM.
+    Tokens where mask == 0 are skipped before the first GEMM. With `cp_group`, T is this rank's
+    context-parallel slice of every sequence (as for `grpo_loss`); TP and CP groups may be combined.
+    Argument errors raise the same ValueError on every rank of `tp_group` and `cp_group`.
     """
-    config.validate()
     sequence_first = bool(sequence_parallel)
-    mask_in_label_layout = mask.t() if sequence_first else mask
-    if isinstance(labels, Tensor) and labels.shape == mask_in_label_layout.shape:
-        # masked tokens never reach the loss: drop their rows before any GEMM
-        labels = torch.where(mask_in_label_layout != 0, labels, torch.full_like(labels, ignore_index))
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in (hidden, weight))
+    loss_kwargs = dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs,
+                       sampling_logprobs=sampling_logprobs, normalizer=normalizer)
+
+    def check_mask_and_labels():
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            raise ValueError(f"mask must be a [B, T] tensor, got "
+                             f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
+        layout = tuple(mask.t().shape if sequence_first else mask.shape)
+        if not isinstance(labels, Tensor) or tuple(labels.shape) != layout:
+            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not match labels {got}: labels must "
+                             f"be {'[T, B] (sequence_parallel)' if sequence_first else '[B, T]'} = {layout}")
+
+    check_grpo_arguments("linear_grpo_loss", mask, advantages, mask, config, **loss_kwargs,
+                         cp_group=cp_group, other_groups=(tp_group,), extra_check=check_mask_and_labels,
+                         extra_flags=[("needs_grad", needs_grad)], shape_source="mask")
+
+    # masked tokens never reach the loss: drop their rows before any GEMM
+    keep = (mask.t() if sequence_first else mask) != 0
+    labels = torch.where(keep, labels, torch.full_like(labels, ignore_index))
     op_kwargs = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=temperature,
                      ignore_index=ignore_index, chunk_size=chunk_size,
                      sequence_parallel=sequence_parallel, impl=impl,
                      accumulate_into_main_grad=accumulate_into_main_grad)
-    loss_kwargs = dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs,
-                       sampling_logprobs=sampling_logprobs, normalizer=normalizer)
 
     def to_batch_layout(logprobs: Tensor) -> Tensor:
         return logprobs.t() if sequence_first else logprobs
 
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if not needs_grad or not gradients_in_forward_apply(config, old_logprobs, sampling_logprobs):
         logprobs = linear_logprobs(hidden, weight, labels, **op_kwargs).logprobs
-        return grpo_loss(to_batch_layout(logprobs), advantages, mask, config, **loss_kwargs)
+        return grpo_loss(to_batch_layout(logprobs), advantages, mask, config, **loss_kwargs,
+                         cp_group=cp_group)
 
     batch, length = mask.shape
     placeholder = torch.zeros(batch * length, dtype=torch.float32, device=hidden.device)
+    # Everything a token's gradient needs from other tokens (and other CP ranks), before the loop.
+    totals = batch_totals(placeholder.view(batch, length), advantages, mask, config,
+                          old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs,
+                          reference_logprobs=reference_logprobs, cp_group=cp_group)
 
     def token_grads(merged, positions, num_labelled):
         if sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
@@ -97,7 +127,7 @@ def linear_grpo_loss(
         with torch.enable_grad():
             chunk_logprobs = (merged.target - merged.lse).detach().requires_grad_()
             logprobs = placeholder.index_put((positions,), chunk_logprobs).view(batch, length)
-            loss, _ = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs)
+            loss = loss_given_totals(logprobs, advantages, mask, config, totals, **loss_kwargs)
             (grad,) = torch.autograd.grad(loss, chunk_logprobs)
         return grad, -grad, None, None  # log p = target - lse
 
@@ -105,5 +135,5 @@ def linear_grpo_loss(
                              want_sum_logits=False, want_entropy=False, token_grads=token_grads)
     with torch.no_grad():
         logprobs = to_batch_layout(stats.to_full(stats.target - stats.lse))
-        loss, metrics = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs)
+        loss, metrics = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs, cp_group=cp_group)
     return loss + stats.anchor, metrics

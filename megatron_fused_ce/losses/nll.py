@@ -9,22 +9,34 @@ follow two rules:
 
 A mask is a float weight per token (the product of the loss mask and, for agentic rollouts, the
 tool mask); a bool mask is read as 0/1 weights.
+
+Excluded tokens: a token whose log-prob is ``-inf`` (its label lies outside the set that a
+top-k / top-p / min-p sampler keeps, so the trainer's distribution says it could not have been
+sampled) is treated as masked: zero weight, zero gradient, not counted in any default normalizer.
+Each loss reports how many there were as ``num_excluded_tokens``.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Dict, Optional, Tuple, Union
 
 import torch
+
+from .context_parallel import agree_on_inputs, sum_over_cp
 
 Normalizer = Union[int, float, torch.Tensor]
 
 __all__ = [
     "nll_loss",
     "as_weights",
+    "check_normalizer",
+    "check_number",
+    "check_bool",
+    "exclude_impossible_tokens",
     "masked_sum",
     "masked_mean",
-    "masked_min_max",
     "safe_divide",
 ]
 
@@ -32,6 +44,52 @@ __all__ = [
 def as_weights(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The mask as float weights with the dtype and device of ``like``."""
     return mask.to(dtype=like.dtype, device=like.device)
+
+
+def check_number(name: str, value, *, optional: bool = False) -> None:
+    """``value`` must be a finite real number (not a bool), or None if ``optional``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    """``value`` must be a bool (a truthy string such as 'no' must not switch an option on)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_normalizer(name: str, value: Optional[Normalizer]) -> None:
+    """A normalizer is a count: a finite number > 0 (or None = the loss's default).
+
+    A tensor must have one element; it is read with ``.item()``, one host sync per loss call
+    (harmless outside CUDA-graph capture, which these losses do not support anyway).
+    """
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError(f"{name} must be a number or a one-element real tensor, got a "
+                             f"{value.dtype} tensor of shape {tuple(value.shape)}")
+        number = value.detach().item()
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = value
+    else:
+        raise ValueError(f"{name} must be a number > 0 or a one-element tensor, got {value!r}")
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {number!r}")
+
+
+def exclude_impossible_tokens(weights: torch.Tensor, *logprobs: Optional[torch.Tensor]):
+    """``(weights, excluded)``: the weights with 0 wherever one of ``logprobs`` is ``-inf``, and the
+    bool map of the weighted tokens so dropped (see the module doc). ``None`` entries are skipped."""
+    impossible = torch.zeros_like(weights, dtype=torch.bool)
+    for values in logprobs:
+        if values is not None:
+            impossible |= values.detach() == float("-inf")
+    excluded = impossible & (weights != 0)
+    return torch.where(excluded, torch.zeros_like(weights), weights), excluded
 
 
 def safe_divide(numerator: torch.Tensor, denominator: Normalizer) -> torch.Tensor:
@@ -42,6 +100,8 @@ def safe_divide(numerator: torch.Tensor, denominator: Normalizer) -> torch.Tenso
     and never carries a gradient.
     """
     den = torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device).detach()
+    if den.numel() == 1:
+        den = den.reshape(())  # a one-element normalizer tensor keeps the loss 0-dim
     return numerator / torch.where(den != 0, den, torch.ones_like(den))
 
 
@@ -59,46 +119,46 @@ def masked_mean(values: torch.Tensor, weights: torch.Tensor, dim: Optional[int] 
     return safe_divide(masked_sum(values, weights, dim), total_weight)
 
 
-@torch.no_grad()
-def masked_min_max(values: torch.Tensor, weights: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of ``values`` over positions with a nonzero weight (for metrics; detached).
-
-    Both are 0 when no position is valid.
-    """
-    zero = values.new_zeros(())
-    if values.numel() == 0:
-        return zero, zero.clone()
-    valid = weights != 0
-    any_valid = valid.any()
-    # Fill masked positions with ±inf instead of indexing: no host sync, no dynamic shapes.
-    smallest = values.masked_fill(~valid, float("inf")).min()
-    largest = values.masked_fill(~valid, float("-inf")).max()
-    return torch.where(any_valid, smallest, zero), torch.where(any_valid, largest, zero)
-
-
 def nll_loss(
     logprobs: torch.Tensor,
     mask: torch.Tensor,
     *,
     normalizer: Optional[Normalizer] = None,
+    cp_group=None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Masked negative log-likelihood ``L = -Σ m·lp / N``.
 
     Args:
-        logprobs: per-token log-probs of the targets, any shape (e.g. ``[B, T]``).
+        logprobs: per-token log-probs of the targets, any shape (e.g. ``[B, T]``). A ``-inf`` entry
+            is an excluded token (module doc): masked out and counted in ``num_excluded_tokens``.
         mask: same shape; float weights or bool (loss mask × tool mask).
-        normalizer: ``N``. Pass the global number of loss tokens (all micro-batches and
+        normalizer: ``N`` > 0. Pass the global number of loss tokens (all micro-batches and
             data-parallel ranks) so that per-rank gradients add up to the gradient of the whole
-            batch; ``1`` gives the plain sum. Default: the local ``Σ m``.
+            batch; ``1`` gives the plain sum. Default: ``Σ m`` over the non-excluded tokens (summed
+            over ``cp_group``). An explicit normalizer is used as given: excluded tokens leave the
+            numerator only (subtract the global ``num_excluded_tokens`` to drop them from it too).
+        cp_group: context-parallel group; each rank passes its slice of the tokens (see
+            ``megatron_fused_ce.losses.context_parallel``). The loss and metrics are then the same
+            on every rank and equal to the CP=1 values.
 
     Returns:
-        ``(loss, metrics)``; ``loss`` is a 0-dim tensor, ``metrics`` holds detached ``loss`` and
-        ``num_tokens`` (the local ``Σ m``). With no valid token the loss is 0 with zero gradients.
+        ``(loss, metrics)``; ``loss`` is a 0-dim tensor, ``metrics`` holds detached ``loss``,
+        ``num_tokens`` (``Σ m`` over non-excluded tokens) and ``num_excluded_tokens``. With no
+        valid token the loss is 0 with zero gradients.
     """
-    if logprobs.shape != mask.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    weights = as_weights(mask, logprobs)
-    num_tokens = weights.sum()
-    loss = safe_divide(-masked_sum(logprobs, weights), num_tokens if normalizer is None else normalizer)
-    metrics = {"loss": loss.detach(), "num_tokens": num_tokens.detach()}
+    def check():
+        if not isinstance(logprobs, torch.Tensor) or not isinstance(mask, torch.Tensor):
+            raise ValueError("logprobs and mask must be tensors")
+        if logprobs.shape != mask.shape:
+            raise ValueError(f"mask shape {tuple(mask.shape)} != logprobs shape {tuple(logprobs.shape)}")
+        check_normalizer("normalizer", normalizer)
+
+    agree_on_inputs("nll_loss", check, cp_group=cp_group, device=getattr(logprobs, "device", None),
+                    flags=[("normalizer", normalizer is not None)])
+    weights, excluded = exclude_impossible_tokens(as_weights(mask, logprobs), logprobs)
+    sums = sum_over_cp({"total": masked_sum(logprobs, weights), "tokens": weights.sum(),
+                        "excluded": excluded.sum().to(weights.dtype)}, cp_group)
+    loss = safe_divide(-sums["total"], sums["tokens"] if normalizer is None else normalizer)
+    metrics = {"loss": loss.detach(), "num_tokens": sums["tokens"].detach(),
+               "num_excluded_tokens": sums["excluded"].detach()}
     return loss, metrics

@@ -123,13 +123,15 @@ def dpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
         chosen_mask = mask[0::2]
         if global_num_pairs is not None and global_num_sft_tokens is not None:
             sft_normalizer = global_num_sft_tokens / global_num_pairs
-        else:
-            sft_normalizer = chosen_mask.sum() / max(int(pairs), 1)
+        else:  # no chosen token: the SFT sum is 0 whatever the (positive) normalizer
+            chosen_tokens = chosen_mask.sum()
+            sft_normalizer = torch.where(chosen_tokens > 0, chosen_tokens, 1.0) / max(int(pairs), 1)
         loss_sum, metrics = dpo_loss(lp, reference_logprobs, mask, normalizer=1,
                                      sft_normalizer=sft_normalizer, **dpo_kwargs)
         with torch.no_grad():
             sft_sum, _ = nll_loss(lp[0::2], chosen_mask, normalizer=1)
-        out = _pairs(metrics, pairs, {"loss": loss_sum, "preference_loss": metrics["preference_loss"]})
+        out = _pairs(metrics, pairs, {"loss": loss_sum, "preference_loss": metrics["preference_loss"],
+                                      "num_excluded_tokens": metrics["num_excluded_tokens"]})
         out["sft_loss"] = torch.stack([sft_sum.float(), chosen_mask.sum().float()])
         return loss_sum, pairs, out
 
@@ -179,12 +181,14 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
             out = post_processor(output_tensor, model, labels)
             loss_sum, metrics = grpo_loss(out.logprobs, advantages, mask, config, **kwargs,
                                           entropy=out.entropy)
-        if config.normalizer_unit == "sequences":
+        if config.normalizer_unit == "sequences" and (config.count_empty_sequences or not config.per_sequence_mean):
             count = torch.tensor(mask.shape[0], dtype=torch.int, device=mask.device)
+        elif config.normalizer_unit == "sequences":  # sequences with a loss token
+            count = (mask != 0).any(-1).sum().to(torch.int)
         else:
             count = _count(mask)
-        # loss, pg_loss and kl are sums here (normalizer=1); the rest are masked means.
-        sums = {name: metrics[name] for name in ("loss", "pg_loss", "kl")}
+        # loss, pg_loss, kl and num_excluded_tokens are sums here (normalizer=1); the rest are means.
+        sums = {name: metrics[name] for name in ("loss", "pg_loss", "kl", "num_excluded_tokens")}
         return loss_sum, count, _pairs(metrics, count, sums)
 
     return loss_func

@@ -124,3 +124,61 @@ def sum_over_ranks(partials: Tensor, group) -> Tensor:
         partials = partials.clone()
         dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=group)
     return partials
+
+
+# ------------------------------------------------------------------------------------------------
+# Context parallelism: the collectives of the losses (megatron_fused_ce.losses).
+#
+# Under context parallelism (CP) each rank holds a slice of every sequence. A loss that needs a sum
+# over a sequence or over the batch adds up the ranks' partial sums; every rank then evaluates the
+# same loss f(S), S = Σ_r s_r, and the gradient that rank r must see for its own partial s_r is
+# f'(S): the CP=1 gradient at its positions. Hence the all-reduce below has the identity as its
+# backward (not the all-reduce that a plain "sum of per-rank losses" would call for): summing the
+# parameter gradients over the data x context-parallel group, as Megatron's finalize_model_grads
+# does, then yields the CP=1 gradient.
+#
+# One exception: a sum that is an input of further per-rank partials (GSPO's per-sequence ratio
+# weighs every rank's tokens, whose partial losses are summed again). Rank r's backward then only
+# holds d(its own partials)/dS, and the full dL/dS is the sum of those over the ranks: that sum's
+# backward is an all-reduce (`feeds_partials=True`), valid as long as S reaches the loss only
+# through per-rank partials. Every rank must backpropagate the same upstream gradient (Megatron
+# scales the loss alike on every rank). The losses stack what they need into one vector per step,
+# so the number of CP collectives per call is small and never depends on the data.
+# ------------------------------------------------------------------------------------------------
+class _SumOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: Tensor, group, sum_gradients: bool) -> Tensor:
+        ctx.group, ctx.sum_gradients = group, sum_gradients
+        total = values.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        if ctx.sum_gradients:
+            grad_total = grad_total.clone()
+            dist.all_reduce(grad_total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad_total, None, None
+
+
+def sum_over_context_ranks(values: Tensor, group, *, feeds_partials: bool = False) -> Tensor:
+    """Element-wise sum over the CP group of a small vector of partial sums.
+
+    Differentiable. The backward is the identity (every rank's loss is the same f(S)), or, with
+    ``feeds_partials``, an all-reduce of the gradient (S is an input of per-rank partials; see above).
+    """
+    if group_size(group) == 1:
+        return values
+    return _SumOverRanks.apply(values, group, feeds_partials)
+
+
+@torch.no_grad()
+def max_over_context_ranks(values: Tensor, group) -> Tensor:
+    """Element-wise max over the CP group of a small float vector (metrics only: no gradient).
+
+    Pass ``-x`` for a minimum.
+    """
+    values = values.detach().clone()
+    if group_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
