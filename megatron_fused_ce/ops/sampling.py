@@ -435,3 +435,52 @@ def sampled_statistics(hidden2d: Tensor, weight: Tensor, row_index: Optional[Ten
     topk_lp, topk_ids = _topk(merge_candidates(local, spec.tp_group), lse.detach(), sp.return_topk)
     return KeptStats(target=target, lse=lse, expected_logit=expected, kept=None,
                      topk_logprobs=topk_lp, topk_ids=topk_ids)
+
+
+# --------------------------------------------------------------------------------------------
+# Materialized logits (the Megatron post-processor's unfused path)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class LogitsSampler:
+    """Sampler quantities of materialized vocab-parallel logits [N, V_local] (no gradient)."""
+
+    z_cut: Optional[Tensor]  # [N] (None without filters)
+    id_cut: Optional[Tensor]  # [N]
+    topk_logprobs: Optional[Tensor]  # [N, return_topk] under the full softmax(z)
+    topk_ids: Optional[Tensor]  # [N, return_topk]
+
+    def kept_columns(self, logits: Tensor, num_valid_cols: int, inv_temperature: float,
+                     vocab_start: int) -> Tensor:
+        """[N, V_local] bool: the kept set on this shard (padding columns never)."""
+        z = logits[:, :num_valid_cols].float() * inv_temperature  # the op's z, bit for bit
+        ids = torch.arange(vocab_start, vocab_start + num_valid_cols, device=logits.device)
+        keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        keep[:, :num_valid_cols] = sampling_torch.kept_mask(z, ids, self.z_cut, self.id_cut)
+        return keep
+
+
+@torch.no_grad()
+def sample_logits(logits: Tensor, *, tp_group, num_valid_cols: int, inv_temperature: float,
+                  sp: SamplingSpec) -> LogitsSampler:
+    """The kept-set cut and top-k of every row of [N, V_local] logits, with the same candidates,
+    searches and collectives as the fused op (all rows as one chunk, torch kernels)."""
+    logits = logits.detach()
+    spec = ChunkSpec(tp_group=tp_group, backend=None, num_valid_cols=num_valid_cols,
+                     inv_temperature=inv_temperature, chunk_size=max(logits.shape[0], 1),
+                     want_sum_logits=False, want_entropy=False, sequence_parallel=False,
+                     accumulate_into_main_grad=False)
+    keys = sampling_torch.shard_candidates(logits, num_valid_cols, inv_temperature, sp.vocab_start,
+                                           sp.num_candidates)
+    cands = merge_candidates(keys, tp_group)
+    cz, cid, cvalid = decode_keys(cands)
+    z_cut = id_cut = topk_lp = topk_ids = None
+    if sp.filters:
+        z_cut, id_cut = kept_cut(cz, cid, cvalid, _ChunkSearch(logits, spec, sp, sampling_torch), sp)
+    if sp.return_topk:
+        row_max = cz[:, 0]
+        local = sampling_torch.kept_sums(logits, None, num_valid_cols, inv_temperature, sp.vocab_start,
+                                         row_max, row_max, torch.full_like(cid[:, 0], ID_ALL),
+                                         want_total=True).total
+        lse = row_max + torch.log(reductions.sum_over_ranks(local, tp_group))
+        topk_lp, topk_ids = _topk(cands, lse, sp.return_topk)
+    return LogitsSampler(z_cut, id_cut, topk_lp, topk_ids)
