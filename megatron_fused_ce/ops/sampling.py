@@ -51,6 +51,7 @@ softmax(z); with filters they come from the same candidates.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,6 +76,8 @@ from .sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, or
 CANDIDATES = 128
 # top_k up to this many is read off the candidates; larger top_k takes the exact count search.
 MAX_TOP_K_CANDIDATES = 1024
+# Rows seen / rows that took an exact search, since import (read by tools/benchmark.py).
+SEARCH_COUNTS = Counter()
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,7 @@ def _nucleus_cut(search: _ChunkSearch, rows: Tensor, row_max: Tensor, floor: Ten
 def kept_cut(cz: Tensor, cid: Tensor, cvalid: Tensor, search: _ChunkSearch, sp: SamplingSpec):
     """Per row (z_cut, id_cut) of the kept set (module doc), from the merged candidates."""
     n, num_cands = cz.shape
+    SEARCH_COUNTS["rows"] += n
     row_max = cz[:, 0]
     floor = (row_max + math.log(sp.min_p) if sp.min_p is not None
              else torch.full_like(row_max, float("-inf")))
@@ -226,6 +230,7 @@ def kept_cut(cz: Tensor, cid: Tensor, cvalid: Tensor, search: _ChunkSearch, sp: 
         if sp.top_k <= num_cands:
             kth = cz[:, sp.top_k - 1]
         else:
+            SEARCH_COUNTS["top_k_search_rows"] += n
             kth = _kth_largest(search, sp.top_k, row_max, floor, cz[:, -1])
         floor = torch.maximum(floor, kth)
     if sp.top_p is None:
@@ -249,6 +254,7 @@ def kept_cut(cz: Tensor, cid: Tensor, cvalid: Tensor, search: _ChunkSearch, sp: 
     id_cut = cid.gather(1, last.unsqueeze(1)).squeeze(1)
     longer = spills & (cumulative[:, -1] < target)  # every candidate kept and the nucleus goes on
     rows = longer.nonzero().squeeze(1)
+    SEARCH_COUNTS["top_p_search_rows"] += rows.numel()
     if rows.numel():
         z_cut[rows], id_cut[rows] = _nucleus_cut(search, rows, row_max[rows], floor[rows],
                                                  cz[rows, -1], target[rows])
