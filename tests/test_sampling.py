@@ -11,6 +11,7 @@ Tolerances as tests/test_ops.py (relative norm vs float64): fp32 2e-5, bf16 2e-2
 the top-k ids must match exactly.
 """
 
+import math
 import pickle
 import zlib
 
@@ -330,3 +331,42 @@ def test_bad_sampler_arguments_raise_on_every_rank(name):
     for rank, msg in enumerate(run_workers(_bad_worker, 2, name, timeout=20)):
         assert msg is not None, f"rank {rank} did not raise for {name}"
         assert BAD[name][1] in msg, f"rank {rank}: {msg!r} does not name {BAD[name][1]}"
+
+
+# ---------------------------------------------------------------- exact semantics, by hand
+LN2 = 0.6931471805599453
+# (logits of one row, settings, {label: expected log-prob}); every probability is exact in fp32
+EXACT = [
+    ([0.0, 0.0, 0.0, 0.0], dict(top_p=0.5), {0: -LN2, 1: -LN2, 2: None}),  # mass before id 2 = 0.5: out
+    ([0.0, 0.0, 0.0, 0.0], dict(top_p=0.6), {2: -math.log(3), 3: None}),  # a tie cut across ranks
+    ([1.0, 2.0, 2.0, 0.0], dict(top_k=2), {1: -LN2, 2: -LN2, 0: None}),
+    ([2.0, 1.0, 1.0, 0.0], dict(top_k=2), {0: 2.0 - math.log(math.e**2 + 2 * math.e),  # ties at the
+                                           2: 1.0 - math.log(math.e**2 + 2 * math.e), 3: None}),  # k-th kept
+    ([2 * LN2, LN2, 0.0, 0.0], dict(min_p=0.5), {0: math.log(4 / 6), 1: math.log(2 / 6), 2: None}),
+    ([3.0, 3.0, 2.0, 1.0], dict(min_p=math.exp(-1.5), top_k=3, top_p=0.7), {1: -LN2, 2: None, 3: None}),
+]
+
+
+def _exact_worker(rank, world, candidates):
+    sampling.CANDIDATES, sampling.MAX_TOP_K_CANDIDATES = candidates, candidates
+    v_local = 4 // world
+    weight = torch.eye(4)[rank * v_local:(rank + 1) * v_local]
+    out = []
+    for row, params, expected in EXACT:
+        labels = torch.tensor(list(expected))
+        hidden = torch.tensor([row] * len(labels))
+        out.append(linear_logprobs(hidden, weight, labels, tp_group=_group(world), chunk_size=2, **params).logprobs)
+    return out
+
+
+@pytest.mark.parametrize("tp,candidates", [(1, 128), (2, 128), (2, 1)], ids=["tp1", "tp2", "tp2-searched"])
+def test_exact_semantics_by_hand(tp, candidates):
+    """vLLM's rules at their boundaries: a token whose preceding mass equals top_p is dropped,
+    every token tied with the k-th is kept, p == min_p * p_max is kept, ties cut by lower id."""
+    for results in run_workers(_exact_worker, tp, candidates):
+        for (row, params, expected), lp in zip(EXACT, results):
+            for (label, want), got in zip(expected.items(), lp.tolist()):
+                if want is None:
+                    assert got == float("-inf"), (row, params, label, got)
+                else:
+                    assert got == pytest.approx(want, abs=1e-6), (row, params, label, got)

@@ -25,7 +25,7 @@ from megatron_fused_ce import linear_logprobs  # noqa: E402
 from megatron_fused_ce.ops import sampling, sampling_torch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SMALL = dict(GROUP_COLS=4, CAPACITY_PER_CANDIDATE=2, COMPACT_BLOCK_N=16, KEPT_BLOCK_N=32,
+SMALL = dict(GROUP_COLS=4, CAPACITY_PER_CANDIDATE=4, COMPACT_BLOCK_N=16, KEPT_BLOCK_N=32,
              DLOGITS_BLOCK_N=32)
 
 
