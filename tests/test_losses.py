@@ -178,11 +178,10 @@ def ref_grpo(lp, adv, mask, cfg: GRPOConfig, old=None, ref=None, sampling=None, 
                     dual = True
                 low, high = rv < lo_clip and a < 0, rv > hi_clip and a > 0
             elif cfg.loss_type == "cispo":
-                weight = min(rv, cfg.cispo_max_ratio)
-                if cfg.cispo_min_ratio is not None:
-                    weight = max(weight, cfg.cispo_min_ratio)
+                lower = 1.0 - cfg.epsilon_low if cfg.cispo_min_ratio is None else cfg.cispo_min_ratio
+                weight = max(min(rv, cfg.cispo_max_ratio), lower)
                 loss_t = -a * weight * lp[i, t]
-                low = cfg.cispo_min_ratio is not None and rv < cfg.cispo_min_ratio
+                low = rv < lower
                 high = rv > cfg.cispo_max_ratio
             else:  # sapo
                 tau = cfg.sapo_temperature_pos if a > 0 else cfg.sapo_temperature_neg
@@ -753,7 +752,6 @@ def test_normalizer_unit():
     (dict(loss_type="dr_grpo", max_completion_length=True), "max_completion_length"),
     (dict(loss_type=["dapo"]), "loss_type"),
     (dict(sapo_reduction="mean"), "sapo_reduction"),
-    (dict(cispo_min_ratio=0.8), "cispo_min_ratio"),  # only for cispo
     (dict(loss_type="cispo", cispo_min_ratio=6.0), "cispo_min_ratio"),
     (dict(loss_type="cispo", cispo_min_ratio=-0.1), "cispo_min_ratio"),
 ])
@@ -874,23 +872,27 @@ def test_sapo_default_reduction_is_per_sequence_like_trl_liger_verl():
 
 
 def test_cispo_lower_bound_matches_verl_and_nemo_rl():
-    """verl / NeMo-RL: -A · sg(clamp(r, 1 - eps_low, 1 + eps_high)) · lp; TRL / Liger (our
-    default): no lower bound."""
+    """Default (verl / NeMo-RL): -A · sg(clamp(r, 1 - eps_low, cispo_max_ratio)) · lp;
+    cispo_min_ratio=0 (TRL / Liger): no lower bound."""
     data = _peer_inputs()
     lp, old, mask, adv = data["lp"], data["old"], data["mask"], data["adv"][:, None]
     ratio = torch.exp(lp - old)
     assert (ratio < 0.8).any() and (ratio > 1.2).any()
-    two_sided = GRPOConfig(loss_type="cispo", cispo_min_ratio=0.8, cispo_max_ratio=1.2)
-    one_sided = GRPOConfig(loss_type="cispo", cispo_max_ratio=1.2)
-    for config, weight in ((two_sided, ratio.clamp(0.8, 1.2)), (one_sided, ratio.clamp(max=1.2))):
+    default = GRPOConfig(loss_type="cispo", cispo_max_ratio=1.2)  # epsilon_low = 0.2
+    explicit = GRPOConfig(loss_type="cispo", cispo_min_ratio=0.8, cispo_max_ratio=1.2)
+    one_sided = GRPOConfig(loss_type="cispo", cispo_min_ratio=0.0, cispo_max_ratio=1.2)
+    for config, weight in ((default, ratio.clamp(0.8, 1.2)), (explicit, ratio.clamp(0.8, 1.2)),
+                           (one_sided, ratio.clamp(max=1.2))):
         loss, grad = grad_of(lambda x: grpo_loss(x, data["adv"], mask, config, old_logprobs=old)[0], lp)
         expected, expected_grad = grad_of(lambda x: (-adv * weight * x * mask).sum() / mask.sum(), lp)
         assert_close(loss, expected, "cispo loss")
         assert_close(grad, expected_grad, "cispo grad")
-    _, metrics = grpo_loss(lp, data["adv"], mask, two_sided, old_logprobs=old)
+    _, metrics = grpo_loss(lp, data["adv"], mask, default, old_logprobs=old)
     low = ((ratio < 0.8) * mask).sum() / mask.sum()
     assert_close(metrics["clip_ratio_low"], low, "clip_ratio_low")
     assert float(metrics["clip_ratio_low"]) > 0
+    _, metrics = grpo_loss(lp, data["adv"], mask, one_sided, old_logprobs=old)
+    assert float(metrics["clip_ratio_low"]) == 0
 
 
 def test_grpo_without_empty_sequences_like_verl():

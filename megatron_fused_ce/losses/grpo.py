@@ -81,14 +81,13 @@ class GRPOConfig:
         delta: optional cap ``min(r, delta)`` on the unclipped PPO branch (INTELLECT-2); > 1.
         dual_clip_c: optional dual clip ``min(ℓ, -A·c)`` where ``A < 0``; > 1.
         cispo_max_ratio: CISPO truncation ``min(r, cispo_max_ratio)`` of the (detached) ratio.
-        cispo_min_ratio: optional lower CISPO bound ``max(r, cispo_min_ratio)``. Peers split:
-            verl (``core_algos.compute_policy_loss_cispo``: ``clamp(r, 1 - clip_ratio_low,
-            1 + clip_ratio_high)``) and NeMo-RL (``ClippedPGLossFn`` with ``use_cispo``:
-            ``clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max)``) bound both sides; TRL
-            (``GRPOTrainer._compute_loss``: ``clamp(r, max=epsilon_high)``) and Liger
-            (``chunked_loss/grpo_loss.clip_coef_fn``) only above, as do the MiniMax-M1 paper's
-            experiments (no lower bound). Default None (upper only); ``1 - epsilon_low`` gives
-            verl's / NeMo-RL's lower bound.
+        cispo_min_ratio: lower CISPO bound ``max(r, cispo_min_ratio)``. Default None means
+            ``1 - epsilon_low``: both sides bounded, as verl (``core_algos.compute_policy_loss_cispo``:
+            ``clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)``) and NeMo-RL (``ClippedPGLossFn``
+            with ``use_cispo``: ``clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max)``) do. ``0.0``
+            removes the lower bound, as TRL (``GRPOTrainer._compute_loss``:
+            ``clamp(r, max=epsilon_high)``), Liger (``chunked_loss/grpo_loss.clip_coef_fn``) and the
+            MiniMax-M1 paper's experiments do.
         sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperature for ``A > 0`` / ``A ≤ 0``.
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
         force_on_policy_ratio: use ``lp.detach()`` as the old log-probs even if given (r ≡ 1 in
@@ -160,6 +159,11 @@ class GRPOConfig:
         return not self.force_on_policy_ratio
 
     @property
+    def cispo_lower_bound(self) -> float:
+        """CISPO's lower bound on the ratio: ``cispo_min_ratio``, or ``1 - epsilon_low`` if None."""
+        return 1.0 - self.epsilon_low if self.cispo_min_ratio is None else float(self.cispo_min_ratio)
+
+    @property
     def needs_sampling_logprobs(self) -> bool:
         """True iff an importance-sampling correction is configured (it uses sampling log-probs)."""
         return self.is_correction != "none"
@@ -210,13 +214,9 @@ class GRPOConfig:
         for name in ("cispo_max_ratio", "sapo_temperature_pos", "sapo_temperature_neg"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.cispo_min_ratio is not None:
-            if self.loss_type != "cispo":
-                raise ValueError(f"cispo_min_ratio applies only to loss_type='cispo', "
-                                 f"not {self.loss_type!r}")
-            if not 0 <= self.cispo_min_ratio <= self.cispo_max_ratio:
-                raise ValueError(f"cispo_min_ratio must be in [0, cispo_max_ratio={self.cispo_max_ratio}]"
-                                 f" (or None), got {self.cispo_min_ratio}")
+        if self.cispo_min_ratio is not None and not 0 <= self.cispo_min_ratio <= self.cispo_max_ratio:
+            raise ValueError(f"cispo_min_ratio must be in [0, cispo_max_ratio={self.cispo_max_ratio}]"
+                             f" (or None for 1 - epsilon_low), got {self.cispo_min_ratio}")
         if not self.beta >= 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         for name in ("kl_input_clamp", "kl_output_clamp"):
@@ -430,14 +430,11 @@ def _ppo_clip_objective(ratio: Tensor, adv: Tensor, config: GRPOConfig):
 
 
 def _cispo_objective(ratio, adv, logprobs, config: GRPOConfig):
-    """``ℓ = -A · sg(clamp(r, cispo_min_ratio, cispo_max_ratio)) · lp``: the ratio only weights
-    the gradient of lp (no lower bound unless ``cispo_min_ratio`` is set)."""
-    weight = ratio.clamp(min=config.cispo_min_ratio, max=config.cispo_max_ratio).detach()
-    if config.cispo_min_ratio is None:
-        clip_low = torch.zeros_like(ratio, dtype=torch.bool)
-    else:
-        clip_low = ratio < config.cispo_min_ratio
-    return -adv * weight * logprobs, {"clip_low": clip_low, "clip_high": ratio > config.cispo_max_ratio}
+    """``ℓ = -A · sg(clamp(r, low, cispo_max_ratio)) · lp``: the ratio only weights the gradient
+    of lp; ``low = cispo_min_ratio``, or ``1 - epsilon_low`` when that is None."""
+    low = config.cispo_lower_bound
+    weight = ratio.clamp(min=low, max=config.cispo_max_ratio).detach()
+    return -adv * weight * logprobs, {"clip_low": ratio < low, "clip_high": ratio > config.cispo_max_ratio}
 
 
 def _sapo_objective(ratio, adv, config: GRPOConfig):

@@ -15,9 +15,12 @@ last pipeline stage computes log-probs and losses from hidden states, never the 
 
 `compute_logprobs` runs forward-only passes (reference / old policy) and broadcasts the result from
 the last pipeline stage to every stage; `grpo_logprob_passes(config)` says which passes GRPO needs.
-Megatron-LM-style `model(..., labels=labels)` keeps returning the per-token loss with fusion on.
+Megatron-LM-style `model(..., labels=labels)` keeps returning the per-token loss with fusion on,
+and multi-token prediction (`mtp_num_layers`) computes every depth's loss without logits too.
 
 Modules: config.py (the switches), output_layer.py (hidden states out of the last stage),
+lazy_logits.py (what the output layer returns instead of logits), mtp.py (multi-token prediction),
+megatron_lm.py (the argparse flags for Megatron-LM scripts),
 postprocess.py (log-probs from hidden states or logits; pipeline broadcast), loss_funcs.py
 (Megatron loss funcs for SFT / DPO / GRPO), cpu.py (megatron-core on CPU/gloo).
 Importing this package does not import megatron-core or transformer-engine.
@@ -25,7 +28,9 @@ Importing this package does not import megatron-core or transformer-engine.
 
 from .config import FusedCEConfig
 from .cpu import enable_cpu_mode
+from .lazy_logits import LazyLogits
 from .loss_funcs import dpo_loss_func, grpo_logprob_passes, grpo_loss_func, sft_loss_func
+from .megatron_lm import add_fused_ce_args
 from .output_layer import (
     FusedOutputLayer,
     install_fused_output_layer,
@@ -48,6 +53,8 @@ __all__ = [
     "install_fused_output_layer",
     "uninstall_fused_output_layer",
     "FusedOutputLayer",
+    "LazyLogits",
+    "add_fused_ce_args",
     "is_fused",
     "output_weight",
     "unwrap_model",
