@@ -5,6 +5,7 @@ not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this ra
 backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
 (sum of logits, expected logit) -> log-prob / entropy / loss here. Ignored rows are dropped before
 the first GEMM: they cost no flops and get exactly zero output and zero gradient.
+With sampler settings (top_k / top_p / min_p / return_topk) the chunk loop is sampling.py's.
 """
 
 from __future__ import annotations
@@ -244,16 +245,16 @@ def _sampler_problems(top_k, top_p, min_p, return_topk, true_vocab) -> dict:
     return problems
 
 
-def _agreement_code(value) -> int:
-    """An int64 that differs when the (validated) setting differs: ints as is, floats by their
-    bits, None as -1."""
+def _agreement_code(name: str, value) -> int:
+    """An int64 that differs when the (validated) setting differs: top_p / min_p by the bits of
+    their float value, top_k / return_topk as is, None as -1."""
     if value is None:
         return -1
-    if _is_int(value):
-        return int(value) if 0 <= value < 2**62 else -2
-    if isinstance(value, numbers.Real) and value >= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        return -2  # invalid: reported by its own check
+    if name in ("top_p", "min_p"):
         return struct.unpack("<q", struct.pack("<d", float(value)))[0]
-    return -2  # invalid: reported by its own check
+    return int(value) if _is_int(value) and value < 2**62 else -2
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,7 +324,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
     returned statistics are then plain values and `anchor` carries the gradient.
     `sampler`: {top_k, top_p, min_p, return_topk} of linear_logprobs (sampling.py)."""
-    must_agree = None if sampler is None else {name: _agreement_code(value) for name, value in sampler.items()}
+    must_agree = None if sampler is None else {name: _agreement_code(name, value) for name, value in sampler.items()}
     true_vocab, num_labelled = _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size,
                                                 temperature, chunk_size, sequence_parallel, impl,
                                                 ignore_index, extra_checks, must_agree)

@@ -203,7 +203,10 @@ def coefficients(g_target, g_lse, g_sum, g_expected, expected_logit, lse) -> Opt
 
 
 class LinearSoftmaxStats(torch.autograd.Function):
-    """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, E_p[z]."""
+    """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, E_p[z].
+
+    `on_chunk` (optional, not differentiated) is handed each chunk's logits in the forward pass
+    (sampling.py collects top-k candidates there)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, on_chunk=None):
