@@ -281,10 +281,10 @@ def test_largest_intermediate_is_one_chunk(forced_search, monkeypatch):
     if forced_search:
         monkeypatch.setattr(sampling, "CANDIDATES", 2)
         monkeypatch.setattr(sampling, "MAX_TOP_K_CANDIDATES", 2)
-    n, hidden, v_local, chunk = 2048, 32, 512, 128
+    n, hidden, v_local, chunk = (512 if forced_search else 1024), 32, 512, 128
     torch.manual_seed(1)
     h = torch.randn(n, hidden, requires_grad=True)
-    w = (torch.randn(v_local, hidden) * 0.1).requires_grad_()
+    w = torch.randn(v_local, hidden).requires_grad_()  # peaked rows: nuclei within the candidates
     y = torch.randint(0, v_local, (n,))
     y[::5] = -100
     with _LargestTensor() as mode:
