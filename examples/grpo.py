@@ -1,8 +1,8 @@
 """GRPO with mocked rollouts, fused log-probs, and only the log-prob passes the config needs.
 
-    torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --pp 2 --compare-unfused
-    torchrun --nproc_per_node 2 examples/grpo.py grpo.beta=0 grpo.force_on_policy_ratio=true
-    torchrun --nproc_per_node 2 examples/grpo.py --tp 2 sampling.top_p=0.9 sampling.top_k=50
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --pp 2 --compare-unfused
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py grpo.beta=0 grpo.force_on_policy_ratio=true
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py --tp 2 sampling.top_p=0.9 sampling.top_k=50
 
 Per rollout step:
 1. rollout (mocked): responses, rewards -> group advantages, and the inference engine's
@@ -97,7 +97,7 @@ def logprob_passes(policy, reference, batches, config, post, cfg, g):
 
 
 def main():
-    args = parse_args("grpo.yaml", __doc__)
+    args = parse_args("grpo", __doc__)
     cfg, train = args.cfg, args.cfg["train"]
     config = GRPOConfig(**cfg["grpo"])
     parallel_state = init_distributed(cfg, train["seed"])
@@ -107,8 +107,7 @@ def main():
         reference = build_frozen_copy(model, cfg, parallel_state)
     # No entropy requested: the fused loss then makes its gradients in the forward pass (unless a
     # sampler filter is set: the log-probs path then serves the loss).
-    sampler = {k: v for k, v in (cfg.get("sampling") or {}).items() if k in ("top_k", "top_p", "min_p")}
-    post = LogprobsPostProcessorFor(cfg, fused, temperature=cfg["rollout"]["temperature"], **sampler)
+    post = LogprobsPostProcessorFor(cfg, fused, temperature=cfg["rollout"]["temperature"], **cfg["sampling"])
     optimizer = MainGradAdamW(model, lr=train["lr"])
     seq = cfg["data"]["seq_length"]
 
@@ -120,10 +119,11 @@ def main():
 
     updates = train["updates_per_rollout"]
     progress = Progress(train["steps"], "grpo")
-    progress.write(describe(cfg, fused, parallel_state))
-    progress.write(f"log-prob passes per rollout: {grpo_logprob_passes(config)} "
-                   f"(loss_type={config.loss_type}, beta={config.beta}, "
-                   f"force_on_policy_ratio={config.force_on_policy_ratio})")
+    passes = grpo_logprob_passes(config)
+    progress.write(describe("grpo", cfg, fused, parallel_state,
+                            f"; GRPO {config.loss_type}, log-prob passes: old "
+                            f"{'yes' if passes['old'] else 'no'}, reference "
+                            f"{'yes' if passes['reference'] else 'no'}"))
     g = torch.Generator().manual_seed(train["seed"] + dist.get_rank())
     for step in range(train["steps"]):
         batches, reward = mock_rollout(cfg, parallel_state, step)
@@ -137,8 +137,9 @@ def main():
         metrics = []
         for u in range(updates):
             optimizer.zero_grad()
-            metrics += run_batches(model, batches[u * per_update:(u + 1) * per_update],
-                                   make_loss_func, seq)
+            with progress.measure_memory(model):
+                metrics += run_batches(model, batches[u * per_update:(u + 1) * per_update],
+                                       make_loss_func, seq)
             optimizer.step()
         reduced = reduce_metrics(metrics, parallel_state)
         shown = {k: reduced[k] for k in ("loss", "kl", "ratio_mean", "is_ratio_mean") if k in reduced}
