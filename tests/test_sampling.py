@@ -23,7 +23,7 @@ import reference
 import sampling_reference as sref
 from dist import run_workers
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
-from megatron_fused_ce.ops import sampling
+from megatron_fused_ce.ops import sampling, sampling_torch
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -173,6 +173,7 @@ def test_sequence_parallel_and_all_ignored_chunks():
 def _counting_worker(rank, world, case, param_list, candidates, max_top_k):
     """Run with tiny candidate counts and count searches and collectives on this rank."""
     sampling.CANDIDATES, sampling.MAX_TOP_K_CANDIDATES = candidates, max_top_k
+    sampling_torch.TIE_ROWS = 2  # tie resolution in several row blocks
     counts = {"nucleus": 0, "kth": 0, "collectives": 0}
 
     def counted(name, fn):

@@ -45,6 +45,7 @@ from .torch_backend import _scaled_fp32
 KEY_NONE = -(2**63)  # an empty candidate slot: below every real key
 ID_ALL = 2**63 - 1  # id_cut: every token tied at z_cut is kept
 ID_NONE = -1  # id_cut: no token tied at z_cut is kept
+TIE_ROWS = 64  # rows per step of tie_id (bounds its [rows, V_local] temporaries)
 _LOW32 = 0xFFFFFFFF
 
 
@@ -177,11 +178,14 @@ def tie_id(logits: Tensor, rows: Tensor, num_valid_cols: int, inv_temperature: f
     """Global id of the `position`-th (1-based, in id order) column of each selected row whose z
     equals `value`; -1 where position is 0 or the shard holds fewer such columns."""
     n = rows.numel()
-    if n == 0 or num_valid_cols == 0:
-        return torch.full((n,), -1, dtype=torch.int64, device=logits.device)
-    z = _scaled_fp32(logits.index_select(0, rows), num_valid_cols, inv_temperature)
-    tied = z == value.unsqueeze(1)
-    hit = tied & (tied.cumsum(dim=1) == position.unsqueeze(1))
-    found = hit.any(dim=1) & (position > 0)
-    col = hit.to(torch.int8).argmax(dim=1)
-    return torch.where(found, vocab_start + col, -1)
+    out = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
+    if num_valid_cols == 0:
+        return out
+    for start in range(0, n, TIE_ROWS):  # a few rows at a time: int32 cumsums of whole rows
+        block = slice(start, min(start + TIE_ROWS, n))
+        z = _scaled_fp32(logits.index_select(0, rows[block]), num_valid_cols, inv_temperature)
+        tied = z == value[block].unsqueeze(1)
+        hit = tied & (tied.cumsum(dim=1, dtype=torch.int32) == position[block].unsqueeze(1))
+        found = hit.any(dim=1) & (position[block] > 0)
+        out[block] = torch.where(found, vocab_start + hit.to(torch.int8).argmax(dim=1), -1)
+    return out

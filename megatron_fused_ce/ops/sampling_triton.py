@@ -100,9 +100,11 @@ def shard_candidates(logits: Tensor, num_valid_cols: int, inv_temperature: float
     take = min(num_candidates, num_valid_cols)
     out[:, :take] = keys.topk(take, dim=1, sorted=True).values
     overflow = (count > capacity).nonzero().squeeze(1)
-    if overflow.numel():  # long runs of equal logits: exact torch reference for those rows
-        out[overflow] = sampling_torch.shard_candidates(logits.index_select(0, overflow), num_valid_cols,
-                                                        inv_temperature, vocab_start, num_candidates)
+    for start in range(0, overflow.numel(), sampling_torch.TIE_ROWS):
+        # long runs of equal logits: the exact torch reference for those rows, a few at a time
+        rows = overflow[start:start + sampling_torch.TIE_ROWS]
+        out[rows] = sampling_torch.shard_candidates(logits.index_select(0, rows), num_valid_cols,
+                                                    inv_temperature, vocab_start, num_candidates)
     return out
 
 
