@@ -10,7 +10,9 @@ vocab:
 1. min_p: drop tokens with softmax(z)_k < min_p * max_j softmax(z)_j, i.e. keep
    z_k >= max(z) + log(min_p).
 2. top_k: keep the tokens whose z is >= the k-th largest remaining z (every token tied with the
-   k-th is kept, as vLLM's `logits < kth_value` mask does).
+   k-th is kept, as the `logits < kth_value` mask of vLLM's `apply_top_k_top_p_pytorch` does; the
+   newer Triton kernel of vllm/v1/sample/ops/topk_topp_triton.py may trim such ties to k by
+   position: the two differ only on exactly tied logits at the k-th value).
 3. top_p: renormalize the remainder R (q = softmax over R) and keep, walking the total order
    "z descending, then global id ascending", every token whose mass ranked strictly before it is
    < top_p: the smallest prefix with mass >= top_p (vLLM drops a token when the ascending
