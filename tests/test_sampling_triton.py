@@ -110,10 +110,10 @@ def test_kept_sums(small, dtype, ints):
     target = torch.randint(-1, v - pad, (n,), generator=g).to(DEVICE)
     for inv_t in (1.0, 1 / 0.7):
         row_max, z_cut, id_cut = _cuts(logits, v - pad, inv_t, vocab_start, g)
-        want = dict(want_expected=True, want_count=True, want_total=True)
+        want = dict(want_entropy=True, want_count=True, want_total=True)
         got = small.kept_sums(logits, target, v - pad, inv_t, vocab_start, row_max, z_cut, id_cut, **want)
         ref = sampling_torch.kept_sums(logits, target, v - pad, inv_t, vocab_start, row_max, z_cut, id_cut, **want)
-        for name in ("sum_exp", "sum_exp_logits", "total"):
+        for name in ("sum_exp", "sum_exp_shifted", "total"):
             torch.testing.assert_close(getattr(got, name).cpu(), getattr(ref, name).cpu(), rtol=2e-6, atol=1e-6)
         assert torch.equal(got.count.cpu(), ref.count.cpu()) and torch.equal(got.target.cpu(), ref.target.cpu())
         rows = torch.tensor([4, 0, 3], device=DEVICE)
@@ -132,9 +132,9 @@ def test_kept_dlogits(small, dtype):
     target = torch.randint(-1, v - pad, (n,), generator=g).to(DEVICE)
     for inv_t, with_pz in ((1.0, False), (1 / 0.7, True)):
         row_max, z_cut, id_cut = _cuts(logits, v - pad, inv_t, vocab_start, g)
-        lse = row_max + torch.rand(n, generator=g).to(DEVICE)
+        log_sum_exp = torch.rand(n, generator=g).to(DEVICE)
         coefs = [torch.randn(n, generator=g).to(DEVICE) for _ in range(3)]
-        args = (target, v - pad, inv_t, vocab_start, lse, z_cut, id_cut, coefs[0],
+        args = (target, v - pad, inv_t, vocab_start, row_max, log_sum_exp, z_cut, id_cut, coefs[0],
                 coefs[1] if with_pz else None, coefs[2])
         got = small.kept_dlogits_(logits.clone(), *args)
         ref = sampling_torch.kept_dlogits_(logits.clone(), *args)

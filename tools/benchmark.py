@@ -19,6 +19,8 @@ What is measured, per shape (N tokens, H hidden, V vocab):
   ours_ce_torch@C    the same with the torch backend (backend comparison)
   ours_ce_main_grad@C  ours_ce with Megatron's accumulate_into_main_grad (weight.main_grad fp32
                      pre-allocated, as Megatron's DDP buffers are: not counted as extra memory)
+  ours_ce_fp32_logits@C, ours_logprobs_fp32_logits@C  ours_ce / ours_logprobs with
+                     logits_dtype=torch.float32 (fp32-output logits GEMM; the cost of the option)
   ours_grpo@C        megatron_fused_ce.losses linear_grpo_loss (DAPO, beta=0) when it exists
   ours_top_p@C, ours_top_k@C, ours_topk20@C
                      linear_logprobs with top_p=0.9 / top_k=50 / return_topk=20 (sampler
@@ -87,8 +89,8 @@ SWEEP_N = [8192, 16384, 32768, 65536, 131072]
 QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
 QUICK_SHAPES_CPU = [(48, 32, 500)]
 DEFAULT_IMPLS = ("floor,torch_eager,torch_compile,megatron,liger,cce,ours_logprobs,ours_ce,"
-                 "ours_ce_torch,ours_ce_main_grad,ours_grpo,ours_top_p,ours_top_k,ours_topk20")
-SAMPLER_IMPLS = ("ours_top_p", "ours_top_k", "ours_topk20", "ours_top_p_flat")
+                 "ours_ce_torch,ours_ce_main_grad,ours_grpo,ours_ce_fp32_logits,ours_logprobs_fp32_logits,"
+                 "ours_top_p,ours_top_k,ours_topk20")
 SWEEP_IMPLS = "floor,torch_eager,megatron,liger,cce,ours_logprobs,ours_ce,ours_ce_main_grad,ours_grpo"
 GIB = 1024.0 ** 3
 
@@ -211,6 +213,17 @@ def make_ours_ce_main_grad(h, w, y, chunk):
     return step
 
 
+def make_ours_ce_fp32_logits(h, w, y, chunk):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(),
+                                               logits_dtype=torch.float32), h, w)
+
+
+def make_ours_logprobs_fp32_logits(h, w, y, chunk):
+    n = h.shape[0]
+    return lambda: _grads(-linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+                                           logits_dtype=torch.float32).logprobs.sum() / n, h, w)
+
+
 def _linear_grpo():
     try:
         from megatron_fused_ce import losses
@@ -270,7 +283,8 @@ for _name in SAMPLERS:
     globals()["make_" + _name] = _sampler_maker(_name)
 
 MAKERS = {name[len("make_"):]: fn for name, fn in globals().items() if name.startswith("make_")}
-CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo", *SAMPLERS}
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo",
+           "ours_ce_fp32_logits", "ours_logprobs_fp32_logits", *SAMPLERS}
 ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
 
 
@@ -356,8 +370,9 @@ def resolved_auto_chunk(n, v_local, device, hdim, method):
         if fn is None:
             return None
         try:
+            kwargs = dict(logits_element_size=4) if method.endswith("fp32_logits") else {}
             return fn(n, v_local, device, hidden_size=hdim, element_size=2,
-                      fp32_weight_grad_buffer=method != "ours_ce_main_grad")
+                      fp32_weight_grad_buffer=method != "ours_ce_main_grad", **kwargs)
         except TypeError:
             return fn(n, v_local, device)
     except Exception:  # noqa: BLE001
@@ -516,7 +531,7 @@ def kernel_check_and_breakdown(args, device, results, shape, chunk):
         for temp in (1.0, 0.7):
             a = tb.shard_stats(lg, tgt[:rows], nvc, 1 / temp, True, True)
             b = torch_backend.shard_stats(lg, tgt[:rows], nvc, 1 / temp, True, True)
-            for f in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+            for f in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
                 out["checks"][f"stats.{f} rows={rows} T={temp}"] = rel_err(getattr(a, f), getattr(b, f))
             lse = b.max + torch.log(b.sum_exp)
             cp, cpz, ct, cu = (torch.randn(rows, device=device, generator=g) for _ in range(4))
@@ -619,13 +634,13 @@ def sampler_kernel_check(args, device, results, shape, chunk):
         out["checks"][f"candidates M={m} identical"] = bool(torch.equal(a, b))
     cz, cid, _ = st.decode_keys(st.shard_candidates(logits, nvc, inv_t, start, 128))
     row_max, z_cut, id_cut = cz[:, 0], cz[:, 9], cid[:, 9]  # keep the first 10 tokens
-    a = sx.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut, id_cut, want_expected=True, want_total=True)
-    b = st.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut, id_cut, want_expected=True, want_total=True)
-    for f in ("sum_exp", "sum_exp_logits", "total", "target"):
+    a = sx.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut, id_cut, want_entropy=True, want_total=True)
+    b = st.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut, id_cut, want_entropy=True, want_total=True)
+    for f in ("sum_exp", "sum_exp_shifted", "total", "target"):
         out["checks"][f"kept_sums.{f}"] = rel_err(getattr(a, f), getattr(b, f))
-    lse = row_max + torch.log(b.sum_exp)
+    log_s = torch.log(b.sum_exp)
     cp, cpz, ct = (torch.randn(chunk, device=device, generator=g) for _ in range(3))
-    args_d = (tgt, nvc, inv_t, start, lse, z_cut, id_cut, cp, cpz, ct)
+    args_d = (tgt, nvc, inv_t, start, row_max, log_s, z_cut, id_cut, cp, cpz, ct)
     out["checks"]["kept_dlogits"] = rel_err(sx.kept_dlogits_(logits.clone(), *args_d),
                                             st.kept_dlogits_(logits.clone(), *args_d))
     bad = [k for k, e in out["checks"].items() if e is False or (isinstance(e, float) and not e < 1e-4)]
@@ -635,14 +650,16 @@ def sampler_kernel_check(args, device, results, shape, chunk):
     ones = torch.ones(chunk, device=device)
     ops = {
         "plain: triton shard_stats": lambda: tb.shard_stats(logits, tgt, nvc, inv_t),
-        "plain: triton shard_dlogits_": lambda: tb.shard_dlogits_(buf, tgt, nvc, inv_t, lse, ones, None, -ones, None),
+        "plain: triton shard_dlogits_": lambda: tb.shard_dlogits_(buf, tgt, nvc, inv_t, row_max, ones, None, -ones,
+                                                                  None, log_sum_exp=log_s),
         "candidates M=20 (return_topk=20)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 20),
         "candidates M=50 (top_k=50)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 50),
         "candidates M=128 (top_p)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 128),
         "torch.topk k=128 of the chunk (for scale)": lambda: logits.topk(128, dim=1),
         "kept_sums (+target, +total)": lambda: sx.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut,
                                                             id_cut, want_total=True),
-        "kept_dlogits_": lambda: sx.kept_dlogits_(buf, tgt, nvc, inv_t, start, lse, z_cut, id_cut, ones, None, -ones),
+        "kept_dlogits_": lambda: sx.kept_dlogits_(buf, tgt, nvc, inv_t, start, row_max, log_s, z_cut, id_cut, ones,
+                                                  None, -ones),
     }
     for name, fn in ops.items():
         try:

@@ -131,8 +131,11 @@ def linear_grpo_loss(
             (grad,) = torch.autograd.grad(loss, chunk_logprobs)
         return grad, -grad, None, None  # log p = target - lse
 
+    # every per-token gradient depends on these: TP ranks that differ would sum unrelated dX parts
+    must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)
     stats = token_statistics("linear_grpo_loss", hidden, weight, labels, **op_kwargs,
-                             want_sum_logits=False, want_entropy=False, token_grads=token_grads)
+                             want_sum_logits=False, want_entropy=False, token_grads=token_grads,
+                             must_agree=must_agree)
     with torch.no_grad():
         logprobs = to_batch_layout(stats.to_full(stats.target - stats.lse))
         loss, metrics = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs, cp_group=cp_group)

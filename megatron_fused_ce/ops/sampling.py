@@ -61,15 +61,21 @@ import torch
 from torch import Tensor
 
 from . import reductions, sampling_torch
+from .agreement import finite_real, is_int
 from .chunked import (
     ChunkSpec,
     LinearSoftmaxStats,
     _chunks,
     _input_grad,
+    _main_grad_added,
     _rows,
     _weight_grad_dtype,
-    adds_into_main_grad,
+    autocast_off,
+    chunk_logits,
+    coefficients,
+    first_order_only,
     forward_stats,
+    gemm_input,
     matmul_into_,
 )
 from .sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
@@ -114,6 +120,30 @@ def sampling_spec(top_k, top_p, min_p, return_topk, *, true_vocab: int, vocab_st
         wanted = max(wanted, CANDIDATES)
     return SamplingSpec(top_k, top_p, min_p, return_topk, vocab_start, true_vocab,
                         min(wanted, true_vocab))
+
+
+def sampler_problems(top_k, top_p, min_p, return_topk, true_vocab: int) -> dict:
+    """The sampler settings' checks: {name: error message, or None when it passed} (for the
+    agreement of api.py and the post-processor's unfused path)."""
+    problems = dict.fromkeys(("top_k", "top_p", "min_p", "return_topk"))
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
+        problems["top_k"] = f"top_k must be None or an integer >= 1, got {top_k!r}"
+    if top_p is not None and (not finite_real(top_p) or not 0.0 < top_p <= 1.0):
+        problems["top_p"] = f"top_p must be None or a number in (0, 1], got {top_p!r}"
+    if min_p is not None and (not finite_real(min_p) or not 0.0 <= min_p < 1.0):
+        problems["min_p"] = f"min_p must be None or a number in [0, 1), got {min_p!r}"
+    if not is_int(return_topk) or return_topk < 0:
+        problems["return_topk"] = f"return_topk must be an integer >= 0, got {return_topk!r}"
+    elif return_topk > true_vocab:
+        problems["return_topk"] = f"return_topk={return_topk} is larger than the vocab ({true_vocab} tokens)"
+    return problems
+
+
+def agreed_values(sampler: dict, problems: dict) -> dict:
+    """The settings as every rank must pass them (must_agree): top_p / min_p as floats (1 and 1.0
+    alike), None for a setting that failed its check (reported by the check)."""
+    return {k: None if problems[k] or v is None else float(v) if k in ("top_p", "min_p") else int(v)
+            for k, v in sampler.items()}
 
 
 def kernels_for(backend):
@@ -268,11 +298,14 @@ def kept_cut(cz: Tensor, cid: Tensor, cvalid: Tensor, search: _ChunkSearch, sp: 
 # --------------------------------------------------------------------------------------------
 @dataclass
 class KeptStats:
-    """Per-row results over the labelled rows (fp32 [n] unless noted)."""
+    """Per-row results over the labelled rows (fp32 [n] unless noted). Over the kept set K, with
+    M the row max (always in K): lse = M + log_sum_exp, log_sum_exp = log sum_K exp(z - M)."""
 
     target: Tensor  # z_y
     lse: Tensor  # logsumexp over the kept set (the full vocab without filters)
-    expected_logit: Optional[Tensor]  # E_q[z] (entropy)
+    entropy: Optional[Tensor]  # of the renormalized kept-set distribution q
+    max: Tensor  # M (not differentiable)
+    log_sum_exp: Tensor  # (not differentiable)
     kept: Optional[Tensor]  # bool: label in the kept set (None without filters)
     topk_logprobs: Optional[Tensor]  # [n, return_topk] under the full softmax(z)
     topk_ids: Optional[Tensor]  # [n, return_topk] int64 global ids
@@ -280,9 +313,10 @@ class KeptStats:
     id_cut: Optional[Tensor] = None
 
 
-def _topk(cands: Tensor, lse: Tensor, k: int):
+def _topk(cands: Tensor, row_max: Tensor, log_sum_exp: Tensor, k: int):
+    """Log-probs (z - M) - log S of the first k candidates, and their ids."""
     cz, cid, _ = decode_keys(cands[:, :k])
-    return cz - lse.unsqueeze(1), cid
+    return (cz - row_max.unsqueeze(1)) - log_sum_exp.unsqueeze(1), cid
 
 
 def _kept_chunk(logits: Tensor, local_target: Tensor, labels: Tensor, spec: ChunkSpec,
@@ -294,21 +328,23 @@ def _kept_chunk(logits: Tensor, local_target: Tensor, labels: Tensor, spec: Chun
     row_max = cz[:, 0]
     z_cut, id_cut = kept_cut(cz, cid, cvalid, _ChunkSearch(logits, spec, sp, kernels), sp)
     sums = kernels.kept_sums(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
-                             sp.vocab_start, row_max, z_cut, id_cut, want_expected=spec.want_entropy,
+                             sp.vocab_start, row_max, z_cut, id_cut, want_entropy=spec.want_entropy,
                              want_total=sp.return_topk > 0)
     parts = [sums.sum_exp, sums.target]
-    parts += [sums.sum_exp_logits] if spec.want_entropy else []
+    parts += [sums.sum_exp_shifted] if spec.want_entropy else []
     parts += [sums.total] if sp.return_topk else []
     merged = reductions.sum_over_ranks(torch.stack(parts), spec.tp_group)
     kept_sum, target = merged[0], merged[1]
-    lse = row_max + torch.log(kept_sum)
+    log_sum_exp = torch.log(kept_sum)
     kept = (target > z_cut) | ((target == z_cut) & (labels <= id_cut))
     topk_lp = topk_ids = None
     if sp.return_topk:
-        topk_lp, topk_ids = _topk(cands, row_max + torch.log(merged[-1]), sp.return_topk)
-    return KeptStats(target=target, lse=lse,
-                     expected_logit=merged[2] / kept_sum if spec.want_entropy else None,
-                     kept=kept, topk_logprobs=topk_lp, topk_ids=topk_ids, z_cut=z_cut, id_cut=id_cut)
+        topk_lp, topk_ids = _topk(cands, row_max, torch.log(merged[-1]), sp.return_topk)
+    return KeptStats(target=target, lse=row_max + log_sum_exp,
+                     # H = log S - E_q[z - M], relative to the max (as chunked.py's entropy)
+                     entropy=log_sum_exp - merged[2] / kept_sum if spec.want_entropy else None,
+                     max=row_max, log_sum_exp=log_sum_exp, kept=kept, topk_logprobs=topk_lp,
+                     topk_ids=topk_ids, z_cut=z_cut, id_cut=id_cut)
 
 
 def kept_forward(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, labels: Tensor,
@@ -317,97 +353,88 @@ def kept_forward(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, labe
     kernels = kernels_for(spec.backend)
     results = []
     for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
-        logits = torch.mm(hidden_rows[start:end], weight.t())
+        logits = chunk_logits(hidden_rows[start:end], weight, spec)
         results.append(_kept_chunk(logits, local_target[start:end], labels[start:end], spec, sp, kernels))
         del logits
     if not results:  # no labelled row (on any rank: the count is agreed)
         empty = hidden_rows.new_zeros(0, dtype=torch.float32)
-        k = sp.return_topk
-        return KeptStats(target=empty, lse=empty, expected_logit=empty if spec.want_entropy else None,
-                         kept=torch.zeros(0, dtype=torch.bool, device=empty.device),
+        k, ints = sp.return_topk, dict(dtype=torch.int64, device=empty.device)
+        return KeptStats(target=empty, lse=empty, entropy=empty if spec.want_entropy else None, max=empty,
+                         log_sum_exp=empty, kept=torch.zeros(0, dtype=torch.bool, device=empty.device),
                          topk_logprobs=empty.new_zeros(0, k) if k else None,
-                         topk_ids=torch.zeros(0, k, dtype=torch.int64, device=empty.device) if k else None,
-                         z_cut=empty, id_cut=torch.zeros(0, dtype=torch.int64, device=empty.device))
+                         topk_ids=torch.zeros(0, k, **ints) if k else None,
+                         z_cut=empty, id_cut=torch.zeros(0, **ints))
     return KeptStats(**{
         name: None if getattr(results[0], name) is None else torch.cat([getattr(r, name) for r in results])
         for name in KeptStats.__dataclass_fields__})
 
 
-def _kept_coefficients(g_target, g_lse, g_expected, expected_logit, lse):
-    """Upstream grads of (z_y, lse_K, E_q[z]) -> dlogits coefficients (sampling_torch doc):
-    d lse_K/dz_k = q_k, d E_q[z]/dz_k = q_k (1 + z_k - E) on the kept set, d z_y/dz_k = [k == y]."""
-    if g_target is None and g_lse is None and g_expected is None:
-        return None
-    coef_p = torch.zeros_like(lse) if g_lse is None else g_lse.clone()
-    coef_pz = None
-    if g_expected is not None:
-        coef_p = coef_p + g_expected * (1.0 - expected_logit)
-        coef_pz = g_expected
-    return coef_p, coef_pz, g_target
-
-
 class LinearKeptStats(torch.autograd.Function):
-    """(hidden, weight shard) -> z_y, lse and E_q[z] over each row's kept set (differentiable),
-    plus the kept flag and the top-k log-probs (not differentiable)."""
+    """(hidden, weight shard) -> z_y, lse and entropy over each row's kept set (differentiable),
+    plus (not differentiable) lse's parts max / log_sum_exp, the kept flag and the top-k.
+
+    Backward: chunked.coefficients turns the upstream gradients into per-token coefficients (the
+    same formulas with q, the kept-set distribution, in place of p), and kernels.kept_dlogits_
+    writes each recomputed chunk's dlogits, zero outside the kept set."""
 
     @staticmethod
     def forward(ctx, hidden, weight, row_index, local_target, labels, spec: ChunkSpec, sp: SamplingSpec):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
         out = kept_forward(_rows(full_hidden, row_index), weight, local_target, labels, spec, sp)
         ctx.spec, ctx.sp = spec, sp
-        ctx.num_full_rows = full_hidden.shape[0]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, row_index, local_target, out.lse, out.expected_logit,
-                              out.z_cut, out.id_cut)
-        for t in (out.kept, out.topk_logprobs, out.topk_ids):
+        ctx.save_for_backward(hidden, weight, row_index, local_target, out.lse, out.entropy, out.max,
+                              out.log_sum_exp, out.z_cut, out.id_cut)
+        for t in (out.max, out.log_sum_exp, out.kept, out.topk_logprobs, out.topk_ids):
             if t is not None:
                 ctx.mark_non_differentiable(t)
-        return out.target, out.lse, out.expected_logit, out.kept, out.topk_logprobs, out.topk_ids
+        return (out.target, out.lse, out.entropy, out.max, out.log_sum_exp, out.kept, out.topk_logprobs,
+                out.topk_ids)
 
     @staticmethod
-    def backward(ctx, g_target, g_lse, g_expected, *unused):
-        hidden, weight, row_index, local_target, lse, expected, z_cut, id_cut = ctx.saved_tensors
+    @first_order_only
+    def backward(ctx, g_target, g_lse, g_entropy, *unused):
+        hidden, weight, row_index, local_target, lse, entropy, row_max, log_sum_exp, z_cut, id_cut = \
+            ctx.saved_tensors
         spec, sp = ctx.spec, ctx.sp
         kernels = kernels_for(spec.backend)
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        coefs = _kept_coefficients(g_target, g_lse, g_expected, expected, lse)
+        coefs = coefficients(g_target, g_lse, None, g_entropy, entropy, lse)
 
-        full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        rows = _rows(full_hidden, row_index)
-        dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-        into_main_grad = needs_dw and adds_into_main_grad(weight, spec.accumulate_into_main_grad)
-        dw_out = None
-        if needs_dw:
-            dw_out = weight.main_grad if into_main_grad else torch.empty(
-                weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec), device=weight.device)
-        if coefs is None or rows.shape[0] == 0:
-            if dx_rows is not None:
-                dx_rows.zero_()
-            if dw_out is not None and not into_main_grad:
-                dw_out.zero_()
-        else:
-            coef_p, coef_pz, coef_target = coefs
-            for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
-                h = rows[start:end]
-                piece = slice(start, end)
-                dlogits = kernels.kept_dlogits_(
-                    torch.mm(h, weight.t()), local_target[piece], spec.num_valid_cols,
-                    spec.inv_temperature, sp.vocab_start, lse[piece], z_cut[piece], id_cut[piece],
-                    coef_p[piece], None if coef_pz is None else coef_pz[piece],
-                    None if coef_target is None else coef_target[piece])
+        with autocast_off(hidden.device):
+            full_hidden = (reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
+                           else hidden)
+            rows = _rows(full_hidden, row_index)
+            dx_rows = rows.new_empty(rows.shape) if needs_dx else None
+            into_main_grad = needs_dw and spec.main_grad_param is not None
+            dw_out = grad_weight = None
+            if needs_dw:
+                dw_out = spec.main_grad_param.main_grad if into_main_grad else torch.empty(
+                    weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec), device=weight.device)
+            if coefs is None or rows.shape[0] == 0:
                 if dx_rows is not None:
-                    torch.mm(dlogits, weight, out=dx_rows[start:end])
-                if dw_out is not None:
-                    matmul_into_(dw_out, dlogits.t(), h, accumulate=into_main_grad or index > 0)
-                del dlogits  # one chunk alive at the peak
-        grad_weight = None
-        if needs_dw and not into_main_grad:
-            grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
-        grad_hidden = _input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
-        if into_main_grad and hasattr(weight, "grad_added_to_main_grad"):
-            # Megatron's gradient-accumulation-fusion convention (as chunked.LinearSoftmaxStats)
-            weight.grad_added_to_main_grad = True
-            grad_weight = torch.zeros_like(weight)
+                    dx_rows.zero_()
+                if dw_out is not None and not into_main_grad:
+                    dw_out.zero_()
+            else:
+                for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
+                    h, piece = rows[start:end], slice(start, end)
+                    dlogits = kernels.kept_dlogits_(
+                        chunk_logits(h, weight, spec), local_target[piece], spec.num_valid_cols,
+                        spec.inv_temperature, sp.vocab_start, row_max[piece], log_sum_exp[piece],
+                        z_cut[piece], id_cut[piece],
+                        *(None if coefs[c] is None else coefs[c][piece] for c in ("p", "pz", "target")))
+                    dlogits = gemm_input(dlogits, h)
+                    if dx_rows is not None:
+                        torch.mm(dlogits, weight, out=dx_rows[start:end])
+                    if dw_out is not None:
+                        matmul_into_(dw_out, dlogits.t(), h, accumulate=into_main_grad or index > 0)
+                    del dlogits  # one chunk alive at the peak
+            if needs_dw and not into_main_grad:
+                grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
+            grad_hidden = _input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
+        if into_main_grad:
+            grad_weight = _main_grad_added(spec.main_grad_param, weight)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
@@ -416,8 +443,8 @@ class LinearKeptStats(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 def sampled_statistics(hidden2d: Tensor, weight: Tensor, row_index: Optional[Tensor], local_target: Tensor,
                        labels: Tensor, spec: ChunkSpec, sp: SamplingSpec, needs_grad: bool) -> KeptStats:
-    """Per labelled row: z_y, lse, E[z] (differentiable when `needs_grad`), the kept flag and the
-    top-k log-probs. `labels` are the rows' global ids."""
+    """Per labelled row: z_y, lse, entropy (differentiable when `needs_grad`), lse's parts, the
+    kept flag and the top-k log-probs. `labels` are the rows' global ids."""
     if sp.filters:
         if needs_grad:
             return KeptStats(*LinearKeptStats.apply(hidden2d, weight, row_index, local_target, labels, spec, sp))
@@ -432,17 +459,18 @@ def sampled_statistics(hidden2d: Tensor, weight: Tensor, row_index: Optional[Ten
                                              sp.vocab_start, sp.num_candidates))
 
     if needs_grad:
-        target, lse, _, expected = LinearSoftmaxStats.apply(hidden2d, weight, row_index, local_target,
-                                                            spec, collect)
+        target, lse, _, entropy, row_max, log_sum_exp = LinearSoftmaxStats.apply(
+            hidden2d, weight, row_index, local_target, spec, collect)
     else:
         full = reductions.gather_sequence(hidden2d, spec.tp_group) if spec.sequence_parallel else hidden2d
         merged = forward_stats(_rows(full, row_index), weight, local_target, spec, on_chunk=collect)
-        target, lse, expected = merged.target, merged.lse, merged.expected_logit
+        target, lse, entropy = merged.target, merged.lse, merged.entropy
+        row_max, log_sum_exp = merged.max, merged.log_sum_exp
     local = torch.cat(keys) if keys else torch.zeros(0, sp.num_candidates, dtype=torch.int64,
                                                       device=hidden2d.device)
-    topk_lp, topk_ids = _topk(merge_candidates(local, spec.tp_group), lse.detach(), sp.return_topk)
-    return KeptStats(target=target, lse=lse, expected_logit=expected, kept=None,
-                     topk_logprobs=topk_lp, topk_ids=topk_ids)
+    topk_lp, topk_ids = _topk(merge_candidates(local, spec.tp_group), row_max, log_sum_exp, sp.return_topk)
+    return KeptStats(target=target, lse=lse, entropy=entropy, max=row_max, log_sum_exp=log_sum_exp,
+                     kept=None, topk_logprobs=topk_lp, topk_ids=topk_ids)
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,8 +503,7 @@ def sample_logits(logits: Tensor, *, tp_group, num_valid_cols: int, inv_temperat
     logits = logits.detach()
     spec = ChunkSpec(tp_group=tp_group, backend=None, num_valid_cols=num_valid_cols,
                      inv_temperature=inv_temperature, chunk_size=max(logits.shape[0], 1),
-                     want_sum_logits=False, want_entropy=False, sequence_parallel=False,
-                     accumulate_into_main_grad=False)
+                     want_sum_logits=False, want_entropy=False, sequence_parallel=False)
     keys = sampling_torch.shard_candidates(logits, num_valid_cols, inv_temperature, sp.vocab_start,
                                            sp.num_candidates)
     cands = merge_candidates(keys, tp_group)
@@ -489,6 +516,6 @@ def sample_logits(logits: Tensor, *, tp_group, num_valid_cols: int, inv_temperat
         local = sampling_torch.kept_sums(logits, None, num_valid_cols, inv_temperature, sp.vocab_start,
                                          row_max, row_max, torch.full_like(cid[:, 0], ID_ALL),
                                          want_total=True).total
-        lse = row_max + torch.log(reductions.sum_over_ranks(local, tp_group))
-        topk_lp, topk_ids = _topk(cands, lse, sp.return_topk)
+        topk_lp, topk_ids = _topk(cands, row_max, torch.log(reductions.sum_over_ranks(local, tp_group)),
+                                  sp.return_topk)
     return LogitsSampler(z_cut, id_cut, topk_lp, topk_ids)

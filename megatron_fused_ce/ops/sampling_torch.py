@@ -17,12 +17,14 @@ Three functions make a sampling backend (sampling_triton.py has the same three, 
 
 - `shard_candidates`: this shard's `num_candidates` first tokens in the total order, as int64
   keys (below) sorted descending, padded with KEY_NONE;
-- `kept_sums`: per row, sum over kept columns of exp(z - row_max) (and of exp(z - row_max) * z,
-  the kept count, the sum over all columns, the target logit), optionally for a subset of rows;
+- `kept_sums`: per row, sum over kept columns of exp(z - row_max) (and of exp(z - row_max) *
+  (z - row_max), the kept count, the sum over all columns, the target logit), optionally for a
+  subset of rows;
 - `kept_dlogits_`: overwrite the chunk with d(loss)/d(logits) for the renormalized kept-set
-  distribution q (q_k = exp(z_k - lse_kept) on kept columns, 0 elsewhere):
+  distribution q (log q_k = (z_k - M) - log S on kept columns, q_k = 0 elsewhere; M the row max,
+  S the kept sum of exp(z - M), kept apart for precision as in torch_backend.py):
 
-      dL/dz_k = kept(k) * q_k * (coef_p + coef_pz * z_k) + coef_target * [k == y]
+      dL/dz_k = kept(k) * q_k * (coef_p + coef_pz * log q_k) + coef_target * [k == y]
 
 `tie_id` (the j-th token tied at a given value, for the rare exact-search rows) is plain torch and
 shared by both backends.
@@ -104,14 +106,14 @@ class KeptSums:
 
     sum_exp: Tensor  # sum over kept columns of exp(z - row_max)
     target: Optional[Tensor] = None  # z_y when the label lives on this shard, else 0
-    sum_exp_logits: Optional[Tensor] = None  # sum over kept columns of exp(z - row_max) * z
+    sum_exp_shifted: Optional[Tensor] = None  # sum over kept columns of exp(z - m) * (z - m) (entropy)
     count: Optional[Tensor] = None  # number of kept columns
     total: Optional[Tensor] = None  # sum over all valid columns of exp(z - row_max)
 
 
 def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: int,
               inv_temperature: float, vocab_start: int, row_max: Tensor, z_cut: Tensor,
-              id_cut: Tensor, *, rows: Optional[Tensor] = None, want_expected: bool = False,
+              id_cut: Tensor, *, rows: Optional[Tensor] = None, want_entropy: bool = False,
               want_count: bool = False, want_total: bool = False) -> KeptSums:
     """Sums over the kept columns of each row. `rows` (optional) selects rows of `logits`; every
     per-row argument (local_target, row_max, z_cut, id_cut) is then given for those rows only.
@@ -124,13 +126,14 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
         zeros = torch.zeros(n, **f32)
         return KeptSums(
             sum_exp=zeros, target=None if local_target is None else zeros.clone(),
-            sum_exp_logits=zeros.clone() if want_expected else None,
+            sum_exp_shifted=zeros.clone() if want_entropy else None,
             count=torch.zeros(n, dtype=torch.int64, device=logits.device) if want_count else None,
             total=zeros.clone() if want_total else None)
     z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
     ids = torch.arange(vocab_start, vocab_start + num_valid_cols, device=logits.device)
     keep = kept_mask(z, ids, z_cut, id_cut)
-    e = torch.exp(z - row_max.unsqueeze(1))
+    shifted = z - row_max.unsqueeze(1)
+    e = torch.exp(shifted)
     kept_e = torch.where(keep, e, 0.0)
     target = None
     if local_target is not None:
@@ -139,7 +142,7 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
     return KeptSums(
         sum_exp=kept_e.sum(dim=1),
         target=target,
-        sum_exp_logits=(kept_e * z).sum(dim=1) if want_expected else None,
+        sum_exp_shifted=(kept_e * shifted).sum(dim=1) if want_entropy else None,
         count=keep.sum(dim=1) if want_count else None,
         total=e.sum(dim=1) if want_total else None,
     )
@@ -147,8 +150,8 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
 
 # ------------------------------------------------------------------------------ dlogits
 def kept_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
-                  vocab_start: int, lse: Tensor, z_cut: Tensor, id_cut: Tensor, coef_p: Tensor,
-                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor]) -> Tensor:
+                  vocab_start: int, row_max: Tensor, log_sum_exp: Tensor, z_cut: Tensor, id_cut: Tensor,
+                  coef_p: Tensor, coef_pz: Optional[Tensor], coef_target: Optional[Tensor]) -> Tensor:
     """Overwrite `logits` with dL/d(logits) of the kept-set distribution (chain rule through
     z = logits / T included); columns outside the kept set and padding columns get 0."""
     if num_valid_cols < logits.shape[1]:
@@ -158,10 +161,11 @@ def kept_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv
     z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
     ids = torch.arange(vocab_start, vocab_start + num_valid_cols, device=logits.device)
     keep = kept_mask(z, ids, z_cut, id_cut)
+    log_q = (z - row_max.unsqueeze(1)) - log_sum_exp.unsqueeze(1)
     coef = coef_p.unsqueeze(1)
     if coef_pz is not None:
-        coef = coef + coef_pz.unsqueeze(1) * z
-    grad = torch.where(keep, torch.exp(z - lse.unsqueeze(1)) * coef, 0.0)
+        coef = coef + coef_pz.unsqueeze(1) * log_q
+    grad = torch.where(keep, torch.exp(log_q) * coef, 0.0)
     if coef_target is not None:
         on_shard = local_target >= 0
         grad.scatter_add_(1, local_target.clamp(min=0).unsqueeze(1),

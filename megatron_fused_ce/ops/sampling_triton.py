@@ -13,7 +13,8 @@ tests/test_sampling_triton.py checks them against it, on CPU under TRITON_INTERP
 - `kept_sums`: one read of the chunk (or of the selected rows), columns split over several
   programs when rows are few, as triton_backend.shard_stats does; exp(z - row max) needs no
   online rescaling (the global max is known).
-- `kept_dlogits_`: triton_backend's dlogits kernel with the kept-set mask: one read and one write.
+- `kept_dlogits_`: triton_backend's dlogits kernel with the kept-set mask (log q = (z - M) - log S,
+  the two parts kept apart as there): one read and one write.
 
 z = fp32(logits) * inv_temperature exactly as in the torch backends, so kept-set decisions,
 candidate keys and target logits are bit-identical to sampling_torch.py.
@@ -111,9 +112,9 @@ def shard_candidates(logits: Tensor, num_valid_cols: int, inv_temperature: float
 @triton.jit
 def _kept_sums_kernel(
     logits_ptr, stride_row, rows_ptr, target_ptr, max_ptr, zcut_ptr, idcut_ptr,
-    sum_ptr, sum_z_ptr, count_ptr, total_ptr, target_out_ptr,
+    sum_ptr, sum_shifted_ptr, count_ptr, total_ptr, target_out_ptr,
     num_valid_cols, cols_per_split, num_splits, inv_temperature, vocab_start,
-    HAS_ROWS: tl.constexpr, HAS_TARGET: tl.constexpr, WANT_EXPECTED: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_TARGET: tl.constexpr, WANT_ENTROPY: tl.constexpr,
     WANT_COUNT: tl.constexpr, WANT_TOTAL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -129,7 +130,7 @@ def _kept_sums_kernel(
     start = split * cols_per_split
     end = tl.minimum(start + cols_per_split, num_valid_cols)
     s = tl.zeros([], tl.float32)
-    s_z = tl.zeros([], tl.float32)
+    s_shifted = tl.zeros([], tl.float32)
     c = tl.zeros([], tl.int32)
     total = tl.zeros([], tl.float32)
     for col0 in range(start, end, BLOCK_N):
@@ -140,16 +141,16 @@ def _kept_sums_kernel(
         keep = valid & ((z > z_cut) | ((z == z_cut) & (ids <= id_cut)))
         e = tl.exp(z - m)
         s += tl.sum(tl.where(keep, e, 0.0), axis=0)
-        if WANT_EXPECTED:
-            s_z += tl.sum(tl.where(keep, e * z, 0.0), axis=0)
+        if WANT_ENTROPY:
+            s_shifted += tl.sum(tl.where(keep, e * (z - m), 0.0), axis=0)
         if WANT_COUNT:
             c += tl.sum(keep.to(tl.int32), axis=0)
         if WANT_TOTAL:
             total += tl.sum(tl.where(valid, e, 0.0), axis=0)
     out = i.to(tl.int64) * num_splits + split
     tl.store(sum_ptr + out, s)
-    if WANT_EXPECTED:
-        tl.store(sum_z_ptr + out, s_z)
+    if WANT_ENTROPY:
+        tl.store(sum_shifted_ptr + out, s_shifted)
     if WANT_COUNT:
         tl.store(count_ptr + out, c)
     if WANT_TOTAL:
@@ -163,7 +164,7 @@ def _kept_sums_kernel(
 
 def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: int,
               inv_temperature: float, vocab_start: int, row_max: Tensor, z_cut: Tensor,
-              id_cut: Tensor, *, rows: Optional[Tensor] = None, want_expected: bool = False,
+              id_cut: Tensor, *, rows: Optional[Tensor] = None, want_entropy: bool = False,
               want_count: bool = False, want_total: bool = False) -> KeptSums:
     n = logits.shape[0] if rows is None else rows.numel()
     f32 = dict(dtype=torch.float32, device=logits.device)
@@ -171,7 +172,7 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
         zeros = torch.zeros(n, **f32)
         return KeptSums(
             sum_exp=zeros, target=None if local_target is None else zeros.clone(),
-            sum_exp_logits=zeros.clone() if want_expected else None,
+            sum_exp_shifted=zeros.clone() if want_entropy else None,
             count=torch.zeros(n, dtype=torch.int64, device=logits.device) if want_count else None,
             total=zeros.clone() if want_total else None)
     if logits.stride(1) != 1:
@@ -181,7 +182,7 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
     splits = max(1, min(col_blocks, triton.cdiv(PROGRAMS_PER_SM * _sm_count(logits.device), n)))
     cols_per_split = triton.cdiv(col_blocks, splits) * block_n
     splits = triton.cdiv(num_valid_cols, cols_per_split)
-    parts = {name: torch.empty((n, splits), **f32) for name in ("sum", "sum_z", "total")}
+    parts = {name: torch.empty((n, splits), **f32) for name in ("sum", "sum_shifted", "total")}
     count = torch.empty((n, splits), dtype=torch.int32, device=logits.device)
     target = torch.empty(n, **f32)
     dummy_int = id_cut  # never read when the matching flag is off
@@ -189,15 +190,15 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
         logits, logits.stride(0), rows if rows is not None else dummy_int,
         local_target.contiguous() if local_target is not None else dummy_int,
         _f32(row_max), _f32(z_cut), id_cut.to(torch.int64).contiguous(),
-        parts["sum"], parts["sum_z"], count, parts["total"], target,
+        parts["sum"], parts["sum_shifted"], count, parts["total"], target,
         num_valid_cols, cols_per_split, splits, float(inv_temperature), vocab_start,
-        HAS_ROWS=rows is not None, HAS_TARGET=local_target is not None, WANT_EXPECTED=want_expected,
+        HAS_ROWS=rows is not None, HAS_TARGET=local_target is not None, WANT_ENTROPY=want_entropy,
         WANT_COUNT=want_count, WANT_TOTAL=want_total, BLOCK_N=block_n, num_warps=KEPT_WARPS,
     )
     return KeptSums(
         sum_exp=parts["sum"].sum(dim=1),
         target=target if local_target is not None else None,
-        sum_exp_logits=parts["sum_z"].sum(dim=1) if want_expected else None,
+        sum_exp_shifted=parts["sum_shifted"].sum(dim=1) if want_entropy else None,
         count=count.sum(dim=1, dtype=torch.int64) if want_count else None,
         total=parts["total"].sum(dim=1) if want_total else None,
     )
@@ -205,7 +206,7 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
 
 @triton.jit
 def _kept_dlogits_kernel(
-    logits_ptr, stride_row, target_ptr, lse_ptr, zcut_ptr, idcut_ptr,
+    logits_ptr, stride_row, target_ptr, max_ptr, lsexp_ptr, zcut_ptr, idcut_ptr,
     coef_p_ptr, coef_pz_ptr, coef_target_ptr,
     num_cols, num_valid_cols, inv_temperature, vocab_start,
     HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -219,10 +220,11 @@ def _kept_dlogits_kernel(
     id_cut = tl.load(idcut_ptr + row)
     ids = (cols + vocab_start).to(tl.int64)
     keep = valid & ((z > z_cut) | ((z == z_cut) & (ids <= id_cut)))
+    log_q = (z - tl.load(max_ptr + row)) - tl.load(lsexp_ptr + row)
     coef = tl.load(coef_p_ptr + row)
     if HAS_PZ:
-        coef = coef + tl.load(coef_pz_ptr + row) * z
-    grad = tl.where(keep, tl.exp(z - tl.load(lse_ptr + row)) * coef, 0.0)
+        coef = coef + tl.load(coef_pz_ptr + row) * log_q
+    grad = tl.where(keep, tl.exp(log_q) * coef, 0.0)
     if HAS_TARGET:
         t = tl.load(target_ptr + row)
         grad += tl.where(cols == t, tl.load(coef_target_ptr + row), 0.0)
@@ -235,8 +237,8 @@ def _kept_dlogits_kernel(
 
 
 def kept_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
-                  vocab_start: int, lse: Tensor, z_cut: Tensor, id_cut: Tensor, coef_p: Tensor,
-                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor]) -> Tensor:
+                  vocab_start: int, row_max: Tensor, log_sum_exp: Tensor, z_cut: Tensor, id_cut: Tensor,
+                  coef_p: Tensor, coef_pz: Optional[Tensor], coef_target: Optional[Tensor]) -> Tensor:
     n, num_cols = logits.shape
     if n == 0 or num_cols == 0:
         return logits
@@ -244,11 +246,12 @@ def kept_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv
         return logits.zero_()
     if logits.stride(1) != 1:
         return logits.copy_(kept_dlogits_(logits.contiguous(), local_target, num_valid_cols, inv_temperature,
-                                          vocab_start, lse, z_cut, id_cut, coef_p, coef_pz, coef_target))
+                                          vocab_start, row_max, log_sum_exp, z_cut, id_cut, coef_p, coef_pz,
+                                          coef_target))
     coef_p = _f32(coef_p)
     pz, tgt = (None if c is None else _f32(c) for c in (coef_pz, coef_target))
     _kept_dlogits_kernel[(n, triton.cdiv(num_cols, DLOGITS_BLOCK_N))](
-        logits, logits.stride(0), local_target.contiguous(), _f32(lse), _f32(z_cut),
+        logits, logits.stride(0), local_target.contiguous(), _f32(row_max), _f32(log_sum_exp), _f32(z_cut),
         id_cut.to(torch.int64).contiguous(), coef_p, coef_p if pz is None else pz,
         coef_p if tgt is None else tgt,
         num_cols, num_valid_cols, float(inv_temperature), vocab_start,
