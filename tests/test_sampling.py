@@ -371,3 +371,34 @@ def test_exact_semantics_by_hand(tp, candidates):
                     assert got == float("-inf"), (row, params, label, got)
                 else:
                     assert got == pytest.approx(want, abs=1e-6), (row, params, label, got)
+
+
+# ---------------------------------------------------------------- the op's other options
+def test_logits_dtype_main_grad_autocast_and_first_order_only():
+    case = make_case(12, 1, dtype=torch.bfloat16, ints=True)
+    params = dict(top_k=12, top_p=0.9, min_p=0.02, return_topk=6)
+    plain = _run(0, 1, case, params)
+    check(case, params, [_run(0, 1, dict(case, chunk_size=5), params)], what="options")
+    h, w = case["hidden"], case["weight"]
+    kw = dict(vocab_size=case["vocab"], temperature=case["T"], chunk_size=7, return_entropy=True, **params)
+    # fp32 logits: the integer logits are exact either way
+    out = linear_logprobs(h, w, case["labels"], logits_dtype=torch.float32, **kw)
+    assert torch.equal(torch.isfinite(out.logprobs), torch.isfinite(plain["lp"]))
+    assert torch.equal(out.topk_ids, plain["topk_ids"])
+    # Megatron's main_grad: the same dW lands there
+    wp = w.clone().requires_grad_()
+    wp.main_grad, wp.grad_added_to_main_grad = torch.zeros(w.shape), False
+    out = linear_logprobs(h.clone().requires_grad_(), wp, case["labels"], accumulate_into_main_grad=True, **kw)
+    finite = torch.isfinite(out.logprobs)
+    ((torch.where(finite, out.logprobs, 0.0) * case["grad_lp"]).sum() + (out.entropy * case["grad_ent"]).sum()).backward()
+    assert wp.grad_added_to_main_grad and reference.rel_err(wp.main_grad, plain["dw"].float()) < 1e-2
+    # autocast: fp32 inputs computed in bf16, as F.linear would
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_logprobs(h.float(), w.float(), case["labels"], **kw)
+    assert torch.equal(torch.isfinite(out.logprobs), torch.isfinite(plain["lp"]))
+    # a gradient penalty through the op raises instead of dropping the second-order term
+    hg = h.float().clone().requires_grad_()
+    lp = linear_logprobs(hg, w.float(), case["labels"], **kw).logprobs
+    (grad,) = torch.autograd.grad(torch.where(torch.isfinite(lp), lp, 0.0).sum(), hg, create_graph=True)
+    with pytest.raises(RuntimeError, match="second-order"):
+        grad.square().sum().backward()
