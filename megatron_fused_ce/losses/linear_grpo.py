@@ -125,7 +125,7 @@ def linear_grpo_loss(
         if sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
             positions = (positions % batch) * length + positions // batch
         with torch.enable_grad():
-            chunk_logprobs = (merged.target - merged.lse).detach().requires_grad_()
+            chunk_logprobs = merged.logprob().detach().requires_grad_()
             logprobs = placeholder.index_put((positions,), chunk_logprobs).view(batch, length)
             loss = loss_given_totals(logprobs, advantages, mask, config, totals, **loss_kwargs)
             (grad,) = torch.autograd.grad(loss, chunk_logprobs)
@@ -137,6 +137,6 @@ def linear_grpo_loss(
                              want_sum_logits=False, want_entropy=False, token_grads=token_grads,
                              must_agree=must_agree)
     with torch.no_grad():
-        logprobs = to_batch_layout(stats.to_full(stats.target - stats.lse))
+        logprobs = to_batch_layout(stats.to_full(stats.logprob()))
         loss, metrics = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs, cp_group=cp_group)
     return loss + stats.anchor, metrics
