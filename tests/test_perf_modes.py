@@ -279,3 +279,33 @@ def _bad_mode_worker(rank, world):
 def test_memory_mode_errors_on_every_rank():
     for message in run_workers(_bad_mode_worker, 2, timeout=30):
         assert message is not None and "memory_mode" in message
+
+
+@pytest.mark.parametrize("n, hdim, v", [(8192, 4096, 128256), (8192, 2304, 256000), (16384, 3584, 152064),
+                                        (131072, 4096, 128256)])
+def test_lean_default_workset_is_under_3_percent_of_the_8192_token_logits(n, hdim, v):
+    """The documented budget (README / docs/benchmarks.md: 400 B per vocab row, >= 32 MiB, about
+    2.4 % of the bf16 logits of 8192 tokens, whatever N) at the issue's shapes, and the CUDA tiles
+    (Triton kernels work in place: 2 B per tile element) fit it in every sweep: tile + fp32
+    accumulator + gathered W rows (A), tile + fp32 dW accumulator when token chunks span (B)."""
+    workset = max(api.LEAN_WORKSET_BYTES, api.LEAN_WORKSET_PER_VOCAB_ROW * v)
+    assert workset <= 0.03 * 2 * 8192 * v
+    for accumulates in (False, True):
+        t = lean.tile_sizes(n, v, hdim, 2, workset, tile_bytes_per_element=2, weight_grad_accumulates=accumulates)
+        assert t.rows_a * t.cols_a * 2 + t.rows_a * hdim * (4 + 2) <= workset, t
+        spans = n > lean._MAX_ROWS_B and not accumulates
+        assert t.cols_b * (t.rows_b * 2 + (4 * hdim if spans else 0)) <= workset, t
+        assert min(t.rows_a, t.cols_a, t.rows_b, t.cols_b) >= 16, t
+
+
+def test_lean_with_sampler_settings():
+    """The sampler's statistics run in chunks of logits: lean + a filter / return_topk is a
+    ValueError naming memory_mode; settings that are off (top_p=1, min_p=0) are today's lean call."""
+    torch.manual_seed(3)
+    h, w, y = torch.randn(6, 4), torch.randn(10, 4), torch.randint(0, 10, (6,))
+    for sampler in (dict(top_k=3), dict(top_p=0.5), dict(min_p=0.1), dict(return_topk=2)):
+        with pytest.raises(ValueError, match="memory_mode"):
+            linear_logprobs(h, w, y, memory_mode="lean", **sampler)
+    off = linear_logprobs(h, w, y, memory_mode="lean", top_p=1.0, min_p=0.0).logprobs
+    ref = torch.log_softmax(h.double() @ w.double().t(), -1).gather(1, y[:, None]).squeeze(1)
+    assert reference.rel_err(off, ref) < 2e-5

@@ -30,6 +30,14 @@ What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
   ours_ce_fp32_logits@C, ours_logprobs_fp32_logits@C  ours_ce / ours_logprobs with
                      logits_dtype=torch.float32 (fp32-output logits GEMM; the cost of the option; not
                      in the default set)
+  ours_top_p@C, ours_top_k@C, ours_topk20@C
+                     linear_logprobs with top_p=0.9 / top_k=50 / return_topk=20 (sampler
+                     fidelity), backward through -sum(finite lp)/N, at --sampler-temperature
+                     (default 0.25: logits of std ~8, a peaked next-token distribution like a
+                     trained LM's; the random inputs at T=1 are nearly flat over the vocab);
+                     "× plain" = time / ours_logprobs at the same chunk, same run. Notes give the
+                     rows that took the exact search (nucleus longer than the candidates).
+  ours_top_p_flat@C  top_p=0.9 at T=1 (flat rows: every row takes the exact search; worst case)
 C = "auto" uses the package's default chunk size. Peers that are not installed, or fail, are
 skipped with a note. Every method's loss, dX and dW (forward rows: log-probs) are checked against
 torch_eager (rel. error).
@@ -98,7 +106,8 @@ QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
 QUICK_SHAPES_CPU = [(48, 32, 500)]
 DEFAULT_IMPLS = ("floor,floor_fwd,torch_eager,torch_compile,torch_compile_fwd,torch_lce,megatron,liger,cce,"
                  "cce_exact,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,ours_grpo,ours_grpo_lean,"
-                 "ours_ce_main_grad,ours_ce_main_grad_lean,ours_fwd,ours_fwd_entropy")
+                 "ours_ce_main_grad,ours_ce_main_grad_lean,ours_fwd,ours_fwd_entropy,"
+                 "ours_top_p,ours_top_k,ours_topk20")
 SWEEP_IMPLS = "floor,torch_compile,liger,cce,ours_ce,ours_ce_lean,ours_logprobs_lean,ours_fwd"
 SPREADS = ("random", "peaked")
 GIB = 1024.0 ** 3
@@ -333,9 +342,34 @@ def make_ours_fwd_entropy(h, w, y, chunk):
     return make_ours_fwd(h, w, y, chunk, entropy=True)
 
 
+SAMPLER_TEMPERATURE = 0.25  # --sampler-temperature
+SAMPLERS = {"ours_top_p": dict(top_p=0.9), "ours_top_k": dict(top_k=50), "ours_topk20": dict(return_topk=20),
+            "ours_top_p_flat": dict(top_p=0.9)}
+
+
+def _sampled_logprobs_loss(name, h, w, y, chunk, **kwargs):
+    """-sum of the finite log-probs / N under the sampler settings of `name`."""
+    temperature = 1.0 if name.endswith("_flat") else SAMPLER_TEMPERATURE
+    lp = linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(), temperature=temperature,
+                         **SAMPLERS[name], **kwargs).logprobs
+    return -torch.where(torch.isfinite(lp), lp, 0.0).sum() / h.shape[0]
+
+
+def _sampler_maker(name):
+    def make(h, w, y, chunk):
+        step = lambda: _grads(_sampled_logprobs_loss(name, h, w, y, chunk), h, w)  # noqa: E731
+        step.loss_kind = "sampled"  # not the CE of torch_eager: no error check here
+        return step
+    return make
+
+
+for _name in SAMPLERS:
+    globals()["make_" + _name] = _sampler_maker(_name)
+
 MAKERS = {name[len("make_"):]: fn for name, fn in globals().items() if name.startswith("make_")}
 CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo", "ours_fwd",
-           "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits"}  # lean rows take no chunk size
+           "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits",
+           *SAMPLERS}  # lean rows take no chunk size
 ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
 MAIN_GRAD = {"ours_ce_main_grad", "ours_ce_main_grad_lean"}
 
@@ -458,6 +492,29 @@ def resolved_auto_chunk(n, v_local, device, hdim, method):
         return None
 
 
+def _search_note(first_call):
+    """Run the first call with the sampler's search counters reset -> (its output, note)."""
+    from megatron_fused_ce.ops import sampling
+
+    sampling.SEARCH_COUNTS.clear()
+    out = first_call()
+    c = dict(sampling.SEARCH_COUNTS)
+    if not c.get("rows"):
+        return out, "no filter: candidates only"
+    rows = c["rows"]
+    searched = c.get("top_p_search_rows", 0) + c.get("top_k_search_rows", 0)
+    return out, f"exact search {searched}/{rows} rows ({100.0 * searched / rows:.1f}%)"
+
+
+def add_x_plain(rows):
+    """Sampler rows: time / ours_logprobs at the same chunk (and TP), same run."""
+    plain = {r["chunk"]: r for r in rows if r["method"] in ("ours_logprobs",) and "ms" in r}
+    for r in rows:
+        if r["method"] in SAMPLERS and "ms" in r and r["chunk"] in plain:
+            r["x_plain"] = r["ms"] / plain[r["chunk"]]["ms"]
+            r["note"] = (r.get("note", "") + "; " if r.get("note") else "") + f"× plain {r['x_plain']:.3f}"
+
+
 def run_one(name, chunk, h, w, y, args, reference=None):
     n, hdim = h.shape
     v = w.shape[0]
@@ -473,7 +530,10 @@ def run_one(name, chunk, h, w, y, args, reference=None):
         if row["forward_only"]:
             row["flops"] = 2.0 * n * hdim * v
         t0 = time.perf_counter()
-        out = step()  # first call: compiles (torch.compile, Triton JIT)
+        if name in SAMPLERS:
+            out, row["note"] = _search_note(step)
+        else:
+            out = step()  # first call: compiles (torch.compile, Triton JIT)
         sync()
         row["first_call_s"] = time.perf_counter() - t0
         if reference is not None and not getattr(step, "is_floor", False):
@@ -571,6 +631,7 @@ def bench_shape(shape, impls, args, device, results, section, check=True, spread
         if floor and "ms" in row:
             row["x_floor"] = row["ms"] / floor
             row["floor_ms"] = floor
+    add_x_plain(rows)
     write_json(results, args.out)
     del h, w, y, reference
     free()
@@ -681,6 +742,66 @@ def kernel_check_and_breakdown(args, device, results, shape, chunk):
 
 
 # ------------------------------------------------------------------------------ reports
+def sampler_kernel_check(args, device, results, shape, chunk):
+    """The sampler-fidelity Triton kernels vs their torch reference on one production chunk
+    (candidates must be identical), and their cost next to the plain stats kernel."""
+    from megatron_fused_ce.ops import sampling_torch as st, sampling_triton as sx, triton_backend as tb
+    _, hdim, v = shape
+    out = dict(shape=list(shape), chunk=chunk, checks={}, times_ms={})
+    log(f"\n== sampler kernels: chunk [{chunk}, {v}] bf16, H={hdim}, T={SAMPLER_TEMPERATURE}")
+    g = torch.Generator(device=device).manual_seed(6)
+    h = torch.randn(chunk, hdim, device=device, generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, hdim, device=device, generator=g) / math.sqrt(hdim) * 2).to(torch.bfloat16)
+    logits, nvc, inv_t, start = h @ w.t(), v - 17, 1.0 / SAMPLER_TEMPERATURE, 1000
+    tgt = torch.randint(-1, nvc, (chunk,), device=device, generator=g)
+    for m in (20, 50, 128):
+        a, b = sx.shard_candidates(logits, nvc, inv_t, start, m), st.shard_candidates(logits, nvc, inv_t, start, m)
+        out["checks"][f"candidates M={m} identical"] = bool(torch.equal(a, b))
+    cz, cid, _ = st.decode_keys(st.shard_candidates(logits, nvc, inv_t, start, 128))
+    row_max, z_cut, id_cut = cz[:, 0], cz[:, 9], cid[:, 9]  # keep the first 10 tokens
+    a = sx.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut, id_cut, want_entropy=True, want_total=True)
+    b = st.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut, id_cut, want_entropy=True, want_total=True)
+    for f in ("sum_exp", "sum_exp_shifted", "total", "target"):
+        out["checks"][f"kept_sums.{f}"] = rel_err(getattr(a, f), getattr(b, f))
+    log_s = torch.log(b.sum_exp)
+    cp, cpz, ct = (torch.randn(chunk, device=device, generator=g) for _ in range(3))
+    args_d = (tgt, nvc, inv_t, start, row_max, log_s, z_cut, id_cut, cp, cpz, ct)
+    out["checks"]["kept_dlogits"] = rel_err(sx.kept_dlogits_(logits.clone(), *args_d),
+                                            st.kept_dlogits_(logits.clone(), *args_d))
+    bad = [k for k, e in out["checks"].items() if e is False or (isinstance(e, float) and not e < 1e-4)]
+    out["ok"] = not bad
+    log("  sampler kernel check: " + ("OK" if not bad else f"FAILED: {bad}"))
+    buf = logits.clone()
+    ones = torch.ones(chunk, device=device)
+    ops = {
+        "plain: triton shard_stats": lambda: tb.shard_stats(logits, tgt, nvc, inv_t),
+        "plain: triton shard_dlogits_": lambda: tb.shard_dlogits_(buf, tgt, nvc, inv_t, row_max, ones, None, -ones,
+                                                                  None, log_sum_exp=log_s),
+        "candidates M=20 (return_topk=20)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 20),
+        "candidates M=50 (top_k=50)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 50),
+        "candidates M=128 (top_p)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 128),
+        "torch.topk k=128 of the chunk (for scale)": lambda: logits.topk(128, dim=1),
+        "kept_sums (+target, +total)": lambda: sx.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut,
+                                                            id_cut, want_total=True),
+        "kept_dlogits_": lambda: sx.kept_dlogits_(buf, tgt, nvc, inv_t, start, row_max, log_s, z_cut, id_cut, ones,
+                                                  None, -ones),
+    }
+    for name, fn in ops.items():
+        try:
+            ms = time_step(fn, 2, 5, 20, 150)[0]
+            out["times_ms"][name] = ms
+            log(f"    {name:44s} {ms:8.3f} ms  {2 * chunk * v / ms / 1e6:.0f} GB/s (2 B/elt read)")
+        except Exception as exc:  # noqa: BLE001
+            out["times_ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log(f"    {name:44s} failed: {exc}")
+        free()
+    results["sampler_kernels"] = out
+    write_json(results, args.out)
+    del h, w, logits, buf
+    free()
+    return out["ok"]
+
+
 def write_json(results, out_dir, name="results.json"):
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump(results, f, indent=1, default=str)
@@ -741,6 +862,8 @@ def markdown(results):
                 if r.get("forward_only"):
                     note = (note + "; " if note else "") + "forward only: x 1-GEMM floor"
                 err_first = r.get("err_logprobs") if r.get("forward_only") else r.get("err_loss")
+                if r.get("note"):
+                    note = (note + "; " if note else "") + r["note"]
                 lines.append(
                     f"| {r['impl']} | {r['ms']:.2f} | {r['tflops']:.0f} | {_fmt(r.get('x_floor'), '.3f')} | "
                     f"{_fmt(r.get('extra_gib'), '.3f')} | {_fmt(r.get('extra_pct_dense_logits'), '.1f')} | "
@@ -758,6 +881,12 @@ def markdown(results):
         lines.append("")
         lines.append(f"Kernel check (triton vs torch backend, rel. err.): {'OK' if k['ok'] else 'FAILED'}; "
                      f"worst {max((v for v in k['checks'].values() if isinstance(v, float)), default=0):.2e}")
+    if "sampler_kernels" in results:
+        k = results["sampler_kernels"]
+        lines += ["", f"### Sampler kernels: [{k['chunk']}, {k['shape'][2]}] bf16 chunk, "
+                  f"T={SAMPLER_TEMPERATURE}; check vs torch: {'OK' if k['ok'] else 'FAILED'}", "",
+                  "| op | ms |", "|---|---|"]
+        lines += [f"| {name} | {ms if isinstance(ms, str) else format(ms, '.3f')} |" for name, ms in k["times_ms"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -768,10 +897,10 @@ def _targets(rows_by_impl, sweep_rows):
         r = rows_by_impl.get((impl, shape))
         return None if r is None or "x_floor" not in r else r
 
-    def check(impl, test, text):
-        def per_shape(shape):
+    def check(impl, test, text, needs=()):
+        def per_shape(shape):  # None: not measured (no row, or no memory figure, e.g. on the CPU)
             r = x(impl, shape)
-            if r is None:
+            if r is None or any(r.get(key) is None for key in needs):
                 return None
             return text(r, shape), bool(test(r, shape))
         return per_shape
@@ -791,7 +920,8 @@ def _targets(rows_by_impl, sweep_rows):
         ("log-probs fwd+bwd (`ours_logprobs`) ≤ 1.38×", check(
             "ours_logprobs@auto", lambda r, s: r["x_floor"] <= 1.38, lambda r, s: f"{r['x_floor']:.3f}")),
         ("lean CE extra ≤ 3 % of the N=8192 dense logits", check(
-            "ours_ce_lean", lambda r, s: mem(r) <= 3.0, lambda r, s: f"{mem(r):.2f} %")),
+            "ours_ce_lean", lambda r, s: mem(r) <= 3.0, lambda r, s: f"{mem(r):.2f} %",
+            needs=("extra_pct_dense_logits_8192",))),
         ("lean CE ≤ 1.40×", check("ours_ce_lean", lambda r, s: r["x_floor"] <= 1.40,
                                   lambda r, s: f"{r['x_floor']:.3f}")),
         ("lean CE faster than Liger and exact CCE", check(
@@ -805,17 +935,19 @@ def _targets(rows_by_impl, sweep_rows):
             "ours_fwd@auto", lambda r, s: r["x_floor"] <= 1.05, lambda r, s: f"{r['x_floor']:.3f}")),
         ("RL forward extra ≤ 15 % of the dense logits", check(
             "ours_fwd@auto", lambda r, s: r.get("extra_pct_dense_logits", 1e9) <= 15.0,
-            lambda r, s: f"{r.get('extra_pct_dense_logits', float('nan')):.1f} %")),
+            lambda r, s: f"{r.get('extra_pct_dense_logits', float('nan')):.1f} %", needs=("extra_pct_dense_logits",))),
         ("main_grad extra ≤ one chunk of logits", check(
             "ours_ce_main_grad@auto",
             lambda r, s: r.get("extra_bytes", 1e30) <= 2 * r.get("chunk_resolved", s[0]) * s[2] * 1.01,
-            lambda r, s: f"{r.get('extra_gib', float('nan')):.3f} GiB vs {2 * r.get('chunk_resolved', s[0]) * s[2] / GIB:.3f}")),
+            lambda r, s: f"{r.get('extra_gib', float('nan')):.3f} GiB vs {2 * r.get('chunk_resolved', s[0]) * s[2] / GIB:.3f}",
+            needs=("extra_bytes",))),
         ("main_grad time ≤ plain path's", check(
             "ours_ce_main_grad@auto", lambda r, s: x("ours_ce@auto", s) is None or r["ms"] <= x("ours_ce@auto", s)["ms"],
             lambda r, s: f"{r['ms']:.1f} vs {_fmt((x('ours_ce@auto', s) or {}).get('ms'), '.1f')} ms")),
     ]
     if sweep_rows:
-        lean = sorted((r["N"], r) for r in sweep_rows if r["method"] == "ours_ce_lean" and "ms" in r)
+        lean = sorted((r["N"], r) for r in sweep_rows if r["method"] == "ours_ce_lean" and "ms" in r
+                      and r.get("extra_pct_dense_logits_8192") is not None)
         if lean:
             worst = max(mem(r) for _, r in lean)
             text = ", ".join(f"N={n}: {mem(r):.2f} %" for n, r in lean)
@@ -954,7 +1086,8 @@ def environment():
 # shapes (N tokens, H, V); every rank holds the full hidden [N, H] (no sequence parallel) and a V/TP
 # vocab shard of the weight. Every method's dX is the full (TP-summed) input gradient, so the
 # Megatron rows all-reduce it after backward, as ColumnParallelLinear's backward does.
-TP_IMPLS = "floor,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,megatron,megatron_fused,liger_tp"
+TP_IMPLS = ("floor,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,megatron,megatron_fused,liger_tp,"
+            "ours_top_p,ours_top_k,ours_topk20")
 # measured on rank 0 alone for the scaling table
 TP1_IMPLS = ("floor", "ours_ce", "ours_ce_lean", "ours_logprobs", "ours_logprobs_lean")
 SCALED = ("floor", "ours_ce", "ours_ce_lean", "ours_logprobs", "ours_logprobs_lean")
@@ -996,6 +1129,18 @@ def tp_make_ours_ce_lean(h, w, y, chunk, ctx):
 
 def tp_make_ours_logprobs_lean(h, w, y, chunk, ctx):
     return tp_make_ours_logprobs(h, w, y, None, ctx, memory_mode="lean")
+
+
+def _tp_sampler_maker(name):
+    def make(h, w, y, chunk, ctx):
+        step = lambda: _grads(_sampled_logprobs_loss(name, h, w, y, chunk, tp_group=ctx.group), h, w)  # noqa: E731
+        step.loss_kind = "sampled"
+        return step
+    return make
+
+
+for _name in SAMPLERS:
+    globals()["tp_make_" + _name] = _tp_sampler_maker(_name)
 
 
 def _tp_grads_allreduce(loss, h, w, ctx):
@@ -1152,7 +1297,7 @@ def tp_time_step(step, args, ctx):
 def tp_run_one(name, chunk, h, w, y, args, ctx, reference):
     n, hdim = h.shape
     v_local = w.shape[0]
-    chunked = name in TP_CHUNKED
+    chunked = name in TP_CHUNKED or name in SAMPLERS
     label = f"{name}@{chunk or 'auto'}" if chunked else name
     row = dict(impl=label, method=name, chunk=(chunk or "auto") if chunked else None, N=n, H=hdim,
                V=v_local * ctx.tp, V_local=v_local, tp=ctx.tp, flops_per_gpu=6.0 * n * hdim * v_local,
@@ -1166,10 +1311,13 @@ def tp_run_one(name, chunk, h, w, y, args, ctx, reference):
 
         def first():
             t0 = time.perf_counter()
-            out = step()  # compiles (Triton JIT)
+            if name in SAMPLERS:
+                out, row["note"] = _search_note(step)
+            else:
+                out = step()  # compiles (Triton JIT)
             sync()
             errs = {}
-            if reference is not None and name not in ("floor_gemm", "allreduce"):
+            if reference is not None and name not in ("floor_gemm", "allreduce") and name not in SAMPLERS:
                 loss, dx, dw = out
                 errs = dict(err_loss=rel_err(loss, reference[0]), err_dx=rel_err(dx, reference[1]),
                             err_dw=rel_err(dw, reference[2]))
@@ -1315,6 +1463,7 @@ def tp_bench_shape(shape, impls, chunks, args, ctx, results, tp1_rows):
                 r["floor_ms"], r["floor_gemm_ms"], r["allreduce_ms"] = floor["ms"], gemm["ms"], ar["ms"]
                 r["x_floor"] = r["ms"] / floor["ms"]
                 r["x_floor_gemm"] = r["ms"] / gemm["ms"]
+    add_x_plain(rows)
     if ctx.rank == 0:
         results["scaling"].extend(tp_scaling((n, hdim, v_local * tp), tp, rows, tp1_rows))
         write_json(results, args.out, f"tp{tp}_results.json")
@@ -1428,6 +1577,8 @@ def tp_main(args):
             raise SystemExit(f"unknown TP impl {name!r}; known: {', '.join(m for m in TP_MAKERS)}")
         if name in TP_CHUNKED:
             impls.extend((name, c) for c in chunks)
+        elif name in SAMPLERS:
+            impls.append((name, chunks[0]))
         else:
             impls.append((name, None))
 
@@ -1484,6 +1635,7 @@ def parse_shapes(spec):
 
 
 def main(argv=None):
+    global SAMPLER_TEMPERATURE
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", help="comma list of NxHxV (default: the 3 design shapes)")
     p.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma list (default {DEFAULT_IMPLS})")
@@ -1503,6 +1655,8 @@ def main(argv=None):
     p.add_argument("--report", help="only write results.md and the plots from this results.json")
     p.add_argument("--time-limit-s", type=float, default=0.0,
                    help="start no further shape / sweep point after this many seconds (0: no limit)")
+    p.add_argument("--sampler-temperature", type=float, default=SAMPLER_TEMPERATURE,
+                   help="temperature of the top_p/top_k/topk20 rows (0.25: peaked rows like an LM's)")
     tpg = p.add_argument_group("tensor parallel (torchrun --nproc_per_node N tools/benchmark.py --tp N)")
     tpg.add_argument("--tp", type=int, default=0, help="TP size = number of torchrun processes (one per GPU)")
     tpg.add_argument("--tp1", choices=("measure", "none"), default="measure",
@@ -1513,6 +1667,7 @@ def main(argv=None):
     tpg.add_argument("--device", choices=("cuda", "cpu"), help=argparse.SUPPRESS)  # debug: --device cpu
     tpg.add_argument("--backend", choices=("nccl", "gloo"), help=argparse.SUPPRESS)  # debug: --backend gloo
     args = p.parse_args(argv)
+    SAMPLER_TEMPERATURE = args.sampler_temperature
     if args.report:  # tables and plots again from a results.json (e.g. after a timed-out run)
         with open(args.report) as f:
             results = json.load(f)
@@ -1545,6 +1700,8 @@ def main(argv=None):
         kshape = shapes[0]
         kernel_chunk = min(4096 if not args.quick else 64, kshape[0])
         results["kernel_ok"] = kernel_check_and_breakdown(args, device, results, kshape, kernel_chunk)
+        if any(name in SAMPLERS for name, _ in impls):
+            results["sampler_kernel_ok"] = sampler_kernel_check(args, device, results, kshape, kernel_chunk)
 
     def checkpoint():  # what is measured so far survives a time limit or a crash
         results["elapsed_s"] = time.time() - t_start

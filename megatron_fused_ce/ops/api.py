@@ -5,6 +5,7 @@ not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this ra
 backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
 (sum of logits, entropy) -> log-prob / entropy / loss here. Ignored rows are dropped before
 the first GEMM: they cost no flops and get exactly zero output and zero gradient.
+With sampler settings (top_k / top_p / min_p / return_topk) the chunk loop is sampling.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import lean, reductions, torch_backend
+from . import lean, reductions, sampling, torch_backend
 from .agreement import Agreement, finite_real, fits_int64, is_int
 from .chunked import (
     ChunkSpec,
@@ -37,6 +38,9 @@ MEMORY_MODES = ("fast", "lean")
 _AUTO_CHUNK_ELEMENTS = 64 * 1024 * 1024
 _AUTO_CHUNK_ELEMENTS_CUDA = 4 * 1024 * 1024 * 1024
 _AUTO_CHUNK_MIN_ROWS_CUDA = 4096
+# The sampler's chunk loop (sampling.py: candidate top-k, nucleus search per chunk) keeps bounded
+# chunks (512 Mi elements, 1 GiB of bf16): its per-chunk work is not the fused one-chunk schedule.
+_AUTO_CHUNK_ELEMENTS_SAMPLER_CUDA = 512 * 1024 * 1024
 # Columns per logits GEMM / kernel inside a chunk (chunked.py): per-block dW GEMMs beat one
 # [V_local, rows] x [rows, H] product by 3-6 % on an H100 (tools/perf_notes.md).
 VOCAB_BLOCK = 16384
@@ -47,9 +51,36 @@ LEAN_WORKSET_BYTES = 32 * 1024 * 1024
 LEAN_WORKSET_PER_VOCAB_ROW = 400
 
 
-class LogprobsOutput(NamedTuple):
+class _LogprobsPair(NamedTuple):
     logprobs: Tensor  # fp32, labels.shape; 0.0 at ignored positions
     entropy: Optional[Tensor]  # fp32, labels.shape (0.0 at ignored positions) or None
+
+
+class LogprobsOutput(_LogprobsPair):
+    """`(logprobs, entropy)`: a NamedTuple of two fields, so `lp, ent = out` keeps working.
+
+    `topk_logprobs` / `topk_ids` (`return_topk=k`: `labels.shape + (k,)`, else None) are
+    attributes outside the tuple for the same reason."""
+
+    topk_logprobs: Optional[Tensor] = None  # class defaults: also what _make / pytrees rebuild
+    topk_ids: Optional[Tensor] = None
+
+    def __new__(cls, logprobs, entropy=None, topk_logprobs=None, topk_ids=None):
+        self = super().__new__(cls, logprobs, entropy)
+        if topk_logprobs is not None or topk_ids is not None:
+            self.topk_logprobs, self.topk_ids = topk_logprobs, topk_ids
+        return self
+
+    def _replace(self, **changes):
+        fields = dict(logprobs=self.logprobs, entropy=self.entropy, topk_logprobs=self.topk_logprobs,
+                      topk_ids=self.topk_ids)
+        fields.update(changes)
+        return type(self)(**fields)
+
+    def __repr__(self):
+        extra = "" if self.topk_ids is None else (f", topk_logprobs={self.topk_logprobs!r}, "
+                                                  f"topk_ids={self.topk_ids!r}")
+        return f"LogprobsOutput(logprobs={self.logprobs!r}, entropy={self.entropy!r}{extra})"
 
 
 def _triton_backend_or_none():
@@ -258,6 +289,10 @@ class TokenStats:
     anchor: Optional[Tensor] = None  # with token_grads: zero scalar carrying dX, dW (add to the loss)
     max: Optional[Tensor] = None  # lse = max + log_sum_exp (plain values, see MergedStats)
     log_sum_exp: Optional[Tensor] = None
+    # sampler fidelity (sampling.py), on the labelled rows
+    kept: Optional[Tensor] = None  # bool: the label is in the kept set (None: no filter)
+    topk_logprobs: Optional[Tensor] = None  # [rows, k]
+    topk_ids: Optional[Tensor] = None  # [rows, k]
 
     def logprob(self) -> Tensor:
         """log p_y of the labelled rows: differentiable as target - lse, valued as
@@ -266,18 +301,22 @@ class TokenStats:
         precise = (self.target.detach() - self.max) - self.log_sum_exp
         return differentiable + (precise - differentiable.detach())
 
-    def to_full(self, values: Tensor) -> Tensor:
-        """[num labelled rows] -> labels.shape with zeros at ignored positions (differentiable)."""
+    def to_full(self, values: Tensor, fill=0) -> Tensor:
+        """[num labelled rows, ...] -> labels.shape + (...) with `fill` at ignored positions
+        (differentiable)."""
+        shape = self.out_shape + tuple(values.shape[1:])
         if self.row_index is None:
-            return values.reshape(self.out_shape)
-        full = values.new_zeros(self.num_rows)
-        return full.index_put((self.row_index,), values).reshape(self.out_shape)
+            return values.reshape(shape)
+        full = values.new_full((self.num_rows,) + tuple(values.shape[1:]), fill)
+        return full.index_put((self.row_index,), values).reshape(shape)
 
 
 def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden_size: int = 0,
                     element_size: int = 2, fp32_weight_grad_buffer: bool = False,
-                    logits_element_size: Optional[int] = None) -> int:
-    """Rows per chunk when the caller gives none: bounded chunks of logits (see the caps above).
+                    logits_element_size: Optional[int] = None,
+                    cuda_chunk_elements: int = _AUTO_CHUNK_ELEMENTS_CUDA) -> int:
+    """Rows per chunk when the caller gives none: bounded chunks of logits (see the caps above;
+    `cuda_chunk_elements` is the CUDA cap).
 
     `fp32_weight_grad_buffer`: the weight gradient will be computed here and, once the rows span
     several chunks, summed over them in an fp32 [V_local, H] buffer (i.e. not into Megatron's
@@ -293,7 +332,7 @@ def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden
     v_local = max(v_local, 1)
     widening = 1 if logits_element_size is None else max(logits_element_size // element_size, 1)
     if device.type == "cuda":
-        rows = max(_AUTO_CHUNK_MIN_ROWS_CUDA, _AUTO_CHUNK_ELEMENTS_CUDA // widening // v_local)
+        rows = max(_AUTO_CHUNK_MIN_ROWS_CUDA, cuda_chunk_elements // widening // v_local)
     else:
         rows = max(64, _AUTO_CHUNK_ELEMENTS // v_local)
     num_rows = max(num_rows, 1)
@@ -328,7 +367,7 @@ def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
                      chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
                      want_entropy, logits_dtype=None, memory_mode="fast", extra_checks=None,
-                     must_agree=None, token_grads=None) -> TokenStats:
+                     must_agree=None, token_grads=None, sampler=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
@@ -339,7 +378,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     that contract on the recompute path (see LinearLossGradInForward on why).
     `logits_dtype`: None (the input dtype, like Megatron's output layer) or torch.float32.
     `memory_mode`: "fast" (chunks of logits, `chunk_size`) or "lean" (tiles, lean.py; `chunk_size`
-    is not used)."""
+    is not used).
+    `sampler`: linear_logprobs' {top_k, top_p, min_p, return_topk} (sampling.py; they join
+    `must_agree`: they decide the collectives made)."""
     weight_param = weight
     hidden, weight = _autocast_inputs(hidden, weight)
     if isinstance(labels, Tensor) and labels.dtype == torch.int32:
@@ -356,7 +397,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         ignore_index=ignore_index, logits_dtype=logits_dtype, memory_mode=memory_mode,
         want_entropy=want_entropy, grad_path=(needs_grad, needs_dx, grad_in_forward),
         fp32_weight_grad_buffer=needs_grad and weight.requires_grad and main_grad_param is None,
-        extra_checks=extra_checks or {}, must_agree=must_agree or {})
+        extra_checks=extra_checks or {}, must_agree={**(must_agree or {}), **(sampler or {})})
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
@@ -383,11 +424,15 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             # the torch backend makes fp32 copies of a tile; the Triton kernels work in place
             tile_bytes_per_element=element_size + (12 if backend is torch_backend else 0),
             weight_grad_accumulates=main_grad_param is not None)
+    sampling_spec = None if sampler is None else sampling.sampling_spec(
+        **sampler, true_vocab=agreed.true_vocab, vocab_start=vocab_start)
     if not chunk_size:
         chunk_size = auto_chunk_size(
             row_labels.numel(), v_local, hidden.device, hidden_size=hidden_size,
             element_size=weight.element_size(), fp32_weight_grad_buffer=agreed.fp32_weight_grad_buffer,
-            logits_element_size=None if logits_dtype is None else 4)
+            logits_element_size=None if logits_dtype is None else 4,
+            cuda_chunk_elements=(_AUTO_CHUNK_ELEMENTS_CUDA if sampling_spec is None
+                                 else _AUTO_CHUNK_ELEMENTS_SAMPLER_CUDA))
     spec = ChunkSpec(
         tp_group=tp_group,
         backend=backend,
@@ -403,6 +448,13 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         lean=lean_tiles,
     )
     anchor = None
+    if sampling_spec is not None:  # sampler fidelity: its own chunk loop (sampling.py)
+        with autocast_off(hidden.device):
+            out = sampling.sampled_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
+                                              sampling_spec, needs_grad)
+        return TokenStats(out.target, out.lse, None, out.entropy, row_index, tuple(labels.shape), num_rows,
+                          None, out.max, out.log_sum_exp, kept=out.kept, topk_logprobs=out.topk_logprobs,
+                          topk_ids=out.topk_ids)
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
@@ -441,8 +493,13 @@ def linear_logprobs(
     accumulate_into_main_grad: bool = False,
     logits_dtype: Optional[torch.dtype] = None,
     memory_mode: str = "fast",
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    return_topk: int = 0,
 ) -> LogprobsOutput:
-    """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature).
+    """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature), or of the
+    distribution an inference engine's sampler draws from (`top_k` / `top_p` / `min_p`).
 
     Never materializes the [tokens, V_local] logits: see the module docs of api.py and chunked.py.
     `weight` is this rank's contiguous vocab shard (rank r owns ids [r*V_local, (r+1)*V_local));
@@ -455,24 +512,67 @@ def linear_logprobs(
     softmax, as Megatron's unfused output layer does; torch.float32 keeps the GEMM's fp32 output
     (closer to float64 math for bf16/fp16 inputs, at the cost of a chunk twice as large).
     Under torch.autocast the inputs are cast to the autocast dtype first, as F.linear would.
-    `memory_mode`: "fast" (default) holds one chunk of logits (on CUDA all rows while they stay
-    under 8 GiB, `chunk_size` rows when given) and, over several chunks, an fp32 [V_local, H]
-    weight-gradient buffer; "lean" works in tiles within a fixed working set (400 bytes per
+    `memory_mode`: "fast" (default; the only mode for the sampler settings below) holds one chunk
+    of logits (on CUDA all rows while they stay under 8 GiB, `chunk_size` rows when given) and,
+    over several chunks, an fp32 [V_local, H] weight-gradient buffer; "lean" works in tiles within a fixed working set (400 bytes per
     vocab row of the shard, at least 32 MiB: about 2.4 % of the logits of 8192 tokens, whatever the
     number of tokens; `chunk_size` is not used) with both gradients still
     accumulated in fp32, at the cost of more GEMMs (5 instead of 4 here, 4 instead of 3 for
     linear_cross_entropy). Forward-only calls (no_grad) need no chunk in either mode on CUDA: the
     statistics are taken inside the logits GEMM (bf16/fp16).
+
+    Sampler fidelity (vLLM V1's sampler; sampling.py cites the functions). With z = logits / T over
+    the unpadded vocab, per token row:
+      1. `min_p` in [0, 1): drop tokens with p_k < min_p * max_j p_j (p = softmax(z)), i.e. keep
+         z_k >= max(z) + log(min_p);
+      2. `top_k` >= 1: keep tokens with z_k >= the k-th largest remaining z (every token tied
+         with the k-th is kept);
+      3. `top_p` in (0, 1]: renormalize what is left and keep the smallest prefix of it, in the
+         order z descending then global id ascending, whose mass is >= top_p: a token is kept iff
+         the renormalized mass ranked strictly before it is < top_p (the first token always is);
+      4. renormalize over the kept set K: logprobs = z_y - logsumexp_K(z) if y is in K, else
+         -inf with no gradient. Gradients are exact on K (K itself is piecewise constant).
+         `return_entropy` then gives the entropy of this renormalized distribution.
+    None (or top_p=1, min_p=0, top_k >= vocab) skips a filter; with none left the result is
+    today's, bit for bit. vLLM orders exactly tied z arbitrarily at the top_p cut; here the
+    lower id comes first. The settings must be the same on every TP rank (checked).
+    `return_topk=k` (0 = off): `LogprobsOutput.topk_logprobs` / `.topk_ids`, labels.shape + (k,):
+    log-probs under the full softmax(z) (not the filtered one) of the k most likely global ids,
+    descending, ties by lower id, never a padded column; identical on every TP rank; no gradient.
+    Ignored positions get logprob 0.0 and id -1. The log-probs and entropy are today's when no
+    filter is set.
+    Cost: per chunk, every rank's M first tokens are all-gathered (M = max(return_topk, top_k,
+    128 with top_p)); rows whose nucleus is longer, or top_k > 1024, take an exact search of up to
+    ~32 extra passes over the chunk (those rows) with one small all-reduce each.
     """
+    true_vocab = vocab_size if is_int(vocab_size) and vocab_size > 0 else (
+        weight.shape[0] * reductions.group_size(tp_group)
+        if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
+    sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
+    problems = sampling.sampler_problems(top_k, top_p, min_p, return_topk, true_vocab)
+    active = sampling.agreed_values(sampler, problems)
+    # the sampler's statistics have their own chunk loop (sampling.py): no lean tiles there
+    problems["memory_mode_with_sampler"] = (
+        "memory_mode='lean' cannot be combined with top_k / top_p / min_p / return_topk (the "
+        "sampler's statistics run in chunks of logits): use memory_mode='fast'"
+        if memory_mode == "lean" and sampling.sampling_spec(**active, true_vocab=true_vocab, vocab_start=0)
+        is not None else None)
     stats = token_statistics(
         "linear_logprobs", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
-        memory_mode=memory_mode, want_sum_logits=False, want_entropy=return_entropy)
-    logprobs = stats.to_full(stats.logprob())
+        memory_mode=memory_mode, want_sum_logits=False, want_entropy=return_entropy, extra_checks=problems,
+        sampler=active)
+    logprobs = stats.logprob()
+    if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
+        logprobs = torch.where(stats.kept, logprobs, float("-inf"))
+    logprobs = stats.to_full(logprobs)
     entropy = stats.to_full(stats.entropy) if return_entropy else None
-    return LogprobsOutput(logprobs, entropy)
+    if stats.topk_ids is None:
+        return LogprobsOutput(logprobs, entropy)
+    return LogprobsOutput(logprobs, entropy, stats.to_full(stats.topk_logprobs),
+                          stats.to_full(stats.topk_ids, fill=-1))
 
 
 def linear_cross_entropy(

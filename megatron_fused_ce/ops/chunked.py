@@ -154,16 +154,19 @@ def _fused_stats(rows: Tensor, weight: Tensor, spec: ChunkSpec) -> bool:
     return supported is not None and rows.shape[0] > 0 and supported(rows, weight)
 
 
-def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec):
-    """The forward pass's statistics -> reductions.MergedStats over the rows given."""
+def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
+                  on_chunk=None):
+    """The forward pass's statistics -> reductions.MergedStats over the rows given.
+    `on_chunk(logits)`, if given, also sees each chunk's logits (sampling.py: top-k candidates), so
+    the chunks of logits are then made even where the statistics could be taken inside the GEMM."""
     backend = spec.backend
-    if _fused_stats(hidden_rows, weight, spec):
+    if on_chunk is None and _fused_stats(hidden_rows, weight, spec):
         stats = backend.gemm_shard_stats(
             hidden_rows, weight, local_target, spec.num_valid_cols, spec.inv_temperature,
             want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
             round_logits=spec.logits_dtype is None)
         return reductions.merge_shard_stats(stats, spec.tp_group)
-    if spec.lean is not None:
+    if on_chunk is None and spec.lean is not None:
         return reductions.merge_shard_stats(lean.tile_stats(hidden_rows, weight, local_target, spec), spec.tp_group)
     partials = []
     for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
@@ -178,6 +181,8 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
                 want_entropy=spec.want_entropy,
             )
         )
+        if on_chunk is not None:
+            on_chunk(logits)
         del logits
     if partials:
         stats = ShardStats(**{
@@ -305,12 +310,15 @@ def coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse) -> Optional[di
 
 class LinearSoftmaxStats(torch.autograd.Function):
     """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, entropy, and
-    (not differentiable) lse's two parts, max and log_sum_exp, for precise log-probs."""
+    (not differentiable) lse's two parts, max and log_sum_exp, for precise log-probs.
+
+    `on_chunk` (optional, not differentiated) is handed each chunk's logits in the forward pass
+    (sampling.py collects top-k candidates there)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec):
+    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, on_chunk=None):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        merged = forward_stats(_rows(full_hidden, row_index), weight, local_target, spec)
+        merged = forward_stats(_rows(full_hidden, row_index), weight, local_target, spec, on_chunk)
         ctx.spec = spec
         ctx.num_full_rows = full_hidden.shape[0]
         ctx.set_materialize_grads(False)
@@ -363,7 +371,7 @@ class LinearSoftmaxStats(torch.autograd.Function):
 
         if into_main_grad:
             grad_weight = _main_grad_added(spec.main_grad_param, weight)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _main_grad_added(param: Tensor, weight: Tensor) -> Optional[Tensor]:
