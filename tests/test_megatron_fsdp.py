@@ -40,6 +40,7 @@ import torch.distributed as dist
 import test_megatron_common as common
 from dist import run_workers
 from test_megatron_common import HEADS, HIDDEN, MBS, PADDED_VOCAB, SEQ, TRUE_VOCAB
+from test_megatron_mtp import megatron_lm_loss_func
 from test_megatron_parity import GRAD_RTOL, GRAD_RTOL_BF16, GRPO, LOSS_RTOL, LOSS_RTOL_BF16
 
 from megatron_fused_ce.losses import grpo_loss
@@ -370,12 +371,12 @@ def to_device(batch):
     return {k: v.to(device()) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def reference_logprobs(ref, batch):
+def reference_logprobs(ref, batch, vocab=TRUE_VOCAB):
     """float64 log p(label) [b, s] from the full (TP-gathered) logits of the unwrapped copy."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     logits = ref(batch["tokens"], batch["position_ids"], batch["attention_mask"])
-    full = gather_from_tensor_model_parallel_region(logits)[..., :TRUE_VOCAB]
+    full = gather_from_tensor_model_parallel_region(logits)[..., :vocab]
     return torch.log_softmax(full, -1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
 
 
@@ -389,8 +390,11 @@ def grpo_inputs(batch, lp):
             "sampling_logprobs": lp + 0.5 * noise}
 
 
-def reference_loss_sum(kind, lp, batch, extras):
+def reference_loss_sum(kind, ref, batch, extras):
     mask = batch["loss_mask"].double()
+    if kind == "labels":  # megatron's cross-entropy: over the padded vocab
+        return -(reference_logprobs(ref, batch, PADDED_VOCAB) * mask).sum()
+    lp = reference_logprobs(ref, batch)
     if kind == "sft":
         return -(lp * mask).sum()
     extras = {k: v.double() for k, v in extras.items()}
@@ -408,8 +412,11 @@ def run_step(model, batches, kind, post, extras):
 
     def forward_step(data_iterator, chunk):
         index, batch = next(data_iterator)
-        output = chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         labels, mask = batch["labels"], batch["loss_mask"]
+        if kind == "labels":  # Megatron-LM style: the model returns per-token losses
+            output = chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=labels)
+            return output, megatron_lm_loss_func(mask)
+        output = chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         if kind == "sft":
             return output, sft_loss_func(post, chunk, labels, mask)
         return output, grpo_loss_func(post, chunk, labels, mask, batch["advantages"], GRPO, **extras[index])
@@ -425,7 +432,8 @@ def run_step(model, batches, kind, post, extras):
 OWN_FSDP2_UNIT = ("fully_shard", "megatron")
 
 
-def fsdp_worker(rank, world, tp: int, wrapper: str, kinds, token_counts=None, bf16: bool = False):
+def fsdp_worker(rank, world, tp: int, wrapper: str, kinds, token_counts=None, bf16: bool = False,
+                grad_acc_fusion: bool = False):
     from megatron.core import parallel_state
 
     log = CollectiveLog()
@@ -442,6 +450,9 @@ def fsdp_worker(rank, world, tp: int, wrapper: str, kinds, token_counts=None, bf
         unfused, fused = Float16Module(unfused.config, unfused), Float16Module(fused.config, fused)
     unfused, fused = wrap(unfused, wrapper), wrap(fused, wrapper)
     fused_layer = unwrap_model(fused).output_layer
+    # megatron's gradient-accumulation fusion (TE layers add dW into main_grad): the fused ops
+    # would too, where the engine allows it (not Megatron-FSDP, which sets main_grad itself)
+    unwrap_model(fused).config.gradient_accumulation_fusion = grad_acc_fusion
     post = LogprobsPostProcessor(FUSED, vocab_size=TRUE_VOCAB)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     tp_ranks = tuple(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()))
@@ -483,7 +494,7 @@ def fsdp_worker(rank, world, tp: int, wrapper: str, kinds, token_counts=None, bf
         ref_losses = []
         for r in range(dp_size):
             for batch, extra in zip(all_batches[r], all_extras[r]):
-                loss = reference_loss_sum(kind, reference_logprobs(ref, batch), batch, extra)
+                loss = reference_loss_sum(kind, ref, batch, extra)
                 (loss / grad_divisor).backward()
                 if r == dp_rank:
                     ref_losses.append(loss.item())
@@ -569,22 +580,33 @@ def needs_engine(wrapper):
         pytest.importorskip("einops", reason="megatron's Megatron-FSDP adapter needs einops")
 
 
-CASES = [(1, "fully_shard"), (1, "megatron"), (1, "root"), (1, "megatron_fsdp"),
-         (2, "fully_shard"), (2, "megatron"), (2, "megatron_fsdp")]
+# "labels": Megatron-LM's model(..., labels=labels), the cross-entropy computed inside the forward
+CASES = [(1, "fully_shard", ("sft", "grpo", "labels")), (1, "megatron", ("sft", "grpo", "labels")),
+         (1, "root", ("sft", "grpo")), (1, "megatron_fsdp", ("sft", "grpo", "labels")),
+         (2, "fully_shard", ("sft", "grpo")), (2, "megatron", ("sft", "grpo", "labels")),
+         (2, "megatron_fsdp", ("sft", "grpo", "labels"))]
 
 
-@pytest.mark.parametrize("tp,wrapper", CASES, ids=[f"tp{tp}-dp2-{w}" for tp, w in CASES])
-def test_fused_matches_unfused_and_float64(tp, wrapper):
+@pytest.mark.parametrize("tp,wrapper,kinds", CASES, ids=[f"tp{tp}-dp2-{w}" for tp, w, _ in CASES])
+def test_fused_matches_unfused_and_float64(tp, wrapper, kinds):
     needs_engine(wrapper)
-    reports = run_workers(fsdp_worker, 2 * tp, tp, wrapper, ("sft", "grpo"), timeout=240)
+    reports = run_workers(fsdp_worker, 2 * tp, tp, wrapper, kinds, timeout=180)
     worst = check_reports(reports)
     print(f"tp{tp}-dp2-{wrapper}: worst gradient error vs float64 {worst:.2e}")
+
+
+def test_megatron_fsdp_keeps_its_main_grad():
+    """With gradient-accumulation fusion on, the fused op leaves Megatron-FSDP's main_grad alone
+    (Megatron-FSDP sets it when the gradient arrives) and hands autograd the gradient."""
+    needs_engine("megatron_fsdp")
+    check_reports(run_workers(fsdp_worker, 2, 1, "megatron_fsdp", ("sft", "grpo"), None, False, True,
+                              timeout=180))
 
 
 def test_bf16_fused_matches_unfused():
     """bf16 parameters (Float16Module), FSDP2: fused vs unfused at the bf16 tolerances."""
     check_reports(run_workers(fsdp_worker, 2, 1, "fully_shard", ("sft", "grpo"), None, True,
-                              timeout=240), bf16=True, exact=False)
+                              timeout=180), bf16=True, exact=False)
 
 
 UNEQUAL = [(1, (3, 3000), "fully_shard", ("sft", "grpo")), (2, (0, 3000), "megatron", ("grpo",)),
