@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import traceback
 from typing import Dict, List, Optional
 
@@ -475,7 +476,9 @@ def fsdp_worker(rank, world, tp: int, wrapper: str, kinds, token_counts=None, bf
             if hasattr(model, "zero_grad_buffer"):
                 model.zero_grad_buffer()
             model.zero_grad(set_to_none=True)
-            metrics = run_step(model, batches, kind, post, extras)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                metrics = run_step(model, batches, kind, post, extras)
             if hasattr(model, "finish_grad_sync"):  # megatron's wrappers (Megatron-FSDP: waits)
                 model.finish_grad_sync()
             calls = log.take()
@@ -486,7 +489,9 @@ def fsdp_worker(rank, world, tp: int, wrapper: str, kinds, token_counts=None, bf
                 "op_groups": {ranks for name, ranks, _, issuer in calls if issuer == "fused_ce"},
                 "output_gathers": sum(1 for name, _, numel in _fsdp_calls(calls, "gather") if numel == output_size),
                 "output_reduce_scatters": sum(1 for name, _, numel in _fsdp_calls(calls, "reduce_scatter")
-                                              if numel == output_size)}
+                                              if numel == output_size),
+                # FSDP2 warns when a unit returns a view (an in-place op on it would drop its hook)
+                "view_warnings": sum("returned a view tensor" in str(w.message) for w in caught)}
             log.take()  # the gathers of gathered_grads
         weight_storage = unsharded_storage_bytes(fused_layer) if wrapper in OWN_FSDP2_UNIT else None
         # the float64 reference: every data-parallel rank's micro-batches, reduced as the engine does
@@ -540,6 +545,7 @@ def check_reports(reports, *, bf16=False, exact=True):
             assert fused["op_groups"] <= {report["tp_ranks"]}, (kind, fused["op_groups"])
             if len(report["tp_ranks"]) > 1:
                 assert fused["op_groups"], "the fused op ran without its TP collectives?"
+            assert fused["view_warnings"] == 0, kind
             if report["wrapper"] == "megatron_fsdp":
                 # the output layer is a non-unit module either way: the same collectives
                 assert fused["dp_sequence"] == unfused["dp_sequence"], kind

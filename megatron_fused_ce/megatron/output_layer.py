@@ -99,7 +99,7 @@ class FusedOutputLayer(torch.nn.Module):
             raise RuntimeError("FusedOutputLayer: no weight (tied embeddings pass it in weight=)")
         if compute is not None:
             sharded.check_gathered(weight, tied=given is not None)
-            return compute(input_, weight)
+            return _without_views(compute(input_, weight))
         if runtime_gather_output:
             raise RuntimeError(
                 "the fused output layer does not compute logits; gathered logits were requested "
@@ -160,6 +160,20 @@ class FusedOutputLayer(torch.nn.Module):
 
     def extra_repr(self):
         return f"returns LazyLogits (no logits); replaces {self.unfused!r}"
+
+
+def _without_views(out):
+    """The op's outputs, views copied (O(tokens)): FSDP2 hooks the outputs of a module call for
+    its backward, and an in-place op on a view of them would drop that hook."""
+    if isinstance(out, torch.Tensor):
+        return out.clone() if out._base is not None else out
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # NamedTuple (LogprobsOutput)
+        return type(out)(*map(_without_views, out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(map(_without_views, out))
+    if isinstance(out, dict):
+        return {key: _without_views(value) for key, value in out.items()}
+    return out
 
 
 ModelOrChunks = Union[torch.nn.Module, List[torch.nn.Module]]
