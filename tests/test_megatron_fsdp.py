@@ -294,16 +294,19 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gathe
 
 class CollectiveLog:
     """Records (name, group ranks, numel, issuer) of every torch.distributed collective; the
-    issuer is the innermost of: this package, FSDP, megatron-core (forked worker: patches die with
-    it). Calls nested inside a recorded one (a collective built on another) are not recorded."""
+    issuer is the innermost of: this package, FSDP (torch's or megatron's), megatron-core. Calls
+    nested inside a recorded one (a collective built on another) are not recorded."""
 
     def __init__(self):
         self.calls: List[tuple] = []
         self.local = threading.local()
-        for name in _COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is not None:
-                setattr(dist, name, self._wrap(name, original))
+        self.originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+        for name, original in self.originals.items():
+            setattr(dist, name, self._wrap(name, original))
+
+    def restore(self):  # (a forked worker need not; the NCCL suite runs in-process)
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
 
     def _wrap(self, name, original):
         def recorded(*args, **kwargs):
@@ -435,9 +438,16 @@ OWN_FSDP2_UNIT = ("fully_shard", "megatron")
 
 def fsdp_worker(rank, world, tp: int, wrapper: str, kinds, token_counts=None, bf16: bool = False,
                 grad_acc_fusion: bool = False):
+    log = CollectiveLog()
+    try:
+        return _fsdp_worker(log, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion)
+    finally:
+        log.restore()
+
+
+def _fsdp_worker(log, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion):
     from megatron.core import parallel_state
 
-    log = CollectiveLog()
     max_seq = LONG_SEQ if token_counts else SEQ
     unfused = build_gpt(tp, max_seq=max_seq, bf16=bf16)
     fused = build_gpt(tp, max_seq=max_seq, bf16=bf16)
