@@ -1,19 +1,23 @@
-"""The fused output layer under torch FSDP2 (parameters sharded over the data-parallel group):
-GPTModel (local spec, fp32) on CPU/gloo, DP=2 and TP=2 x DP=2, driven by megatron's
-`get_forward_backward_func` with this package's SFT and GRPO loss funcs.
+"""The fused output layer with its weight sharded over the data-parallel group (torch FSDP2,
+Megatron-FSDP): GPTModel (local spec, fp32) on CPU/gloo, DP=2 and TP=2 x DP=2, driven by megatron's
+`get_forward_backward_func` with this package's SFT and GRPO loss funcs and Megatron-LM's
+`model(..., labels=...)`.
 
-Three ways of sharding (`WRAPPERS`): `fully_shard` on every transformer layer, the embedding, the
-output layer and the root; megatron's own `TorchFullyShardedDataParallel` (`use_torch_fsdp2`; its
-device mesh put on the CPU); and `fully_shard` of the layers and the root only, the output weight
-then belonging to the root unit. The fused layer is installed before wrapping. Checked per step:
+Four ways of sharding (`wrap`): "fully_shard" on every transformer layer, the embedding, the output
+layer and the root; "megatron": megatron's own TorchFullyShardedDataParallel (`use_torch_fsdp2`; its
+device mesh put on the CPU); "root": `fully_shard` of the layers and the root only, the output weight
+then belonging to the root unit; "megatron_fsdp": megatron's FullyShardedDataParallel
+(`use_megatron_fsdp`, optim_grads_params; its CUDA streams made no-ops on the CPU, needs einops).
+The fused layer is installed before wrapping. Checked per step:
 
 * values and gradients: the fused run's losses and every parameter's gradient (gathered from its
-  shards) equal the unfused run's (FSDP2 too) and a float64 dense reference (the same weights in
+  shards) equal the unfused run's (same engine) and a float64 dense reference (the same weights in
   float64, unwrapped, full logits, `log_softmax`, over every data-parallel rank's batches);
-* the output weight's unit is all-gathered once per micro-batch (GPTModel and the loss both call
-  the layer; no second gather in backward) and its gradient reduce-scattered once per backward,
-  whatever the number of chunks; afterwards, and after a forward-only pass, its memory is back to
-  the shard (the unsharded storage is freed);
+* FSDP2 units: the output weight's unit is all-gathered once per micro-batch (GPTModel and the loss
+  both call the layer; no second gather in backward) and its gradient reduce-scattered once per
+  backward, whatever the number of chunks; afterwards, and after a forward-only pass, its memory is
+  back to the shard (the unsharded storage is freed); Megatron-FSDP: the fused run issues exactly
+  the unfused run's data-parallel collectives;
 * collectives: every collective issued by this package is on the tensor-parallel group; the
   data-parallel collectives (FSDP's) are the same sequence on every data-parallel rank, also with
   very unequal numbers of labelled tokens per rank (3 vs 3000, 0 vs 3000: 0 to 375 chunks), with
@@ -22,8 +26,7 @@ then belonging to the root unit. The fused layer is installed before wrapping. C
 Install order: installing (or uninstalling) on a model already wrapped raises, and so does a fused
 op that finds the weight still sharded (a root unit resharded after forward), on every rank.
 
-tests/test_multigpu_fsdp.py runs these workers over NCCL (fp32 and bf16), plus Megatron-FSDP,
-which needs CUDA.
+tests/test_multigpu_fsdp.py runs these workers over NCCL (fp32 against float64, and bf16).
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ from megatron_fused_ce.megatron import (
 
 FUSED = FusedCEConfig(enabled=True, chunk_size=8)
 NUM_MICROBATCHES = 2
-WRAPPERS = ("fully_shard", "megatron", "root")
 # float64 reference vs either fp32 run (relative norm); measured <= 3e-7.
 REF_RTOL = 2e-5
 LONG_SEQ = 256  # 12 x 256 tokens: room for 3000 labelled ones
