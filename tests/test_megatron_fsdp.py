@@ -23,6 +23,9 @@ The fused layer is installed before wrapping. Checked per step:
   very unequal numbers of labelled tokens per rank (3 vs 3000, 0 vs 3000: 0 to 375 chunks), with
   exact gradients and no hang.
 
+Tied embeddings (`test_tied_weights`): fused equals unfused where the tied weight is gathered when
+the loss runs (FSDP2's root unit, Megatron-FSDP); a clear error where it is not.
+
 Install order: installing (or uninstalling) on a model already wrapped raises, and so does a fused
 op that finds the weight still sharded (a root unit resharded after forward), on every rank.
 
@@ -74,9 +77,9 @@ def device() -> torch.device:
 # ------------------------------------------------------------------------------------------------
 # Models
 # ------------------------------------------------------------------------------------------------
-def build_gpt(tp: int, *, max_seq: int = SEQ, bf16: bool = False, seed: int = 1234):
-    """An untied GPTModel (local spec, no dropout) on megatron's parallel state (TP = tp, the rest
-    data-parallel), not wrapped."""
+def build_gpt(tp: int, *, max_seq: int = SEQ, bf16: bool = False, seed: int = 1234, tied: bool = False):
+    """A GPTModel (local spec, no dropout; untied unless `tied`) on megatron's parallel state
+    (TP = tp, the rest data-parallel), not wrapped."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -94,7 +97,7 @@ def build_gpt(tp: int, *, max_seq: int = SEQ, bf16: bool = False, seed: int = 12
         params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16, calculate_per_token_loss=True,
         hidden_dropout=0.0, attention_dropout=0.0, transformer_impl="local")
     gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=PADDED_VOCAB,
-                   max_sequence_length=max_seq, share_embeddings_and_output_weights=False)
+                   max_sequence_length=max_seq, share_embeddings_and_output_weights=tied)
     return gpt.to(device())
 
 
@@ -694,3 +697,44 @@ def resharded_root_worker(rank, world):
 def test_weight_still_sharded_raises_on_every_rank():
     for message in run_workers(resharded_root_worker, 2, timeout=60):
         assert message and "still sharded" in message and "fully_shard(model.output_layer)" in message
+
+
+def tied_worker(rank, world, wrapper):
+    """Tied embeddings: one SFT step, fused vs unfused (or the error each raises)."""
+    out = {}
+    for mode in ("unfused", "fused"):
+        gpt = build_gpt(1, tied=True)
+        if mode == "fused":
+            install_fused_output_layer(gpt, FUSED)
+        model = wrap(gpt, wrapper)
+        batch = common.make_batches("sft", 1, seed=rank)[0]
+        post = LogprobsPostProcessor(FUSED, vocab_size=TRUE_VOCAB)
+        try:
+            hidden = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+            loss = sft_loss_func(post, model, batch["labels"], batch["loss_mask"])(hidden)[0]
+            loss.backward()
+            if hasattr(model, "finish_grad_sync"):  # Megatron-FSDP
+                model.finish_grad_sync()
+            out[mode] = (loss.item(), gathered_grads(model))
+        except (RuntimeError, ValueError) as error:
+            out[mode] = f"{type(error).__name__}: {error}"
+    return out
+
+
+@pytest.mark.parametrize("wrapper", ["fully_shard", "root", "megatron_fsdp"])
+def test_tied_weights(wrapper):
+    """The tied weight belongs to the embedding's unit. An FSDP2 unit of its own (resharded after
+    the embedding's forward): the unfused layer fails inside torch (DTensor and Tensor mixed), the
+    fused one raises a ValueError saying why, on every rank. In FSDP2's root unit (kept gathered
+    through the forward) and under Megatron-FSDP (a non-unit module): fused equals unfused."""
+    needs_engine(wrapper)
+    for report in run_workers(tied_worker, 2, wrapper, timeout=90):
+        if wrapper == "fully_shard":
+            assert "DTensor" in report["unfused"], report["unfused"]
+            assert report["fused"].startswith("ValueError") and "tied output weight" in report["fused"]
+            continue
+        (loss, grads), (fused_loss, fused_grads) = report["unfused"], report["fused"]
+        assert abs(fused_loss - loss) <= LOSS_RTOL * abs(loss)
+        assert grads.keys() == fused_grads.keys() and "embedding.word_embeddings.weight" in grads
+        bad = {n: d for n in grads if (d := common.max_rel_diff(fused_grads[n], grads[n])) > GRAD_RTOL}
+        assert not bad, bad

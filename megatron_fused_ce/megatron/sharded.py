@@ -36,6 +36,10 @@ dX and dW at once). What this module adds:
 * no data-parallel collective from the op: its collectives are on the tensor-parallel group, and
   every rank produces a weight gradient (zeros without labelled tokens), so the engines issue the
   same collectives on every data-parallel rank whatever its number of tokens or chunks.
+* tied embeddings: GPTModel passes the embedding's weight to the output layer, so it must be the
+  gathered one when the loss runs: under Megatron-FSDP (the embedding a non-unit module) and under
+  FSDP2 with the embedding in the root unit it is; an FSDP2 unit of the embedding's own reshards
+  it after the embedding's forward, and the fused op raises (the unfused layer fails there too).
 * the gradient is left to the engine: Megatron-FSDP allocates `main_grad` when the gradient
   arrives, so the op never adds into a `main_grad` it finds there.
 """
@@ -143,8 +147,9 @@ def check_gathered(weight: torch.Tensor, *, tied: bool) -> None:
     if tied:
         raise ValueError(
             "the fused output layer was given a sharded (DTensor) tied output weight: under torch "
-            "FSDP2 the word embedding's unit reshards it after the embedding's forward; use untied "
-            "output weights (as megatron's use_torch_fsdp2 requires)")
+            "FSDP2 the word embedding's unit reshards it after the embedding's forward (the unfused "
+            "layer cannot use it either); use untied output weights (as megatron's use_torch_fsdp2 "
+            "requires) or leave the embedding to the root unit (kept gathered through the forward)")
     raise ValueError(
         "the fused output layer found its weight still sharded (a DTensor) when the fused op ran: "
         "the weight belongs to an FSDP2 unit that was resharded after the model's forward (e.g. "
