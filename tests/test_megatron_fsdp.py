@@ -707,7 +707,7 @@ def tied_worker(rank, world, wrapper):
         if mode == "fused":
             install_fused_output_layer(gpt, FUSED)
         model = wrap(gpt, wrapper)
-        batch = common.make_batches("sft", 1, seed=rank)[0]
+        batch = to_device(common.make_batches("sft", 1, seed=rank)[0])
         post = LogprobsPostProcessor(FUSED, vocab_size=TRUE_VOCAB)
         try:
             hidden = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
@@ -723,12 +723,16 @@ def tied_worker(rank, world, wrapper):
 
 @pytest.mark.parametrize("wrapper", ["fully_shard", "root", "megatron_fsdp"])
 def test_tied_weights(wrapper):
+    needs_engine(wrapper)
+    check_tied(run_workers(tied_worker, 2, wrapper, timeout=90), wrapper)
+
+
+def check_tied(reports, wrapper):
     """The tied weight belongs to the embedding's unit. An FSDP2 unit of its own (resharded after
     the embedding's forward): the unfused layer fails inside torch (DTensor and Tensor mixed), the
     fused one raises a ValueError saying why, on every rank. In FSDP2's root unit (kept gathered
     through the forward) and under Megatron-FSDP (a non-unit module): fused equals unfused."""
-    needs_engine(wrapper)
-    for report in run_workers(tied_worker, 2, wrapper, timeout=90):
+    for report in reports:
         if wrapper == "fully_shard":
             assert "DTensor" in report["unfused"], report["unfused"]
             assert report["fused"].startswith("ValueError") and "tied output weight" in report["fused"]

@@ -3,7 +3,8 @@ tests/test_megatron_fsdp.py (GPTModel, megatron's schedule, SFT / GRPO / Megatro
 fused vs unfused vs a float64 reference; all-gather / reduce-scatter counts of the output weight;
 every collective of this package on the TP group; the same data-parallel collectives on every
 rank, also with 3 vs 3000 and 0 vs 3000 labelled tokens), with the Triton backend, in fp32
-(checked against float64) and bf16 (Float16Module, fused vs unfused at the bf16 tolerances).
+(checked against float64) and bf16 (Float16Module, fused vs unfused at the bf16 tolerances); tied
+embeddings (DP=2).
 
     torchrun --nproc_per_node 2 -m pytest tests/test_multigpu_fsdp.py -m multigpu -q   # DP=2
     torchrun --nproc_per_node 4 -m pytest tests/test_multigpu_fsdp.py -m multigpu -q   # TP=2 x DP=2
@@ -50,19 +51,25 @@ def _gather(obj):
 
 
 def _run(tp, wrapper, kinds, token_counts=None, bf16=False, grad_acc_fusion=False):
-    from test_megatron_fsdp import fsdp_worker, needs_engine
+    from test_megatron_fsdp import fsdp_worker
 
     if 2 * tp != WORLD:
         pytest.skip(f"TP={tp} x DP=2 needs {2 * tp} GPUs")
-    needs_engine(wrapper)
-    from megatron.core import parallel_state
+    return _on_every_rank(fsdp_worker, wrapper, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion)
 
+
+def _on_every_rank(worker, wrapper, *args):
+    """`worker(rank, world, *args)` here; every rank's report (or every rank's errors, raised)."""
+    from megatron.core import parallel_state
+    from test_megatron_fsdp import needs_engine
+
+    needs_engine(wrapper)
     report, error = None, None
     try:
-        report = fsdp_worker(dist.get_rank(), WORLD, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion)
+        report = worker(dist.get_rank(), WORLD, *args)
     except Exception:  # noqa: BLE001  (re-raised on every rank after the gather)
         error = traceback.format_exc()
-        print(f"rank {dist.get_rank()} failed in tp{tp}-dp2-{wrapper}:\n{error}", file=sys.stderr, flush=True)
+        print(f"rank {dist.get_rank()} failed in {worker.__name__}{args}:\n{error}", file=sys.stderr, flush=True)
     finally:
         parallel_state.destroy_model_parallel()
     gathered = _gather((report, error))
@@ -105,3 +112,12 @@ def test_nccl_megatron_fsdp_keeps_its_main_grad():
     from test_megatron_fsdp import check_reports
 
     check_reports(_run(WORLD // 2, "megatron_fsdp", ("sft", "grpo"), grad_acc_fusion=True))
+
+
+@pytest.mark.parametrize("wrapper", ["fully_shard", "root", "megatron_fsdp"])
+def test_nccl_fsdp_tied_weights(wrapper):
+    from test_megatron_fsdp import check_tied, tied_worker
+
+    if WORLD != 2:
+        pytest.skip("DP=2")
+    check_tied(_on_every_rank(tied_worker, wrapper, wrapper), wrapper)
