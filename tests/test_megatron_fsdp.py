@@ -3,11 +3,12 @@ Megatron-FSDP): GPTModel (local spec, fp32) on CPU/gloo, DP=2 and TP=2 x DP=2, d
 `get_forward_backward_func` with this package's SFT and GRPO loss funcs and Megatron-LM's
 `model(..., labels=...)`.
 
-Four ways of sharding (`wrap`): "fully_shard" on every transformer layer, the embedding, the output
+Five ways of sharding (`wrap`): "fully_shard" on every transformer layer, the embedding, the output
 layer and the root; "megatron": megatron's own TorchFullyShardedDataParallel (`use_torch_fsdp2`; its
 device mesh put on the CPU); "root": `fully_shard` of the layers and the root only, the output weight
 then belonging to the root unit; "megatron_fsdp": megatron's FullyShardedDataParallel
-(`use_megatron_fsdp`, optim_grads_params; its CUDA streams made no-ops on the CPU, needs einops).
+(`use_megatron_fsdp`, optim_grads_params; its CUDA streams made no-ops on the CPU, needs einops),
+default units; "megatron_fsdp_unit": the same with the fused output layer a unit of its own.
 The fused layer is installed before wrapping. Checked per step:
 
 * values and gradients: the fused run's losses and every parameter's gradient (gathered from its
@@ -16,8 +17,10 @@ The fused layer is installed before wrapping. Checked per step:
 * FSDP2 units: the output weight's unit is all-gathered once per micro-batch (GPTModel and the loss
   both call the layer; no second gather in backward) and its gradient reduce-scattered once per
   backward, whatever the number of chunks; afterwards, and after a forward-only pass, its memory is
-  back to the shard (the unsharded storage is freed); Megatron-FSDP: the fused run issues exactly
-  the unfused run's data-parallel collectives;
+  back to the shard (the unsharded storage is freed); Megatron-FSDP, default units: the fused run
+  issues exactly the unfused run's data-parallel collectives; the fused layer a unit: its bucket is
+  gathered once in forward and once for backward per micro-batch, and released after the step
+  and after a forward-only pass;
 * collectives: every collective issued by this package is on the tensor-parallel group; the
   data-parallel collectives (FSDP's) are the same sequence on every data-parallel rank, also with
   very unequal numbers of labelled tokens per rank (3 vs 3000, 0 vs 3000: 0 to 375 chunks), with
@@ -164,13 +167,22 @@ def megatron_fsdp_on_cpu():
     mcore_fsdp_adapter.DeviceMesh = CpuMesh
 
 
-def megatron_fsdp(model):
+def megatron_fsdp(model, own_unit: bool = False):
     """megatron's FullyShardedDataParallel (Megatron-FSDP, `use_megatron_fsdp`): parameters,
-    gradients and optimizer state sharded; default units (transformer layers), so the output
-    layer is a non-unit module, gathered in its forward pre-hook and kept."""
+    gradients and optimizer state sharded. Default units (transformer layers): the output layer is
+    a non-unit module, gathered in its forward pre-hook and kept through the step. `own_unit`: a
+    fused output layer is a unit too (`fsdp_unit_modules`), released after its forward and after
+    its backward."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_fused_ce.megatron.output_layer import FusedOutputLayer
+
+    units = {}
+    if own_unit and isinstance(unwrap_model(model).output_layer, FusedOutputLayer):
+        units = {"fsdp_unit_modules": [TransformerLayer, FusedOutputLayer]}
 
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
@@ -181,14 +193,18 @@ def megatron_fsdp(model):
         # isinstance(module, TELinear) at TP > 1
         mcore_fsdp_adapter.TELinear = type("NoTransformerEngine", (), {})
     if torch.cuda.is_available():
-        return FullyShardedDataParallel(config, ddp_config, model)
+        return FullyShardedDataParallel(config, ddp_config, model, **units)
     megatron_fsdp_on_cpu()
     current_device = torch.cuda.current_device
     torch.cuda.current_device = lambda: 0  # it formats f"cuda:{current_device()}" (a warning on CPU)
     try:
-        return FullyShardedDataParallel(config, ddp_config, model, device=torch.device("cpu"))
+        return FullyShardedDataParallel(config, ddp_config, model, device=torch.device("cpu"), **units)
     finally:
         torch.cuda.current_device = current_device
+
+
+# Megatron-FSDP: the output layer a non-unit module (default units) / a unit of its own.
+MEGATRON_FSDP = ("megatron_fsdp", "megatron_fsdp_unit")
 
 
 def wrap(model, wrapper: str):
@@ -197,8 +213,8 @@ def wrap(model, wrapper: str):
 
     if wrapper == "megatron":
         return megatron_torch_fsdp2(model)
-    if wrapper == "megatron_fsdp":
-        return megatron_fsdp(model)
+    if wrapper in MEGATRON_FSDP:
+        return megatron_fsdp(model, own_unit=wrapper == "megatron_fsdp_unit")
     gpt, mesh = unwrap_model(model), dp_mesh()
     for layer in gpt.decoder.layers:
         fully_shard(layer, mesh=mesh)
@@ -286,6 +302,36 @@ def unsharded_storage_bytes(layer) -> Optional[int]:
             if hasattr(fsdp_param, "_unsharded_param"):
                 total += fsdp_param._unsharded_param.untyped_storage().size()
     return total
+
+
+class MegatronFSDPBucket:
+    """The Megatron-FSDP bucket of one parameter: how often it was all-gathered, whether it holds
+    unsharded storage now."""
+
+    def __init__(self, model, name: str):
+        engine = next(m for m in model.modules() if hasattr(m, "all_gather_pipeline"))
+        self.pipeline = pipeline = engine.all_gather_pipeline
+        buffer = engine.param_and_grad_buffer  # keyed by the parameters it was given
+        param = next(p for p, n in buffer.param_to_name.items() if plain_name(n) == name)
+        self.bucket = buffer.param_to_param_group[param]
+        self.gathers = 0
+        gather = pipeline.async_bucket_gather
+
+        def counted(bucket_id, bwd):
+            if bucket_id == self.bucket and pipeline.bucket_status[pipeline.get_bucket_key(bucket_id, bwd)] \
+                    .name == "EMPTY":
+                self.gathers += 1
+            return gather(bucket_id, bwd)
+
+        pipeline.async_bucket_gather = counted
+
+    def take_gathers(self) -> int:
+        gathers, self.gathers = self.gathers, 0
+        return gathers
+
+    def unsharded(self) -> bool:
+        return any(self.pipeline.bucket_status[self.pipeline.get_bucket_key(self.bucket, bwd)].name != "EMPTY"
+                   for bwd in (False, True))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -480,8 +526,9 @@ def _fsdp_worker(log, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion):
     extras = all_extras[dp_rank]
     # FSDP2 averages the gradients over data-parallel ranks; Megatron-FSDP sums them with a
     # per-token loss (megatron's finalize_model_grads divides by the token count afterwards).
-    grad_divisor = 1 if wrapper == "megatron_fsdp" else dp_size
-    output_size = output_unit_size(fused) if wrapper != "megatron_fsdp" else None
+    grad_divisor = 1 if wrapper in MEGATRON_FSDP else dp_size
+    output_size = output_unit_size(fused) if wrapper not in MEGATRON_FSDP else None
+    bucket = MegatronFSDPBucket(fused, "output_layer.weight") if wrapper == "megatron_fsdp_unit" else None
     report = {"dp_rank": dp_rank, "tp_ranks": tp_ranks, "dp_ranks": dp_ranks, "wrapper": wrapper,
               "kinds": {}}
     log.take()
@@ -502,13 +549,15 @@ def _fsdp_worker(log, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion):
                 "losses": [m["loss" if kind == "grpo" else "lm loss"][0].item() for m in metrics],
                 "grads": gathered_grads(model), "dp_sequence": dp_calls,
                 "op_groups": {ranks for name, ranks, _, issuer in calls if issuer == "fused_ce"},
-                "output_gathers": sum(1 for name, _, numel in _fsdp_calls(calls, "gather") if numel == output_size),
+                "output_gathers": bucket.take_gathers() if bucket else
+                sum(1 for name, _, numel in _fsdp_calls(calls, "gather") if numel == output_size),
                 "output_reduce_scatters": sum(1 for name, _, numel in _fsdp_calls(calls, "reduce_scatter")
                                               if numel == output_size),
                 # FSDP2 warns when a unit returns a view (an in-place op on it would drop its hook)
                 "view_warnings": sum("returned a view tensor" in str(w.message) for w in caught)}
             log.take()  # the gathers of gathered_grads
-        weight_storage = unsharded_storage_bytes(fused_layer) if wrapper in OWN_FSDP2_UNIT else None
+        weight_storage = unsharded_storage_bytes(fused_layer) if wrapper in OWN_FSDP2_UNIT else \
+            (int(bucket.unsharded()) if bucket else None)
         # the float64 reference: every data-parallel rank's micro-batches, reduced as the engine does
         ref.zero_grad(set_to_none=True)
         ref_losses = []
@@ -531,13 +580,17 @@ def _fsdp_worker(log, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion):
             "weight_storage_after_step": weight_storage,
             "num_microbatches": len(batches),
         }
-    if wrapper in OWN_FSDP2_UNIT:  # a forward-only pass gives the weight back to its shard too
+    if wrapper in OWN_FSDP2_UNIT or bucket:  # a forward-only pass gives the weight back to its shard too
         with torch.no_grad():
             batch = batches[0]
             post(fused(batch["tokens"], batch["position_ids"], batch["attention_mask"]), fused, batch["labels"])
-        report["weight_storage_after_forward_only"] = unsharded_storage_bytes(fused_layer)
-        report["gathers_forward_only"] = sum(1 for name, _, numel in _fsdp_calls(log.take(), "gather")
-                                             if numel == output_size)
+        if bucket:
+            report["weight_storage_after_forward_only"] = int(bucket.unsharded())
+            report["gathers_forward_only"] = bucket.take_gathers()
+        else:
+            report["weight_storage_after_forward_only"] = unsharded_storage_bytes(fused_layer)
+            report["gathers_forward_only"] = sum(1 for name, _, numel in _fsdp_calls(log.take(), "gather")
+                                                 if numel == output_size)
     return report
 
 
@@ -564,6 +617,10 @@ def check_reports(reports, *, bf16=False, exact=True):
             if report["wrapper"] == "megatron_fsdp":
                 # the output layer is a non-unit module either way: the same collectives
                 assert fused["dp_sequence"] == unfused["dp_sequence"], kind
+            elif report["wrapper"] == "megatron_fsdp_unit":
+                # a Megatron-FSDP unit is released after its forward: gathered in the loss's
+                # call of the layer (GPTModel's skips the hooks) and again for its backward
+                assert fused["output_gathers"] == 2 * n, (kind, fused["output_gathers"])
             else:
                 # one all-gather of the output weight per forward, one reduce-scatter per backward
                 assert fused["output_gathers"] == n, (kind, fused["output_gathers"])
@@ -597,13 +654,14 @@ def check_reports(reports, *, bf16=False, exact=True):
 
 def needs_engine(wrapper):
     """Megatron-FSDP's adapter builds its meshes with einops (an optional dependency)."""
-    if wrapper == "megatron_fsdp":
+    if wrapper in MEGATRON_FSDP:
         pytest.importorskip("einops", reason="megatron's Megatron-FSDP adapter needs einops")
 
 
 # "labels": Megatron-LM's model(..., labels=labels), the cross-entropy computed inside the forward
 CASES = [(1, "fully_shard", ("sft", "grpo", "labels")), (1, "megatron", ("sft", "grpo", "labels")),
          (1, "root", ("sft", "grpo")), (1, "megatron_fsdp", ("sft", "grpo", "labels")),
+         (1, "megatron_fsdp_unit", ("sft", "grpo", "labels")),
          (2, "fully_shard", ("sft", "grpo")), (2, "megatron", ("sft", "grpo", "labels")),
          (2, "megatron_fsdp", ("sft", "grpo", "labels"))]
 

@@ -78,7 +78,7 @@ def _on_every_rank(worker, wrapper, *args):
     return [r for r, _ in gathered]
 
 
-WRAPPERS = ("fully_shard", "megatron", "root", "megatron_fsdp")
+WRAPPERS = ("fully_shard", "megatron", "root", "megatron_fsdp", "megatron_fsdp_unit")
 KINDS = ("sft", "grpo", "labels")
 
 
@@ -92,7 +92,7 @@ def test_nccl_fsdp_fp32_matches_unfused_and_float64(tp, wrapper):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("wrapper", ["fully_shard", "megatron", "megatron_fsdp"])
+@pytest.mark.parametrize("wrapper", ["fully_shard", "megatron", "megatron_fsdp", "megatron_fsdp_unit"])
 def test_nccl_fsdp_bf16_matches_unfused(tp, wrapper):
     from test_megatron_fsdp import check_reports
 

@@ -22,13 +22,14 @@ dX and dW at once). What this module adds:
 * install order: the fused layer must be installed *before* the model is wrapped (the engines
   keep their hooks and parameter bookkeeping on the module they wrapped, so a layer swapped in
   afterwards would hold a stale, sharded weight); install / uninstall on a wrapped model raise.
-* one all-gather per forward: GPTModel calls the output layer once (the fused layer only returns
-  `LazyLogits` there) and the loss calls it again, right after. Resharding between the two calls
-  would all-gather the weight twice (three times with backward), so an FSDP2 unit holding the
-  fused layer keeps its weight gathered from its first call to its post-backward reshard (one
-  all-gather, one reduce-scatter per forward-backward); a forward-only pass reshards it after the
-  fused op. Megatron-FSDP's default units (transformer layers) leave the output layer a non-unit
-  module, gathered once and kept, as for the unfused layer.
+* one all-gather per forward: GPTModel's call of the fused layer reads nothing and skips the
+  module hooks (it only returns `LazyLogits`); the loss's call gathers the weight. An FSDP2 unit
+  holding the fused layer keeps it gathered from that call to its post-backward reshard (no
+  second all-gather for backward: one all-gather, one reduce-scatter per forward-backward); a
+  forward-only pass reshards it after the fused op. Megatron-FSDP's default units (transformer
+  layers) leave the output layer a non-unit module, gathered once and kept through the step, as
+  for the unfused layer; with the fused layer among `fsdp_unit_modules` it is released after the
+  loss's call and gathered again for its backward, like any Megatron-FSDP unit.
 * megatron's TorchFullyShardedDataParallel makes every `ColumnParallelLinear` (not under the local
   spec) a unit; it makes the fused layer one too (`FusedOutputLayer._fsdp_modules`). Otherwise the
   weight belongs to the root unit, which that wrapper reshards after forward: a fused op would
