@@ -47,7 +47,7 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
-from megatron_fused_ce.ops import reductions
+from megatron_fused_ce.ops import LogprobsOutput, reductions
 
 from . import mtp, sharded
 from .config import FusedCEConfig
@@ -167,7 +167,10 @@ def _without_views(out):
     its backward, and an in-place op on a view of them would drop that hook."""
     if isinstance(out, torch.Tensor):
         return out.clone() if out._base is not None else out
-    if isinstance(out, tuple) and hasattr(out, "_fields"):  # NamedTuple (LogprobsOutput)
+    if isinstance(out, LogprobsOutput):  # top-k outputs are attributes outside the tuple
+        return LogprobsOutput(*map(_without_views, (out.logprobs, out.entropy,
+                                                    out.topk_logprobs, out.topk_ids)))
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # other NamedTuples
         return type(out)(*map(_without_views, out))
     if isinstance(out, (tuple, list)):
         return type(out)(map(_without_views, out))
