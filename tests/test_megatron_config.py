@@ -121,7 +121,7 @@ def test_memory_mode_reaches_the_op(monkeypatch):
         linear.tp_group, linear.sequence_parallel = None, False
         linear.config = types.SimpleNamespace(gradient_accumulation_fusion=False)
         layer = FusedOutputLayer(linear, FusedCEConfig(enabled=True, memory_mode=mode))
-        assert layer.fused_op_kwargs()["memory_mode"] == mode
+        assert layer.fused_op_kwargs(linear.weight)["memory_mode"] == mode
         h = hidden.clone().requires_grad_()
         calls.clear()
         ce = layer(h)[0].cross_entropy(labels)

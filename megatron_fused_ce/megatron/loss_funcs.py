@@ -38,6 +38,7 @@ from torch import Tensor
 from megatron_fused_ce import linear_cross_entropy
 from megatron_fused_ce.losses import GRPOConfig, dpo_loss, grpo_loss, linear_grpo_loss, nll_loss
 
+from .output_layer import run_in_output_layer
 from .postprocess import LogprobsPostProcessor, packed_sequence_labels
 
 LossFunc = Callable[[Tensor], tuple]
@@ -95,7 +96,7 @@ def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
             # Σ over loss tokens of -log p(label) = the summed cross-entropy of those tokens.
             keep = _in_label_layout(mask, inputs) != 0
             inputs["labels"] = torch.where(keep, inputs["labels"], post_processor.ignore_index)
-            loss_sum = linear_cross_entropy(**inputs, reduction="sum")
+            loss_sum = run_in_output_layer(model, linear_cross_entropy, **inputs, reduction="sum")
         else:
             lp = post_processor(output_tensor, model, labels, cu_seqlens=cu_seqlens).logprobs
             loss_sum, _ = nll_loss(lp, mask, normalizer=1)
@@ -192,9 +193,8 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
             post_processor.fused_inputs(output_tensor, model, labels)
         policy_logprobs = None
         if inputs is not None:
-            hidden, weight, token_labels = inputs.pop("hidden"), inputs.pop("weight"), inputs.pop("labels")
-            loss_sum, metrics = linear_grpo_loss(hidden, weight, token_labels, advantages, mask, config,
-                                                 **inputs, **kwargs)
+            loss_sum, metrics = run_in_output_layer(model, linear_grpo_loss, advantages=advantages,
+                                                    mask=mask, config=config, **inputs, **kwargs)
         else:
             out = post_processor(output_tensor, model, labels)
             policy_logprobs = out.logprobs
