@@ -100,6 +100,22 @@ def test_memory_mode_key(key):
     assert near_miss(key[:-1]) == key
 
 
+def test_megatron_lm_flag_memory_mode():
+    """`--linear-ce-fusion-memory-mode` (add_fused_ce_args) reaches FusedCEConfig through
+    from_megatron_cfg(vars(args)); absent, the mode is "fast"; another value is an argparse error."""
+    import argparse
+
+    from megatron_fused_ce.megatron import add_fused_ce_args
+
+    def parse(*argv):
+        return FusedCEConfig.from_megatron_cfg(vars(add_fused_ce_args(argparse.ArgumentParser()).parse_args(argv)))
+
+    assert parse("--use-linear-ce-fusion-loss", "--linear-ce-fusion-memory-mode", "lean").memory_mode == "lean"
+    assert parse("--use-linear-ce-fusion-loss").memory_mode == "fast"
+    with pytest.raises(SystemExit):
+        parse("--linear-ce-fusion-memory-mode", "tiny")
+
+
 def test_memory_mode_reaches_the_op(monkeypatch):
     """FusedCEConfig(memory_mode="lean") runs the op's lean tiles from the fused output layer
     (same values and gradients as the fast mode)."""
