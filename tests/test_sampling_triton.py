@@ -35,7 +35,7 @@ def _interpreted(jit_function) -> bool:
 
 @pytest.fixture(scope="module")
 def st():
-    from megatron_fused_ce.ops import sampling_triton, triton_backend
+    from megatron_fused_ce.ops import sampling_triton, triton_backend, triton_gemm_stats
 
     if DEVICE.type == "cuda":
         return sampling_triton
@@ -47,9 +47,11 @@ def st():
         for name in list(sys.modules):
             if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
                 del sys.modules[name]
+        importlib.reload(triton_gemm_stats)  # triton_backend imports its kernels
         importlib.reload(triton_backend)
         sampling_triton = importlib.reload(sampling_triton)
     elif not _interpreted(sampling_triton._compact_kernel):
+        importlib.reload(triton_gemm_stats)
         importlib.reload(triton_backend)
         sampling_triton = importlib.reload(sampling_triton)
     assert _interpreted(sampling_triton._compact_kernel)
