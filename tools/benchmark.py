@@ -897,10 +897,10 @@ def _targets(rows_by_impl, sweep_rows):
         r = rows_by_impl.get((impl, shape))
         return None if r is None or "x_floor" not in r else r
 
-    def check(impl, test, text, needs=()):
-        def per_shape(shape):  # None: not measured (no row, or no memory figure, e.g. on the CPU)
+    def check(impl, test, text, needs=(), peers=()):
+        def per_shape(shape):  # None: not measured (no row, no memory figure on the CPU, a peer absent)
             r = x(impl, shape)
-            if r is None or any(r.get(key) is None for key in needs):
+            if r is None or any(r.get(key) is None for key in needs) or any(x(p, shape) is None for p in peers):
                 return None
             return text(r, shape), bool(test(r, shape))
         return per_shape
@@ -914,7 +914,8 @@ def _targets(rows_by_impl, sweep_rows):
                                                          lambda r, s: f"{r['x_floor']:.3f}")),
         ("fast SFT CE faster than torch.compile", check(
             "ours_ce@auto", faster("ours_ce@auto", "torch_compile"),
-            lambda r, s: f"{r['x_floor']:.3f} vs {_fmt((x('torch_compile', s) or {}).get('x_floor'), '.3f')}")),
+            lambda r, s: f"{r['x_floor']:.3f} vs {_fmt((x('torch_compile', s) or {}).get('x_floor'), '.3f')}",
+            peers=("torch_compile",))),
         ("fast GRPO (`ours_grpo`) ≤ 1.08×", check("ours_grpo@auto", lambda r, s: r["x_floor"] <= 1.08,
                                                    lambda r, s: f"{r['x_floor']:.3f}")),
         ("log-probs fwd+bwd (`ours_logprobs`) ≤ 1.38×", check(
@@ -927,7 +928,8 @@ def _targets(rows_by_impl, sweep_rows):
         ("lean CE faster than Liger and exact CCE", check(
             "ours_ce_lean", lambda r, s: faster("ours_ce_lean", "liger")(r, s) and faster("ours_ce_lean", "cce_exact")(r, s),
             lambda r, s: f"{r['x_floor']:.3f} vs {_fmt((x('liger', s) or {}).get('x_floor'), '.3f')} / "
-                         f"{_fmt((x('cce_exact', s) or {}).get('x_floor'), '.3f')}")),
+                         f"{_fmt((x('cce_exact', s) or {}).get('x_floor'), '.3f')}",
+            peers=("liger", "cce_exact"))),
         ("lean CE dW error ≤ 2× fast mode's", check(
             "ours_ce_lean", lambda r, s: x("ours_ce@auto", s) is None or r.get("err_dw", 1) <= 2 * x("ours_ce@auto", s).get("err_dw", 0),
             lambda r, s: f"{_fmt(r.get('err_dw'), '.1e')} vs {_fmt((x('ours_ce@auto', s) or {}).get('err_dw'), '.1e')}")),
