@@ -23,15 +23,18 @@ ranks, of `softmax(z[:vocab_size] / temperature)`.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, List, Mapping, Optional, Sequence, Union
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
+from megatron_fused_ce.losses.context_parallel import agree_on_inputs
+from megatron_fused_ce.ops import reductions
 
 from .config import FusedCEConfig
+from .context_parallel import context_parallel_group, gather_from_cp_ranks, positions_on_cp_rank
 from .output_layer import is_fused, output_weight, unwrap_model
 
 IGNORE_INDEX = -100
@@ -47,22 +50,63 @@ def _tp_group(gpt):
 
 
 def packed_sequence_labels(labels: Tensor, cu_seqlens: Optional[Tensor],
-                           ignore_index: int = IGNORE_INDEX) -> Tensor:
+                           ignore_index: int = IGNORE_INDEX, *,
+                           cu_seqlens_padded: Optional[Tensor] = None, cp_group=None) -> Tensor:
     """`labels` with the positions that would cross a sequence boundary set to `ignore_index`.
 
     `cu_seqlens` (int, `[num_seqs + 1]`, starting at 0) are offsets into the row-major flattened
     `[b * s]` token stream (for the usual packed batch, b = 1: offsets along the sequence). The
-    last position of each sequence and every position at or after `cu_seqlens[-1]` are not scored.
+    last position of each sequence and every position outside the sequences (after
+    `cu_seqlens[-1]`) are not scored.
+
+    `cu_seqlens_padded` (THD with padding, as megatron's `PackedSeqParams.cu_seqlens_q_padded`):
+    sequence i then starts at `cu_seqlens_padded[i]` and holds `cu_seqlens[i+1] - cu_seqlens[i]`
+    real tokens; its padding is not scored either. With a context-parallel `cp_group`, `labels` is
+    this CP rank's `[1, T / CP]` slice of the packed row, cut document by document as megatron
+    does (`context_parallel.positions_on_cp_rank`; `cu_seqlens_padded`, or `cu_seqlens` when each
+    document length is already a multiple of 2·CP): the boundary is found wherever it landed.
     """
     if cu_seqlens is None:
         return labels
-    flat = labels.reshape(-1).clone()
-    bounds = cu_seqlens.to(device=labels.device, dtype=torch.long)
-    ends = bounds[1:] - 1
-    ends = ends[(ends >= 0) & (bounds[1:] > bounds[:-1])]  # skip empty sequences
-    flat[ends] = ignore_index
-    flat[int(bounds[-1]):] = ignore_index
-    return flat.reshape(labels.shape)
+    cp_size, cp_rank = reductions.group_size(cp_group), reductions.group_rank(cp_group)
+    if cp_size > 1 and labels.dim() == 2 and labels.shape[0] != 1:
+        raise ValueError(f"packed sequences under context parallelism are one packed row: labels "
+                         f"must be [1, T / CP], got {tuple(labels.shape)}")
+    length = labels.numel() * cp_size
+    bounds = _checked_offsets("cu_seqlens", cu_seqlens, length)
+    starts = bounds[:-1]
+    if cu_seqlens_padded is not None:
+        padded = _checked_offsets("cu_seqlens_padded", cu_seqlens_padded, length)
+        if padded.numel() != bounds.numel() or bool(((padded[1:] - padded[:-1])
+                                                     < (bounds[1:] - bounds[:-1])).any()):
+            raise ValueError("cu_seqlens_padded must hold the same sequences as cu_seqlens, each "
+                             "at least as long")
+        starts = padded[:-1]
+    # scored: start <= p < start + len - 1 for each sequence (a difference array over positions)
+    lengths = bounds[1:] - bounds[:-1]
+    starts, ends = starts[lengths > 1], (starts + lengths - 1)[lengths > 1]
+    edges = torch.zeros(length + 1, dtype=torch.long)
+    edges.index_add_(0, starts, torch.ones_like(starts))
+    edges.index_add_(0, ends, -torch.ones_like(ends))
+    scored = torch.cumsum(edges[:-1], 0) > 0
+    if cp_size > 1:
+        layout = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+        scored = scored[positions_on_cp_rank(length, cp_size, cp_rank, cu_seqlens_padded=layout)]
+    scored = scored.reshape(labels.shape).to(labels.device)
+    return torch.where(scored, labels, torch.full_like(labels, ignore_index))
+
+
+def _checked_offsets(name: str, offsets, num_tokens: int) -> Tensor:
+    """Sequence offsets as int64 on the host, or a ValueError naming what is wrong with them."""
+    if not isinstance(offsets, Tensor) or offsets.dim() != 1 or offsets.numel() == 0 \
+            or offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+        raise ValueError(f"{name} must be a non-empty 1-D integer tensor [num_seqs + 1]")
+    bounds = offsets.detach().to("cpu", torch.long)
+    if bounds[0] != 0 or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(f"{name} must start at 0 and be non-decreasing, got {bounds.tolist()}")
+    if int(bounds[-1]) > num_tokens:
+        raise ValueError(f"{name} ends at {int(bounds[-1])}, past the {num_tokens} tokens of the batch")
+    return bounds
 
 
 class LogprobsPostProcessor:
@@ -75,11 +119,19 @@ class LogprobsPostProcessor:
         temperature: logits are divided by it before the softmax (sampling temperature of the
             rollouts in RL). Applied here, i.e. only on the last stage.
         return_entropy: also return the full-vocab entropy per token.
+        cp_group: the context-parallel group. Default: the model's (megatron's `pg_collection.cp`,
+            else `parallel_state`'s); a group of one rank means no context parallelism.
+
+    Context parallelism: `output_tensor`, `labels` (and the loss funcs' masks) are this CP rank's
+    slice of every sequence, cut as megatron's `get_batch_on_this_cp_rank` does; the log-probs
+    come back in the same layout (`compute_logprobs` can gather them in sequence order). Per-token
+    values need nothing from other CP ranks; packed sequences use the group to find where their
+    boundaries landed, and the loss funcs to sum sequence-level terms.
     """
 
     def __init__(self, config: FusedCEConfig, *, vocab_size: Optional[int] = None,
                  temperature: float = 1.0, return_entropy: bool = False,
-                 ignore_index: int = IGNORE_INDEX):
+                 ignore_index: int = IGNORE_INDEX, cp_group=None):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.config = config
@@ -87,20 +139,48 @@ class LogprobsPostProcessor:
         self.temperature = float(temperature)
         self.return_entropy = return_entropy
         self.ignore_index = ignore_index
+        self.cp_group = cp_group
+
+    def context_parallel_group(self, model: Optional[torch.nn.Module] = None):
+        """The CP group in use (see `cp_group`), None without context parallelism."""
+        if self.cp_group is not None:
+            return self.cp_group if reductions.group_size(self.cp_group) > 1 else None
+        return context_parallel_group(None if model is None else unwrap_model(model))
+
+    def scored_labels(self, labels: Tensor, model: Optional[torch.nn.Module] = None, *,
+                      cu_seqlens: Optional[Tensor] = None,
+                      cu_seqlens_padded: Optional[Tensor] = None) -> Tensor:
+        """`labels` (int64) with `ignore_index` wherever this post-processor does not score a token:
+        packed-sequence boundaries and padding (`packed_sequence_labels`, under CP too)."""
+        return packed_sequence_labels(labels.long(), cu_seqlens, self.ignore_index,
+                                      cu_seqlens_padded=cu_seqlens_padded,
+                                      cp_group=self.context_parallel_group(model))
+
+    def token_shape(self, output_tensor: Tensor, model: torch.nn.Module) -> Tuple[int, int]:
+        """`(b, s)`: the shape of the labels that go with this model output (`[b, s, V/TP]` logits,
+        `[b, s, h]` hidden states, or `[b, s/TP, h]` under sequence parallelism)."""
+        gpt = unwrap_model(model)
+        b, s = output_tensor.shape[0], output_tensor.shape[1]
+        if is_fused(gpt) and bool(gpt.config.sequence_parallel):
+            s *= dist.get_world_size(_tp_group(gpt))
+        return b, s
 
     def __call__(self, output_tensor: Tensor, model: torch.nn.Module, labels: Tensor, *,
-                 cu_seqlens: Optional[Tensor] = None) -> LogprobsOutput:
+                 cu_seqlens: Optional[Tensor] = None,
+                 cu_seqlens_padded: Optional[Tensor] = None) -> LogprobsOutput:
         gpt = unwrap_model(model)
         if not getattr(gpt, "post_process", False):
             raise RuntimeError("LogprobsPostProcessor runs on the last pipeline stage only")
-        labels = packed_sequence_labels(labels.long(), cu_seqlens, self.ignore_index)
+        labels = self.scored_labels(labels, gpt, cu_seqlens=cu_seqlens,
+                                    cu_seqlens_padded=cu_seqlens_padded)
         if is_fused(gpt):
             return self._from_hidden(output_tensor, gpt, labels)
         return self._from_logits(output_tensor, gpt, labels)
 
     # -- fusion on -------------------------------------------------------------------------------
     def fused_inputs(self, output_tensor: Tensor, model: torch.nn.Module, labels: Tensor, *,
-                     cu_seqlens: Optional[Tensor] = None) -> Optional[dict]:
+                     cu_seqlens: Optional[Tensor] = None,
+                     cu_seqlens_padded: Optional[Tensor] = None) -> Optional[dict]:
         """The fused op's arguments for this output, or None when the model returns logits.
 
         `hidden`, `weight` and `labels` are in the op's layout: `[b, s, h]` / `[b, s]`, or
@@ -111,7 +191,8 @@ class LogprobsPostProcessor:
         gpt = unwrap_model(model)
         if not is_fused(gpt):
             return None
-        labels = packed_sequence_labels(labels.long(), cu_seqlens, self.ignore_index)
+        labels = self.scored_labels(labels, gpt, cu_seqlens=cu_seqlens,
+                                    cu_seqlens_padded=cu_seqlens_padded)
         weight = output_weight(gpt)
         if output_tensor.shape[-1] != weight.shape[1]:
             raise RuntimeError(
@@ -270,24 +351,52 @@ def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_grou
     return LogprobsOutput(logprobs, entropy)
 
 
+COMPUTE_LOGPROBS_LAYOUTS = ("sharded", "gathered")
+
+
 def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
                      post_processor: LogprobsPostProcessor, *, seq_length: int,
-                     micro_batch_size: int) -> List[LogprobsOutput]:
+                     micro_batch_size: int, layout: str = "sharded") -> List[LogprobsOutput]:
     """A forward-only pass (no autograd graph) returning each micro-batch's log-probs on every stage.
 
     For reference-policy / old-policy log-probs. `forward_fn(model_chunk, batch)` runs the model on
     one micro-batch (`model_chunk(tokens, position_ids, attention_mask)`), `batch["labels"]` holds
-    the shifted labels and `batch.get("cu_seqlens")` the packed-sequence offsets. `model` is a
-    model chunk or the list of virtual-pipeline chunks.
+    the shifted labels, `batch.get("cu_seqlens")` / `batch.get("cu_seqlens_padded")` the
+    packed-sequence offsets. `model` is a model chunk or the list of virtual-pipeline chunks.
+    `seq_length` is the full sequence length (megatron divides it by CP for the pipeline buffers).
+
+    Context parallelism (the batches hold this CP rank's slices): `layout="sharded"` (default)
+    returns each CP rank's log-probs in the layout of its batch, which is what that rank's loss
+    func takes on the next forward, and costs no communication; `layout="gathered"` returns the
+    whole `[b, s]` sequences in their original order on every CP rank (what an RL trainer stores).
+    Without CP both are the same.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if layout not in COMPUTE_LOGPROBS_LAYOUTS:
+        raise ValueError(f"layout must be one of {COMPUTE_LOGPROBS_LAYOUTS}, got {layout!r}")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
 
     def loss_func(batch, chunk, output_tensor):
-        out = post_processor(output_tensor, chunk, batch["labels"],
-                             cu_seqlens=batch.get("cu_seqlens"))
+        packing = dict(cu_seqlens=batch.get("cu_seqlens"), cu_seqlens_padded=batch.get("cu_seqlens_padded"))
+        cp_group = post_processor.context_parallel_group(chunk) if layout == "gathered" else None
+        outs = []
+        # Under CP a rank that fails must not leave the others waiting in the gather: the error
+        # is agreed over the CP group (and TP: the same batch) first.
+        agree_on_inputs("compute_logprobs", lambda: outs.append(post_processor(
+                            output_tensor, chunk, batch["labels"], **packing)),
+                        cp_group=cp_group, other_groups=(_tp_group(unwrap_model(chunk)),) if cp_group else (),
+                        device=output_tensor.device)
+        out = outs[0]
+        if cp_group is not None:
+            layout_offsets = packing["cu_seqlens_padded"] if packing["cu_seqlens_padded"] is not None \
+                else packing["cu_seqlens"]
+
+            def gather(values):
+                return gather_from_cp_ranks(values, cp_group, cu_seqlens_padded=layout_offsets)
+
+            out = LogprobsOutput(gather(out.logprobs), None if out.entropy is None else gather(out.entropy))
         zero = output_tensor.new_zeros(())
         return zero, torch.ones((), dtype=torch.int, device=zero.device), {"logprobs": out}
 
