@@ -41,6 +41,7 @@ from megatron_fused_ce.megatron import (
     compute_logprobs,
     context_parallel_group,
     dpo_loss_func,
+    gather_from_cp_ranks,
     grpo_loss_func,
     install_fused_output_layer,
     positions_on_cp_rank,
@@ -176,3 +177,291 @@ CP_SETUPS = [
 @pytest.mark.parametrize("setup", CP_SETUPS, ids=str)
 def test_context_parallel_equals_cp1(setup, record_property):
     record_property("max_rel_diff", _check_parity(setup))
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed sequences (THD) under CP: every document split over the CP ranks (chunks r and 2·CP−1−r of
+# each padded document), document-causal attention; no target crosses a document boundary.
+# ------------------------------------------------------------------------------------------------
+DOCS = [3, 6, 2]  # real lengths; padded to multiples of 2·CP = 4: [4, 8, 4] (16 = SEQ)
+DOCS_PADDED = [4, 8, 4]
+
+
+def _offsets(lengths):
+    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+
+def packed_batch(seed: int):
+    """One packed row [1, SEQ]: the documents at their padded offsets, labels = the next token of
+    the stream (so the last token of a document is labelled with the next document's first token,
+    padding with garbage: the post-processor must not score those)."""
+    g = torch.Generator().manual_seed(seed)
+    stream = torch.randint(0, TRUE_VOCAB, (SEQ + 1,), generator=g)
+    position_ids = torch.cat([torch.arange(n) for n in DOCS_PADDED])
+    return {
+        "tokens": stream[:-1].unsqueeze(0), "labels": stream[1:].unsqueeze(0),
+        "loss_mask": (torch.rand(1, SEQ, generator=g) > 0.1).float(),
+        "position_ids": position_ids.unsqueeze(0),
+        "cu_seqlens": _offsets(DOCS), "cu_seqlens_padded": _offsets(DOCS_PADDED),
+    }
+
+
+def expected_scored_positions():
+    """Positions of the packed row whose target lies in the same document."""
+    starts = _offsets(DOCS_PADDED)[:-1].tolist()
+    return sorted(p for start, n in zip(starts, DOCS) for p in range(start, start + n - 1))
+
+
+def packed_forward(chunk, batch):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    real, padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                             cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                             max_seqlen_q=max(DOCS_PADDED), max_seqlen_kv=max(DOCS_PADDED))
+    return chunk(batch["tokens"], batch["position_ids"], None, packed_seq_params=params)
+
+
+def packed_worker(rank, world, setup: Setup):
+    from megatron.core import parallel_state as ps
+
+    chunks = common.build(setup)
+    fused = FusedCEConfig(enabled=True, chunk_size=5)
+    cp_group = context_parallel_group()
+    post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+    batches = common.cp_batches([packed_batch(seed) for seed in range(NUM_MICROBATCHES)])
+    cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    index = positions_on_cp_rank(SEQ, cp_size, cp_rank, cu_seqlens_padded=batches[0]["cu_seqlens_padded"])
+    scored = post.scored_labels(batches[0]["labels"], chunks[0], cu_seqlens=batches[0]["cu_seqlens"],
+                                cu_seqlens_padded=batches[0]["cu_seqlens_padded"]) != -100
+    report = {"coords": (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                         ps.get_data_parallel_rank()),
+              "scored_positions": index[scored[0]].tolist(), "local_tokens": batches[0]["tokens"].shape}
+
+    def make(chunk, batch, index):
+        return sft_loss_func(post, chunk, batch["labels"], batch["loss_mask"],
+                             cu_seqlens=batch["cu_seqlens"], cu_seqlens_padded=batch["cu_seqlens_padded"])
+
+    for mode in ("unfused", "fused"):
+        (install_fused_output_layer if mode == "fused" else uninstall_fused_output_layer)(
+            chunks, *((fused,) if mode == "fused" else ()))
+        gathered = compute_logprobs(chunks, batches, packed_forward, post, seq_length=SEQ,
+                                    micro_batch_size=1, layout="gathered")
+        metrics = common.run_step(chunks, batches, make, forward=packed_forward)
+        report[mode] = {"metrics": reduce_metrics(metrics), "grads": common.grads(chunks),
+                        "gathered": [o.logprobs for o in gathered]}
+    assert (1 if cp_group is None else dist.get_world_size(cp_group)) == setup.cp
+    return report
+
+
+@pytest.mark.parametrize("setup", [Setup(cp=2), Setup(tp=2, cp=2)], ids=str)
+def test_packed_sequences_under_context_parallelism(setup):
+    reference_setup = Setup(tp=setup.tp, gathered_attention=True)
+    reference = {r["coords"]: r for r in run_workers(packed_worker, reference_setup.world, reference_setup)}
+    results = run_workers(packed_worker, setup.world, setup)
+    want_scored = expected_scored_positions()
+    assert all(r["scored_positions"] == want_scored for r in reference.values())
+    scored = sorted(p for r in results if r["coords"][1] == 0 for p in r["scored_positions"])
+    assert scored == want_scored  # each document boundary found on whichever rank holds it
+    for result in results:
+        ref = reference[result["coords"]]
+        assert tuple(result["local_tokens"]) == (1, SEQ // setup.cp)
+        for mode in ("unfused", "fused"):
+            got, want = result[mode], ref["unfused"]
+            assert abs(got["metrics"]["lm loss"] - want["metrics"]["lm loss"]) <= RTOL * abs(want["metrics"]["lm loss"])
+            for name, grad in want["grads"].items():
+                assert common.max_rel_diff(got["grads"][name], grad) <= GRAD_RTOL, (mode, name)
+            for a, b in zip(got["gathered"], want["gathered"]):
+                assert common.max_rel_diff(a, b) <= RTOL
+                # zero exactly where the target is in another document or in the padding
+                assert sorted(a[0].nonzero().squeeze(1).tolist()) == want_scored
+
+
+# ------------------------------------------------------------------------------------------------
+# The layouts: megatron's own slicing, Transformer Engine's THD partition, and back.
+# ------------------------------------------------------------------------------------------------
+def _megatron_slices(batch, group):
+    """megatron-core's `get_batch_on_this_cp_rank` (0.16: (batch, cp_group); >= 0.18: (batch,
+    is_hybrid_cp, cp_group))."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = dict(batch)
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
+
+
+def te_thd_partition(cu_seqlens_padded, total, world, rank):
+    """Transformer Engine's `thd_partition_indices_kernel`, token by token (its CUDA loop)."""
+    local = [int(x) // world for x in cu_seqlens_padded]
+    out = []
+    for token in range(total // world):
+        seq = max(i for i in range(len(local) - 1) if local[i] <= token)
+        seq_len = local[seq + 1] - local[seq]
+        index = token - local[seq]
+        offset = rank if index < seq_len // 2 else (world - 1) * 2 - rank
+        out.append(index + local[seq] * world + seq_len // 2 * offset)
+    return out
+
+
+def layout_worker(rank, world):
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(3)
+    length = 4 * world
+    batch = {"tokens": torch.randint(0, 100, (2, length), generator=g),
+             "loss_mask": torch.rand(2, length, generator=g),
+             "position_ids": torch.arange(length).expand(2, length).contiguous(),
+             "attention_mask": torch.rand(1, 1, length, length, generator=g) > 0.5}
+    ours, theirs = batch_on_this_cp_rank(batch, group), _megatron_slices(batch, group)
+    same_as_megatron = all(torch.equal(ours[k], theirs[k]) for k in batch)
+    gathered = gather_from_cp_ranks(ours["loss_mask"], group)
+    # packed: documents of padded lengths 2·CP·[1, 3, 2]
+    padded = _offsets([2 * world * n for n in (1, 3, 2)])
+    total = int(padded[-1])
+    thd = positions_on_cp_rank(total, world, rank, cu_seqlens_padded=padded).tolist()
+    values = torch.randn(1, total, 3, generator=g)
+    local = batch_on_this_cp_rank({"x": values, "cu_seqlens_padded": padded}, group)["x"]
+    # differentiable: each rank's gradient is the upstream gradient at its positions, summed
+    leaf = local.clone().requires_grad_()
+    weights = torch.randn(1, total, 3, generator=torch.Generator().manual_seed(4))
+    (gather_from_cp_ranks(leaf, group, cu_seqlens_padded=padded) * weights).sum().backward()
+    return {"same_as_megatron": same_as_megatron, "gathered": torch.equal(gathered, batch["loss_mask"]),
+            "thd": thd, "te": te_thd_partition(padded.tolist(), total, world, rank),
+            "thd_gathered": torch.equal(gather_from_cp_ranks(local, group, cu_seqlens_padded=padded), values),
+            "grad": torch.equal(leaf.grad, world * weights[:, thd])}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_layouts_match_megatron_and_transformer_engine(cp):
+    results = run_workers(layout_worker, cp)
+    for r in results:
+        assert r["same_as_megatron"] and r["gathered"] and r["thd_gathered"] and r["grad"], r
+        assert r["thd"] == r["te"]
+    assert sorted(p for r in results for p in r["thd"]) == list(range(len(results[0]["thd"]) * cp))
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="multiple of 2·CP"):
+        positions_on_cp_rank(12, 4, 0)
+    with pytest.raises(ValueError, match="multiple of 2·CP"):
+        positions_on_cp_rank(12, 2, 0, cu_seqlens_padded=torch.tensor([0, 6, 12]))
+    with pytest.raises(ValueError, match="ends at"):
+        positions_on_cp_rank(16, 2, 0, cu_seqlens_padded=torch.tensor([0, 4, 12]))
+    assert positions_on_cp_rank(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert positions_on_cp_rank(12, 2, 0, cu_seqlens_padded=torch.tensor([0, 4, 12])).tolist() == \
+        [0, 3, 4, 5, 10, 11]
+
+
+def attention_worker(rank, world, groups):
+    """GatheredKVAttention at CP=1 against megatron's DotProductAttention (causal mask)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron.core import tensor_parallel
+
+    from dist import init_megatron_parallel
+    from megatron_fused_ce.megatron import GatheredKVAttention
+
+    common.enable_cpu_mode()
+    init_megatron_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               num_query_groups=groups, attention_dropout=0.0,
+                               masked_softmax_fusion=False)
+    g = torch.Generator().manual_seed(0)
+    s, b, d = 12, 2, 8
+    q = torch.randn(s, b, 4, d, generator=g)
+    k, v = torch.randn(s, b, groups, d, generator=g), torch.randn(s, b, groups, d, generator=g)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    kwargs = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    want = DotProductAttention(config, **kwargs)(q, k, v, mask)
+    got = GatheredKVAttention(config, **kwargs)(q, k, v, None)
+    return float((got - want).abs().max()), tuple(got.shape) == tuple(want.shape)
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+def test_gathered_attention_is_megatrons_at_cp1(groups):
+    ((err, same_shape),) = run_workers(attention_worker, 1, groups)
+    assert same_shape and err < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input under CP: the same ValueError on every rank, before any collective (never a hang).
+# ------------------------------------------------------------------------------------------------
+def _bad_cases():
+    """name -> (what rank 1 (or every rank, "all") passes wrong, expected message)."""
+    return {
+        "sft_batch": ("sft", "rank1_rows", "different numbers of sequences"),
+        "sft_unsliced_mask": ("sft", "rank1_mask", "loss_mask shape"),
+        "sft_unsliced_labels": ("sft", "all_labels", "does not match the model output"),
+        "dpo_unsliced_reference": ("dpo", "rank1_other", "reference_logprobs shape"),
+        "grpo_unsliced_old": ("grpo", "rank1_other", "old_logprobs shape"),
+        "grpo_batch": ("grpo", "rank1_rows", "different numbers of sequences"),
+        "grpo_missing_sampling": ("grpo", "rank1_missing", "disagree"),
+        "packed_bad_padding": ("packed", "all_padding", "multiple of 2·CP"),
+    }
+
+
+def bad_input_worker(rank, world):
+    from megatron.core import parallel_state as ps
+
+    fused = FusedCEConfig(enabled=True, chunk_size=4)
+    (model,) = common.build(Setup(cp=world))
+    install_fused_output_layer(model, fused)
+    post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+    group = ps.get_context_parallel_group()
+    whole = common.make_batches("grpo", 1, seed=5)[0]
+    messages = {}
+    for name, (kind, problem, _) in _bad_cases().items():
+        batch = batch_on_this_cp_rank(whole, group)
+        other = batch["noise"] - 4.0  # stands in for old / reference log-probs
+        hidden = torch.randn(MBS, SEQ // world, common.HIDDEN, requires_grad=True)
+        culprit = problem.startswith("all") or rank == 1
+        if culprit and problem == "rank1_rows":
+            batch = {k: v[:1] for k, v in batch.items()}
+            other, hidden = other[:1], hidden[:1]
+        if culprit and problem == "rank1_mask":
+            batch["loss_mask"] = whole["loss_mask"]
+        if culprit and problem == "all_labels":
+            batch["labels"] = whole["labels"]
+        if culprit and problem == "rank1_other":
+            other = whole["noise"]
+        packing = {}
+        if kind == "packed":
+            batch, hidden = {k: v[:1] for k, v in batch.items()}, hidden[:1]
+            packing = dict(cu_seqlens=torch.tensor([0, 5, 14]), cu_seqlens_padded=torch.tensor([0, 6, 16]))
+        try:
+            if kind in ("sft", "packed"):
+                loss_func = sft_loss_func(post, model, batch["labels"], batch["loss_mask"], **packing)
+            elif kind == "dpo":
+                loss_func = dpo_loss_func(post, model, batch["labels"], batch["loss_mask"], other)
+            else:
+                sampling = None if culprit and problem == "rank1_missing" else other
+                loss_func = grpo_loss_func(post, model, batch["labels"], batch["loss_mask"],
+                                           batch["advantages"], CONFIGS["grpo"], old_logprobs=other,
+                                           reference_logprobs=other, sampling_logprobs=sampling)
+            loss_func(hidden)
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    # still in step: a good call runs its collectives on every rank
+    batch = batch_on_this_cp_rank(whole, group)
+    loss_sum, count, _ = grpo_loss_func(post, model, batch["labels"], batch["loss_mask"], batch["advantages"],
+                                        CONFIGS["gspo"], old_logprobs=batch["noise"] - 4.0,
+                                        reference_logprobs=batch["noise"] - 4.1,
+                                        sampling_logprobs=batch["noise"] - 3.9)(
+        torch.randn(MBS, SEQ // world, common.HIDDEN, requires_grad=True))
+    loss_sum.backward()
+    with pytest.raises(ValueError, match="layout"):
+        compute_logprobs(model, [batch], common.forward_fn, post, seq_length=SEQ, micro_batch_size=MBS,
+                         layout="whole")
+    return messages
+
+
+def test_bad_input_under_context_parallelism_raises_on_every_rank():
+    results = run_workers(bad_input_worker, 2, timeout=90)
+    for name, (_, _, expected) in _bad_cases().items():
+        messages = [r[name] for r in results]
+        assert all(m is not None for m in messages), (name, messages)
+        assert any(expected in m for m in messages), (name, messages)
