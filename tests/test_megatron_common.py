@@ -47,7 +47,13 @@ class Setup:
     chunk_size: int = 8  # small, so that chunking is exercised on 32-token micro-batches
     bf16: bool = False  # bf16 parameters, wrapped in megatron's Float16Module
     grad_acc_fusion: bool = False  # fused path adds dW straight into main_grad
+    mtp_layers: int = 0  # multi-token prediction depths (on the last stage)
+    mtp_scale: float = 0.3  # mtp_loss_scaling_factor
+    mtp_detach_heads: bool = False  # megatron-core >= 0.19: MTP losses do not train the output weight
     per_token_loss: bool = True  # calculate_per_token_loss
+    # DDP for the distributed optimizer with overlap_param_gather and overlap_grad_reduce, small
+    # buckets (the output weight gets a bucket of its own)
+    overlap: bool = False
     cp: int = 1  # context parallel size
     # GatheredKVAttention (exact under CP, see megatron_fused_ce/megatron/cp_attention.py) instead of
     # megatron's local DotProductAttention; always on with cp > 1 (a CP=1 reference sets it)
@@ -62,7 +68,10 @@ class Setup:
         return (f"tp{self.tp}-pp{self.pp}-{vp}dp{self.dp}-{'tied' if self.tied else 'untied'}"
                 f"{'-sp' if self.sp else ''}{'-bf16' if self.bf16 else ''}"
                 f"{'-gradaccfusion' if self.grad_acc_fusion else ''}"
-                f"{'' if self.per_token_loss else '-meanloss'}{f'-cp{self.cp}' if self.cp > 1 else ''}{'-gathered' if self.gathered_attention else ''}")
+                f"{f'-mtp{self.mtp_layers}' if self.mtp_layers else ''}"
+                f"{'-detachheads' if self.mtp_detach_heads else ''}"
+                f"{'' if self.per_token_loss else '-meanloss'}{'-overlap' if self.overlap else ''}"
+                f"{f'-cp{self.cp}' if self.cp > 1 else ''}{'-gathered' if self.gathered_attention else ''}")
 
 
 class SPLayerNorm(torch.nn.LayerNorm):
@@ -96,8 +105,22 @@ def layer_spec(config, setup: Setup, vp_stage=None):
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=SPLayerNorm)
 
 
-def build(setup: Setup, seed: int = 1234):
-    """parallel_state + a DDP-wrapped GPTModel (list of chunks) with deterministic weights."""
+def mtp_block_spec(config, spec, setup: Setup, vp_stage=None):
+    """megatron-core's MTP block spec for the local layer spec (its norms made SP-capable)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+
+    class Backend(LocalSpecProvider):
+        def layer_norm(self, *args, **kwargs):
+            return SPLayerNorm if setup.sp else super().layer_norm(*args, **kwargs)
+
+    return get_gpt_mtp_block_spec_for_backend(config, spec, Backend(), vp_stage=vp_stage)
+
+
+def build(setup: Setup, seed: int = 1234, install_before_wrap=None):
+    """parallel_state + a DDP-wrapped GPTModel (list of chunks) with deterministic weights.
+
+    `install_before_wrap`: a FusedCEConfig installed on each GPTModel before the DDP wrapping."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -109,6 +132,7 @@ def build(setup: Setup, seed: int = 1234):
     from megatron.core.transformer.module import Float16Module
 
     from dist import init_megatron_parallel
+    from megatron_fused_ce.megatron import install_fused_output_layer
 
     enable_cpu_mode()
     init_megatron_parallel(setup.tp, setup.pp, virtual_pipeline_model_parallel_size=setup.vp,
@@ -122,21 +146,33 @@ def build(setup: Setup, seed: int = 1234):
         virtual_pipeline_model_parallel_size=setup.vp, sequence_parallel=setup.sp,
         context_parallel_size=setup.cp,
         pipeline_dtype=dtype, params_dtype=dtype, bf16=setup.bf16,
-        calculate_per_token_loss=setup.per_token_loss, hidden_dropout=0.0, attention_dropout=0.0)
+        calculate_per_token_loss=setup.per_token_loss, hidden_dropout=0.0, attention_dropout=0.0,
+        **({"mtp_num_layers": setup.mtp_layers, "mtp_loss_scaling_factor": setup.mtp_scale}
+           if setup.mtp_layers else {}),
+        **({"mtp_detach_heads": True} if setup.mtp_detach_heads else {}))
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    if setup.overlap:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_param_gather=True,
+            overlap_grad_reduce=True, bucket_size=1000)
     chunks = []
     for vp_stage in range(setup.vp or 1):
         kw = {} if setup.vp is None else {"vp_stage": vp_stage}
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=setup.vp is None, **kw)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=setup.vp is None, **kw)
-        gpt = GPTModel(config, layer_spec(config, setup, kw.get("vp_stage")),
-                       vocab_size=PADDED_VOCAB, max_sequence_length=SEQ, pre_process=pre,
-                       post_process=post, share_embeddings_and_output_weights=setup.tied, **kw)
+        spec = layer_spec(config, setup, kw.get("vp_stage"))
+        if setup.mtp_layers:
+            kw["mtp_block_spec"] = mtp_block_spec(config, spec, setup, kw.get("vp_stage"))
+        gpt = GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=SEQ,
+                       pre_process=pre, post_process=post,
+                       share_embeddings_and_output_weights=setup.tied, **kw)
         if torch.cuda.is_available():  # as training scripts do: megatron leaves plain torch
             gpt.cuda(torch.cuda.current_device())  # modules (position embedding, norms) on the CPU
+        if install_before_wrap is not None:
+            install_fused_output_layer(gpt, install_before_wrap)
         if setup.bf16:
             gpt = Float16Module(config, gpt)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                      gpt)
+        ddp = DistributedDataParallel(config, ddp_config, gpt)
         chunks.append(ddp)
     config.finalize_model_grads_func = finalize_model_grads
     return chunks

@@ -15,6 +15,11 @@ TP=2 + SP, TP=1 x PP=2, TP=2 x PP=2 (with and without SP), each tied and untied;
 of the world, and a layout that does not divide the world is skipped (TP=2 x PP=2 needs 4 GPUs):
 
     torchrun --nproc_per_node 4 -m pytest tests/test_multigpu.py -m multigpu -q
+
+And multi-token prediction (tests/test_megatron_mtp.py's worker, bf16, with the Triton backend), and
+megatron's DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer
+installed before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the optimizer
+needs CUDA, so this is its only run).
 """
 
 import datetime
@@ -256,3 +261,74 @@ def test_nccl_gpt_fused_matches_unfused_bf16(layout, tied, record_property):
     worst = gpt_parity_body(layout, tied, "cuda")
     record_property("max_rel_diff", worst)
     print(f"{setup}: max relative fused-vs-unfused difference {worst}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-token prediction and the distributed optimizer over NCCL
+# ------------------------------------------------------------------------------------------------
+def _on_every_rank(what: str, worker, *args):
+    """`worker(rank, world, *args)` of a CPU test on every rank of the default group, micro-batches
+    on the GPU; every rank's (report, error) is all-gathered and a failure raises on all ranks."""
+    import test_megatron_common as common
+    from megatron.core import parallel_state
+
+    make_batches = common.make_batches
+    common.make_batches = lambda *a, **k: [{key: v.cuda() for key, v in batch.items()}
+                                           for batch in make_batches(*a, **k)]
+    report, error = None, None
+    try:
+        report = _to_cpu(worker(dist.get_rank(), dist.get_world_size(), *args))
+    except Exception:  # noqa: BLE001  (re-raised on every rank after the gather)
+        error = traceback.format_exc()
+        print(f"rank {dist.get_rank()} failed in {what}:\n{error}", file=sys.stderr, flush=True)
+    finally:
+        common.make_batches = make_batches
+        parallel_state.destroy_model_parallel()
+    gathered = _gather((report, error))
+    errors = [f"--- rank {r} ---\n{e}" for r, (_, e) in enumerate(gathered) if e is not None]
+    assert not errors, "\n".join(errors)
+    return [r for r, _ in gathered]
+
+
+MTP_GPU_LAYOUTS = {  # name: (tp, pp, sp, tied, mtp depths); dp = world // (tp * pp)
+    "tp2-sp-mtp2": (2, 1, True, False, 2),
+    "tp1-pp2-tied-mtp1": (1, 2, False, True, 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(MTP_GPU_LAYOUTS))
+def test_nccl_mtp_fused_matches_unfused_bf16(layout, record_property):
+    """bf16 GPTModel with MTP, fused vs unfused: losses, megatron's MTP logging (argmax acceptance
+    counts within 2 % on >= 0.19: bf16 logits tie), every gradient; the CPU test's checks, bf16
+    tolerances."""
+    from test_megatron_common import Setup
+    from test_megatron_mtp import check_mtp_reports, mtp_worker
+    from test_megatron_parity import GRAD_RTOL_BF16, LOSS_RTOL_BF16
+
+    tp, pp, sp, tied, depths = MTP_GPU_LAYOUTS[layout]
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        pytest.skip(f"{layout} needs a world size divisible by {tp * pp}")
+    setup = Setup(tp=tp, pp=pp, dp=world // (tp * pp), sp=sp, tied=tied, mtp_layers=depths, bf16=True)
+    kinds = ("labels", "sft", "grpo")
+    reports = _on_every_rank(layout, mtp_worker, setup, kinds)
+    worst = check_mtp_reports(reports, setup, kinds, loss_rtol=LOSS_RTOL_BF16,
+                              grad_rtol=GRAD_RTOL_BF16, count_rtol=0.02)
+    record_property("max_rel_diff", worst)
+    print(f"{setup}: max relative fused-vs-unfused difference {worst}")
+
+
+def test_nccl_distributed_optimizer_overlap_both_install_orders():
+    """megatron's DistributedOptimizer (fp32, SGD), overlap_param_gather + overlap_grad_reduce,
+    data-parallel over every GPU, MTP: three steps unfused, fused installed before the DDP wrap, and
+    after it. Every fused read of the output weight comes after its all-gather; losses of every
+    step and the parameters after the steps match unfused (fp32: 1e-5)."""
+    from test_megatron_common import Setup
+    from test_megatron_ddp_overlap import check_distributed_optimizer, distributed_optimizer_worker
+
+    setup = Setup(dp=dist.get_world_size(), overlap=True, mtp_layers=1)
+    runs = {order: _on_every_rank(f"distributed optimizer, install {order}",
+                                  distributed_optimizer_worker, setup, order)
+            for order in (None, "before", "after")}
+    for order in ("before", "after"):
+        check_distributed_optimizer(runs[None], runs[order], loss_rtol=1e-5, param_rtol=1e-5)

@@ -15,7 +15,8 @@ last pipeline stage computes log-probs and losses from hidden states, never the 
 
 `compute_logprobs` runs forward-only passes (reference / old policy) and broadcasts the result from
 the last pipeline stage to every stage; `grpo_logprob_passes(config)` says which passes GRPO needs.
-Megatron-LM-style `model(..., labels=labels)` keeps returning the per-token loss with fusion on.
+Megatron-LM-style `model(..., labels=labels)` keeps returning the per-token loss with fusion on,
+and multi-token prediction (`mtp_num_layers`) computes every depth's loss without logits too.
 
 Context parallelism: the post-processor and the loss funcs take the CP group from the model (or
 `parallel_state`) and stay exact (loss_funcs.py says how); `batch_on_this_cp_rank` cuts a batch as
@@ -23,6 +24,8 @@ megatron does (packed THD batches too, without Transformer Engine), `compute_log
 layout="gathered")` returns whole sequences.
 
 Modules: config.py (the switches), output_layer.py (hidden states out of the last stage),
+lazy_logits.py (what the output layer returns instead of logits), mtp.py (multi-token prediction),
+megatron_lm.py (the argparse flags for Megatron-LM scripts),
 postprocess.py (log-probs from hidden states or logits; pipeline broadcast), loss_funcs.py
 (Megatron loss funcs for SFT / DPO / GRPO), context_parallel.py (CP layouts), cp_attention.py (a CP
 attention without Transformer Engine, for CPU runs), cpu.py (megatron-core on CPU/gloo).
@@ -38,7 +41,9 @@ from .context_parallel import (
 )
 from .cp_attention import GatheredKVAttention, with_context_parallel_attention
 from .cpu import enable_cpu_mode
+from .lazy_logits import LazyLogits
 from .loss_funcs import dpo_loss_func, grpo_logprob_passes, grpo_loss_func, sft_loss_func
+from .megatron_lm import add_fused_ce_args
 from .output_layer import (
     FusedOutputLayer,
     install_fused_output_layer,
@@ -67,6 +72,8 @@ __all__ = [
     "install_fused_output_layer",
     "uninstall_fused_output_layer",
     "FusedOutputLayer",
+    "LazyLogits",
+    "add_fused_ce_args",
     "is_fused",
     "output_weight",
     "unwrap_model",

@@ -1,14 +1,21 @@
-"""Make a GPTModel's last stage return its final hidden states instead of the `[b, s, V/TP]` logits.
+"""Make a GPTModel's last stage work without the `[b, s, V/TP]` logits.
 
 GPTModel's post-processing ends with
 
     logits, _ = self.output_layer(hidden, weight=output_weight, runtime_gather_output=...)
-    return logits.transpose(0, 1).contiguous()          # when labels is None
+    if labels is None:
+        return logits.transpose(0, 1).contiguous()
+    return self.compute_language_model_loss(labels, logits)          # per-token loss [b, s]
 
-`install_fused_output_layer` swaps the `output_layer` *attribute* of each last-stage model chunk for
-a `FusedOutputLayer` that returns `hidden` unchanged. Nothing in GPTModel's code changes, so the
-model returns `hidden.transpose(0, 1)`: `[b, s, h]` (`[b, s/TP, h]` under sequence parallelism).
-The vocab projection then happens inside `LogprobsPostProcessor`, chunk by chunk.
+(and, with multi-token prediction, one more output-layer call + `compute_language_model_loss` per
+MTP depth before that: mtp.py). `install_fused_output_layer` swaps the `output_layer` *attribute*
+of each last-stage model chunk for a `FusedOutputLayer`, whose result is `LazyLogits`
+(lazy_logits.py): the logits, never computed. Without labels the model returns
+`logits.transpose(0, 1)`, which for `LazyLogits` is the hidden states `[b, s, h]` (`[b, s/TP, h]`
+under sequence parallelism); `LogprobsPostProcessor` then does the vocab projection chunk by chunk.
+With labels (Megatron-LM's `model(..., labels=labels)`, and every MTP depth), the model's
+`compute_language_model_loss` is pointed, on this model instance only, at the fused cross-entropy
+of `LazyLogits` (and falls back to megatron's own for real logits). No GPTModel code changes.
 
 What stays the same:
 * the state dict: `FusedOutputLayer` holds the very same `weight` Parameter under the same name, so
@@ -16,30 +23,43 @@ What stays the same:
   freely between fused and unfused models; `sharded_state_dict` is the original layer's.
 * gradients: the weight is a leaf of the same autograd graph (or gets its fp32 gradient added to
   `main_grad` under gradient-accumulation fusion), so Megatron's DDP hooks, the tied-embedding
-  all-reduce in `finalize_model_grads` and the optimizer see it as before.
+  all-reduce in `finalize_model_grads` and the optimizer see it as before, once per backward.
 * tied embeddings: GPTModel passes the shared weight in `weight=`; the post-processor reads it back
   from `model.shared_embedding_or_output_weight()`.
-* `model(..., labels=labels)` (Megatron-LM's pretrain_gpt style) still returns the per-token
-  cross-entropy `[b, s]`: two hooks on the model instance (PyTorch's forward pre-/post-hooks, not
-  a patched `forward`) take the labels out of the call and turn the returned hidden states into
-  `-log p(label)` with the fused op, over the model's full (padded) vocab as megatron does.
+* module hooks: GPTModel still calls the output layer in every forward, so its module hooks fire
+  there; the cross-entropy and argmax of `LazyLogits` run inside a call of the output-layer module
+  too (`layer(hidden, weight=..., compute=fn)`). Megatron's DDP with `overlap_param_gather` waits
+  for the weight's all-gather in such a hook, before anything reads the weight (the post-processor
+  reads it later in the same step): its hooks are moved to the new module whether the model was
+  wrapped before or after install. Hooks of any other wrapper (FSDP, user hooks) cannot be moved:
+  install before wrapping, or it raises.
+
+`model(..., labels=labels, loss_mask=loss_mask, return_hidden_states=True)` keeps the labels for
+the MTP losses but returns the main head's hidden states (for this package's loss functions).
 """
 
 from __future__ import annotations
 
+import types
 from typing import Iterable, List, Optional, Union
 
 import torch
 
+from megatron_fused_ce.ops import reductions
+
+from . import mtp
 from .config import FusedCEConfig
+from .lazy_logits import LazyLogits
 
 
 class FusedOutputLayer(torch.nn.Module):
-    """Stand-in for GPTModel's `ColumnParallelLinear` output layer: `forward` returns its input.
+    """Stand-in for GPTModel's `ColumnParallelLinear` output layer: returns `LazyLogits`.
 
     `weight` is the original layer's Parameter (None on a stage whose output weight is the tied
     word-embedding weight, exactly as in the original). The original layer is kept, unregistered,
     for `sharded_state_dict`, attribute look-ups and `uninstall_fused_output_layer`.
+    `layer(hidden, weight=w, compute=fn)` returns `fn(hidden, weight)`, computed inside this
+    module's call (see the module docs).
     """
 
     def __init__(self, output_layer: torch.nn.Module, config: Optional[FusedCEConfig] = None):
@@ -49,17 +69,45 @@ class FusedOutputLayer(torch.nn.Module):
         self.weight = output_layer.weight  # registers the same Parameter (or stays a None attribute)
         self.bias = None
         self.sequence_parallel = getattr(output_layer, "sequence_parallel", False)
+        # LazyLogits stand for the gathered logits: megatron's MTP argmax reads this flag.
+        self.gather_output = True
         # Plain attributes: not submodules, no state-dict keys.
         self.__dict__["unfused"] = output_layer
         self.__dict__["fused_config"] = config or FusedCEConfig(enabled=True)
-        self.__dict__["hook_handles"] = []
+        self.__dict__["labels_for_hidden"] = None  # see _before_forward
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
+    def forward(self, input_, weight=None, runtime_gather_output=None, compute=None):
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise RuntimeError("FusedOutputLayer: no weight (tied embeddings pass it in weight=)")
+        if compute is not None:
+            return compute(input_, weight)
         if runtime_gather_output:
             raise RuntimeError(
-                "the fused output layer returns hidden states, not logits; gathered logits were "
-                "requested (inference/generation): call uninstall_fused_output_layer(model) first")
-        return input_, None
+                "the fused output layer does not compute logits; gathered logits were requested "
+                "(inference/generation): call uninstall_fused_output_layer(model) first")
+        return LazyLogits(input_, weight, self), None
+
+    @property
+    def tp_group(self):
+        """The original layer's tensor-parallel group (None: no tensor parallelism)."""
+        if hasattr(self.unfused, "tp_group"):
+            return self.unfused.tp_group
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group()
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Sequence parallelism with TP > 1: the input is this rank's `[s/TP, b, h]` slice."""
+        return bool(self.sequence_parallel) and reductions.group_size(self.tp_group) > 1
+
+    def fused_op_kwargs(self) -> dict:
+        """Keyword arguments of the fused ops for this layer's inputs (Megatron's `[s, b, h]`)."""
+        return dict(
+            tp_group=self.tp_group, chunk_size=self.fused_config.chunk_size,
+            sequence_parallel=self.splits_sequence,
+            accumulate_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False)))
 
     # ColumnParallelLinear has an (empty) extra state: keep the `output_layer._extra_state` key.
     def get_extra_state(self):
@@ -75,14 +123,14 @@ class FusedOutputLayer(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            # Anything else callers read from the output layer (tp_group, sizes, ...).
+            # Anything else callers read from the output layer (config, sizes, ...).
             unfused = self.__dict__.get("unfused")
             if unfused is None:
                 raise
             return getattr(unfused, name)
 
     def extra_repr(self):
-        return f"returns hidden states; replaces {self.unfused!r}"
+        return f"returns LazyLogits (no logits); replaces {self.unfused!r}"
 
 
 ModelOrChunks = Union[torch.nn.Module, List[torch.nn.Module]]
@@ -106,8 +154,6 @@ def _chunks(model: ModelOrChunks) -> Iterable[torch.nn.Module]:
 def _check_supported(gpt: torch.nn.Module) -> None:
     config = gpt.config
     problems = []
-    if getattr(config, "mtp_num_layers", None):
-        problems.append("multi-token prediction (mtp_num_layers) computes its own loss from logits")
     if getattr(config, "defer_embedding_wgrad_compute", False):
         problems.append("defer_embedding_wgrad_compute defers the output-layer GEMM")
     if getattr(config, "use_mup", False):
@@ -117,68 +163,147 @@ def _check_supported(gpt: torch.nn.Module) -> None:
     if problems:
         raise ValueError("install_fused_output_layer: unsupported model configuration: "
                          + "; ".join(problems))
+    mtp.check_mtp_model(gpt)
 
 
 # ------------------------------------------------------------------------------------------------
-# `model(..., labels=labels)`: per-token loss, as GPTModel returns it without fusion.
+# Per model instance: a forward pre-/post-hook pair, and `compute_language_model_loss`.
 # ------------------------------------------------------------------------------------------------
 _LABELS_ARG = 4  # GPTModel.forward(input_ids, position_ids, attention_mask, decoder_input, labels, ...)
+_RETURN_HIDDEN = "return_hidden_states"
+_HOOKS = "_fused_ce_hooks"  # gpt.__dict__ key of the hook handles (installed marker)
 
 
-def _take_labels(gpt, args, kwargs):
-    """Forward pre-hook: remove the labels from the call (GPTModel would compute a cross-entropy
-    of the hidden states) and keep them for the post-hook."""
-    labels = kwargs.pop("labels", None)
-    if labels is None and len(args) > _LABELS_ARG:
-        labels = args[_LABELS_ARG]
-        args = args[:_LABELS_ARG] + (None,) + args[_LABELS_ARG + 1:]
-    gpt.output_layer.__dict__["pending_labels"] = labels
+def _before_forward(gpt, args, kwargs):
+    """Take `return_hidden_states` out of the call (GPTModel does not know it) and remember which
+    labels tensor is the main head's: its cross-entropy then returns the hidden states instead."""
+    return_hidden = bool(kwargs.pop(_RETURN_HIDDEN, False))
+    labels = kwargs.get("labels", args[_LABELS_ARG] if len(args) > _LABELS_ARG else None)
+    mtp.check_mtp_call(gpt, labels)  # on every stage: all ranks raise alike
+    layer = getattr(gpt, "output_layer", None)
+    if getattr(gpt, "post_process", False) and isinstance(layer, FusedOutputLayer):
+        layer.__dict__["labels_for_hidden"] = labels if return_hidden else None
     return args, kwargs
 
 
-def _labels_to_loss(gpt, args, kwargs, output):
-    """Forward post-hook: with labels, hidden states -> per-token cross-entropy `[b, s]`."""
-    layer = gpt.output_layer
-    labels = layer.__dict__.pop("pending_labels", None)
-    if labels is None:
-        return output
-    from .postprocess import LogprobsPostProcessor  # postprocess imports this module
+def _after_forward(gpt, args, kwargs, output):
+    layer = getattr(gpt, "output_layer", None)
+    if isinstance(layer, FusedOutputLayer):
+        layer.__dict__["labels_for_hidden"] = None
+    return output
 
-    return -LogprobsPostProcessor(layer.fused_config)(output, gpt, labels).logprobs
+
+def _language_model_loss(gpt, labels, logits):
+    """`compute_language_model_loss` of a fused model: `[b, s]` cross-entropy of LazyLogits from
+    the hidden states (megatron's own method for real logits)."""
+    if not isinstance(logits, LazyLogits):
+        return type(gpt).compute_language_model_loss(gpt, labels, logits)
+    if labels is logits.layer.labels_for_hidden:  # the main head, return_hidden_states=True
+        return logits.hidden_states()
+    return logits.cross_entropy(labels)
+
+
+# ------------------------------------------------------------------------------------------------
+# Swapping the output layer under Megatron's DDP.
+# ------------------------------------------------------------------------------------------------
+def _param_gather_wrappers(chunk: torch.nn.Module) -> list:
+    """Megatron DDP wrappers around `chunk` whose forward pre-hooks wait for parameter all-gathers
+    (distributed optimizer with overlap_param_gather) and are currently registered."""
+    wrappers, module = [], chunk
+    while module is not None and not hasattr(module, "post_process"):
+        if getattr(module, "use_forward_hook", False) and getattr(
+                module, "remove_forward_pre_hook_handles", None):
+            wrappers.append(module)
+        module = getattr(module, "module", None)
+    return wrappers
+
+
+def _foreign_hooks(layer: torch.nn.Module, wrappers: list) -> List[str]:
+    """Hooks on `layer` that a swap would drop: all but those of `wrappers`."""
+    known = {w.remove_forward_pre_hook_handles[layer].id for w in wrappers
+             if layer in w.remove_forward_pre_hook_handles}
+    found = []
+    for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+        found += [f"{kind}[{key}]" for key in getattr(layer, kind, {}) if key not in known]
+    return found
+
+
+def _check_swappable(chunk, gpt) -> None:
+    foreign = _foreign_hooks(gpt.output_layer, _param_gather_wrappers(chunk))
+    if foreign:
+        raise ValueError(
+            f"install_fused_output_layer: the output layer ({type(gpt.output_layer).__name__}) has "
+            f"module hooks that are not megatron DDP's ({', '.join(foreign)}), e.g. from FSDP or "
+            f"another wrapper; swapping the layer would drop them. Call install_fused_output_layer "
+            f"(and uninstall_fused_output_layer) before wrapping the model.")
+
+
+def _swap_output_layer(chunk, gpt, new_layer) -> None:
+    """`gpt.output_layer = new_layer`, with megatron DDP's param-gather pre-hooks moved along
+    (its public disable/enable pair re-registers them on the current modules)."""
+    wrappers = _param_gather_wrappers(chunk)
+    for wrapper in wrappers:
+        wrapper.disable_forward_pre_hook(param_sync=False)
+    gpt.output_layer = new_layer
+    for wrapper in wrappers:
+        wrapper.enable_forward_pre_hook()
 
 
 def install_fused_output_layer(model: ModelOrChunks, config: FusedCEConfig) -> ModelOrChunks:
-    """In place: on every last-stage chunk, the output layer returns hidden states. Returns `model`.
+    """In place: on every last-stage chunk, the output layer returns `LazyLogits`. Returns `model`.
 
     `model` is a GPTModel (possibly wrapped in DDP / Float16Module) or the list of virtual-pipeline
-    chunks. With `config.enabled=False`, or on chunks without `post_process`, nothing changes.
-    Installing twice is harmless.
+    chunks. With `config.enabled=False` nothing changes. Installing twice is harmless. Call it
+    before or after wrapping in megatron's DDP; other wrappers' module hooks on the output layer
+    make it raise (install first). Bad configurations raise before anything changes.
     """
     if not config.enabled:
         return model
+    todo = []
     for chunk in _chunks(model):
         gpt = unwrap_model(chunk)
-        if not getattr(gpt, "post_process", False) or isinstance(gpt.output_layer, FusedOutputLayer):
+        if _HOOKS in gpt.__dict__:
             continue
-        _check_supported(gpt)
-        layer = FusedOutputLayer(gpt.output_layer, config)
-        gpt.output_layer = layer
-        layer.hook_handles.extend([
-            gpt.register_forward_pre_hook(_take_labels, with_kwargs=True),
-            gpt.register_forward_hook(_labels_to_loss, with_kwargs=True),
-        ])
+        last = bool(getattr(gpt, "post_process", False))
+        if last:
+            _check_supported(gpt)
+            _check_swappable(chunk, gpt)
+        todo.append((chunk, gpt, last))
+    for chunk, gpt, last in todo:
+        gpt.__dict__[_HOOKS] = [
+            gpt.register_forward_pre_hook(_before_forward, with_kwargs=True),
+            gpt.register_forward_hook(_after_forward, with_kwargs=True),
+        ]
+        if last:
+            _swap_output_layer(chunk, gpt, FusedOutputLayer(gpt.output_layer, config))
+            # On this instance only; the class keeps megatron's method (used for real logits).
+            gpt.compute_language_model_loss = types.MethodType(_language_model_loss, gpt)
     return model
 
 
 def uninstall_fused_output_layer(model: ModelOrChunks) -> ModelOrChunks:
-    """Put the original output layers back (e.g. before generation). Returns `model`."""
+    """Put the original output layers back (e.g. before generation). Returns `model`.
+
+    Parameters, gradients and optimizer state are untouched; `install_fused_output_layer` again
+    resumes fused training."""
+    todo = []
     for chunk in _chunks(model):
         gpt = unwrap_model(chunk)
+        if _HOOKS not in gpt.__dict__:
+            continue
+        if isinstance(getattr(gpt, "output_layer", None), FusedOutputLayer):
+            foreign = _foreign_hooks(gpt.output_layer, _param_gather_wrappers(chunk))
+            if foreign:
+                raise ValueError(f"uninstall_fused_output_layer: the fused output layer has module "
+                                 f"hooks that are not megatron DDP's ({', '.join(foreign)})")
+        todo.append((chunk, gpt))
+    for chunk, gpt in todo:
+        for handle in gpt.__dict__.pop(_HOOKS):
+            handle.remove()
         layer = getattr(gpt, "output_layer", None)
         if isinstance(layer, FusedOutputLayer):
-            for handle in layer.hook_handles:
-                handle.remove()
-            gpt.output_layer = layer.unfused
+            _swap_output_layer(chunk, gpt, layer.unfused)
+            gpt.__dict__.pop("compute_language_model_loss", None)
     return model
 
 

@@ -101,6 +101,18 @@ def max_over_ranks(values: Tensor, group) -> Tensor:
     return values
 
 
+def argmax_over_ranks(values: Tensor, indices: Tensor, group) -> Tensor:
+    """Per row, the index (int64) of the largest of the shards' best values; among equal values the
+    smallest index, as `argmax` over the gathered row would give."""
+    if group_size(group) == 1:
+        return indices
+    best = values.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+    candidate = torch.where(values == best, indices, torch.iinfo(torch.int64).max)
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
+    return candidate
+
+
 # ------------------------------------------------------------------------------------------------
 # Context parallelism: the collectives of the losses (megatron_fused_ce.losses).
 #
