@@ -465,3 +465,187 @@ def test_bad_input_under_context_parallelism_raises_on_every_rank():
         messages = [r[name] for r in results]
         assert all(m is not None for m in messages), (name, messages)
         assert any(expected in m for m in messages), (name, messages)
+
+
+# ------------------------------------------------------------------------------------------------
+# The loss funcs' float64 contract under CP: what Megatron makes of (loss_sum, count) over the CP
+# ranks equals the float64 dense reference (full logits, log_softmax) in value, dX and dW.
+# ------------------------------------------------------------------------------------------------
+B, H, V_LOCAL = 4, 16, 23
+F64 = torch.float64
+CONTRACT_TOL = 2e-5  # fp32, relative norm
+
+
+class FakeLastStage(torch.nn.Module):
+    """The last pipeline stage as the post-processor and loss funcs see it (no transformer): its
+    config, groups and output weight shard; fused or returning logits."""
+
+    post_process = True
+    share_embeddings_and_output_weights = False
+
+    def __init__(self, weight, tp_group, cp_group, fused: bool):
+        from types import SimpleNamespace
+
+        from megatron_fused_ce.megatron import FusedOutputLayer
+
+        super().__init__()
+        layer = torch.nn.Module()
+        layer.weight, layer.bias = torch.nn.Parameter(weight), None
+        self.output_layer = FusedOutputLayer(layer, FusedCEConfig(enabled=True, chunk_size=5)) if fused else layer
+        self.config = SimpleNamespace(sequence_parallel=False, gradient_accumulation_fusion=False,
+                                      calculate_per_token_loss=True)
+        self.tp_group = tp_group
+        self.pg_collection = SimpleNamespace(tp=tp_group, cp=cp_group)
+
+
+def contract_inputs(tp):
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(B, SEQ, H, generator=g)
+    weight = torch.randn(V_LOCAL * tp, H, generator=g) / H**0.5 * 3
+    labels = torch.randint(0, V_LOCAL * tp - 3, (B, SEQ), generator=g)
+    labels[0, 5] = labels[3, 12] = -100
+    mask = (torch.rand(B, SEQ, generator=g) > 0.3).float()
+    mask[:, :2] = 0.0
+    mask[1] = 0.0  # an empty sequence (a rejected response without loss tokens)
+    weighted = mask * (0.5 + torch.rand(B, SEQ, generator=g))
+    base = -4.0 + torch.randn(B, SEQ, generator=g)
+    return dict(hidden=hidden, weight=weight, labels=labels, mask=mask, weighted=weighted,
+                adv=torch.randn(B, generator=g), old=base, ref=base + 0.3 * torch.randn(B, SEQ, generator=g),
+                sampling=base + 0.2 * torch.randn(B, SEQ, generator=g))
+
+
+CONTRACT_CASES = {
+    "sft": ("sft", "mask", None),
+    "sft_weighted": ("sft", "weighted", None),
+    "dpo": ("dpo", "mask", dict(beta=0.5, sft_weight=0.3, average_log_probs=True)),
+    "dpo_ipo": ("dpo", "weighted", dict(beta=0.2, loss_type="ipo")),
+    "grpo_dapo": ("grpo", "mask", GRPOConfig(beta=0.05, is_correction="token_truncate", is_clip_max=1.1)),
+    "gspo": ("grpo", "mask", GRPOConfig(loss_type="grpo", importance_sampling_level="sequence",
+                                        is_correction="sequence_truncate", is_clip_max=1.5)),
+    "grpo_nonempty": ("grpo", "mask", GRPOConfig(loss_type="grpo", count_empty_sequences=False, beta=0.1)),
+    "dr_grpo": ("grpo", "weighted", GRPOConfig(loss_type="dr_grpo", max_completion_length=20)),
+}
+VOCAB_SHIFT, TEMPERATURE = 3, 0.8
+
+
+def _call(name, post, model, d, output):
+    kind, mask_key, options = CONTRACT_CASES[name]
+    if kind == "sft":
+        return sft_loss_func(post, model, d["labels"], d[mask_key])(output)
+    if kind == "dpo":
+        return dpo_loss_func(post, model, d["labels"], d[mask_key], d["ref"], **options)(output)
+    return grpo_loss_func(post, model, d["labels"], d[mask_key], d["adv"], options, old_logprobs=d["old"],
+                          reference_logprobs=d["ref"] if options.beta > 0 else None,
+                          sampling_logprobs=d["sampling"])(output)
+
+
+def contract_worker(rank, world, tp):
+    cp = world // tp
+    tp_rank, cp_rank = rank % tp, rank // tp
+    groups = {}
+    for c in range(cp):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(c * tp, (c + 1) * tp)))
+        groups["tp"] = group if c == cp_rank else groups.get("tp")
+    for t in range(tp):
+        group = dist.new_group(list(range(t, world, tp)))
+        groups["cp"] = group if t == tp_rank else groups.get("cp")
+    d = contract_inputs(tp)
+    index = positions_on_cp_rank(SEQ, cp, cp_rank)
+    d = {k: (v[:, index] if v.dim() >= 2 and k != "weight" else v) for k, v in d.items()}
+    shard = d["weight"][tp_rank * V_LOCAL:(tp_rank + 1) * V_LOCAL]
+    post = LogprobsPostProcessor(FusedCEConfig(enabled=True, chunk_size=5),
+                                 vocab_size=V_LOCAL * tp - VOCAB_SHIFT, temperature=TEMPERATURE)
+    results = {}
+    for fused in (False, True):
+        for name in CONTRACT_CASES:
+            model = FakeLastStage(shard.clone(), groups["tp"], groups["cp"], fused)
+            hidden = d["hidden"].clone().requires_grad_()
+            output = hidden
+            if not fused:  # ColumnParallelLinear: dX all-reduced over TP in the backward
+                from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+                output = copy_to_tensor_model_parallel_region(hidden, group=groups["tp"]) \
+                    @ model.output_layer.weight.t()
+            loss_sum, count, metrics = _call(name, post, model, d, output)
+            loss_sum.backward()
+            results[(name, fused)] = (loss_sum.detach(), count, metrics, hidden.grad,
+                                      model.output_layer.weight.grad)
+    return {"tp_rank": tp_rank, "cp_rank": cp_rank, "index": index, "results": results}
+
+
+def contract_reference(name, tp):
+    """float64: dense log-probs, the loss func's documented (loss_sum, count)."""
+    from megatron_fused_ce.losses import dpo_loss, grpo_loss, nll_loss
+
+    d = contract_inputs(tp)
+    kind, mask_key, options = CONTRACT_CASES[name]
+    h = d["hidden"].double().requires_grad_()
+    w = d["weight"].double().requires_grad_()
+    vocab = V_LOCAL * tp - VOCAB_SHIFT
+    logp = torch.log_softmax((h @ w.t())[..., :vocab] / TEMPERATURE, dim=-1)
+    labels = d["labels"]
+    scored = labels != -100
+    lp = torch.where(scored, logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    mask = d[mask_key].double() * scored
+    if kind == "sft":
+        loss, _ = nll_loss(lp, mask, normalizer=1)
+        count = int((mask != 0).sum())
+    elif kind == "dpo":
+        pairs = B // 2
+        loss, _ = dpo_loss(lp, d["ref"].double(), mask, normalizer=1,
+                           sft_normalizer=float(mask[0::2].sum()) / pairs, **options)
+        count = pairs
+    else:
+        loss, _ = grpo_loss(lp, d["adv"].double(), mask, options, normalizer=1, old_logprobs=d["old"].double(),
+                            reference_logprobs=d["ref"].double() if options.beta > 0 else None,
+                            sampling_logprobs=d["sampling"].double())
+        if options.normalizer_unit == "tokens":
+            count = int((mask != 0).sum())
+        elif options.count_empty_sequences or not options.per_sequence_mean:
+            count = B
+        else:
+            count = int((mask != 0).any(-1).sum())
+    loss.backward()
+    return loss.detach(), count, h.grad, w.grad
+
+
+def _megatron_view(reports, key, tp):
+    """What Megatron makes of the CP ranks' outputs: sums over CP of loss_sum, count and metric
+    pairs (TP rank 0), dX in sequence order, dW summed over CP per vocab shard."""
+    first = [r for r in reports if r["tp_rank"] == 0]
+    loss = sum(float(r["results"][key][0]) for r in first)
+    count = sum(int(r["results"][key][1]) for r in first)
+    names = first[0]["results"][key][2]
+    metrics = {}
+    for n in names:
+        total = sum(r["results"][key][2][n] for r in first)
+        metrics[n] = float(total[0] / total[1]) if total[1] != 0 else 0.0
+    dx = torch.zeros(B, SEQ, H)
+    for r in first:
+        dx[:, r["index"]] = r["results"][key][3]
+    dw = torch.cat([sum(r["results"][key][4] for r in reports if r["tp_rank"] == t) for t in range(tp)])
+    return loss, count, metrics, dx, dw
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (1, 4), (2, 2)], ids=["cp2", "cp4", "tp2-cp2"])
+def test_loss_funcs_float64_contract_under_context_parallelism(tp, cp):
+    import reference
+
+    reports = run_workers(contract_worker, tp * cp, tp)
+    cp1 = run_workers(contract_worker, tp, tp)
+    for name in CONTRACT_CASES:
+        want_loss, want_count, want_dx, want_dw = contract_reference(name, tp)
+        assert want_dx.abs().max() > 0 and want_dw.abs().max() > 0, name
+        for fused in (False, True):
+            loss, count, metrics, dx, dw = _megatron_view(reports, (name, fused), tp)
+            _, _, cp1_metrics, _, _ = _megatron_view(cp1, (name, fused), tp)
+            label = f"loss func {'fused' if fused else 'unfused'} CP={cp}"
+            errors = {"value": abs(loss - float(want_loss)) / abs(float(want_loss)),
+                      "dX": reference.rel_err(dx, want_dx), "dW": reference.rel_err(dw, want_dw)}
+            for what, err in errors.items():
+                reference.record(f"{label} {what}", tp, torch.float32, err)
+                assert err < CONTRACT_TOL, (name, fused, what, err)
+            assert count == want_count, (name, fused, count, want_count)
+            assert metrics.keys() == cp1_metrics.keys()
+            for n, value in cp1_metrics.items():
+                assert abs(metrics[n] - value) <= 1e-5 * max(abs(value), 1.0), (name, fused, n, metrics[n], value)
