@@ -90,7 +90,12 @@ def reduce_metrics(metrics):
     return out
 
 
-def parity_worker(rank, world, setup: Setup, kinds):
+def parity_worker(rank, world, setup: Setup, kinds, data_replicas=None):
+    """One training step per loss kind, unfused then fused, on this rank's CP slices.
+
+    DP rank d trains on the micro-batches of seed 100 + d (100 + d % data_replicas: a CP=1
+    reference on more DP ranks then repeats the CP run's data, which leaves every gradient and
+    logged mean unchanged)."""
     from megatron.core import parallel_state as ps
 
     chunks = common.build(setup)
@@ -102,8 +107,9 @@ def parity_worker(rank, world, setup: Setup, kinds):
     cp_group = context_parallel_group()
     for kind in kinds:
         post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+        dp_rank = ps.get_data_parallel_rank()
         whole = common.make_batches("sft" if kind == "sft" else "grpo", NUM_MICROBATCHES,
-                                    seed=100 + ps.get_data_parallel_rank())
+                                    seed=100 + (dp_rank % data_replicas if data_replicas else dp_rank))
         batches = common.cp_batches(whole)
         report[kind] = {}
         for mode in ("unfused", "fused"):
@@ -128,12 +134,12 @@ def parity_worker(rank, world, setup: Setup, kinds):
     return report
 
 
-def _check_parity(setup: Setup, kinds=KINDS):
-    reference_setup = Setup(tp=setup.tp, pp=setup.pp, dp=setup.dp, tied=setup.tied, sp=setup.sp,
-                            per_token_loss=setup.per_token_loss, gathered_attention=True)
-    reference = {r["coords"]: r for r in run_workers(parity_worker, reference_setup.world,
-                                                      reference_setup, kinds, timeout=240)}
-    results = run_workers(parity_worker, setup.world, setup, kinds, timeout=240)
+def check_cp_reports(results, reference_results, kinds=KINDS, *, rtol=RTOL, grad_rtol=GRAD_RTOL):
+    """Every CP rank's metrics, gradients and forward-only log-probs against the CP=1 reference
+    rank at the same (pipeline, tensor, data-parallel) coordinates (data-parallel rank modulo the
+    CP run's DP size). Returns the worst difference per kind."""
+    replicas = 1 + max(r["coords"][2] for r in results)
+    reference = {r["coords"]: r for r in reference_results if r["coords"][2] < replicas}
     worst = {}
     for result in results:
         ref = reference[result["coords"]]
@@ -144,7 +150,7 @@ def _check_parity(setup: Setup, kinds=KINDS):
                 assert got["grads"].keys() == want["grads"].keys()
                 grad_diff = {name: common.max_rel_diff(got["grads"][name], g)
                              for name, g in want["grads"].items()}
-                bad = {n: d for n, d in grad_diff.items() if d > GRAD_RTOL}
+                bad = {n: d for n, d in grad_diff.items() if d > grad_rtol}
                 assert not bad, (kind, mode, result["cp_rank"], bad)
                 errors = [max(grad_diff.values())]
                 if result["last"]:
@@ -152,14 +158,23 @@ def _check_parity(setup: Setup, kinds=KINDS):
                     for name, value in want["metrics"].items():
                         # (absolute below 1: reward_margin is a small difference of large sums)
                         err = abs(got["metrics"][name] - value) / max(abs(value), 1.0)
-                        assert err <= RTOL, (kind, mode, name, got["metrics"][name], value)
+                        assert err <= rtol, (kind, mode, name, got["metrics"][name], value)
                         errors.append(err)
                 if want["gathered"] is not None:
                     for a, b in zip(got["gathered"], want["gathered"]):
                         errors.append(common.max_rel_diff(a, b))
-                        assert errors[-1] <= RTOL, (kind, mode, "gathered log-probs", errors[-1])
+                        assert errors[-1] <= rtol, (kind, mode, "gathered log-probs", errors[-1])
                     assert got["sharded_vs_gathered"] == 0.0
                 worst[kind] = max(worst.get(kind, 0.0), *errors)
+    return worst
+
+
+def _check_parity(setup: Setup, kinds=KINDS):
+    reference_setup = Setup(tp=setup.tp, pp=setup.pp, dp=setup.dp, tied=setup.tied, sp=setup.sp,
+                            per_token_loss=setup.per_token_loss, gathered_attention=True)
+    reference = run_workers(parity_worker, reference_setup.world, reference_setup, kinds, timeout=240)
+    results = run_workers(parity_worker, setup.world, setup, kinds, timeout=240)
+    worst = check_cp_reports(results, reference, kinds)
     print(f"{setup}: max relative difference to CP=1 {worst}")
     return worst
 

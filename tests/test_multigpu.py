@@ -16,10 +16,12 @@ of the world, and a layout that does not divide the world is skipped (TP=2 x PP=
 
     torchrun --nproc_per_node 4 -m pytest tests/test_multigpu.py -m multigpu -q
 
-And multi-token prediction (tests/test_megatron_mtp.py's worker, bf16, with the Triton backend), and
-megatron's DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer
-installed before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the optimizer
-needs CUDA, so this is its only run).
+And context parallelism (tests/test_megatron_cp.py's worker, fp32: CP=2 on 2 GPUs, TP=2 x CP=2 + SP
+and CP=2 x DP=2 on 4, each against CP=1 on the same world), multi-token prediction
+(tests/test_megatron_mtp.py's worker, bf16, with the Triton backend), and megatron's
+DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer installed
+before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the optimizer needs
+CUDA, so this is its only run).
 """
 
 import datetime
@@ -332,3 +334,36 @@ def test_nccl_distributed_optimizer_overlap_both_install_orders():
             for order in (None, "before", "after")}
     for order in ("before", "after"):
         check_distributed_optimizer(runs[None], runs[order], loss_rtol=1e-5, param_rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Context parallelism over NCCL: CP=N equals CP=1 (bf16 GPTModel with GatheredKVAttention)
+# ------------------------------------------------------------------------------------------------
+CP_GPU_LAYOUTS = {  # name: (tp, cp, sequence_parallel); dp = world // (tp * cp)
+    "cp2": (1, 2, False),
+    "tp2-cp2": (2, 2, True),
+}
+
+
+@pytest.mark.parametrize("layout", list(CP_GPU_LAYOUTS))
+def test_nccl_context_parallel_equals_cp1(layout, record_property):
+    """tests/test_megatron_cp.py's fp32 GPTModel step on the GPUs (fused path: Triton backend): SFT,
+    DPO, GRPO and GSPO loss funcs, fused and unfused, at CP=2 (2 GPUs; CP=2 x DP=2 on 4) and
+    TP=2 x CP=2 + SP (4 GPUs), against the same model at CP=1 unfused on the same world (its extra
+    data-parallel ranks repeat the CP run's data): logged metrics, every parameter's gradient,
+    gathered and sharded forward-only log-probs; the CPU test's tolerances (1e-5 on metrics and
+    log-probs, 1e-4 of each gradient's largest entry)."""
+    from test_megatron_common import Setup
+    from test_megatron_cp import KINDS, check_cp_reports, parity_worker
+
+    tp, cp, sp = CP_GPU_LAYOUTS[layout]
+    world = dist.get_world_size()
+    if world % (tp * cp):
+        pytest.skip(f"{layout} needs a world size divisible by {tp * cp}")
+    setup = Setup(tp=tp, cp=cp, dp=world // (tp * cp), sp=sp)
+    reference_setup = Setup(tp=tp, dp=world // tp, sp=sp, gathered_attention=True)
+    reference = _on_every_rank(f"{layout} CP=1 reference", parity_worker, reference_setup, KINDS, setup.dp)
+    results = _on_every_rank(layout, parity_worker, setup, KINDS, setup.dp)
+    worst = check_cp_reports(results, reference, KINDS)
+    record_property("max_rel_diff", worst)
+    print(f"{setup}: max relative difference to CP=1 {worst}")
