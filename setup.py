@@ -9,7 +9,9 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here on purpose: install the wheel you want first (see README), so that a
     # loose requirement never pulls a multi-GB CUDA build on a CPU machine.
-    install_requires=["torch>=2.4"],
+    # numpy: the CPU torch wheel does not require it, yet warns "Failed to initialize NumPy" on
+    # every import without it.
+    install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "megatron": ["megatron-core>=0.16.1", "pyyaml", "tqdm"],
         "triton": ["triton>=3.0"],

@@ -1,6 +1,6 @@
 """DPO with a frozen reference model, both running fused log-probs.
 
-    torchrun --nproc_per_node 4 examples/dpo.py --tp 2 --pp 2 --compare-unfused
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/dpo.py --tp 2 --pp 2 --compare-unfused
 
 Per step: a forward-only pass of the reference model gives the reference log-probs of every
 micro-batch (computed on the last pipeline stage, broadcast to all stages), then the policy trains
@@ -59,10 +59,8 @@ def global_counts(batches, parallel_state):
 
 
 def main():
-    args = parse_args("dpo.yaml", __doc__)
+    args = parse_args("dpo", __doc__)
     cfg, train = args.cfg, args.cfg["train"]
-    if train["micro_batch_size"] % 2:
-        raise SystemExit("micro_batch_size must be even (chosen/rejected rows)")
     parallel_state = init_distributed(cfg, train["seed"])
     model, _, fused = build_model(cfg, parallel_state)
     reference = build_frozen_copy(model, cfg, parallel_state)
@@ -72,7 +70,7 @@ def main():
     mbs = train["micro_batch_size"]
 
     progress = Progress(train["steps"], "dpo")
-    progress.write(describe(cfg, fused, parallel_state))
+    progress.write(describe("dpo", cfg, fused, parallel_state))
     for step in range(train["steps"]):
         batches = make_batches(cfg, parallel_state, step)
         ref = compute_logprobs(reference, batches, forward_fn, post, seq_length=seq,
@@ -90,7 +88,8 @@ def main():
             progress.write(compare_unfused(model, fused, batches, make_loss_func, seq,
                                            parallel_state, "loss"))
         optimizer.zero_grad()
-        metrics = run_batches(model, batches, make_loss_func, seq)
+        with progress.measure_memory(model):
+            metrics = run_batches(model, batches, make_loss_func, seq)
         optimizer.step()
         shown = reduce_metrics(metrics, parallel_state)
         shown = {k: shown[k] for k in ("loss", "reward_margin", "accuracy")} if shown else {}

@@ -1,4 +1,4 @@
-"""What the four examples share: config + command line, torchrun/parallel setup, a tiny GPT,
+"""What the four examples share: command line and config, torchrun/parallel setup, a tiny GPT,
 the optimizer step, progress bar, and the fused-vs-unfused check on the first batch.
 
 Launch with torchrun. Without CUDA the processes talk over gloo and megatron-core runs in CPU mode
@@ -8,20 +8,50 @@ Launch with torchrun. Without CUDA the processes talk over gloo and megatron-cor
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import resource
 import sys
+import textwrap
 import time
+import warnings
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NoReturn, Optional
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's SP advice on GPUs
 
-import torch
-import torch.distributed as dist
-import yaml
+# megatron-core warns on import that Apex / Transformer Engine (and, from 0.19, absl) are missing
+# (optional here, and absent on a CPU machine), that a TransformerConfig default is deprecated, and
+# (0.19) that GPTModel is deprecated; it also calls deprecated torch.jit APIs, and a CUDA build of
+# torch on a machine without CUDA logs where it looked for CUDA. Nothing a user of these examples
+# can act on: filtered here, in the examples only (the library installs no filter), before
+# megatron-core is imported.
+for _message in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
+                 r"full scope is deprecated", r"absl\.logging is not installed"):
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.")
+# (hidden by Python's defaults, shown with -W default: deprecations inside megatron-core)
+warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.")
+warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                        category=DeprecationWarning)
+
+
+class _DropLogRecords(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropLogRecords("GPTModel IS DEPRECATED"))
+logging.getLogger("torch.utils.cpp_extension").addFilter(_DropLogRecords("No CUDA runtime is found"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from example_config import load_config, schema_for  # noqa: E402
 
 from megatron_fused_ce.megatron import (  # noqa: E402
     FusedCEConfig,
@@ -31,46 +61,94 @@ from megatron_fused_ce.megatron import (  # noqa: E402
     is_fused,
     uninstall_fused_output_layer,
 )
+from megatron_fused_ce.memory import PeakTensorMemory  # noqa: E402
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+INSTALL_HINT = 'pip install -e ".[megatron]"'
 
 
 # ------------------------------------------------------------------------------------------------
-# Config: YAML file, then --tp/--pp/--seq-length/--steps, then `a.b.c=value` overrides.
+# Command line: YAML file, then --tp/--pp/--seq-length/--steps, then `section.key=value` overrides.
+# Any mistake ends here, before torchrun's processes connect: one line, exit status 2.
 # ------------------------------------------------------------------------------------------------
-def parse_args(default_config: str, description: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", default=os.path.join(CONFIG_DIR, default_config))
-    parser.add_argument("--tp", type=int, help="tensor-parallel size (megatron_cfg)")
-    parser.add_argument("--pp", type=int, help="pipeline-parallel size (megatron_cfg)")
-    parser.add_argument("--seq-length", type=int, help="sequence length (data.seq_length)")
-    parser.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+def build_parser(example: str, description: str) -> argparse.ArgumentParser:
+    default_config = os.path.join(CONFIG_DIR, f"{example}.yaml")
+    schema = schema_for(example)
+    keys = "\n".join(textwrap.fill(f"{section}: {', '.join(section_keys)}", width=96,
+                                    initial_indent="  ", subsequent_indent="    ",
+                                    break_on_hyphens=False)
+                     for section, section_keys in schema.items())
+    parser = argparse.ArgumentParser(
+        prog=f"examples/{example}.py", description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"config keys (any of them can be overridden with section.key=VALUE):\n{keys}")
+    parser.add_argument("--config", default=default_config, metavar="YAML",
+                        help=f"config file (default: examples/configs/{example}.yaml)")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="tensor-parallel size (sets megatron_cfg.tensor_model_parallel_size)")
+    parser.add_argument("--pp", type=int, metavar="N",
+                        help="pipeline-parallel size (sets megatron_cfg.pipeline_model_parallel_size)")
+    parser.add_argument("--seq-length", type=int, metavar="S", help="sequence length (sets data.seq_length)")
+    parser.add_argument("--steps", type=int, metavar="N", help="optimizer steps (sets train.steps)")
     parser.add_argument("--compare-unfused", action="store_true",
-                        help="report the fused-vs-unfused loss difference on the first batch")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="e.g. megatron_cfg.use_linear_ce_fusion_loss=false train.lr=1e-3")
+                        help="on the first batch, run forward+backward with and without fusion and "
+                             "print the loss difference and the peak tensor memory of each")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=VALUE",
+                        help="config overrides, read as YAML values, e.g. train.lr=1e-3 "
+                             "megatron_cfg.use_linear_ce_fusion_loss=false")
+    return parser
+
+
+def parse_args(example: str, description: str) -> argparse.Namespace:
+    """Flags and config of `examples/<example>.py`; `args.cfg` is the checked config (defaults
+    filled). Exits with a one-line message (status 2) on a bad flag, config key or value, a
+    missing package, or a launch without torchrun."""
+    parser = build_parser(example, description)
     args = parser.parse_intermixed_args()
-    with open(args.config) as f:
-        cfg = yaml.safe_load(f)
-    for key, value in (("megatron_cfg.tensor_model_parallel_size", args.tp),
-                       ("megatron_cfg.pipeline_model_parallel_size", args.pp),
-                       ("data.seq_length", args.seq_length), ("train.steps", args.steps)):
-        if value is not None:
-            _set(cfg, key, value)
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"override {item!r} is not KEY=VALUE")
-        _set(cfg, key, yaml.safe_load(value))
-    args.cfg = cfg
+    require_packages(parser.prog, ("yaml",))
+    flags = (("megatron_cfg.tensor_model_parallel_size", args.tp),
+             ("megatron_cfg.pipeline_model_parallel_size", args.pp),
+             ("data.seq_length", args.seq_length), ("train.steps", args.steps))
+    try:
+        args.cfg = load_config(example, args.config, [(k, v) for k, v in flags if v is not None],
+                               args.overrides)
+    except (ValueError, OSError) as err:
+        fail(parser.prog, str(err))
+    mcfg = args.cfg["megatron_cfg"]
+    require_torchrun(parser.prog, mcfg["tensor_model_parallel_size"] * mcfg["pipeline_model_parallel_size"])
+    require_packages(parser.prog, ("tqdm", "megatron.core"))
     return args
 
 
-def _set(cfg: dict, dotted: str, value) -> None:
-    *parents, leaf = dotted.split(".")
-    for name in parents:
-        cfg = cfg.setdefault(name, {})
-    cfg[leaf] = value
+def fail(prog: str, message: str) -> NoReturn:
+    """Print `prog: error: message` once (rank 0 under torchrun) and exit with status 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+_PACKAGES = {"yaml": "pyyaml", "tqdm": "tqdm", "megatron.core": "megatron-core"}
+
+
+def require_packages(prog: str, modules) -> None:
+    """megatron-core, PyYAML and tqdm come with the package's `megatron` extra."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            fail(prog, f"{_PACKAGES[module]} is not installed (the examples need the megatron extra): "
+                       f"{INSTALL_HINT}")
+
+
+def require_torchrun(prog: str, nproc: int) -> None:
+    """Without torchrun's environment, say how to launch (instead of a rendezvous traceback)."""
+    if dist.is_initialized() or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return
+    command = " ".join(["OMP_NUM_THREADS=1", "torchrun", "--nproc_per_node", str(nproc), sys.argv[0]]
+                       + sys.argv[1:])
+    fail(prog, f"launch with torchrun (one process per GPU or CPU rank): {command}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -92,8 +170,8 @@ def init_distributed(cfg: dict, seed: int):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     mcfg = cfg["megatron_cfg"]
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=mcfg.get("tensor_model_parallel_size", 1),
-        pipeline_model_parallel_size=mcfg.get("pipeline_model_parallel_size", 1))
+        tensor_model_parallel_size=mcfg["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=mcfg["pipeline_model_parallel_size"])
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return parallel_state
@@ -113,14 +191,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 def layer_spec(mcfg: dict, config):
     """megatron-core's local layer spec, or Transformer Engine's with
-    `megatron_cfg.transformer_impl: transformer_engine` (TE is imported only then)."""
+    `megatron_cfg.transformer_impl: transformer_engine` (TE is imported only then). Sequence
+    parallelism needs TE's norms (checked with the config)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if mcfg.get("transformer_impl", "local") == "transformer_engine":
+    if mcfg["transformer_impl"] == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    if config.sequence_parallel:
-        raise SystemExit("sequence_parallel needs a norm that supports it: set "
-                         "megatron_cfg.transformer_impl=transformer_engine (TE installed)")
     return gpt_layer_specs.get_gpt_layer_local_spec()
 
 
@@ -137,23 +213,23 @@ def build_model(cfg: dict, parallel_state):
 
     m, mcfg, data = cfg["model"], cfg["megatron_cfg"], cfg["data"]
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[mcfg.get("dtype", "float32")]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[mcfg["dtype"]]
     config = TransformerConfig(
         num_layers=m["num_layers"], hidden_size=m["hidden_size"],
-        num_attention_heads=m["num_attention_heads"], ffn_hidden_size=m.get("ffn_hidden_size"),
+        num_attention_heads=m["num_attention_heads"], ffn_hidden_size=m["ffn_hidden_size"],
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        sequence_parallel=bool(mcfg.get("sequence_parallel", False)) and tp > 1,
+        sequence_parallel=mcfg["sequence_parallel"] and tp > 1,
         pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not torch.cuda.is_available())
     gpt = GPTModel(
         config, layer_spec(mcfg, config),
-        vocab_size=padded_vocab_size(m["vocab_size"], m.get("make_vocab_size_divisible_by", 128), tp),
+        vocab_size=padded_vocab_size(m["vocab_size"], m["make_vocab_size_divisible_by"], tp),
         max_sequence_length=data["seq_length"],
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=m.get("tie_embeddings", True))
+        share_embeddings_and_output_weights=m["tie_embeddings"])
     if dtype != torch.float32:
         from megatron.core.transformer.module import Float16Module
 
@@ -244,7 +320,7 @@ def rows_per_rank(cfg: dict, parallel_state) -> int:
 
 
 def data_generator(cfg: dict, parallel_state, step: int) -> torch.Generator:
-    seed = cfg["train"].get("seed", 1234) * 1000003 + step * 1009 + parallel_state.get_data_parallel_rank()
+    seed = cfg["train"]["seed"] * 1000003 + step * 1009 + parallel_state.get_data_parallel_rank()
     return torch.Generator().manual_seed(seed)
 
 
@@ -277,14 +353,15 @@ def train_sft(args, cfg: dict, model, fused: FusedCEConfig, parallel_state, make
     train, seq = cfg["train"], cfg["data"]["seq_length"]
     optimizer = MainGradAdamW(model, lr=train["lr"])
     progress = Progress(train["steps"], name)
-    progress.write(describe(cfg, fused, parallel_state))
+    progress.write(describe(name, cfg, fused, parallel_state))
     for step in range(train["steps"]):
         batches = make_batches(cfg, parallel_state, step)
         if step == 0 and args.compare_unfused:
             progress.write(compare_unfused(model, fused, batches, make_loss_func, seq,
                                            parallel_state, "lm loss"))
         optimizer.zero_grad()
-        metrics = run_batches(model, batches, make_loss_func, seq)
+        with progress.measure_memory(model):
+            metrics = run_batches(model, batches, make_loss_func, seq)
         optimizer.step()
         progress.update(reduce_metrics(metrics, parallel_state),
                         tokens=train["global_batch_size"] * seq)
@@ -305,7 +382,7 @@ def reduce_metrics(metrics: List[Dict[str, torch.Tensor]], parallel_state) -> Di
 
 
 @contextmanager
-def output_layer(model, fused_on: bool, chunk_size: int):
+def output_layer(model, fused_on: bool, chunk_size: Optional[int]):
     """Temporarily run with (or without) the fused output layer, then restore what was there."""
     was_fused = _is_last(model) and is_fused(model)
     if fused_on:
@@ -329,31 +406,65 @@ def _is_last(model) -> bool:
 
 def compare_unfused(model, fused: FusedCEConfig, batches, make_loss_func, seq_length: int,
                     parallel_state, key: str) -> Optional[str]:
-    """Forward-only loss on `batches` with and without fusion -> a one-line report (last rank).
-    Works whether or not `megatron_cfg` switched fusion on."""
-    results = {}
-    with torch.no_grad():
-        for fused_on in (True, False):
-            with output_layer(model, fused_on, fused.chunk_size):
-                metrics = run_batches(model, batches, make_loss_func, seq_length, forward_only=True)
-                results[fused_on] = reduce_metrics(metrics, parallel_state)
+    """Forward+backward of `batches` with and without fusion -> a one-line report on the last rank:
+    the loss of each, and the peak tensor memory of the output layer + loss of each (see
+    `loss_memory`). Works whether or not `megatron_cfg` switched fusion on. The gradients it
+    leaves in the grad buffers are zeroed by the next optimizer step's zero_grad."""
+    results, peaks = {}, {}
+    for fused_on in (True, False):
+        with output_layer(model, fused_on, fused.chunk_size):
+            with loss_memory(model) as memory:
+                metrics = run_batches(model, batches, make_loss_func, seq_length)
+            results[fused_on] = reduce_metrics(metrics, parallel_state)
+            peaks[fused_on] = memory.peak_bytes
     if not results[True]:
         return None
     a, b = results[True][key], results[False][key]
     return (f"first batch, {key}: fused {a:.6f} vs unfused {b:.6f}, |difference| {abs(a - b):.2e} "
-            f"(relative {abs(a - b) / max(abs(b), 1e-12):.2e})")
+            f"(relative {abs(a - b) / max(abs(b), 1e-12):.2e}); output layer + loss, peak tensor "
+            f"memory: fused {mib(peaks[True])} vs unfused {mib(peaks[False])}")
+
+
+@contextmanager
+def loss_memory(model):
+    """Peak tensor memory of what the fused op replaces: the output layer and the loss, forward
+    and backward, of each micro-batch on this rank (`PeakTensorMemory`: live tensor bytes on the
+    CPU, max_memory_allocated on CUDA). Counting starts when the output layer is called and stops
+    when the gradient reaches its input; nothing is counted off the last pipeline stage."""
+    from megatron_fused_ce.megatron import unwrap_model
+
+    memory = PeakTensorMemory(device(), paused=True)
+    gpt = unwrap_model(model)
+    if not getattr(gpt, "post_process", False):
+        yield memory
+        return
+
+    def start(module, args, kwargs):
+        hidden = args[0] if args else kwargs["input_"]
+        memory.resume()
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: memory.pause())
+
+    handle = gpt.output_layer.register_forward_pre_hook(start, with_kwargs=True)
+    try:
+        with memory:
+            yield memory
+    finally:
+        handle.remove()
+
+
+def mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
 
 
 # ------------------------------------------------------------------------------------------------
 # Progress: a tqdm bar on the last rank (on the last pipeline stage, where the loss is).
 # ------------------------------------------------------------------------------------------------
-def peak_memory_gib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (peak RSS)
-
-
 class Progress:
+    """The progress bar of the last rank, on the last pipeline stage. `loss_mem` is the peak
+    tensor memory of the output layer + loss there (`loss_memory`, first step), where the fused op
+    saves the `[tokens, V/TP]` logits."""
+
     def __init__(self, steps: int, desc: str):
         self.is_reporter = dist.get_rank() == dist.get_world_size() - 1
         self.bar = None
@@ -362,19 +473,31 @@ class Progress:
 
             self.bar = tqdm(total=steps, desc=desc, dynamic_ncols=True, file=sys.stdout)
         self.last = time.perf_counter()
+        self.peak_bytes = 0
+        self.measured = False
+
+    @contextmanager
+    def measure_memory(self, model):
+        """`loss_memory(model)` of the block, on the reporting rank, in the first step only: the
+        shapes never change, and on the CPU the tracker slows every operator down."""
+        if not self.is_reporter or self.measured:
+            yield
+            return
+        with loss_memory(model) as memory:
+            yield
+        self.peak_bytes = max(self.peak_bytes, memory.peak_bytes)
 
     def update(self, metrics: Dict[str, float], tokens: int, **extra):
         now = time.perf_counter()
         tokens_per_s = tokens / max(now - self.last, 1e-9)
         self.last = now
-        peak = torch.tensor([peak_memory_gib()], device=device())
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # every rank takes part
         if self.bar is not None:
             shown = {k: f"{v:.4f}" for k, v in metrics.items()}
-            shown.update({"tok/s": f"{tokens_per_s:.0f}", "peak_mem": f"{peak.item():.2f}GiB"})
+            shown.update({"tok/s": f"{tokens_per_s:.0f}", "loss_mem": mib(self.peak_bytes).replace(" ", "")})
             shown.update({k: str(v) for k, v in extra.items()})
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
+        self.measured = True
 
     def write(self, line: Optional[str]):
         if self.is_reporter and line:
@@ -385,15 +508,17 @@ class Progress:
             self.bar.close()
 
 
-def describe(cfg: dict, fused: FusedCEConfig, parallel_state) -> str:
+def describe(name: str, cfg: dict, fused: FusedCEConfig, parallel_state, extra: str = "") -> str:
+    """The one header line of a run."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_world_size()
     m = cfg["model"]
-    return (f"world {dist.get_world_size()} = TP {tp} x PP {pp} x DP {dp} on "
+    chunk = "auto" if fused.chunk_size is None else fused.chunk_size
+    return (f"{name}: world {dist.get_world_size()} = TP {tp} x PP {pp} x DP {dp} on "
             f"{'CUDA/NCCL' if torch.cuda.is_available() else 'CPU/gloo'}; model {m['num_layers']} "
             f"layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}; "
-            f"fused linear CE: {'on' if fused.enabled else 'off'} (chunk {fused.chunk_size})")
+            f"fused linear CE: {'on' if fused.enabled else 'off'} (chunk {chunk}){extra}")
 
 
 def shutdown():

@@ -1,7 +1,7 @@
 """GRPO with mocked rollouts, fused log-probs, and only the log-prob passes the config needs.
 
-    torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --pp 2 --compare-unfused
-    torchrun --nproc_per_node 2 examples/grpo.py grpo.beta=0 grpo.force_on_policy_ratio=true
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --pp 2 --compare-unfused
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py grpo.beta=0 grpo.force_on_policy_ratio=true
 
 Per rollout step:
 1. rollout (mocked): responses, rewards -> group advantages, and the inference engine's
@@ -91,7 +91,7 @@ def logprob_passes(policy, reference, batches, config, post, cfg, g):
 
 
 def main():
-    args = parse_args("grpo.yaml", __doc__)
+    args = parse_args("grpo", __doc__)
     cfg, train = args.cfg, args.cfg["train"]
     config = GRPOConfig(**cfg["grpo"])
     parallel_state = init_distributed(cfg, train["seed"])
@@ -112,10 +112,11 @@ def main():
 
     updates = train["updates_per_rollout"]
     progress = Progress(train["steps"], "grpo")
-    progress.write(describe(cfg, fused, parallel_state))
-    progress.write(f"log-prob passes per rollout: {grpo_logprob_passes(config)} "
-                   f"(loss_type={config.loss_type}, beta={config.beta}, "
-                   f"force_on_policy_ratio={config.force_on_policy_ratio})")
+    passes = grpo_logprob_passes(config)
+    progress.write(describe("grpo", cfg, fused, parallel_state,
+                            f"; GRPO {config.loss_type}, log-prob passes: old "
+                            f"{'yes' if passes['old'] else 'no'}, reference "
+                            f"{'yes' if passes['reference'] else 'no'}"))
     g = torch.Generator().manual_seed(train["seed"] + dist.get_rank())
     for step in range(train["steps"]):
         batches, reward = mock_rollout(cfg, parallel_state, step)
@@ -129,8 +130,9 @@ def main():
         metrics = []
         for u in range(updates):
             optimizer.zero_grad()
-            metrics += run_batches(model, batches[u * per_update:(u + 1) * per_update],
-                                   make_loss_func, seq)
+            with progress.measure_memory(model):
+                metrics += run_batches(model, batches[u * per_update:(u + 1) * per_update],
+                                       make_loss_func, seq)
             optimizer.step()
         shown = reduce_metrics(metrics, parallel_state)
         shown = {k: shown[k] for k in ("loss", "kl", "ratio_mean", "is_ratio_mean") if k in shown}

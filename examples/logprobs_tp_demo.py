@@ -1,12 +1,13 @@
 """Fused vs dense vocab-parallel log-probs on a toy problem, under torchrun.
 
-    torchrun --nproc_per_node 2 examples/logprobs_tp_demo.py [--tokens 4096 --hidden 256 --vocab 32000]
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/logprobs_tp_demo.py --tokens 4096 --vocab 32000
 
 Each rank holds a contiguous vocab shard of the output weight. The fused op computes per-token
 log-probs (and their gradients) chunk by chunk; the dense path materializes the [tokens, V/TP]
 logits and a vocab-parallel log-softmax, as Megatron does without fusion. Prints the largest
-difference between the two, for values and gradients, and the peak memory of each (CUDA) or the
-size of the logits that the fused op never allocates (CPU). gloo on CPU, NCCL on CUDA.
+difference between the two, for values and gradients, their times, and the peak tensor memory
+each allocates (forward+backward; `megatron_fused_ce.memory.PeakTensorMemory`: CUDA's
+max_memory_allocated on GPUs, live tensor bytes on the CPU). gloo on CPU, NCCL on CUDA.
 """
 
 import argparse
@@ -16,7 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from example_common import fail, require_torchrun  # (it also puts the checkout on sys.path)
+
 from megatron_fused_ce import linear_logprobs
+from megatron_fused_ce.memory import PeakTensorMemory
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -47,25 +51,37 @@ def dense_vocab_parallel_logprobs(hidden, weight_shard, labels, group):
     on_shard = (local >= 0) & (local < v_local)
     target = torch.where(on_shard, shifted.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1), 0.0)
     target = _SumOverRanks.apply(target, group)
-    return target - sum_exp.log(), logits.numel() * logits.element_size()
+    return target - sum_exp.log()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--chunk-size", type=int, default=512)
+    parser = argparse.ArgumentParser(prog="examples/logprobs_tp_demo.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens N (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size H (default: %(default)s)")
+    parser.add_argument("--vocab", type=int, default=32000,
+                        help="vocab size V, split evenly over the ranks (default: %(default)s)")
+    parser.add_argument("--chunk-size", type=int, default=512,
+                        help="tokens per chunk of the fused op; 0 = its automatic chunk "
+                             "(default: %(default)s)")
     args = parser.parse_args()
+    for name in ("tokens", "hidden", "vocab"):
+        if getattr(args, name) <= 0:
+            fail(parser.prog, f"--{name} must be > 0")
+    require_torchrun(parser.prog, 2)
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.vocab % world:
+        fail(parser.prog, f"--vocab {args.vocab} must divide by the number of ranks ({world})")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:  # share the cores between the processes on this machine
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dtype = torch.bfloat16 if cuda else torch.float32
-    assert args.vocab % world == 0, "--vocab must divide by the number of ranks"
+    chunk_size = args.chunk_size or None
 
     g = torch.Generator().manual_seed(0)  # same global problem on every rank
     hidden = torch.randn(args.tokens, args.hidden, generator=g).to(device, dtype)
@@ -77,37 +93,31 @@ def main():
     for name in ("fused", "dense"):
         h = hidden.clone().requires_grad_()
         w = shard.clone().requires_grad_()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        if name == "fused":
-            lp = linear_logprobs(h, w, labels, tp_group=dist.group.WORLD, chunk_size=args.chunk_size).logprobs
-            logits_bytes = 0
-        else:
-            lp, logits_bytes = dense_vocab_parallel_logprobs(h, w, labels, dist.group.WORLD)
-        lp.sum().backward()
-        if name == "dense":  # ColumnParallelLinear's backward: sum the partial dX over TP ranks
-            dist.all_reduce(h.grad)
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() - base if cuda else None
-        results[name] = (lp.detach(), h.grad, w.grad, elapsed, peak, logits_bytes)
+        with PeakTensorMemory(device) as memory:
+            start = time.perf_counter()
+            if name == "fused":
+                lp = linear_logprobs(h, w, labels, tp_group=dist.group.WORLD, chunk_size=chunk_size).logprobs
+            else:
+                lp = dense_vocab_parallel_logprobs(h, w, labels, dist.group.WORLD)
+            lp.sum().backward()
+            if name == "dense":  # ColumnParallelLinear's backward: sum the partial dX over TP ranks
+                dist.all_reduce(h.grad)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+        results[name] = (lp.detach(), h.grad, w.grad, elapsed, memory.peak_bytes)
 
     f, d = results["fused"], results["dense"]
     if rank == 0:
-        print(f"TP={world} on {device.type}, {dtype}: tokens={args.tokens} hidden={args.hidden} vocab={args.vocab}")
+        logits = args.tokens * (args.vocab // world) * torch.finfo(torch.float32).bits // 8
+        print(f"TP={world} on {device.type}, {dtype}: tokens={args.tokens} hidden={args.hidden} "
+              f"vocab={args.vocab} (fp32 logits per rank: {logits / 2**20:.1f} MiB)")
         for i, what in enumerate(("log-probs", "dX", "dW(shard)")):
             diff = (f[i].float() - d[i].float()).abs().max().item()
             print(f"  max |fused - dense| {what:10s} {diff:.3e}")
         print(f"  time fwd+bwd: fused {f[3] * 1e3:.1f} ms, dense {d[3] * 1e3:.1f} ms")
-        if cuda:
-            print(f"  peak extra memory: fused {f[4] / 2**20:.1f} MiB, dense {d[4] / 2**20:.1f} MiB")
-        else:
-            print(f"  fused never allocates the {d[5] / 2**20:.1f} MiB fp32 logits per rank that dense keeps "
-                  f"(largest fused chunk: {args.chunk_size}/{args.tokens} of it)")
+        print(f"  peak tensor memory fwd+bwd: fused {f[4] / 2**20:.1f} MiB, dense {d[4] / 2**20:.1f} MiB "
+              f"(chunk {chunk_size or 'auto'})")
     dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 """Pretrain a tiny GPT on mock data with megatron-core, the loss computed without the logits.
 
-    torchrun --nproc_per_node 4 examples/pretrain_gpt.py --tp 2 --pp 2 --compare-unfused
-    torchrun --nproc_per_node 2 examples/pretrain_gpt.py megatron_cfg.use_linear_ce_fusion_loss=false
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/pretrain_gpt.py --tp 2 --pp 2 --compare-unfused
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/pretrain_gpt.py megatron_cfg.use_linear_ce_fusion_loss=false
 
 The loss is the token-level cross-entropy, computed as -log p(label) by the post-processor:
 from the final hidden states and the output-weight shard when `use_linear_ce_fusion_loss` is on,
@@ -33,7 +33,7 @@ def make_batches(cfg, parallel_state, step):
 
 
 def main():
-    args = parse_args("pretrain_gpt.yaml", __doc__)
+    args = parse_args("pretrain_gpt", __doc__)
     cfg, train = args.cfg, args.cfg["train"]
     parallel_state = init_distributed(cfg, train["seed"])
     model, _, fused = build_model(cfg, parallel_state)

@@ -1,12 +1,12 @@
 """Supervised fine-tuning on mock prompt/response data, packed sequences, fused log-probs.
 
-    torchrun --nproc_per_node 2 examples/sft.py --tp 2 --compare-unfused
-    torchrun --nproc_per_node 4 examples/sft.py --pp 2 data.pack=false
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/sft.py --tp 2 --compare-unfused
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/sft.py --pp 2 data.pack=false
 
 Each example is a prompt (the start of an arithmetic progression of tokens) and its response
-(the continuation). With `data.pack` several examples share a row: the attention mask is block-
-diagonal, positions restart per example, and `cu_seqlens` tells the post-processor where each
-example ends, so its last position is not scored against the next example's first token.
+(the continuation). With `data.pack` several examples share a row: the attention mask is
+block-diagonal, positions restart per example, and `cu_seqlens` tells the post-processor where
+each example ends, so its last position is not scored against the next example's first token.
 """
 
 import torch
@@ -60,7 +60,7 @@ def make_row(data, vocab, g):
         allowed[used:used + n, used:used + n] = True
         used += n
         bounds.append(used)
-        if not data.get("pack", True):
+        if not data["pack"]:
             break
     if used < seq:  # padding: attends to itself only, never trained on
         allowed[used:, used:] = torch.eye(seq - used, dtype=torch.bool)
@@ -91,7 +91,7 @@ def make_batches(cfg, parallel_state, step):
 
 
 def main():
-    args = parse_args("sft.yaml", __doc__)
+    args = parse_args("sft", __doc__)
     cfg, train = args.cfg, args.cfg["train"]
     parallel_state = init_distributed(cfg, train["seed"])
     model, _, fused = build_model(cfg, parallel_state)

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 # (what, tp, dtype) -> worst relative error seen in this run; printed by conftest at the end.
 ERRORS = defaultdict(float)
+# what -> a memory ratio a test measured (e.g. largest tensor / dense logits); printed apart.
+MEMORY = {}
 
 
 def rel_err(out, ref) -> float:
@@ -20,6 +22,17 @@ def record(what: str, tp: int, dtype, err: float) -> float:
     key = (what, tp, str(dtype).replace("torch.", ""))
     ERRORS[key] = max(ERRORS[key], err)
     return err
+
+
+def record_memory(what: str, ratio: float) -> float:
+    MEMORY[what] = max(MEMORY.get(what, 0.0), ratio)
+    return ratio
+
+
+def memory_table():
+    width = max(map(len, MEMORY)) + 2
+    for what in sorted(MEMORY):
+        yield f"{what.ljust(width)}{MEMORY[what]:.4f}"
 
 
 def error_table():

@@ -1,24 +1,39 @@
-"""FusedCEConfig.from_megatron_cfg: the keys NeMo-RL users write, their aliases, and bad input."""
+"""FusedCEConfig.from_megatron_cfg: the keys NeMo-RL users write, their aliases, near-misses of
+them, bad input, and the default (automatic) chunk."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
+import sys
 
 import numpy as np
 import pytest
-import yaml
+import torch
 
-from megatron_fused_ce.megatron import FusedCEConfig
+import test_megatron_common as common
+from dist import run_workers
+from test_megatron_common import TRUE_VOCAB, Setup
 
-EXAMPLE_CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples",
-                                                "configs", "*.yaml")))
+from megatron_fused_ce.megatron import (
+    FusedCEConfig,
+    LogprobsPostProcessor,
+    install_fused_output_layer,
+)
+from megatron_fused_ce.megatron.config import OWN_KEYS, near_miss
+
+EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLE_CONFIGS = sorted(glob.glob(os.path.join(EXAMPLES_DIR, "configs", "*.yaml")))
 
 
 def test_defaults():
-    assert FusedCEConfig() == FusedCEConfig(enabled=False, chunk_size=256)
+    assert FusedCEConfig() == FusedCEConfig(enabled=False, chunk_size=None)
     assert FusedCEConfig.from_megatron_cfg({}) == FusedCEConfig()
     assert FusedCEConfig.from_megatron_cfg(None) == FusedCEConfig()
+    # no chunk size given: the op's automatic chunk (None), not a fixed number of rows
+    assert FusedCEConfig.from_megatron_cfg({"use_linear_ce_fusion_loss": True}).chunk_size is None
+    assert FusedCEConfig.from_megatron_cfg({"use_fused_linear_logprobs": True}).chunk_size is None
 
 
 @pytest.mark.parametrize("enabled_key,chunk_key", [
@@ -76,6 +91,86 @@ def test_direct_construction_is_validated():
 
 @pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=os.path.basename)
 def test_example_configs(path):
-    with open(path) as f:
-        cfg = yaml.safe_load(f)
+    sys.path.insert(0, EXAMPLES_DIR)
+    try:
+        from example_config import load_config
+    finally:
+        sys.path.remove(EXAMPLES_DIR)
+    cfg = load_config(os.path.basename(path)[:-len(".yaml")], path)
     assert FusedCEConfig.from_megatron_cfg(cfg["megatron_cfg"]).enabled
+
+
+# ---------------------------------------------------------------- near-misses of the package's keys
+@pytest.mark.parametrize("typo,intended", [
+    ("use_linear_ce_fusion_los", "use_linear_ce_fusion_loss"),
+    ("use_linear_ce_fusion", "use_linear_ce_fusion_loss"),
+    ("use_linear_ce_fusion_loss_", "use_linear_ce_fusion_loss"),
+    ("Use-Linear-CE-Fusion-Loss", "use_linear_ce_fusion_loss"),
+    ("linear_ce_fusion_chunk", "linear_ce_fusion_chunk_size"),
+    ("linear_ce_fusion_chunksize", "linear_ce_fusion_chunk_size"),
+    ("linear_ce_chunk_size", "linear_ce_fusion_chunk_size"),
+    ("use_fused_linear_logprob", "use_fused_linear_logprobs"),
+    ("fused_linear_logprobs_chunk", "fused_linear_logprobs_chunk_size"),
+])
+def test_near_miss_raises_naming_key_and_intended(typo, intended):
+    assert near_miss(typo) == intended
+    for value in (True, 64):  # whatever the value: the typo alone would leave fusion off
+        with pytest.raises(ValueError, match=f"'{typo}'.*did you mean '{intended}'"):
+            FusedCEConfig.from_megatron_cfg({typo: value, "tensor_model_parallel_size": 2})
+
+
+def test_megatron_keys_pass_through():
+    """Every field of megatron-core's Transformer / DDP / optimizer configs, and NeMo-RL's own
+    megatron_cfg keys, are not near-misses: a full megatron_cfg is read without complaint."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    keys = {f.name for c in (TransformerConfig, DistributedDataParallelConfig, OptimizerConfig)
+            for f in dataclasses.fields(c)}
+    keys |= {"enabled", "empty_unused_memory_level", "activation_checkpointing", "converter_type",
+             "expert_tensor_parallel_size", "num_layers_in_first_pipeline_stage", "freeze_moe_router",
+             "moe_router_dtype", "defer_fp32_logits", "apply_rope_fusion", "env_vars", "optimizer",
+             "scheduler", "distributed_data_parallel_config", "cross_entropy_loss_fusion"}
+    assert len(keys) > 200
+    assert [k for k in keys if near_miss(k)] == []
+    cfg = dict.fromkeys(keys, 1)
+    cfg.update({"use_linear_ce_fusion_loss": True, "linear_ce_fusion_chunk_size": 32})
+    assert FusedCEConfig.from_megatron_cfg(cfg) == FusedCEConfig(enabled=True, chunk_size=32)
+    assert all(near_miss(k) is None for k in OWN_KEYS)
+
+
+# ---------------------------------------------------------------- default chunk = the op's auto chunk
+def default_chunk_worker(rank, world):
+    from megatron_fused_ce.ops import api
+
+    chosen = []
+    auto = api.auto_chunk_size
+
+    def recording_auto_chunk_size(*args, **kwargs):
+        chosen.append(auto(*args, **kwargs))
+        return chosen[-1]
+
+    api.auto_chunk_size = recording_auto_chunk_size
+    (model,) = common.build(Setup())
+    batch = common.make_batches("sft", 1, seed=3)[0]
+    out = {}
+    for cfg in ({"use_linear_ce_fusion_loss": True},
+                {"use_linear_ce_fusion_loss": True, "linear_ce_fusion_chunk_size": 8}):
+        fused = FusedCEConfig.from_megatron_cfg(cfg)
+        install_fused_output_layer(model, fused)
+        post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+        chosen.clear()
+        with torch.no_grad():
+            lp = post(common.forward_fn(model, batch), model, batch["labels"]).logprobs
+        out[fused.chunk_size] = (list(chosen), lp)
+    return out, batch["labels"].numel()
+
+
+def test_default_chunk_is_the_ops_automatic_chunk():
+    (out, tokens), = run_workers(default_chunk_worker, 1)
+    auto_chosen, auto_lp = out[None]
+    explicit_chosen, explicit_lp = out[8]
+    assert auto_chosen == [tokens]  # the op chose (on the CPU, all rows of this tiny batch at once)
+    assert explicit_chosen == []  # an explicit size is used as given
+    torch.testing.assert_close(auto_lp, explicit_lp, rtol=1e-5, atol=1e-5)

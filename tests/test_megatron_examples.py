@@ -1,11 +1,14 @@
 """The examples' main() on 4 forked gloo ranks (TP=2 x PP=2), a couple of steps each, with the
-first-batch fused-vs-unfused comparison; and GRPO running only the log-prob passes it needs.
+first-batch fused-vs-unfused comparison; GRPO running only the log-prob passes it needs; and one
+real torchrun launch, checked for a clean screen.
 (`torchrun --nproc_per_node 4 examples/<name>.py --tp 2 --pp 2` runs the same code.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -74,3 +77,34 @@ def test_grpo_runs_only_needed_passes(overrides, per_step, frozen):
             "data.prompt_length=8", "rollout.num_prompts=2"] + overrides
     for calls in run_workers(example_worker, 2, "grpo", argv, timeout=120):
         assert calls == {"compute_logprobs": 2 * per_step, "build_frozen_copy": frozen}
+
+
+def test_torchrun_run_is_one_clean_screen():
+    """`torchrun ... examples/pretrain_gpt.py --compare-unfused` as the README runs it: exit 0; no
+    warning from megatron-core or torchrun (OMP banner); one header line; the parity line with
+    the memory of the output layer + loss, fused below unfused; the progress bar to its end."""
+    root = os.path.dirname(EXAMPLES_DIR)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=root, OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "examples/pretrain_gpt.py", "--tp", "2", "--steps", "2", "--seq-length", "32",
+            "model.num_layers=2", "model.hidden_size=32", "--compare-unfused",
+            "megatron_cfg.linear_ce_fusion_chunk_size=16"]
+    proc = subprocess.run(argv, cwd=root, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=240)
+    text = proc.stdout
+    assert proc.returncode == 0, text
+    lines = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
+    noise = [line for line in lines if not (line.startswith("pretrain:") or line.startswith("first batch"))]
+    assert noise == [], noise  # nothing but the header, the parity line and the progress bar
+    assert not re.search(r"warn|OMP_NUM_THREADS|Traceback", text, re.IGNORECASE), text
+    headers = [line for line in lines if "fused linear CE:" in line]
+    assert headers == ["pretrain: world 2 = TP 2 x PP 1 x DP 1 on CPU/gloo; model 2 layers, hidden 32, "
+                       "vocab 1000; fused linear CE: on (chunk 16)"]
+    (parity,) = [line for line in lines if line.startswith("first batch")]
+    fused, unfused = map(float, re.search(r"memory: fused ([\d.]+) MiB vs unfused ([\d.]+) MiB",
+                                          parity).groups())
+    assert 0 < fused < unfused / 2, parity
+    assert float(parity.split("|difference| ")[1].split()[0]) <= 1e-4
+    assert any("2/2" in line and "lm loss=" in line and "loss_mem=" in line for line in lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,42 +11,73 @@ from typing import Any, Optional
 # (canonical key, NeMo-RL's newer alias) for each field.
 _ENABLED_KEYS = ("use_linear_ce_fusion_loss", "use_fused_linear_logprobs")
 _CHUNK_KEYS = ("linear_ce_fusion_chunk_size", "fused_linear_logprobs_chunk_size")
+OWN_KEYS = _ENABLED_KEYS + _CHUNK_KEYS
 
-DEFAULT_CHUNK_SIZE = 256
+# A key is a near-miss of one of OWN_KEYS when, lower-cased and with '-' read as '_', its
+# difflib similarity ratio to that key is at least this. Every field name of megatron-core's
+# TransformerConfig / DistributedDataParallelConfig / OptimizerConfig scores below 0.6 against
+# OWN_KEYS; a dropped or swapped letter or a missing suffix (`_loss`, `_size`) scores above 0.85.
+NEAR_MISS_RATIO = 0.8
 
 
 @dataclass(frozen=True)
 class FusedCEConfig:
     """Whether the fused log-prob path is on, and how many tokens each chunk of logits covers.
 
-    `chunk_size` bounds the transient logits of one chunk to `chunk_size x V/TP` elements.
+    `chunk_size=None` (the default) lets the op choose (`ops.api.auto_chunk_size`: large chunks,
+    fast on GPUs); an int bounds the transient logits of one chunk to `chunk_size x V/TP` elements.
     """
 
     enabled: bool = False
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunk_size: Optional[int] = None
 
     def __post_init__(self):
         _check_bool("enabled", self.enabled)
-        _check_chunk_size("chunk_size", self.chunk_size)
+        if self.chunk_size is not None:
+            _check_chunk_size("chunk_size", self.chunk_size)
 
     @classmethod
     def from_megatron_cfg(cls, cfg: Optional[Mapping]) -> "FusedCEConfig":
         """Read `use_linear_ce_fusion_loss` / `linear_ce_fusion_chunk_size` (or the aliases
         `use_fused_linear_logprobs` / `fused_linear_logprobs_chunk_size`) from a `megatron_cfg`
-        mapping. Other keys are ignored; a missing key keeps its default; a null chunk size means
-        the default. A wrong type, or an alias that contradicts its canonical key, raises
-        `ValueError` naming the key.
+        mapping. A missing key keeps its default; a null chunk size means the automatic chunk.
+
+        `megatron_cfg` also carries Megatron's own keys, which pass through unread. A key that
+        looks like a misspelling of one of the four keys above (see `near_miss`) raises
+        `ValueError` naming it and the intended key: otherwise a typo would silently leave fusion
+        off. A wrong type, or an alias that contradicts its canonical key, also raises `ValueError`
+        naming the key.
         """
         if cfg is None:
             return cls()
         if not isinstance(cfg, Mapping):
             raise ValueError(f"megatron_cfg must be a mapping, got {type(cfg).__name__}")
+        for key in cfg:
+            intended = near_miss(key)
+            if intended is not None:
+                raise ValueError(f"megatron_cfg key {key!r} is not a megatron_fused_ce key: did you "
+                                 f"mean {intended!r}? (valid: {', '.join(OWN_KEYS)})")
         enabled = _read(cfg, _ENABLED_KEYS, _check_bool)
         chunk_size = _read(cfg, _CHUNK_KEYS, _check_chunk_size)
         return cls(
             enabled=False if enabled is None else bool(enabled),
-            chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size),
+            chunk_size=None if chunk_size is None else int(chunk_size),
         )
+
+
+def near_miss(key) -> Optional[str]:
+    """The package key that `key` most likely misspells, or None (also None for the keys themselves).
+
+    Near-miss: `key` is not one of OWN_KEYS, and lower-cased with '-' read as '_' it either equals
+    one of them or has a difflib similarity ratio >= NEAR_MISS_RATIO (0.8) to one.
+    """
+    if not isinstance(key, str) or key in OWN_KEYS:
+        return None
+    normalized = key.lower().replace("-", "_")
+    if normalized in OWN_KEYS:
+        return normalized
+    close = difflib.get_close_matches(normalized, OWN_KEYS, n=1, cutoff=NEAR_MISS_RATIO)
+    return close[0] if close else None
 
 
 def _read(cfg: Mapping, keys: tuple, check) -> Any:

@@ -7,8 +7,8 @@ running the examples on machines without a GPU. It changes nothing when CUDA is 
 calling it twice is a no-op. Not covered (not needed by the tests/examples): megatron's optimizer
 (allocates CUDA tensors), the distributed optimizer, activation recomputation, TE, CUDA graphs.
 
-The redirections (design.md §5 lists the first four; the fifth is needed for tied embeddings with
-pipeline parallelism, the sixth by megatron-core >= 0.19's DDP):
+The redirections (the first four are what a GPT training step needs; the fifth is needed for tied
+embeddings with pipeline parallelism, the sixth by megatron-core >= 0.19's DDP):
 
 1. ``torch.cuda.current_device()`` returns ``torch.device("cpu")``: megatron allocates parameters,
    pipeline receive buffers and SP scatter buffers with ``device=torch.cuda.current_device()``.
@@ -51,6 +51,7 @@ def enable_cpu_mode() -> bool:
         return True
     if torch.cuda.is_available():
         return False
+    _require_megatron()
 
     # 1 + 2: the two torch.cuda entry points megatron calls unconditionally.
     torch.cuda.current_device = _cpu_current_device
@@ -76,6 +77,18 @@ def enable_cpu_mode() -> bool:
 
     _ENABLED = True
     return True
+
+
+INSTALL_HINT = 'pip install "megatron_fused_ce[megatron]" (from a checkout: pip install -e ".[megatron]")'
+
+
+def _require_megatron() -> None:
+    """A one-line install hint instead of a bare ModuleNotFoundError deep inside."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as err:
+        raise ModuleNotFoundError(f"enable_cpu_mode() needs megatron-core, which is not installed: "
+                                  f"{INSTALL_HINT}", name="megatron") from err
 
 
 def is_cpu_mode() -> bool:
