@@ -185,7 +185,8 @@ class _GatherContextRanks(torch.autograd.Function):
         local = local.contiguous()
         flat = local.reshape((1,) + tuple(local.shape)) if local.dim() == 0 else local
         out = flat.new_empty((group_size(group) * flat.shape[0],) + tuple(flat.shape[1:]))
-        dist.all_gather_into_tensor(out, flat, group=group)  # (gloo: concatenated along dim 0)
+        # (concatenated along dim 0; torch >= 2.13 names it all_gather_single)
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group)
         return out.view((group_size(group),) + tuple(local.shape))
 
     @staticmethod
