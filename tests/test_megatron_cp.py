@@ -499,6 +499,7 @@ class FakeLastStage(torch.nn.Module):
     share_embeddings_and_output_weights = False
 
     def __init__(self, weight, tp_group, cp_group, fused: bool):
+        """`cp_group=None`: the model does not say (the post-processor is given the group)."""
         from types import SimpleNamespace
 
         from megatron_fused_ce.megatron import FusedOutputLayer
@@ -568,12 +569,14 @@ def contract_worker(rank, world, tp):
     index = positions_on_cp_rank(SEQ, cp, cp_rank)
     d = {k: (v[:, index] if v.dim() >= 2 and k != "weight" else v) for k, v in d.items()}
     shard = d["weight"][tp_rank * V_LOCAL:(tp_rank + 1) * V_LOCAL]
-    post = LogprobsPostProcessor(FusedCEConfig(enabled=True, chunk_size=5),
-                                 vocab_size=V_LOCAL * tp - VOCAB_SHIFT, temperature=TEMPERATURE)
     results = {}
     for fused in (False, True):
+        # the CP group from the model (unfused runs), or given to the post-processor (fused runs)
+        post = LogprobsPostProcessor(FusedCEConfig(enabled=True, chunk_size=5),
+                                     vocab_size=V_LOCAL * tp - VOCAB_SHIFT, temperature=TEMPERATURE,
+                                     cp_group=groups["cp"] if fused else None)
         for name in CONTRACT_CASES:
-            model = FakeLastStage(shard.clone(), groups["tp"], groups["cp"], fused)
+            model = FakeLastStage(shard.clone(), groups["tp"], None if fused else groups["cp"], fused)
             hidden = d["hidden"].clone().requires_grad_()
             output = hidden
             if not fused:  # ColumnParallelLinear: dX all-reduced over TP in the backward

@@ -6,7 +6,9 @@ the model output. Follow one token t of row i:
 1. `labels[i, t]` is Megatron-style, already shifted: the id of token t+1. With packed sequences
    (`cu_seqlens`) the last position of each sequence would be scored against the first token of
    the next one, so it gets `ignore_index` (log-prob exactly 0, no gradient), as does the padding
-   after the last sequence.
+   after the last sequence (and, THD with `cu_seqlens_padded`, each sequence's padding).
+   Under context parallelism, row i and position t are this CP rank's slice (megatron's layout,
+   `context_parallel.py`); a packed boundary is found on whichever rank holds it.
 2. Fusion on (`install_fused_output_layer`): `output_tensor[i, t]` is the final hidden state. It
    goes to `linear_logprobs` with this rank's vocab shard of the output weight; the `[tokens, V/TP]`
    logits never exist. Under sequence parallelism `output_tensor` is `[b, s/TP, h]` and the op
@@ -17,7 +19,8 @@ Both give `LogprobsOutput(logprobs [b, s], entropy [b, s] | None)`, fp32, identi
 ranks, of `softmax(z[:vocab_size] / temperature)`.
 
 `broadcast_from_last_stage` and `compute_logprobs` carry the result of a forward-only pass
-(reference / old policy log-probs) to every pipeline stage.
+(reference / old policy log-probs) to every pipeline stage; under context parallelism
+`compute_logprobs` returns each rank's slice (default) or the whole sequences (`layout="gathered"`).
 """
 
 from __future__ import annotations
