@@ -363,6 +363,7 @@ def test_layout_errors():
     with pytest.raises(ValueError, match="ends at"):
         positions_on_cp_rank(16, 2, 0, cu_seqlens_padded=torch.tensor([0, 4, 12]))
     assert positions_on_cp_rank(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert positions_on_cp_rank(6, 1, 0, cu_seqlens_padded=torch.tensor([0, 3, 6])).tolist() == list(range(6))
     assert positions_on_cp_rank(12, 2, 0, cu_seqlens_padded=torch.tensor([0, 4, 12])).tolist() == \
         [0, 3, 4, 5, 10, 11]
 

@@ -73,7 +73,7 @@ def positions_on_cp_rank(length: int, cp_size: int, cp_rank: int, *,
                       cu_seqlens_padded: Optional[Tensor] = None) -> Tensor:
     """The original positions (int64, on the CPU) of CP rank `cp_rank`'s `length // cp_size` tokens,
     in its local order. `length` is the full sequence length (packed: the whole packed row)."""
-    if cp_size == 1 and cu_seqlens_padded is None:
+    if cp_size == 1:
         return torch.arange(length)
     if cu_seqlens_padded is None:
         if length % (2 * cp_size):
