@@ -66,7 +66,7 @@ from megatron_fused_ce.losses.context_parallel import agree_on_inputs, sum_over_
 from megatron_fused_ce.ops import reductions
 
 from .output_layer import unwrap_model
-from .postprocess import LogprobsPostProcessor, _tp_group
+from .postprocess import LogprobsPostProcessor
 
 LossFunc = Callable[[Tensor], tuple]
 
@@ -135,7 +135,7 @@ class _ContextParallel:
             post_processor.scored_labels(labels, self.model, **packing)  # packing offsets
 
         agree_on_inputs(fn_name, check, cp_group=self.group,
-                        other_groups=(_tp_group(unwrap_model(self.model)),),
+                        other_groups=(post_processor.tensor_parallel_group(self.model),),
                         batch_size=labels.shape[0] if isinstance(labels, Tensor) and labels.dim() else None,
                         device=output_tensor.device,
                         flags=[(f"{name} given", tensor is not None) for name, tensor in per_token.items()])

@@ -144,6 +144,10 @@ class LogprobsPostProcessor:
         self.ignore_index = ignore_index
         self.cp_group = cp_group
 
+    def tensor_parallel_group(self, model: torch.nn.Module):
+        """The model's tensor-parallel group (the vocab shards)."""
+        return _tp_group(unwrap_model(model))
+
     def context_parallel_group(self, model: Optional[torch.nn.Module] = None):
         """The CP group in use (see `cp_group`), None without context parallelism."""
         if self.cp_group is not None:
@@ -389,7 +393,8 @@ def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
         # is agreed over the CP group (and TP: the same batch) first.
         agree_on_inputs("compute_logprobs", lambda: outs.append(post_processor(
                             output_tensor, chunk, batch["labels"], **packing)),
-                        cp_group=cp_group, other_groups=(_tp_group(unwrap_model(chunk)),) if cp_group else (),
+                        cp_group=cp_group,
+                        other_groups=(post_processor.tensor_parallel_group(chunk),) if cp_group else (),
                         device=output_tensor.device)
         out = outs[0]
         if cp_group is not None:
