@@ -14,7 +14,6 @@ Per rollout step:
 """
 
 import torch
-import torch.distributed as dist
 
 from example_common import (
     LogprobsPostProcessorFor,
@@ -119,7 +118,9 @@ def main():
                             f"; GRPO {config.loss_type}, log-prob passes: old "
                             f"{'yes' if passes['old'] else 'no'}, reference "
                             f"{'yes' if passes['reference'] else 'no'}"))
-    g = torch.Generator().manual_seed(train["seed"] + dist.get_rank())
+    # the simulated engine noise: the same on the ranks of a tensor-parallel group (they score the
+    # same samples), different across data-parallel replicas
+    g = torch.Generator().manual_seed(train["seed"] + parallel_state.get_data_parallel_rank())
     for step in range(train["steps"]):
         batches, reward = mock_rollout(cfg, parallel_state, step)
         batches = on_this_cp_rank(batches)  # (the advantages, one per sequence, stay whole)

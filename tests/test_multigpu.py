@@ -121,6 +121,36 @@ def test_nccl_large_bf16_cross_entropy_and_logprobs(impl, sp):
             assert err < 2e-2, (name, err)
 
 
+@pytest.mark.parametrize("case", ["labels_swapped", "temperature", "sequence_parallel", "bad_label"])
+def test_nccl_arguments_that_differ_raise_on_every_rank(case):
+    """The agreement collective over NCCL: an argument that differs on the last rank (or a bad label
+    there only) raises the same ValueError on every rank; none hangs in a collective."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    hidden = torch.randn(8 * tp, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    weight = torch.randn(100, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 100 * tp, (8 * tp,), device="cuda", generator=g)
+    labels[:2] = torch.tensor([3, 11], device="cuda")
+    kw, last = {}, rank == tp - 1
+    if case == "labels_swapped" and last:
+        labels[:2] = torch.tensor([11, 3], device="cuda")
+    elif case == "temperature":
+        kw["temperature"] = 0.9 if last else 1.0
+    elif case == "sequence_parallel" and last:
+        hidden, kw["sequence_parallel"] = hidden[:8].clone(), True
+    elif case == "bad_label" and last:
+        labels[5] = 100 * tp
+    message = None
+    try:
+        linear_cross_entropy(hidden.requires_grad_(), weight, labels, tp_group=dist.group.WORLD, **kw)
+    except ValueError as err:
+        message = str(err)
+    name = {"labels_swapped": "labels", "temperature": "temperature",
+            "sequence_parallel": "sequence_parallel", "bad_label": "labels"}[case]
+    for r, msg in enumerate(_gather(message)):
+        assert msg is not None and name in msg, (r, msg)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPTModel + get_forward_backward_func, fused vs unfused, bf16, over NCCL
 # ------------------------------------------------------------------------------------------------

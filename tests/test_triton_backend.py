@@ -103,7 +103,7 @@ def test_shard_stats(small_blocks, dtype, temperature, n, v, pad):
     for want_sum, want_ent in ((False, False), (True, True), (True, False)):
         got = tb.shard_stats(logits, target, nvc, 1.0 / temperature, want_sum, want_ent)
         ref = torch_backend.shard_stats(logits, target, nvc, 1.0 / temperature, want_sum, want_ent)
-        for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+        for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
             a, b = getattr(got, name), getattr(ref, name)
             assert (a is None) == (b is None), name
             if a is not None:
@@ -118,16 +118,16 @@ def test_shard_stats_default_blocks_and_zero_valid_columns(tb):
     target = _targets(7, 450, g)
     got = tb.shard_stats(logits, target, 450, 1.3, True, True)
     ref = torch_backend.shard_stats(logits, target, 450, 1.3, True, True)
-    for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+    for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
         _close(getattr(got, name), getattr(ref, name), what=name)
     # a shard made only of padding columns
     empty = tb.shard_stats(logits, _targets(7, 0, g), 0, 1.0, True, True)
     assert torch.all(empty.max == float("-inf"))
-    for name in ("sum_exp", "target", "sum_logits", "sum_exp_logits"):
+    for name in ("sum_exp", "target", "sum_logits", "sum_exp_shifted"):
         assert torch.all(getattr(empty, name) == 0), name
     # no rows
     none = tb.shard_stats(logits[:0], target[:0], 450, 1.0, False, True)
-    assert none.max.shape == (0,) and none.sum_logits is None and none.sum_exp_logits.shape == (0,)
+    assert none.max.shape == (0,) and none.sum_logits is None and none.sum_exp_shifted.shape == (0,)
 
 
 # ---------------------------------------------------------------------------- shard_dlogits_
@@ -137,7 +137,7 @@ def test_shard_dlogits_all_coefficient_combinations(small_blocks, dtype, tempera
     tb = small_blocks
     n, v, pad = 6, 150, 11
     nvc = v - pad
-    for combo in range(8):
+    for combo in (*range(8), 9, 15):  # + lse split as max + log-sum-exp, with entropy terms
         logits, g = _chunk(n, v, dtype, seed=combo)
         target = _targets(n, nvc, g)
         z = logits[:, :nvc].float() / temperature
@@ -146,7 +146,11 @@ def test_shard_dlogits_all_coefficient_combinations(small_blocks, dtype, tempera
         coef_pz = torch.randn(n, generator=g).to(DEVICE) if combo & 1 else None
         coef_t = torch.randn(n, generator=g).to(DEVICE) if combo & 2 else None
         coef_u = torch.randn(n, generator=g).to(DEVICE) * 1e-2 if combo & 4 else None
-        args = (target, nvc, 1.0 / temperature, lse, coef_p, coef_pz, coef_t, coef_u)
+        log_sum_exp = None
+        if combo & 8:  # lse given as row max + log-sum-exp (the entropy path)
+            row_max = z.amax(dim=1)
+            lse, log_sum_exp = row_max, lse - row_max
+        args = (target, nvc, 1.0 / temperature, lse, coef_p, coef_pz, coef_t, coef_u, log_sum_exp)
         got = logits.clone()
         out = tb.shard_dlogits_(got, *args)
         assert out.data_ptr() == got.data_ptr() and out.dtype == dtype  # in place
@@ -220,3 +224,75 @@ def test_end_to_end_matches_torch_backend(small_blocks, tp, dtype):
                 # bf16: products of dlogits that may differ by one ulp, summed: compare by norm
                 err = ((a.float() - b.float()).norm() / b.float().norm()).item()
                 assert err <= (1e-5 if dtype == torch.float32 else 4e-3), f"{what} {name} rank {rank}: {err:.2e}"
+
+
+# ------------------------------------------------ entropy at large |z|, fp32 logits, autocast
+@pytest.mark.parametrize("tp", [2])
+def test_entropy_precision_at_large_logits(small_blocks, tp):
+    """The kernels carry the entropy relative to the (running, per-split) max and its gradient
+    relative to lse: within 2x of a plain fp32 dense computation at |z| ~ 50 (test_reliability)."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the gloo harness runs on CPU tensors")
+    from test_reliability import _entropy_worker, check_entropy_precision, entropy_case
+
+    case = entropy_case(31 + tp, 50.0, 1e-3, tp, n=24)
+    check_entropy_precision(case, run_workers(_entropy_worker, tp, case, "triton"), "triton large |z|")
+
+
+def _fp32_logits_worker(rank, world, case, impl):
+    import torch.distributed as dist
+
+    v_local = case["v_local"]
+    h = case["hidden"].clone().requires_grad_()
+    w = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    common = dict(tp_group=dist.group.WORLD if world > 1 else None, vocab_size=case["vocab"],
+                  temperature=0.7, chunk_size=7, impl=impl, logits_dtype=torch.float32)
+    out = linear_logprobs(h, w, case["labels"], return_entropy=True, **common)
+    loss = linear_cross_entropy(h, w, case["labels"], label_smoothing=0.1, **common)
+    ((out.logprobs * case["grad_lp"]).sum() + (out.entropy * case["grad_ent"]).sum() + loss).backward()
+    return torch.stack([out.logprobs, out.entropy]).detach(), loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp32_logits_match_torch_backend(small_blocks, tp):
+    """logits_dtype=torch.float32 on bf16 inputs: the kernels read and write fp32 chunks."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the gloo harness runs on CPU tensors")
+    case = _case(5 + tp, tp, torch.bfloat16)
+    got = run_workers(_fp32_logits_worker, tp, case, "triton")
+    ref = run_workers(_fp32_logits_worker, tp, case, "torch")
+    for rank in range(tp):
+        (values, loss, dx, dw), (rvalues, rloss, rdx, rdw) = got[rank], ref[rank]
+        _close(values, rvalues, what="logprobs/entropy")
+        _close(loss, rloss, what="loss")
+        for name, a, b in (("dX", dx, rdx), ("dW", dw, rdw)):
+            assert a.dtype == torch.bfloat16
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            assert err <= 4e-3, f"{name} rank {rank}: {err:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast")
+@pytest.mark.parametrize("fn", ["ce_mean", "logprobs", "grpo"])
+def test_cuda_autocast_bf16(fn):
+    """torch.autocast("cuda", bf16) on fp32 inputs == the op on bf16 inputs (Triton backend),
+    forward inside and backward outside autocast, within the bf16 tolerance of float64."""
+    from test_reliability import BF16_TOL, _autocast_loss, _dense_loss
+
+    g = torch.Generator().manual_seed(8)
+    h32 = torch.randn(8, 512, 256, generator=g).cuda()
+    w32 = (torch.randn(4000, 256, generator=g) * 0.1).cuda()
+    y = torch.randint(0, 4000, (8, 512), generator=g).cuda()
+    y[:, ::9] = -100
+    h, w = h32.clone().requires_grad_(), w32.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = _autocast_loss(fn, h, w, y)
+    loss.backward()
+    hb, wb = h32.bfloat16().requires_grad_(), w32.bfloat16().requires_grad_()
+    _autocast_loss(fn, hb, wb, y).backward()
+    assert torch.equal(h.grad, hb.grad.float()) and torch.equal(w.grad, wb.grad.float())
+    hd, wd = h32.bfloat16().double().requires_grad_(), w32.bfloat16().double().requires_grad_()
+    ref = _dense_loss(fn, hd, wd, y)
+    ref.backward()
+    for name, out, r in (("loss", loss, ref), ("dX", h.grad, hd.grad), ("dW", w.grad, wd.grad)):
+        err = ((out.double() - r).norm() / r.norm()).item()
+        assert err <= BF16_TOL, f"{name}: {err:.2e}"

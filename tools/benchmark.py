@@ -19,6 +19,8 @@ What is measured, per shape (N tokens, H hidden, V vocab):
   ours_ce_torch@C    the same with the torch backend (backend comparison)
   ours_ce_main_grad@C  ours_ce with Megatron's accumulate_into_main_grad (weight.main_grad fp32
                      pre-allocated, as Megatron's DDP buffers are: not counted as extra memory)
+  ours_ce_fp32_logits@C, ours_logprobs_fp32_logits@C  ours_ce / ours_logprobs with
+                     logits_dtype=torch.float32 (fp32-output logits GEMM; the cost of the option)
   ours_grpo@C        megatron_fused_ce.losses linear_grpo_loss (DAPO, beta=0) when it exists
 C = "auto" uses the package's default chunk size. Peers that are not installed, or fail, are
 skipped with a note. Every method's loss, dX and dW are checked against torch_eager (rel. error).
@@ -79,7 +81,7 @@ SWEEP_N = [8192, 16384, 32768, 65536, 131072]
 QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
 QUICK_SHAPES_CPU = [(48, 32, 500)]
 DEFAULT_IMPLS = ("floor,torch_eager,torch_compile,megatron,liger,cce,ours_logprobs,ours_ce,"
-                 "ours_ce_torch,ours_ce_main_grad,ours_grpo")
+                 "ours_ce_torch,ours_ce_main_grad,ours_grpo,ours_ce_fp32_logits,ours_logprobs_fp32_logits")
 SWEEP_IMPLS = "floor,torch_eager,megatron,liger,cce,ours_logprobs,ours_ce,ours_ce_main_grad,ours_grpo"
 GIB = 1024.0 ** 3
 
@@ -202,6 +204,17 @@ def make_ours_ce_main_grad(h, w, y, chunk):
     return step
 
 
+def make_ours_ce_fp32_logits(h, w, y, chunk):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(),
+                                               logits_dtype=torch.float32), h, w)
+
+
+def make_ours_logprobs_fp32_logits(h, w, y, chunk):
+    n = h.shape[0]
+    return lambda: _grads(-linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+                                           logits_dtype=torch.float32).logprobs.sum() / n, h, w)
+
+
 def _linear_grpo():
     try:
         from megatron_fused_ce import losses
@@ -237,7 +250,8 @@ def make_ours_grpo(h, w, y, chunk):
 
 
 MAKERS = {name[len("make_"):]: fn for name, fn in globals().items() if name.startswith("make_")}
-CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo"}
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo",
+           "ours_ce_fp32_logits", "ours_logprobs_fp32_logits"}
 ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
 
 
@@ -323,8 +337,9 @@ def resolved_auto_chunk(n, v_local, device, hdim, method):
         if fn is None:
             return None
         try:
+            kwargs = dict(logits_element_size=4) if method.endswith("fp32_logits") else {}
             return fn(n, v_local, device, hidden_size=hdim, element_size=2,
-                      fp32_weight_grad_buffer=method != "ours_ce_main_grad")
+                      fp32_weight_grad_buffer=method != "ours_ce_main_grad", **kwargs)
         except TypeError:
             return fn(n, v_local, device)
     except Exception:  # noqa: BLE001
@@ -456,7 +471,7 @@ def kernel_check_and_breakdown(args, device, results, shape, chunk):
         for temp in (1.0, 0.7):
             a = tb.shard_stats(lg, tgt[:rows], nvc, 1 / temp, True, True)
             b = torch_backend.shard_stats(lg, tgt[:rows], nvc, 1 / temp, True, True)
-            for f in ("max", "sum_exp", "target", "sum_logits", "sum_exp_logits"):
+            for f in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
                 out["checks"][f"stats.{f} rows={rows} T={temp}"] = rel_err(getattr(a, f), getattr(b, f))
             lse = b.max + torch.log(b.sum_exp)
             cp, cpz, ct, cu = (torch.randn(rows, device=device, generator=g) for _ in range(4))

@@ -125,15 +125,18 @@ def linear_grpo_loss(
         if sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
             positions = (positions % batch) * length + positions // batch
         with torch.enable_grad():
-            chunk_logprobs = (merged.target - merged.lse).detach().requires_grad_()
+            chunk_logprobs = merged.logprob().detach().requires_grad_()
             logprobs = placeholder.index_put((positions,), chunk_logprobs).view(batch, length)
             loss = loss_given_totals(logprobs, advantages, mask, config, totals, **loss_kwargs)
             (grad,) = torch.autograd.grad(loss, chunk_logprobs)
         return grad, -grad, None, None  # log p = target - lse
 
+    # every per-token gradient depends on these: TP ranks that differ would sum unrelated dX parts
+    must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)
     stats = token_statistics("linear_grpo_loss", hidden, weight, labels, **op_kwargs,
-                             want_sum_logits=False, want_entropy=False, token_grads=token_grads)
+                             want_sum_logits=False, want_entropy=False, token_grads=token_grads,
+                             must_agree=must_agree)
     with torch.no_grad():
-        logprobs = to_batch_layout(stats.to_full(stats.target - stats.lse))
+        logprobs = to_batch_layout(stats.to_full(stats.logprob()))
         loss, metrics = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs, cp_group=cp_group)
     return loss + stats.anchor, metrics

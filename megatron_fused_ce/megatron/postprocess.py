@@ -35,6 +35,7 @@ from torch import Tensor
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
 from megatron_fused_ce.losses.context_parallel import agree_on_inputs
 from megatron_fused_ce.ops import reductions
+from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, is_int
 
 from .config import FusedCEConfig
 from .context_parallel import context_parallel_group, gather_from_cp_ranks, positions_on_cp_rank
@@ -76,10 +77,10 @@ def packed_sequence_labels(labels: Tensor, cu_seqlens: Optional[Tensor],
         raise ValueError(f"packed sequences under context parallelism are one packed row: labels "
                          f"must be [1, T / CP], got {tuple(labels.shape)}")
     length = labels.numel() * cp_size
-    bounds = _checked_offsets("cu_seqlens", cu_seqlens, length)
+    bounds = _checked_cu_seqlens(cu_seqlens, length)
     starts = bounds[:-1]
     if cu_seqlens_padded is not None:
-        padded = _checked_offsets("cu_seqlens_padded", cu_seqlens_padded, length)
+        padded = _checked_cu_seqlens(cu_seqlens_padded, length, name="cu_seqlens_padded")
         if padded.numel() != bounds.numel() or bool(((padded[1:] - padded[:-1])
                                                      < (bounds[1:] - bounds[:-1])).any()):
             raise ValueError("cu_seqlens_padded must hold the same sequences as cu_seqlens, each "
@@ -99,16 +100,22 @@ def packed_sequence_labels(labels: Tensor, cu_seqlens: Optional[Tensor],
     return torch.where(scored, labels, torch.full_like(labels, ignore_index))
 
 
-def _checked_offsets(name: str, offsets, num_tokens: int) -> Tensor:
-    """Sequence offsets as int64 on the host, or a ValueError naming what is wrong with them."""
-    if not isinstance(offsets, Tensor) or offsets.dim() != 1 or offsets.numel() == 0 \
-            or offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
-        raise ValueError(f"{name} must be a non-empty 1-D integer tensor [num_seqs + 1]")
-    bounds = offsets.detach().to("cpu", torch.long)
-    if bounds[0] != 0 or bool((bounds[1:] < bounds[:-1]).any()):
-        raise ValueError(f"{name} must start at 0 and be non-decreasing, got {bounds.tolist()}")
-    if int(bounds[-1]) > num_tokens:
-        raise ValueError(f"{name} ends at {int(bounds[-1])}, past the {num_tokens} tokens of the batch")
+def _checked_cu_seqlens(cu_seqlens, num_tokens: int, name: str = "cu_seqlens") -> Tensor:
+    """Sequence offsets as int64 on the host, or a ValueError saying what is wrong with them (a bad
+    offset would score tokens across sequence boundaries or index past the batch)."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D integer tensor [num_seqs + 1], got "
+                         f"{cu_seqlens.shape if isinstance(cu_seqlens, Tensor) else type(cu_seqlens)}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer offsets, got dtype {cu_seqlens.dtype}")
+    bounds = cu_seqlens.to(torch.long).cpu()  # num_seqs + 1 values: checked on the host
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
+    if bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {bounds.tolist()}")
+    if bounds[-1] > num_tokens:
+        raise ValueError(f"{name} ends at {bounds[-1].item()}, past the {num_tokens} tokens of "
+                         f"the batch")
     return bounds
 
 
@@ -135,8 +142,12 @@ class LogprobsPostProcessor:
     def __init__(self, config: FusedCEConfig, *, vocab_size: Optional[int] = None,
                  temperature: float = 1.0, return_entropy: bool = False,
                  ignore_index: int = IGNORE_INDEX, cp_group=None):
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not finite_real(temperature) or not temperature > 0:
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        if vocab_size is not None and (not is_int(vocab_size) or vocab_size <= 0):
+            raise ValueError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
+        if not fits_int64(ignore_index):
+            raise ValueError(f"ignore_index must be an integer (int64), got {ignore_index!r}")
         self.config = config
         self.vocab_size = vocab_size
         self.temperature = float(temperature)
@@ -249,31 +260,35 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
     """Log-softmax over materialized vocab-parallel logits `[..., V/TP]` (the unfused path).
 
     The same statistics as the fused op, with autograd through the logits: a max (detached) and
-    sums of `exp(z - max)`, `exp(z - max) * z` and the target logit, each all-reduced over TP with
-    an identity backward (each rank's partial depends only on its own shard).
+    sums of `exp(z - max)`, `exp(z - max) * (z - max)` and the target logit, each all-reduced over
+    TP with an identity backward (each rank's partial depends only on its own shard). Bad input
+    raises the same ValueError on every rank before the first all-reduce, as in the fused op.
     """
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    _check_logits_arguments(logits, labels, tp_group if tp_size > 1 else None, vocab_size,
+                            temperature, ignore_index, return_entropy)
 
     def tp_sum(x):
-        return x if tp_size == 1 else reduce_from_tensor_model_parallel_region(x, group=tp_group)
+        if tp_size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(x, group=tp_group)
 
     v_local = logits.shape[-1]
-    vocab_size = vocab_size or v_local * tp_size
-    if not 0 < vocab_size <= v_local * tp_size:
-        raise ValueError(f"vocab_size must be in [1, {v_local * tp_size}], got {vocab_size}")
+    vocab_size = vocab_size if vocab_size is not None else v_local * tp_size
     start = tp_rank * v_local
-    if bool(((labels < 0) | (labels >= vocab_size)).logical_and(labels != ignore_index).any()):
-        raise ValueError(f"labels outside [0, vocab_size={vocab_size}) that are not ignore_index")
 
     valid_col = torch.arange(start, start + v_local, device=logits.device) < vocab_size
     z = logits.float() / temperature
     z = torch.where(valid_col, z, torch.zeros_like(z))  # padded columns: finite, then excluded
-    local_max = z.masked_fill(~valid_col, float("-inf")).amax(-1).detach()
+    global_max = z.masked_fill(~valid_col, float("-inf")).amax(-1).detach()
     if tp_size > 1:
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp_group)
-    exp = torch.exp(z - local_max.unsqueeze(-1)) * valid_col
+        global_max = reductions.max_over_ranks(global_max, tp_group)
+    shifted = z - global_max.unsqueeze(-1)
+    exp = torch.exp(shifted) * valid_col
     sum_exp = tp_sum(exp.sum(-1))
-    lse = local_max + torch.log(sum_exp)
+    log_sum_exp = torch.log(sum_exp)
+    lse = global_max + log_sum_exp
 
     scored = labels != ignore_index
     local_label = labels - start
@@ -284,9 +299,56 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
 
     entropy = None
     if return_entropy:
-        expected_logit = tp_sum((exp * z).sum(-1)) / sum_exp
-        entropy = torch.where(scored, lse - expected_logit, torch.zeros_like(lse))
+        # H = log S - E[z - M], relative to the max: lse - E[z] would cancel at large |z|
+        mean_shifted = tp_sum((exp * shifted).sum(-1)) / sum_exp
+        entropy = torch.where(scored, log_sum_exp - mean_shifted, torch.zeros_like(lse))
     return LogprobsOutput(logprobs, entropy)
+
+
+def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, ignore_index,
+                            return_entropy) -> None:
+    """The unfused path's checks, agreed over the TP group in one collective (the fused op's
+    machinery, ops/agreement.py): every rank raises the same ValueError, none waits in an
+    all-reduce for a rank that raised."""
+    device = logits.device if isinstance(logits, Tensor) else torch.device("cpu")
+    agreement = Agreement("vocab_parallel_logprobs", tp_group, device,
+                          ("logits", "labels", "vocab_size", "temperature", "ignore_index"))
+    fail = agreement.fail
+    tp_size = reductions.group_size(tp_group)
+    if not isinstance(logits, Tensor) or logits.dim() < 1 or not logits.dtype.is_floating_point:
+        fail("logits", "logits must be a floating-point tensor [..., V/TP]")
+    if not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32):
+        fail("labels", f"labels must be an int64 (or int32) tensor, got "
+                       f"{labels.dtype if isinstance(labels, Tensor) else type(labels)}")
+    elif not agreement.failed("logits") and tuple(labels.shape) != tuple(logits.shape[:-1]):
+        fail("labels", f"labels shape {tuple(labels.shape)} does not match logits.shape[:-1] = "
+                       f"{tuple(logits.shape[:-1])}")
+    if not finite_real(temperature) or not temperature > 0:
+        fail("temperature", f"temperature must be a finite number > 0, got {temperature!r}")
+    if not fits_int64(ignore_index):
+        fail("ignore_index", f"ignore_index must be an integer (int64), got {ignore_index!r}")
+    v_local = logits.shape[-1] if not agreement.failed("logits") else -1
+    padded = max(v_local, 0) * tp_size
+    if vocab_size is not None and (not is_int(vocab_size) or not 0 < vocab_size <= padded):
+        fail("vocab_size", f"vocab_size must be an integer in [1, {padded}], got {vocab_size!r}")
+    true_vocab = vocab_size if vocab_size is not None and not agreement.failed("vocab_size") else padded
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    ok = not agreement.failed("logits", "labels", "ignore_index")
+    if ok and labels.numel() > 0:
+        bad = (((labels < 0) | (labels >= true_vocab)) & (labels != ignore_index)).sum()
+    agreement.equal("logits", v_local, "logits: vocab shards differ in size across tensor-parallel "
+                    "ranks", show_range=True)
+    agreement.equal_tensor("labels", labels if ok else None,
+                           "labels: differ across tensor-parallel ranks; every rank must pass the "
+                           "same labels")
+    bad_key = agreement.maximum_count("labels", bad)
+    agreement.equal("vocab_size", true_vocab)
+    agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
+    agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
+    agreement.equal("return_entropy", bool(return_entropy))
+    agreement.agree(lambda agreed: [
+        f"labels: labels outside [0, vocab_size={true_vocab}) that are not ignore_index="
+        f"{ignore_index} (on this or another tensor-parallel rank)"] if agreed[bad_key] else [])
 
 
 # ------------------------------------------------------------------------------------------------

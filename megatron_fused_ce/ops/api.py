@@ -3,14 +3,12 @@
 One token's path: its hidden row (all-gathered first under sequence parallelism) -> if its label is
 not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this rank's vocab shard ->
 backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
-(sum of logits, expected logit) -> log-prob / entropy / loss here. Ignored rows are dropped before
+(sum of logits, entropy) -> log-prob / entropy / loss here. Ignored rows are dropped before
 the first GEMM: they cost no flops and get exactly zero output and zero gradient.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -18,11 +16,13 @@ import torch
 from torch import Tensor
 
 from . import reductions, torch_backend
+from .agreement import Agreement, finite_real, fits_int64, is_int
 from .chunked import (
     ChunkSpec,
     LinearLossGradInForward,
     LinearSoftmaxStats,
     adds_into_main_grad,
+    autocast_off,
     forward_stats,
 )
 
@@ -66,126 +66,165 @@ def select_backend(impl: str, device: torch.device):
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks. Each rank collects its own problems without raising, then all ranks agree on
-# the union with one tiny all-reduce, so that every rank raises the same error before any real
-# collective (a check failing on one rank while the others wait in an all-reduce is a hang).
+# Argument checks. Each rank collects its own problems and every value that must be the same on
+# all ranks (a fingerprint of the labels included) without raising; one small all-reduce then
+# makes every rank raise the same error before any real collective (agreement.py).
 # --------------------------------------------------------------------------------------------
 _CHECKS = ("hidden", "weight", "labels", "temperature", "chunk_size", "vocab_size", "impl",
-           "reduction", "label_smoothing", "z_loss_weight", "ignore_index")
+           "ignore_index", "logits_dtype")
+_LABEL_DTYPES = (torch.int64, torch.int32)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+@dataclass
+class _Agreed:
+    true_vocab: int  # the unpadded global vocab size
+    num_labelled: int  # labelled tokens of the call (the same on every rank)
+    fp32_weight_grad_buffer: bool  # for the automatic chunk size: any rank sums dW in fp32
 
 
-def _local_problems(fn_name, hidden, weight, labels, tp_size, vocab_size, temperature, chunk_size,
-                    sequence_parallel, impl, ignore_index, extra_checks) -> dict:
-    problems = {}
+def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_size, temperature,
+                  chunk_size, sequence_parallel, impl, ignore_index, logits_dtype) -> None:
+    """This rank's own checks (nothing raised here: each failure is recorded by argument name)."""
+    fail = agreement.fail
     if not isinstance(hidden, Tensor) or hidden.dim() < 1 or hidden.dtype not in _FLOAT_DTYPES:
-        problems["hidden"] = "hidden must be a float32/bfloat16/float16 tensor of shape [..., H]"
+        fail("hidden", "hidden must be a float32/bfloat16/float16 tensor of shape [..., H]")
     if not isinstance(weight, Tensor) or weight.dim() != 2:
-        problems["weight"] = "weight must be a 2-D tensor [V_local, H]"
-    if "hidden" not in problems and "weight" not in problems:
+        fail("weight", "weight must be a 2-D tensor [V_local, H]")
+    if not agreement.failed("hidden", "weight"):
         if hidden.shape[-1] != weight.shape[1]:
-            problems["weight"] = (f"weight has hidden size {weight.shape[1]} but hidden has "
-                                  f"{hidden.shape[-1]} (H mismatch)")
+            fail("weight", f"weight has hidden size {weight.shape[1]} but hidden has "
+                           f"{hidden.shape[-1]} (H mismatch)")
         elif weight.dtype != hidden.dtype:
-            problems["weight"] = f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}"
+            fail("weight", f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
         elif weight.device != hidden.device:
-            problems["weight"] = f"weight is on {weight.device} but hidden is on {hidden.device}"
+            fail("weight", f"weight is on {weight.device} but hidden is on {hidden.device}")
     if not isinstance(labels, Tensor):
-        problems["labels"] = "labels must be an integer tensor"
-    elif labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        problems["labels"] = f"labels must hold integer class ids, got dtype {labels.dtype}"
-    elif "hidden" not in problems:
+        fail("labels", "labels must be an integer tensor")
+    elif labels.dtype not in _LABEL_DTYPES:
+        fail("labels", f"labels must be int64 (or int32) class ids, got dtype {labels.dtype}")
+    elif not agreement.failed("hidden"):
         expected = tuple(hidden.shape[:-1])
         if sequence_parallel:
             if hidden.dim() < 2:
-                problems["hidden"] = "sequence_parallel needs hidden of shape [S/TP, ..., H]"
+                fail("hidden", "sequence_parallel needs hidden of shape [S/TP, ..., H]")
             else:
                 expected = (hidden.shape[0] * tp_size,) + expected[1:]
-        if "hidden" not in problems and tuple(labels.shape) != expected:
-            problems["labels"] = (f"labels shape {tuple(labels.shape)} does not match "
-                                  f"{'gathered ' if sequence_parallel and tp_size > 1 else ''}"
-                                  f"hidden.shape[:-1] = {expected}")
+        if not agreement.failed("hidden") and tuple(labels.shape) != expected:
+            fail("labels", f"labels shape {tuple(labels.shape)} does not match "
+                           f"{'gathered ' if sequence_parallel and tp_size > 1 else ''}"
+                           f"hidden.shape[:-1] = {expected}")
         elif labels.device != hidden.device:
-            problems["labels"] = f"labels are on {labels.device} but hidden is on {hidden.device}"
-    if not isinstance(temperature, numbers.Real) or not (temperature > 0) or not math.isfinite(temperature):
-        problems["temperature"] = f"temperature must be a finite number > 0, got {temperature!r}"
-    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size <= 0):
-        problems["chunk_size"] = f"chunk_size must be a positive integer or None, got {chunk_size!r}"
-    if not _is_int(ignore_index):
-        problems["ignore_index"] = f"ignore_index must be an integer, got {ignore_index!r}"
-    if "weight" not in problems:
+            fail("labels", f"labels are on {labels.device} but hidden is on {hidden.device}")
+    if not finite_real(temperature) or not temperature > 0:
+        fail("temperature", f"temperature must be a finite number > 0, got {temperature!r}")
+    if chunk_size is not None and (not is_int(chunk_size) or chunk_size <= 0):
+        fail("chunk_size", f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    if not fits_int64(ignore_index):
+        fail("ignore_index", f"ignore_index must be an integer (int64), got {ignore_index!r}")
+    if not agreement.failed("weight"):
         padded_vocab = weight.shape[0] * tp_size
-        if vocab_size is not None and (not _is_int(vocab_size) or not 0 < vocab_size <= padded_vocab):
-            problems["vocab_size"] = (f"vocab_size must be an integer in [1, V_local * tp_size = "
-                                      f"{padded_vocab}], got {vocab_size!r}")
+        if vocab_size is not None and (not is_int(vocab_size) or not 0 < vocab_size <= padded_vocab):
+            fail("vocab_size", f"vocab_size must be an integer in [1, V_local * tp_size = "
+                               f"{padded_vocab}], got {vocab_size!r}")
     if impl not in ("auto", "torch", "triton"):
-        problems["impl"] = f"impl must be 'auto', 'torch' or 'triton', got {impl!r}"
+        fail("impl", f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     elif impl == "triton" and _triton_backend_or_none() is None:
-        problems["impl"] = "impl='triton' was requested but triton cannot be imported"
-    problems.update(extra_checks)
-    return problems
+        fail("impl", "impl='triton' was requested but triton cannot be imported")
+    if logits_dtype not in (None, torch.float32):
+        fail("logits_dtype", f"logits_dtype must be None (the input dtype) or torch.float32, "
+                             f"got {logits_dtype!r}")
 
 
-def _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size, temperature, chunk_size,
-                     sequence_parallel, impl, ignore_index, extra_checks=None) -> int:
-    """Raise the same ValueError on every TP rank for bad input.
-
-    Returns (true vocab size, number of labelled tokens), both agreed by all ranks."""
+def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, temperature, chunk_size,
+                     sequence_parallel, impl, ignore_index, logits_dtype, want_entropy, grad_path,
+                     fp32_weight_grad_buffer, extra_checks, must_agree) -> _Agreed:
+    """Raise the same ValueError on every TP rank for bad input or arguments that differ across
+    ranks; else return what the ranks agreed on. One all-reduce of a small int64 vector."""
     tp_size = reductions.group_size(tp_group)
-    problems = _local_problems(fn_name, hidden, weight, labels, tp_size, vocab_size, temperature,
-                               chunk_size, sequence_parallel, impl, ignore_index, extra_checks or {})
-    v_local = weight.shape[0] if "weight" not in problems else -1
-    true_vocab = (vocab_size if "vocab_size" not in problems and vocab_size is not None
-                  else max(v_local, 0) * tp_size)
-    bad_labels, outside = 0, None
     device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
-    if "labels" not in problems and "hidden" not in problems and labels.numel() > 0:
+    agreement = Agreement(fn_name, tp_group, device, _CHECKS + tuple(k for k in extra_checks if k not in _CHECKS))
+    _local_checks(agreement, hidden, weight, labels, tp_size, vocab_size, temperature, chunk_size,
+                  sequence_parallel, impl, ignore_index, logits_dtype)
+    for name, message in extra_checks.items():
+        if message:
+            agreement.fail(name, message)
+
+    tensors_ok = not agreement.failed("hidden", "weight", "labels")
+    v_local = weight.shape[0] if not agreement.failed("weight") else -1
+    true_vocab = (vocab_size if vocab_size is not None and not agreement.failed("vocab_size")
+                  else max(v_local, 0) * tp_size)
+    # Shapes and dtypes first: the more specific message wins for an argument.
+    agreement.equal("weight", v_local, "weight: vocab shards differ in size across tensor-parallel "
+                    "ranks; Megatron pads the vocab so that they are equal", show_range=True)
+    agreement.equal("hidden", hidden.shape[-1] if not agreement.failed("hidden") else -1,
+                    "hidden: hidden size differs across tensor-parallel ranks", show_range=True)
+    agreement.equal("hidden", str(hidden.dtype) if not agreement.failed("hidden") else None,
+                    "hidden: dtype differs across tensor-parallel ranks")
+    agreement.equal("labels", labels.numel() if not agreement.failed("labels") else -1,
+                    "labels: number of tokens differs across tensor-parallel ranks", show_range=True)
+    outside, labelled, bad_labels = None, 0, 0
+    if tensors_ok and not agreement.failed("ignore_index") and labels.numel() > 0:
         outside = ((labels < 0) | (labels >= true_vocab)) & (labels != ignore_index)
         bad_labels = outside.sum()
-    # One vector, one all-reduce MAX: the failed checks, the bad label count, and +-(V_local,
-    # H, tokens) so that unequal shapes across ranks show as max != -min.
-    h = hidden.shape[-1] if "hidden" not in problems else -1
-    n = labels.numel() if "labels" not in problems else -1
-    header = torch.tensor([int(k in problems) for k in _CHECKS]
-                          + [v_local, -v_local, h, -h, n, -n], dtype=torch.int64)
-    # Labels must be the same on every TP rank; the cheap, sufficient check that keeps the chunk
-    # collectives in step is the number of labelled tokens.
-    labelled = torch.zeros((), dtype=torch.int64, device=device)
-    if "labels" not in problems and "hidden" not in problems and labels.numel() > 0:
         labelled = (labels != ignore_index).sum()
-    agreed = torch.cat([header.to(device), torch.stack([labelled, -labelled]),
-                        torch.as_tensor(bad_labels, device=device).reshape(1)])
-    agreed = reductions.max_over_ranks(agreed, tp_group).tolist()
+    labelled_key = agreement.equal_count(
+        "labels", labelled, "labels: number of labelled tokens differs across tensor-parallel ranks; "
+        "every rank of tp_group must pass the same labels")
+    # The labels themselves (ids and positions), by a fingerprint: equal counts are not enough.
+    agreement.equal_tensor("labels", labels if tensors_ok else None,
+                           "labels: differ across tensor-parallel ranks (ids or positions); every "
+                           "rank of tp_group must pass the same labels")
+    bad_key = agreement.maximum_count("labels", bad_labels)
+    # Every option that changes the result or the sequence of collectives.
+    agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
+    agreement.equal("vocab_size", true_vocab)
+    agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
+    agreement.equal("chunk_size", chunk_size if not agreement.failed("chunk_size") else -1)
+    # the backend that will run ("auto" and "torch" agree on a CPU)
+    agreement.equal("impl", select_backend(impl, device).__name__ if not agreement.failed("impl") else None)
+    agreement.equal("logits_dtype", str(logits_dtype))
+    agreement.equal("return_entropy", bool(want_entropy))
+    agreement.equal("sequence_parallel", bool(sequence_parallel))
+    agreement.equal("requires_grad", grad_path,
+                    "requires_grad: torch.is_grad_enabled() or hidden/weight.requires_grad differ "
+                    "across tensor-parallel ranks (their backward collectives would not match)")
+    for name, value in must_agree.items():
+        if isinstance(value, Tensor):
+            agreement.equal_tensor(name, value)
+        else:
+            agreement.equal(name, value)
+    buffer_key = agreement.maximum("chunk_size", int(fp32_weight_grad_buffer))
 
-    messages = []
-    for key, failed in zip(_CHECKS, agreed):
-        if failed:
-            messages.append(problems.get(key, f"{key}: invalid on another tensor-parallel rank"))
-    (v_max, v_min, h_max, h_min, n_max, n_min, l_max, l_min), bad = agreed[len(_CHECKS):-1], agreed[-1]
-    if v_max != -v_min and v_max >= 0 and -v_min >= 0:
-        messages.append(f"weight: vocab shards differ in size across tensor-parallel ranks "
-                        f"({-v_min} to {v_max} rows); Megatron pads the vocab so they are equal")
-    if h_max != -h_min and not messages:
-        messages.append(f"hidden: hidden size differs across tensor-parallel ranks ({-h_min} to {h_max})")
-    if n_max != -n_min and not messages:
-        messages.append(f"labels: number of tokens differs across tensor-parallel ranks ({-n_min} to {n_max})")
-    if l_max != -l_min and not messages:
-        messages.append(f"labels: differ across tensor-parallel ranks ({-l_min} to {l_max} labelled "
-                        f"tokens); every rank of tp_group must pass the same labels")
-    if bad:
+    def bad_label_message(agreed):
+        if not agreed[bad_key]:
+            return []
         if outside is not None and int(bad_labels) > 0:
             example = int(labels[outside][0])
-            messages.append(f"labels: {int(bad_labels)} label(s) outside [0, vocab_size={true_vocab}) "
-                            f"that are not ignore_index={ignore_index} (e.g. {example})")
-        else:
-            messages.append(f"labels: labels outside [0, vocab_size={true_vocab}) on another "
-                            f"tensor-parallel rank")
-    if messages:
-        raise ValueError(f"{fn_name}: " + "; ".join(messages))
-    return true_vocab, l_max
+            return [f"labels: {int(bad_labels)} label(s) outside [0, vocab_size={true_vocab}) "
+                    f"that are not ignore_index={ignore_index} (e.g. {example})"]
+        return [f"labels: labels outside [0, vocab_size={true_vocab}) on another tensor-parallel rank"]
+
+    agreed = agreement.agree(bad_label_message)
+    return _Agreed(true_vocab, agreed[labelled_key], bool(agreed[buffer_key]))
+
+
+def _autocast_inputs(hidden, weight):
+    """Under torch.autocast for the inputs' device, the op computes in the autocast dtype: cast
+    hidden and weight as F.linear would (differentiably: the casts' backward returns gradients in
+    the original dtypes). The op itself then runs with autocast off (chunked.autocast_off)."""
+    if not (isinstance(hidden, Tensor) and isinstance(weight, Tensor)):
+        return hidden, weight
+    try:
+        if not torch.is_autocast_enabled(hidden.device.type):
+            return hidden, weight
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+    except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
+        return hidden, weight
+
+    def cast(t):
+        return t.to(dtype) if t.dtype in _FLOAT_DTYPES and t.dtype != dtype else t
+
+    return cast(hidden), cast(weight)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,11 +237,20 @@ class TokenStats:
     target: Tensor
     lse: Tensor
     sum_logits: Optional[Tensor]
-    expected_logit: Optional[Tensor]
+    entropy: Optional[Tensor]
     row_index: Optional[Tensor]  # labelled rows among all (gathered) rows; None = all rows
     out_shape: tuple
     num_rows: int
-    anchor: Optional[Tensor] = None  # grad-in-forward: zero scalar carrying dX, dW (add to the loss)
+    anchor: Optional[Tensor] = None  # with token_grads: zero scalar carrying dX, dW (add to the loss)
+    max: Optional[Tensor] = None  # lse = max + log_sum_exp (plain values, see MergedStats)
+    log_sum_exp: Optional[Tensor] = None
+
+    def logprob(self) -> Tensor:
+        """log p_y of the labelled rows: differentiable as target - lse, valued as
+        (target - max) - log_sum_exp (exact where target - lse would round at lse's scale)."""
+        differentiable = self.target - self.lse
+        precise = (self.target.detach() - self.max) - self.log_sum_exp
+        return differentiable + (precise - differentiable.detach())
 
     def to_full(self, values: Tensor) -> Tensor:
         """[num labelled rows] -> labels.shape with zeros at ignored positions (differentiable)."""
@@ -213,7 +261,8 @@ class TokenStats:
 
 
 def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden_size: int = 0,
-                    element_size: int = 2, fp32_weight_grad_buffer: bool = False) -> int:
+                    element_size: int = 2, fp32_weight_grad_buffer: bool = False,
+                    logits_element_size: Optional[int] = None) -> int:
     """Rows per chunk when the caller gives none: bounded chunks of logits (see the caps above).
 
     `fp32_weight_grad_buffer`: the weight gradient will be computed here and, once the rows span
@@ -224,14 +273,17 @@ def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden
     read-modify-write of dW per chunk, no final cast pass) at no memory cost. CUDA only: the peaks
     assume the Triton backend, which works on the chunk in place (the torch backend on the CPU
     also makes fp32 copies of it).
+    `logits_element_size` (fp32 logits of bf16/fp16 inputs: 4): the CUDA cap keeps the chunk's
+    bytes, and the one-chunk rule is not used (its peaks assume logits in the input dtype).
     """
     v_local = max(v_local, 1)
+    widening = 1 if logits_element_size is None else max(logits_element_size // element_size, 1)
     if device.type == "cuda":
-        rows = max(_AUTO_CHUNK_MIN_ROWS_CUDA, _AUTO_CHUNK_ELEMENTS_CUDA // v_local)
+        rows = max(_AUTO_CHUNK_MIN_ROWS_CUDA, _AUTO_CHUNK_ELEMENTS_CUDA // widening // v_local)
     else:
         rows = max(64, _AUTO_CHUNK_ELEMENTS // v_local)
     num_rows = max(num_rows, 1)
-    if fp32_weight_grad_buffer and device.type == "cuda" and num_rows > rows:
+    if fp32_weight_grad_buffer and widening == 1 and device.type == "cuda" and num_rows > rows:
         weight_elems = v_local * hidden_size
         chunked_peak = max(rows * v_local * element_size + 4 * weight_elems,
                            (4 + element_size) * weight_elems)
@@ -241,24 +293,65 @@ def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden
     return min(num_rows, rows)
 
 
+def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_max, log_sum_exp,
+                             row_index) -> Tensor:
+    """Recompute path for a loss with known per-token gradients (fp16): a zero scalar whose
+    gradient w.r.t. the differentiable statistics is token_grads' (so backward gets them already
+    multiplied by the upstream gradient, in fp32, as the unfused path does)."""
+    detached = [None if t is None else t.detach() for t in (target, lse, sum_logits, entropy)]
+    merged = reductions.MergedStats(lse=detached[1], target=detached[0], sum_logits=detached[2],
+                                    entropy=detached[3], max=row_max, log_sum_exp=log_sum_exp)
+    positions = row_index if row_index is not None else torch.arange(lse.shape[0], device=lse.device)
+    grads = token_grads(merged, positions, lse.shape[0])
+    terms = [(g * stat).sum() for g, stat in zip(grads, (target, lse, sum_logits, entropy))
+             if g is not None and stat is not None]
+    if not terms:
+        return lse.new_zeros(())
+    carrier = torch.stack(terms).sum()
+    return carrier - carrier.detach()
+
+
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
-                 chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
-                 want_entropy, extra_checks=None, token_grads=None) -> TokenStats:
+                     chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
+                     want_entropy, logits_dtype=None, extra_checks=None, must_agree=None,
+                     token_grads=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
+    `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
+    checks (the same names on every rank). `must_agree`: {name: value or tensor} that must be the
+    same on every TP rank (a tensor is compared by fingerprint). Both join the one agreement.
     `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
-    returned statistics are then plain values and `anchor` carries the gradient."""
-    true_vocab, num_labelled = _check_arguments(fn_name, hidden, weight, labels, tp_group, vocab_size,
-                                                temperature, chunk_size, sequence_parallel, impl,
-                                                ignore_index, extra_checks)
+    returned statistics are then plain values and `anchor` carries the gradient. fp16 inputs keep
+    that contract on the recompute path (see LinearLossGradInForward on why).
+    `logits_dtype`: None (the input dtype, like Megatron's output layer) or torch.float32."""
+    weight_param = weight
+    hidden, weight = _autocast_inputs(hidden, weight)
+    if isinstance(labels, Tensor) and labels.dtype == torch.int32:
+        labels = labels.long()
+    tensors = isinstance(hidden, Tensor) and isinstance(weight, Tensor)
+    needs_dx = tensors and torch.is_grad_enabled() and hidden.requires_grad
+    needs_grad = tensors and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    grad_in_forward = needs_grad and token_grads is not None and hidden.dtype != torch.float16
+    main_grad_param = (weight_param if isinstance(weight_param, Tensor)
+                       and adds_into_main_grad(weight_param, accumulate_into_main_grad) else None)
+    agreed = _check_arguments(
+        fn_name, hidden, weight, labels, tp_group, vocab_size=vocab_size, temperature=temperature,
+        chunk_size=chunk_size, sequence_parallel=sequence_parallel, impl=impl,
+        ignore_index=ignore_index, logits_dtype=logits_dtype, want_entropy=want_entropy,
+        grad_path=(needs_grad, needs_dx, grad_in_forward),
+        fp32_weight_grad_buffer=needs_grad and weight.requires_grad and main_grad_param is None,
+        extra_checks=extra_checks or {}, must_agree=must_agree or {})
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
     hidden2d = hidden.reshape(-1, hidden_size)
     flat_labels = labels.reshape(-1)
     num_rows = flat_labels.numel()
+    if logits_dtype == hidden.dtype:
+        logits_dtype = None
 
-    row_index = None if num_labelled == num_rows else (flat_labels != ignore_index).nonzero().squeeze(1)
+    row_index = (None if agreed.num_labelled == num_rows
+                 else (flat_labels != ignore_index).nonzero().squeeze(1))
     row_labels = flat_labels if row_index is None else flat_labels.index_select(0, row_index)
     vocab_start = tp_rank * v_local
     local_target = row_labels - vocab_start
@@ -267,34 +360,41 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     if not chunk_size:
         chunk_size = auto_chunk_size(
             row_labels.numel(), v_local, hidden.device, hidden_size=hidden_size,
-            element_size=weight.element_size(),
-            fp32_weight_grad_buffer=(torch.is_grad_enabled() and weight.requires_grad
-                                     and not adds_into_main_grad(weight, accumulate_into_main_grad)))
+            element_size=weight.element_size(), fp32_weight_grad_buffer=agreed.fp32_weight_grad_buffer,
+            logits_element_size=None if logits_dtype is None else 4)
     spec = ChunkSpec(
         tp_group=tp_group,
         backend=select_backend(impl, hidden.device),
-        num_valid_cols=min(max(true_vocab - vocab_start, 0), v_local),
+        num_valid_cols=min(max(agreed.true_vocab - vocab_start, 0), v_local),
         inv_temperature=1.0 / float(temperature),
         chunk_size=chunk_size,
         want_sum_logits=want_sum_logits,
         want_entropy=want_entropy,
         sequence_parallel=sequence_parallel,
-        accumulate_into_main_grad=accumulate_into_main_grad,
+        main_grad_param=main_grad_param,
+        logits_dtype=logits_dtype,
     )
     anchor = None
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if needs_grad and token_grads is not None:
-        anchor, target, lse, sum_logits, expected = LinearLossGradInForward.apply(
-            hidden2d, weight, row_index, local_target, spec, token_grads)
-    elif needs_grad:
-        target, lse, sum_logits, expected = LinearSoftmaxStats.apply(
-            hidden2d, weight, row_index, local_target, spec)
-    else:  # reference / old log-prob passes: no autograd Function, nothing saved
-        full_hidden = reductions.gather_sequence(hidden2d, tp_group) if sequence_parallel else hidden2d
-        rows = full_hidden if row_index is None else full_hidden.index_select(0, row_index)
-        merged = forward_stats(rows, weight, local_target, spec)
-        target, lse, sum_logits, expected = merged.target, merged.lse, merged.sum_logits, merged.expected_logit
-    return TokenStats(target, lse, sum_logits, expected, row_index, tuple(labels.shape), num_rows, anchor)
+    with autocast_off(hidden.device):
+        if grad_in_forward:
+            anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
+                hidden2d, weight, row_index, local_target, spec, token_grads)
+        elif needs_grad:
+            target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearSoftmaxStats.apply(
+                hidden2d, weight, row_index, local_target, spec)
+            if token_grads is not None:  # fp16: the same contract, gradients on the recompute path
+                anchor = _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy,
+                                                  row_max, log_sum_exp, row_index)
+                target, lse, sum_logits, entropy = (None if t is None else t.detach()
+                                                    for t in (target, lse, sum_logits, entropy))
+        else:  # reference / old log-prob passes: no autograd Function, nothing saved
+            full_hidden = reductions.gather_sequence(hidden2d, tp_group) if sequence_parallel else hidden2d
+            rows = full_hidden if row_index is None else full_hidden.index_select(0, row_index)
+            merged = forward_stats(rows, weight, local_target, spec)
+            target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
+            row_max, log_sum_exp = merged.max, merged.log_sum_exp
+    return TokenStats(target, lse, sum_logits, entropy, row_index, tuple(labels.shape), num_rows, anchor,
+                      row_max, log_sum_exp)
 
 
 def linear_logprobs(
@@ -311,6 +411,7 @@ def linear_logprobs(
     sequence_parallel: bool = False,
     impl: str = "auto",
     accumulate_into_main_grad: bool = False,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> LogprobsOutput:
     """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature).
 
@@ -321,15 +422,19 @@ def linear_logprobs(
     `accumulate_into_main_grad=True` (Megatron's gradient_accumulation_fusion): when the weight has
     a `main_grad` buffer the fp32 weight gradient is added into it directly and autograd receives a
     dummy zero gradient (as Megatron's own linear layers do).
+    `logits_dtype`: None (default) rounds each chunk of logits to the input dtype before the fp32
+    softmax, as Megatron's unfused output layer does; torch.float32 keeps the GEMM's fp32 output
+    (closer to float64 math for bf16/fp16 inputs, at the cost of a chunk twice as large).
+    Under torch.autocast the inputs are cast to the autocast dtype first, as F.linear would.
     """
     stats = token_statistics(
         "linear_logprobs", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
-        accumulate_into_main_grad=accumulate_into_main_grad,
+        accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
         want_sum_logits=False, want_entropy=return_entropy)
-    logprobs = stats.to_full(stats.target - stats.lse)
-    entropy = stats.to_full(stats.lse - stats.expected_logit) if return_entropy else None
+    logprobs = stats.to_full(stats.logprob())
+    entropy = stats.to_full(stats.entropy) if return_entropy else None
     return LogprobsOutput(logprobs, entropy)
 
 
@@ -349,6 +454,7 @@ def linear_cross_entropy(
     sequence_parallel: bool = False,
     impl: str = "auto",
     accumulate_into_main_grad: bool = False,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss, without the logits.
 
@@ -356,18 +462,25 @@ def linear_cross_entropy(
     + z_loss_weight * lse**2, with eps = label_smoothing over the global unpadded vocab.
     "mean" divides by the number of labelled tokens (0.0 with zero gradients when there are none),
     "sum" adds, "none" returns fp32 per-token losses of labels.shape (0 at ignored positions).
+    "mean" / "sum" compute dX and dW during the forward pass (3 GEMMs per chunk instead of 4),
+    except for fp16 inputs, which take the recompute path so that the upstream gradient (a loss
+    scale) multiplies the fp32 per-token gradients before anything is rounded to fp16.
+    `logits_dtype`, autocast: as in `linear_logprobs`.
     """
-    extra = {}
+    extra = {"reduction": None, "label_smoothing": None, "z_loss_weight": None}  # None: passed
     if reduction not in ("mean", "sum", "none"):
         extra["reduction"] = f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
-    if not isinstance(label_smoothing, numbers.Real) or not 0.0 <= label_smoothing < 1.0:
+    if not finite_real(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
         extra["label_smoothing"] = f"label_smoothing must be in [0, 1), got {label_smoothing!r}"
-    if not isinstance(z_loss_weight, numbers.Real) or not z_loss_weight >= 0.0:
-        extra["z_loss_weight"] = f"z_loss_weight must be >= 0, got {z_loss_weight!r}"
-    smoothing = float(label_smoothing) if "label_smoothing" not in extra else 0.0
-    z_weight = float(z_loss_weight) if "z_loss_weight" not in extra else 0.0
-    true_vocab = vocab_size or (weight.shape[0] * reductions.group_size(tp_group)
-                                if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
+    if not finite_real(z_loss_weight) or not z_loss_weight >= 0.0:
+        extra["z_loss_weight"] = f"z_loss_weight must be a finite number >= 0, got {z_loss_weight!r}"
+    smoothing = float(label_smoothing) if not extra["label_smoothing"] else 0.0
+    z_weight = float(z_loss_weight) if not extra["z_loss_weight"] else 0.0
+    must_agree = {"reduction": reduction if not extra["reduction"] else None,
+                  "label_smoothing": smoothing, "z_loss_weight": z_weight}
+    true_vocab = vocab_size if vocab_size is not None else (
+        weight.shape[0] * reductions.group_size(tp_group)
+        if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
     token_grads = None
     if reduction in ("mean", "sum") and isinstance(labels, Tensor):
         # The loss is a scalar whose per-token gradient is known once a chunk is merged: produce
@@ -384,10 +497,11 @@ def linear_cross_entropy(
         "linear_cross_entropy", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
-        accumulate_into_main_grad=accumulate_into_main_grad,
-        want_sum_logits=smoothing > 0.0, want_entropy=False, extra_checks=extra, token_grads=token_grads)
+        accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
+        want_sum_logits=smoothing > 0.0, want_entropy=False, extra_checks=extra,
+        must_agree=must_agree, token_grads=token_grads)
 
-    per_token = stats.lse - stats.target
+    per_token = -stats.logprob()
     if smoothing > 0.0:
         per_token = (1.0 - smoothing) * per_token + smoothing * (stats.lse - stats.sum_logits / true_vocab)
     if z_weight:

@@ -1,6 +1,7 @@
 """Every collective of the op lives here: merging per-shard softmax partials across the
 tensor-parallel group, the sequence-parallel gather/scatter of hidden states, the dX reduction and
-the pre-flight agreement on argument errors. No other module calls torch.distributed.
+the pre-flight agreement on arguments (agreement.py builds its vector). No other module of the op
+calls torch.distributed.
 
 A forward pass makes two O(tokens) collectives whatever the number of chunks: all chunks' partials
 are merged at once (one all-reduce MAX of the row maxima, one all-reduce SUM of the rescaled
@@ -34,12 +35,20 @@ class MergedStats:
     lse: Tensor  # log sum_k exp(z_k)
     target: Tensor  # z_y
     sum_logits: Optional[Tensor] = None  # sum_k z_k
-    expected_logit: Optional[Tensor] = None  # E_p[z] = sum_k p_k z_k
+    entropy: Optional[Tensor] = None  # -sum_k p_k log p_k
+    # lse = max + log_sum_exp. Kept apart: log p_k = (z_k - M) - log S keeps the digits that
+    # rounding M + log S to fp32 loses (|z| ~ 50, or log p_y ~ -1e-5 next to M ~ 8).
+    max: Optional[Tensor] = None  # M = max_k z_k
+    log_sum_exp: Optional[Tensor] = None  # log S = log sum_k exp(z_k - M)
+
+    def logprob(self) -> Tensor:
+        """log p_y = (z_y - M) - log S."""
+        return (self.target - self.max) - self.log_sum_exp
 
 
 def merge_shard_stats(stats: ShardStats, group) -> MergedStats:
     global_max = stats.max
-    sum_exp, sum_exp_logits = stats.sum_exp, stats.sum_exp_logits
+    sum_exp, sum_exp_shifted = stats.sum_exp, stats.sum_exp_shifted
     if group_size(group) > 1:
         global_max = stats.max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
@@ -49,21 +58,27 @@ def merge_shard_stats(stats: ShardStats, group) -> MergedStats:
         parts = [stats.sum_exp * rescale, stats.target]
         if stats.sum_logits is not None:
             parts.append(stats.sum_logits)
-        if stats.sum_exp_logits is not None:
-            parts.append(stats.sum_exp_logits * rescale)
+        if stats.sum_exp_shifted is not None:
+            # sum exp(z - M)(z - M) = exp(m - M) (sum exp(z - m)(z - m) + (m - M) sum exp(z - m))
+            shift = torch.where(torch.isfinite(stats.max), stats.max - global_max, 0.0)
+            parts.append((stats.sum_exp_shifted + shift * stats.sum_exp) * rescale)
         summed = torch.stack(parts)
         dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
         summed = list(summed.unbind(0))
         sum_exp, target = summed[0], summed[1]
         sum_logits = summed[2] if stats.sum_logits is not None else None
-        sum_exp_logits = summed[-1] if stats.sum_exp_logits is not None else None
+        sum_exp_shifted = summed[-1] if stats.sum_exp_shifted is not None else None
     else:
         target, sum_logits = stats.target, stats.sum_logits
+    log_sum_exp = torch.log(sum_exp)
     return MergedStats(
-        lse=global_max + torch.log(sum_exp),
+        lse=global_max + log_sum_exp,
         target=target,
         sum_logits=sum_logits,
-        expected_logit=None if sum_exp_logits is None else sum_exp_logits / sum_exp,
+        # H = lse - E[z] = log S - E[z - M]: two non-negative terms, no cancellation at large |z|
+        entropy=None if sum_exp_shifted is None else log_sum_exp - sum_exp_shifted / sum_exp,
+        max=global_max,
+        log_sum_exp=log_sum_exp,
     )
 
 
@@ -95,7 +110,8 @@ def reduce_scatter_sequence(full: Tensor, group) -> Tensor:
 
 
 def max_over_ranks(values: Tensor, group) -> Tensor:
-    """Element-wise max over the group of a small int64 vector (argument checks agree on it)."""
+    """Element-wise max over the group, in place: the int64 vector of the argument agreement
+    (agreement.py), the row maxima of the unfused post-processor."""
     if group_size(group) > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values

@@ -13,10 +13,12 @@ Two functions make a backend (triton_backend.py has the same two, with the same 
   the chunk loop derived from the upstream gradients. With p = softmax(z) over the *global* vocab
   (p_k = exp(z_k - lse)) and y the target column on this shard (-1 if elsewhere):
 
-      dL/dz_k = p_k * (coef_p + coef_pz * z_k) + coef_target * [k == y] + coef_uniform
+      dL/dz_k = p_k * (coef_p + coef_pz * (z_k - lse)) + coef_target * [k == y] + coef_uniform
 
   Every statistic we expose has a gradient of this form (see chunked.py), so one kernel serves
-  log-probs, entropy, cross-entropy with label smoothing and z-loss.
+  log-probs, entropy, cross-entropy with label smoothing and z-loss. The entropy terms are taken
+  relative to the row max (forward) and to lse (backward, z_k - lse = log p_k): with |z| ~ 50 or
+  T = 1e-3 a sum of exp(z) * z followed by lse - E[z] would cancel most of fp32's digits.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class ShardStats:
     sum_exp: Tensor  # sum_k exp(z_k - m)
     target: Tensor  # z_y when the label lives on this shard, else 0
     sum_logits: Optional[Tensor] = None  # sum_k z_k (label smoothing)
-    sum_exp_logits: Optional[Tensor] = None  # sum_k exp(z_k - m) * z_k (entropy)
+    sum_exp_shifted: Optional[Tensor] = None  # sum_k exp(z_k - m) * (z_k - m) (entropy)
 
 
 def _scaled_fp32(logits: Tensor, num_valid_cols: int, inv_temperature: float) -> Tensor:
@@ -67,19 +69,20 @@ def shard_stats(
             sum_exp=zeros,
             target=zeros.clone(),
             sum_logits=zeros.clone() if want_sum_logits else None,
-            sum_exp_logits=zeros.clone() if want_entropy else None,
+            sum_exp_shifted=zeros.clone() if want_entropy else None,
         )
     z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
     on_shard, target_col = _target_mask(local_target)
     row_max = z.amax(dim=1)
-    exp_shifted = torch.exp(z - row_max.unsqueeze(1))
+    shifted = z - row_max.unsqueeze(1)
+    exp_shifted = torch.exp(shifted)
     target = torch.where(on_shard, z.gather(1, target_col).squeeze(1), 0.0)
     return ShardStats(
         max=row_max,
         sum_exp=exp_shifted.sum(dim=1),
         target=target,
         sum_logits=z.sum(dim=1) if want_sum_logits else None,
-        sum_exp_logits=(exp_shifted * z).sum(dim=1) if want_entropy else None,
+        sum_exp_shifted=(exp_shifted * shifted).sum(dim=1) if want_entropy else None,
     )
 
 
@@ -93,18 +96,26 @@ def shard_dlogits_(
     coef_pz: Optional[Tensor],
     coef_target: Optional[Tensor],
     coef_uniform: Optional[Tensor],
+    log_sum_exp: Optional[Tensor] = None,
 ) -> Tensor:
-    """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included)."""
+    """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included).
+
+    log p_k = z_k - lse; or, when `log_sum_exp` is given, `lse` is the row max M and
+    log p_k = (z_k - M) - log_sum_exp (more digits at large |z|; used with entropy)."""
     if num_valid_cols < logits.shape[1]:
         logits[:, num_valid_cols:].zero_()
     if num_valid_cols == 0:
         return logits
     z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
-    grad = torch.exp(z - lse.unsqueeze(1))  # p_k
-    coef = coef_p.unsqueeze(1)
-    if coef_pz is not None:
-        coef = coef + coef_pz.unsqueeze(1) * z
-    grad.mul_(coef)
+    if coef_pz is None and log_sum_exp is None:
+        grad = torch.exp(z - lse.unsqueeze(1))  # p_k
+        grad.mul_(coef_p.unsqueeze(1))
+    else:
+        log_p = z - lse.unsqueeze(1)
+        if log_sum_exp is not None:
+            log_p.sub_(log_sum_exp.unsqueeze(1))
+        grad = torch.exp(log_p)
+        grad.mul_(coef_p.unsqueeze(1) if coef_pz is None else coef_p.unsqueeze(1) + coef_pz.unsqueeze(1) * log_p)
     if coef_uniform is not None:
         grad.add_(coef_uniform.unsqueeze(1))
     if coef_target is not None:

@@ -6,13 +6,14 @@ math); tests/test_triton_backend.py checks them against each other, on CPU under
 - `shard_stats`: one read of the [n, V_local] chunk. Each program takes one row and one contiguous
   range ("split") of its valid columns and walks it in blocks of BLOCK_N columns, keeping an online
   max / sum-exp (one exp per element: the block's exps are taken against the running max, the old
-  sum is rescaled once per block), plus sum z and sum exp(z - m) z when asked. When there are few
+  sum is rescaled once per block), plus sum z and sum exp(z - m) (z - m) when asked (the entropy
+  term relative to the running max, shifted with it: exp(m - m') (A + (m - m') S)). When there are few
   rows (n=256 against V_local=128k) the columns are split over several programs so that the GPU
   fills up, and a tiny second kernel merges the per-split partials of each row.
 - `scale_cast`: dtype(fp32 dW * upstream gradient) in one pass (6 bytes/element instead of 14 for
   a multiply followed by a cast).
 - `shard_dlogits_`: one read and one write of the chunk, in place. A 2-D grid of (row, column
-  block) programs; each computes dL/dlogits = inv_T * (exp(z - lse) (c_p + c_pz z) + c_u
+  block) programs; each computes dL/dlogits = inv_T * (exp(z - lse) (c_p + c_pz (z - lse)) + c_u
   + c_t [k == y]) in fp32 and stores it in the chunk's dtype; padding columns get 0.
 
 Math is fp32 whatever the chunk dtype (bf16/fp16/fp32); z = fp32(logits) * inv_temperature exactly
@@ -46,7 +47,7 @@ MERGE_BLOCK_R = 64
 @triton.jit
 def _stats_kernel(
     logits_ptr, stride_row, target_ptr,
-    max_ptr, sum_exp_ptr, target_out_ptr, sum_logits_ptr, sum_exp_logits_ptr,
+    max_ptr, sum_exp_ptr, target_out_ptr, sum_logits_ptr, sum_exp_shifted_ptr,
     num_valid_cols, cols_per_split, num_splits, inv_temperature,
     WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -59,7 +60,7 @@ def _stats_kernel(
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     s_logits = tl.zeros([], tl.float32)
-    s_exp_logits = tl.zeros([], tl.float32)
+    s_exp_shifted = tl.zeros([], tl.float32)  # sum exp(z - m) (z - m), relative to the running m
     for col0 in range(start, end, BLOCK_N):
         cols = col0 + tl.arange(0, BLOCK_N)
         valid = cols < end
@@ -67,13 +68,14 @@ def _stats_kernel(
         m_new = tl.maximum(m, tl.max(z, axis=0))  # finite: each block holds >= 1 valid column
         alpha = tl.exp(m - m_new)
         e = tl.exp(z - m_new)  # 0 at masked columns
+        if WANT_ENTROPY:
+            # move the old sum from m to m_new first (m = -inf before the first block: nothing to move)
+            shift = tl.where(m == float("-inf"), 0.0, m - m_new)
+            block = tl.sum(e * tl.where(valid, z - m_new, 0.0), axis=0)
+            s_exp_shifted = alpha * (s_exp_shifted + shift * s) + block
         s = s * alpha + tl.sum(e, axis=0)
-        if WANT_ENTROPY or WANT_SUM:
-            z_valid = tl.where(valid, z, 0.0)  # -inf -> 0 at masked columns
-            if WANT_ENTROPY:
-                s_exp_logits = s_exp_logits * alpha + tl.sum(e * z_valid, axis=0)
-            if WANT_SUM:
-                s_logits += tl.sum(z_valid, axis=0)
+        if WANT_SUM:
+            s_logits += tl.sum(tl.where(valid, z, 0.0), axis=0)  # -inf -> 0 at masked columns
         m = m_new
 
     out = row.to(tl.int64) * num_splits + split
@@ -82,7 +84,7 @@ def _stats_kernel(
     if WANT_SUM:
         tl.store(sum_logits_ptr + out, s_logits)
     if WANT_ENTROPY:
-        tl.store(sum_exp_logits_ptr + out, s_exp_logits)
+        tl.store(sum_exp_shifted_ptr + out, s_exp_shifted)
     if split == 0:
         t = tl.load(target_ptr + row)
         z_t = tl.load(row_ptr + tl.maximum(t, 0)).to(tl.float32) * inv_temperature
@@ -91,8 +93,8 @@ def _stats_kernel(
 
 @triton.jit
 def _merge_kernel(
-    pmax_ptr, psum_ptr, psum_logits_ptr, psum_exp_logits_ptr,
-    max_ptr, sum_exp_ptr, sum_logits_ptr, sum_exp_logits_ptr,
+    pmax_ptr, psum_ptr, psum_logits_ptr, psum_exp_shifted_ptr,
+    max_ptr, sum_exp_ptr, sum_logits_ptr, sum_exp_shifted_ptr,
     n, num_splits,
     WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -110,28 +112,32 @@ def _merge_kernel(
     if WANT_SUM:
         pl = tl.load(psum_logits_ptr + offs, mask=mask, other=0.0)
         tl.store(sum_logits_ptr + rows, tl.sum(pl, axis=1), mask=row_ok)
-    if WANT_ENTROPY:
-        pe = tl.load(psum_exp_logits_ptr + offs, mask=mask, other=0.0)
-        tl.store(sum_exp_logits_ptr + rows, tl.sum(pe * scale, axis=1), mask=row_ok)
+    if WANT_ENTROPY:  # each split's sum moved from its max to the row max
+        pe = tl.load(psum_exp_shifted_ptr + offs, mask=mask, other=0.0)
+        shift = tl.where(mask, pm - tl.where(row_ok, m, 0.0)[:, None], 0.0)
+        tl.store(sum_exp_shifted_ptr + rows, tl.sum((pe + shift * ps) * scale, axis=1), mask=row_ok)
 
 
 @triton.jit
 def _dlogits_kernel(
     logits_ptr, stride_row, target_ptr, lse_ptr,
-    coef_p_ptr, coef_pz_ptr, coef_target_ptr, coef_uniform_ptr,
+    coef_p_ptr, coef_pz_ptr, coef_target_ptr, coef_uniform_ptr, log_sum_exp_ptr,
     num_cols, num_valid_cols, inv_temperature,
-    HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr, HAS_LOG_SUM_EXP: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     valid = cols < num_valid_cols
     z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
+    log_p = z - tl.load(lse_ptr + row)
+    if HAS_LOG_SUM_EXP:  # lse_ptr holds the row max: log p = (z - M) - log S
+        log_p = log_p - tl.load(log_sum_exp_ptr + row)
     coef = tl.load(coef_p_ptr + row)
     if HAS_PZ:
-        coef = coef + tl.load(coef_pz_ptr + row) * z
-    grad = tl.exp(z - tl.load(lse_ptr + row)) * coef
+        coef = coef + tl.load(coef_pz_ptr + row) * log_p
+    grad = tl.exp(log_p) * coef
     if HAS_UNIFORM:
         grad += tl.load(coef_uniform_ptr + row)
     if HAS_TARGET:
@@ -182,7 +188,7 @@ def shard_stats(
             sum_exp=zeros,
             target=zeros.clone(),
             sum_logits=zeros.clone() if want_sum_logits else None,
-            sum_exp_logits=zeros.clone() if want_entropy else None,
+            sum_exp_shifted=zeros.clone() if want_entropy else None,
         )
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -202,23 +208,23 @@ def shard_stats(
         part_shape = (n, splits)
     pmax, psum = torch.empty(part_shape, **f32), torch.empty(part_shape, **f32)
     psum_logits = torch.empty(part_shape, **f32) if want_sum_logits else pmax  # dummy when unused
-    psum_exp_logits = torch.empty(part_shape, **f32) if want_entropy else pmax
+    psum_exp_shifted = torch.empty(part_shape, **f32) if want_entropy else pmax
     _stats_kernel[(n, splits)](
         logits, logits.stride(0), local_target,
-        pmax, psum, target, psum_logits, psum_exp_logits,
+        pmax, psum, target, psum_logits, psum_exp_shifted,
         num_valid_cols, cols_per_split, splits, float(inv_temperature),
         WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy, BLOCK_N=block_n,
         num_warps=STATS_WARPS,
     )
     if splits == 1:
-        row_max, sum_exp, sum_logits, sum_exp_logits = pmax, psum, psum_logits, psum_exp_logits
+        row_max, sum_exp, sum_logits, sum_exp_shifted = pmax, psum, psum_logits, psum_exp_shifted
     else:
         row_max, sum_exp = torch.empty(n, **f32), torch.empty(n, **f32)
         sum_logits = torch.empty(n, **f32) if want_sum_logits else row_max
-        sum_exp_logits = torch.empty(n, **f32) if want_entropy else row_max
+        sum_exp_shifted = torch.empty(n, **f32) if want_entropy else row_max
         _merge_kernel[(triton.cdiv(n, MERGE_BLOCK_R),)](
-            pmax, psum, psum_logits, psum_exp_logits,
-            row_max, sum_exp, sum_logits, sum_exp_logits,
+            pmax, psum, psum_logits, psum_exp_shifted,
+            row_max, sum_exp, sum_logits, sum_exp_shifted,
             n, splits,
             WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy,
             BLOCK_R=MERGE_BLOCK_R, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
@@ -228,7 +234,7 @@ def shard_stats(
         sum_exp=sum_exp,
         target=target,
         sum_logits=sum_logits if want_sum_logits else None,
-        sum_exp_logits=sum_exp_logits if want_entropy else None,
+        sum_exp_shifted=sum_exp_shifted if want_entropy else None,
     )
 
 
@@ -242,8 +248,10 @@ def shard_dlogits_(
     coef_pz: Optional[Tensor],
     coef_target: Optional[Tensor],
     coef_uniform: Optional[Tensor],
+    log_sum_exp: Optional[Tensor] = None,
 ) -> Tensor:
-    """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included)."""
+    """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included);
+    `log_sum_exp` as in torch_backend.shard_dlogits_."""
     n, num_cols = logits.shape
     if n == 0 or num_cols == 0:
         return logits
@@ -252,17 +260,18 @@ def shard_dlogits_(
     if logits.stride(1) != 1:  # not produced by torch.mm: work on a contiguous copy
         return logits.copy_(shard_dlogits_(logits.contiguous(), local_target, num_valid_cols,
                                            inv_temperature, lse, coef_p, coef_pz, coef_target,
-                                           coef_uniform))
+                                           coef_uniform, log_sum_exp))
     coef_p = _f32(coef_p)
-    pz, tgt, uni = (None if c is None else _f32(c) for c in (coef_pz, coef_target, coef_uniform))
+    pz, tgt, uni, lse_rest = (None if c is None else _f32(c)
+                              for c in (coef_pz, coef_target, coef_uniform, log_sum_exp))
     block_n = DLOGITS_BLOCK_N
     _dlogits_kernel[(n, triton.cdiv(num_cols, block_n))](
         logits, logits.stride(0), local_target.contiguous(), _f32(lse),
         coef_p, coef_p if pz is None else pz, coef_p if tgt is None else tgt,
-        coef_p if uni is None else uni,
+        coef_p if uni is None else uni, coef_p if lse_rest is None else lse_rest,
         num_cols, num_valid_cols, float(inv_temperature),
         HAS_PZ=pz is not None, HAS_TARGET=tgt is not None, HAS_UNIFORM=uni is not None,
-        BLOCK_N=block_n, ROUND_BF16=_interpreting() and logits.dtype == torch.bfloat16,
+        HAS_LOG_SUM_EXP=lse_rest is not None, BLOCK_N=block_n, ROUND_BF16=_interpreting() and logits.dtype == torch.bfloat16,
         num_warps=DLOGITS_WARPS,
     )
     return logits

@@ -1,0 +1,230 @@
+"""Agreement of the tensor-parallel ranks on one call's arguments: one collective, the same error on
+every rank.
+
+Every rank of a tensor-parallel group must pass the same arguments to one call (labels, temperature,
+vocab size, chunk size, options ...). A difference either desynchronizes the collectives (a hang, or
+a crash in a mismatched all-reduce) or returns the same wrong values on every rank without a
+word. And a check that raises on one rank only leaves its peers waiting in the next collective. So
+each rank first collects, without raising:
+
+- its own problems: a failed check, by argument name;
+- values that must be equal on every rank: numbers, flags, names, dtypes, counts computed on the
+  device, and tensors by a fingerprint computed where they live (`tensor_fingerprint`);
+- values the ranks agree on by taking the largest (a count of bad labels, a resolved option);
+
+packs them into one int64 vector, all-reduces it once with MAX (reductions.max_over_ranks) and reads
+it back once. A value v that must be equal is stored as the pair (v, ~v): after the MAX,
+max(v) == ~max(~v) exactly when every rank had the same v. Then every rank raises the same
+ValueError naming the arguments, or goes on with the agreed values.
+
+The layout of the vector must be the same on every rank: every entry is registered
+unconditionally, in the same order and by the same method (pass None, or a 0 count, for a value a
+rank cannot compute). When a check fails anywhere, only the failed checks are reported: the values
+that then differ are its consequences.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+import zlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reductions
+
+# Fingerprints are sums of 31-bit terms (value * odd weight, both taken mod 2^31 with a bit mask:
+# integer multiplies, shifts and masks only, no division); a sum of up to 2^32 such terms stays
+# below 2^63. An odd weight is invertible mod 2^31, so a changed element always changes its term.
+_MASK = 2**31 - 1
+_SCRAMBLE = 2654435761  # Knuth's multiplicative hash: a second weight unrelated to the position
+_NONE = -(2**62) + 12345  # the code of None (a value no int argument takes in practice)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def fits_int64(x) -> bool:
+    return is_int(x) and _INT64_MIN <= int(x) <= _INT64_MAX
+
+
+def value_code(value) -> int:
+    """A process-independent int64 code of a plain value (ints as themselves, floats by their
+    IEEE-754 bits so that 0.7 and 0.7000001 differ, anything else by a CRC of its repr)."""
+    if value is None:
+        return _NONE
+    if isinstance(value, bool):
+        return int(value)
+    if fits_int64(value):
+        return int(value)
+    if isinstance(value, numbers.Real) and not is_int(value):
+        return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    return zlib.crc32(repr(value).encode())
+
+
+def tensor_fingerprint(tensor: Tensor) -> Tensor:
+    """Two int64 sums over the flattened values (their bits for floats), on the tensor's device:
+    sum_i v_i (2i + 1) and sum_i v_i hash(i), every term mod 2^31, v_i = the value's 64 bits folded
+    to 31. Equal tensors give equal sums; a changed, swapped or shifted element changes them (for
+    all but contrived inputs). A few elementwise integer kernels, no host synchronization."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    elif flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view(_SAME_WIDTH_INT[flat.element_size()])
+    bits = flat.to(torch.int64)
+    if flat.element_size() == 8:  # fold the high 33 bits in: ids >= 2^31 or float64 bit patterns
+        bits = bits ^ (bits >> 31)
+    values = bits & _MASK
+    position = torch.arange(values.numel(), dtype=torch.int64, device=values.device)
+    by_position = ((values * (2 * position + 1)) & _MASK).sum()
+    by_hash = ((values * ((position * _SCRAMBLE) | 1)) & _MASK).sum()
+    return torch.stack([by_position, by_hash])
+
+
+class Agreement:
+    """The checks and must-agree values of one call (see the module doc).
+
+    `checks`: the names of every check this call can fail (the same tuple on every rank).
+    Register values with `equal` / `equal_count` / `equal_tensor` / `maximum` / `maximum_count`
+    (each returns a key), then `agree()` raises or returns an object whose `[key]` is the agreed
+    value (the maximum over ranks). Without a group (one rank) nothing can differ: tensors are not
+    fingerprinted, and the vector only carries the checks and the counts.
+    """
+
+    def __init__(self, fn_name: str, group, device: torch.device, checks):
+        self.fn_name, self.group, self.device = fn_name, group, device
+        self.single_rank = reductions.group_size(group) == 1
+        self.checks = tuple(checks)
+        self.problems: dict = {}
+        self._host: list = []  # int64 entries
+        self._dev: list = []  # 0-d / 1-d int64 tensors on `device`
+        self._slots: list = []  # (key, kind, name, message, host index or (dev index, width))
+
+    # -- registration --------------------------------------------------------------------------
+    def fail(self, name: str, message: str) -> None:
+        assert name in self.checks, name
+        self.problems.setdefault(name, message)
+
+    def failed(self, *names) -> bool:
+        return any(name in self.problems for name in names)
+
+    def equal(self, name: str, value, message: Optional[str] = None, *, show_range: bool = False):
+        """A plain value (number, flag, name, dtype, tuple ...) that must be the same on every
+        rank; `show_range` prints the smallest and largest value (ints) in the error."""
+        assert not isinstance(value, Tensor), "use equal_count / equal_tensor for tensors"
+        code = value_code(value)
+        return self._add_host("equal", name, message, [code, ~code], show_range)
+
+    def equal_count(self, name: str, count, message: Optional[str] = None):
+        """An integer computed on the device (a 0-d tensor; an int where a rank has none) that
+        must be the same on every rank; kept on the device (no host synchronization here)."""
+        count = self._on_device(count)
+        return self._add_dev("equal", name, message, torch.cat([count, ~count]), True)
+
+    def equal_tensor(self, name: str, tensor, message: Optional[str] = None):
+        """A tensor (or None, or a plain value) that must be the same on every rank: its shape and
+        dtype by a host code, its values by `tensor_fingerprint`."""
+        if self.single_rank:
+            return None
+        if isinstance(tensor, Tensor):
+            self.equal(name, (tuple(tensor.shape), str(tensor.dtype)), message)
+            fingerprint = tensor_fingerprint(tensor).to(self.device)
+        else:  # the same layout as for a tensor
+            self.equal(name, ("not a tensor", value_code(tensor)), message)
+            fingerprint = torch.zeros(2, dtype=torch.int64, device=self.device)
+        return self._add_dev("equal", name, message, torch.cat([fingerprint, ~fingerprint]), False)
+
+    def maximum(self, name: str, value: int):
+        """A plain int (a flag, an option); agreed = its max over ranks."""
+        assert not isinstance(value, Tensor), "use maximum_count for tensors"
+        return self._add_host("max", name, None, [int(value)], False)
+
+    def maximum_count(self, name: str, count):
+        """An integer computed on the device (a 0-d tensor; an int where a rank has none);
+        agreed = its max over ranks."""
+        return self._add_dev("max", name, None, self._on_device(count), False)
+
+    def _on_device(self, count) -> Tensor:
+        if isinstance(count, Tensor):
+            return count.to(device=self.device, dtype=torch.int64).reshape(1)
+        return torch.full((1,), int(count), dtype=torch.int64, device=self.device)
+
+    def _add_host(self, kind, name, message, entries, show_range):
+        key = len(self._slots)
+        self._slots.append((key, kind, name, message, ("host", len(self._host), len(entries)), show_range))
+        self._host.extend(entries)
+        return key
+
+    def _add_dev(self, kind, name, message, entries: Tensor, show_range):
+        key = len(self._slots)
+        offset = sum(t.numel() for t in self._dev)
+        self._slots.append((key, kind, name, message, ("dev", offset, entries.numel()), show_range))
+        self._dev.append(entries)
+        return key
+
+    # -- the collective ----------------------------------------------------------------------------
+    def agree(self, extra_messages=None) -> "Agreed":
+        """One all-reduce MAX of [failed checks | host entries | device entries]; raise the same
+        ValueError on every rank if anything failed or differs. `extra_messages(agreed)` may add
+        messages computed from the agreed values (e.g. a bad label's example)."""
+        flags = [int(name in self.problems) for name in self.checks]
+        vector = torch.tensor(flags + self._host, dtype=torch.int64).to(self.device)
+        if self._dev:
+            vector = torch.cat([vector] + [t.reshape(-1) for t in self._dev])
+        values = reductions.max_over_ranks(vector, self.group).tolist()
+
+        head = len(flags)
+        dev_start = head + len(self._host)
+        agreed = Agreed()
+        messages, named = [], set()
+        for name, failed in zip(self.checks, values[:head]):
+            if failed:
+                messages.append(self.problems.get(name, f"{name}: invalid on another tensor-parallel rank"))
+                named.add(name)
+        # A failed check explains the values that differ (a rank that failed registers None):
+        # differences are reported only when every check passed everywhere.
+        report_differences = not messages
+        for key, kind, name, message, (where, offset, width), show_range in self._slots:
+            start = (head if where == "host" else dev_start) + offset
+            entries = values[start:start + width]
+            if kind == "max":
+                agreed.values[key] = entries[0]
+                continue
+            half = width // 2
+            largest, complement = entries[:half], entries[half:]
+            agreed.values[key] = largest[0]
+            if not report_differences or all(a == ~b for a, b in zip(largest, complement)) or name in named:
+                continue
+            named.add(name)
+            if message is None:
+                message = (f"{name}: differs across tensor-parallel ranks; every rank of the group "
+                           f"must pass the same {name}")
+            if show_range:
+                message += f" ({~complement[0]} to {largest[0]})"
+            messages.append(message)
+        if extra_messages is not None:
+            messages.extend(extra_messages(agreed))
+        if messages:
+            raise ValueError(f"{self.fn_name}: " + "; ".join(messages))
+        return agreed
+
+
+class Agreed:
+    def __init__(self):
+        self.values = {}
+
+    def __getitem__(self, key):
+        return self.values[key]
+
+
+def finite_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
