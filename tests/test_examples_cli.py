@@ -5,6 +5,7 @@ exit status 2, no traceback); and what the core install brings."""
 from __future__ import annotations
 
 import ast
+import glob
 import importlib.util
 import os
 import re
@@ -171,13 +172,16 @@ def test_install_requirements():
 
 
 def test_multigpu_suite_on_a_cpu_machine_exits_0():
-    """`torchrun --nproc_per_node 2 -m pytest tests/test_multigpu.py -m multigpu -q` on a machine
+    """`torchrun --nproc_per_node 2 -m pytest tests/test_multigpu*.py -m multigpu -q` on a machine
     without 2 GPUs: each rank says why it skipped and exits 0 (pytest's "no tests ran", exit 5,
     would be a torchrun ChildFailedError). Run here as one rank of it."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     env.update(PYTHONPATH=ROOT, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_multigpu.py", "-m", "multigpu",
+    files = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_multigpu*.py")))
+    proc = subprocess.run([sys.executable, "-m", "pytest", *files, "-m", "multigpu",
                            "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     assert proc.returncode == 0, proc.stdout
     assert "tests/test_multigpu.py skipped: needs torchrun with >= 2 CUDA GPUs" in proc.stdout
+    for f in files:
+        assert f"{f} skipped: needs torchrun" in proc.stdout, f

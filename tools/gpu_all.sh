@@ -13,8 +13,8 @@ step() {  # step NAME SECONDS GPUS NPROC ARGS...
   CUDA_VISIBLE_DEVICES=$gpus timeout "$secs" $run --nproc_per_node "$np" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: exit $? in $(( $(date +%s) - t0 ))s"; tail -n 4 "$OUT/$name.log"
 }
-step pytest_tp2 130 0,1 2 -m pytest tests/test_multigpu.py -m multigpu -q -p no:cacheprovider
-step pytest_tp4 130 0,1,2,3 4 -m pytest tests/test_multigpu.py -m multigpu -q -p no:cacheprovider
+step pytest_tp2 130 0,1 2 -m pytest tests/test_multigpu*.py -m multigpu -q -p no:cacheprovider
+step pytest_tp4 130 0,1,2,3 4 -m pytest tests/test_multigpu*.py -m multigpu -q -p no:cacheprovider
 step bench_tp4 140 0,1,2,3 4 tools/benchmark.py --tp 4 --shapes 8192x4096x128256 --chunks auto,4096 --out "$OUT/tp4"
 step bench_tp2 120 0,1 2 tools/benchmark.py --tp 2 --shapes 8192x4096x128256 --chunks auto,4096 --out "$OUT/tp2"
 grep -h -A40 "^|" "$OUT"/tp4/tp4_results.md "$OUT"/tp2/tp2_results.md 2>/dev/null | head -80

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device-machine script for tensor parallel (run tool, a multi-GPU kind): peers from carried wheels,
-# the multi-GPU pytest suite (NCCL), then the TP benchmark (tools/benchmark.py --tp N). Logs under $OUT.
+# the multi-GPU pytest suite (NCCL, tests/test_multigpu*.py), then the TP benchmark (tools/benchmark.py --tp N). Logs under $OUT.
 #   run(command="bash tools/gpu_tp.sh 2 [benchmark args]", carry=[".wheels"], kind="nvidia-h200-x2")
 #   run(command="bash tools/gpu_tp.sh 4 [benchmark args]", carry=[".wheels"], kind="nvidia-h200-x4")
 # SKIP_TESTS=1 skips pytest; SKIP_BENCH=1 skips the benchmark.
@@ -14,7 +14,7 @@ cat "$OUT/gpu_tp$NP.txt"
 rc=0
 if [ -z "$SKIP_TESTS" ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m torch.distributed.run --standalone --nproc_per_node "$NP" \
-    -m pytest tests/test_multigpu.py -m multigpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_multigpu_tp$NP.log" | tail -15
+    -m pytest tests/test_multigpu*.py -m multigpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_multigpu_tp$NP.log" | tail -15
   rc=$?
   echo "multi-GPU pytest exit status: $rc"
 fi
