@@ -367,7 +367,7 @@ def test_nccl_distributed_optimizer_overlap_both_install_orders():
 
 
 # ------------------------------------------------------------------------------------------------
-# Context parallelism over NCCL: CP=N equals CP=1 (bf16 GPTModel with GatheredKVAttention)
+# Context parallelism over NCCL: CP=N equals CP=1 (fp32 GPTModel with GatheredKVAttention)
 # ------------------------------------------------------------------------------------------------
 CP_GPU_LAYOUTS = {  # name: (tp, cp, sequence_parallel); dp = world // (tp * cp)
     "cp2": (1, 2, False),
