@@ -154,8 +154,10 @@ def schema_for(example: str) -> Schema:
         train["updates_per_rollout"] = Int(1)
         rollout = {"num_prompts": Int(), "samples_per_prompt": Int(),
                    "temperature": Float(1.0, positive=True), "engine_logprob_noise": Float(0.0)}
+        # the rollouts' sampler (LogprobsPostProcessor top_k / top_p / min_p); defaults = off
+        sampling = {"top_k": Int(None, nullable=True), "top_p": Float(1.0), "min_p": Float(0.0)}
         return {**common, "data": {"seq_length": Int(), "prompt_length": Int()}, "train": train,
-                "rollout": rollout, "grpo": _grpo_section()}
+                "rollout": rollout, "sampling": sampling, "grpo": _grpo_section()}
     raise ValueError(f"no config schema for example {example!r}")
 
 

@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --pp 2 --compare-unfused
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --cp 2 --compare-unfused
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py grpo.beta=0 grpo.force_on_policy_ratio=true
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py --tp 2 sampling.top_p=0.9 sampling.top_k=50
 
 Per rollout step:
 1. rollout (mocked): responses, rewards -> group advantages, and the inference engine's
@@ -11,6 +12,11 @@ Per rollout step:
    `force_on_policy_ratio`) and the reference model's (only if `beta > 0`); whatever
    `grpo_logprob_passes(config)` does not ask for is not run (the reference model is not even built);
 3. `updates_per_rollout` optimizer steps, each on a minibatch of the rollout.
+
+`sampling.top_k` / `sampling.top_p` / `sampling.min_p` are the rollouts' sampler settings: every
+log-prob pass (old policy, training) is then of the distribution the engine sampled from, and a
+token outside its kept set gets -inf and is excluded from the loss (shown as `excluded`, the
+fraction of loss tokens, token-level losses).
 """
 
 import torch
@@ -100,8 +106,9 @@ def main():
     reference = None
     if grpo_logprob_passes(config)["reference"]:
         reference = build_frozen_copy(model, cfg, parallel_state)
-    # No entropy requested: the fused loss then makes its gradients in the forward pass.
-    post = LogprobsPostProcessorFor(cfg, fused, temperature=cfg["rollout"]["temperature"])
+    # No entropy requested: the fused loss then makes its gradients in the forward pass (unless a
+    # sampler filter is set: the log-probs path then serves the loss).
+    post = LogprobsPostProcessorFor(cfg, fused, temperature=cfg["rollout"]["temperature"], **cfg["sampling"])
     optimizer = MainGradAdamW(model, lr=train["lr"])
     seq = cfg["data"]["seq_length"]
 
@@ -138,8 +145,11 @@ def main():
                 metrics += run_batches(model, batches[u * per_update:(u + 1) * per_update],
                                        make_loss_func)
             optimizer.step()
-        shown = reduce_metrics(metrics, parallel_state)
-        shown = {k: shown[k] for k in ("loss", "kl", "ratio_mean", "is_ratio_mean") if k in shown}
+        reduced = reduce_metrics(metrics, parallel_state)
+        shown = {k: reduced[k] for k in ("loss", "kl", "ratio_mean", "is_ratio_mean") if k in reduced}
+        if post.filters and "num_excluded_tokens" in reduced and config.normalizer_unit == "tokens":
+            per_kept = reduced["num_excluded_tokens"]  # excluded per counted (kept) loss token
+            shown["excluded"] = per_kept / (1.0 + per_kept)
         tokens = cfg["rollout"]["num_prompts"] * cfg["rollout"]["samples_per_prompt"] * seq
         progress.update(shown, tokens=tokens * (1 + len(ran)), reward=f"{reward:.3f}",
                         passes="+".join(ran))

@@ -90,12 +90,13 @@ def reduce_metrics(metrics):
     return out
 
 
-def parity_worker(rank, world, setup: Setup, kinds, data_replicas=None):
+def parity_worker(rank, world, setup: Setup, kinds, data_replicas=None, sampler=None):
     """One training step per loss kind, unfused then fused, on this rank's CP slices.
 
     DP rank d trains on the micro-batches of seed 100 + d (100 + d % data_replicas: a CP=1
     reference on more DP ranks then repeats the CP run's data, which leaves every gradient and
-    logged mean unchanged)."""
+    logged mean unchanged). `sampler`: the post-processor's sampler settings (top_k / top_p /
+    min_p / return_topk)."""
     from megatron.core import parallel_state as ps
 
     chunks = common.build(setup)
@@ -106,7 +107,7 @@ def parity_worker(rank, world, setup: Setup, kinds, data_replicas=None):
               "cp_rank": ps.get_context_parallel_rank(), "last": last}
     cp_group = context_parallel_group()
     for kind in kinds:
-        post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+        post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB, **(sampler or {}))
         dp_rank = ps.get_data_parallel_rank()
         whole = common.make_batches("sft" if kind == "sft" else "grpo", NUM_MICROBATCHES,
                                     seed=100 + (dp_rank % data_replicas if data_replicas else dp_rank))
@@ -115,20 +116,22 @@ def parity_worker(rank, world, setup: Setup, kinds, data_replicas=None):
         for mode in ("unfused", "fused"):
             (install_fused_output_layer if mode == "fused" else uninstall_fused_output_layer)(
                 chunks, *((fused,) if mode == "fused" else ()))
-            sharded = gathered = None
+            sharded = gathered = gathered_topk = None
             if kind != "sft":
                 kw = dict(seq_length=SEQ, micro_batch_size=MBS)
                 sharded = [o.logprobs for o in compute_logprobs(chunks, batches, common.forward_fn, post, **kw)]
-                gathered = [o.logprobs for o in compute_logprobs(chunks, batches, common.forward_fn, post,
-                                                                 layout="gathered", **kw)]
+                outs = compute_logprobs(chunks, batches, common.forward_fn, post, layout="gathered", **kw)
+                gathered = [o.logprobs for o in outs]
+                if post.return_topk:  # top-k log-probs and ids gathered like the log-probs
+                    gathered_topk = [(o.topk_logprobs, o.topk_ids) for o in outs]
             metrics = common.run_step(chunks, batches, _loss_func_maker(kind, post, sharded))
-            run = {"grads": common.grads(chunks), "gathered": gathered,
+            run = {"grads": common.grads(chunks), "gathered": gathered, "gathered_topk": gathered_topk,
                    "metrics": reduce_metrics(metrics) if last else None}
             if gathered is not None:  # the sharded layout is this rank's slice of the gathered one
                 index = positions_on_cp_rank(SEQ, ps.get_context_parallel_world_size(),
                                              ps.get_context_parallel_rank())
-                run["sharded_vs_gathered"] = max(float((s - g[:, index]).abs().max())
-                                                 for s, g in zip(sharded, gathered))
+                run["sharded_is_gathered_slice"] = all(torch.equal(s, g[:, index])
+                                                       for s, g in zip(sharded, gathered))
             report[kind][mode] = run
     assert cp_group is None or dist.get_world_size(cp_group) == setup.cp
     return report
@@ -162,21 +165,35 @@ def check_cp_reports(results, reference_results, kinds=KINDS, *, rtol=RTOL, grad
                         errors.append(err)
                 if want["gathered"] is not None:
                     for a, b in zip(got["gathered"], want["gathered"]):
-                        errors.append(common.max_rel_diff(a, b))
+                        errors.append(_finite_rel_diff(a, b))
                         assert errors[-1] <= rtol, (kind, mode, "gathered log-probs", errors[-1])
-                    assert got["sharded_vs_gathered"] == 0.0
+                    assert got["sharded_is_gathered_slice"], (kind, mode)
+                if want["gathered_topk"] is not None:
+                    for (lp, ids), (want_lp, want_ids) in zip(got["gathered_topk"], want["gathered_topk"]):
+                        assert torch.equal(ids, want_ids), (kind, mode, "gathered top-k ids")
+                        errors.append(common.max_rel_diff(lp, want_lp))
+                        assert errors[-1] <= rtol, (kind, mode, "gathered top-k log-probs", errors[-1])
                 worst[kind] = max(worst.get(kind, 0.0), *errors)
     return worst
 
 
-def _check_parity(setup: Setup, kinds=KINDS):
+def _finite_rel_diff(a, b):
+    """`max_rel_diff` over the finite entries of `b`, which must be where `a`'s are (log-probs
+    outside a sampler's kept set are -inf)."""
+    finite = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), finite) and torch.equal(a[~finite], b[~finite])
+    return common.max_rel_diff(a[finite], b[finite])
+
+
+def _check_parity(setup: Setup, kinds=KINDS, sampler=None):
     reference_setup = Setup(tp=setup.tp, pp=setup.pp, dp=setup.dp, tied=setup.tied, sp=setup.sp,
                             per_token_loss=setup.per_token_loss, gathered_attention=True)
-    reference = run_workers(parity_worker, reference_setup.world, reference_setup, kinds, timeout=240)
-    results = run_workers(parity_worker, setup.world, setup, kinds, timeout=240)
+    reference = run_workers(parity_worker, reference_setup.world, reference_setup, kinds, None, sampler,
+                            timeout=240)
+    results = run_workers(parity_worker, setup.world, setup, kinds, None, sampler, timeout=240)
     worst = check_cp_reports(results, reference, kinds)
-    print(f"{setup}: max relative difference to CP=1 {worst}")
-    return worst
+    print(f"{setup}{' ' + str(sampler) if sampler else ''}: max relative difference to CP=1 {worst}")
+    return worst, reference
 
 
 CP_SETUPS = [
@@ -191,7 +208,19 @@ CP_SETUPS = [
 
 @pytest.mark.parametrize("setup", CP_SETUPS, ids=str)
 def test_context_parallel_equals_cp1(setup, record_property):
-    record_property("max_rel_diff", _check_parity(setup))
+    record_property("max_rel_diff", _check_parity(setup)[0])
+
+
+def test_context_parallel_with_sampler_settings(record_property):
+    """The rollouts' sampler settings (top_p, top_k, return_topk) compose with CP: SFT and GRPO
+    at CP=2 equal CP=1, with labels outside the kept set (-inf log-probs) excluded from the loss
+    and from Megatron's count on the rank that holds them, and the top-k fields gathered."""
+    worst, reference = _check_parity(Setup(cp=2), ("sft", "grpo"),
+                                     dict(top_k=40, top_p=0.9, return_topk=3))
+    last = [r for r in reference if r["last"]]
+    assert all(r["grpo"]["fused"]["metrics"]["num_excluded_tokens"] > 0 for r in last)
+    assert any(bool(torch.isinf(lp).any()) for r in last for lp in r["grpo"]["fused"]["gathered"])
+    record_property("max_rel_diff", worst)
 
 
 # ------------------------------------------------------------------------------------------------

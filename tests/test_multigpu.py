@@ -7,6 +7,9 @@ Every rank runs the same tests in the same order; results are all-gathered and e
 every rank's result, so a failure fails on all ranks alike (no rank left waiting in a collective).
 Skipped unless launched by torchrun with >= 2 CUDA devices.
 
+Also: the sampler-fidelity cases of test_sampling.py (top_k / top_p / min_p / return_topk, with
+the exact searches forced too) and a large bf16 Triton-vs-torch comparison of them.
+
 Also: a real bf16 GPTModel (Float16Module) trained one step with `get_forward_backward_func`,
 fused vs unfused, for SFT, DPO and GRPO (with and without entropy), comparing every micro-batch's
 loss, the forward-only log-probs and the gradient of every parameter after Megatron's DDP +
@@ -149,6 +152,77 @@ def test_nccl_arguments_that_differ_raise_on_every_rank(case):
             "sequence_parallel": "sequence_parallel", "bad_label": "labels"}[case]
     for r, msg in enumerate(_gather(message)):
         assert msg is not None and name in msg, (r, msg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampler fidelity (top_k / top_p / min_p / return_topk) over NCCL
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype,ints", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-ties"])
+@pytest.mark.parametrize("searched", [False, True], ids=["candidates", "searched"])
+def test_nccl_sampled_logprobs_match_dense_reference(impl, dtype, ints, searched, monkeypatch):
+    """test_sampling.py's float64 reference cases on the GPU (searched: every exact search forced)."""
+    import test_sampling
+    from megatron_fused_ce.ops import sampling
+
+    if searched:
+        monkeypatch.setattr(sampling, "CANDIDATES", 2)
+        monkeypatch.setattr(sampling, "MAX_TOP_K_CANDIDATES", 2)
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    case = test_sampling.make_case(zlib.crc32(repr((impl, str(dtype), searched)).encode()) % 1000, tp,
+                                   dtype=dtype, ints=ints, sp=True, seq=4 * tp)
+    cuda_case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    for params in test_sampling.PARAMS:
+        out = test_sampling._run(rank, tp, cuda_case, params, impl=impl)
+        results = _gather({k: None if v is None else v.cpu() for k, v in out.items()})
+        test_sampling.check(case, params, results, what="nccl sampled ")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_nccl_large_bf16_sampled_triton_matches_torch(sp):
+    """N=4096, H=1024, V=32000 (+pad) bf16 at T=0.25 (peaked rows): top_p=0.9 + top_k=50 +
+    return_topk=20 with the Triton kernels equal the torch backend: the same kept sets and top-k
+    ids on every rank, values and gradients to bf16 rounding; prints the share of searched rows."""
+    from megatron_fused_ce.ops import sampling
+
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator(device="cuda").manual_seed(321)
+    n, h_size, vocab = 4096, 1024, 32000
+    v_local = -(-vocab // tp) + 64
+    hidden = torch.randn(n, h_size, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v_local * tp, h_size, device="cuda", generator=g) / h_size**0.5 * 2).bfloat16()
+    labels = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    labels[::3] = (hidden.float() @ weight[:vocab].float().t()).argmax(dim=1)[::3]  # kept tokens
+    labels[::7] = -100
+    n_local = n // tp
+    runs = {}
+    for impl in ("triton", "torch"):
+        sampling.SEARCH_COUNTS.clear()
+        h_in = (hidden[rank * n_local:(rank + 1) * n_local] if sp else hidden).clone().requires_grad_()
+        w_in = weight[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+        out = linear_logprobs(h_in, w_in, labels, tp_group=dist.group.WORLD, vocab_size=vocab, temperature=0.25,
+                              chunk_size=1000, sequence_parallel=sp, impl=impl, top_p=0.9, top_k=50,
+                              return_topk=20, return_entropy=True)
+        finite = torch.isfinite(out.logprobs)
+        (torch.where(finite, out.logprobs, 0.0).sum() + out.entropy.sum()).backward()
+        runs[impl] = (out, h_in.grad, w_in.grad, dict(sampling.SEARCH_COUNTS))
+    (a, dxa, dwa, counts), (b, dxb, dwb, _) = runs["triton"], runs["torch"]
+    finite = torch.isfinite(b.logprobs)
+    checks = {
+        "same kept labels": bool(torch.equal(torch.isfinite(a.logprobs), finite)),
+        "same topk ids": bool(torch.equal(a.topk_ids, b.topk_ids)),
+        "some labels outside": bool((~finite).any()) and bool(finite[labels != -100].any()),
+        "lp": reference.rel_err(a.logprobs[finite], b.logprobs[finite]),
+        "entropy": reference.rel_err(a.entropy, b.entropy),
+        "topk_lp": reference.rel_err(a.topk_logprobs, b.topk_logprobs),
+        "dX": reference.rel_err(dxa, dxb), "dW": reference.rel_err(dwa, dwb),
+    }
+    print(f"rank {rank}: searched rows {counts}")
+    gathered = _gather((checks, a.logprobs.cpu(), a.topk_ids.cpu()))
+    for rank_checks, lp, ids in gathered:
+        for name, value in rank_checks.items():
+            assert value is True or (not isinstance(value, bool) and value < 1e-2), (name, value)
+        assert torch.equal(lp, gathered[0][1]) and torch.equal(ids, gathered[0][2])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,6 +22,14 @@ What is measured, per shape (N tokens, H hidden, V vocab):
   ours_ce_fp32_logits@C, ours_logprobs_fp32_logits@C  ours_ce / ours_logprobs with
                      logits_dtype=torch.float32 (fp32-output logits GEMM; the cost of the option)
   ours_grpo@C        megatron_fused_ce.losses linear_grpo_loss (DAPO, beta=0) when it exists
+  ours_top_p@C, ours_top_k@C, ours_topk20@C
+                     linear_logprobs with top_p=0.9 / top_k=50 / return_topk=20 (sampler
+                     fidelity), backward through -sum(finite lp)/N, at --sampler-temperature
+                     (default 0.25: logits of std ~8, a peaked next-token distribution like a
+                     trained LM's; the random inputs at T=1 are nearly flat over the vocab);
+                     "× plain" = time / ours_logprobs at the same chunk, same run. Notes give the
+                     rows that took the exact search (nucleus longer than the candidates).
+  ours_top_p_flat@C  top_p=0.9 at T=1 (flat rows: every row takes the exact search; worst case)
 C = "auto" uses the package's default chunk size. Peers that are not installed, or fail, are
 skipped with a note. Every method's loss, dX and dW are checked against torch_eager (rel. error).
 
@@ -81,7 +89,8 @@ SWEEP_N = [8192, 16384, 32768, 65536, 131072]
 QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
 QUICK_SHAPES_CPU = [(48, 32, 500)]
 DEFAULT_IMPLS = ("floor,torch_eager,torch_compile,megatron,liger,cce,ours_logprobs,ours_ce,"
-                 "ours_ce_torch,ours_ce_main_grad,ours_grpo,ours_ce_fp32_logits,ours_logprobs_fp32_logits")
+                 "ours_ce_torch,ours_ce_main_grad,ours_grpo,ours_ce_fp32_logits,ours_logprobs_fp32_logits,"
+                 "ours_top_p,ours_top_k,ours_topk20")
 SWEEP_IMPLS = "floor,torch_eager,megatron,liger,cce,ours_logprobs,ours_ce,ours_ce_main_grad,ours_grpo"
 GIB = 1024.0 ** 3
 
@@ -249,9 +258,33 @@ def make_ours_grpo(h, w, y, chunk):
     return step
 
 
+SAMPLER_TEMPERATURE = 0.25  # --sampler-temperature
+SAMPLERS = {"ours_top_p": dict(top_p=0.9), "ours_top_k": dict(top_k=50), "ours_topk20": dict(return_topk=20),
+            "ours_top_p_flat": dict(top_p=0.9)}
+
+
+def _sampled_logprobs_loss(name, h, w, y, chunk, **kwargs):
+    """-sum of the finite log-probs / N under the sampler settings of `name`."""
+    temperature = 1.0 if name.endswith("_flat") else SAMPLER_TEMPERATURE
+    lp = linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(), temperature=temperature,
+                         **SAMPLERS[name], **kwargs).logprobs
+    return -torch.where(torch.isfinite(lp), lp, 0.0).sum() / h.shape[0]
+
+
+def _sampler_maker(name):
+    def make(h, w, y, chunk):
+        step = lambda: _grads(_sampled_logprobs_loss(name, h, w, y, chunk), h, w)  # noqa: E731
+        step.loss_kind = "sampled"  # not the CE of torch_eager: no error check here
+        return step
+    return make
+
+
+for _name in SAMPLERS:
+    globals()["make_" + _name] = _sampler_maker(_name)
+
 MAKERS = {name[len("make_"):]: fn for name, fn in globals().items() if name.startswith("make_")}
 CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo",
-           "ours_ce_fp32_logits", "ours_logprobs_fp32_logits"}
+           "ours_ce_fp32_logits", "ours_logprobs_fp32_logits", *SAMPLERS}
 ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
 
 
@@ -346,6 +379,29 @@ def resolved_auto_chunk(n, v_local, device, hdim, method):
         return None
 
 
+def _search_note(first_call):
+    """Run the first call with the sampler's search counters reset -> (its output, note)."""
+    from megatron_fused_ce.ops import sampling
+
+    sampling.SEARCH_COUNTS.clear()
+    out = first_call()
+    c = dict(sampling.SEARCH_COUNTS)
+    if not c.get("rows"):
+        return out, "no filter: candidates only"
+    rows = c["rows"]
+    searched = c.get("top_p_search_rows", 0) + c.get("top_k_search_rows", 0)
+    return out, f"exact search {searched}/{rows} rows ({100.0 * searched / rows:.1f}%)"
+
+
+def add_x_plain(rows):
+    """Sampler rows: time / ours_logprobs at the same chunk (and TP), same run."""
+    plain = {r["chunk"]: r for r in rows if r["method"] in ("ours_logprobs",) and "ms" in r}
+    for r in rows:
+        if r["method"] in SAMPLERS and "ms" in r and r["chunk"] in plain:
+            r["x_plain"] = r["ms"] / plain[r["chunk"]]["ms"]
+            r["note"] = (r.get("note", "") + "; " if r.get("note") else "") + f"× plain {r['x_plain']:.3f}"
+
+
 def run_one(name, chunk, h, w, y, args, reference=None):
     n, hdim = h.shape
     v = w.shape[0]
@@ -358,7 +414,10 @@ def run_one(name, chunk, h, w, y, args, reference=None):
     try:
         step = MAKERS[name](h, w, y, chunk)
         t0 = time.perf_counter()
-        out = step()  # first call: compiles (torch.compile, Triton JIT)
+        if name in SAMPLERS:
+            out, row["note"] = _search_note(step)
+        else:
+            out = step()  # first call: compiles (torch.compile, Triton JIT)
         sync()
         row["first_call_s"] = time.perf_counter() - t0
         if reference is not None and getattr(step, "loss_kind", "ce") == "ce":
@@ -447,6 +506,7 @@ def bench_shape(shape, impls, args, device, results, section, check=True):
         if floor_ms and "ms" in row:
             row["x_floor"] = row["ms"] / floor_ms
             row["floor_ms"] = floor_ms
+    add_x_plain(rows)
     write_json(results, args.out)
     del h, w, y, reference
     free()
@@ -557,6 +617,66 @@ def kernel_check_and_breakdown(args, device, results, shape, chunk):
 
 
 # ------------------------------------------------------------------------------ reports
+def sampler_kernel_check(args, device, results, shape, chunk):
+    """The sampler-fidelity Triton kernels vs their torch reference on one production chunk
+    (candidates must be identical), and their cost next to the plain stats kernel."""
+    from megatron_fused_ce.ops import sampling_torch as st, sampling_triton as sx, triton_backend as tb
+    _, hdim, v = shape
+    out = dict(shape=list(shape), chunk=chunk, checks={}, times_ms={})
+    log(f"\n== sampler kernels: chunk [{chunk}, {v}] bf16, H={hdim}, T={SAMPLER_TEMPERATURE}")
+    g = torch.Generator(device=device).manual_seed(6)
+    h = torch.randn(chunk, hdim, device=device, generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, hdim, device=device, generator=g) / math.sqrt(hdim) * 2).to(torch.bfloat16)
+    logits, nvc, inv_t, start = h @ w.t(), v - 17, 1.0 / SAMPLER_TEMPERATURE, 1000
+    tgt = torch.randint(-1, nvc, (chunk,), device=device, generator=g)
+    for m in (20, 50, 128):
+        a, b = sx.shard_candidates(logits, nvc, inv_t, start, m), st.shard_candidates(logits, nvc, inv_t, start, m)
+        out["checks"][f"candidates M={m} identical"] = bool(torch.equal(a, b))
+    cz, cid, _ = st.decode_keys(st.shard_candidates(logits, nvc, inv_t, start, 128))
+    row_max, z_cut, id_cut = cz[:, 0], cz[:, 9], cid[:, 9]  # keep the first 10 tokens
+    a = sx.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut, id_cut, want_entropy=True, want_total=True)
+    b = st.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut, id_cut, want_entropy=True, want_total=True)
+    for f in ("sum_exp", "sum_exp_shifted", "total", "target"):
+        out["checks"][f"kept_sums.{f}"] = rel_err(getattr(a, f), getattr(b, f))
+    log_s = torch.log(b.sum_exp)
+    cp, cpz, ct = (torch.randn(chunk, device=device, generator=g) for _ in range(3))
+    args_d = (tgt, nvc, inv_t, start, row_max, log_s, z_cut, id_cut, cp, cpz, ct)
+    out["checks"]["kept_dlogits"] = rel_err(sx.kept_dlogits_(logits.clone(), *args_d),
+                                            st.kept_dlogits_(logits.clone(), *args_d))
+    bad = [k for k, e in out["checks"].items() if e is False or (isinstance(e, float) and not e < 1e-4)]
+    out["ok"] = not bad
+    log("  sampler kernel check: " + ("OK" if not bad else f"FAILED: {bad}"))
+    buf = logits.clone()
+    ones = torch.ones(chunk, device=device)
+    ops = {
+        "plain: triton shard_stats": lambda: tb.shard_stats(logits, tgt, nvc, inv_t),
+        "plain: triton shard_dlogits_": lambda: tb.shard_dlogits_(buf, tgt, nvc, inv_t, row_max, ones, None, -ones,
+                                                                  None, log_sum_exp=log_s),
+        "candidates M=20 (return_topk=20)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 20),
+        "candidates M=50 (top_k=50)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 50),
+        "candidates M=128 (top_p)": lambda: sx.shard_candidates(logits, nvc, inv_t, start, 128),
+        "torch.topk k=128 of the chunk (for scale)": lambda: logits.topk(128, dim=1),
+        "kept_sums (+target, +total)": lambda: sx.kept_sums(logits, tgt, nvc, inv_t, start, row_max, z_cut,
+                                                            id_cut, want_total=True),
+        "kept_dlogits_": lambda: sx.kept_dlogits_(buf, tgt, nvc, inv_t, start, row_max, log_s, z_cut, id_cut, ones,
+                                                  None, -ones),
+    }
+    for name, fn in ops.items():
+        try:
+            ms = time_step(fn, 2, 5, 20, 150)[0]
+            out["times_ms"][name] = ms
+            log(f"    {name:44s} {ms:8.3f} ms  {2 * chunk * v / ms / 1e6:.0f} GB/s (2 B/elt read)")
+        except Exception as exc:  # noqa: BLE001
+            out["times_ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log(f"    {name:44s} failed: {exc}")
+        free()
+    results["sampler_kernels"] = out
+    write_json(results, args.out)
+    del h, w, logits, buf
+    free()
+    return out["ok"]
+
+
 def write_json(results, out_dir, name="results.json"):
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump(results, f, indent=1, default=str)
@@ -586,6 +706,8 @@ def markdown(results):
                     lines.append(f"| {r['impl']} | - | - | - | - | - | - | - | {r.get('skipped', '')[:120]} |")
                     continue
                 note = f"auto = {r['chunk_resolved']} rows" if r.get("chunk_resolved") else ""
+                if r.get("note"):
+                    note = (note + "; " if note else "") + r["note"]
                 lines.append(
                     f"| {r['impl']} | {r['ms']:.2f} | {r['tflops']:.0f} | {_fmt(r.get('x_floor'), '.3f')} | "
                     f"{_fmt(r.get('extra_gib'), '.3f')} | {_fmt(r.get('extra_pct_dense_logits'), '.1f')} | "
@@ -602,6 +724,12 @@ def markdown(results):
         lines.append("")
         lines.append(f"Kernel check (triton vs torch backend, rel. err.): {'OK' if k['ok'] else 'FAILED'}; "
                      f"worst {max((v for v in k['checks'].values() if isinstance(v, float)), default=0):.2e}")
+    if "sampler_kernels" in results:
+        k = results["sampler_kernels"]
+        lines += ["", f"### Sampler kernels: [{k['chunk']}, {k['shape'][2]}] bf16 chunk, "
+                  f"T={SAMPLER_TEMPERATURE}; check vs torch: {'OK' if k['ok'] else 'FAILED'}", "",
+                  "| op | ms |", "|---|---|"]
+        lines += [f"| {name} | {ms if isinstance(ms, str) else format(ms, '.3f')} |" for name, ms in k["times_ms"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -705,7 +833,7 @@ def environment():
 # shapes (N tokens, H, V); every rank holds the full hidden [N, H] (no sequence parallel) and a V/TP
 # vocab shard of the weight. Every method's dX is the full (TP-summed) input gradient, so the
 # Megatron rows all-reduce it after backward, as ColumnParallelLinear's backward does.
-TP_IMPLS = "floor,ours_ce,ours_logprobs,megatron,megatron_fused,liger_tp"
+TP_IMPLS = "floor,ours_ce,ours_logprobs,megatron,megatron_fused,liger_tp,ours_top_p,ours_top_k,ours_topk20"
 TP1_IMPLS = ("floor", "ours_ce", "ours_logprobs")  # measured on rank 0 alone for the scaling table
 SCALED = ("floor", "ours_ce", "ours_logprobs")
 
@@ -736,6 +864,18 @@ def tp_make_ours_logprobs(h, w, y, chunk, ctx):
     n = h.shape[0]
     return lambda: _grads(-linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk,
                                            impl=_impl()).logprobs.sum() / n, h, w)
+
+
+def _tp_sampler_maker(name):
+    def make(h, w, y, chunk, ctx):
+        step = lambda: _grads(_sampled_logprobs_loss(name, h, w, y, chunk, tp_group=ctx.group), h, w)  # noqa: E731
+        step.loss_kind = "sampled"
+        return step
+    return make
+
+
+for _name in SAMPLERS:
+    globals()["tp_make_" + _name] = _tp_sampler_maker(_name)
 
 
 def _tp_grads_allreduce(loss, h, w, ctx):
@@ -892,7 +1032,7 @@ def tp_time_step(step, args, ctx):
 def tp_run_one(name, chunk, h, w, y, args, ctx, reference):
     n, hdim = h.shape
     v_local = w.shape[0]
-    chunked = name in ("ours_ce", "ours_logprobs")
+    chunked = name in ("ours_ce", "ours_logprobs") or name in SAMPLERS
     label = f"{name}@{chunk or 'auto'}" if chunked else name
     row = dict(impl=label, method=name, chunk=(chunk or "auto") if chunked else None, N=n, H=hdim,
                V=v_local * ctx.tp, V_local=v_local, tp=ctx.tp, flops_per_gpu=6.0 * n * hdim * v_local,
@@ -906,10 +1046,13 @@ def tp_run_one(name, chunk, h, w, y, args, ctx, reference):
 
         def first():
             t0 = time.perf_counter()
-            out = step()  # compiles (Triton JIT)
+            if name in SAMPLERS:
+                out, row["note"] = _search_note(step)
+            else:
+                out = step()  # compiles (Triton JIT)
             sync()
             errs = {}
-            if reference is not None and name not in ("floor_gemm", "allreduce"):
+            if reference is not None and name not in ("floor_gemm", "allreduce") and name not in SAMPLERS:
                 loss, dx, dw = out
                 errs = dict(err_loss=rel_err(loss, reference[0]), err_dx=rel_err(dx, reference[1]),
                             err_dw=rel_err(dw, reference[2]))
@@ -1055,6 +1198,7 @@ def tp_bench_shape(shape, impls, chunks, args, ctx, results, tp1_rows):
                 r["floor_ms"], r["floor_gemm_ms"], r["allreduce_ms"] = floor["ms"], gemm["ms"], ar["ms"]
                 r["x_floor"] = r["ms"] / floor["ms"]
                 r["x_floor_gemm"] = r["ms"] / gemm["ms"]
+    add_x_plain(rows)
     if ctx.rank == 0:
         results["scaling"].extend(tp_scaling((n, hdim, v_local * tp), tp, rows, tp1_rows))
         write_json(results, args.out, f"tp{tp}_results.json")
@@ -1168,6 +1312,8 @@ def tp_main(args):
             raise SystemExit(f"unknown TP impl {name!r}; known: {', '.join(m for m in TP_MAKERS)}")
         if name in ("ours_ce", "ours_logprobs"):
             impls.extend((name, c) for c in chunks)
+        elif name in SAMPLERS:
+            impls.append((name, chunks[0]))
         else:
             impls.append((name, None))
 
@@ -1224,6 +1370,7 @@ def parse_shapes(spec):
 
 
 def main(argv=None):
+    global SAMPLER_TEMPERATURE
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", help="comma list of NxHxV (default: the 3 design shapes)")
     p.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma list (default {DEFAULT_IMPLS})")
@@ -1238,6 +1385,8 @@ def main(argv=None):
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=15)
     p.add_argument("--budget-ms", type=float, default=400.0, help="time to spend per method")
+    p.add_argument("--sampler-temperature", type=float, default=SAMPLER_TEMPERATURE,
+                   help="temperature of the top_p/top_k/topk20 rows (0.25: peaked rows like an LM's)")
     tpg = p.add_argument_group("tensor parallel (torchrun --nproc_per_node N tools/benchmark.py --tp N)")
     tpg.add_argument("--tp", type=int, default=0, help="TP size = number of torchrun processes (one per GPU)")
     tpg.add_argument("--tp1", choices=("measure", "none"), default="measure",
@@ -1248,6 +1397,7 @@ def main(argv=None):
     tpg.add_argument("--device", choices=("cuda", "cpu"), help=argparse.SUPPRESS)  # debug: --device cpu
     tpg.add_argument("--backend", choices=("nccl", "gloo"), help=argparse.SUPPRESS)  # debug: --backend gloo
     args = p.parse_args(argv)
+    SAMPLER_TEMPERATURE = args.sampler_temperature
     if args.tp:
         return tp_main(args)
     os.makedirs(args.out, exist_ok=True)
@@ -1275,6 +1425,8 @@ def main(argv=None):
         kshape = shapes[0]
         kernel_chunk = min(4096 if not args.quick else 64, kshape[0])
         results["kernel_ok"] = kernel_check_and_breakdown(args, device, results, kshape, kernel_chunk)
+        if any(name in SAMPLERS for name, _ in impls):
+            results["sampler_kernel_ok"] = sampler_kernel_check(args, device, results, kshape, kernel_chunk)
 
     for shape in shapes:
         bench_shape(shape, impls, args, device, results, "shapes")

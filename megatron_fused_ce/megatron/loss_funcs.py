@@ -93,6 +93,15 @@ def _count(mask: Tensor) -> Tensor:
     return (mask != 0).sum().to(torch.int)
 
 
+def _without_excluded(mask: Tensor, *logprobs: Optional[Tensor]) -> Tensor:
+    """The mask, zero at tokens the losses exclude (a -inf log-prob: the label is outside a
+    sampler's kept set), so that Megatron's count is of the tokens that do reach the loss."""
+    for values in logprobs:
+        if values is not None:
+            mask = torch.where(values.detach() == float("-inf"), torch.zeros_like(mask), mask)
+    return mask
+
+
 def _in_label_layout(mask: Tensor, inputs: dict) -> Tensor:
     """A `[b, s]` mask in the layout of the fused op's labels (`[s, b]` under sequence parallel)."""
     return mask.t() if inputs["sequence_parallel"] else mask
@@ -189,7 +198,8 @@ def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
                               {"loss_mask": loss_mask}, **packing)
         mask = _scored_mask(post_processor, model, loss_mask, labels, **packing)
         count = _count(mask)
-        inputs = post_processor.fused_inputs(output_tensor, model, labels, **packing)
+        inputs = None if getattr(post_processor, "filters", False) else \
+            post_processor.fused_inputs(output_tensor, model, labels, **packing)
         if inputs is not None and bool(((mask == 0) | (mask == 1)).all()):
             # Σ over loss tokens of -log p(label) = the summed cross-entropy of those tokens.
             keep = _in_label_layout(mask, inputs) != 0
@@ -198,6 +208,7 @@ def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
         else:
             lp = post_processor(output_tensor, model, labels, **packing).logprobs
             loss_sum, _ = nll_loss(lp, mask, normalizer=1)
+            count = _count(_without_excluded(mask, lp))
         # token-level: this CP rank's partial sum and count (they add up over CP)
         metrics = _pairs({}, count, {"lm loss": loss_sum})
         return (*cp.for_megatron(loss_sum, count), metrics)
@@ -279,6 +290,12 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
     reduction is over the whole global batch. Pass `old_logprobs` / `reference_logprobs` only when
     `grpo_logprob_passes(config)` asks for them; `sampling_logprobs` (inference engine) enable
     the importance-sampling correction. The post-processor's entropy, if on, is reported.
+
+    Rollouts sampled with top-k / top-p / min-p: give the post-processor the rollout's sampler
+    settings (`LogprobsPostProcessor(..., top_k=, top_p=, min_p=)`, and use the same one for the
+    old-policy pass): the log-probs are then those of the distribution the engine sampled from, a
+    token outside the trainer's kept set gets -inf and is excluded (`num_excluded_tokens`) and
+    left out of the count. This takes the log-probs path (no gradients in the forward pass).
     """
     if config.needs_reference_logprobs and reference_logprobs is None:
         raise ValueError(f"reference_logprobs are required when beta > 0 (beta={config.beta})")
@@ -292,8 +309,9 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
         kwargs = dict(old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs, normalizer=1,
                       reference_logprobs=reference_logprobs if config.needs_reference_logprobs else None,
                       cp_group=cp.group)
-        inputs = None if post_processor.return_entropy else \
+        inputs = None if post_processor.return_entropy or getattr(post_processor, "filters", False) else \
             post_processor.fused_inputs(output_tensor, model, labels)
+        policy_logprobs = None
         # the loss of the whole sequences on every CP rank (sequence terms summed over CP)
         if inputs is not None:
             hidden, weight, token_labels = inputs.pop("hidden"), inputs.pop("weight"), inputs.pop("labels")
@@ -301,8 +319,12 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
                                              **inputs, **kwargs)
         else:
             out = post_processor(output_tensor, model, labels)
+            policy_logprobs = out.logprobs
             loss, metrics = grpo_loss(out.logprobs, advantages, mask, config, **kwargs,
                                       entropy=out.entropy)
+        # Megatron's count: the tokens (sequences) that reach the loss, excluded ones left out
+        old = None if config.force_on_policy_ratio else old_logprobs
+        mask = _without_excluded(mask, policy_logprobs, old, sampling_logprobs)
         if config.normalizer_unit == "sequences" and (config.count_empty_sequences or not config.per_sequence_mean):
             count = cp.once(torch.tensor(mask.shape[0], dtype=torch.int, device=mask.device))
         elif config.normalizer_unit == "sequences":  # sequences with a loss token (on any CP rank)

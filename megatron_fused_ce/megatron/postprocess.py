@@ -16,7 +16,10 @@ the model output. Follow one token t of row i:
 3. Fusion off: `output_tensor[i, t]` is the row of logits `[V/TP]`; the same softmax statistics
    (max, sum-exp, target logit, expected logit) are merged over tensor-parallel ranks here.
 Both give `LogprobsOutput(logprobs [b, s], entropy [b, s] | None)`, fp32, identical on all TP
-ranks, of `softmax(z[:vocab_size] / temperature)`.
+ranks, of `softmax(z[:vocab_size] / temperature)` -- or, with the rollouts' sampler settings
+(`top_k` / `top_p` / `min_p`), of the distribution the inference engine sampled from (tokens it
+could not have sampled get -inf; `linear_logprobs` documents the semantics), plus
+`topk_logprobs` / `topk_ids` `[b, s, k]` with `return_topk=k`.
 
 `broadcast_from_last_stage` and `compute_logprobs` carry the result of a forward-only pass
 (reference / old policy log-probs) to every pipeline stage; under context parallelism
@@ -34,7 +37,7 @@ from torch import Tensor
 
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
 from megatron_fused_ce.losses.context_parallel import agree_on_inputs
-from megatron_fused_ce.ops import reductions
+from megatron_fused_ce.ops import reductions, sampling
 from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, is_int
 
 from .config import FusedCEConfig
@@ -128,7 +131,13 @@ class LogprobsPostProcessor:
             multiple of TP x 128) take no part in the softmax. Default: the model's vocab size.
         temperature: logits are divided by it before the softmax (sampling temperature of the
             rollouts in RL). Applied here, i.e. only on the last stage.
-        return_entropy: also return the full-vocab entropy per token.
+        return_entropy: also return the full-vocab entropy per token (of the sampled-from
+            distribution when a sampler filter is set).
+        top_k, top_p, min_p: the rollouts' sampler settings (vLLM semantics, see
+            `linear_logprobs`): log-probs of the truncated, renormalized distribution; a token
+            outside it gets -inf (the losses exclude and count those). None / top_p=1 / min_p=0
+            = off.
+        return_topk: also return `topk_logprobs` / `topk_ids` `[b, s, k]` (full softmax).
         cp_group: the context-parallel group. Default: the model's (megatron's `pg_collection.cp`,
             else `parallel_state`'s); a group of one rank means no context parallelism.
 
@@ -141,19 +150,38 @@ class LogprobsPostProcessor:
 
     def __init__(self, config: FusedCEConfig, *, vocab_size: Optional[int] = None,
                  temperature: float = 1.0, return_entropy: bool = False,
-                 ignore_index: int = IGNORE_INDEX, cp_group=None):
+                 ignore_index: int = IGNORE_INDEX, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, min_p: Optional[float] = None, return_topk: int = 0,
+                 cp_group=None):
         if not finite_real(temperature) or not temperature > 0:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
         if vocab_size is not None and (not is_int(vocab_size) or vocab_size <= 0):
             raise ValueError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
         if not fits_int64(ignore_index):
             raise ValueError(f"ignore_index must be an integer (int64), got {ignore_index!r}")
+        problems = sampling.sampler_problems(top_k, top_p, min_p, return_topk,
+                                             vocab_size if vocab_size is not None else return_topk)
+        for message in problems.values():
+            if message:
+                raise ValueError(message)
         self.config = config
         self.vocab_size = vocab_size
         self.temperature = float(temperature)
         self.return_entropy = return_entropy
         self.ignore_index = ignore_index
         self.cp_group = cp_group
+        self.top_k, self.top_p, self.min_p, self.return_topk = top_k, top_p, min_p, return_topk
+
+    @property
+    def sampler(self) -> dict:
+        """The sampler settings, as `linear_logprobs` takes them."""
+        return dict(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, return_topk=self.return_topk)
+
+    @property
+    def filters(self) -> bool:
+        """Whether a sampler filter may drop tokens (log-probs can then be -inf)."""
+        return ((self.top_k is not None) or (self.top_p is not None and self.top_p < 1.0)
+                or bool(self.min_p))
 
     def tensor_parallel_group(self, model: torch.nn.Module):
         """The model's tensor-parallel group (the vocab shards)."""
@@ -235,9 +263,10 @@ class LogprobsPostProcessor:
 
     def _from_hidden(self, hidden: Tensor, gpt, labels: Tensor) -> LogprobsOutput:
         inputs = self.fused_inputs(hidden, gpt, labels)
-        out = linear_logprobs(**inputs, return_entropy=self.return_entropy)
+        out = linear_logprobs(**inputs, return_entropy=self.return_entropy, **self.sampler)
         if inputs["sequence_parallel"]:  # [s, b] -> [b, s]
-            out = LogprobsOutput(out.logprobs.t(), None if out.entropy is None else out.entropy.t())
+            out = LogprobsOutput(*(None if t is None else t.transpose(0, 1)
+                                   for t in (out.logprobs, out.entropy, out.topk_logprobs, out.topk_ids)))
         return out
 
     # -- fusion off ------------------------------------------------------------------------------
@@ -250,22 +279,27 @@ class LogprobsPostProcessor:
         return vocab_parallel_logprobs(
             logits, labels, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
             vocab_size=self.vocab_size, temperature=self.temperature,
-            ignore_index=self.ignore_index, return_entropy=self.return_entropy)
+            ignore_index=self.ignore_index, return_entropy=self.return_entropy, **self.sampler)
 
 
 def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp_rank: int = 0,
                             tp_size: int = 1, vocab_size: Optional[int] = None,
                             temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
-                            return_entropy: bool = False) -> LogprobsOutput:
+                            return_entropy: bool = False, top_k: Optional[int] = None,
+                            top_p: Optional[float] = None, min_p: Optional[float] = None,
+                            return_topk: int = 0) -> LogprobsOutput:
     """Log-softmax over materialized vocab-parallel logits `[..., V/TP]` (the unfused path).
 
     The same statistics as the fused op, with autograd through the logits: a max (detached) and
     sums of `exp(z - max)`, `exp(z - max) * (z - max)` and the target logit, each all-reduced over
     TP with an identity backward (each rank's partial depends only on its own shard). Bad input
     raises the same ValueError on every rank before the first all-reduce, as in the fused op.
+    With sampler settings the sums run over each row's kept set, found by the fused op's own code
+    (`sampling.sample_logits`), so that both paths keep the same tokens.
     """
+    sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
     _check_logits_arguments(logits, labels, tp_group if tp_size > 1 else None, vocab_size,
-                            temperature, ignore_index, return_entropy)
+                            temperature, ignore_index, return_entropy, sampler)
 
     def tp_sum(x):
         if tp_size == 1:
@@ -279,6 +313,17 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
     start = tp_rank * v_local
 
     valid_col = torch.arange(start, start + v_local, device=logits.device) < vocab_size
+    sp = sampling.sampling_spec(**sampler, true_vocab=vocab_size, vocab_start=start)
+    sampled = None
+    if sp is not None:
+        num_valid_cols = min(max(vocab_size - start, 0), v_local)
+        flat = logits.reshape(-1, v_local)
+        sampled = sampling.sample_logits(flat, tp_group=tp_group if tp_size > 1 else None,
+                                         num_valid_cols=num_valid_cols, inv_temperature=1.0 / temperature,
+                                         sp=sp)
+        if sp.filters:  # the sums run over the kept set only
+            kept = sampled.kept_columns(flat, num_valid_cols, 1.0 / temperature, start)
+            valid_col = valid_col & kept.reshape(logits.shape)
     z = logits.float() / temperature
     z = torch.where(valid_col, z, torch.zeros_like(z))  # padded columns: finite, then excluded
     global_max = z.masked_fill(~valid_col, float("-inf")).amax(-1).detach()
@@ -295,24 +340,36 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
     in_shard = scored & (local_label >= 0) & (local_label < v_local)
     target = z.gather(-1, local_label.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
     target = tp_sum(torch.where(in_shard, target, torch.zeros_like(target)))
-    logprobs = torch.where(scored, target - lse, torch.zeros_like(lse))
+    logprobs = target - lse
+    if sampled is not None and sampled.z_cut is not None:  # a label outside the kept set: -inf
+        local_kept = valid_col.gather(-1, local_label.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
+        label_kept = reductions.sum_over_ranks((local_kept & in_shard).to(torch.int32),
+                                               tp_group if tp_size > 1 else None)
+        logprobs = torch.where(label_kept > 0, logprobs, float("-inf"))
+    logprobs = torch.where(scored, logprobs, torch.zeros_like(lse))
 
     entropy = None
     if return_entropy:
         # H = log S - E[z - M], relative to the max: lse - E[z] would cancel at large |z|
         mean_shifted = tp_sum((exp * shifted).sum(-1)) / sum_exp
         entropy = torch.where(scored, log_sum_exp - mean_shifted, torch.zeros_like(lse))
-    return LogprobsOutput(logprobs, entropy)
+    if sampled is None or sampled.topk_ids is None:
+        return LogprobsOutput(logprobs, entropy)
+    shape = tuple(labels.shape) + (sp.return_topk,)
+    scored_k = scored.unsqueeze(-1)
+    return LogprobsOutput(logprobs, entropy,
+                          torch.where(scored_k, sampled.topk_logprobs.reshape(shape), 0.0),
+                          torch.where(scored_k, sampled.topk_ids.reshape(shape), -1))
 
 
 def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, ignore_index,
-                            return_entropy) -> None:
+                            return_entropy, sampler) -> None:
     """The unfused path's checks, agreed over the TP group in one collective (the fused op's
     machinery, ops/agreement.py): every rank raises the same ValueError, none waits in an
     all-reduce for a rank that raised."""
     device = logits.device if isinstance(logits, Tensor) else torch.device("cpu")
     agreement = Agreement("vocab_parallel_logprobs", tp_group, device,
-                          ("logits", "labels", "vocab_size", "temperature", "ignore_index"))
+                          ("logits", "labels", "vocab_size", "temperature", "ignore_index", *sampler))
     fail = agreement.fail
     tp_size = reductions.group_size(tp_group)
     if not isinstance(logits, Tensor) or logits.dim() < 1 or not logits.dtype.is_floating_point:
@@ -332,6 +389,10 @@ def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, i
     if vocab_size is not None and (not is_int(vocab_size) or not 0 < vocab_size <= padded):
         fail("vocab_size", f"vocab_size must be an integer in [1, {padded}], got {vocab_size!r}")
     true_vocab = vocab_size if vocab_size is not None and not agreement.failed("vocab_size") else padded
+    problems = sampling.sampler_problems(**sampler, true_vocab=true_vocab)
+    for name, message in problems.items():
+        if message:
+            fail(name, message)
     bad = torch.zeros((), dtype=torch.int64, device=device)
     ok = not agreement.failed("logits", "labels", "ignore_index")
     if ok and labels.numel() > 0:
@@ -346,6 +407,8 @@ def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, i
     agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
     agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
     agreement.equal("return_entropy", bool(return_entropy))
+    for name, value in sampling.agreed_values(sampler, problems).items():  # they decide the collectives
+        agreement.equal(name, value)
     agreement.agree(lambda agreed: [
         f"labels: labels outside [0, vocab_size={true_vocab}) that are not ignore_index="
         f"{ignore_index} (on this or another tensor-parallel rank)"] if agreed[bad_key] else [])
@@ -358,6 +421,7 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.bool]
 _MAX_DIMS = 6
 _TENSOR, _LOGPROBS, _LOGPROBS_WITH_ENTROPY = 1, 2, 3
+_WITH_TOPK = 2  # added to a _LOGPROBS kind: topk_logprobs / topk_ids follow (k in the header)
 
 BroadcastValue = Union[Tensor, LogprobsOutput]
 
@@ -386,7 +450,7 @@ def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_grou
         return value
     sender = dist.get_rank() == src
 
-    header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=_comm_device())
+    header = torch.zeros(4 + _MAX_DIMS, dtype=torch.int64, device=_comm_device())
     if sender:
         if value is None:
             raise ValueError("broadcast_from_last_stage: the last stage must pass a value")
@@ -396,28 +460,37 @@ def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_grou
         kind = _TENSOR
         if isinstance(value, LogprobsOutput):
             kind = _LOGPROBS if value.entropy is None else _LOGPROBS_WITH_ENTROPY
+            if value.topk_ids is not None:
+                kind += _WITH_TOPK
+                header[3] = value.topk_ids.shape[-1]
         header[:3] = torch.tensor([kind, _DTYPES.index(first.dtype), first.dim()])
-        header[3:3 + first.dim()] = torch.tensor(first.shape)
+        header[4:4 + first.dim()] = torch.tensor(first.shape)
         header = header.to(first.device)
     dist.broadcast(header, src=src, group=pp_group)
-    kind, dtype, ndim = header[:3].tolist()
-    shape = header[3:3 + ndim].tolist()
+    kind, dtype, ndim, topk = header[:4].tolist()
+    shape = header[4:4 + ndim].tolist()
 
-    def one(tensor: Optional[Tensor]) -> Tensor:
+    def one(tensor: Optional[Tensor], shape=shape, dtype=_DTYPES[dtype]) -> Tensor:
         if sender:
             buffer = tensor.detach().contiguous()
         else:
-            buffer = torch.empty(shape, dtype=_DTYPES[dtype], device=header.device)
+            buffer = torch.empty(shape, dtype=dtype, device=header.device)
         dist.broadcast(buffer, src=src, group=pp_group)
         return tensor if sender else buffer
 
     if kind == _TENSOR:
         return one(value if sender else None)
+    with_topk = kind > _LOGPROBS_WITH_ENTROPY
+    kind -= _WITH_TOPK if with_topk else 0
     logprobs = one(value.logprobs if sender else None)
     entropy = None
     if kind == _LOGPROBS_WITH_ENTROPY:
         entropy = one(value.entropy if sender else None)
-    return LogprobsOutput(logprobs, entropy)
+    if not with_topk:
+        return LogprobsOutput(logprobs, entropy)
+    topk_logprobs = one(value.topk_logprobs if sender else None, shape + [topk], torch.float32)
+    topk_ids = one(value.topk_ids if sender else None, shape + [topk], torch.int64)
+    return LogprobsOutput(logprobs, entropy, topk_logprobs, topk_ids)
 
 
 COMPUTE_LOGPROBS_LAYOUTS = ("sharded", "gathered")
@@ -463,10 +536,12 @@ def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
             layout_offsets = packing["cu_seqlens_padded"] if packing["cu_seqlens_padded"] is not None \
                 else packing["cu_seqlens"]
 
-            def gather(values):
-                return gather_from_cp_ranks(values, cp_group, cu_seqlens_padded=layout_offsets)
+            def gather(values):  # [b, s/CP, ...] -> [b, s, ...] (entropy, top-k too)
+                return None if values is None else gather_from_cp_ranks(
+                    values, cp_group, cu_seqlens_padded=layout_offsets)
 
-            out = LogprobsOutput(gather(out.logprobs), None if out.entropy is None else gather(out.entropy))
+            out = LogprobsOutput(gather(out.logprobs), gather(out.entropy), gather(out.topk_logprobs),
+                                 gather(out.topk_ids))
         zero = output_tensor.new_zeros(())
         return zero, torch.ones((), dtype=torch.int, device=zero.device), {"logprobs": out}
 

@@ -5,6 +5,7 @@ not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this ra
 backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
 (sum of logits, entropy) -> log-prob / entropy / loss here. Ignored rows are dropped before
 the first GEMM: they cost no flops and get exactly zero output and zero gradient.
+With sampler settings (top_k / top_p / min_p / return_topk) the chunk loop is sampling.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import reductions, torch_backend
+from . import reductions, sampling, torch_backend
 from .agreement import Agreement, finite_real, fits_int64, is_int
 from .chunked import (
     ChunkSpec,
@@ -36,9 +37,36 @@ _AUTO_CHUNK_ELEMENTS_CUDA = 512 * 1024 * 1024
 _AUTO_CHUNK_MIN_ROWS_CUDA = 4096
 
 
-class LogprobsOutput(NamedTuple):
+class _LogprobsPair(NamedTuple):
     logprobs: Tensor  # fp32, labels.shape; 0.0 at ignored positions
     entropy: Optional[Tensor]  # fp32, labels.shape (0.0 at ignored positions) or None
+
+
+class LogprobsOutput(_LogprobsPair):
+    """`(logprobs, entropy)`: a NamedTuple of two fields, so `lp, ent = out` keeps working.
+
+    `topk_logprobs` / `topk_ids` (`return_topk=k`: `labels.shape + (k,)`, else None) are
+    attributes outside the tuple for the same reason."""
+
+    topk_logprobs: Optional[Tensor] = None  # class defaults: also what _make / pytrees rebuild
+    topk_ids: Optional[Tensor] = None
+
+    def __new__(cls, logprobs, entropy=None, topk_logprobs=None, topk_ids=None):
+        self = super().__new__(cls, logprobs, entropy)
+        if topk_logprobs is not None or topk_ids is not None:
+            self.topk_logprobs, self.topk_ids = topk_logprobs, topk_ids
+        return self
+
+    def _replace(self, **changes):
+        fields = dict(logprobs=self.logprobs, entropy=self.entropy, topk_logprobs=self.topk_logprobs,
+                      topk_ids=self.topk_ids)
+        fields.update(changes)
+        return type(self)(**fields)
+
+    def __repr__(self):
+        extra = "" if self.topk_ids is None else (f", topk_logprobs={self.topk_logprobs!r}, "
+                                                  f"topk_ids={self.topk_ids!r}")
+        return f"LogprobsOutput(logprobs={self.logprobs!r}, entropy={self.entropy!r}{extra})"
 
 
 def _triton_backend_or_none():
@@ -244,6 +272,10 @@ class TokenStats:
     anchor: Optional[Tensor] = None  # with token_grads: zero scalar carrying dX, dW (add to the loss)
     max: Optional[Tensor] = None  # lse = max + log_sum_exp (plain values, see MergedStats)
     log_sum_exp: Optional[Tensor] = None
+    # sampler fidelity (sampling.py), on the labelled rows
+    kept: Optional[Tensor] = None  # bool: the label is in the kept set (None: no filter)
+    topk_logprobs: Optional[Tensor] = None  # [rows, k]
+    topk_ids: Optional[Tensor] = None  # [rows, k]
 
     def logprob(self) -> Tensor:
         """log p_y of the labelled rows: differentiable as target - lse, valued as
@@ -252,12 +284,14 @@ class TokenStats:
         precise = (self.target.detach() - self.max) - self.log_sum_exp
         return differentiable + (precise - differentiable.detach())
 
-    def to_full(self, values: Tensor) -> Tensor:
-        """[num labelled rows] -> labels.shape with zeros at ignored positions (differentiable)."""
+    def to_full(self, values: Tensor, fill=0) -> Tensor:
+        """[num labelled rows, ...] -> labels.shape + (...) with `fill` at ignored positions
+        (differentiable)."""
+        shape = self.out_shape + tuple(values.shape[1:])
         if self.row_index is None:
-            return values.reshape(self.out_shape)
-        full = values.new_zeros(self.num_rows)
-        return full.index_put((self.row_index,), values).reshape(self.out_shape)
+            return values.reshape(shape)
+        full = values.new_full((self.num_rows,) + tuple(values.shape[1:]), fill)
+        return full.index_put((self.row_index,), values).reshape(shape)
 
 
 def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden_size: int = 0,
@@ -314,7 +348,7 @@ def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
                      chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
                      want_entropy, logits_dtype=None, extra_checks=None, must_agree=None,
-                     token_grads=None) -> TokenStats:
+                     token_grads=None, sampler=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
@@ -323,7 +357,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
     returned statistics are then plain values and `anchor` carries the gradient. fp16 inputs keep
     that contract on the recompute path (see LinearLossGradInForward on why).
-    `logits_dtype`: None (the input dtype, like Megatron's output layer) or torch.float32."""
+    `logits_dtype`: None (the input dtype, like Megatron's output layer) or torch.float32.
+    `sampler`: linear_logprobs' {top_k, top_p, min_p, return_topk} (sampling.py; they join
+    `must_agree`: they decide the collectives made)."""
     weight_param = weight
     hidden, weight = _autocast_inputs(hidden, weight)
     if isinstance(labels, Tensor) and labels.dtype == torch.int32:
@@ -340,7 +376,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         ignore_index=ignore_index, logits_dtype=logits_dtype, want_entropy=want_entropy,
         grad_path=(needs_grad, needs_dx, grad_in_forward),
         fp32_weight_grad_buffer=needs_grad and weight.requires_grad and main_grad_param is None,
-        extra_checks=extra_checks or {}, must_agree=must_agree or {})
+        extra_checks=extra_checks or {}, must_agree={**(must_agree or {}), **(sampler or {})})
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
@@ -375,6 +411,15 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         logits_dtype=logits_dtype,
     )
     anchor = None
+    sampling_spec = None if sampler is None else sampling.sampling_spec(
+        **sampler, true_vocab=agreed.true_vocab, vocab_start=vocab_start)
+    if sampling_spec is not None:  # sampler fidelity: its own chunk loop (sampling.py)
+        with autocast_off(hidden.device):
+            out = sampling.sampled_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
+                                              sampling_spec, needs_grad)
+        return TokenStats(out.target, out.lse, None, out.entropy, row_index, tuple(labels.shape), num_rows,
+                          None, out.max, out.log_sum_exp, kept=out.kept, topk_logprobs=out.topk_logprobs,
+                          topk_ids=out.topk_ids)
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
@@ -412,8 +457,13 @@ def linear_logprobs(
     impl: str = "auto",
     accumulate_into_main_grad: bool = False,
     logits_dtype: Optional[torch.dtype] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    return_topk: int = 0,
 ) -> LogprobsOutput:
-    """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature).
+    """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature), or of the
+    distribution an inference engine's sampler draws from (`top_k` / `top_p` / `min_p`).
 
     Never materializes the [tokens, V_local] logits: see the module docs of api.py and chunked.py.
     `weight` is this rank's contiguous vocab shard (rank r owns ids [r*V_local, (r+1)*V_local));
@@ -426,16 +476,52 @@ def linear_logprobs(
     softmax, as Megatron's unfused output layer does; torch.float32 keeps the GEMM's fp32 output
     (closer to float64 math for bf16/fp16 inputs, at the cost of a chunk twice as large).
     Under torch.autocast the inputs are cast to the autocast dtype first, as F.linear would.
+
+    Sampler fidelity (vLLM V1's sampler; sampling.py cites the functions). With z = logits / T over
+    the unpadded vocab, per token row:
+      1. `min_p` in [0, 1): drop tokens with p_k < min_p * max_j p_j (p = softmax(z)), i.e. keep
+         z_k >= max(z) + log(min_p);
+      2. `top_k` >= 1: keep tokens with z_k >= the k-th largest remaining z (every token tied
+         with the k-th is kept);
+      3. `top_p` in (0, 1]: renormalize what is left and keep the smallest prefix of it, in the
+         order z descending then global id ascending, whose mass is >= top_p: a token is kept iff
+         the renormalized mass ranked strictly before it is < top_p (the first token always is);
+      4. renormalize over the kept set K: logprobs = z_y - logsumexp_K(z) if y is in K, else
+         -inf with no gradient. Gradients are exact on K (K itself is piecewise constant).
+         `return_entropy` then gives the entropy of this renormalized distribution.
+    None (or top_p=1, min_p=0, top_k >= vocab) skips a filter; with none left the result is
+    today's, bit for bit. vLLM orders exactly tied z arbitrarily at the top_p cut; here the
+    lower id comes first. The settings must be the same on every TP rank (checked).
+    `return_topk=k` (0 = off): `LogprobsOutput.topk_logprobs` / `.topk_ids`, labels.shape + (k,):
+    log-probs under the full softmax(z) (not the filtered one) of the k most likely global ids,
+    descending, ties by lower id, never a padded column; identical on every TP rank; no gradient.
+    Ignored positions get logprob 0.0 and id -1. The log-probs and entropy are today's when no
+    filter is set.
+    Cost: per chunk, every rank's M first tokens are all-gathered (M = max(return_topk, top_k,
+    128 with top_p)); rows whose nucleus is longer, or top_k > 1024, take an exact search of up to
+    ~32 extra passes over the chunk (those rows) with one small all-reduce each.
     """
+    true_vocab = vocab_size if is_int(vocab_size) and vocab_size > 0 else (
+        weight.shape[0] * reductions.group_size(tp_group)
+        if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
+    sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
+    problems = sampling.sampler_problems(top_k, top_p, min_p, return_topk, true_vocab)
     stats = token_statistics(
         "linear_logprobs", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
-        want_sum_logits=False, want_entropy=return_entropy)
-    logprobs = stats.to_full(stats.logprob())
+        want_sum_logits=False, want_entropy=return_entropy, extra_checks=problems,
+        sampler=sampling.agreed_values(sampler, problems))
+    logprobs = stats.logprob()
+    if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
+        logprobs = torch.where(stats.kept, logprobs, float("-inf"))
+    logprobs = stats.to_full(logprobs)
     entropy = stats.to_full(stats.entropy) if return_entropy else None
-    return LogprobsOutput(logprobs, entropy)
+    if stats.topk_ids is None:
+        return LogprobsOutput(logprobs, entropy)
+    return LogprobsOutput(logprobs, entropy, stats.to_full(stats.topk_logprobs),
+                          stats.to_full(stats.topk_ids, fill=-1))
 
 
 def linear_cross_entropy(

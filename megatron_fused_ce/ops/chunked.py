@@ -145,8 +145,10 @@ def _weight_grad_dtype(weight: Tensor, num_rows: int, spec: ChunkSpec) -> torch.
     return weight.dtype if num_rows <= spec.chunk_size else torch.float32
 
 
-def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec):
-    """Chunk loop of the forward pass -> reductions.MergedStats over the rows given."""
+def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
+                  on_chunk=None):
+    """Chunk loop of the forward pass -> reductions.MergedStats over the rows given.
+    `on_chunk(logits)`, if given, also sees each chunk's logits (sampling.py: top-k candidates)."""
     backend, partials = spec.backend, []
     for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
         logits = chunk_logits(hidden_rows[start:end], weight, spec)
@@ -160,6 +162,8 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
                 want_entropy=spec.want_entropy,
             )
         )
+        if on_chunk is not None:
+            on_chunk(logits)
         del logits
     if partials:
         stats = ShardStats(**{
@@ -285,12 +289,15 @@ def coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse) -> Optional[di
 
 class LinearSoftmaxStats(torch.autograd.Function):
     """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, entropy, and
-    (not differentiable) lse's two parts, max and log_sum_exp, for precise log-probs."""
+    (not differentiable) lse's two parts, max and log_sum_exp, for precise log-probs.
+
+    `on_chunk` (optional, not differentiated) is handed each chunk's logits in the forward pass
+    (sampling.py collects top-k candidates there)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec):
+    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, on_chunk=None):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        merged = forward_stats(_rows(full_hidden, row_index), weight, local_target, spec)
+        merged = forward_stats(_rows(full_hidden, row_index), weight, local_target, spec, on_chunk)
         ctx.spec = spec
         ctx.num_full_rows = full_hidden.shape[0]
         ctx.set_materialize_grads(False)
@@ -336,7 +343,7 @@ class LinearSoftmaxStats(torch.autograd.Function):
 
         if into_main_grad:
             grad_weight = _main_grad_added(spec.main_grad_param, weight)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _main_grad_added(param: Tensor, weight: Tensor) -> Optional[Tensor]:

@@ -129,6 +129,31 @@ def argmax_over_ranks(values: Tensor, indices: Tensor, group) -> Tensor:
     return candidate
 
 
+# --------------------------------------------------------------------------------------------
+# Sampler fidelity (sampling.py): candidates of every rank, sums of kept-set partials, and the
+# exact-search steps. Every call is made by all ranks in the same order: the decisions that lead
+# to one (which rows need a search, how many steps) are taken on values already identical on
+# every rank (gathered candidates, all-reduced sums).
+# --------------------------------------------------------------------------------------------
+def gather_over_ranks(values: Tensor, group) -> Tensor:
+    """[...] per rank -> [tp, ...] in rank order, which is vocab-id order (one all-gather). Used for
+    the [n, M] candidate keys (O(n * M)) and the per-rank counts of tokens tied at a cut."""
+    world = group_size(group)
+    if world == 1:
+        return values.unsqueeze(0)
+    out = values.new_empty((world * values.shape[0],) + tuple(values.shape[1:]))
+    dist.all_gather_into_tensor(out, values.contiguous(), group=group)
+    return out.view((world,) + tuple(values.shape))
+
+
+def sum_over_ranks(partials: Tensor, group) -> Tensor:
+    """Element-wise sum of per-rank partials (kept-set sums, counts), identical on every rank."""
+    if group_size(group) > 1:
+        partials = partials.clone()
+        dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=group)
+    return partials
+
+
 # ------------------------------------------------------------------------------------------------
 # Context parallelism: the collectives of the losses (megatron_fused_ce.losses).
 #

@@ -1,0 +1,404 @@
+"""Sampler fidelity: linear_logprobs(top_k=, top_p=, min_p=, return_topk=) against a float64 dense
+reference of the same semantics (sampling_reference.py), at TP 1/2/4 over gloo.
+
+Every case: padded vocab (the last shard holds padding columns), temperature 0.7, chunks of 7 rows
+(dividing neither the token count nor the labelled count), ignored tokens, labels both inside and
+outside the kept set, values and dX / dW under non-uniform upstream gradients. "ints" inputs are
+small integers whose logits are exact in every dtype: many exactly tied logits (the bf16 case of
+real models), so the reference decides on exactly the values the op sees.
+
+Tolerances as tests/test_ops.py (relative norm vs float64): fp32 2e-5, bf16 2e-2. The kept set and
+the top-k ids must match exactly.
+"""
+
+import math
+import pickle
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import reference
+import sampling_reference as sref
+from dist import run_workers
+from megatron_fused_ce import LogprobsOutput, linear_logprobs
+from megatron_fused_ce.ops import sampling, sampling_torch
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+PARAMS = [
+    dict(top_k=5),
+    dict(top_p=0.8),
+    dict(min_p=0.1),
+    dict(top_k=12, top_p=0.9, min_p=0.02, return_topk=6),
+]
+
+
+def make_case(seed, tp, *, dtype=torch.float32, ints=False, seq=10, batch=3, hidden=16, vocab=101,
+              extra_pad=3, temperature=0.7, chunk_size=7, ignored=0.25, sp=False):
+    g = torch.Generator().manual_seed(seed)
+    v_local = -(-vocab // tp) + extra_pad
+    if ints:  # integer logits: exact in bf16, many ties
+        hidden_full = torch.randint(-2, 3, (seq, batch, hidden), generator=g).to(dtype)
+        weight_full = (torch.randint(-2, 3, (v_local * tp, hidden), generator=g) * 0.25).to(dtype)
+    else:
+        hidden_full = torch.randn(seq, batch, hidden, generator=g).to(dtype)
+        weight_full = (torch.randn(v_local * tp, hidden, generator=g) * 2.0 / hidden**0.5).to(dtype)
+    z = _dense_z(hidden_full, weight_full, vocab, temperature)
+    # labels: a third random, a third the argmax, a third among the 4 most likely
+    labels = torch.randint(0, vocab, (seq * batch,), generator=g)
+    top4 = z.topk(4, dim=1).indices
+    pick = torch.randint(0, 4, (seq * batch,), generator=g)
+    which = torch.arange(seq * batch) % 3
+    labels = torch.where(which == 1, top4[:, 0], torch.where(which == 2, top4.gather(1, pick[:, None]).squeeze(1), labels))
+    labels = labels.reshape(seq, batch)
+    labels[torch.rand(seq, batch, generator=g) < ignored] = -100
+    return dict(seed=seed, tp=tp, dtype=dtype, hidden=hidden_full, weight=weight_full, labels=labels,
+                grad_lp=torch.randn(seq, batch, generator=g), grad_ent=torch.randn(seq, batch, generator=g),
+                vocab=vocab, v_local=v_local, T=temperature, chunk_size=chunk_size, sp=sp)
+
+
+def _dense_z(hidden, weight, vocab, temperature):
+    return (hidden.double().reshape(-1, hidden.shape[-1]) @ weight.double().t())[:, :vocab] / temperature
+
+
+def _local_inputs(rank, case):
+    v_local = case["v_local"]
+    weight = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    hidden = case["hidden"]
+    if case["sp"]:
+        s_local = hidden.shape[0] // case["tp"]
+        hidden = hidden[rank * s_local:(rank + 1) * s_local]
+    return hidden.clone().requires_grad_(), weight
+
+
+def _group(world):
+    return dist.group.WORLD if world > 1 else None
+
+
+def _run(rank, world, case, params, impl="torch", backward=True):
+    hidden, weight = _local_inputs(rank, case)
+    out = linear_logprobs(hidden, weight, case["labels"], tp_group=_group(world), vocab_size=case["vocab"],
+                          temperature=case["T"], return_entropy=True, chunk_size=case["chunk_size"],
+                          sequence_parallel=case["sp"], impl=impl, **params)
+    if backward:
+        finite = torch.isfinite(out.logprobs)
+        loss = (torch.where(finite, out.logprobs, 0.0) * case["grad_lp"]).sum() + (out.entropy * case["grad_ent"]).sum()
+        loss.backward()
+    return dict(lp=out.logprobs.detach(), ent=out.entropy.detach(), dx=hidden.grad, dw=weight.grad,
+                topk_lp=out.topk_logprobs, topk_ids=out.topk_ids)
+
+
+def _params_worker(rank, world, case, param_list, impl="torch"):
+    return [_run(rank, world, case, params, impl) for params in param_list]
+
+
+def _reference(case, params):
+    h = case["hidden"].double().requires_grad_()
+    w = case["weight"].double().requires_grad_()
+    z = (h.reshape(-1, h.shape[-1]) @ w.t())[:, :case["vocab"]] / case["T"]
+    filters = {k: v for k, v in params.items() if k != "return_topk"}
+    keep = sref.kept_set(z, **filters)
+    lp, ent = sref.processed_stats(z, case["labels"].reshape(-1), keep)
+    finite = torch.isfinite(lp)
+    g_lp, g_ent = case["grad_lp"].reshape(-1).double(), case["grad_ent"].reshape(-1).double()
+    ((torch.where(finite, lp, 0.0) * g_lp).sum() + (ent * g_ent).sum()).backward()
+    shape = case["labels"].shape
+    out = dict(lp=lp.detach().reshape(shape), ent=ent.detach().reshape(shape), dx=h.grad, dw=w.grad)
+    if params.get("return_topk"):
+        k = params["return_topk"]
+        tlp, tid = sref.topk_reference(z, k)
+        out["topk_lp"], out["topk_ids"] = tlp.reshape(shape + (k,)), tid.reshape(shape + (k,))
+    return out
+
+
+def check(case, params, results, what="sampled"):
+    ref = _reference(case, params)
+    tp, dtype, v_local, tol = case["tp"], case["dtype"], case["v_local"], TOL[case["dtype"]]
+    labelled = case["labels"] != -100
+    ref_finite = torch.isfinite(ref["lp"])
+    if any(k in params for k in ("top_k", "top_p", "min_p")):
+        # the case exercises labels inside and outside the kept set
+        assert ref_finite[labelled].any() and not ref_finite[labelled].all(), params
+    for rank, got in enumerate(results):
+        assert torch.equal(torch.isfinite(got["lp"]), ref_finite), f"rank {rank} {params}: kept sets differ"
+        assert torch.all(got["lp"][~labelled] == 0) and torch.all(got["ent"][~labelled] == 0)
+        dx_ref = ref["dx"]
+        if case["sp"]:
+            s_local = dx_ref.shape[0] // tp
+            dx_ref = dx_ref[rank * s_local:(rank + 1) * s_local]
+        dw_ref = ref["dw"][rank * v_local:(rank + 1) * v_local]
+        for name, out, want in (("lp", got["lp"][ref_finite], ref["lp"][ref_finite]),
+                                ("entropy", got["ent"], ref["ent"]), ("dX", got["dx"], dx_ref),
+                                ("dW", got["dw"], dw_ref)):
+            err = reference.record(f"{what} {name}", tp, dtype, reference.rel_err(out, want))
+            assert err <= tol, f"rank {rank} {params} {name}: rel err {err:.2e} > {tol:.0e}"
+        assert torch.all(got["dw"][max(case["vocab"] - rank * v_local, 0):] == 0)  # padding rows
+        if params.get("return_topk"):
+            k = params["return_topk"]
+            assert got["topk_lp"].shape == case["labels"].shape + (k,)
+            assert torch.equal(got["topk_ids"][labelled], ref["topk_ids"][labelled])
+            assert torch.all(got["topk_ids"][~labelled] == -1) and torch.all(got["topk_lp"][~labelled] == 0)
+            err = reference.rel_err(got["topk_lp"][labelled], ref["topk_lp"][labelled])
+            assert reference.record(f"{what} topk_lp", tp, dtype, err) <= tol
+        else:
+            assert got["topk_lp"] is None and got["topk_ids"] is None
+    for got in results[1:]:  # identical on every rank
+        for key in ("lp", "ent", "topk_lp", "topk_ids"):
+            assert (got[key] is None and results[0][key] is None) or torch.equal(got[key], results[0][key]), key
+
+
+def _seed(*key):
+    return zlib.crc32(repr(key).encode()) % 10_000
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("dtype,ints", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)],
+                         ids=["fp32", "fp32-ties", "bf16-ties"])
+def test_matches_dense_reference(tp, dtype, ints):
+    case = make_case(_seed(tp, str(dtype), ints), tp, dtype=dtype, ints=ints)
+    for params, results in zip(PARAMS, zip(*run_workers(_params_worker, tp, case, PARAMS))):
+        check(case, params, results)
+
+
+def test_sequence_parallel_and_all_ignored_chunks():
+    case = make_case(3, 2, sp=True, ignored=0.6)
+    params = [dict(top_p=0.85, return_topk=3), dict(top_k=3, min_p=0.2)]
+    for p, results in zip(params, zip(*run_workers(_params_worker, 2, case, params))):
+        check(case, p, results)
+
+
+# ---------------------------------------------------------------- exact searches (forced)
+def _counting_worker(rank, world, case, param_list, candidates, max_top_k):
+    """Run with tiny candidate counts and count searches and collectives on this rank."""
+    sampling.CANDIDATES, sampling.MAX_TOP_K_CANDIDATES = candidates, max_top_k
+    sampling_torch.TIE_ROWS = 2  # tie resolution in several row blocks
+    counts = {"nucleus": 0, "kth": 0, "collectives": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    sampling._nucleus_cut = counted("nucleus", sampling._nucleus_cut)
+    sampling._kth_largest = counted("kth", sampling._kth_largest)
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        setattr(dist, name, counted("collectives", getattr(dist, name)))
+    results = [_run(rank, world, case, params) for params in param_list]
+    return results, counts
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_exact_searches_when_candidates_do_not_settle(tp):
+    """CANDIDATES=2 and MAX_TOP_K_CANDIDATES=2: every top_p row with a nucleus of 3+ tokens and
+    every top_k >= 3 takes the exact search; ties (ints) land at the cuts."""
+    params = [dict(top_p=0.95), dict(top_k=9), dict(top_k=30, top_p=0.97, min_p=0.01, return_topk=2)]
+    for ints in (False, True):
+        case = make_case(_seed("search", tp, ints), tp, ints=ints, temperature=1.3)
+        out = run_workers(_counting_worker, tp, case, params, 2, 2)
+        for i, p in enumerate(params):
+            check(case, p, [results[i] for results, _ in out], what="searched")
+        counts = [c for _, c in out]
+        assert counts[0]["nucleus"] > 0 and counts[0]["kth"] > 0, counts
+        assert all(c == counts[0] for c in counts), f"collective counts differ across ranks: {counts}"
+
+
+# ---------------------------------------------------------------- no filter = today, bit for bit
+def _identity_worker(rank, world, case):
+    plain = _run(rank, world, case, {})
+    noop = _run(rank, world, case, dict(top_k=case["vocab"], top_p=1.0, min_p=0.0))
+    noop_none = _run(rank, world, case, dict(top_k=None, top_p=None, min_p=None, return_topk=0))
+    topk_only = _run(rank, world, case, dict(return_topk=5))
+    return plain, noop, noop_none, topk_only
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_no_filter_is_todays_result_bit_for_bit(tp):
+    case = make_case(_seed("identity", tp), tp, dtype=torch.bfloat16, ints=True)
+    results = run_workers(_identity_worker, tp, case)
+    for plain, *others in results:
+        for other in others:
+            for key in ("lp", "ent", "dx", "dw"):
+                assert torch.equal(plain[key], other[key]), key
+    check(case, dict(return_topk=5), [r[3] for r in results], what="topk-only")
+
+
+def test_no_grad_matches_grad_path():
+    case = make_case(8, 1)
+    h, w = case["hidden"], case["weight"][:case["v_local"]]
+    for params in PARAMS:
+        kw = dict(vocab_size=case["vocab"], temperature=case["T"], chunk_size=5, return_entropy=True, **params)
+        with torch.no_grad():
+            a = linear_logprobs(h, w, case["labels"], **kw)
+        b = linear_logprobs(h.clone().requires_grad_(), w, case["labels"], **kw)
+        assert torch.equal(a.logprobs, b.logprobs.detach()) and torch.equal(a.entropy, b.entropy.detach())
+        assert (a.topk_ids is None) == (b.topk_ids is None)
+        if a.topk_ids is not None:
+            assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_logprobs, b.topk_logprobs)
+
+
+def test_topk_up_to_64_and_whole_vocab():
+    case = make_case(9, 4, vocab=70, extra_pad=2)  # 4 shards of 20 columns, the last 10 padding
+    params = [dict(return_topk=64), dict(return_topk=70, top_p=0.5)]
+    for p, results in zip(params, zip(*run_workers(_params_worker, 4, case, params))):
+        check(case, p, results)
+
+
+# ---------------------------------------------------------------- output type
+def test_logprobs_output_still_unpacks_as_a_pair():
+    h, w = torch.randn(5, 8), torch.randn(12, 8)
+    y = torch.tensor([0, 3, -100, 7, 11])
+    out = linear_logprobs(h, w, y, return_entropy=True, return_topk=3, top_p=0.9)
+    lp, ent = out  # existing callers unpack two fields
+    assert isinstance(out, tuple) and len(out) == 2 and lp is out.logprobs and ent is out.entropy
+    assert out.topk_ids.shape == (5, 3) and out.topk_logprobs.shape == (5, 3)
+    again = pickle.loads(pickle.dumps(out))
+    assert torch.equal(again.topk_ids, out.topk_ids) and torch.equal(again.logprobs, out.logprobs)
+    moved = out._replace(entropy=None)
+    assert moved.entropy is None and moved.topk_ids is out.topk_ids
+    plain = LogprobsOutput(lp, None)
+    assert plain.topk_ids is None and plain.topk_logprobs is None
+    assert "topk_ids" in repr(out) and "topk_ids" not in repr(plain)
+
+
+# ---------------------------------------------------------------- memory
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("forced_search", [False, True])
+def test_largest_intermediate_is_one_chunk(forced_search, monkeypatch):
+    if forced_search:
+        monkeypatch.setattr(sampling, "CANDIDATES", 2)
+        monkeypatch.setattr(sampling, "MAX_TOP_K_CANDIDATES", 2)
+    n, hidden, v_local, chunk = (512 if forced_search else 1024), 32, 512, 128
+    torch.manual_seed(1)
+    h = torch.randn(n, hidden, requires_grad=True)
+    w = torch.randn(v_local, hidden).requires_grad_()  # peaked rows: nuclei within the candidates
+    y = torch.randint(0, v_local, (n,))
+    y[::5] = -100
+    with _LargestTensor() as mode:
+        out = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True, top_k=40, top_p=0.9,
+                              min_p=0.001, return_topk=20)
+        (torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0).sum() + out.entropy.sum()).backward()
+    reference.ERRORS[(f"largest/NV sampled{' searched' if forced_search else ''}", 1, "float32")] = \
+        mode.largest / (n * v_local)
+    assert mode.largest <= chunk * v_local, (mode.largest, chunk * v_local)
+
+
+# ---------------------------------------------------------------- bad input
+BAD = {
+    "top_k_zero": (dict(top_k=0), "top_k"),
+    "top_k_float": (dict(top_k=2.0), "top_k"),
+    "top_p_zero": (dict(top_p=0.0), "top_p"),
+    "top_p_above_one": (dict(top_p=1.5), "top_p"),
+    "min_p_one": (dict(min_p=1.0), "min_p"),
+    "min_p_negative": (dict(min_p=-0.1), "min_p"),
+    "return_topk_larger_than_vocab": (dict(return_topk=21), "return_topk"),
+    "return_topk_negative": (dict(return_topk=-1), "return_topk"),
+    "top_p_on_rank1_only": ("rank1", "top_p"),
+    "top_k_differs_across_ranks": ("differs", "top_k"),
+}
+
+
+def _bad_worker(rank, world, name):
+    torch.manual_seed(0)
+    h, w, y = torch.randn(6, 8), torch.randn(10, 8), torch.randint(0, 20, (6,))
+    kwargs, _ = BAD[name]
+    if kwargs == "rank1":
+        kwargs = dict(top_p=1.5) if rank == 1 else {}
+    elif kwargs == "differs":
+        kwargs = dict(top_k=3 + rank)
+    try:
+        linear_logprobs(h.requires_grad_(), w.requires_grad_(), y, tp_group=dist.group.WORLD, **kwargs)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_sampler_arguments_raise_on_every_rank(name):
+    for rank, msg in enumerate(run_workers(_bad_worker, 2, name, timeout=20)):
+        assert msg is not None, f"rank {rank} did not raise for {name}"
+        assert BAD[name][1] in msg, f"rank {rank}: {msg!r} does not name {BAD[name][1]}"
+
+
+# ---------------------------------------------------------------- exact semantics, by hand
+LN2 = 0.6931471805599453
+# (logits of one row, settings, {label: expected log-prob}); every probability is exact in fp32
+EXACT = [
+    ([0.0, 0.0, 0.0, 0.0], dict(top_p=0.5), {0: -LN2, 1: -LN2, 2: None}),  # mass before id 2 = 0.5: out
+    ([0.0, 0.0, 0.0, 0.0], dict(top_p=0.6), {2: -math.log(3), 3: None}),  # a tie cut across ranks
+    ([1.0, 2.0, 2.0, 0.0], dict(top_k=2), {1: -LN2, 2: -LN2, 0: None}),
+    ([2.0, 1.0, 1.0, 0.0], dict(top_k=2), {0: 2.0 - math.log(math.e**2 + 2 * math.e),  # ties at the
+                                           2: 1.0 - math.log(math.e**2 + 2 * math.e), 3: None}),  # k-th kept
+    ([2 * LN2, LN2, 0.0, 0.0], dict(min_p=0.5), {0: math.log(4 / 6), 1: math.log(2 / 6), 2: None}),
+    ([3.0, 3.0, 2.0, 1.0], dict(min_p=math.exp(-1.5), top_k=3, top_p=0.7), {1: -LN2, 2: None, 3: None}),
+]
+
+
+def _exact_worker(rank, world, candidates):
+    sampling.CANDIDATES, sampling.MAX_TOP_K_CANDIDATES = candidates, candidates
+    v_local = 4 // world
+    weight = torch.eye(4)[rank * v_local:(rank + 1) * v_local]
+    out = []
+    for row, params, expected in EXACT:
+        labels = torch.tensor(list(expected))
+        hidden = torch.tensor([row] * len(labels))
+        out.append(linear_logprobs(hidden, weight, labels, tp_group=_group(world), chunk_size=2, **params).logprobs)
+    return out
+
+
+@pytest.mark.parametrize("tp,candidates", [(1, 128), (2, 128), (2, 1)], ids=["tp1", "tp2", "tp2-searched"])
+def test_exact_semantics_by_hand(tp, candidates):
+    """vLLM's rules at their boundaries: a token whose preceding mass equals top_p is dropped,
+    every token tied with the k-th is kept, p == min_p * p_max is kept, ties cut by lower id."""
+    for results in run_workers(_exact_worker, tp, candidates):
+        for (row, params, expected), lp in zip(EXACT, results):
+            for (label, want), got in zip(expected.items(), lp.tolist()):
+                if want is None:
+                    assert got == float("-inf"), (row, params, label, got)
+                else:
+                    assert got == pytest.approx(want, abs=1e-6), (row, params, label, got)
+
+
+# ---------------------------------------------------------------- the op's other options
+def test_logits_dtype_main_grad_autocast_and_first_order_only():
+    case = make_case(12, 1, dtype=torch.bfloat16, ints=True)
+    params = dict(top_k=12, top_p=0.9, min_p=0.02, return_topk=6)
+    plain = _run(0, 1, case, params)
+    check(case, params, [_run(0, 1, dict(case, chunk_size=5), params)], what="options")
+    h, w = case["hidden"], case["weight"]
+    kw = dict(vocab_size=case["vocab"], temperature=case["T"], chunk_size=7, return_entropy=True, **params)
+    # fp32 logits: the integer logits are exact either way
+    out = linear_logprobs(h, w, case["labels"], logits_dtype=torch.float32, **kw)
+    assert torch.equal(torch.isfinite(out.logprobs), torch.isfinite(plain["lp"]))
+    assert torch.equal(out.topk_ids, plain["topk_ids"])
+    # Megatron's main_grad: the same dW lands there
+    wp = w.clone().requires_grad_()
+    wp.main_grad, wp.grad_added_to_main_grad = torch.zeros(w.shape), False
+    out = linear_logprobs(h.clone().requires_grad_(), wp, case["labels"], accumulate_into_main_grad=True, **kw)
+    finite = torch.isfinite(out.logprobs)
+    ((torch.where(finite, out.logprobs, 0.0) * case["grad_lp"]).sum() + (out.entropy * case["grad_ent"]).sum()).backward()
+    assert wp.grad_added_to_main_grad and reference.rel_err(wp.main_grad, plain["dw"].float()) < 1e-2
+    # autocast: fp32 inputs computed in bf16, as F.linear would
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_logprobs(h.float(), w.float(), case["labels"], **kw)
+    assert torch.equal(torch.isfinite(out.logprobs), torch.isfinite(plain["lp"]))
+    # a gradient penalty through the op raises instead of dropping the second-order term
+    hg = h.float().clone().requires_grad_()
+    lp = linear_logprobs(hg, w.float(), case["labels"], **kw).logprobs
+    (grad,) = torch.autograd.grad(torch.where(torch.isfinite(lp), lp, 0.0).sum(), hg, create_graph=True)
+    with pytest.raises(RuntimeError, match="second-order"):
+        grad.square().sum().backward()
