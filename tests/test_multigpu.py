@@ -20,7 +20,7 @@ of the world, and a layout that does not divide the world is skipped (TP=2 x PP=
     torchrun --nproc_per_node 4 -m pytest tests/test_multigpu.py -m multigpu -q
 
 And context parallelism (tests/test_megatron_cp.py's worker, fp32: CP=2 on 2 GPUs, TP=2 x CP=2 + SP
-and CP=2 x DP=2 on 4, each against CP=1 on the same world), multi-token prediction
+and CP=2 x DP=2 on 4, each against CP=1 on the same world; CP=2 with sampler settings), multi-token prediction
 (tests/test_megatron_mtp.py's worker, bf16, with the Triton backend), and megatron's
 DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer installed
 before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the optimizer needs
@@ -471,3 +471,23 @@ def test_nccl_context_parallel_equals_cp1(layout, record_property):
     worst = check_cp_reports(results, reference, KINDS)
     record_property("max_rel_diff", worst)
     print(f"{setup}: max relative difference to CP=1 {worst}")
+
+
+def test_nccl_context_parallel_with_sampler_settings(record_property):
+    """The rollouts' sampler settings (top_k, top_p, return_topk: the Triton sampler kernels on the
+    fused path) under CP=2 (CP=2 x DP on more GPUs): SFT and GRPO equal CP=1, labels outside the
+    kept set excluded, top-k fields gathered (tests/test_megatron_cp.py's sampler case)."""
+    from test_megatron_common import Setup
+    from test_megatron_cp import check_cp_reports, parity_worker
+
+    world = dist.get_world_size()
+    if world % 2:
+        pytest.skip("CP=2 needs an even world size")
+    kinds, sampler = ("sft", "grpo"), dict(top_k=40, top_p=0.9, return_topk=3)
+    setup = Setup(cp=2, dp=world // 2)
+    reference = _on_every_rank("cp2 sampler CP=1 reference", parity_worker,
+                               Setup(dp=world, gathered_attention=True), kinds, setup.dp, sampler)
+    results = _on_every_rank("cp2 sampler", parity_worker, setup, kinds, setup.dp, sampler)
+    worst = check_cp_reports(results, reference, kinds)
+    record_property("max_rel_diff", worst)
+    print(f"{setup} {sampler}: max relative difference to CP=1 {worst}")
