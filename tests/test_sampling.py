@@ -334,6 +334,19 @@ def test_bad_sampler_arguments_raise_on_every_rank(name):
         assert BAD[name][1] in msg, f"rank {rank}: {msg!r} does not name {BAD[name][1]}"
 
 
+def _off_spelled_differently_worker(rank, world):
+    torch.manual_seed(0)
+    h, w, y = torch.randn(6, 8), torch.randn(10, 8), torch.randint(0, 20, (6,))
+    off = dict(top_p=None, min_p=0.0) if rank == 0 else dict(top_p=1.0, min_p=None)
+    got = linear_logprobs(h, w, y, tp_group=dist.group.WORLD, **off).logprobs
+    return torch.equal(got, linear_logprobs(h, w, y, tp_group=dist.group.WORLD).logprobs)
+
+
+def test_filters_that_are_off_agree_however_spelled():
+    """top_p=None and top_p=1.0 (min_p=None and 0.0) are the same setting: no rank raises."""
+    assert run_workers(_off_spelled_differently_worker, 2, timeout=20) == [True, True]
+
+
 # ---------------------------------------------------------------- exact semantics, by hand
 LN2 = 0.6931471805599453
 # (logits of one row, settings, {label: expected log-prob}); every probability is exact in fp32

@@ -140,10 +140,18 @@ def sampler_problems(top_k, top_p, min_p, return_topk, true_vocab: int) -> dict:
 
 
 def agreed_values(sampler: dict, problems: dict) -> dict:
-    """The settings as every rank must pass them (must_agree): top_p / min_p as floats (1 and 1.0
-    alike), None for a setting that failed its check (reported by the check)."""
-    return {k: None if problems[k] or v is None else float(v) if k in ("top_p", "min_p") else int(v)
-            for k, v in sampler.items()}
+    """The settings as every rank must pass them (must_agree), by effect: top_p / min_p as floats
+    (1 and 1.0 alike), a filter that is off (None, top_p=1, min_p=0) as None, None for a setting
+    that failed its check (reported by the check)."""
+    def effect(k, v):
+        if problems[k] or v is None:
+            return None
+        if k == "top_p":
+            return None if float(v) >= 1.0 else float(v)
+        if k == "min_p":
+            return None if float(v) <= 0.0 else float(v)
+        return int(v)
+    return {k: effect(k, v) for k, v in sampler.items()}
 
 
 def kernels_for(backend):
