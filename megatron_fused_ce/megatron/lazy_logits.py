@@ -20,9 +20,9 @@ answered without ever forming them:
   (global ids, no vocab-parallel merge of its own).
 
 Anything else raises: an operation we do not know would otherwise read values that do not exist.
-Both computations run *inside a call of the output-layer module* (`layer(hidden, weight=...,
-compute=...)`), so module hooks of sharding engines (Megatron's param-gather wait, FSDP unshard)
-fire around the weight's use.
+Both computations run *inside a call of the output-layer module* (`layer.run(hidden, compute)`),
+so module hooks of sharding engines (Megatron's param-gather wait, FSDP's unshard and gradient
+reduce-scatter) fire around the weight's use.
 """
 
 from __future__ import annotations
@@ -58,19 +58,20 @@ class LazyLogits(torch.Tensor):
     """The gathered logits `hidden @ W_full.T` of one output-layer call, never materialized.
 
     Shape/dtype/device are those of the logits (`[s, b, V]`, s gathered under sequence
-    parallelism). `hidden` (Megatron's `[s(/TP), b, h]`), `weight` (`[V/TP, h]`) and `layer` (the
-    FusedOutputLayer that made it) are plain attributes.
+    parallelism). `hidden` (Megatron's `[s(/TP), b, h]`), `weight` (`[V/TP, h]`), `layer` (the
+    FusedOutputLayer that made it) and `given_weight` (the weight GPTModel passed in, e.g. the
+    tied one; None when it is the layer's own) are plain attributes.
     """
 
     @staticmethod
-    def __new__(cls, hidden: Tensor, weight: Tensor, layer):
+    def __new__(cls, hidden: Tensor, weight: Tensor, layer, given_weight: Optional[Tensor] = None):
         tp = reductions.group_size(layer.tp_group)
         shape = list(hidden.shape[:-1]) + [weight.shape[0] * tp]
         if layer.splits_sequence:
             shape[0] *= tp
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=weight.dtype,
                                                    device=hidden.device, requires_grad=False)
-        self.hidden, self.weight, self.layer = hidden, weight, layer
+        self.hidden, self.weight, self.layer, self.given_weight = hidden, weight, layer, given_weight
         return self
 
     def __repr__(self):
@@ -84,9 +85,9 @@ class LazyLogits(torch.Tensor):
 
         def fused(hidden, weight):
             return linear_cross_entropy(hidden.to(weight.dtype), weight, labels.t(), reduction="none",
-                                        **layer.fused_op_kwargs())
+                                        **layer.fused_op_kwargs(weight))
 
-        return layer(self.hidden, weight=self.weight, compute=fused).t().contiguous()
+        return layer.run(self.hidden, fused, weight=self.given_weight).t().contiguous()
 
     def hidden_states(self) -> Tensor:
         """`[b, s, h]` (`[b, s/TP, h]` under sequence parallelism): the last stage's output."""
@@ -99,11 +100,11 @@ class LazyLogits(torch.Tensor):
         layer = self.layer
 
         def fused(hidden, weight):
-            kwargs = layer.fused_op_kwargs()
+            kwargs = layer.fused_op_kwargs(weight)
             del kwargs["accumulate_into_main_grad"]
             return linear_argmax(hidden, weight, **kwargs)
 
-        return layer(self.hidden, weight=self.weight, compute=fused)
+        return layer.run(self.hidden, fused, weight=self.given_weight)
 
     # -- dispatch ---------------------------------------------------------------------------------
     @classmethod

@@ -65,7 +65,7 @@ from megatron_fused_ce.losses import GRPOConfig, dpo_loss, grpo_loss, linear_grp
 from megatron_fused_ce.losses.context_parallel import agree_on_inputs, sum_over_cp
 from megatron_fused_ce.ops import reductions
 
-from .output_layer import unwrap_model
+from .output_layer import run_in_output_layer, unwrap_model
 from .postprocess import LogprobsPostProcessor
 
 LossFunc = Callable[[Tensor], tuple]
@@ -204,7 +204,7 @@ def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
             # Σ over loss tokens of -log p(label) = the summed cross-entropy of those tokens.
             keep = _in_label_layout(mask, inputs) != 0
             inputs["labels"] = torch.where(keep, inputs["labels"], post_processor.ignore_index)
-            loss_sum = linear_cross_entropy(**inputs, reduction="sum")
+            loss_sum = run_in_output_layer(model, linear_cross_entropy, **inputs, reduction="sum")
         else:
             lp = post_processor(output_tensor, model, labels, **packing).logprobs
             loss_sum, _ = nll_loss(lp, mask, normalizer=1)
@@ -314,9 +314,8 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
         policy_logprobs = None
         # the loss of the whole sequences on every CP rank (sequence terms summed over CP)
         if inputs is not None:
-            hidden, weight, token_labels = inputs.pop("hidden"), inputs.pop("weight"), inputs.pop("labels")
-            loss, metrics = linear_grpo_loss(hidden, weight, token_labels, advantages, mask, config,
-                                             **inputs, **kwargs)
+            loss, metrics = run_in_output_layer(model, linear_grpo_loss, advantages=advantages,
+                                                mask=mask, config=config, **inputs, **kwargs)
         else:
             out = post_processor(output_tensor, model, labels)
             policy_logprobs = out.logprobs

@@ -26,13 +26,15 @@ What stays the same:
   all-reduce in `finalize_model_grads` and the optimizer see it as before, once per backward.
 * tied embeddings: GPTModel passes the shared weight in `weight=`; the post-processor reads it back
   from `model.shared_embedding_or_output_weight()`.
-* module hooks: GPTModel still calls the output layer in every forward, so its module hooks fire
-  there; the cross-entropy and argmax of `LazyLogits` run inside a call of the output-layer module
-  too (`layer(hidden, weight=..., compute=fn)`). Megatron's DDP with `overlap_param_gather` waits
-  for the weight's all-gather in such a hook, before anything reads the weight (the post-processor
-  reads it later in the same step): its hooks are moved to the new module whether the model was
-  wrapped before or after install. Hooks of any other wrapper (FSDP, user hooks) cannot be moved:
-  install before wrapping, or it raises.
+* module hooks: every fused op (the cross-entropy and argmax of `LazyLogits`, the post-processor's
+  log-probs, the loss funcs' losses) runs inside a call of the output-layer module
+  (`run_in_output_layer`), reading the layer's own weight there, so the layer's module hooks fire
+  around each use of the weight. (GPTModel's own call, which only returns `LazyLogits`, reads
+  nothing and skips them.) Megatron's DDP with `overlap_param_gather` waits for the weight's
+  all-gather in such a hook: its hooks are moved to the new module whether the model was wrapped
+  before or after install. FSDP engines (torch FSDP2, Megatron-FSDP) gather the weight in such a
+  hook and reduce-scatter its gradient when autograd delivers it: install before wrapping
+  (sharded.py). Hooks of any other wrapper cannot be moved: install before wrapping, or it raises.
 
 `model(..., labels=labels, loss_mask=loss_mask, return_hidden_states=True)` keeps the labels for
 the MTP losses but returns the main head's hidden states (for this package's loss functions).
@@ -45,9 +47,9 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
-from megatron_fused_ce.ops import reductions
+from megatron_fused_ce.ops import LogprobsOutput, reductions
 
-from . import mtp
+from . import mtp, sharded
 from .config import FusedCEConfig
 from .lazy_logits import LazyLogits
 
@@ -58,8 +60,8 @@ class FusedOutputLayer(torch.nn.Module):
     `weight` is the original layer's Parameter (None on a stage whose output weight is the tied
     word-embedding weight, exactly as in the original). The original layer is kept, unregistered,
     for `sharded_state_dict`, attribute look-ups and `uninstall_fused_output_layer`.
-    `layer(hidden, weight=w, compute=fn)` returns `fn(hidden, weight)`, computed inside this
-    module's call (see the module docs).
+    `layer(hidden, compute=fn)` returns `fn(hidden, weight)`, computed inside this module's call
+    (see the module docs); `weight=` is given only for a weight the layer does not own (tied).
     """
 
     def __init__(self, output_layer: torch.nn.Module, config: Optional[FusedCEConfig] = None):
@@ -76,17 +78,41 @@ class FusedOutputLayer(torch.nn.Module):
         self.__dict__["fused_config"] = config or FusedCEConfig(enabled=True)
         self.__dict__["labels_for_hidden"] = None  # see _before_forward
 
+    # megatron's TorchFullyShardedDataParallel makes every module type listed here an FSDP unit.
+    @property
+    def _fsdp_modules(self):
+        return [type(self)]
+
+    def __call__(self, *args, compute=None, **kwargs):
+        if compute is None:
+            # GPTModel's own call only wraps the hidden states in LazyLogits and reads nothing:
+            # no module hooks (an FSDP engine would gather the weight for nothing, and record a
+            # use that its backward prefetching would gather it again for). Every fused op calls
+            # the layer with `compute`, hooks and all.
+            return self.forward(*args, **kwargs)
+        return super().__call__(*args, compute=compute, **kwargs)
+
     def forward(self, input_, weight=None, runtime_gather_output=None, compute=None):
+        given = weight  # the tied weight (or MTP's detached one); None = this layer's own
         weight = self.weight if weight is None else weight
         if weight is None:
             raise RuntimeError("FusedOutputLayer: no weight (tied embeddings pass it in weight=)")
         if compute is not None:
-            return compute(input_, weight)
+            sharded.check_gathered(weight, tied=given is not None)
+            return _without_views(compute(input_, weight))
         if runtime_gather_output:
             raise RuntimeError(
                 "the fused output layer does not compute logits; gathered logits were requested "
                 "(inference/generation): call uninstall_fused_output_layer(model) first")
-        return LazyLogits(input_, weight, self), None
+        return LazyLogits(input_, weight, self, None if given is self.weight else given), None
+
+    def run(self, hidden, compute, weight=None):
+        """`compute(hidden, weight)` inside a call of this module (its hooks around it). Pass
+        `weight` only if this layer does not own it: an FSDP engine gathers the layer's own
+        weight in its pre-hook, and would see the gradient of one passed in too early."""
+        out = self(hidden, weight=weight, compute=compute)
+        sharded.after_fused_op(self)
+        return out
 
     @property
     def tp_group(self):
@@ -102,12 +128,13 @@ class FusedOutputLayer(torch.nn.Module):
         """Sequence parallelism with TP > 1: the input is this rank's `[s/TP, b, h]` slice."""
         return bool(self.sequence_parallel) and reductions.group_size(self.tp_group) > 1
 
-    def fused_op_kwargs(self) -> dict:
+    def fused_op_kwargs(self, weight) -> dict:
         """Keyword arguments of the fused ops for this layer's inputs (Megatron's `[s, b, h]`)."""
         return dict(
             tp_group=self.tp_group, chunk_size=self.fused_config.chunk_size,
             sequence_parallel=self.splits_sequence,
-            accumulate_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False)))
+            accumulate_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False))
+            and sharded.may_add_into_main_grad(weight))
 
     # ColumnParallelLinear has an (empty) extra state: keep the `output_layer._extra_state` key.
     def get_extra_state(self):
@@ -117,6 +144,8 @@ class FusedOutputLayer(torch.nn.Module):
         pass
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        if "weight" in self._parameters:  # an FSDP engine may have replaced the Parameter
+            self.unfused._parameters["weight"] = self._parameters["weight"]
         return self.unfused.sharded_state_dict(prefix, sharded_offsets, metadata)
 
     def __getattr__(self, name):
@@ -131,6 +160,23 @@ class FusedOutputLayer(torch.nn.Module):
 
     def extra_repr(self):
         return f"returns LazyLogits (no logits); replaces {self.unfused!r}"
+
+
+def _without_views(out):
+    """The op's outputs, views copied (O(tokens)): FSDP2 hooks the outputs of a module call for
+    its backward, and an in-place op on a view of them would drop that hook."""
+    if isinstance(out, torch.Tensor):
+        return out.clone() if out._base is not None else out
+    if isinstance(out, LogprobsOutput):  # top-k outputs are attributes outside the tuple
+        return LogprobsOutput(*map(_without_views, (out.logprobs, out.entropy,
+                                                    out.topk_logprobs, out.topk_ids)))
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # other NamedTuples
+        return type(out)(*map(_without_views, out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(map(_without_views, out))
+    if isinstance(out, dict):
+        return {key: _without_views(value) for key, value in out.items()}
+    return out
 
 
 ModelOrChunks = Union[torch.nn.Module, List[torch.nn.Module]]
@@ -183,6 +229,7 @@ def _before_forward(gpt, args, kwargs):
     layer = getattr(gpt, "output_layer", None)
     if getattr(gpt, "post_process", False) and isinstance(layer, FusedOutputLayer):
         layer.__dict__["labels_for_hidden"] = labels if return_hidden else None
+        sharded.keep_gathered_through_forward(layer)
     return args, kwargs
 
 
@@ -267,6 +314,7 @@ def install_fused_output_layer(model: ModelOrChunks, config: FusedCEConfig) -> M
         last = bool(getattr(gpt, "post_process", False))
         if last:
             _check_supported(gpt)
+            sharded.check_not_wrapped(chunk, gpt, "install_fused_output_layer")
             _check_swappable(chunk, gpt)
         todo.append((chunk, gpt, last))
     for chunk, gpt, last in todo:
@@ -292,6 +340,7 @@ def uninstall_fused_output_layer(model: ModelOrChunks) -> ModelOrChunks:
         if _HOOKS not in gpt.__dict__:
             continue
         if isinstance(getattr(gpt, "output_layer", None), FusedOutputLayer):
+            sharded.check_not_wrapped(chunk, gpt, "uninstall_fused_output_layer")
             foreign = _foreign_hooks(gpt.output_layer, _param_gather_wrappers(chunk))
             if foreign:
                 raise ValueError(f"uninstall_fused_output_layer: the fused output layer has module "
@@ -312,8 +361,31 @@ def is_fused(model: torch.nn.Module) -> bool:
     return isinstance(getattr(unwrap_model(model), "output_layer", None), FusedOutputLayer)
 
 
+def run_in_output_layer(model: torch.nn.Module, op, hidden, **op_kwargs):
+    """`op(hidden, weight, **op_kwargs)` on this stage's output weight, inside a call of the fused
+    output layer (so that sharding engines' hooks surround it: FSDP gathers the weight there and
+    takes its gradient when autograd delivers it). `hidden` is cast to the weight's dtype
+    (Float16Module hands the last stage's output back in fp32; exact for bf16/fp16 values)."""
+    gpt = unwrap_model(model)
+    layer = gpt.output_layer
+    tied = gpt.shared_embedding_or_output_weight() if getattr(
+        gpt, "share_embeddings_and_output_weights", False) else None
+    if tied is layer.weight:  # the last stage's copy of a tied weight (PP > 1): the layer's own
+        tied = None
+
+    def compute(hidden, weight):
+        kwargs = dict(op_kwargs)
+        if kwargs.get("accumulate_into_main_grad"):
+            kwargs["accumulate_into_main_grad"] = sharded.may_add_into_main_grad(weight)
+        return op(hidden.to(weight.dtype), weight, **kwargs)
+
+    return layer.run(hidden, compute, weight=tied)
+
+
 def output_weight(model: torch.nn.Module) -> Optional[torch.Tensor]:
-    """This stage's output-projection weight shard `[V/TP, h]`, tied or not (None off the last stage)."""
+    """This stage's output-projection weight shard `[V/TP, h]`, tied or not (None off the last stage).
+
+    Under an FSDP engine, outside the output layer's call this may be the sharded parameter."""
     gpt = unwrap_model(model)
     if not getattr(gpt, "post_process", False):
         return None

@@ -42,7 +42,7 @@ from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, 
 
 from .config import FusedCEConfig
 from .context_parallel import context_parallel_group, gather_from_cp_ranks, positions_on_cp_rank
-from .output_layer import is_fused, output_weight, unwrap_model
+from .output_layer import is_fused, output_weight, run_in_output_layer, unwrap_model
 
 IGNORE_INDEX = -100
 
@@ -229,9 +229,11 @@ class LogprobsPostProcessor:
                      cu_seqlens_padded: Optional[Tensor] = None) -> Optional[dict]:
         """The fused op's arguments for this output, or None when the model returns logits.
 
-        `hidden`, `weight` and `labels` are in the op's layout: `[b, s, h]` / `[b, s]`, or
-        Megatron's sequence-first `[s/TP, b, h]` / `[s, b]` when `sequence_parallel` is True. The
-        loss funcs use this to call the gradients-in-forward losses (`linear_cross_entropy`,
+        `hidden` and `labels` are in the op's layout: `[b, s, h]` / `[b, s]`, or Megatron's
+        sequence-first `[s/TP, b, h]` / `[s, b]` when `sequence_parallel` is True. The weight is
+        not among them: ops run as `run_in_output_layer(model, op, **inputs, ...)`, which passes
+        it inside a call of the output layer (where sharding engines gather it). The loss funcs
+        use this to call the gradients-in-forward losses (`linear_cross_entropy`,
         `linear_grpo_loss`) on exactly what `linear_logprobs` would see.
         """
         gpt = unwrap_model(model)
@@ -247,14 +249,12 @@ class LogprobsPostProcessor:
                 f"megatron-core version does not route the logits through model.output_layer")
         tp_group = _tp_group(gpt)
         sequence_parallel = bool(gpt.config.sequence_parallel) and dist.get_world_size(tp_group) > 1
-        # Float16Module hands the last stage's output back in fp32; the GEMMs run in the weight's
-        # dtype (the cast is exact for bf16/fp16 hidden states and differentiable).
-        hidden = output_tensor.to(weight.dtype)
+        hidden = output_tensor
         if sequence_parallel:
             # The op gathers along dim 0: back to Megatron's [s/TP, b, h] layout, labels [s, b].
             hidden, labels = hidden.transpose(0, 1), labels.t()
         return dict(
-            hidden=hidden, weight=weight, labels=labels, tp_group=tp_group,
+            hidden=hidden, labels=labels, tp_group=tp_group,
             vocab_size=self.vocab_size, temperature=self.temperature,
             ignore_index=self.ignore_index, chunk_size=self.config.chunk_size,
             sequence_parallel=sequence_parallel,
@@ -263,7 +263,8 @@ class LogprobsPostProcessor:
 
     def _from_hidden(self, hidden: Tensor, gpt, labels: Tensor) -> LogprobsOutput:
         inputs = self.fused_inputs(hidden, gpt, labels)
-        out = linear_logprobs(**inputs, return_entropy=self.return_entropy, **self.sampler)
+        out = run_in_output_layer(gpt, linear_logprobs, **inputs, return_entropy=self.return_entropy,
+                                  **self.sampler)
         if inputs["sequence_parallel"]:  # [s, b] -> [b, s]
             out = LogprobsOutput(*(None if t is None else t.transpose(0, 1)
                                    for t in (out.logprobs, out.entropy, out.topk_logprobs, out.topk_ids)))
