@@ -9,7 +9,9 @@ batches cut by `batch_on_this_cp_rank` exactly as megatron's `get_batch_on_this_
 (checked against it below). The CP=1 reference is the same model (same weights: CP does not
 change the initialization) on the whole sequences. So the loss funcs' CP design (partial token
 sums, shares of sequence-level terms, counts on CP rank 0), the post-processor on CP slices and
-compute_logprobs' layouts are tested end to end, fused and unfused.
+compute_logprobs' layouts are tested end to end, fused and unfused. Every fused op of these CP
+paths runs inside a call of the fused output layer (`run_in_output_layer`, where FSDP engines
+gather the weight): counted below at CP=2 and TP=2 x CP=2.
 
 Compared for SFT, DPO (+ SFT term), GRPO (dapo, KL, token-level IS correction; fused: gradients in
 forward) and GSPO (sequence-level ratio and IS correction, per-sequence mean): every metric as
@@ -221,6 +223,80 @@ def test_context_parallel_with_sampler_settings(record_property):
     assert all(r["grpo"]["fused"]["metrics"]["num_excluded_tokens"] > 0 for r in last)
     assert any(bool(torch.isinf(lp).any()) for r in last for lp in r["grpo"]["fused"]["gathered"])
     record_property("max_rel_diff", worst)
+
+
+def output_layer_worker(rank, world, setup: Setup):
+    """Every fused op of the CP paths (compute_logprobs in both layouts, the SFT / DPO / GRPO /
+    GSPO loss funcs) runs inside a call of the fused output layer (`run_in_output_layer`), where
+    an FSDP engine has the weight gathered: counts the op calls made inside and outside one."""
+    import importlib
+
+    from megatron_fused_ce.megatron import FusedOutputLayer
+
+    loss_funcs = importlib.import_module("megatron_fused_ce.megatron.loss_funcs")
+    postprocess = importlib.import_module("megatron_fused_ce.megatron.postprocess")
+    chunks = common.build(setup)
+    fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
+    install_fused_output_layer(chunks, fused)
+    depth, calls = [0], {}
+    original_run = FusedOutputLayer.run
+
+    def run(self, hidden, compute, weight=None):
+        depth[0] += 1
+        try:
+            return original_run(self, hidden, compute, weight)
+        finally:
+            depth[0] -= 1
+
+    def watched(module, name):
+        op = getattr(module, name)
+        originals.append((module, name, op))
+
+        def call(*args, **kwargs):
+            key = (current[0], name, "inside" if depth[0] else "outside")
+            calls[key] = calls.get(key, 0) + 1
+            return op(*args, **kwargs)
+
+        setattr(module, name, call)
+
+    current, originals = [None], []
+    FusedOutputLayer.run = run
+    try:
+        for module, name in ((loss_funcs, "linear_cross_entropy"), (loss_funcs, "linear_grpo_loss"),
+                             (postprocess, "linear_logprobs")):
+            watched(module, name)
+        post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+        kw = dict(seq_length=SEQ, micro_batch_size=MBS)
+        for kind in KINDS:
+            batches = common.cp_batches(common.make_batches("sft" if kind == "sft" else "grpo",
+                                                            NUM_MICROBATCHES, seed=100))
+            sharded = None
+            if kind != "sft":
+                for layout in COMPUTE_LAYOUTS:
+                    current[0] = f"compute_logprobs {layout}"
+                    outs = compute_logprobs(chunks, batches, common.forward_fn, post, layout=layout, **kw)
+                    sharded = [o.logprobs for o in outs] if layout == "sharded" else sharded
+            current[0] = kind
+            common.run_step(chunks, batches, _loss_func_maker(kind, post, sharded))
+    finally:
+        FusedOutputLayer.run = original_run
+        for module, name, op in originals:
+            setattr(module, name, op)
+    return calls
+
+
+COMPUTE_LAYOUTS = ("sharded", "gathered")
+
+
+@pytest.mark.parametrize("setup", [Setup(cp=2), Setup(tp=2, cp=2, sp=True, tied=True)], ids=str)
+def test_context_parallel_ops_run_inside_the_output_layer(setup):
+    for calls in run_workers(output_layer_worker, setup.world, setup, timeout=240):
+        assert not [key for key in calls if key[2] == "outside"], calls
+        entered = {key[0] for key in calls}
+        assert entered == {*KINDS, *(f"compute_logprobs {layout}" for layout in COMPUTE_LAYOUTS)}, calls
+        # the gradients-in-forward losses where they apply (SFT 0/1 mask, GRPO / GSPO)
+        assert calls.get(("sft", "linear_cross_entropy", "inside")) and \
+            calls.get(("grpo", "linear_grpo_loss", "inside")), calls
 
 
 # ------------------------------------------------------------------------------------------------
