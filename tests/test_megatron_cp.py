@@ -11,7 +11,8 @@ change the initialization) on the whole sequences. So the loss funcs' CP design 
 sums, shares of sequence-level terms, counts on CP rank 0), the post-processor on CP slices and
 compute_logprobs' layouts are tested end to end, fused and unfused. Every fused op of these CP
 paths runs inside a call of the fused output layer (`run_in_output_layer`, where FSDP engines
-gather the weight): counted below at CP=2 and TP=2 x CP=2.
+gather the weight): counted below at CP=2 and TP=2 x CP=2, and run for real at CP=2 with torch
+FSDP2 sharding every weight over the data-parallel x CP group (fused equals unfused).
 
 Compared for SFT, DPO (+ SFT term), GRPO (dapo, KL, token-level IS correction; fused: gradients in
 forward) and GSPO (sequence-level ratio and IS correction, per-sequence mean): every metric as
@@ -297,6 +298,92 @@ def test_context_parallel_ops_run_inside_the_output_layer(setup):
         # the gradients-in-forward losses where they apply (SFT 0/1 mask, GRPO / GSPO)
         assert calls.get(("sft", "linear_cross_entropy", "inside")) and \
             calls.get(("grpo", "linear_grpo_loss", "inside")), calls
+
+
+def fsdp_worker(rank, world, kinds):
+    """CP=2 with the weights sharded by torch FSDP2 (`fully_shard`, the output layer a unit of its
+    own) over the data-parallel x CP group, as megatron's FSDP wrappers shard them: outside the
+    output layer's call the output weight is a shard, so a fused op that read it there (instead of
+    running inside the call, `run_in_output_layer`) would fail. Fused vs unfused (same engine, same
+    weights): every micro-batch's loss, the forward-only log-probs in both layouts, every
+    parameter's gradient (gathered from its shards)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dist import init_megatron_parallel
+    from megatron_fused_ce.megatron import enable_cpu_mode
+    from test_megatron_common import HEADS, HIDDEN, PADDED_VOCAB
+    from test_megatron_fsdp import gathered_grads
+
+    setup = Setup(cp=2)
+    enable_cpu_mode()
+    init_megatron_parallel(1, 1, context_parallel_size=setup.cp)
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               context_parallel_size=setup.cp, calculate_per_token_loss=True,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
+    post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+    mesh = DeviceMesh.from_group(ps.get_data_parallel_group(with_context_parallel=True), "cpu")
+    models = {mode: GPTModel(config, common.layer_spec(config, setup), vocab_size=PADDED_VOCAB,
+                             max_sequence_length=SEQ) for mode in ("unfused", "fused")}
+    models["fused"].load_state_dict(models["unfused"].state_dict())
+    install_fused_output_layer(models["fused"], fused)  # before wrapping
+    for mode, gpt in models.items():
+        for layer in gpt.decoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(gpt.embedding, mesh=mesh)
+        fully_shard(gpt.output_layer, mesh=mesh)
+        models[mode] = fully_shard(gpt, mesh=mesh)
+    report = {}
+    kw = dict(seq_length=SEQ, micro_batch_size=MBS)
+    for kind in kinds:
+        batches = common.cp_batches(common.make_batches("sft" if kind == "sft" else "grpo",
+                                                        NUM_MICROBATCHES, seed=100))
+        report[kind] = {}
+        for mode, model in models.items():
+            run = {}
+            sharded = None
+            if kind != "sft":
+                for layout in COMPUTE_LAYOUTS:
+                    outs = compute_logprobs(model, batches, common.forward_fn, post, layout=layout, **kw)
+                    run[layout] = [o.logprobs for o in outs]
+                sharded = run["sharded"]
+            make = _loss_func_maker(kind, post, sharded)
+
+            def forward_step(data_iterator, chunk):
+                index, batch = next(data_iterator)
+                return common.forward_fn(chunk, batch), make(chunk, batch, index)
+
+            model.zero_grad(set_to_none=True)
+            metrics = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(list(enumerate(batches))),
+                model=[model], num_microbatches=len(batches), **kw)
+            run["losses"] = [m["loss" if "loss" in m else "lm loss"] for m in metrics]
+            run["grads"] = gathered_grads(model)
+            report[kind][mode] = run
+    return report
+
+
+def test_context_parallel_with_fsdp_sharded_weights():
+    for report in run_workers(fsdp_worker, 2, ("sft", "dpo", "grpo"), timeout=240):
+        for kind, runs in report.items():
+            unfused, fused = runs["unfused"], runs["fused"]
+            for a, b in zip(fused["losses"], unfused["losses"]):
+                assert common.max_rel_diff(a, b) <= RTOL, kind
+            for layout in COMPUTE_LAYOUTS if kind != "sft" else ():
+                for a, b in zip(fused[layout], unfused[layout]):
+                    assert common.max_rel_diff(a, b) <= RTOL, (kind, layout)
+            assert fused["grads"].keys() == unfused["grads"].keys()
+            for name, grad in unfused["grads"].items():
+                assert grad is not None and float(grad.abs().max()) > 0, (kind, name)
+                assert common.max_rel_diff(fused["grads"][name], grad) <= GRAD_RTOL, (kind, name)
 
 
 # ------------------------------------------------------------------------------------------------
