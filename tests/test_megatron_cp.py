@@ -318,9 +318,9 @@ def fsdp_worker(rank, world, kinds):
     from dist import init_megatron_parallel
     from megatron_fused_ce.megatron import enable_cpu_mode
     from test_megatron_common import HEADS, HIDDEN, PADDED_VOCAB
-    from test_megatron_fsdp import gathered_grads
+    from test_megatron_fsdp import device, gathered_grads
 
-    setup = Setup(cp=2)
+    setup = Setup(cp=2)  # x DP = world / 2
     enable_cpu_mode()
     init_megatron_parallel(1, 1, context_parallel_size=setup.cp)
     torch.manual_seed(1234)
@@ -330,9 +330,9 @@ def fsdp_worker(rank, world, kinds):
                                hidden_dropout=0.0, attention_dropout=0.0)
     fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
     post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
-    mesh = DeviceMesh.from_group(ps.get_data_parallel_group(with_context_parallel=True), "cpu")
+    mesh = DeviceMesh.from_group(ps.get_data_parallel_group(with_context_parallel=True), device().type)
     models = {mode: GPTModel(config, common.layer_spec(config, setup), vocab_size=PADDED_VOCAB,
-                             max_sequence_length=SEQ) for mode in ("unfused", "fused")}
+                             max_sequence_length=SEQ).to(device()) for mode in ("unfused", "fused")}
     models["fused"].load_state_dict(models["unfused"].state_dict())
     install_fused_output_layer(models["fused"], fused)  # before wrapping
     for mode, gpt in models.items():
@@ -345,7 +345,7 @@ def fsdp_worker(rank, world, kinds):
     kw = dict(seq_length=SEQ, micro_batch_size=MBS)
     for kind in kinds:
         batches = common.cp_batches(common.make_batches("sft" if kind == "sft" else "grpo",
-                                                        NUM_MICROBATCHES, seed=100))
+                                                        NUM_MICROBATCHES, seed=100 + ps.get_data_parallel_rank()))
         report[kind] = {}
         for mode, model in models.items():
             run = {}
@@ -371,8 +371,8 @@ def fsdp_worker(rank, world, kinds):
     return report
 
 
-def test_context_parallel_with_fsdp_sharded_weights():
-    for report in run_workers(fsdp_worker, 2, ("sft", "dpo", "grpo"), timeout=240):
+def check_fsdp_reports(reports):
+    for report in reports:
         for kind, runs in report.items():
             unfused, fused = runs["unfused"], runs["fused"]
             for a, b in zip(fused["losses"], unfused["losses"]):
@@ -384,6 +384,10 @@ def test_context_parallel_with_fsdp_sharded_weights():
             for name, grad in unfused["grads"].items():
                 assert grad is not None and float(grad.abs().max()) > 0, (kind, name)
                 assert common.max_rel_diff(fused["grads"][name], grad) <= GRAD_RTOL, (kind, name)
+
+
+def test_context_parallel_with_fsdp_sharded_weights():
+    check_fsdp_reports(run_workers(fsdp_worker, 2, ("sft", "dpo", "grpo"), timeout=240))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ of the world, and a layout that does not divide the world is skipped (TP=2 x PP=
     torchrun --nproc_per_node 4 -m pytest tests/test_multigpu.py -m multigpu -q
 
 And context parallelism (tests/test_megatron_cp.py's worker, fp32: CP=2 on 2 GPUs, TP=2 x CP=2 + SP
-and CP=2 x DP=2 on 4, each against CP=1 on the same world; CP=2 with sampler settings), multi-token prediction
+and CP=2 x DP=2 on 4, each against CP=1 on the same world; CP=2 with sampler settings; CP=2 with
+torch FSDP2 sharding the weights over DP x CP, fused against unfused), multi-token prediction
 (tests/test_megatron_mtp.py's worker, bf16, with the Triton backend), and megatron's
 DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer installed
 before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the optimizer needs
@@ -491,3 +492,15 @@ def test_nccl_context_parallel_with_sampler_settings(record_property):
     worst = check_cp_reports(results, reference, kinds)
     record_property("max_rel_diff", worst)
     print(f"{setup} {sampler}: max relative difference to CP=1 {worst}")
+
+
+def test_nccl_context_parallel_with_fsdp_sharded_weights():
+    """CP=2 (x DP on more GPUs) with torch FSDP2 sharding every weight over the data-parallel x CP
+    group (tests/test_megatron_cp.py's FSDP worker, fp32, Triton backend on the fused path): the
+    fused ops run inside the output layer's call, where FSDP gathers the weight; SFT, DPO and GRPO
+    losses, forward-only log-probs (both layouts) and every gradient equal the unfused run's."""
+    from test_megatron_cp import check_fsdp_reports, fsdp_worker
+
+    if dist.get_world_size() % 2:
+        pytest.skip("CP=2 needs an even world size")
+    check_fsdp_reports(_on_every_rank("cp2 fsdp2", fsdp_worker, ("sft", "dpo", "grpo")))
