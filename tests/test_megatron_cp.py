@@ -18,7 +18,8 @@ Compared for SFT, DPO (+ SFT term), GRPO (dapo, KL, token-level IS correction; f
 forward) and GSPO (sequence-level ratio and IS correction, per-sequence mean): every metric as
 Megatron-LM logs it (`[sum, count]` pairs summed over micro-batches and DP x CP ranks), every
 parameter's gradient after finalize_model_grads, and the forward-only log-probs (gathered layout
-vs CP=1, sharded layout vs the rank's slice). Layouts: CP=2, TP=2 x CP=2 (+SP, tied), PP=2 x
+vs CP=1, sharded layout vs the rank's slice); Megatron-LM's route (`model(..., labels=labels)` and
+its own loss_func) at CP=2 and TP=2 x CP=2. Layouts: CP=2, TP=2 x CP=2 (+SP, tied), PP=2 x
 CP=2, CP=2 x DP=2, CP=4, and CP=2 with calculate_per_token_loss=False.
 Tolerances as in test_megatron_parity (fp32, summation order only): metrics and log-probs 1e-5
 relative (absolute for values below 1), each gradient 1e-4 of its largest entry.
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import test_megatron_common as common
 from dist import run_workers
 from test_megatron_common import MBS, SEQ, TRUE_VOCAB, Setup
+from test_megatron_mtp import megatron_lm_loss_func
 
 from megatron_fused_ce.losses import GRPOConfig
 from megatron_fused_ce.megatron import (
@@ -69,6 +71,8 @@ def _loss_func_maker(kind, post, forward_only):
         labels, mask = batch["labels"], batch["loss_mask"]
         if kind == "sft":
             return sft_loss_func(post, chunk, labels, mask)
+        if kind == "labels":  # Megatron-LM's route: the model returns per-token losses
+            return megatron_lm_loss_func(mask)
         lp = forward_only[index]  # the sharded layout: this rank's slice, as the batch
         noise = batch["noise"] * (mask != 0)
         if kind == "dpo":
@@ -78,6 +82,10 @@ def _loss_func_maker(kind, post, forward_only):
                               sampling_logprobs=lp + 0.5 * noise)
 
     return make
+
+
+def labels_forward(chunk, batch):
+    return chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
 
 
 def reduce_metrics(metrics):
@@ -112,7 +120,7 @@ def parity_worker(rank, world, setup: Setup, kinds, data_replicas=None, sampler=
     for kind in kinds:
         post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB, **(sampler or {}))
         dp_rank = ps.get_data_parallel_rank()
-        whole = common.make_batches("sft" if kind == "sft" else "grpo", NUM_MICROBATCHES,
+        whole = common.make_batches("sft" if kind in ("sft", "labels") else "grpo", NUM_MICROBATCHES,
                                     seed=100 + (dp_rank % data_replicas if data_replicas else dp_rank))
         batches = common.cp_batches(whole)
         report[kind] = {}
@@ -120,14 +128,15 @@ def parity_worker(rank, world, setup: Setup, kinds, data_replicas=None, sampler=
             (install_fused_output_layer if mode == "fused" else uninstall_fused_output_layer)(
                 chunks, *((fused,) if mode == "fused" else ()))
             sharded = gathered = gathered_topk = None
-            if kind != "sft":
+            if kind not in ("sft", "labels"):
                 kw = dict(seq_length=SEQ, micro_batch_size=MBS)
                 sharded = [o.logprobs for o in compute_logprobs(chunks, batches, common.forward_fn, post, **kw)]
                 outs = compute_logprobs(chunks, batches, common.forward_fn, post, layout="gathered", **kw)
                 gathered = [o.logprobs for o in outs]
                 if post.return_topk:  # top-k log-probs and ids gathered like the log-probs
                     gathered_topk = [(o.topk_logprobs, o.topk_ids) for o in outs]
-            metrics = common.run_step(chunks, batches, _loss_func_maker(kind, post, sharded))
+            metrics = common.run_step(chunks, batches, _loss_func_maker(kind, post, sharded),
+                                      forward=labels_forward if kind == "labels" else common.forward_fn)
             run = {"grads": common.grads(chunks), "gathered": gathered, "gathered_topk": gathered_topk,
                    "metrics": reduce_metrics(metrics) if last else None}
             if gathered is not None:  # the sharded layout is this rank's slice of the gathered one
@@ -212,6 +221,14 @@ CP_SETUPS = [
 @pytest.mark.parametrize("setup", CP_SETUPS, ids=str)
 def test_context_parallel_equals_cp1(setup, record_property):
     record_property("max_rel_diff", _check_parity(setup)[0])
+
+
+@pytest.mark.parametrize("setup", [Setup(cp=2), Setup(tp=2, cp=2, sp=True, tied=True)], ids=str)
+def test_megatron_lm_labels_route_under_context_parallelism(setup, record_property):
+    """`model(..., labels=labels)` with Megatron-LM's own loss_func (the per-token losses of this
+    CP rank's slice, summed with its local token count): the fused layer's per-token losses under
+    CP equal CP=1's."""
+    record_property("max_rel_diff", _check_parity(setup, ("labels",))[0])
 
 
 def test_context_parallel_with_sampler_settings(record_property):
