@@ -1,6 +1,7 @@
 """DPO with a frozen reference model, both running fused log-probs.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/dpo.py --tp 2 --pp 2 --compare-unfused
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/dpo.py --tp 2 --cp 2 --compare-unfused
 
 Per step: a forward-only pass of the reference model gives the reference log-probs of every
 micro-batch (computed on the last pipeline stage, broadcast to all stages), then the policy trains
@@ -24,6 +25,7 @@ from example_common import (
     forward_fn,
     init_distributed,
     micro_batches,
+    on_this_cp_rank,
     parse_args,
     pattern_sequences,
     reduce_metrics,
@@ -72,12 +74,13 @@ def main():
     progress = Progress(train["steps"], "dpo")
     progress.write(describe("dpo", cfg, fused, parallel_state))
     for step in range(train["steps"]):
-        batches = make_batches(cfg, parallel_state, step)
+        whole = make_batches(cfg, parallel_state, step)
+        pairs, sft_tokens = global_counts(whole, parallel_state)  # (of the whole sequences)
+        batches = on_this_cp_rank(whole)
         ref = compute_logprobs(reference, batches, forward_fn, post, seq_length=seq,
                                micro_batch_size=mbs)
         for batch, ref_out in zip(batches, ref):
-            batch["reference_logprobs"] = ref_out.logprobs
-        pairs, sft_tokens = global_counts(batches, parallel_state)
+            batch["reference_logprobs"] = ref_out.logprobs  # this CP rank's slice, as the batch
 
         def make_loss_func(chunk, batch):
             return dpo_loss_func(post, chunk, batch["labels"], batch["loss_mask"],
@@ -85,11 +88,11 @@ def main():
                                  global_num_sft_tokens=sft_tokens, **cfg["dpo"])
 
         if step == 0 and args.compare_unfused:
-            progress.write(compare_unfused(model, fused, batches, make_loss_func, seq,
-                                           parallel_state, "loss"))
+            progress.write(compare_unfused(model, fused, batches, make_loss_func, parallel_state,
+                                           "loss"))
         optimizer.zero_grad()
         with progress.measure_memory(model):
-            metrics = run_batches(model, batches, make_loss_func, seq)
+            metrics = run_batches(model, batches, make_loss_func)
         optimizer.step()
         shown = reduce_metrics(metrics, parallel_state)
         shown = {k: shown[k] for k in ("loss", "reward_margin", "accuracy")} if shown else {}

@@ -56,10 +56,13 @@ from example_config import load_config, schema_for  # noqa: E402
 from megatron_fused_ce.megatron import (  # noqa: E402
     FusedCEConfig,
     LogprobsPostProcessor,
+    batch_on_this_cp_rank,
+    context_parallel_group,
     enable_cpu_mode,
     install_fused_output_layer,
     is_fused,
     uninstall_fused_output_layer,
+    with_context_parallel_attention,
 )
 from megatron_fused_ce.memory import PeakTensorMemory  # noqa: E402
 
@@ -68,7 +71,7 @@ INSTALL_HINT = 'pip install -e ".[megatron]"'
 
 
 # ------------------------------------------------------------------------------------------------
-# Command line: YAML file, then --tp/--pp/--seq-length/--steps, then `section.key=value` overrides.
+# Command line: YAML file, then --tp/--pp/--cp/--seq-length/--steps, then `section.key=value` overrides.
 # Any mistake ends here, before torchrun's processes connect: one line, exit status 2.
 # ------------------------------------------------------------------------------------------------
 def build_parser(example: str, description: str) -> argparse.ArgumentParser:
@@ -88,6 +91,9 @@ def build_parser(example: str, description: str) -> argparse.ArgumentParser:
                         help="tensor-parallel size (sets megatron_cfg.tensor_model_parallel_size)")
     parser.add_argument("--pp", type=int, metavar="N",
                         help="pipeline-parallel size (sets megatron_cfg.pipeline_model_parallel_size)")
+    parser.add_argument("--cp", type=int, metavar="N",
+                        help="context-parallel size (sets megatron_cfg.context_parallel_size): every "
+                             "sequence split over N ranks")
     parser.add_argument("--seq-length", type=int, metavar="S", help="sequence length (sets data.seq_length)")
     parser.add_argument("--steps", type=int, metavar="N", help="optimizer steps (sets train.steps)")
     parser.add_argument("--compare-unfused", action="store_true",
@@ -108,6 +114,7 @@ def parse_args(example: str, description: str) -> argparse.Namespace:
     require_packages(parser.prog, ("yaml",))
     flags = (("megatron_cfg.tensor_model_parallel_size", args.tp),
              ("megatron_cfg.pipeline_model_parallel_size", args.pp),
+             ("megatron_cfg.context_parallel_size", args.cp),
              ("data.seq_length", args.seq_length), ("train.steps", args.steps))
     try:
         args.cfg = load_config(example, args.config, [(k, v) for k, v in flags if v is not None],
@@ -115,7 +122,8 @@ def parse_args(example: str, description: str) -> argparse.Namespace:
     except (ValueError, OSError) as err:
         fail(parser.prog, str(err))
     mcfg = args.cfg["megatron_cfg"]
-    require_torchrun(parser.prog, mcfg["tensor_model_parallel_size"] * mcfg["pipeline_model_parallel_size"])
+    require_torchrun(parser.prog, mcfg["tensor_model_parallel_size"] * mcfg["pipeline_model_parallel_size"]
+                     * mcfg["context_parallel_size"])
     require_packages(parser.prog, ("tqdm", "megatron.core"))
     return args
 
@@ -171,7 +179,8 @@ def init_distributed(cfg: dict, seed: int):
     mcfg = cfg["megatron_cfg"]
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=mcfg["tensor_model_parallel_size"],
-        pipeline_model_parallel_size=mcfg["pipeline_model_parallel_size"])
+        pipeline_model_parallel_size=mcfg["pipeline_model_parallel_size"],
+        context_parallel_size=mcfg["context_parallel_size"])
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return parallel_state
@@ -192,12 +201,18 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 def layer_spec(mcfg: dict, config):
     """megatron-core's local layer spec, or Transformer Engine's with
     `megatron_cfg.transformer_impl: transformer_engine` (TE is imported only then). Sequence
-    parallelism needs TE's norms (checked with the config)."""
+    parallelism needs TE's norms (checked with the config). Context parallelism with the local
+    spec: megatron's local attention refuses CP (only TE's implements it), so the layers get
+    `GatheredKVAttention` (every rank attends over the all-gathered keys and values; exact, O(s²)
+    memory: fine for this tiny model)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if mcfg["transformer_impl"] == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec()
+    if config.context_parallel_size > 1:
+        spec = with_context_parallel_attention(spec)
+    return spec
 
 
 def build_model(cfg: dict, parallel_state):
@@ -219,6 +234,7 @@ def build_model(cfg: dict, parallel_state):
         num_attention_heads=m["num_attention_heads"], ffn_hidden_size=m["ffn_hidden_size"],
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         sequence_parallel=mcfg["sequence_parallel"] and tp > 1,
         pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0,
@@ -309,6 +325,14 @@ def micro_batches(rows: Dict[str, torch.Tensor], micro_batch_size: int) -> List[
     return out
 
 
+def on_this_cp_rank(batches: List[dict]) -> List[dict]:
+    """This context-parallel rank's slice of every micro-batch, as megatron's
+    `get_batch_on_this_cp_rank` cuts it (every CP rank of a data-parallel replica builds the same
+    whole batches; unchanged without CP). Per-sequence entries (advantages) stay whole."""
+    group = context_parallel_group()
+    return [batch_on_this_cp_rank(batch, group) for batch in batches]
+
+
 def rows_per_rank(cfg: dict, parallel_state) -> int:
     train = cfg["train"]
     dp = parallel_state.get_data_parallel_world_size()
@@ -328,22 +352,39 @@ def data_generator(cfg: dict, parallel_state, step: int) -> torch.Generator:
 # Running micro-batches through megatron's schedule.
 # ------------------------------------------------------------------------------------------------
 def forward_fn(model, batch):
+    if batch.get("cu_seqlens_padded") is not None:  # THD: one packed row, no attention mask
+        return model(batch["tokens"], batch["position_ids"], None,
+                     packed_seq_params=packed_seq_params(batch))
     return model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
 
 
-def run_batches(model, batches: List[dict], make_loss_func: Callable, seq_length: int,
+def packed_seq_params(batch):
+    """megatron's PackedSeqParams of a THD micro-batch (`cu_seqlens`: real lengths,
+    `cu_seqlens_padded`: where each document sits; Transformer Engine's attention takes both)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    real, padded = batch["cu_seqlens"].int(), batch["cu_seqlens_padded"].int()
+    longest = int((padded[1:] - padded[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def run_batches(model, batches: List[dict], make_loss_func: Callable,
                 forward_only: bool = False) -> List[dict]:
-    """One `get_forward_backward_func` call over `batches` (micro-batches)."""
+    """One `get_forward_backward_func` call over `batches` (micro-batches, of this CP rank)."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
         return forward_fn(chunk, batch), make_loss_func(chunk, batch)
 
+    rows, length = batches[0]["tokens"].shape
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=seq_length,
-        micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
+        num_microbatches=len(batches), micro_batch_size=rows, forward_only=forward_only,
+        seq_length=length * parallel_state.get_context_parallel_world_size())  # the whole sequence
 
 
 def train_sft(args, cfg: dict, model, fused: FusedCEConfig, parallel_state, make_batches: Callable,
@@ -355,13 +396,13 @@ def train_sft(args, cfg: dict, model, fused: FusedCEConfig, parallel_state, make
     progress = Progress(train["steps"], name)
     progress.write(describe(name, cfg, fused, parallel_state))
     for step in range(train["steps"]):
-        batches = make_batches(cfg, parallel_state, step)
+        batches = on_this_cp_rank(make_batches(cfg, parallel_state, step))
         if step == 0 and args.compare_unfused:
-            progress.write(compare_unfused(model, fused, batches, make_loss_func, seq,
-                                           parallel_state, "lm loss"))
+            progress.write(compare_unfused(model, fused, batches, make_loss_func, parallel_state,
+                                           "lm loss"))
         optimizer.zero_grad()
         with progress.measure_memory(model):
-            metrics = run_batches(model, batches, make_loss_func, seq)
+            metrics = run_batches(model, batches, make_loss_func)
         optimizer.step()
         progress.update(reduce_metrics(metrics, parallel_state),
                         tokens=train["global_batch_size"] * seq)
@@ -370,14 +411,15 @@ def train_sft(args, cfg: dict, model, fused: FusedCEConfig, parallel_state, make
 
 
 def reduce_metrics(metrics: List[Dict[str, torch.Tensor]], parallel_state) -> Dict[str, float]:
-    """Sum the `[sum, count]` pairs over micro-batches and data-parallel ranks -> means.
-    Only meaningful on the last pipeline stage (empty elsewhere)."""
+    """Sum the `[sum, count]` pairs over micro-batches and data-parallel x context-parallel ranks
+    -> means (as Megatron-LM's training loop does). Only meaningful on the last pipeline stage
+    (empty elsewhere)."""
     if not metrics:
         return {}
     totals = {k: torch.stack([m[k] for m in metrics]).sum(0) for k in metrics[0]}
     names = sorted(totals)
     packed = torch.stack([totals[k].float() for k in names]).to(device())
-    dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(packed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return {k: (v[0] / v[1].clamp(min=1)).item() for k, v in zip(names, packed)}
 
 
@@ -404,8 +446,8 @@ def _is_last(model) -> bool:
     return bool(getattr(unwrap_model(model), "post_process", False))
 
 
-def compare_unfused(model, fused: FusedCEConfig, batches, make_loss_func, seq_length: int,
-                    parallel_state, key: str) -> Optional[str]:
+def compare_unfused(model, fused: FusedCEConfig, batches, make_loss_func, parallel_state,
+                    key: str) -> Optional[str]:
     """Forward+backward of `batches` with and without fusion -> a one-line report on the last rank:
     the loss of each, and the peak tensor memory of the output layer + loss of each (see
     `loss_memory`). Works whether or not `megatron_cfg` switched fusion on. The gradients it
@@ -414,7 +456,7 @@ def compare_unfused(model, fused: FusedCEConfig, batches, make_loss_func, seq_le
     for fused_on in (True, False):
         with output_layer(model, fused_on, fused.chunk_size):
             with loss_memory(model) as memory:
-                metrics = run_batches(model, batches, make_loss_func, seq_length)
+                metrics = run_batches(model, batches, make_loss_func)
             results[fused_on] = reduce_metrics(metrics, parallel_state)
             peaks[fused_on] = memory.peak_bytes
     if not results[True]:
@@ -513,9 +555,11 @@ def describe(name: str, cfg: dict, fused: FusedCEConfig, parallel_state, extra: 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
     m = cfg["model"]
     chunk = "auto" if fused.chunk_size is None else fused.chunk_size
-    return (f"{name}: world {dist.get_world_size()} = TP {tp} x PP {pp} x DP {dp} on "
+    return (f"{name}: world {dist.get_world_size()} = TP {tp} x {f'CP {cp} x ' if cp > 1 else ''}"
+            f"PP {pp} x DP {dp} on "
             f"{'CUDA/NCCL' if torch.cuda.is_available() else 'CPU/gloo'}; model {m['num_layers']} "
             f"layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}; "
             f"fused linear CE: {'on' if fused.enabled else 'off'} (chunk {chunk}){extra}")

@@ -101,7 +101,7 @@ MODEL = {
 }
 MEGATRON_CFG = {
     "tensor_model_parallel_size": Int(1), "pipeline_model_parallel_size": Int(1),
-    "sequence_parallel": Bool(False),
+    "context_parallel_size": Int(1), "sequence_parallel": Bool(False),
     "transformer_impl": Choice("local", "transformer_engine", default="local"),
     "dtype": Choice("float32", "bfloat16", default="float32"),
     # FusedCEConfig.from_megatron_cfg's keys (canonical and NeMo-RL's newer aliases); null = default
@@ -291,6 +291,11 @@ def _check_combinations(cfg: dict) -> None:
             and mcfg["transformer_impl"] == "local"):
         raise ValueError("megatron_cfg.sequence_parallel needs a norm that supports it: set "
                          "megatron_cfg.transformer_impl=transformer_engine (TE installed)")
+    cp, seq = mcfg["context_parallel_size"], cfg["data"]["seq_length"]
+    if seq % (2 * cp):
+        raise ValueError(f"data.seq_length ({seq}) must be a multiple of 2 x "
+                         f"megatron_cfg.context_parallel_size = {2 * cp}: each context-parallel rank "
+                         "holds two of the 2·CP chunks of every sequence")
     if "global_batch_size" in train and train["global_batch_size"] % train["micro_batch_size"]:
         raise ValueError(f"train.global_batch_size ({train['global_batch_size']}) must be a "
                          f"multiple of train.micro_batch_size ({train['micro_batch_size']})")

@@ -1,6 +1,7 @@
 """GRPO with mocked rollouts, fused log-probs, and only the log-prob passes the config needs.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --pp 2 --compare-unfused
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --cp 2 --compare-unfused
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py grpo.beta=0 grpo.force_on_policy_ratio=true
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py --tp 2 sampling.top_p=0.9 sampling.top_k=50
 
@@ -32,6 +33,7 @@ from example_common import (
     forward_fn,
     init_distributed,
     micro_batches,
+    on_this_cp_rank,
     parse_args,
     pattern_sequences,
     reduce_metrics,
@@ -128,10 +130,11 @@ def main():
     g = torch.Generator().manual_seed(train["seed"] + parallel_state.get_data_parallel_rank())
     for step in range(train["steps"]):
         batches, reward = mock_rollout(cfg, parallel_state, step)
+        batches = on_this_cp_rank(batches)  # (the advantages, one per sequence, stay whole)
         ran = logprob_passes(model, reference, batches, config, post, cfg, g)
         if step == 0 and args.compare_unfused:
-            progress.write(compare_unfused(model, fused, batches, make_loss_func, seq,
-                                           parallel_state, "loss"))
+            progress.write(compare_unfused(model, fused, batches, make_loss_func, parallel_state,
+                                           "loss"))
         if len(batches) % updates:
             raise SystemExit("micro-batches per rank must be a multiple of updates_per_rollout")
         per_update = len(batches) // updates
@@ -140,7 +143,7 @@ def main():
             optimizer.zero_grad()
             with progress.measure_memory(model):
                 metrics += run_batches(model, batches[u * per_update:(u + 1) * per_update],
-                                       make_loss_func, seq)
+                                       make_loss_func)
             optimizer.step()
         reduced = reduce_metrics(metrics, parallel_state)
         shown = {k: reduced[k] for k in ("loss", "kl", "ratio_mean", "is_ratio_mean") if k in reduced}

@@ -1,6 +1,7 @@
 """Pretrain a tiny GPT on mock data with megatron-core, the loss computed without the logits.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/pretrain_gpt.py --tp 2 --pp 2 --compare-unfused
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/pretrain_gpt.py --cp 2 --compare-unfused
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/pretrain_gpt.py megatron_cfg.use_linear_ce_fusion_loss=false
 
 The loss is the token-level cross-entropy, computed as -log p(label) by the post-processor:

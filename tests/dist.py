@@ -1,7 +1,8 @@
 """Forked gloo workers for tensor-/pipeline-parallel tests on CPU.
 
 `run_workers(fn, world_size, *args)` forks `world_size` processes from the already-imported test
-process (torch and megatron are imported once, in the parent: forking costs ~0.1 s, spawning ~10 s),
+process (torch and megatron are imported once, in the parent: forking costs ~0.1 s, spawning ~10 s;
+on a CUDA machine they are spawned, see _CTX),
 joins them into one gloo group through a fresh FileStore (no ports to collide), calls
 `fn(rank, world_size, *args)` in each and returns the list of per-rank results. A worker exception
 is re-raised in the parent with the worker's traceback; a worker that does not finish within
@@ -23,7 +24,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-_CTX = multiprocessing.get_context("fork")
+# On a machine with CUDA, the parent's first backward starts autograd's device threads, after which a
+# forked child cannot run autograd at all: spawn there (each worker imports torch again, ~seconds).
+_CTX = multiprocessing.get_context(
+    "spawn" if torch.cuda.is_available() or os.environ.get("TESTS_SPAWN_WORKERS") else "fork")
 
 
 class WorkerTimeout(RuntimeError):
@@ -56,6 +60,8 @@ def _worker(rank, world_size, store_path, fn, args, conn):
 
 def run_workers(fn, world_size: int, *args, timeout: float = 60.0):
     """Run fn(rank, world_size, *args) on `world_size` forked gloo ranks; return their results."""
+    if _CTX.get_start_method() == "spawn":
+        timeout += 60.0  # each worker imports torch (and megatron) again
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs, pipes = [], []

@@ -3,7 +3,11 @@
 A tiny GPTModel (local spec, fp32, no dropout) on CPU/gloo, wrapped in Megatron's DDP, driven by
 `get_forward_backward_func` exactly like a training job: micro-batches, 1F1B or interleaved
 pipelining, `finalize_model_grads` (DP all-reduce, tied-embedding all-reduce, division by the
-token count of `calculate_per_token_loss`).
+token count of `calculate_per_token_loss`). With `Setup.cp > 1`, context parallelism: megatron's
+local attention refuses CP, so the layers use `GatheredKVAttention` (exact under CP: every rank
+attends over the all-gathered keys/values in original positions); a CP=1 reference sets
+`gathered_attention=True` to run the very same model. `cp_batches` cuts micro-batches as megatron's
+`get_batch_on_this_cp_rank` does.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import megatron.core.models.gpt  # noqa: F401
 import megatron.core.pipeline_parallel  # noqa: F401
 
 from megatron_fused_ce.megatron import enable_cpu_mode
+from megatron_fused_ce.megatron.cp_attention import with_context_parallel_attention
 
 TRUE_VOCAB = 100  # the tokenizer's vocab; the model's is padded to PADDED_VOCAB
 PADDED_VOCAB = 128
@@ -49,10 +54,14 @@ class Setup:
     # DDP for the distributed optimizer with overlap_param_gather and overlap_grad_reduce, small
     # buckets (the output weight gets a bucket of its own)
     overlap: bool = False
+    cp: int = 1  # context parallel size
+    # GatheredKVAttention (exact under CP, see megatron_fused_ce/megatron/cp_attention.py) instead of
+    # megatron's local DotProductAttention; always on with cp > 1 (a CP=1 reference sets it)
+    gathered_attention: bool = False
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def __str__(self):
         vp = f"vp{self.vp}-" if self.vp else ""
@@ -61,7 +70,8 @@ class Setup:
                 f"{'-gradaccfusion' if self.grad_acc_fusion else ''}"
                 f"{f'-mtp{self.mtp_layers}' if self.mtp_layers else ''}"
                 f"{'-detachheads' if self.mtp_detach_heads else ''}"
-                f"{'' if self.per_token_loss else '-meanloss'}{'-overlap' if self.overlap else ''}")
+                f"{'' if self.per_token_loss else '-meanloss'}{'-overlap' if self.overlap else ''}"
+                f"{f'-cp{self.cp}' if self.cp > 1 else ''}{'-gathered' if self.gathered_attention else ''}")
 
 
 class SPLayerNorm(torch.nn.LayerNorm):
@@ -84,6 +94,8 @@ def layer_spec(config, setup: Setup, vp_stage=None):
     )
 
     spec = get_gpt_layer_local_spec()
+    if setup.cp > 1 or setup.gathered_attention:
+        spec = with_context_parallel_attention(spec)
     if not setup.sp:
         return spec
     sub = dataclasses.replace(spec.submodules, input_layernorm=SPLayerNorm,
@@ -123,7 +135,8 @@ def build(setup: Setup, seed: int = 1234, install_before_wrap=None):
     from megatron_fused_ce.megatron import install_fused_output_layer
 
     enable_cpu_mode()
-    init_megatron_parallel(setup.tp, setup.pp, virtual_pipeline_model_parallel_size=setup.vp)
+    init_megatron_parallel(setup.tp, setup.pp, virtual_pipeline_model_parallel_size=setup.vp,
+                           context_parallel_size=setup.cp)
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     dtype = torch.bfloat16 if setup.bf16 else torch.float32
@@ -131,6 +144,7 @@ def build(setup: Setup, seed: int = 1234, install_before_wrap=None):
         num_layers=setup.layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
         tensor_model_parallel_size=setup.tp, pipeline_model_parallel_size=setup.pp,
         virtual_pipeline_model_parallel_size=setup.vp, sequence_parallel=setup.sp,
+        context_parallel_size=setup.cp,
         pipeline_dtype=dtype, params_dtype=dtype, bf16=setup.bf16,
         calculate_per_token_loss=setup.per_token_loss, hidden_dropout=0.0, attention_dropout=0.0,
         **({"mtp_num_layers": setup.mtp_layers, "mtp_loss_scaling_factor": setup.mtp_scale}
@@ -190,6 +204,14 @@ def make_batches(kind: str, num_microbatches: int, seed: int):
             batch["noise"] = 0.1 * torch.randn(MBS, SEQ, generator=g)
         batches.append(batch)
     return batches
+
+
+def cp_batches(batches):
+    """This CP rank's slices of the micro-batches (unchanged without context parallelism)."""
+    from megatron_fused_ce.megatron import batch_on_this_cp_rank, context_parallel_group
+
+    group = context_parallel_group()
+    return [batch_on_this_cp_rank(batch, group) for batch in batches]
 
 
 def forward_fn(chunk, batch):

@@ -1,5 +1,5 @@
-"""The examples' main() on 4 forked gloo ranks (TP=2 x PP=2), a couple of steps each, with the
-first-batch fused-vs-unfused comparison; GRPO running only the log-prob passes it needs; and one
+"""The examples' main() on 4 forked gloo ranks (TP=2 x PP=2, and TP=2 x CP=2), a couple of steps
+each, with the first-batch fused-vs-unfused comparison; GRPO running only the log-prob passes it needs; and one
 real torchrun launch, checked for a clean screen.
 (`torchrun --nproc_per_node 4 examples/<name>.py --tp 2 --pp 2` runs the same code.)"""
 
@@ -63,6 +63,27 @@ def test_example_runs(name, extra, capfd):
     text = out.out + out.err
     assert "fused linear CE: on" in text
     assert "first batch" in text and "|difference|" in text
+    difference = float(text.split("|difference| ")[1].split()[0])
+    assert difference <= 1e-4
+
+
+CP_FAST = ["--tp", "2", "--cp", "2", "--steps", "2", "--seq-length", "32", "model.num_layers=2",
+           "model.hidden_size=32"]
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("pretrain_gpt", []),
+    ("sft", ["data.prompt_length=[2,4]", "data.response_length=[3,6]"]),  # THD packing
+    ("dpo", ["data.prompt_length=8"]),
+    ("grpo", ["data.prompt_length=8", "rollout.num_prompts=2", "rollout.samples_per_prompt=4"]),
+])
+def test_example_runs_with_context_parallelism(name, extra, capfd):
+    """`--tp 2 --cp 2 --compare-unfused`: every sequence split over 2 CP ranks (GatheredKVAttention
+    in the local layer spec), the fused-vs-unfused line of the first batch."""
+    run_workers(example_worker, 4, name, CP_FAST + ["--compare-unfused"] + extra, timeout=120)
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "world 4 = TP 2 x CP 2 x PP 1 x DP 1" in text
     difference = float(text.split("|difference| ")[1].split()[0])
     assert difference <= 1e-4
 

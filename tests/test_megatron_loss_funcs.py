@@ -151,13 +151,11 @@ def test_dpo_loss_func_owns_the_normalizers():
         dpo_loss_func(post, None, None, None, None, normalizer=4)
 
 
-class _LogprobsStub:
+class _LogprobsStub(LogprobsPostProcessor):
     """Stands in for the post-processor: returns fixed log-probs (no model needed)."""
 
-    ignore_index = -100
-    return_entropy = False
-
     def __init__(self, logprobs):
+        super().__init__(FUSED)
         self.logprobs = logprobs
 
     def fused_inputs(self, *args, **kwargs):

@@ -19,10 +19,13 @@ of the world, and a layout that does not divide the world is skipped (TP=2 x PP=
 
     torchrun --nproc_per_node 4 -m pytest tests/test_multigpu.py -m multigpu -q
 
-And multi-token prediction (tests/test_megatron_mtp.py's worker, bf16, with the Triton backend), and
-megatron's DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer
-installed before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the optimizer
-needs CUDA, so this is its only run).
+And context parallelism (tests/test_megatron_cp.py's worker, fp32: CP=2 on 2 GPUs, TP=2 x CP=2 + SP
+and CP=2 x DP=2 on 4, each against CP=1 on the same world; CP=2 with sampler settings; CP=2 with
+torch FSDP2 sharding the weights over DP x CP, fused against unfused), multi-token prediction
+(tests/test_megatron_mtp.py's worker, bf16, with the Triton backend), and megatron's
+DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer installed
+before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the optimizer needs
+CUDA, so this is its only run).
 """
 
 import datetime
@@ -436,3 +439,68 @@ def test_nccl_distributed_optimizer_overlap_both_install_orders():
             for order in (None, "before", "after")}
     for order in ("before", "after"):
         check_distributed_optimizer(runs[None], runs[order], loss_rtol=1e-5, param_rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Context parallelism over NCCL: CP=N equals CP=1 (fp32 GPTModel with GatheredKVAttention)
+# ------------------------------------------------------------------------------------------------
+CP_GPU_LAYOUTS = {  # name: (tp, cp, sequence_parallel); dp = world // (tp * cp)
+    "cp2": (1, 2, False),
+    "tp2-cp2": (2, 2, True),
+}
+
+
+@pytest.mark.parametrize("layout", list(CP_GPU_LAYOUTS))
+def test_nccl_context_parallel_equals_cp1(layout, record_property):
+    """tests/test_megatron_cp.py's fp32 GPTModel step on the GPUs (fused path: Triton backend): SFT,
+    DPO, GRPO and GSPO loss funcs, fused and unfused, at CP=2 (2 GPUs; CP=2 x DP=2 on 4) and
+    TP=2 x CP=2 + SP (4 GPUs), against the same model at CP=1 unfused on the same world (its extra
+    data-parallel ranks repeat the CP run's data): logged metrics, every parameter's gradient,
+    gathered and sharded forward-only log-probs; the CPU test's tolerances (1e-5 on metrics and
+    log-probs, 1e-4 of each gradient's largest entry)."""
+    from test_megatron_common import Setup
+    from test_megatron_cp import KINDS, check_cp_reports, parity_worker
+
+    tp, cp, sp = CP_GPU_LAYOUTS[layout]
+    world = dist.get_world_size()
+    if world % (tp * cp):
+        pytest.skip(f"{layout} needs a world size divisible by {tp * cp}")
+    setup = Setup(tp=tp, cp=cp, dp=world // (tp * cp), sp=sp)
+    reference_setup = Setup(tp=tp, dp=world // tp, sp=sp, gathered_attention=True)
+    reference = _on_every_rank(f"{layout} CP=1 reference", parity_worker, reference_setup, KINDS, setup.dp)
+    results = _on_every_rank(layout, parity_worker, setup, KINDS, setup.dp)
+    worst = check_cp_reports(results, reference, KINDS)
+    record_property("max_rel_diff", worst)
+    print(f"{setup}: max relative difference to CP=1 {worst}")
+
+
+def test_nccl_context_parallel_with_sampler_settings(record_property):
+    """The rollouts' sampler settings (top_k, top_p, return_topk: the Triton sampler kernels on the
+    fused path) under CP=2 (CP=2 x DP on more GPUs): SFT and GRPO equal CP=1, labels outside the
+    kept set excluded, top-k fields gathered (tests/test_megatron_cp.py's sampler case)."""
+    from test_megatron_common import Setup
+    from test_megatron_cp import check_cp_reports, parity_worker
+
+    world = dist.get_world_size()
+    if world % 2:
+        pytest.skip("CP=2 needs an even world size")
+    kinds, sampler = ("sft", "grpo"), dict(top_k=40, top_p=0.9, return_topk=3)
+    setup = Setup(cp=2, dp=world // 2)
+    reference = _on_every_rank("cp2 sampler CP=1 reference", parity_worker,
+                               Setup(dp=world, gathered_attention=True), kinds, setup.dp, sampler)
+    results = _on_every_rank("cp2 sampler", parity_worker, setup, kinds, setup.dp, sampler)
+    worst = check_cp_reports(results, reference, kinds)
+    record_property("max_rel_diff", worst)
+    print(f"{setup} {sampler}: max relative difference to CP=1 {worst}")
+
+
+def test_nccl_context_parallel_with_fsdp_sharded_weights():
+    """CP=2 (x DP on more GPUs) with torch FSDP2 sharding every weight over the data-parallel x CP
+    group (tests/test_megatron_cp.py's FSDP worker, fp32, Triton backend on the fused path): the
+    fused ops run inside the output layer's call, where FSDP gathers the weight; SFT, DPO and GRPO
+    losses, forward-only log-probs (both layouts) and every gradient equal the unfused run's."""
+    from test_megatron_cp import check_fsdp_reports, fsdp_worker
+
+    if dist.get_world_size() % 2:
+        pytest.skip("CP=2 needs an even world size")
+    check_fsdp_reports(_on_every_rank("cp2 fsdp2", fsdp_worker, ("sft", "dpo", "grpo")))

@@ -18,15 +18,28 @@ the last pipeline stage to every stage; `grpo_logprob_passes(config)` says which
 Megatron-LM-style `model(..., labels=labels)` keeps returning the per-token loss with fusion on,
 and multi-token prediction (`mtp_num_layers`) computes every depth's loss without logits too.
 
+Context parallelism: the post-processor and the loss funcs take the CP group from the model (or
+`parallel_state`) and stay exact (loss_funcs.py says how); `batch_on_this_cp_rank` cuts a batch as
+megatron does (packed THD batches too, without Transformer Engine), `compute_logprobs(...,
+layout="gathered")` returns whole sequences.
+
 Modules: config.py (the switches), output_layer.py (hidden states out of the last stage),
 lazy_logits.py (what the output layer returns instead of logits), mtp.py (multi-token prediction),
 megatron_lm.py (the argparse flags for Megatron-LM scripts),
 postprocess.py (log-probs from hidden states or logits; pipeline broadcast), loss_funcs.py
-(Megatron loss funcs for SFT / DPO / GRPO), cpu.py (megatron-core on CPU/gloo).
+(Megatron loss funcs for SFT / DPO / GRPO), context_parallel.py (CP layouts), cp_attention.py (a CP
+attention without Transformer Engine, for CPU runs), cpu.py (megatron-core on CPU/gloo).
 Importing this package does not import megatron-core or transformer-engine.
 """
 
 from .config import FusedCEConfig
+from .context_parallel import (
+    batch_on_this_cp_rank,
+    context_parallel_group,
+    gather_from_cp_ranks,
+    positions_on_cp_rank,
+)
+from .cp_attention import GatheredKVAttention, with_context_parallel_attention
 from .cpu import enable_cpu_mode
 from .lazy_logits import LazyLogits
 from .loss_funcs import dpo_loss_func, grpo_logprob_passes, grpo_loss_func, sft_loss_func
@@ -49,6 +62,12 @@ from .postprocess import (
 
 __all__ = [
     "FusedCEConfig",
+    "context_parallel_group",
+    "positions_on_cp_rank",
+    "batch_on_this_cp_rank",
+    "gather_from_cp_ranks",
+    "GatheredKVAttention",
+    "with_context_parallel_attention",
     "enable_cpu_mode",
     "install_fused_output_layer",
     "uninstall_fused_output_layer",

@@ -26,20 +26,47 @@ With fusion on, SFT (0/1 mask) and GRPO go through the gradients-in-forward loss
 the chunk's logits are in hand, 3 GEMMs per chunk instead of 4. The value and every gradient are
 those of the log-probs path (`linear_logprobs` + `megatron_fused_ce.losses`), which is used
 otherwise (DPO, weighted masks, entropy requested, logits input).
+
+Context parallelism (CP; the group comes from the post-processor: the model's or megatron's).
+Each CP rank holds a slice of every sequence (labels, masks and per-token inputs cut like the
+model's input, `context_parallel.batch_on_this_cp_rank`), and Megatron adds every rank's `count`, metric
+pairs and parameter gradients over data-parallel × CP ranks. So that these sums are the CP=1
+figures:
+
+* token-level sums (SFT, and the `"sft_loss"` metric of DPO) stay this rank's partial sums over its
+  tokens, with its own token count: they add up over CP to the whole sequences';
+* sequence-level terms (DPO scores, GRPO per-sequence means, GSPO ratios, sequence-level IS
+  correction; in practice the whole DPO and GRPO losses, which the losses compute with
+  `cp_group`) are the same global value L on every CP rank, with each rank's gradient the CP=1
+  gradient at its tokens. The loss func returns `L - L.detach() + share`, whose gradient is L's
+  and whose value, the share, is L on CP rank 0 and 0 elsewhere: counted once. Sequence and pair
+  counts, and the global sums and means among the metrics, are likewise counted on CP rank 0; a
+  mean metric is paired with a count that adds up to its CP=1 count.
+
+`calculate_per_token_loss=False` (Megatron divides each `loss_sum` by its own `count` and averages
+the gradients over DP × CP) is exact too: under CP the loss func then returns the count summed over
+the CP group (the micro-batch's CP=1 count, one more small all-reduce) and `CP · loss_sum`, so that
+the average over CP ranks of `CP · loss_sum_r / count` has the gradient of `L / count`.
+
+Bad input under CP raises the same ValueError on every CP (and TP) rank before any collective of
+the loss func: different numbers of sequences, or a mask / per-token input that is not sliced like
+the labels and the model output.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from megatron_fused_ce import linear_cross_entropy
 from megatron_fused_ce.losses import GRPOConfig, dpo_loss, grpo_loss, linear_grpo_loss, nll_loss
+from megatron_fused_ce.losses.context_parallel import agree_on_inputs, sum_over_cp
+from megatron_fused_ce.ops import reductions
 
-from .output_layer import run_in_output_layer
-from .postprocess import LogprobsPostProcessor, packed_sequence_labels
+from .output_layer import run_in_output_layer, unwrap_model
+from .postprocess import LogprobsPostProcessor
 
 LossFunc = Callable[[Tensor], tuple]
 
@@ -54,11 +81,11 @@ def _pairs(metrics: Dict[str, Tensor], count: Tensor, sums: Dict[str, Tensor]) -
     return out
 
 
-def _scored_mask(loss_mask: Tensor, labels: Tensor, cu_seqlens: Optional[Tensor],
-                 ignore_index: int) -> Tensor:
+def _scored_mask(post_processor: LogprobsPostProcessor, model, loss_mask: Tensor, labels: Tensor,
+                 **packing) -> Tensor:
     """The loss mask, zero where the post-processor does not score a token (packed boundaries,
     ignored labels)."""
-    scored = packed_sequence_labels(labels, cu_seqlens, ignore_index) != ignore_index
+    scored = post_processor.scored_labels(labels, model, **packing) != post_processor.ignore_index
     return torch.where(scored, loss_mask.float(), torch.zeros((), device=loss_mask.device))
 
 
@@ -80,28 +107,111 @@ def _in_label_layout(mask: Tensor, inputs: dict) -> Tensor:
     return mask.t() if inputs["sequence_parallel"] else mask
 
 
+class _ContextParallel:
+    """One micro-batch's CP group, and how its loss terms reach Megatron (module doc)."""
+
+    def __init__(self, fn_name: str, post_processor: LogprobsPostProcessor, model, output_tensor,
+                 labels: Tensor, per_token: Mapping[str, Optional[Tensor]], **packing):
+        self.group = post_processor.context_parallel_group(model)
+        self.size = reductions.group_size(self.group)
+        self.rank = reductions.group_rank(self.group)
+        self.model = model
+        if self.group is not None:
+            self._agree(fn_name, post_processor, output_tensor, labels, per_token, packing)
+
+    def _agree(self, fn_name, post_processor, output_tensor, labels, per_token, packing):
+        """Shapes checked on every rank and the verdict shared over CP and TP, before any
+        collective (a rank that raised alone would leave the others waiting in one)."""
+
+        def check():
+            if not isinstance(labels, Tensor) or labels.dim() != 2:
+                raise ValueError(f"labels must be a [b, s] tensor, got "
+                                 f"{tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__}")
+            expected = post_processor.token_shape(output_tensor, self.model)
+            if tuple(labels.shape) != tuple(expected):
+                raise ValueError(f"labels shape {tuple(labels.shape)} does not match the model output "
+                                 f"{tuple(output_tensor.shape)} (tokens {tuple(expected)}): under context "
+                                 "parallelism labels and masks are this CP rank's slice of every sequence")
+            for name, tensor in per_token.items():
+                allowed = [tuple(labels.shape)]
+                if name == "advantages":
+                    allowed += [(labels.shape[0],), (labels.shape[0], 1)]
+                if tensor is not None and (not isinstance(tensor, Tensor) or tuple(tensor.shape) not in allowed):
+                    got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+                    raise ValueError(f"{name} shape {got} != labels shape {tuple(labels.shape)}: under "
+                                     "context parallelism every per-token input is this CP rank's "
+                                     "slice, cut like the labels")
+            post_processor.scored_labels(labels, self.model, **packing)  # packing offsets
+
+        agree_on_inputs(fn_name, check, cp_group=self.group,
+                        other_groups=(post_processor.tensor_parallel_group(self.model),),
+                        batch_size=labels.shape[0] if isinstance(labels, Tensor) and labels.dim() else None,
+                        device=output_tensor.device,
+                        flags=[(f"{name} given", tensor is not None) for name, tensor in per_token.items()])
+
+    def once(self, value: Tensor) -> Tensor:
+        """`value` on CP rank 0, zero on the others: a global figure counted once over CP."""
+        return value if self.rank == 0 else torch.zeros_like(value)
+
+    def share(self, loss: Tensor) -> Tensor:
+        """The loss of the whole sequences (the same on every CP rank) with its gradient, valued
+        `once`: summed over CP ranks, value and gradient are those of CP=1."""
+        if self.group is None:
+            return loss
+        return loss - loss.detach() + self.once(loss.detach())
+
+    def sum(self, value: Tensor) -> Tensor:
+        """A per-rank partial count (no gradient) summed over the CP group."""
+        if self.group is None:
+            return value
+        with torch.no_grad():
+            return sum_over_cp({"value": value.float()}, self.group)["value"]
+
+    def for_megatron(self, loss_sum: Tensor, count: Tensor):
+        """`(loss_sum, count)` as the schedule needs them (`calculate_per_token_loss=False`: module doc)."""
+        if self.group is None or _per_token_loss(self.model):
+            return loss_sum, count
+        return loss_sum * self.size, torch.round(self.sum(count)).to(count.dtype)
+
+
+def _per_token_loss(model) -> bool:
+    try:
+        return bool(getattr(unwrap_model(model).config, "calculate_per_token_loss", True))
+    except (TypeError, AttributeError):
+        return True
+
+
 # ------------------------------------------------------------------------------------------------
 # SFT / pretraining
 # ------------------------------------------------------------------------------------------------
 def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module, labels: Tensor,
-                  loss_mask: Tensor, *, cu_seqlens: Optional[Tensor] = None) -> LossFunc:
-    """Token-level NLL: `loss_sum = -Σ m·lp`, count = loss tokens; metric `"lm loss"`."""
+                  loss_mask: Tensor, *, cu_seqlens: Optional[Tensor] = None,
+                  cu_seqlens_padded: Optional[Tensor] = None) -> LossFunc:
+    """Token-level NLL: `loss_sum = -Σ m·lp`, count = loss tokens; metric `"lm loss"`.
+
+    Packed sequences: `cu_seqlens` (and `cu_seqlens_padded` for THD with padding) as for the
+    post-processor; under CP, the labels and mask are this rank's slice of the packed row."""
+    packing = dict(cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
 
     def loss_func(output_tensor: Tensor):
-        mask = _scored_mask(loss_mask, labels, cu_seqlens, post_processor.ignore_index)
+        cp = _ContextParallel("sft_loss_func", post_processor, model, output_tensor, labels,
+                              {"loss_mask": loss_mask}, **packing)
+        mask = _scored_mask(post_processor, model, loss_mask, labels, **packing)
         count = _count(mask)
         inputs = None if getattr(post_processor, "filters", False) else \
-            post_processor.fused_inputs(output_tensor, model, labels, cu_seqlens=cu_seqlens)
+            post_processor.fused_inputs(output_tensor, model, labels, **packing)
         if inputs is not None and bool(((mask == 0) | (mask == 1)).all()):
             # Σ over loss tokens of -log p(label) = the summed cross-entropy of those tokens.
             keep = _in_label_layout(mask, inputs) != 0
             inputs["labels"] = torch.where(keep, inputs["labels"], post_processor.ignore_index)
             loss_sum = run_in_output_layer(model, linear_cross_entropy, **inputs, reduction="sum")
         else:
-            lp = post_processor(output_tensor, model, labels, cu_seqlens=cu_seqlens).logprobs
+            lp = post_processor(output_tensor, model, labels, **packing).logprobs
             loss_sum, _ = nll_loss(lp, mask, normalizer=1)
             count = _count(_without_excluded(mask, lp))
-        return loss_sum, count, _pairs({}, count, {"lm loss": loss_sum})
+        # token-level: this CP rank's partial sum and count (they add up over CP)
+        metrics = _pairs({}, count, {"lm loss": loss_sum})
+        return (*cp.for_megatron(loss_sum, count), metrics)
 
     return loss_func
 
@@ -129,23 +239,28 @@ def dpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
             raise ValueError(f"dpo_loss_func sets {key} itself (Megatron normalizes by pair count)")
 
     def loss_func(output_tensor: Tensor):
+        cp = _ContextParallel("dpo_loss_func", post_processor, model, output_tensor, labels,
+                              {"loss_mask": loss_mask, "reference_logprobs": reference_logprobs})
         lp = post_processor(output_tensor, model, labels).logprobs
-        mask = _scored_mask(loss_mask, labels, None, post_processor.ignore_index)
+        mask = _scored_mask(post_processor, model, loss_mask, labels)
         pairs = torch.tensor(lp.shape[0] // 2, dtype=torch.int, device=lp.device)
         chosen_mask = mask[0::2]
         if global_num_pairs is not None and global_num_sft_tokens is not None:
             sft_normalizer = global_num_sft_tokens / global_num_pairs
         else:  # no chosen token: the SFT sum is 0 whatever the (positive) normalizer
-            chosen_tokens = chosen_mask.sum()
+            chosen_tokens = cp.sum(chosen_mask.sum())  # of the whole sequences
             sft_normalizer = torch.where(chosen_tokens > 0, chosen_tokens, 1.0) / max(int(pairs), 1)
-        loss_sum, metrics = dpo_loss(lp, reference_logprobs, mask, normalizer=1,
-                                     sft_normalizer=sft_normalizer, **dpo_kwargs)
-        with torch.no_grad():
+        # the loss of the whole pairs on every CP rank (their scores summed over CP)
+        loss, metrics = dpo_loss(lp, reference_logprobs, mask, normalizer=1,
+                                 sft_normalizer=sft_normalizer, cp_group=cp.group, **dpo_kwargs)
+        loss_sum, pairs = cp.share(loss), cp.once(pairs)
+        with torch.no_grad():  # this rank's tokens: a partial sum
             sft_sum, _ = nll_loss(lp[0::2], chosen_mask, normalizer=1)
-        out = _pairs(metrics, pairs, {"loss": loss_sum, "preference_loss": metrics["preference_loss"],
-                                      "num_excluded_tokens": metrics["num_excluded_tokens"]})
+        out = _pairs(metrics, pairs, {"loss": loss_sum,
+                                      "preference_loss": cp.once(metrics["preference_loss"]),
+                                      "num_excluded_tokens": cp.once(metrics["num_excluded_tokens"])})
         out["sft_loss"] = torch.stack([sft_sum.float(), chosen_mask.sum().float()])
-        return loss_sum, pairs, out
+        return (*cp.for_megatron(loss_sum, pairs), out)
 
     return loss_func
 
@@ -186,31 +301,39 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
         raise ValueError(f"reference_logprobs are required when beta > 0 (beta={config.beta})")
 
     def loss_func(output_tensor: Tensor):
-        mask = _scored_mask(loss_mask, labels, None, post_processor.ignore_index)
+        cp = _ContextParallel("grpo_loss_func", post_processor, model, output_tensor, labels,
+                              {"loss_mask": loss_mask, "advantages": advantages,
+                               "old_logprobs": old_logprobs, "reference_logprobs": reference_logprobs,
+                               "sampling_logprobs": sampling_logprobs})
+        mask = _scored_mask(post_processor, model, loss_mask, labels)
         kwargs = dict(old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs, normalizer=1,
-                      reference_logprobs=reference_logprobs if config.needs_reference_logprobs else None)
+                      reference_logprobs=reference_logprobs if config.needs_reference_logprobs else None,
+                      cp_group=cp.group)
         inputs = None if post_processor.return_entropy or getattr(post_processor, "filters", False) else \
             post_processor.fused_inputs(output_tensor, model, labels)
         policy_logprobs = None
+        # the loss of the whole sequences on every CP rank (sequence terms summed over CP)
         if inputs is not None:
-            loss_sum, metrics = run_in_output_layer(model, linear_grpo_loss, advantages=advantages,
-                                                    mask=mask, config=config, **inputs, **kwargs)
+            loss, metrics = run_in_output_layer(model, linear_grpo_loss, advantages=advantages,
+                                                mask=mask, config=config, **inputs, **kwargs)
         else:
             out = post_processor(output_tensor, model, labels)
             policy_logprobs = out.logprobs
-            loss_sum, metrics = grpo_loss(out.logprobs, advantages, mask, config, **kwargs,
-                                          entropy=out.entropy)
+            loss, metrics = grpo_loss(out.logprobs, advantages, mask, config, **kwargs,
+                                      entropy=out.entropy)
         # Megatron's count: the tokens (sequences) that reach the loss, excluded ones left out
         old = None if config.force_on_policy_ratio else old_logprobs
         mask = _without_excluded(mask, policy_logprobs, old, sampling_logprobs)
         if config.normalizer_unit == "sequences" and (config.count_empty_sequences or not config.per_sequence_mean):
-            count = torch.tensor(mask.shape[0], dtype=torch.int, device=mask.device)
-        elif config.normalizer_unit == "sequences":  # sequences with a loss token
-            count = (mask != 0).any(-1).sum().to(torch.int)
-        else:
+            count = cp.once(torch.tensor(mask.shape[0], dtype=torch.int, device=mask.device))
+        elif config.normalizer_unit == "sequences":  # sequences with a loss token (on any CP rank)
+            count = cp.once((cp.sum((mask != 0).sum(-1)) > 0).sum().to(torch.int))
+        else:  # this rank's loss tokens
             count = _count(mask)
         # loss, pg_loss, kl and num_excluded_tokens are sums here (normalizer=1); the rest are means.
-        sums = {name: metrics[name] for name in ("loss", "pg_loss", "kl", "num_excluded_tokens")}
-        return loss_sum, count, _pairs(metrics, count, sums)
+        loss_sum = cp.share(loss)
+        sums = {name: cp.once(metrics[name]) for name in ("pg_loss", "kl", "num_excluded_tokens")}
+        metrics = _pairs(metrics, count, {"loss": loss_sum, **sums})
+        return (*cp.for_megatron(loss_sum, count), metrics)
 
     return loss_func

@@ -6,7 +6,9 @@ the model output. Follow one token t of row i:
 1. `labels[i, t]` is Megatron-style, already shifted: the id of token t+1. With packed sequences
    (`cu_seqlens`) the last position of each sequence would be scored against the first token of
    the next one, so it gets `ignore_index` (log-prob exactly 0, no gradient), as does the padding
-   after the last sequence.
+   after the last sequence (and, THD with `cu_seqlens_padded`, each sequence's padding).
+   Under context parallelism, row i and position t are this CP rank's slice (megatron's layout,
+   `context_parallel.py`); a packed boundary is found on whichever rank holds it.
 2. Fusion on (`install_fused_output_layer`): `output_tensor[i, t]` is the final hidden state. It
    goes to `linear_logprobs` with this rank's vocab shard of the output weight; the `[tokens, V/TP]`
    logits never exist. Under sequence parallelism `output_tensor` is `[b, s/TP, h]` and the op
@@ -20,23 +22,26 @@ could not have sampled get -inf; `linear_logprobs` documents the semantics), plu
 `topk_logprobs` / `topk_ids` `[b, s, k]` with `return_topk=k`.
 
 `broadcast_from_last_stage` and `compute_logprobs` carry the result of a forward-only pass
-(reference / old policy log-probs) to every pipeline stage.
+(reference / old policy log-probs) to every pipeline stage; under context parallelism
+`compute_logprobs` returns each rank's slice (default) or the whole sequences (`layout="gathered"`).
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, List, Mapping, Optional, Sequence, Union
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
+from megatron_fused_ce.losses.context_parallel import agree_on_inputs
 from megatron_fused_ce.ops import reductions, sampling
 from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, is_int
 
 from .config import FusedCEConfig
+from .context_parallel import context_parallel_group, gather_from_cp_ranks, positions_on_cp_rank
 from .output_layer import is_fused, output_weight, run_in_output_layer, unwrap_model
 
 IGNORE_INDEX = -100
@@ -52,39 +57,67 @@ def _tp_group(gpt):
 
 
 def packed_sequence_labels(labels: Tensor, cu_seqlens: Optional[Tensor],
-                           ignore_index: int = IGNORE_INDEX) -> Tensor:
+                           ignore_index: int = IGNORE_INDEX, *,
+                           cu_seqlens_padded: Optional[Tensor] = None, cp_group=None) -> Tensor:
     """`labels` with the positions that would cross a sequence boundary set to `ignore_index`.
 
     `cu_seqlens` (int, `[num_seqs + 1]`, starting at 0) are offsets into the row-major flattened
     `[b * s]` token stream (for the usual packed batch, b = 1: offsets along the sequence). The
-    last position of each sequence and every position at or after `cu_seqlens[-1]` are not scored.
+    last position of each sequence and every position outside the sequences (after
+    `cu_seqlens[-1]`) are not scored.
+
+    `cu_seqlens_padded` (THD with padding, as megatron's `PackedSeqParams.cu_seqlens_q_padded`):
+    sequence i then starts at `cu_seqlens_padded[i]` and holds `cu_seqlens[i+1] - cu_seqlens[i]`
+    real tokens; its padding is not scored either. With a context-parallel `cp_group`, `labels` is
+    this CP rank's `[1, T / CP]` slice of the packed row, cut document by document as megatron
+    does (`context_parallel.positions_on_cp_rank`; `cu_seqlens_padded`, or `cu_seqlens` when each
+    document length is already a multiple of 2·CP): the boundary is found wherever it landed.
     """
     if cu_seqlens is None:
         return labels
-    bounds = _checked_cu_seqlens(cu_seqlens, labels.numel()).to(device=labels.device)
-    flat = labels.reshape(-1).clone()
-    ends = bounds[1:] - 1
-    ends = ends[bounds[1:] > bounds[:-1]]  # skip empty sequences
-    flat[ends] = ignore_index
-    flat[int(bounds[-1]):] = ignore_index
-    return flat.reshape(labels.shape)
+    cp_size, cp_rank = reductions.group_size(cp_group), reductions.group_rank(cp_group)
+    if cp_size > 1 and labels.dim() == 2 and labels.shape[0] != 1:
+        raise ValueError(f"packed sequences under context parallelism are one packed row: labels "
+                         f"must be [1, T / CP], got {tuple(labels.shape)}")
+    length = labels.numel() * cp_size
+    bounds = _checked_cu_seqlens(cu_seqlens, length)
+    starts = bounds[:-1]
+    if cu_seqlens_padded is not None:
+        padded = _checked_cu_seqlens(cu_seqlens_padded, length, name="cu_seqlens_padded")
+        if padded.numel() != bounds.numel() or bool(((padded[1:] - padded[:-1])
+                                                     < (bounds[1:] - bounds[:-1])).any()):
+            raise ValueError("cu_seqlens_padded must hold the same sequences as cu_seqlens, each "
+                             "at least as long")
+        starts = padded[:-1]
+    # scored: start <= p < start + len - 1 for each sequence (a difference array over positions)
+    lengths = bounds[1:] - bounds[:-1]
+    starts, ends = starts[lengths > 1], (starts + lengths - 1)[lengths > 1]
+    edges = torch.zeros(length + 1, dtype=torch.long)
+    edges.index_add_(0, starts, torch.ones_like(starts))
+    edges.index_add_(0, ends, -torch.ones_like(ends))
+    scored = torch.cumsum(edges[:-1], 0) > 0
+    if cp_size > 1:
+        layout = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+        scored = scored[positions_on_cp_rank(length, cp_size, cp_rank, cu_seqlens_padded=layout)]
+    scored = scored.reshape(labels.shape).to(labels.device)
+    return torch.where(scored, labels, torch.full_like(labels, ignore_index))
 
 
-def _checked_cu_seqlens(cu_seqlens, num_tokens: int) -> Tensor:
-    """cu_seqlens as int64, or a ValueError saying what is wrong with it (a bad offset would score
-    tokens across sequence boundaries or index past the batch)."""
+def _checked_cu_seqlens(cu_seqlens, num_tokens: int, name: str = "cu_seqlens") -> Tensor:
+    """Sequence offsets as int64 on the host, or a ValueError saying what is wrong with them (a bad
+    offset would score tokens across sequence boundaries or index past the batch)."""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
-        raise ValueError(f"cu_seqlens must be a non-empty 1-D integer tensor [num_seqs + 1], got "
+        raise ValueError(f"{name} must be a non-empty 1-D integer tensor [num_seqs + 1], got "
                          f"{cu_seqlens.shape if isinstance(cu_seqlens, Tensor) else type(cu_seqlens)}")
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens must hold integer offsets, got dtype {cu_seqlens.dtype}")
+        raise ValueError(f"{name} must hold integer offsets, got dtype {cu_seqlens.dtype}")
     bounds = cu_seqlens.to(torch.long).cpu()  # num_seqs + 1 values: checked on the host
     if bounds[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {bounds[0].item()}")
+        raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
     if bool((bounds[1:] < bounds[:-1]).any()):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds.tolist()}")
+        raise ValueError(f"{name} must be non-decreasing, got {bounds.tolist()}")
     if bounds[-1] > num_tokens:
-        raise ValueError(f"cu_seqlens ends at {bounds[-1].item()}, past the {num_tokens} tokens of "
+        raise ValueError(f"{name} ends at {bounds[-1].item()}, past the {num_tokens} tokens of "
                          f"the batch")
     return bounds
 
@@ -105,12 +138,21 @@ class LogprobsPostProcessor:
             outside it gets -inf (the losses exclude and count those). None / top_p=1 / min_p=0
             = off.
         return_topk: also return `topk_logprobs` / `topk_ids` `[b, s, k]` (full softmax).
+        cp_group: the context-parallel group. Default: the model's (megatron's `pg_collection.cp`,
+            else `parallel_state`'s); a group of one rank means no context parallelism.
+
+    Context parallelism: `output_tensor`, `labels` (and the loss funcs' masks) are this CP rank's
+    slice of every sequence, cut as megatron's `get_batch_on_this_cp_rank` does; the log-probs
+    come back in the same layout (`compute_logprobs` can gather them in sequence order). Per-token
+    values need nothing from other CP ranks; packed sequences use the group to find where their
+    boundaries landed, and the loss funcs to sum sequence-level terms.
     """
 
     def __init__(self, config: FusedCEConfig, *, vocab_size: Optional[int] = None,
                  temperature: float = 1.0, return_entropy: bool = False,
                  ignore_index: int = IGNORE_INDEX, top_k: Optional[int] = None,
-                 top_p: Optional[float] = None, min_p: Optional[float] = None, return_topk: int = 0):
+                 top_p: Optional[float] = None, min_p: Optional[float] = None, return_topk: int = 0,
+                 cp_group=None):
         if not finite_real(temperature) or not temperature > 0:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
         if vocab_size is not None and (not is_int(vocab_size) or vocab_size <= 0):
@@ -127,6 +169,7 @@ class LogprobsPostProcessor:
         self.temperature = float(temperature)
         self.return_entropy = return_entropy
         self.ignore_index = ignore_index
+        self.cp_group = cp_group
         self.top_k, self.top_p, self.min_p, self.return_topk = top_k, top_p, min_p, return_topk
 
     @property
@@ -140,19 +183,50 @@ class LogprobsPostProcessor:
         return ((self.top_k is not None) or (self.top_p is not None and self.top_p < 1.0)
                 or bool(self.min_p))
 
+    def tensor_parallel_group(self, model: torch.nn.Module):
+        """The model's tensor-parallel group (the vocab shards)."""
+        return _tp_group(unwrap_model(model))
+
+    def context_parallel_group(self, model: Optional[torch.nn.Module] = None):
+        """The CP group in use (see `cp_group`), None without context parallelism."""
+        if self.cp_group is not None:
+            return self.cp_group if reductions.group_size(self.cp_group) > 1 else None
+        return context_parallel_group(None if model is None else unwrap_model(model))
+
+    def scored_labels(self, labels: Tensor, model: Optional[torch.nn.Module] = None, *,
+                      cu_seqlens: Optional[Tensor] = None,
+                      cu_seqlens_padded: Optional[Tensor] = None) -> Tensor:
+        """`labels` (int64) with `ignore_index` wherever this post-processor does not score a token:
+        packed-sequence boundaries and padding (`packed_sequence_labels`, under CP too)."""
+        return packed_sequence_labels(labels.long(), cu_seqlens, self.ignore_index,
+                                      cu_seqlens_padded=cu_seqlens_padded,
+                                      cp_group=self.context_parallel_group(model))
+
+    def token_shape(self, output_tensor: Tensor, model: torch.nn.Module) -> Tuple[int, int]:
+        """`(b, s)`: the shape of the labels that go with this model output (`[b, s, V/TP]` logits,
+        `[b, s, h]` hidden states, or `[b, s/TP, h]` under sequence parallelism)."""
+        gpt = unwrap_model(model)
+        b, s = output_tensor.shape[0], output_tensor.shape[1]
+        if is_fused(gpt) and bool(gpt.config.sequence_parallel):
+            s *= dist.get_world_size(_tp_group(gpt))
+        return b, s
+
     def __call__(self, output_tensor: Tensor, model: torch.nn.Module, labels: Tensor, *,
-                 cu_seqlens: Optional[Tensor] = None) -> LogprobsOutput:
+                 cu_seqlens: Optional[Tensor] = None,
+                 cu_seqlens_padded: Optional[Tensor] = None) -> LogprobsOutput:
         gpt = unwrap_model(model)
         if not getattr(gpt, "post_process", False):
             raise RuntimeError("LogprobsPostProcessor runs on the last pipeline stage only")
-        labels = packed_sequence_labels(labels.long(), cu_seqlens, self.ignore_index)
+        labels = self.scored_labels(labels, gpt, cu_seqlens=cu_seqlens,
+                                    cu_seqlens_padded=cu_seqlens_padded)
         if is_fused(gpt):
             return self._from_hidden(output_tensor, gpt, labels)
         return self._from_logits(output_tensor, gpt, labels)
 
     # -- fusion on -------------------------------------------------------------------------------
     def fused_inputs(self, output_tensor: Tensor, model: torch.nn.Module, labels: Tensor, *,
-                     cu_seqlens: Optional[Tensor] = None) -> Optional[dict]:
+                     cu_seqlens: Optional[Tensor] = None,
+                     cu_seqlens_padded: Optional[Tensor] = None) -> Optional[dict]:
         """The fused op's arguments for this output, or None when the model returns logits.
 
         `hidden` and `labels` are in the op's layout: `[b, s, h]` / `[b, s]`, or Megatron's
@@ -165,7 +239,8 @@ class LogprobsPostProcessor:
         gpt = unwrap_model(model)
         if not is_fused(gpt):
             return None
-        labels = packed_sequence_labels(labels.long(), cu_seqlens, self.ignore_index)
+        labels = self.scored_labels(labels, gpt, cu_seqlens=cu_seqlens,
+                                    cu_seqlens_padded=cu_seqlens_padded)
         weight = output_weight(gpt)
         if output_tensor.shape[-1] != weight.shape[1]:
             raise RuntimeError(
@@ -419,24 +494,55 @@ def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_grou
     return LogprobsOutput(logprobs, entropy, topk_logprobs, topk_ids)
 
 
+COMPUTE_LOGPROBS_LAYOUTS = ("sharded", "gathered")
+
+
 def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
                      post_processor: LogprobsPostProcessor, *, seq_length: int,
-                     micro_batch_size: int) -> List[LogprobsOutput]:
+                     micro_batch_size: int, layout: str = "sharded") -> List[LogprobsOutput]:
     """A forward-only pass (no autograd graph) returning each micro-batch's log-probs on every stage.
 
     For reference-policy / old-policy log-probs. `forward_fn(model_chunk, batch)` runs the model on
     one micro-batch (`model_chunk(tokens, position_ids, attention_mask)`), `batch["labels"]` holds
-    the shifted labels and `batch.get("cu_seqlens")` the packed-sequence offsets. `model` is a
-    model chunk or the list of virtual-pipeline chunks.
+    the shifted labels, `batch.get("cu_seqlens")` / `batch.get("cu_seqlens_padded")` the
+    packed-sequence offsets. `model` is a model chunk or the list of virtual-pipeline chunks.
+    `seq_length` is the full sequence length (megatron divides it by CP for the pipeline buffers).
+
+    Context parallelism (the batches hold this CP rank's slices): `layout="sharded"` (default)
+    returns each CP rank's log-probs in the layout of its batch, which is what that rank's loss
+    func takes on the next forward, and costs no communication; `layout="gathered"` returns the
+    whole `[b, s]` sequences in their original order on every CP rank (what an RL trainer stores).
+    Without CP both are the same.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if layout not in COMPUTE_LOGPROBS_LAYOUTS:
+        raise ValueError(f"layout must be one of {COMPUTE_LOGPROBS_LAYOUTS}, got {layout!r}")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
 
     def loss_func(batch, chunk, output_tensor):
-        out = post_processor(output_tensor, chunk, batch["labels"],
-                             cu_seqlens=batch.get("cu_seqlens"))
+        packing = dict(cu_seqlens=batch.get("cu_seqlens"), cu_seqlens_padded=batch.get("cu_seqlens_padded"))
+        cp_group = post_processor.context_parallel_group(chunk) if layout == "gathered" else None
+        outs = []
+        # Under CP a rank that fails must not leave the others waiting in the gather: the error
+        # is agreed over the CP group (and TP: the same batch) first.
+        agree_on_inputs("compute_logprobs", lambda: outs.append(post_processor(
+                            output_tensor, chunk, batch["labels"], **packing)),
+                        cp_group=cp_group,
+                        other_groups=(post_processor.tensor_parallel_group(chunk),) if cp_group else (),
+                        device=output_tensor.device)
+        out = outs[0]
+        if cp_group is not None:
+            layout_offsets = packing["cu_seqlens_padded"] if packing["cu_seqlens_padded"] is not None \
+                else packing["cu_seqlens"]
+
+            def gather(values):  # [b, s/CP, ...] -> [b, s, ...] (entropy, top-k too)
+                return None if values is None else gather_from_cp_ranks(
+                    values, cp_group, cu_seqlens_padded=layout_offsets)
+
+            out = LogprobsOutput(gather(out.logprobs), gather(out.entropy), gather(out.topk_logprobs),
+                                 gather(out.topk_ids))
         zero = output_tensor.new_zeros(())
         return zero, torch.ones((), dtype=torch.int, device=zero.device), {"logprobs": out}
 

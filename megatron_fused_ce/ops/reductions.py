@@ -210,3 +210,41 @@ def max_over_context_ranks(values: Tensor, group) -> Tensor:
     if group_size(group) > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values
+
+
+# ------------------------------------------------------------------------------------------------
+# Context parallelism: the collectives of the Megatron layer (megatron_fused_ce.megatron).
+#
+# A CP rank holds a slice of every sequence; putting the slices back together is an all-gather of
+# equal-sized [..] slices, stacked by CP rank. Which original positions each slice holds is the
+# caller's business (megatron/context_parallel.py).
+# ------------------------------------------------------------------------------------------------
+class _GatherContextRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: Tensor, group) -> Tensor:
+        ctx.group = group
+        local = local.contiguous()
+        flat = local.reshape((1,) + tuple(local.shape)) if local.dim() == 0 else local
+        out = flat.new_empty((group_size(group) * flat.shape[0],) + tuple(flat.shape[1:]))
+        # (concatenated along dim 0; torch >= 2.13 names it all_gather_single)
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group)
+        return out.view((group_size(group),) + tuple(local.shape))
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        # Every rank used every slice: a slice's gradient is the sum of all ranks' gradients for it.
+        grad = grad_out.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad[group_rank(ctx.group)], None
+
+
+def gather_context_ranks(local: Tensor, group) -> Tensor:
+    """``[cp, *local.shape]``: every CP rank's ``local`` (same shape on all), stacked by CP rank.
+
+    Differentiable (the backward sums the gradients of all ranks for this rank's slice): the
+    CPU context-parallel attention gathers keys and values with it. Without a group of more than
+    one rank: ``local.unsqueeze(0)``.
+    """
+    if group_size(group) == 1:
+        return local.unsqueeze(0)
+    return _GatherContextRanks.apply(local, group)
