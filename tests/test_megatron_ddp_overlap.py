@@ -224,7 +224,9 @@ def distributed_optimizer_worker(rank, world, setup: Setup, order: Optional[str]
     config = unwrap_model(ddp).config
     config.no_sync_func = ddp.no_sync
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.9, bf16=setup.bf16,
+        # Adam: megatron >= 0.19's distributed optimizer takes Adam only. eps=1 keeps its step
+        # ~lr*g (like SGD), so tiny gradient differences stay tiny in the parameters.
+        OptimizerConfig(optimizer="adam", lr=0.1, adam_eps=1.0, weight_decay=0.0, bf16=setup.bf16,
                         params_dtype=torch.bfloat16 if setup.bf16 else torch.float32,
                         use_distributed_optimizer=True), chunks)
     gather = ParamGatherRecorder(ddp, output_weight(ddp))

@@ -35,8 +35,10 @@ def nccl():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3),
-                                device_id=torch.device("cuda", local))
+        # No device_id: NCCL communicators are then made on a group's first collective, not for
+        # each of the ~20 groups every test's megatron initialization creates (eagerly connected,
+        # they pile up across tests until NCCL's CUDA allocations fail).
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3))
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 cases are checked against float64
     yield
