@@ -338,40 +338,54 @@ class LinearSoftmaxStats(torch.autograd.Function):
         spec: ChunkSpec = ctx.spec
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         coefs = coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse)
+        stats = (row_max, log_sum_exp)
 
-        with autocast_off(hidden.device):
-            full_hidden = (reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
-                           else hidden)
-            rows = _rows(full_hidden, row_index)
-            dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-            into_main_grad = needs_dw and spec.main_grad_param is not None
-            dw_out = grad_weight = None
-            if needs_dw:
-                dw_dtype = weight.dtype if spec.lean is not None else _weight_grad_dtype(weight, rows.shape[0], spec)
-                dw_out = spec.main_grad_param.main_grad if into_main_grad else torch.empty(
-                    weight.shape, dtype=dw_dtype, device=weight.device)
-            if coefs is None or rows.shape[0] == 0:  # nothing to differentiate: zero gradients
+        def write_grads(rows, dx_rows, dw_out, accumulate):
+            if spec.lean is not None:  # two tile sweeps: dX token-outer, dW vocab-outer
                 if dx_rows is not None:
-                    dx_rows.zero_()
-                if dw_out is not None and not into_main_grad:
-                    dw_out.zero_()
-            elif spec.lean is not None:  # two tile sweeps: dX token-outer, dW vocab-outer
-                if dx_rows is not None:
-                    lean.input_grad_sweep(rows, weight, local_target, spec, (row_max, log_sum_exp), coefs, dx_rows)
+                    lean.input_grad_sweep(rows, weight, local_target, spec, stats, coefs, dx_rows)
                 if dw_out is not None:
-                    lean.weight_grad_sweep(rows, weight, local_target, spec, (row_max, log_sum_exp), coefs,
-                                           dw_out, accumulate=into_main_grad)
+                    lean.weight_grad_sweep(rows, weight, local_target, spec, stats, coefs, dw_out,
+                                           accumulate=accumulate)
             else:
-                backward_grads(rows, weight, local_target, spec, (row_max, log_sum_exp), coefs, dx_rows,
-                               dw_out, dw_accumulate=into_main_grad)
-            if needs_dw and not into_main_grad:
-                grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
+                backward_grads(rows, weight, local_target, spec, stats, coefs, dx_rows, dw_out,
+                               dw_accumulate=accumulate)
 
-            grad_hidden = _input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
-
-        if into_main_grad:
-            grad_weight = _main_grad_added(spec.main_grad_param, weight)
+        grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, spec, needs_dx, needs_dw,
+                                                   coefs is not None, write_grads)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, needs_dw: bool,
+                    has_coefs: bool, write_grads) -> tuple:
+    """The frame of every recompute backward (plain and sampler statistics): gather the SP hidden
+    states again, allocate the dX rows and the dW buffer (or use Megatron's main_grad), let
+    `write_grads(rows, dx_rows, dw_out, accumulate)` fill them (skipped, gradients zero, when
+    nothing depends on the statistics), and return (grad_hidden, grad_weight) for autograd."""
+    with autocast_off(hidden.device):
+        full_hidden = (reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
+                       else hidden)
+        rows = _rows(full_hidden, row_index)
+        dx_rows = rows.new_empty(rows.shape) if needs_dx else None
+        into_main_grad = needs_dw and spec.main_grad_param is not None
+        dw_out = grad_weight = None
+        if needs_dw:
+            dw_dtype = weight.dtype if spec.lean is not None else _weight_grad_dtype(weight, rows.shape[0], spec)
+            dw_out = spec.main_grad_param.main_grad if into_main_grad else torch.empty(
+                weight.shape, dtype=dw_dtype, device=weight.device)
+        if not has_coefs or rows.shape[0] == 0:  # nothing to differentiate: zero gradients
+            if dx_rows is not None:
+                dx_rows.zero_()
+            if dw_out is not None and not into_main_grad:
+                dw_out.zero_()
+        else:
+            write_grads(rows, dx_rows, dw_out, into_main_grad)
+        if needs_dw and not into_main_grad:
+            grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
+        grad_hidden = _input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
+    if into_main_grad:
+        grad_weight = _main_grad_added(spec.main_grad_param, weight)
+    return grad_hidden, grad_weight
 
 
 def _main_grad_added(param: Tensor, weight: Tensor) -> Optional[Tensor]:

@@ -66,17 +66,14 @@ from .chunked import (
     ChunkSpec,
     LinearSoftmaxStats,
     _chunks,
-    _input_grad,
-    _main_grad_added,
     _rows,
-    _weight_grad_dtype,
-    autocast_off,
     chunk_logits,
     coefficients,
     first_order_only,
     forward_stats,
     gemm_input,
     matmul_into_,
+    recompute_grads,
 )
 from .sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
 
@@ -409,40 +406,23 @@ class LinearKeptStats(torch.autograd.Function):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         coefs = coefficients(g_target, g_lse, None, g_entropy, entropy, lse)
 
-        with autocast_off(hidden.device):
-            full_hidden = (reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
-                           else hidden)
-            rows = _rows(full_hidden, row_index)
-            dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-            into_main_grad = needs_dw and spec.main_grad_param is not None
-            dw_out = grad_weight = None
-            if needs_dw:
-                dw_out = spec.main_grad_param.main_grad if into_main_grad else torch.empty(
-                    weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec), device=weight.device)
-            if coefs is None or rows.shape[0] == 0:
+        def write_grads(rows, dx_rows, dw_out, accumulate):
+            for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
+                h, piece = rows[start:end], slice(start, end)
+                dlogits = kernels.kept_dlogits_(
+                    chunk_logits(h, weight, spec), local_target[piece], spec.num_valid_cols,
+                    spec.inv_temperature, sp.vocab_start, row_max[piece], log_sum_exp[piece],
+                    z_cut[piece], id_cut[piece],
+                    *(None if coefs[c] is None else coefs[c][piece] for c in ("p", "pz", "target")))
+                dlogits = gemm_input(dlogits, h)
                 if dx_rows is not None:
-                    dx_rows.zero_()
-                if dw_out is not None and not into_main_grad:
-                    dw_out.zero_()
-            else:
-                for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
-                    h, piece = rows[start:end], slice(start, end)
-                    dlogits = kernels.kept_dlogits_(
-                        chunk_logits(h, weight, spec), local_target[piece], spec.num_valid_cols,
-                        spec.inv_temperature, sp.vocab_start, row_max[piece], log_sum_exp[piece],
-                        z_cut[piece], id_cut[piece],
-                        *(None if coefs[c] is None else coefs[c][piece] for c in ("p", "pz", "target")))
-                    dlogits = gemm_input(dlogits, h)
-                    if dx_rows is not None:
-                        torch.mm(dlogits, weight, out=dx_rows[start:end])
-                    if dw_out is not None:
-                        matmul_into_(dw_out, dlogits.t(), h, accumulate=into_main_grad or index > 0)
-                    del dlogits  # one chunk alive at the peak
-            if needs_dw and not into_main_grad:
-                grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
-            grad_hidden = _input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
-        if into_main_grad:
-            grad_weight = _main_grad_added(spec.main_grad_param, weight)
+                    torch.mm(dlogits, weight, out=dx_rows[start:end])
+                if dw_out is not None:
+                    matmul_into_(dw_out, dlogits.t(), h, accumulate=accumulate or index > 0)
+                del dlogits  # one chunk alive at the peak
+
+        grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, spec, needs_dx, needs_dw,
+                                                   coefs is not None, write_grads)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
