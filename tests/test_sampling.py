@@ -260,6 +260,9 @@ def test_logprobs_output_still_unpacks_as_a_pair():
     assert moved.entropy is None and moved.topk_ids is out.topk_ids
     plain = LogprobsOutput(lp, None)
     assert plain.topk_ids is None and plain.topk_logprobs is None
+    doubled = out.map(lambda t: t * 2)  # every field, top-k included; None stays None
+    assert torch.equal(doubled.topk_ids, out.topk_ids * 2) and torch.equal(doubled.entropy, ent * 2)
+    assert plain.map(lambda t: t * 2).entropy is None and plain.map(lambda t: t).topk_ids is None
     assert "topk_ids" in repr(out) and "topk_ids" not in repr(plain)
 
 

@@ -168,8 +168,7 @@ def _without_views(out):
     if isinstance(out, torch.Tensor):
         return out.clone() if out._base is not None else out
     if isinstance(out, LogprobsOutput):  # top-k outputs are attributes outside the tuple
-        return LogprobsOutput(*map(_without_views, (out.logprobs, out.entropy,
-                                                    out.topk_logprobs, out.topk_ids)))
+        return out.map(_without_views)
     if isinstance(out, tuple) and hasattr(out, "_fields"):  # other NamedTuples
         return type(out)(*map(_without_views, out))
     if isinstance(out, (tuple, list)):

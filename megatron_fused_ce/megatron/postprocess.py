@@ -266,8 +266,7 @@ class LogprobsPostProcessor:
         out = run_in_output_layer(gpt, linear_logprobs, **inputs, return_entropy=self.return_entropy,
                                   **self.sampler)
         if inputs["sequence_parallel"]:  # [s, b] -> [b, s]
-            out = LogprobsOutput(*(None if t is None else t.transpose(0, 1)
-                                   for t in (out.logprobs, out.entropy, out.topk_logprobs, out.topk_ids)))
+            out = out.map(lambda t: t.transpose(0, 1))
         return out
 
     # -- fusion off ------------------------------------------------------------------------------
@@ -537,12 +536,9 @@ def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
             layout_offsets = packing["cu_seqlens_padded"] if packing["cu_seqlens_padded"] is not None \
                 else packing["cu_seqlens"]
 
-            def gather(values):  # [b, s/CP, ...] -> [b, s, ...] (entropy, top-k too)
-                return None if values is None else gather_from_cp_ranks(
-                    values, cp_group, cu_seqlens_padded=layout_offsets)
-
-            out = LogprobsOutput(gather(out.logprobs), gather(out.entropy), gather(out.topk_logprobs),
-                                 gather(out.topk_ids))
+            # [b, s/CP, ...] -> [b, s, ...] (entropy, top-k too)
+            out = out.map(lambda values: gather_from_cp_ranks(values, cp_group,
+                                                              cu_seqlens_padded=layout_offsets))
         zero = output_tensor.new_zeros(())
         return zero, torch.ones((), dtype=torch.int, device=zero.device), {"logprobs": out}
 

@@ -71,6 +71,12 @@ class LogprobsOutput(_LogprobsPair):
             self.topk_logprobs, self.topk_ids = topk_logprobs, topk_ids
         return self
 
+    def map(self, fn) -> "LogprobsOutput":
+        """`fn` applied to every tensor it holds, top-k fields included (None stays None): use this,
+        not iteration, to rebuild one (iterating yields the two tuple fields only)."""
+        return type(self)(*(None if t is None else fn(t)
+                            for t in (self.logprobs, self.entropy, self.topk_logprobs, self.topk_ids)))
+
     def _replace(self, **changes):
         fields = dict(logprobs=self.logprobs, entropy=self.entropy, topk_logprobs=self.topk_logprobs,
                       topk_ids=self.topk_ids)
