@@ -111,6 +111,17 @@ class KeptSums:
     total: Optional[Tensor] = None  # sum over all valid columns of exp(z - row_max)
 
 
+def empty_kept_sums(n: int, device, want_target: bool, want_entropy: bool, want_count: bool,
+                    want_total: bool) -> KeptSums:
+    """The kept sums of rows with no valid column (or of no rows): zeros, in KeptSums's layout."""
+    zeros = torch.zeros(n, dtype=torch.float32, device=device)
+    return KeptSums(
+        sum_exp=zeros, target=zeros.clone() if want_target else None,
+        sum_exp_shifted=zeros.clone() if want_entropy else None,
+        count=torch.zeros(n, dtype=torch.int64, device=device) if want_count else None,
+        total=zeros.clone() if want_total else None)
+
+
 def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: int,
               inv_temperature: float, vocab_start: int, row_max: Tensor, z_cut: Tensor,
               id_cut: Tensor, *, rows: Optional[Tensor] = None, want_entropy: bool = False,
@@ -121,14 +132,9 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
     if rows is not None:
         logits = logits.index_select(0, rows)
     n = logits.shape[0]
-    f32 = dict(dtype=torch.float32, device=logits.device)
     if num_valid_cols == 0 or n == 0:
-        zeros = torch.zeros(n, **f32)
-        return KeptSums(
-            sum_exp=zeros, target=None if local_target is None else zeros.clone(),
-            sum_exp_shifted=zeros.clone() if want_entropy else None,
-            count=torch.zeros(n, dtype=torch.int64, device=logits.device) if want_count else None,
-            total=zeros.clone() if want_total else None)
+        return empty_kept_sums(n, logits.device, local_target is not None, want_entropy, want_count,
+                               want_total)
     z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
     ids = torch.arange(vocab_start, vocab_start + num_valid_cols, device=logits.device)
     keep = kept_mask(z, ids, z_cut, id_cut)

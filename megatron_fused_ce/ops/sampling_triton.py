@@ -169,12 +169,8 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
     n = logits.shape[0] if rows is None else rows.numel()
     f32 = dict(dtype=torch.float32, device=logits.device)
     if num_valid_cols == 0 or n == 0:
-        zeros = torch.zeros(n, **f32)
-        return KeptSums(
-            sum_exp=zeros, target=None if local_target is None else zeros.clone(),
-            sum_exp_shifted=zeros.clone() if want_entropy else None,
-            count=torch.zeros(n, dtype=torch.int64, device=logits.device) if want_count else None,
-            total=zeros.clone() if want_total else None)
+        return sampling_torch.empty_kept_sums(n, logits.device, local_target is not None, want_entropy,
+                                              want_count, want_total)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     block_n = KEPT_BLOCK_N
