@@ -3,6 +3,7 @@
 time by kernel name, and the GPU's busy time against the wall time (gaps = launch / host overhead).
 
     python tools/profile_op.py [--shape 8192x4096x128256] [--paths ce,logprobs,ce_lean,fwd]
+    python tools/profile_op.py --paths ce_lean --lean-tiles 1152,16384,8192,4096   # try tile sizes
 """
 
 import argparse
@@ -15,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
+from megatron_fused_ce.ops import lean  # noqa: E402
 
 
 def main():
@@ -22,7 +24,12 @@ def main():
     p.add_argument("--shape", default="8192x4096x128256")
     p.add_argument("--paths", default="ce,logprobs,ce_lean,fwd")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--cpu", action="store_true", help="also the host-side ops by self CPU time")
+    p.add_argument("--lean-tiles", help="rows_a,cols_a,rows_b,cols_b: lean mode's tiles instead of tile_sizes()")
     args = p.parse_args()
+    if args.lean_tiles:
+        tiles = lean.LeanTiles(*(int(x) for x in args.lean_tiles.split(",")))
+        lean.tile_sizes = lambda *a, **k: tiles
     n, hdim, v = (int(x) for x in args.shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, hdim, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -31,6 +38,8 @@ def main():
     paths = {
         "ce": lambda: torch.autograd.grad(linear_cross_entropy(h, w, y), (h, w)),
         "ce_lean": lambda: torch.autograd.grad(linear_cross_entropy(h, w, y, memory_mode="lean"), (h, w)),
+        "logprobs_lean": lambda: torch.autograd.grad(
+            -linear_logprobs(h, w, y, memory_mode="lean").logprobs.mean(), (h, w)),
         "logprobs": lambda: torch.autograd.grad(-linear_logprobs(h, w, y).logprobs.mean(), (h, w)),
         "fwd": lambda: torch.no_grad()(lambda: linear_logprobs(h, w, y).logprobs)(),
     }
@@ -56,6 +65,12 @@ def main():
         print(f"\n== {name}: {wall:.2f} ms per call, GPU kernels {busy:.2f} ms ({100 * busy / wall:.0f} % busy)")
         for key, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:14]:
             print(f"  {ms:8.3f} ms  {key[:110]}")
+        if args.cpu:
+            host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                          key=lambda e: -e.self_cpu_time_total)[:14]
+            print(f"  host: {sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3 / args.reps:.2f} ms per call")
+            for e in host:
+                print(f"  {e.self_cpu_time_total / 1e3 / args.reps:8.3f} ms host  x{e.count // args.reps:<5d} {e.key[:90]}")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,22 @@ def value_code(value) -> int:
     return zlib.crc32(repr(value).encode())
 
 
+_WEIGHTS: dict = {}  # (numel, device) -> the two weight rows of the last size used (see below)
+
+
+def _fingerprint_weights(numel: int, device: torch.device) -> Tensor:
+    """[2, numel] int64: (2i + 1) and hash(i) | 1, mod 2^31 (odd, so invertible). Kept for the last
+    size only (16 bytes per element; a training run's label shape rarely changes): five kernels
+    fewer per call."""
+    key = (numel, device)
+    if key not in _WEIGHTS:
+        position = torch.arange(numel, dtype=torch.int64, device=device)
+        weights = torch.stack([2 * position + 1, (position * _SCRAMBLE) | 1]) & _MASK
+        _WEIGHTS.clear()
+        _WEIGHTS[key] = weights
+    return _WEIGHTS[key]
+
+
 def tensor_fingerprint(tensor: Tensor) -> Tensor:
     """Two int64 sums over the flattened values (their bits for floats), on the tensor's device:
     sum_i v_i (2i + 1) and sum_i v_i hash(i), every term mod 2^31, v_i = the value's 64 bits folded
@@ -88,11 +104,8 @@ def tensor_fingerprint(tensor: Tensor) -> Tensor:
     bits = flat.to(torch.int64)
     if flat.element_size() == 8:  # fold the high 33 bits in: ids >= 2^31 or float64 bit patterns
         bits = bits ^ (bits >> 31)
-    values = bits & _MASK
-    position = torch.arange(values.numel(), dtype=torch.int64, device=values.device)
-    by_position = ((values * (2 * position + 1)) & _MASK).sum()
-    by_hash = ((values * ((position * _SCRAMBLE) | 1)) & _MASK).sum()
-    return torch.stack([by_position, by_hash])
+    # int64 products wrap mod 2^64; their low 31 bits are those of the exact products
+    return ((bits & _MASK) * _fingerprint_weights(bits.numel(), bits.device) & _MASK).sum(1)
 
 
 class Agreement:
@@ -132,8 +145,7 @@ class Agreement:
     def equal_count(self, name: str, count, message: Optional[str] = None):
         """An integer computed on the device (a 0-d tensor; an int where a rank has none) that
         must be the same on every rank; kept on the device (no host synchronization here)."""
-        count = self._on_device(count)
-        return self._add_dev("equal", name, message, torch.cat([count, ~count]), True)
+        return self._add_dev("equal", name, message, self._on_device(count), True)
 
     def equal_tensor(self, name: str, tensor, message: Optional[str] = None):
         """A tensor (or None, or a plain value) that must be the same on every rank: its shape and
@@ -146,7 +158,7 @@ class Agreement:
         else:  # the same layout as for a tensor
             self.equal(name, ("not a tensor", value_code(tensor)), message)
             fingerprint = torch.zeros(2, dtype=torch.int64, device=self.device)
-        return self._add_dev("equal", name, message, torch.cat([fingerprint, ~fingerprint]), False)
+        return self._add_dev("equal", name, message, fingerprint, False)
 
     def maximum(self, name: str, value: int):
         """A plain int (a flag, an option); agreed = its max over ranks."""
@@ -178,13 +190,16 @@ class Agreement:
 
     # -- the collective ----------------------------------------------------------------------------
     def agree(self, extra_messages=None) -> "Agreed":
-        """One all-reduce MAX of [failed checks | host entries | device entries]; raise the same
+        """One all-reduce MAX of [failed checks | host entries | device entries | their
+        complements] (one concatenation on the device for all device entries); raise the same
         ValueError on every rank if anything failed or differs. `extra_messages(agreed)` may add
         messages computed from the agreed values (e.g. a bad label's example)."""
         flags = [int(name in self.problems) for name in self.checks]
         vector = torch.tensor(flags + self._host, dtype=torch.int64).to(self.device)
-        if self._dev:
-            vector = torch.cat([vector] + [t.reshape(-1) for t in self._dev])
+        dev_width = sum(t.numel() for t in self._dev)
+        if self._dev:  # device values, then their complements (read for the "equal" ones)
+            dev = torch.cat([t.reshape(-1) for t in self._dev])
+            vector = torch.cat([vector, dev, ~dev])
         values = reductions.max_over_ranks(vector, self.group).tolist()
 
         head = len(flags)
@@ -199,13 +214,16 @@ class Agreement:
         # differences are reported only when every check passed everywhere.
         report_differences = not messages
         for key, kind, name, message, (where, offset, width), show_range in self._slots:
-            start = (head if where == "host" else dev_start) + offset
-            entries = values[start:start + width]
+            if where == "host":  # "equal": v then ~v side by side; "max": v
+                entries = values[head + offset:head + offset + width]
+                half = width if kind == "max" else width // 2
+                largest, complement = entries[:half], entries[half:]
+            else:  # v among the device values, ~v at the same place among their complements
+                largest = values[dev_start + offset:dev_start + offset + width]
+                complement = values[dev_start + dev_width + offset:dev_start + dev_width + offset + width]
             if kind == "max":
-                agreed.values[key] = entries[0]
+                agreed.values[key] = largest[0]
                 continue
-            half = width // 2
-            largest, complement = entries[:half], entries[half:]
             agreed.values[key] = largest[0]
             if not report_differences or all(a == ~b for a, b in zip(largest, complement)) or name in named:
                 continue

@@ -44,9 +44,11 @@ _AUTO_CHUNK_ELEMENTS_SAMPLER_CUDA = 512 * 1024 * 1024
 # Columns per logits GEMM / kernel inside a chunk (chunked.py): per-block dW GEMMs beat one
 # [V_local, rows] x [rows, H] product by 3-6 % on an H100 (tools/perf_notes.md).
 VOCAB_BLOCK = 16384
-# memory_mode="lean": the working set of the tile sweeps (lean.py), whatever the number of tokens:
-# 400 bytes per vocab row of the shard (2.4 % of the bf16 logits of 8192 tokens, under the issue's
-# 3 %), at least 32 MiB.
+# memory_mode="lean": the working set of the tile sweeps (lean.py) on each rank, whatever the number
+# of tokens: 400 bytes per row of the whole (padded) vocab (2.4 % of the bf16 logits of 8192 tokens,
+# under the 3 %), at least 32 MiB. Per row of the whole vocab, not of the shard: tiles keep
+# their size as tensor parallelism shrinks the shard (with half-size tiles TP=2 was launch-bound:
+# 2.6x more kernels than the GPU could use, 99.7 ms against 65 ms at TP=1 on H200s).
 LEAN_WORKSET_BYTES = 32 * 1024 * 1024
 LEAN_WORKSET_PER_VOCAB_ROW = 400
 
@@ -426,7 +428,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         element_size = 4 if logits_dtype is not None else weight.element_size()
         lean_tiles = lean.tile_sizes(
             row_labels.numel(), v_local, hidden_size, weight.element_size(),
-            max(LEAN_WORKSET_BYTES, LEAN_WORKSET_PER_VOCAB_ROW * v_local),
+            max(LEAN_WORKSET_BYTES, LEAN_WORKSET_PER_VOCAB_ROW * v_local * tp_size),
             # the torch backend makes fp32 copies of a tile; the Triton kernels work in place
             tile_bytes_per_element=element_size + (12 if backend is torch_backend else 0),
             weight_grad_accumulates=main_grad_param is not None)

@@ -95,10 +95,19 @@ def _spans(total: int, size: int):
     return [(start, min(total, start + size)) for start in range(0, total, size)]
 
 
-def _tile_target(local_target: Tensor, start: int, end: int) -> Tensor:
-    """Targets relative to the column block [start, end) (-1 where the label is elsewhere)."""
-    t = local_target - start
-    return torch.where((t >= 0) & (t < end - start), t, -1)
+class _BlockTargets:
+    """Each tile's targets relative to its column block (-1 where the label is elsewhere), from
+    every label's block and offset computed once per sweep: two small kernels per tile instead of
+    five (at thousands of tiles per call the launches, not the GPU, set the pace)."""
+
+    def __init__(self, local_target: Tensor, width: int):
+        self.width = width
+        self.block = torch.where(local_target >= 0, local_target // width, -1)
+        self.offset = local_target.remainder(width)
+
+    def of(self, c0: int, r0: int, r1: int) -> Tensor:
+        """Targets of rows [r0, r1) relative to the block starting at column c0 (a multiple of width)."""
+        return torch.where(self.block[r0:r1] == c0 // self.width, self.offset[r0:r1], -1)
 
 
 def _empty_stats(n: int, device, spec) -> ShardStats:
@@ -112,13 +121,14 @@ def _empty_stats(n: int, device, spec) -> ShardStats:
 def tile_stats(rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
     """Forward statistics of `rows` tile by tile (when triton_gemm_stats does not run)."""
     tiles: LeanTiles = spec.lean
+    targets = _BlockTargets(local_target, tiles.cols_a)
     out = []
     for r0, r1 in _spans(rows.shape[0], tiles.rows_a):
         parts = []
         for c0, c1 in _spans(spec.num_valid_cols, tiles.cols_a):
             tile = logits_gemm(rows[r0:r1], weight[c0:c1], spec.logits_dtype)
             parts.append(spec.backend.shard_stats(
-                tile, _tile_target(local_target[r0:r1], c0, c1), c1 - c0, spec.inv_temperature,
+                tile, targets.of(c0, r0, r1), c1 - c0, spec.inv_temperature,
                 want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy))
             del tile
         out.append(combine_blocks(parts) if parts else _empty_stats(r1 - r0, rows.device, spec))
@@ -140,10 +150,11 @@ def expected_rows(h: Tensor, weight: Tensor, local_target: Tensor, spec, want_ac
     ref, sum_exp, seen = (torch.empty(n, **f32) for _ in range(3))
     target = torch.zeros(n, **f32)
     sum_logits = torch.empty(n, **f32) if spec.want_sum_logits else None
+    targets = _BlockTargets(local_target, spec.lean.cols_a)
     for attempt in range(2):
         for j, (c0, c1) in enumerate(blocks):
             tile = logits_gemm(h, weight[c0:c1], spec.logits_dtype)
-            spec.backend.exp_tile_(tile, _tile_target(local_target, c0, c1), c1 - c0, spec.inv_temperature,
+            spec.backend.exp_tile_(tile, targets.of(c0, 0, n), c1 - c0, spec.inv_temperature,
                                    ref, sum_exp, seen, target, sum_logits, first=(j == 0 and attempt == 0))
             if acc is not None:
                 matmul_into_(acc, gemm_input(tile, h), weight[c0:c1], accumulate=j > 0)
@@ -177,12 +188,12 @@ def input_grad_from_expected(acc: Tensor, ref: Tensor, lse: Tensor, coefs: dict,
     out.copy_(acc)
 
 
-def _dlogits_tile(rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets, coefs,
+def _dlogits_tile(rows: Tensor, weight: Tensor, targets: _BlockTargets, spec, offsets, coefs,
                   r0: int, r1: int, c0: int, c1: int) -> Tensor:
     shift, log_sum_exp = offsets
     tile = logits_gemm(rows[r0:r1], weight[c0:c1], spec.logits_dtype)
     spec.backend.shard_dlogits_(
-        tile, _tile_target(local_target[r0:r1], c0, c1), c1 - c0, spec.inv_temperature, shift[r0:r1],
+        tile, targets.of(c0, r0, r1), c1 - c0, spec.inv_temperature, shift[r0:r1],
         *(None if coefs[k] is None else coefs[k][r0:r1] for k in ("p", "pz", "target", "uniform")),
         log_sum_exp=None if log_sum_exp is None else log_sum_exp[r0:r1])
     return gemm_input(tile, rows)
@@ -197,10 +208,11 @@ def input_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, o
         dx_rows.zero_()
         return
     acc = torch.empty(min(tiles.rows_a, rows.shape[0]), rows.shape[1], dtype=torch.float32, device=rows.device)
+    targets = _BlockTargets(local_target, tiles.cols_a)
     for r0, r1 in _spans(rows.shape[0], tiles.rows_a):
         a = acc[:r1 - r0]
         for j, (c0, c1) in enumerate(blocks):
-            dlogits = _dlogits_tile(rows, weight, local_target, spec, offsets, coefs, r0, r1, c0, c1)
+            dlogits = _dlogits_tile(rows, weight, targets, spec, offsets, coefs, r0, r1, c0, c1)
             matmul_into_(a, dlogits, weight[c0:c1], accumulate=j > 0)
             del dlogits
         dx_rows[r0:r1].copy_(a)
@@ -219,9 +231,10 @@ def weight_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, 
             dw_out.zero_()
             return
         dw_out[spec.num_valid_cols:].zero_()
+    targets = _BlockTargets(local_target, tiles.cols_b)
     for c0, c1 in _spans(spec.num_valid_cols, tiles.cols_b):
         for index, (r0, r1) in enumerate(row_chunks):
-            dlogits = _dlogits_tile(rows, weight, local_target, spec, offsets, coefs, r0, r1, c0, c1)
+            dlogits = _dlogits_tile(rows, weight, targets, spec, offsets, coefs, r0, r1, c0, c1)
             if direct:
                 matmul_into_(dw_out[c0:c1], dlogits.t(), rows[r0:r1], accumulate=accumulate or index > 0)
             else:
