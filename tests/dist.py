@@ -112,3 +112,17 @@ def init_megatron_parallel(tp: int = 1, pp: int = 1, **kwargs):
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **kwargs
     )
     return parallel_state
+
+
+def init_nccl_once() -> None:
+    """The torchrun NCCL suites' process group (tests/test_multigpu*.py), made once per process
+    whichever file runs first. No device_id: NCCL communicators are then made on a group's first
+    collective, not eagerly for each of the ~20 groups every test's Megatron initialization creates
+    (they pile up across tests until NCCL's CUDA allocations fail: the FSDP cases failed, then hung,
+    when they ran after a file that had initialized with device_id)."""
+    import datetime
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3))

@@ -28,7 +28,6 @@ before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the o
 CUDA, so this is its only run).
 """
 
-import datetime
 import os
 import sys
 import traceback
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import reference
+from dist import init_nccl_once
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 
 pytestmark = pytest.mark.multigpu
@@ -50,11 +50,7 @@ if WORLD < 2 or not torch.cuda.is_available() or torch.cuda.device_count() < WOR
 
 @pytest.fixture(scope="module", autouse=True)
 def nccl():
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3),
-                                device_id=torch.device("cuda", local))
+    init_nccl_once()
     yield
     dist.barrier()
 

@@ -14,7 +14,6 @@ Megatron-FSDP needs `einops` (skipped without it). Every rank checks every rank'
 2 or 4 CUDA devices; a case whose TP x DP=2 is not the world size is skipped.
 """
 
-import datetime
 import os
 import sys
 import traceback
@@ -22,6 +21,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from dist import init_nccl_once
 
 pytestmark = pytest.mark.multigpu
 
@@ -32,13 +32,7 @@ if WORLD not in (2, 4) or not torch.cuda.is_available() or torch.cuda.device_cou
 
 @pytest.fixture(scope="module", autouse=True)
 def nccl():
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        # No device_id: NCCL communicators are then made on a group's first collective, not for
-        # each of the ~20 groups every test's megatron initialization creates (eagerly connected,
-        # they pile up across tests until NCCL's CUDA allocations fail).
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3))
+    init_nccl_once()
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 cases are checked against float64
     yield

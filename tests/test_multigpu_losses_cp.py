@@ -9,12 +9,12 @@ Every rank checks every rank's result (all-gathered), so a failure fails on all 
 Skipped unless launched by torchrun with >= 2 CUDA devices (and a world size that divides 16).
 """
 
-import datetime
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist import init_nccl_once
 
 pytestmark = pytest.mark.multigpu
 
@@ -25,11 +25,7 @@ if WORLD < 2 or not torch.cuda.is_available() or torch.cuda.device_count() < WOR
 
 @pytest.fixture(scope="module", autouse=True)
 def nccl():
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3),
-                                device_id=torch.device("cuda", local))
+    init_nccl_once()
     yield
     dist.barrier()
 
