@@ -53,6 +53,11 @@ LEAN_WORKSET_BYTES = 32 * 1024 * 1024
 LEAN_WORKSET_PER_VOCAB_ROW = 400
 
 
+def lean_workset_bytes(v_local: int, tp_size: int) -> int:
+    """memory_mode="lean": the working set of the tile sweeps on each rank (see above)."""
+    return max(LEAN_WORKSET_BYTES, LEAN_WORKSET_PER_VOCAB_ROW * v_local * tp_size)
+
+
 class _LogprobsPair(NamedTuple):
     logprobs: Tensor  # fp32, labels.shape; 0.0 at ignored positions
     entropy: Optional[Tensor]  # fp32, labels.shape (0.0 at ignored positions) or None
@@ -428,7 +433,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         element_size = 4 if logits_dtype is not None else weight.element_size()
         lean_tiles = lean.tile_sizes(
             row_labels.numel(), v_local, hidden_size, weight.element_size(),
-            max(LEAN_WORKSET_BYTES, LEAN_WORKSET_PER_VOCAB_ROW * v_local * tp_size),
+            lean_workset_bytes(v_local, tp_size),
             # the torch backend makes fp32 copies of a tile; the Triton kernels work in place
             tile_bytes_per_element=element_size + (12 if backend is torch_backend else 0),
             weight_grad_accumulates=main_grad_param is not None)
@@ -522,9 +527,9 @@ def linear_logprobs(
     Under torch.autocast the inputs are cast to the autocast dtype first, as F.linear would.
     `memory_mode`: "fast" (default; the only mode for the sampler settings below) holds one chunk
     of logits (on CUDA all rows while they stay under 8 GiB, `chunk_size` rows when given) and,
-    over several chunks, an fp32 [V_local, H] weight-gradient buffer; "lean" works in tiles within a fixed working set (400 bytes per
-    vocab row of the shard, at least 32 MiB: about 2.4 % of the logits of 8192 tokens, whatever the
-    number of tokens; `chunk_size` is not used) with both gradients still
+    over several chunks, an fp32 [V_local, H] weight-gradient buffer; "lean" works in tiles within a fixed working set on each rank (400 bytes per
+    row of the whole vocab, at least 32 MiB: about 2.4 % of the logits of 8192 tokens, whatever the
+    number of tokens or TP ranks; `chunk_size` is not used) with both gradients still
     accumulated in fp32, at the cost of more GEMMs (5 instead of 4 here, 4 instead of 3 for
     linear_cross_entropy). Forward-only calls (no_grad) need no chunk in either mode on CUDA: the
     statistics are taken inside the logits GEMM (bf16/fp16).
