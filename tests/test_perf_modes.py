@@ -265,6 +265,37 @@ def test_lean_reference_overflow_is_redone(small_tiles):
         assert torch.isfinite(out).all() and reference.rel_err(out, r) < 2e-5
 
 
+def _overflow_worker(rank, world, h, w, y):
+    v_local = w.shape[0] // world
+    hh = h.clone().requires_grad_()
+    ww = w[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    loss = linear_cross_entropy(hh, ww, y, tp_group=_group(world), label_smoothing=0.1, memory_mode="lean")
+    loss.backward()
+    return loss.detach(), hh.grad, ww.grad
+
+
+def test_lean_reference_overflow_on_one_rank_is_redone_on_every_rank(small_tiles):
+    """Under TP only rank 1's shard goes far above its first block: the overflow check is agreed
+    over the ranks (every rank redoes the sweep and its merges, no hang, no mismatched collective)
+    and the result is exact. A rank redoing alone would merge against peers that moved on."""
+    torch.manual_seed(9)
+    n, hdim, v = 40, 8, 128
+    h = torch.randn(n, hdim, dtype=torch.float64).float()
+    w = torch.randn(v, hdim) * 0.1
+    w[64 + 40] = h[5] / h[5].square().sum() * 150.0  # rank 1's 41st column: z[5, 104] = 150
+    y = torch.randint(0, v, (n,))
+    y[5] = 3
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    z = hd @ wd.t()
+    assert (z[5, 104] - z[5, 64:80].max()).item() > 60  # rank 1 must redo, rank 0 need not
+    ref = torch.nn.functional.cross_entropy(z, y, label_smoothing=0.1)
+    ref.backward()
+    for rank, (loss, dx, dw) in enumerate(run_workers(_overflow_worker, 2, h, w, y)):
+        assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+        assert reference.rel_err(loss, ref) < 2e-5 and reference.rel_err(dx, hd.grad) < 2e-5
+        assert reference.rel_err(dw, wd.grad[rank * 64:(rank + 1) * 64]) < 2e-5
+
+
 def _bad_mode_worker(rank, world):
     h = torch.randn(6, 4, requires_grad=True)
     w = torch.randn(8, 4, requires_grad=True)

@@ -177,6 +177,34 @@ def test_shard_dlogits_zero_valid_columns_and_default_blocks(tb):
     _close(tb.shard_dlogits_(logits.clone(), *args), torch_backend.shard_dlogits_(logits.clone(), *args))
 
 
+@pytest.mark.parametrize("backend_name", ["triton", "torch"])
+def test_col_start_matches_targets_relative_to_the_block(small_blocks, backend_name):
+    """Each kernel given shard-wide targets and `col_start` (the block's first column) equals the
+    same kernel given targets made relative to the block (-1 where the label is elsewhere, before,
+    inside or after the block): the chunk loop and lean mode rely on it instead of re-indexing."""
+    backend = small_blocks if backend_name == "triton" else torch_backend
+    g = torch.Generator().manual_seed(12)
+    n, width, start = 12, 90, 200
+    shard_targets = torch.tensor([-1, 0, 199, 200, 201, 250, 289, 290, 291, 500, 210, 288]).to(DEVICE)
+    relative = torch.where((shard_targets >= start) & (shard_targets < start + width), shard_targets - start, -1)
+    block = (torch.randn(n, width, generator=g) * 3).to(DEVICE)
+    for nvc in (width, 85):
+        a = backend.shard_stats(block, shard_targets, nvc, 0.7, True, True, col_start=start)
+        b = backend.shard_stats(block, relative, nvc, 0.7, True, True)
+        for name in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        coefs = [torch.randn(n, generator=g).to(DEVICE) for _ in range(4)]
+        lse = torch.logsumexp(block * 0.7, dim=1)
+        a = backend.shard_dlogits_(block.clone(), shard_targets, nvc, 0.7, lse, *coefs, col_start=start)
+        b = backend.shard_dlogits_(block.clone(), relative, nvc, 0.7, lse, *coefs)
+        assert torch.equal(a, b)
+        states = [[torch.zeros(n, device=DEVICE) for _ in range(5)] for _ in range(2)]
+        a = backend.exp_tile_(block.clone(), shard_targets, nvc, 0.7, *states[0], first=True, col_start=start)
+        b = backend.exp_tile_(block.clone(), relative, nvc, 0.7, *states[1], first=True)
+        assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(*states))
+    assert torch.count_nonzero(states[0][3]) == 4  # 200, 201, 210, 250: inside the 85 valid columns
+
+
 # ------------------------------------------------------------------------- end to end, TP 1/2
 def _case(seed, tp, dtype, hidden=16):
     g = torch.Generator().manual_seed(seed)

@@ -4,12 +4,15 @@ time by kernel name, and the GPU's busy time against the wall time (gaps = launc
 
     python tools/profile_op.py [--shape 8192x4096x128256] [--paths ce,logprobs,ce_lean,fwd]
     python tools/profile_op.py --paths ce_lean --lean-tiles 1152,16384,8192,4096   # try tile sizes
+    python tools/profile_op.py --gaps   # where the GPU waits: after host syncs, at the call's start, else
 """
 
 import argparse
+import json
 import math
 import os
 import sys
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,6 +28,8 @@ def main():
     p.add_argument("--paths", default="ce,logprobs,ce_lean,fwd")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--cpu", action="store_true", help="also the host-side ops by self CPU time")
+    p.add_argument("--gaps", action="store_true",
+                   help="the GPU's idle time per call: at the call's start, after each host sync, the rest")
     p.add_argument("--lean-tiles", help="rows_a,cols_a,rows_b,cols_b: lean mode's tiles instead of tile_sizes()")
     args = p.parse_args()
     if args.lean_tiles:
@@ -52,10 +57,14 @@ def main():
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             start.record()
             for _ in range(args.reps):
-                fn()
+                torch.cuda.synchronize()  # each call starts on an idle GPU, as in tools/benchmark.py
+                with torch.profiler.record_function("profiled_call"):
+                    fn()
             end.record()
             torch.cuda.synchronize()
         wall = start.elapsed_time(end) / args.reps
+        if args.gaps:
+            print_gaps(name, prof, args.reps)
         kernels = {}
         for evt in prof.key_averages():
             t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
@@ -71,6 +80,62 @@ def main():
             print(f"  host: {sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3 / args.reps:.2f} ms per call")
             for e in host:
                 print(f"  {e.self_cpu_time_total / 1e3 / args.reps:8.3f} ms host  x{e.count // args.reps:<5d} {e.key[:90]}")
+
+
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def print_gaps(name, prof, reps):
+    """Idle GPU time inside the profiled calls, split into: before the call's first kernel (host
+    work at the start), after a host sync (the queue drained: the GPU waits for the next launch),
+    and the rest (the host launching slower than the GPU runs). Times are under the profiler, which
+    slows the host: compare variants, not absolute numbers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    calls = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "profiled_call" and "dur" in e)
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
+    syncs = sorted(e["ts"] + e["dur"] for e in events
+                   if e.get("cat") == "cuda_runtime" and e.get("name", "").startswith(_SYNCS) and "dur" in e)
+    total = at_start = after_sync = 0.0
+    num_kernels = num_syncs = 0
+    for c0, c1 in calls:
+        inside = [(max(a, c0), min(b, c1)) for a, b in kernels if b > c0 and a < c1]
+        num_kernels += len(inside)
+        call_syncs = [t for t in syncs if c0 <= t <= c1]
+        num_syncs += len(call_syncs)
+        cursor = c0
+        for k, (a, b) in enumerate(inside + [(c1, c1)]):
+            if a > cursor:
+                gap = a - cursor
+                total += gap
+                if k == 0:
+                    at_start += gap
+                elif any(cursor <= t <= a for t in call_syncs):
+                    after_sync += gap
+            cursor = max(cursor, b)
+    per = 1e3 * reps
+    if calls:  # the largest gaps of the last call: where in the call, and the host op that ended each
+        c0, c1 = calls[-1]
+        inside = [(max(a, c0), min(b, c1)) for a, b in kernels if b > c0 and a < c1]
+        ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e
+                     and c0 <= e["ts"] <= c1 and e.get("name") != "profiled_call")
+        gaps, cursor = [], c0
+        for a, b in inside:
+            if a > cursor:
+                gaps.append((a - cursor, cursor - c0, a))
+            cursor = max(cursor, b)
+        for gap, at, until in sorted(gaps, reverse=True)[:8]:
+            launching = [op for op in ops if op[0] <= until and op[1] >= until - 1]
+            print(f"    gap {gap / 1e3:6.3f} ms at {at / 1e3:7.3f} ms; host then in: "
+                  f"{', '.join(op[2][:40] for op in launching[:4])}")
+    print(f"  gaps {name}: idle {total / per:.2f} ms per call = at start {at_start / per:.2f} + after "
+          f"{num_syncs / reps:.0f} host syncs {after_sync / per:.2f} + launch-bound "
+          f"{(total - at_start - after_sync) / per:.2f}; {num_kernels / reps:.0f} kernels per call")
 
 
 if __name__ == "__main__":

@@ -195,12 +195,16 @@ class Agreement:
         ValueError on every rank if anything failed or differs. `extra_messages(agreed)` may add
         messages computed from the agreed values (e.g. a bad label's example)."""
         flags = [int(name in self.problems) for name in self.checks]
-        vector = torch.tensor(flags + self._host, dtype=torch.int64).to(self.device)
         dev_width = sum(t.numel() for t in self._dev)
-        if self._dev:  # device values, then their complements (read for the "equal" ones)
-            dev = torch.cat([t.reshape(-1) for t in self._dev])
-            vector = torch.cat([vector, dev, ~dev])
-        values = reductions.max_over_ranks(vector, self.group).tolist()
+        if self.single_rank:  # nothing to reduce: read the device values only (one small copy)
+            dev = torch.cat([t.reshape(-1) for t in self._dev]).tolist() if self._dev else []
+            values = flags + self._host + dev + [~v for v in dev]
+        else:
+            vector = torch.tensor(flags + self._host, dtype=torch.int64).to(self.device)
+            if self._dev:  # device values, then their complements (read for the "equal" ones)
+                dev = torch.cat([t.reshape(-1) for t in self._dev])
+                vector = torch.cat([vector, dev, ~dev])
+            values = reductions.max_over_ranks(vector, self.group).tolist()
 
         head = len(flags)
         dev_start = head + len(self._host)

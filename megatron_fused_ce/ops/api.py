@@ -41,9 +41,11 @@ _AUTO_CHUNK_MIN_ROWS_CUDA = 4096
 # The sampler's chunk loop (sampling.py: candidate top-k, nucleus search per chunk) keeps bounded
 # chunks (512 Mi elements, 1 GiB of bf16): its per-chunk work is not the fused one-chunk schedule.
 _AUTO_CHUNK_ELEMENTS_SAMPLER_CUDA = 512 * 1024 * 1024
-# Columns per logits GEMM / kernel inside a chunk (chunked.py): per-block dW GEMMs beat one
-# [V_local, rows] x [rows, H] product by 3-6 % on an H100 (tools/perf_notes.md).
-VOCAB_BLOCK = 16384
+# Columns per logits GEMM / kernel inside a chunk (chunked.py; 0: the whole shard in one GEMM).
+# Whole-shard GEMMs won on an H100 in one interleaved run (SFT CE x floor at the issue-15 shapes,
+# blocks of 8192 / 16384 / 32768 / whole: 1.127 / 1.098 / 1.074 / 1.055, 1.191 / 1.160 / 1.129 /
+# 1.119, 1.101 / 1.066 / 1.058 / 1.060; tools/perf_notes.md).
+VOCAB_BLOCK = 0
 # memory_mode="lean": the working set of the tile sweeps (lean.py) on each rank, whatever the number
 # of tokens: 400 bytes per row of the whole (padded) vocab (2.4 % of the bf16 logits of 8192 tokens,
 # under the issue's 3 %), at least 32 MiB. Per row of the whole vocab, not of the shard: tiles keep
@@ -221,9 +223,11 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
                     "labels: number of tokens differs across tensor-parallel ranks", show_range=True)
     outside, labelled, bad_labels = None, 0, 0
     if tensors_ok and not agreement.failed("ignore_index") and labels.numel() > 0:
-        outside = ((labels < 0) | (labels >= true_vocab)) & (labels != ignore_index)
+        # (few kernels: every launch before the first GEMM leaves the GPU idle)
+        kept = labels != ignore_index
+        outside = (labels.clamp(0, max(true_vocab - 1, 0)) != labels) & kept
         bad_labels = outside.sum()
-        labelled = (labels != ignore_index).sum()
+        labelled = kept.sum()
     labelled_key = agreement.equal_count(
         "labels", labelled, "labels: number of labelled tokens differs across tensor-parallel ranks; "
         "every rank of tp_group must pass the same labels")
@@ -424,8 +428,11 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                  else (flat_labels != ignore_index).nonzero().squeeze(1))
     row_labels = flat_labels if row_index is None else flat_labels.index_select(0, row_index)
     vocab_start = tp_rank * v_local
-    local_target = row_labels - vocab_start
-    local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
+    if tp_size == 1:  # every label is in [0, true_vocab) (checked above): all on this shard
+        local_target = row_labels
+    else:
+        local_target = row_labels - vocab_start
+        local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
 
     backend = select_backend(impl, hidden.device)
     lean_tiles = None

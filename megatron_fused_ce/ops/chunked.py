@@ -35,10 +35,10 @@ dX (rows of this chunk) and dW (accumulated in fp32 over chunks, straight into M
 `weight.main_grad` when asked). dX is then summed over TP ranks (reduce-scattered under sequence
 parallelism), as Megatron's ColumnParallelLinear does.
 
-Inside a chunk the vocab shard is walked in blocks of `spec.vocab_block` columns: one logits GEMM
-and one stats kernel per block, then dlogits and dW per block (K = the chunk's rows), and one dX
-GEMM over the whole chunk. On an H100 this ran 3-6 % faster than whole-chunk GEMMs (the per-block
-dW GEMMs are faster than one [V_local, rows] x [rows, H] product; tools/perf_notes.md).
+With `spec.vocab_block` > 0 the vocab shard is walked in blocks of that many columns inside a
+chunk: one logits GEMM and one stats kernel per block, then dlogits and dW per block (K = the
+chunk's rows), and one dX GEMM over the whole chunk. The default (api.VOCAB_BLOCK = 0) is one
+GEMM over the whole shard: 1-4 % faster on an H100 (tools/perf_notes.md).
 `spec.lean` (memory_mode="lean") replaces chunks by tiles (lean.py).
 
 Both autograd Functions are first-order only: a second backward through their gradients (a
@@ -203,12 +203,6 @@ def _vocab_blocks(spec: ChunkSpec, num_cols: int):
     return [(start, min(num_cols, start + block)) for start in range(0, num_cols, block)]
 
 
-def _block_target(local_target: Tensor, start: int, end: int) -> Tensor:
-    """Targets relative to the column block [start, end) (-1 where the label is elsewhere)."""
-    t = local_target - start
-    return torch.where((t >= 0) & (t < end - start), t, -1)
-
-
 def _block_valid(spec: ChunkSpec, start: int, end: int) -> int:
     return min(max(spec.num_valid_cols - start, 0), end - start)
 
@@ -229,9 +223,8 @@ def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSp
         valid = _block_valid(spec, start, end)
         if want_stats and (valid > 0 or not parts and end == num_cols):
             parts.append(spec.backend.shard_stats(
-                block, local_target if len(blocks) == 1 else _block_target(local_target, start, end),
-                valid, spec.inv_temperature, want_sum_logits=spec.want_sum_logits,
-                want_entropy=spec.want_entropy))
+                block, local_target, valid, spec.inv_temperature, want_sum_logits=spec.want_sum_logits,
+                want_entropy=spec.want_entropy, col_start=start))
     return logits, (combine_blocks(parts) if want_stats else None)
 
 
@@ -244,9 +237,8 @@ def chunk_grads(logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor,
     blocks = _vocab_blocks(spec, logits.shape[1])
     for start, end in blocks:
         spec.backend.shard_dlogits_(
-            logits[:, start:end], local_target if len(blocks) == 1 else _block_target(local_target, start, end),
-            _block_valid(spec, start, end), spec.inv_temperature, row_max,
-            coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp)
+            logits[:, start:end], local_target, _block_valid(spec, start, end), spec.inv_temperature, row_max,
+            coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp, col_start=start)
     dlogits = gemm_input(logits, h)
     if dw_out is not None:
         for start, end in blocks:
@@ -443,36 +435,8 @@ class LinearLossGradInForward(torch.autograd.Function):
             if rows.shape[0] == 0:
                 dw_acc.zero_()
         dw_out = spec.main_grad_param.main_grad if into_main_grad and spec.lean is None else dw_acc
-        column_sum = None
-        merged_chunks, coef_chunks = [], []
-        chunk_size = spec.lean.rows_a if spec.lean is not None else spec.chunk_size
-        for index, (start, end) in enumerate(_chunks(rows.shape[0], chunk_size)):
-            h = rows[start:end]
-            if spec.lean is not None:
-                stats, acc = lean.expected_rows(h, weight, local_target[start:end], spec, want_acc=needs_dx)
-            else:
-                logits, stats = chunk_forward(h, weight, local_target[start:end], spec, want_stats=True)
-            merged = reductions.merge_shard_stats(stats, spec.tp_group)
-            merged_chunks.append(merged)
-            positions = (row_index[start:end] if row_index is not None
-                         else torch.arange(start, end, device=rows.device))
-            coefs = coefficients(*token_grads(merged, positions, rows.shape[0]), merged.entropy, merged.lse)
-            if coefs is None:
-                coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
-            coef_chunks.append(coefs)
-            if spec.lean is not None:
-                if needs_dx:
-                    if coefs["uniform"] is not None and column_sum is None:
-                        column_sum = weight[:spec.num_valid_cols].sum(0, dtype=torch.float32)
-                    lean.input_grad_from_expected(acc, stats.max, merged.lse, coefs, weight,
-                                                  local_target[start:end], spec, column_sum, dx_rows[start:end])
-                del acc
-            else:
-                chunk_grads(logits, h, weight, local_target[start:end], spec,
-                            (merged.max, merged.log_sum_exp), coefs,
-                            None if dx_rows is None else dx_rows[start:end],
-                            dw_out if needs_dw else None, dw_accumulate=into_main_grad or index > 0)
-                del logits  # one chunk alive at the peak
+        merged_chunks, coef_chunks = _forward_chunks(rows, weight, row_index, local_target, spec, token_grads,
+                                                     dx_rows, dw_out, into_main_grad)
 
         def cat(values, wanted=True):
             if not wanted:
@@ -552,6 +516,59 @@ class LinearLossGradInForward(torch.autograd.Function):
                     spec, ctx.into_main_grad, hidden, weight, row_index, local_target, offsets, coef_list,
                     g_anchor - 1.0 if first_after_unit else g_anchor)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, token_grads, dx_rows, dw_out,
+                    into_main_grad: bool):
+    """LinearLossGradInForward's chunk loop: per chunk, the statistics merged over TP ranks, the
+    per-token coefficients, dX rows into `dx_rows` and (fast mode) dW into `dw_out` ->
+    (merged statistics, coefficients) per chunk.
+
+    Lean mode runs sweep A per chunk; if any row's exps went too far above its reference on any
+    rank (lean.overflowed, checked once per call after the last chunk), the sweep is run again
+    with the row maxima now known as references, by every rank (the merges are collectives)."""
+    lean_blocks = None if spec.lean is None else lean.weight_blocks(weight, spec.num_valid_cols, spec.lean.cols_a)
+    chunk_size = spec.lean.rows_a if spec.lean is not None else spec.chunk_size
+    chunks = list(_chunks(rows.shape[0], chunk_size))
+    refs = None
+    while True:
+        column_sum = None
+        merged_chunks, coef_chunks, seen_maxima, overflow = [], [], [], None
+        for index, (start, end) in enumerate(chunks):
+            h = rows[start:end]
+            if spec.lean is not None:
+                stats, acc, seen = lean.expected_rows(h, lean_blocks, local_target[start:end], spec,
+                                                      want_acc=dx_rows is not None,
+                                                      ref=None if refs is None else refs[index])
+                seen_maxima.append(seen)
+                flag = lean.overflowed(stats.max, seen)
+                overflow = flag if overflow is None else overflow | flag
+            else:
+                logits, stats = chunk_forward(h, weight, local_target[start:end], spec, want_stats=True)
+            merged = reductions.merge_shard_stats(stats, spec.tp_group)
+            merged_chunks.append(merged)
+            positions = (row_index[start:end] if row_index is not None
+                         else torch.arange(start, end, device=rows.device))
+            coefs = coefficients(*token_grads(merged, positions, rows.shape[0]), merged.entropy, merged.lse)
+            if coefs is None:
+                coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
+            coef_chunks.append(coefs)
+            if spec.lean is not None:
+                if dx_rows is not None:
+                    if coefs["uniform"] is not None and column_sum is None:
+                        column_sum = weight[:spec.num_valid_cols].sum(0, dtype=torch.float32)
+                    lean.input_grad_from_expected(acc, stats.max, merged.lse, coefs, weight,
+                                                  local_target[start:end], spec, column_sum, dx_rows[start:end])
+                del acc
+            else:
+                chunk_grads(logits, h, weight, local_target[start:end], spec,
+                            (merged.max, merged.log_sum_exp), coefs,
+                            None if dx_rows is None else dx_rows[start:end],
+                            dw_out, dw_accumulate=into_main_grad or index > 0)
+                del logits  # one chunk alive at the peak
+        if refs is not None or overflow is None or not reductions.any_over_ranks(overflow, spec.tp_group):
+            return merged_chunks, coef_chunks
+        refs = seen_maxima
 
 
 def _scaled_coefs(coef_list, scale: Tensor) -> dict:

@@ -13,9 +13,10 @@ one sweep cannot finish both without an fp32 accumulator the size of one gradien
            accumulator: acc = sum_k P_k W_k, as FlashAttention accumulates P V. At the end of the
            chunk the partials give lse, and dX = inv_T (c_p e^(ref - lse) acc + c_t W_y + c_u sum_k W_k)
            for dlogits = p c_p + c_t [k = y] + c_u. Two GEMMs: logits, P @ W.
-           The reference is not the row max: if a later block exceeds it by more than
-           _REF_MARGIN (e^_REF_MARGIN is far inside fp32/bf16 range), the chunk is redone with the
-           row max now known (one host sync per chunk).
+           The reference is not the row max: where a later block exceeds it by more than
+           _REF_MARGIN (e^_REF_MARGIN is far inside fp32/bf16 range), a flag is raised on the
+           device; after the last chunk one check (one host sync per call, a tiny all-reduce under
+           TP: every rank redoes the same merges) reruns the sweep with the row maxima now known.
   sweep A' (token chunks outer), on the recompute path (log-probs, entropy): the tiles' dlogits
            multiplied into an fp32 [rows, H] dX accumulator. Two GEMMs: logits, dlogits @ W.
   sweep B  (vocab blocks outer, token chunks inner): the tiles' dlogits multiplied into dW of the
@@ -27,6 +28,11 @@ one sweep cannot finish both without an fp32 accumulator the size of one gradien
 Cross-entropy / GRPO: A in the forward, B in the backward (with the exact upstream gradient):
 4 GEMMs. Log-probs: stats, A', B: 5 GEMMs. Padding columns (past num_valid_cols) are never
 multiplied: their dW rows are zero.
+
+The tiles are small enough that the host, not the GPU, can set the pace (thousands of tiles per
+call at TP > 1): each tile is three launches (logits GEMM, one Triton kernel, the product GEMM),
+targets are matched to a tile inside the kernels (`col_start`), and the weight's blocks are sliced
+once per sweep.
 """
 
 from __future__ import annotations
@@ -75,7 +81,10 @@ def tile_sizes(num_rows: int, v_local: int, hidden_size: int, element_size: int,
     copies). `weight_grad_accumulates`: dW goes into an existing fp32 buffer (main_grad)."""
     v_local, num_rows = max(v_local, 1), max(num_rows, 1)
     acc_row = hidden_size * (4 + element_size)
-    rows_a = min(num_rows, _round_up(_FULL_WAVE // max(hidden_size, 1), 128))
+    # Token chunks of equal size near one full wave (8192 tokens at H=4096: 8 x 1024, not
+    # 7 x 1152 + 128, whose 128-row tiles ran 2 % of the call's time in tiny GEMMs on an H100).
+    full_wave_rows = _round_up(_FULL_WAVE // max(hidden_size, 1), 128)
+    rows_a = min(num_rows, _round_up(-(-num_rows // -(-num_rows // full_wave_rows)), 64))
     cols_a = min(v_local, _MAX_COLS_A, max(workset_bytes - rows_a * acc_row, 0) // (rows_a * tile_bytes_per_element))
     if cols_a >= 1024:
         cols_a = cols_a // 1024 * 1024
@@ -95,19 +104,9 @@ def _spans(total: int, size: int):
     return [(start, min(total, start + size)) for start in range(0, total, size)]
 
 
-class _BlockTargets:
-    """Each tile's targets relative to its column block (-1 where the label is elsewhere), from
-    every label's block and offset computed once per sweep: two small kernels per tile instead of
-    five (at thousands of tiles per call the launches, not the GPU, set the pace)."""
-
-    def __init__(self, local_target: Tensor, width: int):
-        self.width = width
-        self.block = torch.where(local_target >= 0, local_target // width, -1)
-        self.offset = local_target.remainder(width)
-
-    def of(self, c0: int, r0: int, r1: int) -> Tensor:
-        """Targets of rows [r0, r1) relative to the block starting at column c0 (a multiple of width)."""
-        return torch.where(self.block[r0:r1] == c0 // self.width, self.offset[r0:r1], -1)
+def weight_blocks(weight: Tensor, num_valid_cols: int, width: int):
+    """[(first column, the block of weight rows)] over the valid columns: sliced once per sweep."""
+    return [(c0, weight[c0:c1]) for c0, c1 in _spans(num_valid_cols, width)]
 
 
 def _empty_stats(n: int, device, spec) -> ShardStats:
@@ -121,15 +120,15 @@ def _empty_stats(n: int, device, spec) -> ShardStats:
 def tile_stats(rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
     """Forward statistics of `rows` tile by tile (when triton_gemm_stats does not run)."""
     tiles: LeanTiles = spec.lean
-    targets = _BlockTargets(local_target, tiles.cols_a)
+    blocks = weight_blocks(weight, spec.num_valid_cols, tiles.cols_a)
     out = []
     for r0, r1 in _spans(rows.shape[0], tiles.rows_a):
         parts = []
-        for c0, c1 in _spans(spec.num_valid_cols, tiles.cols_a):
-            tile = logits_gemm(rows[r0:r1], weight[c0:c1], spec.logits_dtype)
+        for c0, w_block in blocks:
+            tile = logits_gemm(rows[r0:r1], w_block, spec.logits_dtype)
             parts.append(spec.backend.shard_stats(
-                tile, targets.of(c0, r0, r1), c1 - c0, spec.inv_temperature,
-                want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy))
+                tile, local_target[r0:r1], w_block.shape[0], spec.inv_temperature,
+                want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy, col_start=c0))
             del tile
         out.append(combine_blocks(parts) if parts else _empty_stats(r1 - r0, rows.device, spec))
     if not out:
@@ -138,35 +137,39 @@ def tile_stats(rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> Shar
                          for name in ShardStats.__dataclass_fields__})
 
 
-def expected_rows(h: Tensor, weight: Tensor, local_target: Tensor, spec, want_acc: bool):
+def expected_rows(h: Tensor, blocks, local_target: Tensor, spec, want_acc: bool, ref: Optional[Tensor] = None):
     """Sweep A over one token chunk -> (ShardStats with `max` = the reference, fp32 acc =
-    sum_k exp(z_k - ref) W_k or None). See the module doc."""
+    sum_k exp(z_k - ref) W_k or None, the row maxima seen). `blocks`: weight_blocks(weight, ., cols_a).
+    `ref`: the rows' references (the row maxima, to redo an overflowed sweep); None: each row's
+    first block max. No host synchronization: `overflowed` tells whether to redo. See the module doc."""
     n, hidden_size = h.shape
     f32 = dict(dtype=torch.float32, device=h.device)
     acc = torch.empty(n, hidden_size, **f32) if want_acc else None  # the first block writes it
-    blocks = _spans(spec.num_valid_cols, spec.lean.cols_a)
     if not blocks:  # a shard made only of padding columns
-        return _empty_stats(n, h.device, spec), None if acc is None else acc.zero_()
-    ref, sum_exp, seen = (torch.empty(n, **f32) for _ in range(3))
+        empty = _empty_stats(n, h.device, spec)
+        return empty, None if acc is None else acc.zero_(), empty.max
+    first = ref is None  # the first block sets ref, sum_exp, seen and sum_logits
+    if first:
+        ref, sum_exp, seen = (torch.empty(n, **f32) for _ in range(3))
+    else:
+        sum_exp, seen = torch.zeros(n, **f32), ref.clone()
     target = torch.zeros(n, **f32)
-    sum_logits = torch.empty(n, **f32) if spec.want_sum_logits else None
-    targets = _BlockTargets(local_target, spec.lean.cols_a)
-    for attempt in range(2):
-        for j, (c0, c1) in enumerate(blocks):
-            tile = logits_gemm(h, weight[c0:c1], spec.logits_dtype)
-            spec.backend.exp_tile_(tile, targets.of(c0, 0, n), c1 - c0, spec.inv_temperature,
-                                   ref, sum_exp, seen, target, sum_logits, first=(j == 0 and attempt == 0))
-            if acc is not None:
-                matmul_into_(acc, gemm_input(tile, h), weight[c0:c1], accumulate=j > 0)
-            del tile
-        if attempt == 1 or not bool((seen - ref).max() > _REF_MARGIN):  # one host sync per chunk
-            break
-        # A later block exceeded the reference by too much: redo with the row max, now known.
-        ref.copy_(seen)
-        sum_exp.zero_()
-        if sum_logits is not None:
-            sum_logits.zero_()
-    return ShardStats(max=ref, sum_exp=sum_exp, target=target, sum_logits=sum_logits), acc
+    sum_logits = None
+    if spec.want_sum_logits:
+        sum_logits = torch.empty(n, **f32) if first else torch.zeros(n, **f32)
+    for j, (c0, w_block) in enumerate(blocks):
+        tile = logits_gemm(h, w_block, spec.logits_dtype)
+        spec.backend.exp_tile_(tile, local_target, w_block.shape[0], spec.inv_temperature,
+                               ref, sum_exp, seen, target, sum_logits, first=first and j == 0, col_start=c0)
+        if acc is not None:
+            matmul_into_(acc, gemm_input(tile, h), w_block, accumulate=j > 0)
+        del tile
+    return ShardStats(max=ref, sum_exp=sum_exp, target=target, sum_logits=sum_logits), acc, seen
+
+
+def overflowed(ref: Tensor, seen: Tensor) -> Tensor:
+    """0-d bool on the device: a row's exps in sweep A went more than _REF_MARGIN above its reference."""
+    return ((seen - ref) > _REF_MARGIN).any()
 
 
 def input_grad_from_expected(acc: Tensor, ref: Tensor, lse: Tensor, coefs: dict, weight: Tensor,
@@ -188,32 +191,40 @@ def input_grad_from_expected(acc: Tensor, ref: Tensor, lse: Tensor, coefs: dict,
     out.copy_(acc)
 
 
-def _dlogits_tile(rows: Tensor, weight: Tensor, targets: _BlockTargets, spec, offsets, coefs,
-                  r0: int, r1: int, c0: int, c1: int) -> Tensor:
+def _row_args(rows: Tensor, local_target: Tensor, offsets, coefs, r0: int, r1: int) -> tuple:
+    """Rows [r0, r1) of everything a dlogits tile reads: sliced once per token chunk, not per tile."""
     shift, log_sum_exp = offsets
-    tile = logits_gemm(rows[r0:r1], weight[c0:c1], spec.logits_dtype)
-    spec.backend.shard_dlogits_(
-        tile, targets.of(c0, r0, r1), c1 - c0, spec.inv_temperature, shift[r0:r1],
-        *(None if coefs[k] is None else coefs[k][r0:r1] for k in ("p", "pz", "target", "uniform")),
-        log_sum_exp=None if log_sum_exp is None else log_sum_exp[r0:r1])
-    return gemm_input(tile, rows)
+
+    def part(t):
+        return None if t is None else t[r0:r1]
+
+    return (rows[r0:r1], local_target[r0:r1], shift[r0:r1], *(part(coefs[k]) for k in ("p", "pz", "target", "uniform")),
+            part(log_sum_exp))
+
+
+def _dlogits_tile(row_args: tuple, w_block: Tensor, c0: int, spec) -> Tensor:
+    h, local_target, shift, c_p, c_pz, c_target, c_uniform, log_sum_exp = row_args
+    tile = logits_gemm(h, w_block, spec.logits_dtype)
+    spec.backend.shard_dlogits_(tile, local_target, w_block.shape[0], spec.inv_temperature, shift, c_p, c_pz,
+                                c_target, c_uniform, log_sum_exp=log_sum_exp, col_start=c0)
+    return gemm_input(tile, h)
 
 
 def input_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets, coefs,
                      dx_rows: Tensor) -> None:
     """Sweep A': dX of the rows (this shard's part), fp32-accumulated over vocab blocks."""
     tiles: LeanTiles = spec.lean
-    blocks = _spans(spec.num_valid_cols, tiles.cols_a)
+    blocks = weight_blocks(weight, spec.num_valid_cols, tiles.cols_a)
     if not blocks:
         dx_rows.zero_()
         return
     acc = torch.empty(min(tiles.rows_a, rows.shape[0]), rows.shape[1], dtype=torch.float32, device=rows.device)
-    targets = _BlockTargets(local_target, tiles.cols_a)
     for r0, r1 in _spans(rows.shape[0], tiles.rows_a):
         a = acc[:r1 - r0]
-        for j, (c0, c1) in enumerate(blocks):
-            dlogits = _dlogits_tile(rows, weight, targets, spec, offsets, coefs, r0, r1, c0, c1)
-            matmul_into_(a, dlogits, weight[c0:c1], accumulate=j > 0)
+        row_args = _row_args(rows, local_target, offsets, coefs, r0, r1)
+        for j, (c0, w_block) in enumerate(blocks):
+            dlogits = _dlogits_tile(row_args, w_block, c0, spec)
+            matmul_into_(a, dlogits, w_block, accumulate=j > 0)
             del dlogits
         dx_rows[r0:r1].copy_(a)
 
@@ -231,14 +242,12 @@ def weight_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, 
             dw_out.zero_()
             return
         dw_out[spec.num_valid_cols:].zero_()
-    targets = _BlockTargets(local_target, tiles.cols_b)
-    for c0, c1 in _spans(spec.num_valid_cols, tiles.cols_b):
-        for index, (r0, r1) in enumerate(row_chunks):
-            dlogits = _dlogits_tile(rows, weight, targets, spec, offsets, coefs, r0, r1, c0, c1)
-            if direct:
-                matmul_into_(dw_out[c0:c1], dlogits.t(), rows[r0:r1], accumulate=accumulate or index > 0)
-            else:
-                matmul_into_(acc[:c1 - c0], dlogits.t(), rows[r0:r1], accumulate=index > 0)
+    chunk_args = [_row_args(rows, local_target, offsets, coefs, r0, r1) for r0, r1 in row_chunks]
+    for c0, w_block in weight_blocks(weight, spec.num_valid_cols, tiles.cols_b):
+        out = dw_out[c0:c0 + w_block.shape[0]] if direct else acc[:w_block.shape[0]]
+        for index, row_args in enumerate(chunk_args):
+            dlogits = _dlogits_tile(row_args, w_block, c0, spec)
+            matmul_into_(out, dlogits.t(), row_args[0], accumulate=(accumulate and direct) or index > 0)
             del dlogits
         if not direct:
-            dw_out[c0:c1].copy_(acc[:c1 - c0])
+            dw_out[c0:c0 + w_block.shape[0]].copy_(out)

@@ -20,6 +20,10 @@ Two functions make a backend (triton_backend.py has the same two, with the same 
   relative to the row max (forward) and to lse (backward, z_k - lse = log p_k): with |z| ~ 50 or
   T = 1e-3 a sum of exp(z) * z followed by lse - E[z] would cancel most of fp32's digits.
 
+Column blocks: `local_target` holds column ids of the whole shard; with `col_start` (keyword) the
+tensor is the block of columns [col_start, col_start + width) and a target outside it counts as on
+another block (the chunk loop and lean mode walk the shard in blocks without re-indexing targets).
+
 Lean mode (lean.py) adds one function, `exp_tile_`: overwrite a tile of logits with
 exp(z - ref_max) against a per-row reference and accumulate its partials. `combine_blocks` (plain
 math, shared by both backends) merges the partials of column blocks of one shard.
@@ -52,9 +56,11 @@ def _scaled_fp32(logits: Tensor, num_valid_cols: int, inv_temperature: float) ->
     return z
 
 
-def _target_mask(local_target: Tensor) -> tuple[Tensor, Tensor]:
-    on_shard = local_target >= 0
-    return on_shard, local_target.clamp(min=0).unsqueeze(1)
+def _target_mask(local_target: Tensor, col_start: int, width: int) -> tuple[Tensor, Tensor]:
+    """(label in the block [col_start, col_start + width), its column in the block (0 if not))."""
+    col = local_target - col_start if col_start else local_target
+    in_block = (col >= 0) & (col < width)
+    return in_block, torch.where(in_block, col, 0).unsqueeze(1)
 
 
 def shard_stats(
@@ -64,6 +70,8 @@ def shard_stats(
     inv_temperature: float,
     want_sum_logits: bool = False,
     want_entropy: bool = False,
+    *,
+    col_start: int = 0,
 ) -> ShardStats:
     n = logits.shape[0]
     if num_valid_cols == 0:  # a shard made only of padding columns
@@ -76,7 +84,7 @@ def shard_stats(
             sum_exp_shifted=zeros.clone() if want_entropy else None,
         )
     z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
-    on_shard, target_col = _target_mask(local_target)
+    on_shard, target_col = _target_mask(local_target, col_start, num_valid_cols)
     row_max = z.amax(dim=1)
     shifted = z - row_max.unsqueeze(1)
     exp_shifted = torch.exp(shifted)
@@ -101,6 +109,8 @@ def shard_dlogits_(
     coef_target: Optional[Tensor],
     coef_uniform: Optional[Tensor],
     log_sum_exp: Optional[Tensor] = None,
+    *,
+    col_start: int = 0,
 ) -> Tensor:
     """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included).
 
@@ -123,7 +133,7 @@ def shard_dlogits_(
     if coef_uniform is not None:
         grad.add_(coef_uniform.unsqueeze(1))
     if coef_target is not None:
-        on_shard, target_col = _target_mask(local_target)
+        on_shard, target_col = _target_mask(local_target, col_start, num_valid_cols)
         grad.scatter_add_(1, target_col, torch.where(on_shard, coef_target, 0.0).unsqueeze(1))
     if inv_temperature != 1.0:
         grad.mul_(inv_temperature)
@@ -172,10 +182,12 @@ def exp_tile_(
     target: Tensor,
     sum_logits: Optional[Tensor],
     first: bool,
+    *,
+    col_start: int = 0,
 ) -> Tensor:
     """Lean sweep A on one [n, c] tile of logits (lean.py): overwrite it with P = exp(z - ref_max)
     (0 at padding columns) and accumulate fp32 [n] partials in place: sum_exp += sum P,
-    seen_max = max(seen_max, max z), target = z_y where the (tile-relative) target is in the tile,
+    seen_max = max(seen_max, max z), target = z_y where the target is in the tile,
     sum_logits += sum z. `first`: the first tile of these rows sets ref_max to its row max and
     initializes the partials. P may exceed 1 where z > ref_max (lean.py bounds that)."""
     n, cols = tile.shape
@@ -190,7 +202,7 @@ def exp_tile_(
             sum_logits.zero_()
     else:
         torch.maximum(seen_max, block_max, out=seen_max)
-    on_shard, target_col = _target_mask(local_target)
+    on_shard, target_col = _target_mask(local_target, col_start, valid)
     if valid > 0:
         target.copy_(torch.where(on_shard, z.gather(1, target_col).squeeze(1), target))
         if sum_logits is not None:

@@ -52,7 +52,7 @@ MERGE_BLOCK_R = 64
 
 @triton.jit
 def _stats_kernel(
-    logits_ptr, stride_row, target_ptr,
+    logits_ptr, stride_row, target_ptr, col_start,
     max_ptr, sum_exp_ptr, target_out_ptr, sum_logits_ptr, sum_exp_shifted_ptr,
     num_valid_cols, cols_per_split, num_splits, inv_temperature,
     WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -92,9 +92,10 @@ def _stats_kernel(
     if WANT_ENTROPY:
         tl.store(sum_exp_shifted_ptr + out, s_exp_shifted)
     if split == 0:
-        t = tl.load(target_ptr + row)
-        z_t = tl.load(row_ptr + tl.maximum(t, 0)).to(tl.float32) * inv_temperature
-        tl.store(target_out_ptr + row, tl.where(t >= 0, z_t, 0.0))
+        t = tl.load(target_ptr + row) - col_start  # the label's column in this block
+        in_block = (t >= 0) & (t < num_valid_cols)
+        z_t = tl.load(row_ptr + tl.where(in_block, t, 0)).to(tl.float32) * inv_temperature
+        tl.store(target_out_ptr + row, tl.where(in_block, z_t, 0.0))
 
 
 @triton.jit
@@ -126,7 +127,7 @@ def _merge_kernel(
 
 @triton.jit
 def _dlogits_kernel(
-    logits_ptr, stride_row, target_ptr, lse_ptr,
+    logits_ptr, stride_row, target_ptr, col_start, lse_ptr,
     coef_p_ptr, coef_pz_ptr, coef_target_ptr, coef_uniform_ptr, log_sum_exp_ptr,
     num_cols, num_valid_cols, inv_temperature,
     HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr, HAS_LOG_SUM_EXP: tl.constexpr,
@@ -147,7 +148,7 @@ def _dlogits_kernel(
     if HAS_UNIFORM:
         grad += tl.load(coef_uniform_ptr + row)
     if HAS_TARGET:
-        t = tl.load(target_ptr + row)
+        t = tl.load(target_ptr + row) - col_start  # outside [0, num_valid_cols): matches no column
         grad += tl.where(cols == t, tl.load(coef_target_ptr + row), 0.0)
     grad = tl.where(valid, grad * inv_temperature, 0.0)
     if ROUND_BF16:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
@@ -184,6 +185,8 @@ def shard_stats(
     inv_temperature: float,
     want_sum_logits: bool = False,
     want_entropy: bool = False,
+    *,
+    col_start: int = 0,
 ) -> ShardStats:
     n = logits.shape[0]
     f32 = dict(dtype=torch.float32, device=logits.device)
@@ -216,7 +219,7 @@ def shard_stats(
     psum_logits = torch.empty(part_shape, **f32) if want_sum_logits else pmax  # dummy when unused
     psum_exp_shifted = torch.empty(part_shape, **f32) if want_entropy else pmax
     _stats_kernel[(n, splits)](
-        logits, logits.stride(0), local_target,
+        logits, logits.stride(0), local_target, col_start,
         pmax, psum, target, psum_logits, psum_exp_shifted,
         num_valid_cols, cols_per_split, splits, float(inv_temperature),
         WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy, BLOCK_N=block_n,
@@ -255,9 +258,11 @@ def shard_dlogits_(
     coef_target: Optional[Tensor],
     coef_uniform: Optional[Tensor],
     log_sum_exp: Optional[Tensor] = None,
+    *,
+    col_start: int = 0,
 ) -> Tensor:
     """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included);
-    `log_sum_exp` as in torch_backend.shard_dlogits_."""
+    `log_sum_exp`, `col_start` as in torch_backend.shard_dlogits_."""
     n, num_cols = logits.shape
     if n == 0 or num_cols == 0:
         return logits
@@ -266,13 +271,13 @@ def shard_dlogits_(
     if logits.stride(1) != 1:  # not produced by torch.mm: work on a contiguous copy
         return logits.copy_(shard_dlogits_(logits.contiguous(), local_target, num_valid_cols,
                                            inv_temperature, lse, coef_p, coef_pz, coef_target,
-                                           coef_uniform, log_sum_exp))
+                                           coef_uniform, log_sum_exp, col_start=col_start))
     coef_p = _f32(coef_p)
     pz, tgt, uni, lse_rest = (None if c is None else _f32(c)
                               for c in (coef_pz, coef_target, coef_uniform, log_sum_exp))
     block_n = DLOGITS_BLOCK_N
     _dlogits_kernel[(n, triton.cdiv(num_cols, block_n))](
-        logits, logits.stride(0), local_target.contiguous(), _f32(lse),
+        logits, logits.stride(0), local_target.contiguous(), col_start, _f32(lse),
         coef_p, coef_p if pz is None else pz, coef_p if tgt is None else tgt,
         coef_p if uni is None else uni, coef_p if lse_rest is None else lse_rest,
         num_cols, num_valid_cols, float(inv_temperature),
@@ -305,14 +310,15 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 @triton.jit
 def _exp_tile_kernel(
-    tile_ptr, stride_row, target_ptr, ref_ptr, sum_exp_ptr, seen_ptr, target_out_ptr, sum_logits_ptr,
+    tile_ptr, stride_row, target_ptr, col_start, ref_ptr, sum_exp_ptr, seen_ptr, target_out_ptr, sum_logits_ptr,
     num_cols, num_valid_cols, inv_temperature,
     FIRST: tl.constexpr, WANT_SUM: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = tile_ptr + row.to(tl.int64) * stride_row
-    t = tl.load(target_ptr + row)
-    z_t = tl.load(row_ptr + tl.maximum(t, 0)).to(tl.float32) * inv_temperature  # before overwriting
+    t = tl.load(target_ptr + row) - col_start  # the label's column in this tile
+    in_tile = (t >= 0) & (t < num_valid_cols)
+    z_t = tl.load(row_ptr + tl.where(in_tile, t, 0)).to(tl.float32) * inv_temperature  # before overwriting
     if FIRST:  # the reference is this tile's row max: one more read of the row
         ref = tl.full([], float("-inf"), tl.float32)
         for col0 in range(0, num_valid_cols, BLOCK_N):
@@ -347,7 +353,7 @@ def _exp_tile_kernel(
     tl.store(seen_ptr + row, seen)
     if WANT_SUM:
         tl.store(sum_logits_ptr + row, s_logits)
-    if (t >= 0) & (t < num_valid_cols):
+    if in_tile:
         tl.store(target_out_ptr + row, z_t)
 
 
@@ -362,6 +368,8 @@ def exp_tile_(
     target: Tensor,
     sum_logits: Optional[Tensor],
     first: bool,
+    *,
+    col_start: int = 0,
 ) -> Tensor:
     """Same as torch_backend.exp_tile_ (lean sweep A), in place; all partials fp32 contiguous."""
     n, num_cols = tile.shape
@@ -370,7 +378,7 @@ def exp_tile_(
     if tile.stride(1) != 1:
         raise ValueError("exp_tile_ needs a tile with unit column stride")
     _exp_tile_kernel[(n,)](
-        tile, tile.stride(0), local_target.contiguous(), ref_max, sum_exp, seen_max, target,
+        tile, tile.stride(0), local_target.contiguous(), col_start, ref_max, sum_exp, seen_max, target,
         ref_max if sum_logits is None else sum_logits,
         num_cols, min(num_valid_cols, num_cols), float(inv_temperature),
         FIRST=first, WANT_SUM=sum_logits is not None, BLOCK_N=STATS_BLOCK_N if tile.is_cuda else 64,
