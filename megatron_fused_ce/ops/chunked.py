@@ -520,55 +520,62 @@ class LinearLossGradInForward(torch.autograd.Function):
 
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, token_grads, dx_rows, dw_out,
                     into_main_grad: bool):
-    """LinearLossGradInForward's chunk loop: per chunk, the statistics merged over TP ranks, the
-    per-token coefficients, dX rows into `dx_rows` and (fast mode) dW into `dw_out` ->
-    (merged statistics, coefficients) per chunk.
+    """LinearLossGradInForward's chunk loop -> (merged statistics, coefficients) per chunk; dX rows
+    go into `dx_rows` and (fast mode) dW into `dw_out`.
 
-    Lean mode runs sweep A per chunk; if any row's exps went too far above its reference on any
-    rank (lean.overflowed, checked once per call after the last chunk), the sweep is run again
-    with the row maxima now known as references, by every rank (the merges are collectives)."""
+    Lean mode: if any row's exps in sweep A went too far above its reference on any rank
+    (lean.overflowed; one check per call, agreed over the TP ranks), every rank runs the loop again
+    with the row maxima now known as references (the merges are collectives)."""
+    args = (rows, weight, row_index, local_target, spec, token_grads, dx_rows, dw_out, into_main_grad)
+    merged_chunks, coef_chunks, overflow, seen_maxima = _forward_pass(*args, refs=None)
+    if overflow is not None and reductions.any_over_ranks(overflow, spec.tp_group):
+        merged_chunks, coef_chunks, _, _ = _forward_pass(*args, refs=seen_maxima)
+    return merged_chunks, coef_chunks
+
+
+def _forward_pass(rows, weight, row_index, local_target, spec: ChunkSpec, token_grads, dx_rows, dw_out,
+                  into_main_grad: bool, refs):
+    """One pass of the chunk loop: per chunk, the statistics merged over TP ranks, the per-token
+    coefficients, then dX (and in fast mode dW). Lean mode also returns the device flag of a
+    reference overflow (None in fast mode) and each chunk's row maxima; `refs`: lean sweep A's
+    references per chunk (None: each row's first vocab block)."""
     lean_blocks = None if spec.lean is None else lean.weight_blocks(weight, spec.num_valid_cols, spec.lean.cols_a)
     chunk_size = spec.lean.rows_a if spec.lean is not None else spec.chunk_size
-    chunks = list(_chunks(rows.shape[0], chunk_size))
-    refs = None
-    while True:
-        column_sum = None
-        merged_chunks, coef_chunks, seen_maxima, overflow = [], [], [], None
-        for index, (start, end) in enumerate(chunks):
-            h = rows[start:end]
-            if spec.lean is not None:
-                stats, acc, seen = lean.expected_rows(h, lean_blocks, local_target[start:end], spec,
-                                                      want_acc=dx_rows is not None,
-                                                      ref=None if refs is None else refs[index])
-                seen_maxima.append(seen)
-                flag = lean.overflowed(stats.max, seen)
-                overflow = flag if overflow is None else overflow | flag
-            else:
-                logits, stats = chunk_forward(h, weight, local_target[start:end], spec, want_stats=True)
-            merged = reductions.merge_shard_stats(stats, spec.tp_group)
-            merged_chunks.append(merged)
-            positions = (row_index[start:end] if row_index is not None
-                         else torch.arange(start, end, device=rows.device))
-            coefs = coefficients(*token_grads(merged, positions, rows.shape[0]), merged.entropy, merged.lse)
-            if coefs is None:
-                coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
-            coef_chunks.append(coefs)
-            if spec.lean is not None:
-                if dx_rows is not None:
-                    if coefs["uniform"] is not None and column_sum is None:
-                        column_sum = weight[:spec.num_valid_cols].sum(0, dtype=torch.float32)
-                    lean.input_grad_from_expected(acc, stats.max, merged.lse, coefs, weight,
-                                                  local_target[start:end], spec, column_sum, dx_rows[start:end])
-                del acc
-            else:
-                chunk_grads(logits, h, weight, local_target[start:end], spec,
-                            (merged.max, merged.log_sum_exp), coefs,
-                            None if dx_rows is None else dx_rows[start:end],
-                            dw_out, dw_accumulate=into_main_grad or index > 0)
-                del logits  # one chunk alive at the peak
-        if refs is not None or overflow is None or not reductions.any_over_ranks(overflow, spec.tp_group):
-            return merged_chunks, coef_chunks
-        refs = seen_maxima
+    column_sum = None
+    merged_chunks, coef_chunks, seen_maxima, overflow = [], [], [], None
+    for index, (start, end) in enumerate(_chunks(rows.shape[0], chunk_size)):
+        h = rows[start:end]
+        if spec.lean is not None:
+            stats, acc, seen = lean.expected_rows(h, lean_blocks, local_target[start:end], spec,
+                                                  want_acc=dx_rows is not None,
+                                                  ref=None if refs is None else refs[index])
+            seen_maxima.append(seen)
+            flag = lean.overflowed(stats.max, seen)
+            overflow = flag if overflow is None else overflow | flag
+        else:
+            logits, stats = chunk_forward(h, weight, local_target[start:end], spec, want_stats=True)
+        merged = reductions.merge_shard_stats(stats, spec.tp_group)
+        merged_chunks.append(merged)
+        positions = (row_index[start:end] if row_index is not None
+                     else torch.arange(start, end, device=rows.device))
+        coefs = coefficients(*token_grads(merged, positions, rows.shape[0]), merged.entropy, merged.lse)
+        if coefs is None:
+            coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
+        coef_chunks.append(coefs)
+        if spec.lean is not None:
+            if dx_rows is not None:
+                if coefs["uniform"] is not None and column_sum is None:
+                    column_sum = weight[:spec.num_valid_cols].sum(0, dtype=torch.float32)
+                lean.input_grad_from_expected(acc, stats.max, merged.lse, coefs, weight,
+                                              local_target[start:end], spec, column_sum, dx_rows[start:end])
+            del acc
+        else:
+            chunk_grads(logits, h, weight, local_target[start:end], spec,
+                        (merged.max, merged.log_sum_exp), coefs,
+                        None if dx_rows is None else dx_rows[start:end],
+                        dw_out, dw_accumulate=into_main_grad or index > 0)
+            del logits  # one chunk alive at the peak
+    return merged_chunks, coef_chunks, overflow, seen_maxima
 
 
 def _scaled_coefs(coef_list, scale: Tensor) -> dict:

@@ -38,7 +38,7 @@ once per sweep.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -191,23 +191,34 @@ def input_grad_from_expected(acc: Tensor, ref: Tensor, lse: Tensor, coefs: dict,
     out.copy_(acc)
 
 
-def _row_args(rows: Tensor, local_target: Tensor, offsets, coefs, r0: int, r1: int) -> tuple:
+class _RowSlice(NamedTuple):
     """Rows [r0, r1) of everything a dlogits tile reads: sliced once per token chunk, not per tile."""
+
+    h: Tensor
+    local_target: Tensor
+    shift: Tensor  # row max (or lse)
+    c_p: Tensor
+    c_pz: Optional[Tensor]
+    c_target: Optional[Tensor]
+    c_uniform: Optional[Tensor]
+    log_sum_exp: Optional[Tensor]
+
+
+def _row_slice(rows: Tensor, local_target: Tensor, offsets, coefs, r0: int, r1: int) -> _RowSlice:
     shift, log_sum_exp = offsets
 
     def part(t):
         return None if t is None else t[r0:r1]
 
-    return (rows[r0:r1], local_target[r0:r1], shift[r0:r1], *(part(coefs[k]) for k in ("p", "pz", "target", "uniform")),
-            part(log_sum_exp))
+    return _RowSlice(rows[r0:r1], local_target[r0:r1], shift[r0:r1],
+                     *(part(coefs[k]) for k in ("p", "pz", "target", "uniform")), part(log_sum_exp))
 
 
-def _dlogits_tile(row_args: tuple, w_block: Tensor, c0: int, spec) -> Tensor:
-    h, local_target, shift, c_p, c_pz, c_target, c_uniform, log_sum_exp = row_args
-    tile = logits_gemm(h, w_block, spec.logits_dtype)
-    spec.backend.shard_dlogits_(tile, local_target, w_block.shape[0], spec.inv_temperature, shift, c_p, c_pz,
-                                c_target, c_uniform, log_sum_exp=log_sum_exp, col_start=c0)
-    return gemm_input(tile, h)
+def _dlogits_tile(rs: _RowSlice, w_block: Tensor, c0: int, spec) -> Tensor:
+    tile = logits_gemm(rs.h, w_block, spec.logits_dtype)
+    spec.backend.shard_dlogits_(tile, rs.local_target, w_block.shape[0], spec.inv_temperature, rs.shift, rs.c_p,
+                                rs.c_pz, rs.c_target, rs.c_uniform, log_sum_exp=rs.log_sum_exp, col_start=c0)
+    return gemm_input(tile, rs.h)
 
 
 def input_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets, coefs,
@@ -221,9 +232,9 @@ def input_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, o
     acc = torch.empty(min(tiles.rows_a, rows.shape[0]), rows.shape[1], dtype=torch.float32, device=rows.device)
     for r0, r1 in _spans(rows.shape[0], tiles.rows_a):
         a = acc[:r1 - r0]
-        row_args = _row_args(rows, local_target, offsets, coefs, r0, r1)
+        row_slice = _row_slice(rows, local_target, offsets, coefs, r0, r1)
         for j, (c0, w_block) in enumerate(blocks):
-            dlogits = _dlogits_tile(row_args, w_block, c0, spec)
+            dlogits = _dlogits_tile(row_slice, w_block, c0, spec)
             matmul_into_(a, dlogits, w_block, accumulate=j > 0)
             del dlogits
         dx_rows[r0:r1].copy_(a)
@@ -242,12 +253,12 @@ def weight_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, 
             dw_out.zero_()
             return
         dw_out[spec.num_valid_cols:].zero_()
-    chunk_args = [_row_args(rows, local_target, offsets, coefs, r0, r1) for r0, r1 in row_chunks]
+    row_slices = [_row_slice(rows, local_target, offsets, coefs, r0, r1) for r0, r1 in row_chunks]
     for c0, w_block in weight_blocks(weight, spec.num_valid_cols, tiles.cols_b):
         out = dw_out[c0:c0 + w_block.shape[0]] if direct else acc[:w_block.shape[0]]
-        for index, row_args in enumerate(chunk_args):
-            dlogits = _dlogits_tile(row_args, w_block, c0, spec)
-            matmul_into_(out, dlogits.t(), row_args[0], accumulate=(accumulate and direct) or index > 0)
+        for index, row_slice in enumerate(row_slices):
+            dlogits = _dlogits_tile(row_slice, w_block, c0, spec)
+            matmul_into_(out, dlogits.t(), row_slice.h, accumulate=(accumulate and direct) or index > 0)
             del dlogits
         if not direct:
             dw_out[c0:c0 + w_block.shape[0]].copy_(out)
