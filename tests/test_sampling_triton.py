@@ -8,9 +8,7 @@ candidate kernel all run. Candidate keys and kept-set decisions must be identica
 sums agree to fp32 rounding.
 """
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from dist import run_workers  # noqa: E402
+from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_logprobs  # noqa: E402
 from megatron_fused_ce.ops import sampling, sampling_torch  # noqa: E402
 
@@ -29,33 +28,13 @@ SMALL = dict(GROUP_COLS=4, CAPACITY_PER_CANDIDATE=4, COMPACT_BLOCK_N=16, KEPT_BL
              DLOGITS_BLOCK_N=32)
 
 
-def _interpreted(jit_function) -> bool:
-    return type(jit_function).__name__ == "InterpretedFunction"
-
-
 @pytest.fixture(scope="module")
 def st():
-    from megatron_fused_ce.ops import sampling_triton, triton_backend, triton_gemm_stats
-
     if DEVICE.type == "cuda":
-        return sampling_triton
-    import triton.language as tl
+        from megatron_fused_ce.ops import sampling_triton
 
-    if not _interpreted(tl.standard.max):
-        # triton was imported before TRITON_INTERPRET was set (see test_triton_backend.py):
-        # re-import its Python modules and redefine our kernels under the interpreter.
-        for name in list(sys.modules):
-            if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
-                del sys.modules[name]
-        importlib.reload(triton_gemm_stats)  # triton_backend imports its kernels
-        importlib.reload(triton_backend)
-        sampling_triton = importlib.reload(sampling_triton)
-    elif not _interpreted(sampling_triton._compact_kernel):
-        importlib.reload(triton_gemm_stats)
-        importlib.reload(triton_backend)
-        sampling_triton = importlib.reload(sampling_triton)
-    assert _interpreted(sampling_triton._compact_kernel)
-    return sampling_triton
+        return sampling_triton
+    return kernel_modules()["sampling_triton"]
 
 
 @pytest.fixture

@@ -1,13 +1,11 @@
 """The Triton backend against the torch backend (the reference), kernel by kernel and end to end.
 
-Without a GPU the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1). Triton
-reads that variable when a kernel is *defined*, so it is set here, at import (pytest imports every
-test module before running any test), and triton_backend is imported inside the fixture; if triton
-or triton_backend was imported before the variable was set (megatron.core imports triton), the
-fixture imports them again under the interpreter. The interpreter is slow: shapes are small,
-and the launch settings are shrunk (blocks of 32-64 columns) so that the column-split + merge path
-of `shard_stats` and the multi-block grid of `shard_dlogits_` both run. The fused GEMM + stats
-kernel (triton_gemm_stats) and lean mode's `exp_tile_` are checked the same way.
+Without a GPU the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set
+here at import; tests/triton_interpret.py redefines the kernels under it). The interpreter is
+slow: shapes are small, and the launch settings are shrunk (blocks of 32-64 columns) so that the
+column-split + merge path of `shard_stats` and the multi-block grid of `shard_dlogits_` both run.
+The fused GEMMs (triton_gemm_stats, triton_gemm_dlogits) and lean mode's `exp_tile_` are checked
+the same way.
 
 Tolerances: the two backends do the same fp32 math on the same inputs (the torch backend in one
 shot, the kernel with an online max/sum-exp), so fp32 results agree to ~1e-6 relative; bf16
@@ -15,9 +13,7 @@ dlogits are rounded to nearest-even by both and agree to one bf16 ulp where the 
 on either side of a rounding boundary.
 """
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -28,6 +24,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from dist import run_workers  # noqa: E402
+from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
 from megatron_fused_ce.ops import torch_backend  # noqa: E402
 
@@ -35,36 +32,13 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL_BLOCKS = dict(STATS_BLOCK_N=64, DLOGITS_BLOCK_N=64, MERGE_BLOCK_R=4)
 
 
-def _interpreted(jit_function) -> bool:
-    return type(jit_function).__name__ == "InterpretedFunction"
-
-
 @pytest.fixture(scope="module")
 def tb():
-    from megatron_fused_ce.ops import triton_backend, triton_gemm_stats
-
     if DEVICE.type == "cuda":
-        return triton_backend
-    import triton.language as tl
+        from megatron_fused_ce.ops import triton_backend
 
-    if not _interpreted(tl.standard.max):
-        # Something (megatron.core, torch._inductor) imported triton before TRITON_INTERPRET was
-        # set: its own @jit library functions (tl.max, tl.sum ...) are compiled-mode objects that
-        # cannot run inside an interpreted kernel. Import triton's Python modules afresh (the
-        # compiled extension triton._C stays loaded) and redefine our kernels with them.
-        for name in list(sys.modules):
-            if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
-                del sys.modules[name]
-        importlib.reload(triton_gemm_stats)
-        triton_backend = importlib.reload(triton_backend)
-    elif not (_interpreted(triton_backend._stats_kernel) and _interpreted(triton_gemm_stats._gemm_stats_tma)):
-        # imported before TRITON_INTERPRET was set, or (test_sampling_triton.py's fixture) only
-        # triton_backend was redefined after triton was re-imported
-        importlib.reload(triton_gemm_stats)
-        triton_backend = importlib.reload(triton_backend)
-    assert _interpreted(triton_backend._stats_kernel)
-    assert _interpreted(triton_gemm_stats._gemm_stats_tma)
-    return triton_backend
+        return triton_backend
+    return kernel_modules()["triton_backend"]
 
 
 @pytest.fixture
@@ -335,10 +309,11 @@ def test_cuda_autocast_bf16(fn):
 # ------------------------------------- fused GEMM + stats (triton_gemm_stats), lean exp_tile_
 @pytest.fixture
 def small_tiles(tb, monkeypatch):
-    from megatron_fused_ce.ops import triton_gemm_stats
+    from megatron_fused_ce.ops import triton_gemm_dlogits, triton_gemm_stats
 
     monkeypatch.setattr(triton_gemm_stats, "TILE", (16, 32, 32, 4, 1))
     monkeypatch.setattr(triton_gemm_stats, "MERGE_BLOCK_T", 4)
+    monkeypatch.setattr(triton_gemm_dlogits, "TILE", (16, 32, 32, 4, 1))
     return triton_gemm_stats
 
 
@@ -402,6 +377,125 @@ def test_fused_forward_end_to_end(small_tiles, tp):
         for name, a, b in zip(("no_grad logprobs", "no_grad entropy", "logprobs", "dX", "dW"), got, ref):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
             assert err <= (2e-5 if "no_grad" in name or name == "logprobs" else 4e-3), f"{name}: {err:.2e}"
+
+
+def _exact_product_inputs(n, hdim, v, dtype, g):
+    """h, w whose products and their fp32 sums are exact (multiples of 1/32, |sum| < 64): the
+    logits are the same numbers whatever the GEMM's order of summation."""
+    h = (torch.randint(-4, 5, (n, hdim), generator=g) / 4).to(dtype).to(DEVICE)
+    w = (torch.randint(-4, 5, (v, hdim), generator=g) / 8).to(dtype).to(DEVICE)
+    return h, w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature, round_logits", [(1.0, True), (0.7, True), (0.7, False)])
+def test_gemm_dlogits_matches_gemm_then_dlogits_kernel(small_tiles, dtype, temperature, round_logits):
+    """The logits GEMM with dlogits in its epilogue == GEMM (rounded to the input dtype, or fp32
+    logits) + shard_dlogits_, for every coefficient combination, with padding columns (whose
+    weight rows hold NaN: never read), a width that is not a multiple of 8 (padded store), labels
+    before / inside / after the block (col_start), rows and columns not multiples of the tile."""
+    from megatron_fused_ce.ops import triton_gemm_dlogits
+
+    g = torch.Generator().manual_seed(21 + round_logits)
+    n, hdim, cols, nv, start = 45, 64, 150, 139, 300
+    h, w = _exact_product_inputs(n, hdim, cols, dtype, g)
+    w[nv:] = float("nan")  # padding rows: must not be read
+    assert triton_gemm_dlogits.supported(h, w)
+    shard_targets = torch.randint(-1, start + cols + 20, (n,), generator=g).to(DEVICE)
+    logits = h.float() @ w[:nv].float().t()
+    logits = torch.cat([logits, torch.zeros(n, cols - nv, device=DEVICE)], 1)
+    if round_logits:
+        logits = logits.to(dtype)
+    z = logits[:, :nv].float() * (1 / temperature)
+    for combo in (0, 1, 2, 4, 7, 15):
+        coefs = [torch.randn(n, generator=g).to(DEVICE) for _ in range(4)]
+        coef_p, coef_pz, coef_t, coef_u = (c if combo & bit or bit == 0 else None
+                                           for c, bit in zip(coefs, (0, 1, 2, 4)))
+        lse, log_sum_exp = torch.logsumexp(z, dim=1), None
+        if combo & 8:  # lse as row max + log-sum-exp (the precise split)
+            lse, log_sum_exp = z.amax(dim=1), lse - z.amax(dim=1)
+        args = (shard_targets, nv, 1 / temperature, lse, coef_p, coef_pz, coef_t, coef_u, log_sum_exp)
+        got = triton_gemm_dlogits.gemm_dlogits(h, w, shard_targets, nv, cols, 1 / temperature, lse, coef_p,
+                                               coef_pz, coef_t, coef_u, log_sum_exp, col_start=start,
+                                               round_logits=round_logits)
+        ref = torch_backend.shard_dlogits_(logits.clone(), *args, col_start=start).to(dtype)
+        assert got.shape == (n, cols) and got.dtype == dtype
+        _close(got, ref, dtype, what=f"combo {combo}")
+        assert torch.all(got[:, nv:] == 0)
+    assert not triton_gemm_dlogits.supported(h[:, :48], w[:, :48])  # H not a multiple of BLOCK_K
+    assert not triton_gemm_dlogits.supported(h.float(), w.float())  # fp32 inputs: GEMM + kernel
+
+
+def _fused_dlogits_worker(rank, world, case):
+    import torch.distributed as dist
+
+    from megatron_fused_ce.ops import triton_backend
+
+    v_local = case["v_local"]
+    group = dist.group.WORLD if world > 1 else None
+    calls = []
+    fused = triton_backend.gemm_dlogits
+    triton_backend.gemm_dlogits = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    out = []
+    try:
+        for impl in ("triton", "torch"):
+            for mode in ("fast", "lean"):
+                h = case["hidden"].clone().requires_grad_()
+                w = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+                kw = dict(tp_group=group, vocab_size=case["vocab"], temperature=0.7, impl=impl, memory_mode=mode)
+                lp = linear_logprobs(h, w, case["labels"], return_entropy=True, **kw)
+                ce = linear_cross_entropy(h, w, case["labels"], label_smoothing=0.1, reduction="none", **kw)
+                ce_mean = linear_cross_entropy(h, w, case["labels"], **kw)  # lean: sweep B in backward
+                ((lp.logprobs * case["grad_lp"]).sum() + (lp.entropy * case["grad_ent"]).sum()
+                 + (ce * case["grad_lp"]).sum() + 3 * ce_mean).backward()
+                out.append((mode, lp.logprobs.detach(), h.grad, w.grad))
+    finally:
+        triton_backend.gemm_dlogits = fused
+    return out, len(calls)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_dlogits_end_to_end(small_tiles, tp):
+    """Backward passes whose dlogits come from the GEMM's epilogue (recompute path, lean sweeps
+    A' and B; log-probs with entropy, label smoothing, padded vocab) == the torch backend's."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the gloo harness runs on CPU tensors")
+    case = _case(60 + tp, tp, torch.bfloat16, hidden=64)
+    for (results, calls) in run_workers(_fused_dlogits_worker, tp, case):
+        assert calls >= 6  # fast: 2 recomputes; lean: A' + B for log-probs, B for each CE
+        for (mode, *got), (_, *ref) in zip(results[:2], results[2:]):
+            for name, a, b in zip(("logprobs", "dX", "dW"), got, ref):
+                err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                assert err <= (2e-5 if name == "logprobs" else 4e-3), f"{mode} {name}: {err:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor descriptors' scratch allocator is CUDA's")
+def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call():
+    """Triton keeps its scratch allocator (device-side tensor descriptors) in a context variable:
+    the fused GEMMs also run in autograd's backward thread (recompute backward) and in other
+    threads (activation recomputation, data-loader-side reference passes)."""
+    import threading
+
+    from megatron_fused_ce.ops import triton_backend
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    h = torch.randn(256, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(1000, 128, device="cuda", generator=g) / 8).bfloat16().requires_grad_()
+    y = torch.randint(0, 1000, (256,), device="cuda", generator=g)
+    calls, fused = [], triton_backend.gemm_dlogits
+    triton_backend.gemm_dlogits = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    try:
+        with torch.no_grad():
+            first = linear_logprobs(h, w, y).logprobs  # main thread: the stats GEMM
+        results = []
+        thread = threading.Thread(target=lambda: results.append(torch.no_grad()(linear_logprobs)(h, w, y).logprobs))
+        thread.start()
+        thread.join()
+        linear_logprobs(h, w, y).logprobs.sum().backward()  # dlogits GEMM in the backward thread
+    finally:
+        triton_backend.gemm_dlogits = fused
+    assert results and torch.equal(results[0], first)
+    assert calls and h.grad is not None and torch.isfinite(w.grad.float()).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,7 +2,7 @@
 """Where the time of one call goes: torch.profiler over a few calls of the op's paths, CUDA kernel
 time by kernel name, and the GPU's busy time against the wall time (gaps = launch / host overhead).
 
-    python tools/profile_op.py [--shape 8192x4096x128256] [--paths ce,logprobs,ce_lean,fwd]
+    python tools/profile_op.py [--shape 8192x4096x128256] [--paths ce,logprobs,ce_lean,fwd,grpo]
     python tools/profile_op.py --paths ce_lean --lean-tiles 1152,16384,8192,4096   # try tile sizes
     python tools/profile_op.py --gaps   # where the GPU waits: after host syncs, at the call's start, else
 """
@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
+from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss  # noqa: E402
 from megatron_fused_ce.ops import lean  # noqa: E402
 
 
@@ -40,6 +41,7 @@ def main():
     h = torch.randn(n, hdim, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(v, hdim, device="cuda", generator=g) / math.sqrt(hdim) * 2).bfloat16().requires_grad_()
     y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    adv, mask = torch.randn(8, device="cuda", generator=g), torch.ones(8, n // 8, device="cuda")  # grpo: 8 sequences
     paths = {
         "ce": lambda: torch.autograd.grad(linear_cross_entropy(h, w, y), (h, w)),
         "ce_lean": lambda: torch.autograd.grad(linear_cross_entropy(h, w, y, memory_mode="lean"), (h, w)),
@@ -47,6 +49,8 @@ def main():
             -linear_logprobs(h, w, y, memory_mode="lean").logprobs.mean(), (h, w)),
         "logprobs": lambda: torch.autograd.grad(-linear_logprobs(h, w, y).logprobs.mean(), (h, w)),
         "fwd": lambda: torch.no_grad()(lambda: linear_logprobs(h, w, y).logprobs)(),
+        "grpo": lambda: torch.autograd.grad(
+            linear_grpo_loss(h.view(8, -1, hdim), w, y.view(8, -1), adv, mask, GRPOConfig())[0], (h, w)),
     }
     for name in args.paths.split(","):
         fn = paths[name]

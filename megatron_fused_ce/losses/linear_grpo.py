@@ -118,12 +118,22 @@ def linear_grpo_loss(
 
     batch, length = mask.shape
     placeholder = torch.zeros(batch * length, dtype=torch.float32, device=hidden.device)
-    # Everything a token's gradient needs from other tokens (and other CP ranks), before the loop.
-    totals = batch_totals(placeholder.view(batch, length), advantages, mask, config,
-                          old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs,
-                          reference_logprobs=reference_logprobs, cp_group=cp_group)
+
+    def totals_of_batch():
+        """Everything a token's gradient needs from other tokens (and other CP ranks)."""
+        return batch_totals(placeholder.view(batch, length), advantages, mask, config,
+                            old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs,
+                            reference_logprobs=reference_logprobs, cp_group=cp_group)
+
+    # With cp_group the totals' collectives run here, on every CP rank (a rank may have no labelled
+    # chunk). Without, they are computed at the first chunk's merge, while its logits GEMM runs:
+    # ~30 small kernels fewer before the first GEMM, where the GPU would wait for the host.
+    totals = totals_of_batch() if cp_group is not None else None
 
     def token_grads(merged, positions, num_labelled):
+        nonlocal totals
+        if totals is None:
+            totals = totals_of_batch()
         if sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
             positions = (positions % batch) * length + positions // batch
         with torch.enable_grad():

@@ -30,9 +30,10 @@ Backward: the upstream gradients of the four statistics become per-token coeffic
     d H / dz_k               = -p_k (log p_k + H)       -> coef_p -= g_H H, coef_pz -= g_H
                                                            (coef_pz multiplies log p_k = z_k - lse)
 
-and each chunk's logits are recomputed, overwritten in place with dlogits, and multiplied into
-dX (rows of this chunk) and dW (accumulated in fp32 over chunks, straight into Megatron's
-`weight.main_grad` when asked). dX is then summed over TP ranks (reduce-scattered under sequence
+and each chunk's logits are recomputed as dlogits (gemm.dlogits_gemm: on the Triton backend the
+logits GEMM's epilogue writes dlogits, no logits in memory; else the logits, overwritten in place)
+and multiplied into dX (rows of this chunk) and dW (accumulated in fp32 over chunks, straight into
+Megatron's `weight.main_grad` when asked). dX is then summed over TP ranks (reduce-scattered under sequence
 parallelism), as Megatron's ColumnParallelLinear does.
 
 With `spec.vocab_block` > 0 the vocab shard is walked in blocks of that many columns inside a
@@ -58,7 +59,7 @@ import torch
 from torch import Tensor
 
 from . import lean, reductions
-from .gemm import gemm_input, logits_gemm, logits_into, matmul_into_
+from .gemm import dlogits_gemm, fused_dlogits, gemm_input, logits_gemm, logits_into, matmul_into_
 from .torch_backend import ShardStats, combine_blocks
 
 
@@ -228,20 +229,32 @@ def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSp
     return logits, (combine_blocks(parts) if want_stats else None)
 
 
-def chunk_grads(logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
-                offsets: tuple, coefs: dict, dx_out: Optional[Tensor], dw_out: Optional[Tensor],
-                dw_accumulate: bool) -> None:
-    """Overwrite a chunk's logits with dlogits (per vocab block), then dW per block into `dw_out`
-    (adding to it if `dw_accumulate`) and dX of the chunk's rows into `dx_out`."""
+def chunk_dlogits_(logits: Tensor, local_target: Tensor, spec: ChunkSpec, offsets: tuple, coefs: dict) -> Tensor:
+    """Overwrite a chunk's logits with dlogits (per vocab block); returned as the GEMMs take them."""
     row_max, log_sum_exp = offsets
-    blocks = _vocab_blocks(spec, logits.shape[1])
-    for start, end in blocks:
+    for start, end in _vocab_blocks(spec, logits.shape[1]):
         spec.backend.shard_dlogits_(
             logits[:, start:end], local_target, _block_valid(spec, start, end), spec.inv_temperature, row_max,
             coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp, col_start=start)
-    dlogits = gemm_input(logits, h)
+    return logits
+
+
+def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec, offsets: tuple,
+                       coefs: dict) -> Tensor:
+    """A chunk's dlogits [rows, V_local] in the GEMM input dtype, its softmax offsets known: from the
+    logits GEMM's epilogue where the backend has it, else GEMM + dlogits kernel per vocab block."""
+    if len(_vocab_blocks(spec, weight.shape[0])) == 1 or fused_dlogits(h, weight, spec):
+        return dlogits_gemm(h, weight, local_target, spec.num_valid_cols, spec, offsets, coefs)
+    logits, _ = chunk_forward(h, weight, local_target, spec, want_stats=False)
+    return gemm_input(chunk_dlogits_(logits, local_target, spec, offsets, coefs), h)
+
+
+def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
+               dw_out: Optional[Tensor], dw_accumulate: bool) -> None:
+    """dW per vocab block into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
+    into `dx_out`, from the chunk's dlogits."""
     if dw_out is not None:
-        for start, end in blocks:
+        for start, end in _vocab_blocks(spec, dlogits.shape[1]):
             matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate)
     if dx_out is not None:
         torch.mm(dlogits, weight, out=dx_out)
@@ -268,12 +281,11 @@ def backward_grads(
     row_max, log_sum_exp = offsets
     for index, (start, end) in enumerate(_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = hidden_rows[start:end]
-        logits, _ = chunk_forward(h, weight, local_target[start:end], spec, want_stats=False)
-        chunk_grads(logits, h, weight, local_target[start:end], spec,
-                    (row_max[start:end], log_sum_exp[start:end]),
-                    _slice_coefs(coefs, start, end), None if dx_rows is None else dx_rows[start:end],
-                    dw_out, dw_accumulate=dw_accumulate or index > 0)
-        del logits  # free this chunk before the next one's GEMM: one chunk alive at the peak
+        dlogits = recomputed_dlogits(h, weight, local_target[start:end], spec,
+                                     (row_max[start:end], log_sum_exp[start:end]), _slice_coefs(coefs, start, end))
+        grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
+                   dw_out, dw_accumulate=dw_accumulate or index > 0)
+        del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
 
 
 def _input_grad(dx_rows: Tensor, row_index: Optional[Tensor], full_shape, spec: ChunkSpec) -> Tensor:
@@ -570,11 +582,11 @@ def _forward_pass(rows, weight, row_index, local_target, spec: ChunkSpec, token_
                                               local_target[start:end], spec, column_sum, dx_rows[start:end])
             del acc
         else:
-            chunk_grads(logits, h, weight, local_target[start:end], spec,
-                        (merged.max, merged.log_sum_exp), coefs,
-                        None if dx_rows is None else dx_rows[start:end],
-                        dw_out, dw_accumulate=into_main_grad or index > 0)
-            del logits  # one chunk alive at the peak
+            dlogits = gemm_input(chunk_dlogits_(logits, local_target[start:end], spec,
+                                                (merged.max, merged.log_sum_exp), coefs), h)
+            grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
+                       dw_out, dw_accumulate=into_main_grad or index > 0)
+            del logits, dlogits  # one chunk alive at the peak
     return merged_chunks, coef_chunks, overflow, seen_maxima
 
 

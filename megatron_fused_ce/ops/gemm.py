@@ -1,4 +1,5 @@
-"""The op's GEMMs on bf16/fp16/fp32 inputs: a chunk's logits (in the input dtype or fp32), and
+"""The op's GEMMs on bf16/fp16/fp32 inputs: a chunk's logits (in the input dtype or fp32), its
+dlogits once the softmax offsets are known (the backend's fused GEMM where it has one), and
 matmuls that write or add an fp32 product in place (weight gradients summed over chunks)."""
 
 from __future__ import annotations
@@ -80,3 +81,26 @@ def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool) -> None
         out.copy_(torch.mm(a, b))
 
 
+def fused_dlogits(h: Tensor, weight: Tensor, spec) -> bool:
+    """Whether spec's backend makes dlogits inside the logits GEMM for these inputs."""
+    supported = getattr(spec.backend, "gemm_dlogits_supported", None)
+    return supported is not None and h.shape[0] > 0 and supported(h, weight)
+
+
+def dlogits_gemm(h: Tensor, w_block: Tensor, local_target: Tensor, num_valid: int, spec, offsets, coefs: dict,
+                 col_start: int = 0) -> Tensor:
+    """dlogits of h @ w_block.T (a chunk, or a lean tile of columns from `col_start`; the first
+    `num_valid` columns are below the true vocab) in the GEMM input dtype, the softmax offsets
+    (row max or lse, log_sum_exp) and coefficients known: from the logits GEMM's epilogue where
+    spec's backend has it (no logits in memory), else the logits GEMM then the backend's
+    shard_dlogits_ in place."""
+    row_max, log_sum_exp = offsets
+    args = (local_target, num_valid)
+    if fused_dlogits(h, w_block, spec):
+        return spec.backend.gemm_dlogits(
+            h, w_block, *args, w_block.shape[0], spec.inv_temperature, row_max, coefs["p"], coefs["pz"],
+            coefs["target"], coefs["uniform"], log_sum_exp, col_start=col_start, round_logits=spec.logits_dtype is None)
+    tile = logits_gemm(h, w_block, spec.logits_dtype)
+    spec.backend.shard_dlogits_(tile, *args, spec.inv_temperature, row_max, coefs["p"], coefs["pz"], coefs["target"],
+                                coefs["uniform"], log_sum_exp=log_sum_exp, col_start=col_start)
+    return gemm_input(tile, h)

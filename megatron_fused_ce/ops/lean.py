@@ -30,9 +30,10 @@ Cross-entropy / GRPO: A in the forward, B in the backward (with the exact upstre
 multiplied: their dW rows are zero.
 
 The tiles are small enough that the host, not the GPU, can set the pace (thousands of tiles per
-call at TP > 1): each tile is three launches (logits GEMM, one Triton kernel, the product GEMM),
-targets are matched to a tile inside the kernels (`col_start`), and the weight's blocks are sliced
-once per sweep.
+call at TP > 1): each tile of sweep A is three launches (logits GEMM, one Triton kernel, the
+product GEMM), each tile of sweeps A' and B two (the logits GEMM that writes dlogits from its
+epilogue, gemm.dlogits_gemm, and the product GEMM), targets are matched to a tile inside the
+kernels (`col_start`), and the weight's blocks are sliced once per sweep.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .gemm import gemm_input, logits_gemm, matmul_into_
+from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_into_
 from .torch_backend import ShardStats, combine_blocks
 
 _REF_MARGIN = 60.0  # largest z - ref allowed in sweep A: exp(60) * V_local stays far below fp32 max
@@ -215,10 +216,8 @@ def _row_slice(rows: Tensor, local_target: Tensor, offsets, coefs, r0: int, r1: 
 
 
 def _dlogits_tile(rs: _RowSlice, w_block: Tensor, c0: int, spec) -> Tensor:
-    tile = logits_gemm(rs.h, w_block, spec.logits_dtype)
-    spec.backend.shard_dlogits_(tile, rs.local_target, w_block.shape[0], spec.inv_temperature, rs.shift, rs.c_p,
-                                rs.c_pz, rs.c_target, rs.c_uniform, log_sum_exp=rs.log_sum_exp, col_start=c0)
-    return gemm_input(tile, rs.h)
+    return dlogits_gemm(rs.h, w_block, rs.local_target, w_block.shape[0], spec, (rs.shift, rs.log_sum_exp),
+                        dict(p=rs.c_p, pz=rs.c_pz, target=rs.c_target, uniform=rs.c_uniform), c0)
 
 
 def input_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets, coefs,

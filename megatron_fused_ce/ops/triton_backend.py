@@ -16,6 +16,8 @@ math); tests/test_triton_backend.py checks them against each other, on CPU under
   program per row overwrites it with exp(z - ref_max) and accumulates the row's partials.
 - `gemm_shard_stats` (triton_gemm_stats.py): the logits GEMM with the statistics in its epilogue,
   for forward passes that need no logits afterwards.
+- `gemm_dlogits` (triton_gemm_dlogits.py): the logits GEMM with `shard_dlogits_`'s math in its
+  epilogue, where the softmax offsets are known before the GEMM (backward recompute, lean sweeps).
 - `shard_dlogits_`: one read and one write of the chunk, in place. A 2-D grid of (row, column
   block) programs; each computes dL/dlogits = inv_T * (exp(z - lse) (c_p + c_pz (z - lse)) + c_u
   + c_t [k == y]) in fp32 and stores it in the chunk's dtype; padding columns get 0.
@@ -36,6 +38,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .torch_backend import ShardStats, combine_blocks  # noqa: F401  (combine_blocks: shared math)
+from . import triton_gemm_dlogits
+from .triton_gemm_dlogits import gemm_dlogits  # noqa: F401
 from .triton_gemm_stats import gemm_shard_stats  # noqa: F401
 from .triton_gemm_stats import supported as gemm_stats_supported  # noqa: F401
 
@@ -48,6 +52,12 @@ DLOGITS_BLOCK_N = 2048  # columns per program of the dlogits kernel
 DLOGITS_WARPS = 8
 PROGRAMS_PER_SM = 8  # split columns until the stats grid has at least this many programs per SM
 MERGE_BLOCK_R = 64
+GEMM_DLOGITS = True  # dlogits from the logits GEMM's epilogue where it runs (off: GEMM + dlogits kernel)
+
+
+def gemm_dlogits_supported(h: Tensor, weight: Tensor) -> bool:
+    """Whether `gemm_dlogits` (triton_gemm_dlogits.py) runs for these inputs."""
+    return GEMM_DLOGITS and triton_gemm_dlogits.supported(h, weight)
 
 
 @triton.jit

@@ -36,7 +36,7 @@ from .torch_backend import ShardStats
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
 # benchmark shapes (tools/perf_notes.md, call 1). Module-level so that tests can shrink them.
 TILE = (128, 256, 64, 8, 3)
-GROUP_M = 8  # row tiles that share a column tile consecutively (L2 reuse of the weight)
+GROUP_M = 16  # row tiles that share a column tile consecutively (L2 reuse of the weight)
 PARTIALS_BYTES = 64 * 1024 * 1024  # bound on the per-tile partials of one launch
 MERGE_BLOCK_R, MERGE_BLOCK_T = 32, 64
 
@@ -45,9 +45,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def supported(hidden_rows: Tensor, weight: Tensor) -> bool:
-    """Whether this kernel can compute the statistics of these inputs."""
-    block_k = TILE[2]
+def supported(hidden_rows: Tensor, weight: Tensor, block_k: int = 0) -> bool:
+    """Whether this kernel (or another of BLOCK_K `block_k`) can multiply these inputs."""
+    block_k = block_k or TILE[2]
     if hidden_rows.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden_rows.dtype:
         return False
     if not (hidden_rows.is_cuda or _interpreting()):
@@ -64,6 +64,20 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP: tl.constexpr):
     first_m = (tile_id // in_group) * GROUP
     size_m = tl.minimum(num_pid_m - first_m, GROUP)
     return first_m + (tile_id % in_group) % size_m, (tile_id % in_group) // size_m
+
+
+@triton.jit
+def tile_product(a_desc, b_desc, pid_m, pid_n, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """fp32 [BM, BN] tile (pid_m, pid_n) of A @ B.T, both K-major tensor descriptors."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BK)):
+        a = a_desc.load([pid_m * BM, ki * BK])
+        b = b_desc.load([pid_n * BN, ki * BK])
+        if DOT_F32:  # the CPU interpreter's bf16 tl.dot is wrong (Triton 3.9): upcast there
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc)
+    return acc
 
 
 @triton.jit
@@ -107,13 +121,7 @@ def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_pt
     num_pid_n = tl.cdiv(NV, BN)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_progs, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):
-            a = a_desc.load([pid_m * BM, ki * BK])
-            b = b_desc.load([pid_n * BN, ki * BK])
-            if DOT_F32:  # the CPU interpreter's bf16 tl.dot is wrong (Triton 3.9): upcast there
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b.T, acc)
+        acc = tile_product(a_desc, b_desc, pid_m, pid_n, K, BM, BN, BK, DOT_F32)
         _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
                   BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
@@ -180,7 +188,6 @@ def _merge_tiles_kernel(pm_ptr, ps_ptr, pl_ptr, pe_ptr, m_ptr, s_ptr, l_ptr, e_p
         tl.store(e_ptr + rows, se, mask=row_ok)
 
 
-_ALLOCATOR_SET = []
 _SM_COUNT: dict = {}
 
 
@@ -191,6 +198,17 @@ def _programs(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def _scratch(size: int, align: int, stream) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def descriptor_scratch(device: torch.device) -> None:
+    """Give Triton its allocator for device-side tensor descriptors. Set at every launch: Triton
+    keeps it in a context variable, which autograd's backward thread does not inherit."""
+    if device.type == "cuda":
+        triton.set_allocator(_scratch)
 
 
 def _use_tma(device: torch.device) -> bool:
@@ -226,9 +244,8 @@ def gemm_shard_stats(
     out["sum_logits"] = torch.empty(n, **f32) if want_sum_logits else None
     out["sum_exp_shifted"] = torch.empty(n, **f32) if want_entropy else None
     tma = _use_tma(hidden_rows.device)
-    if tma and not _ALLOCATOR_SET:  # scratch for device-side tensor descriptors
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=hidden_rows.device))
-        _ALLOCATOR_SET.append(True)
+    if tma:
+        descriptor_scratch(hidden_rows.device)
     target = local_target.contiguous()
     for r0 in range(0, n, slice_rows):
         r1 = min(n, r0 + slice_rows)
