@@ -114,8 +114,9 @@ class Agreement:
     `checks`: the names of every check this call can fail (the same tuple on every rank).
     Register values with `equal` / `equal_count` / `equal_tensor` / `maximum` / `maximum_count`
     (each returns a key), then `agree()` raises or returns an object whose `[key]` is the agreed
-    value (the maximum over ranks). Without a group (one rank) nothing can differ: tensors are not
-    fingerprinted, and the vector only carries the checks and the counts.
+    value (the maximum over ranks). Without a group (one rank) nothing can differ: plain values and
+    tensors that must be equal are not recorded (their keys read None), and the vector only
+    carries the checks and the counts.
     """
 
     def __init__(self, fn_name: str, group, device: torch.device, checks):
@@ -139,6 +140,8 @@ class Agreement:
         """A plain value (number, flag, name, dtype, tuple ...) that must be the same on every
         rank; `show_range` prints the smallest and largest value (ints) in the error."""
         assert not isinstance(value, Tensor), "use equal_count / equal_tensor for tensors"
+        if self.single_rank:  # nothing can differ: no code, no slot (a key that reads None)
+            return None
         code = value_code(value)
         return self._add_host("equal", name, message, [code, ~code], show_range)
 
@@ -247,7 +250,7 @@ class Agreement:
 
 class Agreed:
     def __init__(self):
-        self.values = {}
+        self.values = {None: None}  # None: the key of a value registered without a slot (one rank)
 
     def __getitem__(self, key):
         return self.values[key]
