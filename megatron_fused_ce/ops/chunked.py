@@ -243,10 +243,10 @@ def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec: Ch
                        coefs: dict) -> Tensor:
     """A chunk's dlogits [rows, V_local] in the GEMM input dtype, its softmax offsets known: from the
     logits GEMM's epilogue where the backend has it, else GEMM + dlogits kernel per vocab block."""
-    if len(_vocab_blocks(spec, weight.shape[0])) == 1 or fused_dlogits(h, weight, spec):
-        return dlogits_gemm(h, weight, local_target, spec.num_valid_cols, spec, offsets, coefs)
-    logits, _ = chunk_forward(h, weight, local_target, spec, want_stats=False)
-    return gemm_input(chunk_dlogits_(logits, local_target, spec, offsets, coefs), h)
+    if len(_vocab_blocks(spec, weight.shape[0])) > 1 and not fused_dlogits(h, weight, spec):
+        logits, _ = chunk_forward(h, weight, local_target, spec, want_stats=False)
+        return gemm_input(chunk_dlogits_(logits, local_target, spec, offsets, coefs), h)
+    return dlogits_gemm(h, weight, local_target, spec.num_valid_cols, spec, offsets, coefs)
 
 
 def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
