@@ -3,7 +3,7 @@
 - memory_mode="lean" (ops/lean.py): tile sweeps with a fixed working set; values, dX and dW at
   TP 1/2/4 with ignored tokens, padded vocab, temperature, sequence parallel; its memory bound
   (largest allocation inside the op, flat in the number of tokens, no fp32 [V_local, H] buffer);
-  the reference-overflow redo of sweep A.
+  sweep A's reference moving (and its sums rescaled) where a later vocab block is far above it.
 - vocab blocks inside a chunk (fast mode, ChunkSpec.vocab_block), with blocks made only of padding.
 - Megatron's main_grad with gradients in the forward pass: dW added to main_grad during the
   forward (no [V_local, H] buffer of its own), (g - 1) dW in backward, retained graphs, SP.
@@ -207,7 +207,7 @@ def test_grpo_modes_agree(small_tiles, tp):
                 assert reference.rel_err(a, b) < 2e-5, (mode, main_grad, name)
 
 
-# ---------------------------------------------------------------- lean: memory bound, overflow redo
+# ---------------------------------------------------------- lean: memory bound, reference that moves
 @pytest.mark.parametrize("fn", ["cross_entropy", "logprobs"])
 def test_lean_memory_bound_is_flat_in_tokens(monkeypatch, fn):
     """Every tensor the lean op creates, except the returned gradients (one [N, H] dX, [V, H] dW
@@ -243,9 +243,10 @@ def test_lean_memory_bound_is_flat_in_tokens(monkeypatch, fn):
     assert largest[0] == largest[1], largest  # flat in N
 
 
-def test_lean_reference_overflow_is_redone(small_tiles):
+def test_lean_reference_moves_where_a_later_block_is_far_above_it(small_tiles):
     """Sweep A takes the row max of the first vocab block as its reference: a later block 200
-    above it would overflow exp; the chunk is redone with the row max and stays exact."""
+    above it would overflow exp; the reference moves to that block's max, the row's sums and dX
+    accumulator are rescaled, and loss, dX and dW stay exact."""
     torch.manual_seed(8)
     n, hdim, v = 20, 8, 64
     h = torch.randn(n, hdim, dtype=torch.float64).float()
@@ -258,7 +259,7 @@ def test_lean_reference_overflow_is_redone(small_tiles):
     loss.backward()
     hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
     z = hd @ wd.t()
-    assert (z[3, 50] - z[3, :16].max()).item() > 60  # the redo is needed
+    assert (z[3, 50] - z[3, :16].max()).item() > 60  # the reference must move
     ref = torch.nn.functional.cross_entropy(z, y)
     ref.backward()
     for out, r in ((loss, ref), (hh.grad, hd.grad), (ww.grad, wd.grad)):
@@ -274,10 +275,10 @@ def _overflow_worker(rank, world, h, w, y):
     return loss.detach(), hh.grad, ww.grad
 
 
-def test_lean_reference_overflow_on_one_rank_is_redone_on_every_rank(small_tiles):
-    """Under TP only rank 1's shard goes far above its first block: the overflow check is agreed
-    over the ranks (every rank redoes the sweep and its merges, no hang, no mismatched collective)
-    and the result is exact. A rank redoing alone would merge against peers that moved on."""
+def test_lean_reference_that_moves_on_one_rank_only(small_tiles):
+    """Under TP only rank 1's shard goes far above its first block: only rank 1's references
+    move (no collective of its own, so nothing the other ranks must join), the merges over the
+    ranks take each shard's reference as its partial max, and the result is exact."""
     torch.manual_seed(9)
     n, hdim, v = 40, 8, 128
     h = torch.randn(n, hdim, dtype=torch.float64).float()
@@ -287,7 +288,7 @@ def test_lean_reference_overflow_on_one_rank_is_redone_on_every_rank(small_tiles
     y[5] = 3
     hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
     z = hd @ wd.t()
-    assert (z[5, 104] - z[5, 64:80].max()).item() > 60  # rank 1 must redo, rank 0 need not
+    assert (z[5, 104] - z[5, 64:80].max()).item() > 60  # rank 1's reference moves, rank 0's need not
     ref = torch.nn.functional.cross_entropy(z, y, label_smoothing=0.1)
     ref.backward()
     for rank, (loss, dx, dw) in enumerate(run_workers(_overflow_worker, 2, h, w, y)):

@@ -13,6 +13,7 @@ dlogits are rounded to nearest-even by both and agree to one bf16 ulp where the 
 on either side of a rounding boundary.
 """
 
+import math
 import os
 
 import pytest
@@ -172,11 +173,12 @@ def test_col_start_matches_targets_relative_to_the_block(small_blocks, backend_n
         a = backend.shard_dlogits_(block.clone(), shard_targets, nvc, 0.7, lse, *coefs, col_start=start)
         b = backend.shard_dlogits_(block.clone(), relative, nvc, 0.7, lse, *coefs)
         assert torch.equal(a, b)
-        states = [[torch.zeros(n, device=DEVICE) for _ in range(5)] for _ in range(2)]
-        a = backend.exp_tile_(block.clone(), shard_targets, nvc, 0.7, *states[0], first=True, col_start=start)
-        b = backend.exp_tile_(block.clone(), relative, nvc, 0.7, *states[1], first=True)
+        states = [[torch.zeros(n, device=DEVICE) for _ in range(4)] for _ in range(2)]
+        a = backend.exp_tile_(block.clone(), shard_targets, nvc, 0.7, *states[0], None, first=True, ref_margin=60.0,
+                              col_start=start)
+        b = backend.exp_tile_(block.clone(), relative, nvc, 0.7, *states[1], None, first=True, ref_margin=60.0)
         assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(*states))
-    assert torch.count_nonzero(states[0][3]) == 4  # 200, 201, 210, 250: inside the 85 valid columns
+    assert torch.count_nonzero(states[0][2]) == 4  # 200, 201, 210, 250: inside the 85 valid columns
 
 
 # ------------------------------------------------------------------------- end to end, TP 1/2
@@ -501,24 +503,41 @@ def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exp_tile_matches_torch_backend(tb, dtype):
-    """Lean sweep A's tile transform over three tiles of the same rows (first, later, one with
-    padding columns) on both backends: P in place and the accumulated partials."""
+    """Lean sweep A's tile transform over four tiles of the same rows (first, later, one with
+    padding columns, one whose rows 1 and 4 go past the reference margin) on both backends: P in
+    place, the accumulated partials, and the accumulator rows rescaled where the reference moved
+    (and only there)."""
     g = torch.Generator().manual_seed(9)
-    n, c = 9, 150
-    tiles = [(torch.randn(n, c, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(3)]
-    targets = [_targets(n, c, g) for _ in range(3)]
+    n, c, hidden, margin = 9, 150, 70, 20.0
+    tiles = [(torch.randn(n, c, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(4)]
+    tiles[3][[1, 4], 7] = 40.0  # z = 40 / 0.7: past ref + margin; rows 1 and 4 move
+    targets = [_targets(n, c, g) for _ in range(4)]
+    acc0 = torch.randn(n, hidden, generator=g).to(DEVICE)
     results = []
     for backend in (tb, torch_backend):
-        state = [torch.zeros(n, device=DEVICE) for _ in range(5)]
-        outs = []
+        state = [torch.zeros(n, device=DEVICE) for _ in range(4)]
+        acc = acc0.clone()
+        outs, refs = [], []
         for k, tile in enumerate(tiles):
             t = tile.clone()
-            backend.exp_tile_(t, targets[k], 140 if k == 2 else c, 1 / 0.7, *state, first=k == 0)
+            backend.exp_tile_(t, targets[k], 140 if k == 2 else c, 1 / 0.7, *state, None if k == 0 else acc,
+                              first=k == 0, ref_margin=margin)
             outs.append(t)
-        results.append((state, outs))
-    (state, outs), (ref_state, ref_outs) = results
-    for name, a, b in zip(("ref_max", "sum_exp", "seen_max", "target", "sum_logits"), state, ref_state):
+            refs.append(state[0].clone())
+        results.append((state, outs, acc, refs))
+    (state, outs, acc, refs), (ref_state, ref_outs, ref_acc, _) = results
+    for name, a, b in zip(("ref_max", "sum_exp", "target", "sum_logits"), state, ref_state):
         _close(a, b, what=name)
     for a, b in zip(outs, ref_outs):
         _close(a, b, dtype, what="P")
     assert torch.all(outs[2][:, 140:] == 0)
+    moved = torch.zeros(n, dtype=torch.bool)
+    moved[[1, 4]] = True
+    assert torch.equal((refs[3] != refs[2]).cpu(), moved)
+    assert torch.allclose(refs[3][moved.to(DEVICE)].cpu(), torch.tensor(40.0).to(dtype).float() / 0.7)
+    assert float(outs[3].float().max()) <= math.exp(margin) * (1 + 1e-2)  # P stays below e^margin
+    assert torch.equal(refs[2], refs[0])  # no earlier move
+    scale = torch.exp(refs[2] - refs[3]).unsqueeze(1).cpu()  # 1 where the reference stayed
+    _close(acc, acc0.cpu() * scale, what="acc")
+    _close(acc, ref_acc, what="acc vs torch")
+    assert torch.equal(acc[~moved.to(DEVICE)], acc0[~moved.to(DEVICE)])

@@ -493,9 +493,12 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.dx_buffer = ctx.dw_buffer = None
         first_after_unit = ctx.unit_grad_in_main_grad  # main_grad already holds 1 x dW
         ctx.unit_grad_in_main_grad = False
+        # g == 1 (Megatron's loss functions) spares a pass over dW or main_grad's correction: worth
+        # one host sync there. dX alone is scaled without one: in lean mode sweep B follows, and a
+        # sync would leave the GPU idle while the host queues it (an [N, H] pass is far cheaper).
         unit = None
-        if dx is not None or dw is not None or first_after_unit:
-            unit = bool(g_anchor == 1.0)  # one host sync; Megatron's loss functions give g = 1
+        if dw is not None or first_after_unit:
+            unit = bool(g_anchor == 1.0)
             if first_after_unit and spec.sequence_parallel:  # g != 1 re-gathers hidden: all ranks must
                 not_unit = torch.tensor([0 if unit else 1], device=g_anchor.device)
                 unit = not bool(reductions.max_over_ranks(not_unit, spec.tp_group).item())
@@ -532,38 +535,18 @@ class LinearLossGradInForward(torch.autograd.Function):
 
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, token_grads, dx_rows, dw_out,
                     into_main_grad: bool):
-    """LinearLossGradInForward's chunk loop -> (merged statistics, coefficients) per chunk; dX rows
-    go into `dx_rows` and (fast mode) dW into `dw_out`.
-
-    Lean mode: if any row's exps in sweep A went too far above its reference on any rank
-    (lean.overflowed; one check per call, agreed over the TP ranks), every rank runs the loop again
-    with the row maxima now known as references (the merges are collectives)."""
-    args = (rows, weight, row_index, local_target, spec, token_grads, dx_rows, dw_out, into_main_grad)
-    merged_chunks, coef_chunks, overflow, seen_maxima = _forward_pass(*args, refs=None)
-    if overflow is not None and reductions.any_over_ranks(overflow, spec.tp_group):
-        merged_chunks, coef_chunks, _, _ = _forward_pass(*args, refs=seen_maxima)
-    return merged_chunks, coef_chunks
-
-
-def _forward_pass(rows, weight, row_index, local_target, spec: ChunkSpec, token_grads, dx_rows, dw_out,
-                  into_main_grad: bool, refs):
-    """One pass of the chunk loop: per chunk, the statistics merged over TP ranks, the per-token
-    coefficients, then dX (and in fast mode dW). Lean mode also returns the device flag of a
-    reference overflow (None in fast mode) and each chunk's row maxima; `refs`: lean sweep A's
-    references per chunk (None: each row's first vocab block)."""
+    """LinearLossGradInForward's chunk loop -> (merged statistics, coefficients) per chunk: per
+    chunk, the statistics merged over TP ranks, the per-token coefficients, then dX (and in fast
+    mode dW) into `dx_rows` / `dw_out`. Lean mode runs sweep A per chunk instead of a chunk of logits."""
     lean_blocks = None if spec.lean is None else lean.weight_blocks(weight, spec.num_valid_cols, spec.lean.cols_a)
     chunk_size = spec.lean.rows_a if spec.lean is not None else spec.chunk_size
     column_sum = None
-    merged_chunks, coef_chunks, seen_maxima, overflow = [], [], [], None
+    merged_chunks, coef_chunks = [], []
     for index, (start, end) in enumerate(_chunks(rows.shape[0], chunk_size)):
         h = rows[start:end]
         if spec.lean is not None:
-            stats, acc, seen = lean.expected_rows(h, lean_blocks, local_target[start:end], spec,
-                                                  want_acc=dx_rows is not None,
-                                                  ref=None if refs is None else refs[index])
-            seen_maxima.append(seen)
-            flag = lean.overflowed(stats.max, seen)
-            overflow = flag if overflow is None else overflow | flag
+            stats, acc = lean.expected_rows(h, lean_blocks, local_target[start:end], spec,
+                                            want_acc=dx_rows is not None)
         else:
             logits, stats = chunk_forward(h, weight, local_target[start:end], spec, want_stats=True)
         merged = reductions.merge_shard_stats(stats, spec.tp_group)
@@ -587,7 +570,7 @@ def _forward_pass(rows, weight, row_index, local_target, spec: ChunkSpec, token_
             grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
                        dw_out, dw_accumulate=into_main_grad or index > 0)
             del logits, dlogits  # one chunk alive at the peak
-    return merged_chunks, coef_chunks, overflow, seen_maxima
+    return merged_chunks, coef_chunks
 
 
 def _scaled_coefs(coef_list, scale: Tensor) -> dict:

@@ -13,10 +13,11 @@ one sweep cannot finish both without an fp32 accumulator the size of one gradien
            accumulator: acc = sum_k P_k W_k, as FlashAttention accumulates P V. At the end of the
            chunk the partials give lse, and dX = inv_T (c_p e^(ref - lse) acc + c_t W_y + c_u sum_k W_k)
            for dlogits = p c_p + c_t [k = y] + c_u. Two GEMMs: logits, P @ W.
-           The reference is not the row max: where a later block exceeds it by more than
-           _REF_MARGIN (e^_REF_MARGIN is far inside fp32/bf16 range), a flag is raised on the
-           device; after the last chunk one check (one host sync per call, a tiny all-reduce under
-           TP: every rank redoes the same merges) reruns the sweep with the row maxima now known.
+           The reference is not the row max: it stays while later blocks exceed it by at most
+           _REF_MARGIN (P <= e^_REF_MARGIN, far inside fp32/bf16 range), so the accumulator is
+           not rescaled block after block. Where a block goes further above it, the tile's kernel
+           moves the row's reference to the block's max and rescales that row's sum and
+           accumulator by e^(old - new) (rare: no host synchronization, nothing to redo).
   sweep A' (token chunks outer), on the recompute path (log-probs, entropy): the tiles' dlogits
            multiplied into an fp32 [rows, H] dX accumulator. Two GEMMs: logits, dlogits @ W.
   sweep B  (vocab blocks outer, token chunks inner): the tiles' dlogits multiplied into dW of the
@@ -47,7 +48,7 @@ from torch import Tensor
 from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_into_
 from .torch_backend import ShardStats, combine_blocks
 
-_REF_MARGIN = 60.0  # largest z - ref allowed in sweep A: exp(60) * V_local stays far below fp32 max
+_REF_MARGIN = 60.0  # largest z - ref in sweep A: e^60 * V_local * |W| stays far below fp32 max
 _MAX_COLS_A = 16384  # vocab block of sweeps A / A' (K of the P @ W GEMM: amortizes the fp32 accumulator)
 _MAX_ROWS_B = 16384  # token chunk of sweep B (K of the dW GEMM)
 
@@ -138,39 +139,29 @@ def tile_stats(rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> Shar
                          for name in ShardStats.__dataclass_fields__})
 
 
-def expected_rows(h: Tensor, blocks, local_target: Tensor, spec, want_acc: bool, ref: Optional[Tensor] = None):
+def expected_rows(h: Tensor, blocks, local_target: Tensor, spec, want_acc: bool):
     """Sweep A over one token chunk -> (ShardStats with `max` = the reference, fp32 acc =
-    sum_k exp(z_k - ref) W_k or None, the row maxima seen). `blocks`: weight_blocks(weight, ., cols_a).
-    `ref`: the rows' references (the row maxima, to redo an overflowed sweep); None: each row's
-    first block max. No host synchronization: `overflowed` tells whether to redo. See the module doc."""
+    sum_k exp(z_k - ref) W_k or None). `blocks`: weight_blocks(weight, ., cols_a). See the module doc."""
     n, hidden_size = h.shape
     f32 = dict(dtype=torch.float32, device=h.device)
     acc = torch.empty(n, hidden_size, **f32) if want_acc else None  # the first block writes it
     if not blocks:  # a shard made only of padding columns
-        empty = _empty_stats(n, h.device, spec)
-        return empty, None if acc is None else acc.zero_(), empty.max
-    first = ref is None  # the first block sets ref, sum_exp, seen and sum_logits
-    if first:
-        ref, sum_exp, seen = (torch.empty(n, **f32) for _ in range(3))
-    else:
-        sum_exp, seen = torch.zeros(n, **f32), ref.clone()
+        return _empty_stats(n, h.device, spec), None if acc is None else acc.zero_()
+    # the first block sets ref, sum_exp and sum_logits
+    ref, sum_exp = torch.empty(n, **f32), torch.empty(n, **f32)
     target = torch.zeros(n, **f32)
-    sum_logits = None
-    if spec.want_sum_logits:
-        sum_logits = torch.empty(n, **f32) if first else torch.zeros(n, **f32)
+    sum_logits = torch.empty(n, **f32) if spec.want_sum_logits else None
     for j, (c0, w_block) in enumerate(blocks):
         tile = logits_gemm(h, w_block, spec.logits_dtype)
-        spec.backend.exp_tile_(tile, local_target, w_block.shape[0], spec.inv_temperature,
-                               ref, sum_exp, seen, target, sum_logits, first=first and j == 0, col_start=c0)
+        # block j's P and any rescale of acc (rows whose reference moves) are queued before the
+        # GEMM that adds P_j W_j
+        spec.backend.exp_tile_(tile, local_target, w_block.shape[0], spec.inv_temperature, ref, sum_exp, target,
+                               sum_logits, acc if j > 0 else None, first=j == 0, ref_margin=_REF_MARGIN,
+                               col_start=c0)
         if acc is not None:
             matmul_into_(acc, gemm_input(tile, h), w_block, accumulate=j > 0)
         del tile
-    return ShardStats(max=ref, sum_exp=sum_exp, target=target, sum_logits=sum_logits), acc, seen
-
-
-def overflowed(ref: Tensor, seen: Tensor) -> Tensor:
-    """0-d bool on the device: a row's exps in sweep A went more than _REF_MARGIN above its reference."""
-    return ((seen - ref) > _REF_MARGIN).any()
+    return ShardStats(max=ref, sum_exp=sum_exp, target=target, sum_logits=sum_logits), acc
 
 
 def input_grad_from_expected(acc: Tensor, ref: Tensor, lse: Tensor, coefs: dict, weight: Tensor,

@@ -117,13 +117,6 @@ def max_over_ranks(values: Tensor, group) -> Tensor:
     return values
 
 
-def any_over_ranks(flag: Tensor, group) -> bool:
-    """Whether a 0-d bool device flag is set on any rank of the group (lean mode's overflow check):
-    one host synchronization, and one tiny all-reduce with more than one rank."""
-    values = flag.reshape(1).to(torch.int32)
-    return bool(max_over_ranks(values, group).item())
-
-
 def argmax_over_ranks(values: Tensor, indices: Tensor, group) -> Tensor:
     """Per row, the index (int64) of the largest of the shards' best values; among equal values the
     smallest index, as `argmax` over the gathered row would give."""

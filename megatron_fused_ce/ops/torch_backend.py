@@ -25,7 +25,8 @@ tensor is the block of columns [col_start, col_start + width) and a target outsi
 another block (the chunk loop and lean mode walk the shard in blocks without re-indexing targets).
 
 Lean mode (lean.py) adds one function, `exp_tile_`: overwrite a tile of logits with
-exp(z - ref_max) against a per-row reference and accumulate its partials. `combine_blocks` (plain
+exp(z - ref_max) against a per-row reference (moved, with what was summed against it rescaled,
+when the tile goes too far above it) and accumulate its partials. `combine_blocks` (plain
 math, shared by both backends) merges the partials of column blocks of one shard.
 """
 
@@ -178,18 +179,21 @@ def exp_tile_(
     inv_temperature: float,
     ref_max: Tensor,
     sum_exp: Tensor,
-    seen_max: Tensor,
     target: Tensor,
     sum_logits: Optional[Tensor],
+    acc: Optional[Tensor],
     first: bool,
     *,
+    ref_margin: float,
     col_start: int = 0,
 ) -> Tensor:
     """Lean sweep A on one [n, c] tile of logits (lean.py): overwrite it with P = exp(z - ref_max)
     (0 at padding columns) and accumulate fp32 [n] partials in place: sum_exp += sum P,
-    seen_max = max(seen_max, max z), target = z_y where the target is in the tile,
-    sum_logits += sum z. `first`: the first tile of these rows sets ref_max to its row max and
-    initializes the partials. P may exceed 1 where z > ref_max (lean.py bounds that)."""
+    target = z_y where the target is in the tile, sum_logits += sum z. `first`: the first tile of
+    these rows sets ref_max to its row max and initializes the partials. Later tiles keep ref_max
+    unless the tile's row max exceeds it by more than `ref_margin` (so P <= e^ref_margin): then
+    ref_max moves to that max, and sum_exp and the row of `acc` (sum_k P_k W_k of the earlier
+    tiles, fp32 [n, H], or None) are multiplied by exp(old ref - new ref)."""
     n, cols = tile.shape
     valid = min(num_valid_cols, cols)
     z = _scaled_fp32(tile, valid, inv_temperature)
@@ -197,11 +201,15 @@ def exp_tile_(
     if first:
         ref_max.copy_(block_max)
         sum_exp.zero_()
-        seen_max.copy_(block_max)
         if sum_logits is not None:
             sum_logits.zero_()
     else:
-        torch.maximum(seen_max, block_max, out=seen_max)
+        moved = torch.where(block_max > ref_max + ref_margin, block_max, ref_max)
+        scale = torch.exp(ref_max - moved)  # exactly 1 where the reference stays
+        sum_exp.mul_(scale)
+        if acc is not None:
+            acc.mul_(scale.unsqueeze(1))
+        ref_max.copy_(moved)
     on_shard, target_col = _target_mask(local_target, col_start, valid)
     if valid > 0:
         target.copy_(torch.where(on_shard, z.gather(1, target_col).squeeze(1), target))

@@ -12,8 +12,10 @@ math); tests/test_triton_backend.py checks them against each other, on CPU under
   fills up, and a tiny second kernel merges the per-split partials of each row.
 - `scale_cast`: dtype(fp32 dW * upstream gradient) in one pass (6 bytes/element instead of 14 for
   a multiply followed by a cast).
-- `exp_tile_` (lean mode, lean.py): one read and one write of a tile of logits, in place: one
-  program per row overwrites it with exp(z - ref_max) and accumulates the row's partials.
+- `exp_tile_` (lean mode, lean.py): two reads (the second from the cache) and one write of a tile
+  of logits, in place: one program per row takes the row's max, moves the reference when that max
+  is too far above it (rescaling the row's sums and its row of the accumulator), overwrites the row
+  with exp(z - ref_max) and accumulates the row's partials.
 - `gemm_shard_stats` (triton_gemm_stats.py): the logits GEMM with the statistics in its epilogue,
   for forward passes that need no logits afterwards.
 - `gemm_dlogits` (triton_gemm_dlogits.py): the logits GEMM with `shard_dlogits_`'s math in its
@@ -320,37 +322,46 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 @triton.jit
 def _exp_tile_kernel(
-    tile_ptr, stride_row, target_ptr, col_start, ref_ptr, sum_exp_ptr, seen_ptr, target_out_ptr, sum_logits_ptr,
-    num_cols, num_valid_cols, inv_temperature,
-    FIRST: tl.constexpr, WANT_SUM: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr,
+    tile_ptr, stride_row, target_ptr, col_start, ref_ptr, sum_exp_ptr, target_out_ptr, sum_logits_ptr,
+    acc_ptr, acc_stride, acc_cols, num_cols, num_valid_cols, inv_temperature, ref_margin,
+    FIRST: tl.constexpr, WANT_SUM: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = tile_ptr + row.to(tl.int64) * stride_row
     t = tl.load(target_ptr + row) - col_start  # the label's column in this tile
     in_tile = (t >= 0) & (t < num_valid_cols)
     z_t = tl.load(row_ptr + tl.where(in_tile, t, 0)).to(tl.float32) * inv_temperature  # before overwriting
-    if FIRST:  # the reference is this tile's row max: one more read of the row
-        ref = tl.full([], float("-inf"), tl.float32)
-        for col0 in range(0, num_valid_cols, BLOCK_N):
-            cols = col0 + tl.arange(0, BLOCK_N)
-            z = tl.load(row_ptr + cols, mask=cols < num_valid_cols, other=float("-inf")).to(tl.float32)
-            ref = tl.maximum(ref, tl.max(z * inv_temperature, axis=0))
-        tl.store(ref_ptr + row, ref)
+    block_max = tl.full([], float("-inf"), tl.float32)  # first read of the row (the second hits the cache)
+    for col0 in range(0, num_valid_cols, BLOCK_N):
+        cols = col0 + tl.arange(0, BLOCK_N)
+        z = tl.load(row_ptr + cols, mask=cols < num_valid_cols, other=float("-inf")).to(tl.float32)
+        block_max = tl.maximum(block_max, tl.max(z * inv_temperature, axis=0))
+    s_logits = tl.zeros([], tl.float32)
+    if FIRST:  # the reference is this tile's row max
+        ref = block_max
         s = tl.zeros([], tl.float32)
-        seen = ref
-        s_logits = tl.zeros([], tl.float32)
     else:
-        ref = tl.load(ref_ptr + row)
+        old = tl.load(ref_ptr + row)
         s = tl.load(sum_exp_ptr + row)
-        seen = tl.load(seen_ptr + row)
-        s_logits = tl.zeros([], tl.float32)
         if WANT_SUM:
             s_logits = tl.load(sum_logits_ptr + row)
+        ref = old
+        if block_max > old + ref_margin:  # rare: move the reference, rescale what was summed against it
+            ref = block_max
+            scale = tl.exp(old - block_max)
+            s = s * scale
+            if HAS_ACC:
+                acc_row = acc_ptr + row.to(tl.int64) * acc_stride
+                for col0 in range(0, acc_cols, BLOCK_N):
+                    cols = col0 + tl.arange(0, BLOCK_N)
+                    a = tl.load(acc_row + cols, mask=cols < acc_cols)
+                    tl.store(acc_row + cols, a * scale, mask=cols < acc_cols)
+    tl.store(ref_ptr + row, ref)
     for col0 in range(0, num_cols, BLOCK_N):
         cols = col0 + tl.arange(0, BLOCK_N)
         valid = cols < num_valid_cols
         z = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
-        seen = tl.maximum(seen, tl.max(z, axis=0))
         p = tl.exp(z - ref)  # 0 at padding columns
         s += tl.sum(p, axis=0)
         if WANT_SUM:
@@ -360,7 +371,6 @@ def _exp_tile_kernel(
             p = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
         tl.store(row_ptr + cols, p.to(tile_ptr.dtype.element_ty), mask=cols < num_cols)
     tl.store(sum_exp_ptr + row, s)
-    tl.store(seen_ptr + row, seen)
     if WANT_SUM:
         tl.store(sum_logits_ptr + row, s_logits)
     if in_tile:
@@ -374,24 +384,28 @@ def exp_tile_(
     inv_temperature: float,
     ref_max: Tensor,
     sum_exp: Tensor,
-    seen_max: Tensor,
     target: Tensor,
     sum_logits: Optional[Tensor],
+    acc: Optional[Tensor],
     first: bool,
     *,
+    ref_margin: float,
     col_start: int = 0,
 ) -> Tensor:
-    """Same as torch_backend.exp_tile_ (lean sweep A), in place; all partials fp32 contiguous."""
+    """Same as torch_backend.exp_tile_ (lean sweep A), in place; all partials fp32 contiguous,
+    `acc` fp32 with unit column stride."""
     n, num_cols = tile.shape
     if n == 0 or num_cols == 0:
         return tile
-    if tile.stride(1) != 1:
-        raise ValueError("exp_tile_ needs a tile with unit column stride")
+    if tile.stride(1) != 1 or (acc is not None and acc.stride(1) != 1):
+        raise ValueError("exp_tile_ needs a tile and an accumulator with unit column stride")
     _exp_tile_kernel[(n,)](
-        tile, tile.stride(0), local_target.contiguous(), col_start, ref_max, sum_exp, seen_max, target,
+        tile, tile.stride(0), local_target.contiguous(), col_start, ref_max, sum_exp, target,
         ref_max if sum_logits is None else sum_logits,
-        num_cols, min(num_valid_cols, num_cols), float(inv_temperature),
-        FIRST=first, WANT_SUM=sum_logits is not None, BLOCK_N=STATS_BLOCK_N if tile.is_cuda else 64,
+        ref_max if acc is None else acc, 0 if acc is None else acc.stride(0), 0 if acc is None else acc.shape[1],
+        num_cols, min(num_valid_cols, num_cols), float(inv_temperature), float(ref_margin),
+        FIRST=first, WANT_SUM=sum_logits is not None, HAS_ACC=acc is not None,
+        BLOCK_N=STATS_BLOCK_N if tile.is_cuda else 64,
         ROUND_BF16=_interpreting() and tile.dtype == torch.bfloat16, num_warps=STATS_WARPS,
     )
     return tile
