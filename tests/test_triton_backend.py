@@ -472,6 +472,49 @@ def test_fused_dlogits_end_to_end(small_tiles, tp):
                 assert err <= (2e-5 if name == "logprobs" else 4e-3), f"{mode} {name}: {err:.2e}"
 
 
+def _host_syncs(fn):
+    """Host synchronizations made by fn(), as torch's sync debug mode reports them."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs of CUDA calls")
+def test_host_syncs_per_call():
+    """One host sync per call (the argument agreement; ignored tokens are indexed by the agreed
+    count), plus, in fast mode's backward, the g == 1 check that spares a pass over dW. Lean mode
+    has no other: its sweep A moves references on the device, its backward scales dX without
+    reading g (a sync there would leave the GPU idle while sweep B is queued)."""
+    g = torch.Generator().manual_seed(5)
+    n, hdim, v = 300, 64, 1000
+    h = torch.randn(n, hdim, generator=g).bfloat16().cuda().requires_grad_()
+    w = (torch.randn(v, hdim, generator=g) * 0.1).bfloat16().cuda().requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::4] = -100
+    y = y.cuda()
+
+    def forward_only():
+        with torch.no_grad():
+            linear_logprobs(h, w, y)
+
+    def train(mode):
+        return lambda: torch.autograd.grad(linear_cross_entropy(h, w, y, memory_mode=mode), (h, w))
+
+    for fn in (forward_only, train("lean"), train("fast")):  # compile the kernels first
+        fn()
+    assert _host_syncs(forward_only) == 1
+    assert _host_syncs(train("lean")) == 1
+    assert _host_syncs(train("fast")) == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor descriptors' scratch allocator is CUDA's")
 def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call():
     """Triton keeps its scratch allocator (device-side tensor descriptors) in a context variable:

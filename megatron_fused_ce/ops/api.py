@@ -424,8 +424,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     if logits_dtype == hidden.dtype:
         logits_dtype = None
 
+    # the agreed count sizes the index: no second host sync (nonzero would read the count back)
     row_index = (None if agreed.num_labelled == num_rows
-                 else (flat_labels != ignore_index).nonzero().squeeze(1))
+                 else torch.nonzero_static(flat_labels != ignore_index, size=agreed.num_labelled).squeeze(1))
     row_labels = flat_labels if row_index is None else flat_labels.index_select(0, row_index)
     vocab_start = tp_rank * v_local
     if tp_size == 1:  # every label is in [0, true_vocab) (checked above): all on this shard
