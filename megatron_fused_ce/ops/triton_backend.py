@@ -12,7 +12,7 @@ math); tests/test_triton_backend.py checks them against each other, on CPU under
   fills up, and a tiny second kernel merges the per-split partials of each row.
 - `scale_cast`: dtype(fp32 dW * upstream gradient) in one pass (6 bytes/element instead of 14 for
   a multiply followed by a cast).
-- `exp_tile_` (lean mode, lean.py): two reads (the second from the cache) and one write of a tile
+- `exp_tile_` (lean mode, lean.py): two reads and one write of a tile
   of logits, in place: one program per row takes the row's max, moves the reference when that max
   is too far above it (rescaling the row's sums and its row of the accumulator), overwrites the row
   with exp(z - ref_max) and accumulates the row's partials.
@@ -332,7 +332,7 @@ def _exp_tile_kernel(
     t = tl.load(target_ptr + row) - col_start  # the label's column in this tile
     in_tile = (t >= 0) & (t < num_valid_cols)
     z_t = tl.load(row_ptr + tl.where(in_tile, t, 0)).to(tl.float32) * inv_temperature  # before overwriting
-    block_max = tl.full([], float("-inf"), tl.float32)  # first read of the row (the second hits the cache)
+    block_max = tl.full([], float("-inf"), tl.float32)  # first of two reads of the row
     for col0 in range(0, num_valid_cols, BLOCK_N):
         cols = col0 + tl.arange(0, BLOCK_N)
         z = tl.load(row_ptr + cols, mask=cols < num_valid_cols, other=float("-inf")).to(tl.float32)
