@@ -346,6 +346,41 @@ def test_fp32_logits_are_closer_to_float64(tp):
         assert errors[(name, torch.float32)] <= BF16_TOL
 
 
+def test_fp32_logits_reach_linear_grpo_loss():
+    """linear_grpo_loss(logits_dtype=torch.float32) on bf16 inputs: the loss at fp32 accuracy against
+    a float64 GRPO loss (bf16 logits: ~100x further), on both of its paths (gradients in the forward
+    pass; no_grad through linear_logprobs), and its gradients equal to grpo_loss over
+    linear_logprobs(logits_dtype=torch.float32) within the bf16 tolerance."""
+    g = torch.Generator().manual_seed(11)
+    b, t, hdim, v = 3, 9, 16, 50
+    h = (torch.randn(b, t, hdim, generator=g) * 2).bfloat16()
+    w = (torch.randn(v, hdim, generator=g) * 0.5).bfloat16()
+    y = torch.randint(0, v, (b, t), generator=g)
+    adv, mask = torch.randn(b, generator=g), (torch.rand(b, t, generator=g) > 0.2).float()
+    config = GRPOConfig()
+    lp64 = torch.log_softmax(h.double() @ w.double().t(), -1).gather(-1, y[..., None]).squeeze(-1)
+    # off-policy: the ratio exp(lp - old) makes the loss value depend on the log-probs
+    old = (lp64 + 0.05 * torch.randn(b, t, generator=g, dtype=torch.float64)).float()
+    ref_loss, _ = grpo_loss(lp64, adv.double(), mask.double(), config, old_logprobs=old.double())
+    errors = {}
+    for logits_dtype in (None, torch.float32):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, _ = linear_grpo_loss(hh, ww, y, adv, mask, config, old_logprobs=old, logits_dtype=logits_dtype)
+        loss.backward()
+        with torch.no_grad():
+            no_grad_loss, _ = linear_grpo_loss(h, w, y, adv, mask, config, old_logprobs=old,
+                                               logits_dtype=logits_dtype)
+        errors[logits_dtype] = max(_rel(loss.detach(), ref_loss), _rel(no_grad_loss, ref_loss))
+        if logits_dtype is not None:
+            h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+            lp = linear_logprobs(h2, w2, y, logits_dtype=logits_dtype).logprobs
+            grpo_loss(lp, adv, mask, config, old_logprobs=old)[0].backward()
+            assert _rel(hh.grad, h2.grad) <= BF16_TOL and _rel(ww.grad, w2.grad) <= BF16_TOL
+    reference.record("fp32 logits linear_grpo loss", 1, torch.bfloat16, errors[torch.float32])
+    assert errors[torch.float32] <= 1e-5, errors
+    assert errors[None] > 10 * errors[torch.float32], errors
+
+
 def test_fp32_logits_option_is_a_no_op_for_fp32_inputs():
     g = torch.Generator().manual_seed(6)
     h, w, y = torch.randn(30, 8, generator=g), torch.randn(16, 8, generator=g), torch.randint(0, 16, (30,), generator=g)

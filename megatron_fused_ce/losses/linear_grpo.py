@@ -69,6 +69,7 @@ def linear_grpo_loss(
     ignore_index: int = -100,
     accumulate_into_main_grad: bool = False,
     memory_mode: str = "fast",
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO loss and metrics from hidden states (see the module doc and `grpo_loss`).
 
@@ -78,7 +79,7 @@ def linear_grpo_loss(
     Tokens where mask == 0 are skipped before the first GEMM. With `cp_group`, T is this rank's
     context-parallel slice of every sequence (as for `grpo_loss`); TP and CP groups may be combined.
     Argument errors raise the same ValueError on every rank of `tp_group` and `cp_group`.
-    `memory_mode`: "fast" or "lean" (see `linear_logprobs`).
+    `memory_mode`: "fast" or "lean"; `logits_dtype`: None or torch.float32 (see `linear_logprobs`).
     """
     sequence_first = bool(sequence_parallel)
     needs_grad = torch.is_grad_enabled() and any(
@@ -106,7 +107,8 @@ def linear_grpo_loss(
     op_kwargs = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=temperature,
                      ignore_index=ignore_index, chunk_size=chunk_size,
                      sequence_parallel=sequence_parallel, impl=impl,
-                     accumulate_into_main_grad=accumulate_into_main_grad, memory_mode=memory_mode)
+                     accumulate_into_main_grad=accumulate_into_main_grad, memory_mode=memory_mode,
+                     logits_dtype=logits_dtype)
 
     def to_batch_layout(logprobs: Tensor) -> Tensor:
         return logprobs.t() if sequence_first else logprobs
