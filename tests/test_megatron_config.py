@@ -148,6 +148,68 @@ def test_memory_mode_reaches_the_op(monkeypatch):
         assert torch.allclose(fast, leaned, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("key", ["linear_ce_fusion_logits_dtype", "fused_linear_logprobs_logits_dtype"])
+def test_logits_dtype_key(key):
+    """null (default) or "float32" / "fp32" (one spelling kept); anything else names the key; an
+    alias that says the same in another spelling agrees, one that says otherwise does not."""
+    assert FusedCEConfig().logits_dtype is None and FusedCEConfig().op_logits_dtype() is None
+    for value in ("float32", "fp32"):
+        config = FusedCEConfig.from_megatron_cfg({key: value})
+        assert config == FusedCEConfig(logits_dtype="float32") == FusedCEConfig(logits_dtype=torch.float32)
+        assert config.op_logits_dtype() is torch.float32
+    assert FusedCEConfig.from_megatron_cfg({key: None}).logits_dtype is None
+    for bad in ("bf16", "float16", True, 32):
+        with pytest.raises(ValueError, match=key):
+            FusedCEConfig.from_megatron_cfg({key: bad})
+    with pytest.raises(ValueError, match="logits_dtype"):
+        FusedCEConfig(logits_dtype=torch.bfloat16)
+    both = {"linear_ce_fusion_logits_dtype": "fp32", "fused_linear_logprobs_logits_dtype": "float32"}
+    assert FusedCEConfig.from_megatron_cfg(both).logits_dtype == "float32"
+    assert near_miss(key[:-1]) == key
+
+
+def test_megatron_lm_flag_logits_dtype():
+    import argparse
+
+    from megatron_fused_ce.megatron import add_fused_ce_args
+
+    def parse(*argv):
+        return FusedCEConfig.from_megatron_cfg(vars(add_fused_ce_args(argparse.ArgumentParser()).parse_args(argv)))
+
+    assert parse("--use-linear-ce-fusion-loss", "--linear-ce-fusion-logits-dtype", "float32").logits_dtype == "float32"
+    assert parse("--use-linear-ce-fusion-loss").logits_dtype is None
+    with pytest.raises(SystemExit):
+        parse("--linear-ce-fusion-logits-dtype", "bfloat16")
+
+
+def test_logits_dtype_reaches_the_op():
+    """FusedCEConfig(logits_dtype="float32") in the fused output layer: bf16 inputs give the
+    per-token cross-entropy at fp32 accuracy against float64 (bf16 logits: >10x further), and the
+    greedy argmax (which takes no logits_dtype) still runs."""
+    import types
+
+    from megatron_fused_ce.megatron.output_layer import FusedOutputLayer
+
+    g = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(6, 2, 8, generator=g) * 2).bfloat16()
+    weight = (torch.randn(40, 8, generator=g) / 2).bfloat16()
+    labels = torch.randint(0, 40, (2, 6), generator=g)
+    z = hidden.double().transpose(0, 1) @ weight.double().t()  # [b, s, V]
+    ref = -torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
+    errors = {}
+    for dtype in (None, "float32"):
+        linear = torch.nn.Linear(8, 40, bias=False, dtype=torch.bfloat16)
+        linear.weight = torch.nn.Parameter(weight.clone())
+        linear.tp_group, linear.sequence_parallel = None, False
+        linear.config = types.SimpleNamespace(gradient_accumulation_fusion=False)
+        layer = FusedOutputLayer(linear, FusedCEConfig(enabled=True, logits_dtype=dtype))
+        lazy = layer(hidden)[0]
+        ce = lazy.cross_entropy(labels)
+        errors[dtype] = ((ce.double() - ref).norm() / ref.norm()).item()
+        assert lazy.argmax(-1).shape == (6, 2)
+    assert errors["float32"] <= 1e-5 and errors[None] > 10 * errors["float32"], errors
+
+
 @pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=os.path.basename)
 def test_example_configs(path):
     sys.path.insert(0, EXAMPLES_DIR)

@@ -59,6 +59,12 @@ def dense_reference_worker(rank, world, setup: Setup, temperature: float):
             out[mode] = post(output, model, labels)
             if mode == "fused":
                 hidden = _gather(output, 1, tp_group) if setup.sp else output
+                # FusedCEConfig.logits_dtype reaches the op (a no-op on this fp32 model)
+                post32 = LogprobsPostProcessor(FusedCEConfig(enabled=True, chunk_size=8, logits_dtype="float32"),
+                                               vocab_size=TRUE_VOCAB, temperature=temperature,
+                                               return_entropy=True)
+                fp32_inputs = post32.fused_inputs(output, model, labels)["logits_dtype"] is torch.float32
+                fp32_same = torch.equal(post32(output, model, labels).logprobs, out[mode].logprobs)
         weight = _gather(output_weight(model), 0, tp_group)
     lp_ref, ent_ref, _ = reference.dense_stats(hidden, weight, labels, vocab_size=TRUE_VOCAB,
                                                temperature=temperature)
@@ -71,6 +77,7 @@ def dense_reference_worker(rank, world, setup: Setup, temperature: float):
                             for o in out.values()),
         "dtype": {m: (o.logprobs.dtype, o.entropy.dtype) for m, o in out.items()},
         "logprobs": out["fused"].logprobs,
+        "fp32_logits": (fp32_inputs, fp32_same),
     }
 
 
@@ -92,6 +99,7 @@ def test_matches_dense_reference(setup, temperature):
             assert r["ent_err"][mode] <= ATOL, (mode, r["ent_err"])
             reference.record(f"mcore lp {mode}", tp, torch.float32, r["lp_rel"][mode])
         assert r["ignored_zero"]
+        assert r["fp32_logits"] == (True, True)
     for r in results[1:]:  # identical on all TP ranks
         assert torch.equal(r["logprobs"], results[0]["logprobs"])
 

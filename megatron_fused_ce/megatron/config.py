@@ -1,4 +1,4 @@
-"""`FusedCEConfig`: the two `megatron_cfg` switches, read the way NeMo-RL users write them."""
+"""`FusedCEConfig`: the `megatron_cfg` switches, read the way NeMo-RL users write them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any, Optional
 _ENABLED_KEYS = ("use_linear_ce_fusion_loss", "use_fused_linear_logprobs")
 _CHUNK_KEYS = ("linear_ce_fusion_chunk_size", "fused_linear_logprobs_chunk_size")
 _MEMORY_MODE_KEYS = ("linear_ce_fusion_memory_mode", "fused_linear_logprobs_memory_mode")
-OWN_KEYS = _ENABLED_KEYS + _CHUNK_KEYS + _MEMORY_MODE_KEYS
+_LOGITS_DTYPE_KEYS = ("linear_ce_fusion_logits_dtype", "fused_linear_logprobs_logits_dtype")
+OWN_KEYS = _ENABLED_KEYS + _CHUNK_KEYS + _MEMORY_MODE_KEYS + _LOGITS_DTYPE_KEYS
+_LOGITS_DTYPES = ("float32", "fp32")  # spellings of the one non-default choice (fp32 logits)
 
 # A key is a near-miss of one of OWN_KEYS when, lower-cased and with '-' read as '_', its
 # difflib similarity ratio to that key is at least this. Every field name of megatron-core's
@@ -29,17 +31,32 @@ class FusedCEConfig:
     fast on GPUs); an int bounds the transient logits of one chunk to `chunk_size x V/TP` elements.
     `memory_mode`: "fast" (chunks of logits) or "lean" (tiles: extra memory ~2.5 % of the N=8192
     dense logits whatever N, fp32-accurate dW, slower; see `linear_logprobs`).
+    `logits_dtype`: None (logits rounded to the input dtype, like Megatron's output layer) or
+    "float32" ("fp32" and torch.float32 are read as "float32"): the fused path keeps the fp32
+    output of the logits GEMM (`linear_logprobs(logits_dtype=torch.float32)`).
     """
 
     enabled: bool = False
     chunk_size: Optional[int] = None
     memory_mode: str = "fast"
+    logits_dtype: Optional[str] = None
 
     def __post_init__(self):
         _check_bool("enabled", self.enabled)
         if self.chunk_size is not None:
             _check_chunk_size("chunk_size", self.chunk_size)
         _check_memory_mode("memory_mode", self.memory_mode)
+        if self.logits_dtype is not None:
+            _check_logits_dtype("logits_dtype", self.logits_dtype)
+            object.__setattr__(self, "logits_dtype", "float32")  # one spelling (frozen dataclass)
+
+    def op_logits_dtype(self):
+        """The ops' `logits_dtype` argument: torch.float32 or None."""
+        if self.logits_dtype is None:
+            return None
+        import torch
+
+        return torch.float32
 
     @classmethod
     def from_megatron_cfg(cls, cfg: Optional[Mapping]) -> "FusedCEConfig":
@@ -48,8 +65,10 @@ class FusedCEConfig:
         mapping. A missing key keeps its default; a null chunk size means the automatic chunk.
 
         `linear_ce_fusion_memory_mode` (alias `fused_linear_logprobs_memory_mode`): "fast" / "lean".
+        `linear_ce_fusion_logits_dtype` (alias `fused_linear_logprobs_logits_dtype`): null or
+        "float32" / "fp32".
         `megatron_cfg` also carries Megatron's own keys, which pass through unread. A key that
-        looks like a misspelling of one of the six keys above (see `near_miss`) raises
+        looks like a misspelling of one of the eight keys above (see `near_miss`) raises
         `ValueError` naming it and the intended key: otherwise a typo would silently leave fusion
         off. A wrong type, or an alias that contradicts its canonical key, also raises `ValueError`
         naming the key.
@@ -66,10 +85,12 @@ class FusedCEConfig:
         enabled = _read(cfg, _ENABLED_KEYS, _check_bool)
         chunk_size = _read(cfg, _CHUNK_KEYS, _check_chunk_size)
         memory_mode = _read(cfg, _MEMORY_MODE_KEYS, _check_memory_mode)
+        logits_dtype = _read(cfg, _LOGITS_DTYPE_KEYS, _check_logits_dtype, same=_logits_dtype_name)
         return cls(
             enabled=False if enabled is None else bool(enabled),
             chunk_size=None if chunk_size is None else int(chunk_size),
             memory_mode="fast" if memory_mode is None else memory_mode,
+            logits_dtype=logits_dtype,
         )
 
 
@@ -88,11 +109,11 @@ def near_miss(key) -> Optional[str]:
     return close[0] if close else None
 
 
-def _read(cfg: Mapping, keys: tuple, check) -> Any:
+def _read(cfg: Mapping, keys: tuple, check, same=lambda value: value) -> Any:
     found = {key: cfg[key] for key in keys if key in cfg and cfg[key] is not None}
     for key, value in found.items():
         check(key, value)
-    if len(set(found.values())) > 1:
+    if len({same(value) for value in found.values()}) > 1:  # `same`: the value a spelling means
         raise ValueError(f"{keys[0]} and {keys[1]} are both set and disagree: {found}")
     return next(iter(found.values()), None)
 
@@ -110,3 +131,12 @@ def _check_chunk_size(key: str, value) -> None:
 def _check_memory_mode(key: str, value) -> None:
     if value not in ("fast", "lean"):
         raise ValueError(f"{key} must be 'fast' or 'lean', got {value!r}")
+
+
+def _logits_dtype_name(value) -> str:
+    return "float32" if str(value) in _LOGITS_DTYPES + ("torch.float32",) else str(value)
+
+
+def _check_logits_dtype(key: str, value) -> None:
+    if isinstance(value, bool) or _logits_dtype_name(value) != "float32":
+        raise ValueError(f"{key} must be null (the input dtype) or 'float32' (also 'fp32'), got {value!r}")

@@ -21,8 +21,8 @@ import argparse
 
 
 def add_fused_ce_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--use-linear-ce-fusion-loss`, `--linear-ce-fusion-chunk-size` and
-    `--linear-ce-fusion-memory-mode`: the `megatron_cfg` keys of
+    """`--use-linear-ce-fusion-loss`, `--linear-ce-fusion-chunk-size`,
+    `--linear-ce-fusion-memory-mode` and `--linear-ce-fusion-logits-dtype`: the `megatron_cfg` keys of
     `FusedCEConfig.from_megatron_cfg`, as Megatron-LM flags. Returns `parser` (Megatron-LM's
     `extra_args_provider` contract)."""
     group = parser.add_argument_group("fused linear cross-entropy (megatron_fused_ce)")
@@ -34,4 +34,7 @@ def add_fused_ce_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--linear-ce-fusion-memory-mode", choices=("fast", "lean"), default=None,
                        help="fast (default: chunks of logits) or lean (tiles in a fixed working set, "
                             "~2.4 %% of the logits of 8192 tokens whatever the number of tokens; slower)")
+    group.add_argument("--linear-ce-fusion-logits-dtype", choices=("float32",), default=None,
+                       help="float32: keep the fp32 output of the logits GEMM (default: logits in the "
+                            "input dtype, as Megatron's output layer)")
     return parser

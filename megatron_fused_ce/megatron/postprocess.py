@@ -126,7 +126,8 @@ class LogprobsPostProcessor:
     """Turn a last-stage model output into per-token log-probs (and entropy).
 
     Args:
-        config: the `FusedCEConfig` (its `chunk_size` is used on the fused path).
+        config: the `FusedCEConfig` (its `chunk_size`, `memory_mode` and `logits_dtype` are used
+            on the fused path).
         vocab_size: the true vocab size; ids >= vocab_size (Megatron's padding of the vocab to a
             multiple of TP x 128) take no part in the softmax. Default: the model's vocab size.
         temperature: logits are divided by it before the softmax (sampling temperature of the
@@ -257,7 +258,8 @@ class LogprobsPostProcessor:
             hidden=hidden, labels=labels, tp_group=tp_group,
             vocab_size=self.vocab_size, temperature=self.temperature,
             ignore_index=self.ignore_index, chunk_size=self.config.chunk_size,
-            memory_mode=self.config.memory_mode, sequence_parallel=sequence_parallel,
+            memory_mode=self.config.memory_mode, logits_dtype=self.config.op_logits_dtype(),
+            sequence_parallel=sequence_parallel,
             accumulate_into_main_grad=bool(getattr(gpt.config, "gradient_accumulation_fusion", False)),
         )
 
