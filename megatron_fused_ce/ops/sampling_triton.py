@@ -32,6 +32,7 @@ from torch import Tensor
 from . import sampling_torch
 from .sampling_torch import KEY_NONE, KeptSums, tie_id  # noqa: F401  (tie_id: shared torch code)
 from .triton_backend import _f32, _interpreting, _sm_count
+from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API).
 GROUP_COLS = 64  # columns per group maximum (the threshold tau)
@@ -225,10 +226,8 @@ def _kept_dlogits_kernel(
         t = tl.load(target_ptr + row)
         grad += tl.where(cols == t, tl.load(coef_target_ptr + row), 0.0)
     grad = tl.where(valid, grad * inv_temperature, 0.0)
-    if ROUND_BF16:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
-        bits = grad.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        grad = bits.to(tl.float32, bitcast=True)
+    if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates
+        grad = round_bf16_by_hand(grad)
     tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < num_cols)
 
 

@@ -42,6 +42,7 @@ from torch import Tensor
 from .torch_backend import ShardStats, combine_blocks  # noqa: F401  (combine_blocks: shared math)
 from . import triton_gemm_dlogits
 from .triton_gemm_dlogits import gemm_dlogits  # noqa: F401
+from .triton_gemm_stats import _f32, round_bf16_by_hand
 from .triton_gemm_stats import gemm_shard_stats  # noqa: F401
 from .triton_gemm_stats import supported as gemm_stats_supported  # noqa: F401
 
@@ -163,10 +164,8 @@ def _dlogits_kernel(
         t = tl.load(target_ptr + row) - col_start  # outside [0, num_valid_cols): matches no column
         grad += tl.where(cols == t, tl.load(coef_target_ptr + row), 0.0)
     grad = tl.where(valid, grad * inv_temperature, 0.0)
-    if ROUND_BF16:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
-        bits = grad.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        grad = bits.to(tl.float32, bitcast=True)
+    if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates
+        grad = round_bf16_by_hand(grad)
     tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < num_cols)
 
 
@@ -184,10 +183,6 @@ def _sm_count(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
-
-
-def _f32(t: Tensor) -> Tensor:
-    return t.to(torch.float32).contiguous()
 
 
 def shard_stats(
@@ -366,9 +361,8 @@ def _exp_tile_kernel(
         s += tl.sum(p, axis=0)
         if WANT_SUM:
             s_logits += tl.sum(tl.where(valid, z, 0.0), axis=0)
-        if ROUND_BF16:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
-            bits = p.to(tl.uint32, bitcast=True)
-            p = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates
+            p = round_bf16_by_hand(p)
         tl.store(row_ptr + cols, p.to(tile_ptr.dtype.element_ty), mask=cols < num_cols)
     tl.store(sum_exp_ptr + row, s)
     if WANT_SUM:

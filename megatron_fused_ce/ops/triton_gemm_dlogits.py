@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_gemm_stats import _interpreting, _programs, _tile_coords, _use_tma, descriptor_scratch, tile_product
+from .triton_gemm_stats import (_f32, _interpreting, _programs, _tile_coords, _use_tma, descriptor_scratch,
+                                round_bf16_by_hand, tile_product)
 from .triton_gemm_stats import supported as _gemm_supported
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Module-level so that tests can shrink it.
@@ -62,8 +63,7 @@ def _gemm_dlogits_tma(h_ptr, w_ptr, out_ptr, tgt_ptr, shift_ptr, rest_ptr, cp_pt
         row_ok = rows < M
         if ROUND:  # the chunk of logits would hold the product rounded to the input dtype
             if BF16_BY_HAND:
-                bits = acc.to(tl.uint32, bitcast=True)
-                acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                acc = round_bf16_by_hand(acc)
             else:
                 acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         # the dlogits kernel's arithmetic, in its order (results equal for equal logits)
@@ -81,13 +81,8 @@ def _gemm_dlogits_tma(h_ptr, w_ptr, out_ptr, tgt_ptr, shift_ptr, rest_ptr, cp_pt
             grad += tl.where(cols[None, :] == t[:, None], tl.load(ct_ptr + rows, mask=row_ok, other=0.0)[:, None], 0.0)
         grad = tl.where(cols[None, :] < NV, grad * inv_t, 0.0)
         if BF16_BY_HAND:
-            bits = grad.to(tl.uint32, bitcast=True)
-            grad = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            grad = round_bf16_by_hand(grad)
         o_desc.store([pid_m * BM, pid_n * BN], grad.to(out_ptr.dtype.element_ty))
-
-
-def _f32(t: Tensor) -> Tensor:
-    return t.to(torch.float32).contiguous()
 
 
 def gemm_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, num_valid_cols: int, num_cols: int,

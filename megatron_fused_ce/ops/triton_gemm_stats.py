@@ -81,6 +81,19 @@ def tile_product(a_desc, b_desc, pid_m, pid_n, K, BM: tl.constexpr, BN: tl.const
 
 
 @triton.jit
+def round_bf16_by_hand(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), as fp32. For the CPU interpreter only,
+    whose fp32 -> bf16 cast truncates; compiled kernels cast."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+def _f32(t: Tensor) -> Tensor:
+    """A per-row coefficient as the kernels read it: fp32, contiguous."""
+    return t.to(torch.float32).contiguous()
+
+
+@triton.jit
 def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
               BM: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr, WANT_SUM: tl.constexpr,
               WANT_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
@@ -88,9 +101,8 @@ def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, 
     cols = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < M
     col_ok = cols < NV
-    if BF16_BY_HAND:  # round to nearest even by hand: the interpreter's fp32 -> bf16 cast truncates
-        bits = acc.to(tl.uint32, bitcast=True)
-        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates
+        acc = round_bf16_by_hand(acc)
     elif ROUND:  # the chunked path's logits are the GEMM output rounded to the input dtype
         acc = acc.to(OUT_DTYPE).to(tl.float32)
     z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
