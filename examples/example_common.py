@@ -557,12 +557,16 @@ def describe(name: str, cfg: dict, fused: FusedCEConfig, parallel_state, extra: 
     dp = parallel_state.get_data_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
     m = cfg["model"]
-    chunk = "auto" if fused.chunk_size is None else fused.chunk_size
+    # lean mode takes no chunk size: it walks tiles of a fixed working set
+    mode = "lean tiles" if fused.memory_mode == "lean" else \
+        f"chunk {'auto' if fused.chunk_size is None else fused.chunk_size}"
+    if fused.logits_dtype is not None:
+        mode += f", {fused.logits_dtype} logits"
     return (f"{name}: world {dist.get_world_size()} = TP {tp} x {f'CP {cp} x ' if cp > 1 else ''}"
             f"PP {pp} x DP {dp} on "
             f"{'CUDA/NCCL' if torch.cuda.is_available() else 'CPU/gloo'}; model {m['num_layers']} "
             f"layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}; "
-            f"fused linear CE: {'on' if fused.enabled else 'off'} (chunk {chunk}){extra}")
+            f"fused linear CE: {'on' if fused.enabled else 'off'} ({mode}){extra}")
 
 
 def shutdown():

@@ -109,6 +109,12 @@ MEGATRON_CFG = {
     "linear_ce_fusion_chunk_size": Int(None, nullable=True),
     "use_fused_linear_logprobs": Key("bool", None, nullable=True),
     "fused_linear_logprobs_chunk_size": Int(None, nullable=True),
+    # the values from_megatron_cfg accepts, so a typo names the key here: null = "fast" (chunks)
+    "linear_ce_fusion_memory_mode": Key("str", None, choices=("fast", "lean"), nullable=True),
+    "fused_linear_logprobs_memory_mode": Key("str", None, choices=("fast", "lean"), nullable=True),
+    # null = logits in the input dtype; "float32" / "fp32" (one setting) keep the GEMM's fp32 output
+    "linear_ce_fusion_logits_dtype": Key("str", None, choices=("float32", "fp32"), nullable=True),
+    "fused_linear_logprobs_logits_dtype": Key("str", None, choices=("float32", "fp32"), nullable=True),
 }
 TRAIN = {"steps": Int(), "global_batch_size": Int(), "micro_batch_size": Int(),
          "lr": Float(positive=True), "seed": Int(1234, positive=False)}

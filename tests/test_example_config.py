@@ -146,3 +146,102 @@ def test_settings_from_flags():
     cfg = load_config("sft", config_path("sft"), settings=[("megatron_cfg.tensor_model_parallel_size", 2),
                                                            ("train.steps", 5)])
     assert cfg["megatron_cfg"]["tensor_model_parallel_size"] == 2 and cfg["train"]["steps"] == 5
+
+
+FUSED_CE_KEYS = {  # the newer from_megatron_cfg keys: FusedCEConfig field, {valid value: field value}
+    "linear_ce_fusion_memory_mode": ("memory_mode", {"lean": "lean", "fast": "fast"}),
+    "fused_linear_logprobs_memory_mode": ("memory_mode", {"lean": "lean", "fast": "fast"}),
+    "linear_ce_fusion_logits_dtype": ("logits_dtype", {"float32": "float32", "fp32": "float32"}),
+    "fused_linear_logprobs_logits_dtype": ("logits_dtype", {"float32": "float32", "fp32": "float32"}),
+}
+
+
+@pytest.mark.parametrize("key", FUSED_CE_KEYS)
+def test_memory_mode_and_logits_dtype_reach_fused_ce_config(key):
+    """`megatron_cfg.linear_ce_fusion_memory_mode=lean` & co. are example keys, passed through."""
+    from megatron_fused_ce.megatron import FusedCEConfig
+
+    field, expected = FUSED_CE_KEYS[key]
+    for value in expected:
+        cfg = load_config("pretrain_gpt", config_path("pretrain_gpt"), overrides=[f"megatron_cfg.{key}={value}"])
+        assert cfg["megatron_cfg"][key] == value
+        fused = FusedCEConfig.from_megatron_cfg(cfg["megatron_cfg"])  # what build_model does with it
+        assert getattr(fused, field) == expected[value]
+        assert fused.enabled and fused.chunk_size == 64  # the YAML's other switches kept
+    cfg = load_config("pretrain_gpt", config_path("pretrain_gpt"), overrides=[f"megatron_cfg.{key}=null"])
+    assert cfg["megatron_cfg"][key] is None
+    assert getattr(FusedCEConfig.from_megatron_cfg(cfg["megatron_cfg"]), field) == getattr(FusedCEConfig(), field)
+
+
+def test_lean_fp32_in_yaml(tmp_path):
+    from megatron_fused_ce.megatron import FusedCEConfig
+
+    text = MINIMAL.replace("{use_linear_ce_fusion_loss: true}", "{use_linear_ce_fusion_loss: true, "
+                           "linear_ce_fusion_memory_mode: lean, fused_linear_logprobs_logits_dtype: fp32}")
+    cfg = load_config("pretrain_gpt", write(tmp_path, text))
+    fused = FusedCEConfig.from_megatron_cfg(cfg["megatron_cfg"])
+    assert fused.memory_mode == "lean" and fused.logits_dtype == "float32"
+    assert str(fused.op_logits_dtype()) == "torch.float32"  # the ops' argument
+
+
+@pytest.mark.parametrize("override,message", [
+    ("megatron_cfg.linear_ce_fusion_memory_mode=leen",
+     r"megatron_cfg\.linear_ce_fusion_memory_mode must be one of fast, lean; got 'leen'"),
+    ("megatron_cfg.fused_linear_logprobs_memory_mode=Lean",
+     r"megatron_cfg\.fused_linear_logprobs_memory_mode must be one of fast, lean"),
+    ("megatron_cfg.linear_ce_fusion_logits_dtype=bfloat16",
+     r"megatron_cfg\.linear_ce_fusion_logits_dtype must be one of float32, fp32; got 'bfloat16'"),
+    ("megatron_cfg.fused_linear_logprobs_logits_dtype=true",
+     r"megatron_cfg\.fused_linear_logprobs_logits_dtype must be a string, got True"),
+    ("megatron_cfg.linear_ce_fusion_memory_mod=lean",
+     r"unknown key 'megatron_cfg\.linear_ce_fusion_memory_mod'.*"
+     r"did you mean 'megatron_cfg\.linear_ce_fusion_memory_mode'\?"),
+])
+def test_bad_memory_mode_or_logits_dtype_names_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config("pretrain_gpt", config_path("pretrain_gpt"), overrides=[override])
+
+
+def test_memory_mode_aliases_must_agree():
+    with pytest.raises(ValueError, match=r"both set and disagree"):
+        load_config("pretrain_gpt", config_path("pretrain_gpt"),
+                    overrides=["megatron_cfg.linear_ce_fusion_memory_mode=lean",
+                               "megatron_cfg.fused_linear_logprobs_memory_mode=fast"])
+    cfg = load_config("pretrain_gpt", config_path("pretrain_gpt"),  # two spellings of fp32 agree
+                      overrides=["megatron_cfg.linear_ce_fusion_logits_dtype=float32",
+                                 "megatron_cfg.fused_linear_logprobs_logits_dtype=fp32"])
+    assert cfg["megatron_cfg"]["fused_linear_logprobs_logits_dtype"] == "fp32"
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_memory_mode_and_logits_dtype_default_to_fused_ce_defaults(tmp_path, example):
+    from megatron_fused_ce.megatron import FusedCEConfig
+
+    for cfg in (load_config(example, config_path(example)),
+                load_config("pretrain_gpt", write(tmp_path, MINIMAL))):
+        assert all(cfg["megatron_cfg"][key] is None for key in FUSED_CE_KEYS)
+        fused = FusedCEConfig.from_megatron_cfg(cfg["megatron_cfg"])
+        assert fused.memory_mode == FusedCEConfig().memory_mode == "fast"
+        assert fused.logits_dtype is FusedCEConfig().logits_dtype is None
+
+
+def test_run_header_names_memory_mode_and_logits_dtype(monkeypatch):
+    """The header line of a run says which fused path the YAML chose (lean tiles, fp32 logits)."""
+    import example_common
+    from megatron_fused_ce.megatron import FusedCEConfig
+
+    class OneRank:
+        def __getattr__(self, name):  # get_*_world_size
+            return lambda: 1
+
+    monkeypatch.setattr(example_common.dist, "get_world_size", lambda: 1)
+    cfg = load_config("pretrain_gpt", config_path("pretrain_gpt"))
+
+    def header(*overrides):
+        mcfg = load_config("pretrain_gpt", config_path("pretrain_gpt"), overrides=list(overrides))["megatron_cfg"]
+        return example_common.describe("pretrain", cfg, FusedCEConfig.from_megatron_cfg(mcfg), OneRank())
+
+    assert header().endswith("fused linear CE: on (chunk 64)")
+    assert header("megatron_cfg.linear_ce_fusion_memory_mode=lean").endswith("fused linear CE: on (lean tiles)")
+    assert header("megatron_cfg.linear_ce_fusion_logits_dtype=fp32").endswith(
+        "fused linear CE: on (chunk 64, float32 logits)")
