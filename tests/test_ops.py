@@ -282,8 +282,47 @@ def test_accumulates_into_main_grad():
     w.grad_added_to_main_grad = False
     linear_logprobs(h, w, y, chunk_size=4, accumulate_into_main_grad=True).logprobs.sum().backward()
     assert w.grad_added_to_main_grad is True
-    assert torch.all(w.grad == 0)  # dummy gradient, as Megatron's own layers hand autograd
+    assert w.grad.shape == w.shape and w.grad.dtype == w.dtype  # Megatron's dummy gradient
     assert reference.rel_err(w.main_grad - 1.0, expected) < 1e-2
+
+
+def _ddp_grad_hook(w):
+    """What Megatron's DDP does with a parameter's .grad after its backward (_make_backward_post_hook)."""
+    if w.grad is not None and (not w.grad_added_to_main_grad or getattr(w, "zero_out_wgrad", False)):
+        w.main_grad.add_(w.grad.float())
+    w.grad = None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("fn", ["cross_entropy", "logprobs"])
+def test_main_grad_dummy_gradient_follows_megatron(monkeypatch, fn, tied):
+    """The dummy gradient is uninitialized (here: poisoned with NaN) unless the weight asks for zeros
+    with `zero_out_wgrad`, which Megatron sets on an output weight tied to the embedding on the same
+    stage: DDP then adds .grad (the embedding's gradient + the dummy) to main_grad, and only a zero
+    dummy keeps main_grad exact."""
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+    g = torch.Generator().manual_seed(12)
+    tokens, y = torch.randint(0, 16, (10,), generator=g), torch.randint(0, 16, (10,), generator=g)
+    w0 = torch.randn(16, 8, generator=g)
+
+    def loss_of(w, **kw):
+        h = F.embedding(tokens, w) if tied else w0[tokens] * 0.5  # the embedding shares w when tied
+        if fn == "cross_entropy":
+            return linear_cross_entropy(h, w, y, chunk_size=4, **kw)
+        return -linear_logprobs(h, w, y, chunk_size=4, **kw).logprobs.sum()
+
+    w = w0.clone().requires_grad_()
+    loss_of(w).backward()
+    expected = w.grad.clone()
+    w = w0.clone().requires_grad_()
+    w.main_grad, w.grad_added_to_main_grad = torch.ones(16, 8), False
+    if tied:
+        w.zero_out_wgrad = True
+    loss_of(w, accumulate_into_main_grad=True).backward()
+    assert w.grad_added_to_main_grad is True
+    assert bool(torch.isnan(w.grad).any()) != tied  # zeros (+ the embedding's gradient) only when asked
+    _ddp_grad_hook(w)
+    assert torch.allclose(w.main_grad - 1.0, expected, atol=1e-5)
 
 
 # ---------------------------------------------------------------- gradients in the forward pass
@@ -322,7 +361,7 @@ def test_cross_entropy_gradients_in_forward_into_main_grad():
     w.grad_added_to_main_grad = False
     (2.0 * linear_cross_entropy(h, w, y, chunk_size=5, z_loss_weight=0.01,
                                 accumulate_into_main_grad=True)).backward()
-    assert w.grad_added_to_main_grad is True and torch.all(w.grad == 0)
+    assert w.grad_added_to_main_grad is True and w.grad.shape == w.shape
     assert torch.allclose(w.main_grad - 0.5, expected_dw, atol=1e-6)
     assert torch.allclose(h.grad, expected_dx, atol=1e-6)
 

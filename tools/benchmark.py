@@ -292,6 +292,7 @@ def make_ours_ce_torch(h, w, y, chunk):
 
 def make_ours_ce_main_grad(h, w, y, chunk, memory_mode="fast"):
     w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    w.grad_added_to_main_grad = False  # as Megatron's DDP sets it: autograd gets the dummy gradient
 
     def step():
         loss = linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), accumulate_into_main_grad=True,
@@ -592,6 +593,8 @@ def run_one(name, chunk, h, w, y, args, reference=None):
         out = None
         if hasattr(w, "main_grad"):
             del w.main_grad
+        if hasattr(w, "grad_added_to_main_grad"):
+            del w.grad_added_to_main_grad
         free()
     err = row.get("err_logprobs") if row.get("forward_only") else row.get("err_dx")
     status = row.get("skipped") or (f"{row['ms']:.2f} ms  {row['tflops']:.0f} TFLOP/s  "

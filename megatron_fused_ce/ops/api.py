@@ -528,7 +528,9 @@ def linear_logprobs(
     TP ranks; reduce-scattered under `sequence_parallel`), dW this shard's gradient.
     `accumulate_into_main_grad=True` (Megatron's gradient_accumulation_fusion): when the weight has
     a `main_grad` buffer the fp32 weight gradient is added into it directly and autograd receives a
-    dummy zero gradient (as Megatron's own linear layers do).
+    dummy gradient, as from Megatron's own linear layers: zeros when the weight has
+    `zero_out_wgrad` (Megatron's DDP then adds .grad to main_grad), else uninitialized (DDP
+    ignores it).
     `logits_dtype`: None (default) rounds each chunk of logits to the input dtype before the fp32
     softmax, as Megatron's unfused output layer does; torch.float32 keeps the GEMM's fp32 output
     (closer to float64 math for bf16/fp16 inputs, at the cost of a chunk twice as large).

@@ -393,11 +393,17 @@ def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, 
 
 
 def _main_grad_added(param: Tensor, weight: Tensor) -> Optional[Tensor]:
-    """Megatron's gradient-accumulation-fusion convention: the gradient is already in main_grad;
-    hand autograd a dummy zero gradient so that DDP's per-parameter hook still fires."""
+    """Megatron's gradient-accumulation-fusion convention (its ColumnParallelLinear backward): the
+    gradient is already in main_grad; hand autograd a dummy gradient so that DDP's per-parameter
+    hook still fires. DDP ignores it unless the parameter has `zero_out_wgrad` (a weight tied to
+    the embedding on the same stage: DDP then adds .grad, the embedding's gradient plus this
+    dummy, to main_grad), so it is zeros only then; uninitialized otherwise (no [V, H] memset
+    per micro-batch)."""
     if hasattr(param, "grad_added_to_main_grad"):
         param.grad_added_to_main_grad = True
-        return torch.zeros_like(weight)
+        if getattr(param, "zero_out_wgrad", False):
+            return torch.zeros_like(weight)
+        return torch.empty_like(weight)
     return None
 
 
