@@ -295,3 +295,11 @@ def test_default_chunk_is_the_ops_automatic_chunk():
     assert auto_chosen == [tokens]  # the op chose (on the CPU, all rows of this tiny batch at once)
     assert explicit_chosen == []  # an explicit size is used as given
     torch.testing.assert_close(auto_lp, explicit_lp, rtol=1e-5, atol=1e-5)
+
+
+def test_memory_modes_match_the_ops():
+    """The config, the Megatron-LM flag and the ops accept the same memory modes."""
+    from megatron_fused_ce.megatron.config import MEMORY_MODES
+    from megatron_fused_ce.ops.api import MEMORY_MODES as OP_MEMORY_MODES
+
+    assert MEMORY_MODES == OP_MEMORY_MODES

@@ -14,6 +14,7 @@ _CHUNK_KEYS = ("linear_ce_fusion_chunk_size", "fused_linear_logprobs_chunk_size"
 _MEMORY_MODE_KEYS = ("linear_ce_fusion_memory_mode", "fused_linear_logprobs_memory_mode")
 _LOGITS_DTYPE_KEYS = ("linear_ce_fusion_logits_dtype", "fused_linear_logprobs_logits_dtype")
 OWN_KEYS = _ENABLED_KEYS + _CHUNK_KEYS + _MEMORY_MODE_KEYS + _LOGITS_DTYPE_KEYS
+MEMORY_MODES = ("fast", "lean")  # the ops' memory_mode values (ops.api.MEMORY_MODES)
 _LOGITS_DTYPES = ("float32", "fp32")  # spellings of the one non-default choice (fp32 logits)
 
 # A key is a near-miss of one of OWN_KEYS when, lower-cased and with '-' read as '_', its
@@ -129,7 +130,7 @@ def _check_chunk_size(key: str, value) -> None:
 
 
 def _check_memory_mode(key: str, value) -> None:
-    if value not in ("fast", "lean"):
+    if value not in MEMORY_MODES:
         raise ValueError(f"{key} must be 'fast' or 'lean', got {value!r}")
 
 

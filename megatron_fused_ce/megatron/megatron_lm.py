@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 
+from .config import MEMORY_MODES
+
 
 def add_fused_ce_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`--use-linear-ce-fusion-loss`, `--linear-ce-fusion-chunk-size`,
@@ -31,7 +33,7 @@ def add_fused_ce_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "chunk by chunk, without the [tokens, vocab/TP] logits")
     group.add_argument("--linear-ce-fusion-chunk-size", type=int, default=None,
                        help="tokens per chunk of logits (default: automatic)")
-    group.add_argument("--linear-ce-fusion-memory-mode", choices=("fast", "lean"), default=None,
+    group.add_argument("--linear-ce-fusion-memory-mode", choices=MEMORY_MODES, default=None,
                        help="fast (default: chunks of logits) or lean (tiles in a fixed working set, "
                             "~2.4 %% of the logits of 8192 tokens whatever the number of tokens; slower)")
     group.add_argument("--linear-ce-fusion-logits-dtype", choices=("float32",), default=None,
