@@ -46,9 +46,8 @@ from .triton_gemm_stats import _f32, round_bf16_by_hand
 from .triton_gemm_stats import gemm_shard_stats  # noqa: F401
 from .triton_gemm_stats import supported as gemm_stats_supported  # noqa: F401
 
-# Launch settings. Module-level so that tools/benchmark.py can try a variant; not a public API.
-# H100, [4096, 128256] bf16 chunk (docs/benchmarks.md): stats 0.41-0.46 ms at 4096/8 (~2.4 TB/s)
-# against 0.50-0.66 ms at 2048/8; dlogits 0.79-0.89 ms (~2.5 TB/s) for every block size tried.
+# Launch settings (at the memory roofline: docs/design.md §10.6). Module-level so that
+# tools/benchmark.py can try a variant; not a public API.
 STATS_BLOCK_N = 4096  # columns per step of the online softmax
 STATS_WARPS = 8
 DLOGITS_BLOCK_N = 2048  # columns per program of the dlogits kernel

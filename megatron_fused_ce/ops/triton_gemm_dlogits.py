@@ -12,8 +12,8 @@ inv_T * (exp(z - lse) (c_p + c_pz log p) + c_u + c_t [k == y]) and stores that i
 Why: where the softmax offsets are already known (the recompute backward, lean mode's dW and dX
 sweeps), the chunked path writes the logits (2 B per element) and its dlogits kernel reads and
 writes them again (4 B). Here the logits never reach memory: one write of dlogits. The Triton GEMM
-is a few % slower than cuBLAS (tools/perf_notes.md), so this pays where the elementwise pass is a
-large part of the tile's time (docs/benchmarks.md).
+is a few % slower than cuBLAS, so this pays where the elementwise pass is a large part of the
+tile's time (docs/design.md §10.4).
 
 Hopper and newer (tensor descriptors, persistent grid: a tile's epilogue overlaps the next tile's
 loads); bf16/fp16 inputs with H a multiple of BLOCK_K and 16-byte aligned rows (`supported()`).

@@ -14,8 +14,7 @@ BLOCK_N = 256 (rows are processed in slices so that this stays bounded whatever 
 Why: the forward pass of reference / old-policy log-probs (no_grad) and of the recompute path
 needs only these O(tokens) statistics. The chunked path writes each chunk of logits (2 B/element)
 and reads it again in the stats kernel (2 B/element), and holds the chunk (50 % of the dense
-logits at 8192 x 128256). On an H100 this kernel ran at 1.055-1.108x the cuBLAS logits GEMM
-including the statistics, against 1.075-1.142x for GEMM + stats kernel (tools/perf_notes.md).
+logits at 8192 x 128256). Measured against cuBLAS GEMM + stats kernel: docs/design.md §10.3.
 
 Hopper and newer use tensor descriptors (TMA) in a persistent grid that overlaps a tile's epilogue
 with the next tile's loads; older GPUs use a pointer-based grouped GEMM. Needs bf16/fp16 inputs
@@ -34,7 +33,7 @@ from torch import Tensor
 from .torch_backend import ShardStats
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
-# benchmark shapes (tools/perf_notes.md, call 1). Module-level so that tests can shrink them.
+# benchmark shapes (docs/design.md §10.3). Module-level so that tests can shrink them.
 TILE = (128, 256, 64, 8, 3)
 GROUP_M = 16  # row tiles that share a column tile consecutively (L2 reuse of the weight)
 PARTIALS_BYTES = 64 * 1024 * 1024  # bound on the per-tile partials of one launch
