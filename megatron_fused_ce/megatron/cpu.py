@@ -5,10 +5,11 @@ construction, forward/backward through TP layers, pipeline schedules, DDP, final
 with those redirected, TP x PP x DP runs on CPU processes over gloo. This is for tests and for
 running the examples on machines without a GPU. It changes nothing when CUDA is available, and
 calling it twice is a no-op. Not covered (not needed by the tests/examples): megatron's optimizer
-(allocates CUDA tensors), the distributed optimizer, activation recomputation, TE, CUDA graphs.
+(allocates CUDA tensors), the distributed optimizer, TE, CUDA graphs.
 
 The redirections (the first four are what a GPT training step needs; the fifth is needed for tied
-embeddings with pipeline parallelism, the sixth by megatron-core >= 0.19's DDP):
+embeddings with pipeline parallelism, the sixth by megatron-core >= 0.19's DDP, the seventh by
+activation recomputation):
 
 1. ``torch.cuda.current_device()`` returns ``torch.device("cpu")``: megatron allocates parameters,
    pipeline receive buffers and SP scatter buffers with ``device=torch.cuda.current_device()``.
@@ -28,6 +29,8 @@ embeddings with pipeline parallelism, the sixth by megatron-core >= 0.19's DDP):
 6. ``torch.cuda.current_stream()`` returns a stream whose waits are no-ops: megatron-core 0.19's
    DDP ``start_grad_sync`` asks for the current stream to wait on CUDA-graph events before every
    gradient reduction. CPU work is synchronous, so there is nothing to wait for.
+7. Megatron's recompute (``tensor_parallel.checkpoint``) saves and restores "the CUDA generator"
+   around the recomputed forward: on CPU that generator is the CPU one (as for the tracker in 3).
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ def enable_cpu_mode() -> bool:
     mp_random._CUDA_RNG_STATE_TRACKER = _new_cpu_tracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mp_random.initialize_rng_tracker = _initialize_cpu_tracker
+    # 7: recompute's generator state (the functions megatron-core's random module calls by name).
+    mp_random._get_cuda_rng_state = _get_cpu_rng_state
+    mp_random._set_cuda_rng_state = _set_cpu_rng_state
 
     # 4: these two modules see a `torch` whose zeros/ones map device="cuda" to the CPU.
     from megatron.core.pipeline_parallel import schedules
@@ -97,6 +103,14 @@ def is_cpu_mode() -> bool:
 
 def _cpu_current_device():
     return torch.device("cpu")
+
+
+def _get_cpu_rng_state(*args, **kwargs):
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, *args, **kwargs):
+    torch.set_rng_state(new_state)
 
 
 def _no_synchronize(device=None):

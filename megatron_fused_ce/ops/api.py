@@ -25,6 +25,8 @@ from .chunked import (
     adds_into_main_grad,
     autocast_off,
     forward_stats,
+    saved_tensors_hooks_active,
+    unpaired_forward_error,
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -405,16 +407,22 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     tensors = isinstance(hidden, Tensor) and isinstance(weight, Tensor)
     needs_dx = tensors and torch.is_grad_enabled() and hidden.requires_grad
     needs_grad = tensors and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    grad_in_forward = needs_grad and token_grads is not None and hidden.dtype != torch.float16
+    # Gradients in the forward pass are a side effect of the forward: not where autograd may drop
+    # saved tensors and run the forward again during backward (saved-tensor hooks: non-reentrant
+    # checkpoint): the recompute path's forward has none.
+    grad_in_forward = (needs_grad and token_grads is not None and hidden.dtype != torch.float16
+                       and not saved_tensors_hooks_active())
     main_grad_param = (weight_param if isinstance(weight_param, Tensor)
                        and adds_into_main_grad(weight_param, accumulate_into_main_grad) else None)
+    extra_checks = dict(extra_checks or {})
+    extra_checks["main_grad"] = unpaired_forward_error(main_grad_param) if needs_grad else None
     agreed = _check_arguments(
         fn_name, hidden, weight, labels, tp_group, vocab_size=vocab_size, temperature=temperature,
         chunk_size=chunk_size, sequence_parallel=sequence_parallel, impl=impl,
         ignore_index=ignore_index, logits_dtype=logits_dtype, memory_mode=memory_mode,
         want_entropy=want_entropy, grad_path=(needs_grad, needs_dx, grad_in_forward),
         fp32_weight_grad_buffer=needs_grad and weight.requires_grad and main_grad_param is None,
-        extra_checks=extra_checks or {}, must_agree={**(must_agree or {}), **(sampler or {})})
+        extra_checks=extra_checks, must_agree={**(must_agree or {}), **(sampler or {})})
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
@@ -530,7 +538,9 @@ def linear_logprobs(
     a `main_grad` buffer the fp32 weight gradient is added into it directly and autograd receives a
     dummy gradient, as from Megatron's own linear layers: zeros when the weight has
     `zero_out_wgrad` (Megatron's DDP then adds .grad to main_grad), else uninitialized (DDP
-    ignores it).
+    ignores it). (linear_cross_entropy and linear_grpo_loss add it during the forward pass in fast
+    mode: a forward freed without a backward fills main_grad with NaN and makes the next call on
+    the weight raise, see chunked.MainGradSideEffect.)
     `logits_dtype`: None (default) rounds each chunk of logits to the input dtype before the fp32
     softmax, as Megatron's unfused output layer does; torch.float32 keeps the GEMM's fp32 output
     (closer to float64 math for bf16/fp16 inputs, at the cost of a chunk twice as large).

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -392,6 +393,66 @@ def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, 
     return grad_hidden, grad_weight
 
 
+def saved_tensors_hooks_active() -> bool:
+    """Whether autograd's saved-tensor hooks are in force (torch.utils.checkpoint with
+    use_reentrant=False, activation offloading): tensors saved for backward may then be dropped
+    and the forward run again during backward, so a forward pass must have no side effect."""
+    top = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+UNPAIRED_FORWARD_ATTR = "fused_ce_unpaired_forward"
+UNPAIRED_FORWARD_MESSAGE = (
+    "weight.main_grad holds the weight gradient of a forward pass that was never backpropagated "
+    "(its autograd graph was freed without a backward: a loss computed under grad mode and dropped, "
+    "e.g. an evaluation or log-prob pass outside torch.no_grad(), or a micro-batch abandoned after an "
+    "error). With accumulate_into_main_grad the fast path adds dW to main_grad during the forward, so "
+    "main_grad was filled with NaN instead of being left silently wrong. Zero the gradient buffer "
+    "(Megatron: model.zero_grad_buffer()) before the next step, and run forward-only passes under "
+    "torch.no_grad()")
+
+
+class MainGradSideEffect:
+    """The dW that LinearLossGradInForward (fast mode) added to `param.main_grad` during its forward,
+    owned by the op's autograd node until a backward through it runs.
+
+    If the node is freed with no backward ever run (the graph dropped, an exception after the
+    forward), main_grad holds a gradient nobody asked for. It cannot be taken back here: that needs
+    the chunk GEMMs again (and, under sequence parallelism, a collective on every rank at once),
+    and the buffer may have been zeroed since. So main_grad is filled with NaN and the parameter
+    marked: the next fused call on it raises on every rank (api.py) unless the buffer was zeroed
+    in between, and an optimizer step without such a call sees NaN, never a wrong gradient."""
+
+    def __init__(self, param: Tensor):
+        self.param = param
+        self.backward_ran = False
+
+    def __del__(self):
+        if self.backward_ran:
+            return
+        main_grad = getattr(self.param, "main_grad", None)
+        if main_grad is None:
+            return
+        try:
+            main_grad.fill_(float("nan"))
+            setattr(self.param, UNPAIRED_FORWARD_ATTR, True)
+            warnings.warn("megatron_fused_ce: " + UNPAIRED_FORWARD_MESSAGE, RuntimeWarning, stacklevel=2)
+        except Exception:  # interpreter shutdown: nothing left to protect
+            pass
+
+
+def unpaired_forward_error(param: Optional[Tensor]) -> Optional[str]:
+    """The error for a fused call that adds into `param.main_grad` while it still holds NaN from an
+    unpaired forward (see MainGradSideEffect); None, and the mark cleared, once it was zeroed.
+    Reads main_grad (one pass, one host sync) only while the mark is set."""
+    if param is None or not getattr(param, UNPAIRED_FORWARD_ATTR, False):
+        return None
+    if bool(torch.isnan(param.main_grad).any()):
+        return UNPAIRED_FORWARD_MESSAGE
+    setattr(param, UNPAIRED_FORWARD_ATTR, False)
+    return None
+
+
 def _main_grad_added(param: Tensor, weight: Tensor) -> Optional[Tensor]:
     """Megatron's gradient-accumulation-fusion convention (its ColumnParallelLinear backward): the
     gradient is already in main_grad; hand autograd a dummy gradient so that DDP's per-parameter
@@ -430,8 +491,11 @@ class LinearLossGradInForward(torch.autograd.Function):
     (g - 1) dW when g != 1 (exactly; recomputed chunk by chunk from the saved per-token coefficients:
     2 more GEMMs per chunk), and g dW on any further backward through the same graph. With
     Megatron's bf16 loss functions g is 1 (calculate_per_token_loss: the loss sum, loss scale 1).
-    A forward whose loss is never backpropagated leaves its dW in main_grad: run forward-only passes
-    under torch.no_grad() (as Megatron's evaluation does), where no gradient is made.
+    That forward has a side effect, so it must pair with exactly one first backward: a forward
+    whose graph is freed without any backward poisons main_grad with NaN and makes the next fused
+    call raise (MainGradSideEffect); a forward run again during backward (torch.utils.checkpoint with
+    use_reentrant=False) never gets here: under saved-tensor hooks api.py takes the recompute path.
+    Run forward-only passes under torch.no_grad() (as Megatron's evaluation does).
 
     Lean mode (spec.lean): the forward runs lean sweep A (statistics and dX, tile by tile) and the
     backward lean sweep B (dW with the exact upstream gradient, into main_grad or the weight
@@ -453,6 +517,10 @@ class LinearLossGradInForward(torch.autograd.Function):
             if rows.shape[0] == 0:
                 dw_acc.zero_()
         dw_out = spec.main_grad_param.main_grad if into_main_grad and spec.lean is None else dw_acc
+        # owned by the node from before the first add: freed without a backward (also when this
+        # forward raises half-way), it poisons main_grad instead of leaving it wrong
+        ctx.main_grad_side_effect = (MainGradSideEffect(spec.main_grad_param)
+                                     if into_main_grad and spec.lean is None else None)
         merged_chunks, coef_chunks = _forward_chunks(rows, weight, row_index, local_target, spec, token_grads,
                                                      dx_rows, dw_out, into_main_grad)
 
@@ -497,6 +565,8 @@ class LinearLossGradInForward(torch.autograd.Function):
         offsets = (row_max, log_sum_exp)
         dx, dw = ctx.dx_buffer, ctx.dw_buffer
         ctx.dx_buffer = ctx.dw_buffer = None
+        if ctx.main_grad_side_effect is not None:
+            ctx.main_grad_side_effect.backward_ran = True
         first_after_unit = ctx.unit_grad_in_main_grad  # main_grad already holds 1 x dW
         ctx.unit_grad_in_main_grad = False
         # g == 1 (Megatron's loss functions) spares a pass over dW or main_grad's correction: worth

@@ -1,0 +1,272 @@
+"""Gradients written during the forward pass stay exact however forward and backward are paired.
+
+With `accumulate_into_main_grad=True` (Megatron's gradient-accumulation fusion) the fast path of
+`linear_cross_entropy` and `linear_grpo_loss` adds dW into the fp32 `main_grad` while the forward
+runs. Each test below runs the forward a different number of times than the backward, as users do
+by accident or on purpose, and compares values, dX and dW (main_grad, or .grad without it) with a
+float64 dense reference, for both entry points, both memory modes, with and without main_grad:
+
+- torch.utils.checkpoint, non-reentrant (the forward runs again during backward) and reentrant;
+- a forward whose graph is freed without backward (an evaluation pass outside torch.no_grad(), a
+  micro-batch abandoned): exact where the forward has no side effect; with main_grad in fast mode,
+  main_grad turns NaN with a warning and the next fused call raises on every rank, until the
+  gradient buffer is zeroed;
+- retain_graph and a second backward, a loss used twice, a loss scale that changes between
+  micro-batches (accumulation).
+Rank-dependent cases run at TP=2 with sequence parallelism over forked gloo workers; Megatron's own
+recompute (tensor_parallel.checkpoint) and a GPTModel under Megatron's schedules are in
+test_megatron_pairing.py.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import reference
+from dist import run_workers
+from megatron_fused_ce import linear_cross_entropy
+from megatron_fused_ce.losses import GRPOConfig, grpo_loss, linear_grpo_loss
+from megatron_fused_ce.ops import api, chunked, lean
+
+TOL = 1e-5  # fp32 inputs on the torch backend against float64: relative norm of the error
+BATCH, SEQ, HIDDEN, VOCAB, TRUE_VOCAB = 3, 14, 16, 48, 45  # 42 tokens, padded vocab
+CHUNK = 7  # does not divide the number of labelled tokens
+CONFIG = GRPOConfig(loss_type="dapo")
+
+
+@pytest.fixture
+def lean_tiles(monkeypatch):
+    """Several lean tiles on these small shapes (the default working set holds them all at once)."""
+    monkeypatch.setattr(lean, "_MAX_COLS_A", 16)
+    monkeypatch.setattr(lean, "_MAX_ROWS_B", 24)
+    monkeypatch.setattr(api, "LEAN_WORKSET_BYTES", 6000)
+
+
+def make_case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    case = {
+        "h": torch.randn(BATCH, SEQ, HIDDEN, generator=g, dtype=torch.float64),
+        "w": torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64) * 0.4,
+        "y": torch.randint(0, TRUE_VOCAB, (BATCH, SEQ), generator=g),
+        "mask": (torch.rand(BATCH, SEQ, generator=g) > 0.25).double(),
+        "adv": torch.randn(BATCH, generator=g, dtype=torch.float64),
+        "old": -torch.rand(BATCH, SEQ, generator=g, dtype=torch.float64) * 4,
+    }
+    case["y"][case["mask"] == 0] = -100  # ignored tokens for the cross-entropy
+    return case
+
+
+def dense_loss(entry, case, h, w):
+    """The float64 reference: full logits, log_softmax over the unpadded vocab."""
+    logits = (h @ w.t())[..., :TRUE_VOCAB]
+    if entry == "ce":
+        return F.cross_entropy(logits.reshape(-1, TRUE_VOCAB), case["y"].reshape(-1), ignore_index=-100,
+                               label_smoothing=0.1)
+    lp = torch.log_softmax(logits, -1).gather(-1, case["y"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return grpo_loss(lp, case["adv"], case["mask"], CONFIG, old_logprobs=case["old"])[0]
+
+
+def reference_grads(entry, case):
+    h, w = case["h"].clone().requires_grad_(), case["w"].clone().requires_grad_()
+    loss = dense_loss(entry, case, h, w)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def fused_loss(entry, case, h, w, mode, main_grad, tp_group=None, sp=False):
+    """The fused loss; `h` is [B, T, H], or this rank's [T/TP, B, H] slice with `sp`."""
+    kw = dict(tp_group=tp_group, vocab_size=TRUE_VOCAB, chunk_size=CHUNK, impl="torch", memory_mode=mode,
+              accumulate_into_main_grad=main_grad, sequence_parallel=sp)
+    if entry == "ce":
+        labels = case["y"].t() if sp else case["y"]
+        return linear_cross_entropy(h, w, labels, label_smoothing=0.1, **kw)
+    labels = case["y"].clamp(min=0)
+    return linear_grpo_loss(h, w, labels.t() if sp else labels, case["adv"].float(), case["mask"].float(),
+                            CONFIG, old_logprobs=case["old"].float(), **kw)[0]
+
+
+def leaves(case, main_grad, h=None):
+    h = (case["h"] if h is None else h).float().clone().requires_grad_()
+    w = case["w"].float().clone().requires_grad_()
+    if main_grad:  # as Megatron's DDP sets them
+        w.main_grad = torch.zeros(w.shape)
+        w.grad_added_to_main_grad = False
+    return h, w
+
+
+def weight_grad(w, main_grad):
+    return w.main_grad if main_grad else w.grad
+
+
+# Each scenario runs forwards and backwards and returns (loss value, multiple of the reference
+# gradient that dX and dW must equal).
+def plain(loss_fn, h, w):
+    loss = loss_fn(h, w)
+    loss.backward()
+    return loss.detach(), 1.0
+
+
+def checkpoint_non_reentrant(loss_fn, h, w):
+    """The forward runs twice (again during backward), the backward once."""
+    loss = checkpoint(lambda x: loss_fn(x, w), h, use_reentrant=False)
+    loss.backward()
+    return loss.detach(), 1.0
+
+
+def checkpoint_reentrant(loss_fn, h, w):
+    """The first forward runs under no_grad, the second during backward, right before its backward."""
+    loss = checkpoint(lambda x: loss_fn(x, w), h, use_reentrant=True)
+    loss.backward()
+    return loss.detach(), 1.0
+
+
+def second_backward(loss_fn, h, w):
+    loss = loss_fn(h, w)
+    loss.backward(retain_graph=True)
+    (0.5 * loss).backward()
+    return loss.detach(), 1.5
+
+
+def loss_used_twice(loss_fn, h, w):
+    loss = loss_fn(h, w)
+    (loss + 2.0 * loss).backward()
+    return loss.detach(), 3.0
+
+
+def changing_loss_scale(loss_fn, h, w):
+    """Two accumulated micro-batches under a loss scale that changes in between."""
+    (loss_fn(h, w) * 4.0).backward()
+    loss = loss_fn(h, w)
+    (loss * 0.25).backward()
+    return loss.detach(), 4.25
+
+
+SCENARIOS = [plain, checkpoint_non_reentrant, checkpoint_reentrant, second_backward, loss_used_twice,
+             changing_loss_scale]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("main_grad", [True, False], ids=["main_grad", "grad"])
+@pytest.mark.parametrize("mode", ["fast", "lean"])
+@pytest.mark.parametrize("entry", ["ce", "grpo"])
+def test_forward_backward_pairings_match_float64(lean_tiles, entry, mode, main_grad, scenario):
+    """Before: with main_grad in fast mode, the non-reentrant checkpoint left 2 x dW in main_grad."""
+    case = make_case(seed=SCENARIOS.index(scenario) + 10 * main_grad + 100 * (mode == "lean"))
+    ref_loss, ref_dx, ref_dw = reference_grads(entry, case)
+    h, w = leaves(case, main_grad)
+    loss, scale = scenario(lambda x, wt: fused_loss(entry, case, x, wt, mode, main_grad), h, w)
+    assert abs(loss.double() - ref_loss) <= TOL * max(1.0, abs(ref_loss))
+    assert reference.rel_err(h.grad, scale * ref_dx) < TOL, "dX"
+    assert reference.rel_err(weight_grad(w, main_grad), scale * ref_dw) < TOL, "dW"
+
+
+def _unpaired_side_effect(main_grad: bool, mode: str) -> bool:
+    return main_grad and mode == "fast"
+
+
+@pytest.mark.parametrize("main_grad", [True, False], ids=["main_grad", "grad"])
+@pytest.mark.parametrize("mode", ["fast", "lean"])
+@pytest.mark.parametrize("entry", ["ce", "grpo"])
+def test_forward_freed_without_backward(lean_tiles, entry, mode, main_grad):
+    """A loss computed under grad mode and dropped, then a training step on the same weight.
+    Before: main_grad silently held the dropped pass's dW as well (fast mode). Now: exact where
+    the forward has no side effect; else main_grad is NaN (with a RuntimeWarning), the next fused
+    call raises, and once the buffer is zeroed (Megatron's zero_grad_buffer) the step is exact."""
+    case = make_case(seed=7)
+    ref_loss, ref_dx, ref_dw = reference_grads(entry, case)
+    h, w = leaves(case, main_grad)
+    side_effect = _unpaired_side_effect(main_grad, mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused_loss(entry, case, h, w, mode, main_grad)  # graph freed right here
+    unpaired = [c for c in caught if "never backpropagated" in str(c.message)]
+    assert len(unpaired) == (1 if side_effect else 0)
+    if side_effect:
+        assert torch.isnan(w.main_grad).all()
+        with pytest.raises(ValueError, match="never backpropagated"):
+            fused_loss(entry, case, h, w, mode, main_grad)
+        w.main_grad.zero_()  # what zero_grad_buffer does before the next step
+    plain(lambda x, wt: fused_loss(entry, case, x, wt, mode, main_grad), h, w)
+    assert reference.rel_err(h.grad, ref_dx) < TOL
+    assert reference.rel_err(weight_grad(w, main_grad), ref_dw) < TOL
+    if side_effect:  # the mark is gone with the NaN: the next step needs nothing more
+        plain(lambda x, wt: fused_loss(entry, case, x, wt, mode, main_grad), h, w)
+        assert reference.rel_err(w.main_grad, 2 * ref_dw) < TOL
+
+
+def test_forward_that_raises_midway_poisons_main_grad(monkeypatch):
+    """An exception inside the fast forward after a first chunk was added to main_grad: main_grad
+    must not keep the partial sum silently."""
+    case = make_case(seed=11)
+    h, w = leaves(case, main_grad=True)
+    coefficients, calls = chunked.coefficients, []
+
+    def failing_on_the_second_chunk(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("failure in the second chunk")
+        return coefficients(*args)
+
+    monkeypatch.setattr(chunked, "coefficients", failing_on_the_second_chunk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="second chunk"):
+            fused_loss("ce", case, h, w, "fast", True)
+    assert any("never backpropagated" in str(c.message) for c in caught)
+    assert torch.isnan(w.main_grad).all()
+
+
+# ------------------------------------------------------------- TP=2 with sequence parallelism
+def _tp_worker(rank, world, case, entry):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    v_local = VOCAB // world
+    seq_slice = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+    hidden_slice = case["h"].transpose(0, 1)[seq_slice].contiguous()  # [T/TP, B, H]
+    w_shard = case["w"][rank * v_local:(rank + 1) * v_local]
+    out = {}
+
+    def run(name, scenario):
+        h, w = leaves({"h": hidden_slice, "w": w_shard}, main_grad=True)
+        loss, scale = scenario(lambda x, wt: fused_loss(entry, case, x, wt, "fast", True, group, sp=True), h, w)
+        out[name] = (loss, scale, h.grad.transpose(0, 1).clone(), w.main_grad.clone())
+
+    run("checkpoint_non_reentrant", checkpoint_non_reentrant)
+    run("changing_loss_scale", changing_loss_scale)
+    # dropped forward, then the next call raises on both ranks (no hang), then zeroed and exact
+    h, w = leaves({"h": hidden_slice, "w": w_shard}, main_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fused_loss(entry, case, h, w, "fast", True, group, sp=True)
+    try:
+        fused_loss(entry, case, h, w, "fast", True, group, sp=True)
+        out["raised"] = None
+    except ValueError as error:
+        out["raised"] = str(error)
+    w.main_grad.zero_()
+    loss, scale = plain(lambda x, wt: fused_loss(entry, case, x, wt, "fast", True, group, sp=True), h, w)
+    out["dropped_then_step"] = (loss, scale, h.grad.transpose(0, 1).clone(), w.main_grad.clone())
+    return out
+
+
+@pytest.mark.parametrize("entry", ["ce", "grpo"])
+def test_tp2_sequence_parallel_pairings(entry):
+    """TP=2 + SP, main_grad, fast mode: each rank's dX slice and dW shard against float64 after a
+    non-reentrant checkpoint, a changing loss scale, and a dropped forward (raises on both ranks)."""
+    case = make_case(seed=3)
+    ref_loss, ref_dx, ref_dw = reference_grads(entry, case)
+    results = run_workers(_tp_worker, 2, case, entry)
+    v_local = VOCAB // 2
+    for rank, out in enumerate(results):
+        assert out["raised"] is not None and "never backpropagated" in out["raised"], rank
+        seq_slice = slice(rank * SEQ // 2, (rank + 1) * SEQ // 2)
+        for name in ("checkpoint_non_reentrant", "changing_loss_scale", "dropped_then_step"):
+            loss, scale, dx, dw = out[name]
+            assert abs(loss.double() - ref_loss) <= TOL * max(1.0, abs(ref_loss)), (rank, name)
+            assert reference.rel_err(dx, scale * ref_dx[:, seq_slice]) < TOL, (rank, name, "dX")
+            assert reference.rel_err(dw, scale * ref_dw[rank * v_local:(rank + 1) * v_local]) < TOL, (
+                rank, name, "dW")
