@@ -99,6 +99,13 @@ def build_parser(example: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--compare-unfused", action="store_true",
                         help="on the first batch, run forward+backward with and without fusion and "
                              "print the loss difference and the peak tensor memory of each")
+    if example == "grpo":
+        parser.add_argument("--report-ratio", action="store_true",
+                            help="before training, print the importance ratio exp(trainer - "
+                                 "sampler log-prob) of the first update for several sampler "
+                                 "settings, with sampler-fidelity and with plain-softmax log-probs")
+        parser.add_argument("--log-jsonl", metavar="PATH",
+                            help="write one JSON line per rollout step (reward and loss metrics)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=VALUE",
                         help="config overrides, read as YAML values, e.g. train.lr=1e-3 "
                              "megatron_cfg.use_linear_ce_fusion_loss=false")

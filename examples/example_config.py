@@ -159,9 +159,15 @@ def schema_for(example: str) -> Schema:
         train = {k: v for k, v in TRAIN.items() if k != "global_batch_size"}
         train["updates_per_rollout"] = Int(1)
         rollout = {"num_prompts": Int(), "samples_per_prompt": Int(),
-                   "temperature": Float(1.0, positive=True), "engine_logprob_noise": Float(0.0)}
-        # the rollouts' sampler (LogprobsPostProcessor top_k / top_p / min_p); defaults = off
-        sampling = {"top_k": Int(None, nullable=True), "top_p": Float(1.0), "min_p": Float(0.0)}
+                   "temperature": Float(1.0, positive=True), "engine_logprob_noise": Float(0.0),
+                   "task": Choice("count", "copy", "reverse", default="count"),
+                   # where the old policy's log-probs come from: the sampler's record (no pass)
+                   # or a forward-only pass of the trainer
+                   "old_logprobs": Choice("sampler", "trainer", default="sampler")}
+        # the rollouts' sampler (vLLM semantics; defaults = off); fidelity: the trainer's
+        # log-probs are of the same distribution (LogprobsPostProcessor top_k / top_p / min_p)
+        sampling = {"top_k": Int(None, nullable=True), "top_p": Float(1.0), "min_p": Float(0.0),
+                    "fidelity": Bool(True)}
         return {**common, "data": {"seq_length": Int(), "prompt_length": Int()}, "train": train,
                 "rollout": rollout, "sampling": sampling, "grpo": _grpo_section()}
     raise ValueError(f"no config schema for example {example!r}")

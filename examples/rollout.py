@@ -1,0 +1,316 @@
+"""Real GRPO rollouts for examples/grpo.py: the Megatron policy generates its own responses with an
+inference engine's sampler, and a verifiable reward scores them.
+
+Sampler (vLLM V1's semantics, as `linear_logprobs` documents them), per row of full-vocab logits:
+
+    z = logits / temperature
+    min_p:  drop tokens with p < min_p * max p              (p = softmax(z))
+    top_k:  keep tokens whose z is >= the k-th largest remaining z (ties at the k-th are kept)
+    top_p:  over the renormalized remainder, walking z descending then id ascending, keep a token
+            iff the mass strictly before it is < top_p (the smallest prefix with mass >= top_p;
+            the first token is always kept)
+    q = the remainder renormalized; the sampled token's log q is recorded, as an engine reports it
+
+Generation is a plain loop over the model (no KV cache): every step runs the whole fixed-length
+sequence through megatron's forward-only schedule, so pipeline and context parallelism work as in
+training (causal attention: the not-yet-generated positions cannot change the logits read). The
+fused output layer is uninstalled for it and reinstalled afterwards (it returns hidden states, not
+logits); the last stage gathers the logits of the position being sampled over the tensor-parallel
+(and context-parallel) ranks, samples with a generator seeded identically on every rank of the
+data-parallel replica, makes the TP / CP ranks agree by a broadcast from their first rank, and
+broadcasts the tokens to the other pipeline stages.
+
+Task (verifiable, digits 0-9 are token ids 0-9, `=` is id 10): a prompt of random digits and `=`;
+the response is
+    count    (d + 1, d + 2, ...) mod 10 from the prompt's last digit d;
+    copy     the prompt's digits, repeated;
+    reverse  the prompt's digits in reverse order, repeated.
+Per position: 1 for the right digit, 0.1 for another digit (a small format reward: a random
+policy emits few digits), 0 otherwise; the reward is the mean over the response.
+
+`python examples/rollout.py --plot OUT.png RUN.jsonl...` draws the reward curves of `grpo.py
+--log-jsonl` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+DIGITS = 10
+SEPARATOR = DIGITS  # `=`
+TASKS = ("count", "copy", "reverse")
+
+
+# ------------------------------------------------------------------------------------------------
+# The sampler
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sampler:
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+
+    def describe(self) -> str:
+        parts = [f"T={self.temperature:g}"]
+        if self.top_k is not None:
+            parts.append(f"top_k={self.top_k}")
+        if self.top_p is not None and self.top_p < 1.0:
+            parts.append(f"top_p={self.top_p:g}")
+        if self.min_p:
+            parts.append(f"min_p={self.min_p:g}")
+        return " ".join(parts) if len(parts) > 1 else parts[0] + " (no filter)"
+
+
+def sampler_logprobs(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+    """[N, V] fp32 log q of the sampler's distribution (-inf outside its kept set) from [N, V]
+    full-vocab logits (the true vocab only: no padding columns)."""
+    z = logits.float() / sampler.temperature
+    n, v = z.shape
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if sampler.min_p:
+        p = torch.softmax(z, dim=-1)
+        keep &= p >= sampler.min_p * p.max(dim=-1, keepdim=True).values
+    if sampler.top_k is not None and sampler.top_k < v:
+        remaining = z.masked_fill(~keep, float("-inf"))
+        kth = remaining.topk(sampler.top_k, dim=-1).values[:, -1:]
+        keep &= z >= kth
+    if sampler.top_p is not None and sampler.top_p < 1.0:
+        # order: z descending, ties by lower id first (a stable sort of -z keeps ids ascending)
+        order = torch.sort(-z, dim=-1, stable=True).indices
+        q = torch.softmax(z.masked_fill(~keep, float("-inf")).double(), dim=-1).gather(1, order)
+        before = torch.cumsum(q, dim=-1) - q  # mass strictly before each token, in that order
+        keep &= torch.zeros_like(keep).scatter(1, order, before < sampler.top_p)
+    return torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def sample(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator):
+    """(tokens [N] int64, log q(token) [N] fp32): one draw per row by inverse CDF of q, from one
+    uniform per row of `generator` (a CPU generator: the same draw on every device)."""
+    logq = sampler_logprobs(logits, sampler)
+    cdf = torch.cumsum(logq.double().exp(), dim=-1)
+    u = torch.rand(logq.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
+    # the first token whose cumulative mass exceeds u * total: never one with q = 0
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=logq.shape[1] - 1).squeeze(1)
+    return tokens, logq.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The task and its reward
+# ------------------------------------------------------------------------------------------------
+def prompts(rows: int, prompt_length: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, prompt_length]: prompt_length - 1 random digits, then `=`."""
+    if prompt_length < 2:
+        raise ValueError(f"data.prompt_length must be >= 2 (digits and `=`), got {prompt_length}")
+    digits = torch.randint(0, DIGITS, (rows, prompt_length - 1), generator=generator)
+    return torch.cat([digits, torch.full((rows, 1), SEPARATOR)], dim=1)
+
+
+def targets(prompt: torch.Tensor, response_length: int, task: str) -> torch.Tensor:
+    """[rows, response_length] the right response of each prompt."""
+    digits = prompt[:, :-1]
+    j = torch.arange(response_length)
+    if task == "count":
+        return (digits[:, -1:] + 1 + j) % DIGITS
+    if task == "copy":
+        return digits[:, j % digits.shape[1]]
+    if task == "reverse":
+        return digits.flip(1)[:, j % digits.shape[1]]
+    raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+
+
+def rewards(response: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[rows] mean per-position score: 1 right digit, 0.1 another digit, 0 any other token."""
+    score = torch.where(response == target, 1.0, torch.where(response < DIGITS, 0.1, 0.0))
+    return score.mean(dim=1)
+
+
+def group_advantages(reward: torch.Tensor, group: int) -> torch.Tensor:
+    grouped = reward.view(-1, group)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation with the Megatron model
+# ------------------------------------------------------------------------------------------------
+def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: int, sampler: Sampler,
+             generator: torch.Generator):
+    """Sample the responses of `prompt` [B, P] (this data-parallel replica's rows, identical on
+    its TP / CP / PP ranks) with the model, up to `seq_length + 1` tokens. Returns (tokens
+    [B, seq_length + 1], sampler log-probs [B, seq_length]: log q of token t+1 at t, 0 at the
+    prompt), identical on every rank of the replica."""
+    from megatron.core import parallel_state
+
+    from megatron_fused_ce.megatron import install_fused_output_layer, uninstall_fused_output_layer
+
+    from example_common import device, micro_batches, on_this_cp_rank
+
+    rows, start = prompt.shape
+    tokens = torch.zeros(rows, seq_length + 1, dtype=torch.long, device=device())
+    tokens[:, :start] = prompt.to(device())
+    recorded = torch.zeros(rows, seq_length, dtype=torch.float32, device=device())
+    uninstall_fused_output_layer(model)  # generation needs logits
+    try:
+        for position in range(start, seq_length + 1):
+            (batch,) = on_this_cp_rank(micro_batches({"tokens": tokens[:, :-1]}, rows))
+            logits = _last_stage_logits(model, batch, position - 1, seq_length, vocab_size)
+            if logits is not None:
+                new, logq = sample(logits, sampler, generator)
+                new, logq = _agree(new, logq, parallel_state)
+            else:
+                new = logq = None
+            new, logq = _to_every_stage(new, logq, rows)
+            tokens[:, position] = new
+            recorded[:, position - 1] = logq
+    finally:
+        install_fused_output_layer(model, fused)  # (a no-op with fusion off)
+    return tokens, recorded
+
+
+def _last_stage_logits(model, batch, position: int, seq_length: int, vocab_size: int):
+    """[B, vocab_size] fp32 logits at `position` on the last stage (gathered over TP and CP);
+    None on the other stages."""
+    from megatron.core import parallel_state
+
+    from megatron_fused_ce.megatron import positions_on_cp_rank
+
+    from example_common import run_batches
+
+    cp = parallel_state.get_context_parallel_world_size()
+    local = positions_on_cp_rank(seq_length, cp, parallel_state.get_context_parallel_rank())
+    where = (local == position).nonzero()
+
+    def make_loss_func(chunk, _batch):
+        def loss_func(output):
+            # this rank's [B, V/TP] logits at `position`, or zeros where another CP rank holds it
+            picked = output[:, int(where[0])] if where.numel() else output.new_zeros(output[:, 0].shape)
+            picked = picked.detach().float()
+            if cp > 1:
+                dist.all_reduce(picked, group=parallel_state.get_context_parallel_group())
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            shards = [torch.empty_like(picked) for _ in range(dist.get_world_size(tp_group))]
+            dist.all_gather(shards, picked.contiguous(), group=tp_group)
+            zero = output.new_zeros(())
+            return zero, torch.ones((), dtype=torch.int, device=zero.device), \
+                {"logits": torch.cat(shards, dim=-1)[:, :vocab_size]}
+        return loss_func
+
+    with torch.no_grad():
+        out = run_batches(model, [batch], make_loss_func, forward_only=True)
+    return out[0]["logits"] if parallel_state.is_pipeline_last_stage() else None
+
+
+def _agree(new, logq, parallel_state):
+    """The same draw on every TP and CP rank of the last stage: their inputs and generators are
+    identical, and one broadcast from each group's first rank makes that a guarantee."""
+    for group in (parallel_state.get_tensor_model_parallel_group(),
+                  parallel_state.get_context_parallel_group()):
+        if dist.get_world_size(group) > 1:
+            packed = torch.stack([new.double(), logq.double()])
+            dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
+            new, logq = packed[0].long(), packed[1].float()
+    return new, logq
+
+
+def _to_every_stage(new, logq, rows: int):
+    from megatron_fused_ce.megatron import broadcast_from_last_stage
+
+    packed = None if new is None else torch.stack([new.double(), logq.double()])
+    packed = broadcast_from_last_stage(packed)
+    return packed[0].long(), packed[1].float()
+
+
+# ------------------------------------------------------------------------------------------------
+# The importance ratio of the first update
+# ------------------------------------------------------------------------------------------------
+def ratio_sums(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor,
+               low: float, high: float) -> torch.Tensor:
+    """[count, sum r, sum r^2, sum |log r|, max |log r|, outside [low, high], min r, max r] over
+    masked tokens, r = exp(trainer - sampler) (a -inf trainer log-prob gives r = 0)."""
+    m = mask != 0
+    log_r = (trainer.double() - sampler.double())[m]
+    r = log_r.exp()
+    finite = log_r.isfinite()
+    return torch.stack([
+        torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum(),
+        log_r[finite].abs().sum(), log_r[finite].abs().max() if finite.any() else r.new_zeros(()),
+        ((r < low) | (r > high)).double().sum(),
+        r.min() if r.numel() else r.new_full((), math.inf),
+        r.max() if r.numel() else r.new_full((), -math.inf)])
+
+
+def reduce_ratio_sums(sums: torch.Tensor, group) -> Dict[str, float]:
+    """Sums of several ranks -> mean, std, min, max of r, max |log r|, fraction outside the clip
+    range."""
+    additive = sums[[0, 1, 2, 3, 5]].clone()
+    maxima = torch.stack([sums[4], -sums[6], sums[7]])
+    dist.all_reduce(additive, group=group)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    count, s1, s2, _, outside = additive.tolist()
+    mean = s1 / max(count, 1)
+    return {"tokens": int(count), "mean": mean,
+            "std": math.sqrt(max(s2 / max(count, 1) - mean * mean, 0.0)),
+            "min": -maxima[1].item(), "max": maxima[2].item(), "max_abs_log": maxima[0].item(),
+            "clipped": outside / max(count, 1)}
+
+
+def ratio_table(rows: List[dict], low: float, high: float) -> str:
+    """The --report-ratio table (markdown)."""
+    head = (f"importance ratio r = exp(trainer - sampler log-prob) of the first update (on-policy: "
+            f"ideal r = 1); clipped = tokens with r outside [{low:g}, {high:g}]\n"
+            "| sampler | trainer log-probs | tokens | mean r | std r | min r | max r | max abs log r | clipped |\n"
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines = [head]
+    for row in rows:
+        s = row["stats"]
+        lines.append(f"| {row['sampler']} | {row['trainer']} | {s['tokens']} | {s['mean']:.6f} | "
+                     f"{s['std']:.2e} | {s['min']:.4f} | {s['max']:.4f} | {s['max_abs_log']:.2e} | "
+                     f"{100 * s['clipped']:.1f} % |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reward curves of several runs
+# ------------------------------------------------------------------------------------------------
+def plot(out: str, paths: Sequence[str], title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for path in paths:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        label = records[0].get("label", path)
+        steps = [r["step"] for r in records]
+        axes[0].plot(steps, [r["reward"] for r in records], label=label)
+        if all("clip_ratio" in r for r in records):
+            axes[1].plot(steps, [r["clip_ratio"] for r in records], label=label)
+    axes[0].set(xlabel="rollout step", ylabel="mean reward", title="reward")
+    axes[1].set(xlabel="rollout step", ylabel="fraction of tokens", title="PPO-clipped tokens")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="examples/rollout.py",
+                                     description="reward curves of grpo.py --log-jsonl runs")
+    parser.add_argument("--plot", required=True, metavar="PNG", help="output image")
+    parser.add_argument("--title", default="", help="figure title")
+    parser.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="files written by --log-jsonl")
+    args = parser.parse_args()
+    plot(args.plot, args.runs, args.title)
