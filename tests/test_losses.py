@@ -812,7 +812,7 @@ def test_grpo_config_defaults():
     assert {k: getattr(cfg, k) for k in expected} == expected
 
 
-# ---- normalizers must be > 0 (issue 11, item 3) ----------------------------------------------------
+# ---- normalizers must be > 0 ----------------------------------------------------------------------
 
 BAD_NORMALIZERS = [0, 0.0, -1, -2.5, math.inf, math.nan, True, "4", torch.tensor(0), torch.tensor(-1.0),
                    torch.tensor([1.0, 2.0]), torch.tensor(True), torch.tensor(math.inf)]
@@ -842,7 +842,7 @@ def test_good_normalizers_are_accepted():
         assert_close(loss, ref_nll(data["lp"], data["mask"], float(normalizer)), "nll")
 
 
-# ---- conventions where peers differ (issue 11, item 10) -----------------------------------------------
+# ---- conventions where peers differ (GRPOConfig) -------------------------------------------------------
 
 
 def _peer_inputs():
@@ -906,7 +906,7 @@ def test_grpo_without_empty_sequences_like_verl():
     assert_close(loss, counted * data["mask"].shape[0] / nonempty, "rescaled by B / non-empty rows")
 
 
-# ---- excluded tokens: a -inf log-prob masks its token (issue 14) --------------------------------------
+# ---- excluded tokens: a -inf log-prob masks its token ------------------------------------------------
 
 
 def _with_impossible_tokens(seed=13):

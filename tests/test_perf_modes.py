@@ -1,4 +1,5 @@
-"""The performance schedules of issue 15 against float64 dense references, on CPU over gloo:
+"""The performance schedules (lean tiles, vocab blocks, main_grad) against float64 dense references,
+on CPU over gloo:
 
 - memory_mode="lean" (ops/lean.py): tile sweeps with a fixed working set; values, dX and dW at
   TP 1/2/4 with ignored tokens, padded vocab, temperature, sequence parallel; its memory bound
@@ -316,8 +317,8 @@ def test_memory_mode_errors_on_every_rank():
 @pytest.mark.parametrize("n, hdim, v", [(8192, 4096, 128256), (8192, 2304, 256000), (16384, 3584, 152064),
                                         (131072, 4096, 128256)])
 def test_lean_default_workset_is_under_3_percent_of_the_8192_token_logits(n, hdim, v):
-    """The documented budget (README / docs/benchmarks.md: 400 B per row of the whole vocab, >= 32 MiB, about
-    2.4 % of the bf16 logits of 8192 tokens, whatever N) at the issue's shapes, and the CUDA tiles
+    """The documented budget (README, api.LEAN_WORKSET_PER_VOCAB_ROW: 400 B per row of the whole vocab,
+    >= 32 MiB, about 2.4 % of the bf16 logits of 8192 tokens, whatever N) at the benchmark shapes, and the CUDA tiles
     (Triton kernels work in place: 2 B per tile element) fit it in every sweep: tile + fp32
     accumulator + gathered W rows (A), tile + fp32 dW accumulator when token chunks span (B)."""
     workset = api.lean_workset_bytes(v, 1)
@@ -336,8 +337,8 @@ def test_lean_default_workset_is_under_3_percent_of_the_8192_token_logits(n, hdi
 def test_lean_token_chunks_fill_the_working_set(n, hdim, v, rows_a, cols_a):
     """Sweep A's token chunks hold about one full wave of its P @ W GEMM's output ([rows, H]), or
     more rows where the working set holds them next to a full-width (_MAX_COLS_A) tile: at
-    8192x2304x256000, 4 chunks of 2048 rows x 16384 columns instead of 5 of 1664 (lean CE 2-6 %
-    faster on an H100, docs/benchmarks.md)."""
+    8192x2304x256000, 4 chunks of 2048 rows x 16384 columns instead of 5 of 1664 (faster on an
+    H100: docs/design.md §10.7)."""
     t = lean.tile_sizes(n, v, hdim, 2, api.lean_workset_bytes(v, 1), tile_bytes_per_element=2,
                         weight_grad_accumulates=False)
     assert (t.rows_a, t.cols_a) == (rows_a, cols_a)
@@ -359,8 +360,8 @@ def test_lean_with_sampler_settings():
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_lean_tiles_keep_their_size_under_tensor_parallelism(tp):
     """The working set is per row of the whole vocab: a TP shard gets the TP=1 budget and the same
-    tile sizes (a per-shard budget shrank them at TP=2 until the sweeps were launch-bound: 99.7 ms
-    against 34.1 ms now on 2 x H200, docs/benchmarks.md), i.e. a larger share of its own logits."""
+    tile sizes (a per-shard budget shrinks them at TP=2 until the sweeps are launch-bound, about 3x
+    slower on 2 x H200), i.e. a larger share of its own logits."""
     v, hdim, n = 128256, 4096, 8192
     assert api.lean_workset_bytes(v // tp, tp) == api.lean_workset_bytes(v, 1)
     one = lean.tile_sizes(n, v, hdim, 2, api.lean_workset_bytes(v, 1), tile_bytes_per_element=2,

@@ -1,0 +1,163 @@
+"""Our methods (the package's ops in each mode) and the registry of every row tools/benchmark.py
+can run: MAKERS[name](h, w, y, chunk) -> a step () -> (loss or log-probs, dX, dW)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_fused_ce import linear_cross_entropy, linear_logprobs
+
+from . import measure, peers
+from .measure import Skip, _forward_only, _grads
+
+SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000), (16384, 3584, 152064)]
+SWEEP_HV = (4096, 128256)
+SWEEP_N = [8192, 16384, 32768, 65536, 131072]
+QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
+QUICK_SHAPES_CPU = [(48, 32, 500)]
+DEFAULT_IMPLS = ("floor,floor_fwd,torch_eager,torch_compile,torch_compile_fwd,torch_lce,megatron,liger,cce,"
+                 "cce_exact,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,ours_grpo,ours_grpo_lean,"
+                 "ours_ce_main_grad,ours_ce_main_grad_lean,ours_fwd,ours_fwd_entropy,"
+                 "ours_top_p,ours_top_k,ours_topk20")
+SWEEP_IMPLS = "floor,torch_compile,liger,cce,ours_ce,ours_ce_lean,ours_logprobs_lean,ours_fwd"
+SPREADS = ("random", "peaked")
+
+
+def parse_chunks(spec):
+    return [None if c.strip() == "auto" else int(c) for c in spec.split(",") if c.strip()]
+
+
+def parse_shapes(spec):
+    return [tuple(int(x) for x in s.lower().split("x")) for s in spec.split(",") if s.strip()]
+
+
+def _impl():
+    return "triton"
+
+
+def make_ours_logprobs(h, w, y, chunk, memory_mode="fast"):
+    n = h.shape[0]
+    return lambda: _grads(-linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+                                           memory_mode=memory_mode).logprobs.sum() / n, h, w)
+
+
+def make_ours_ce(h, w, y, chunk, memory_mode="fast"):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode), h, w)
+
+
+def make_ours_ce_torch(h, w, y, chunk):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl="torch"), h, w)
+
+
+def make_ours_ce_main_grad(h, w, y, chunk, memory_mode="fast"):
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    w.grad_added_to_main_grad = False  # as Megatron's DDP sets it: autograd gets the dummy gradient
+
+    def step():
+        loss = linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), accumulate_into_main_grad=True,
+                                    memory_mode=memory_mode)
+        dx, _ = torch.autograd.grad(loss, (h, w), allow_unused=True)
+        return loss.detach(), dx, w.main_grad
+    step.main_grad = True
+    return step
+
+
+def make_ours_fwd(h, w, y, chunk, entropy=False):
+    return _forward_only(lambda: linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+                                                 return_entropy=entropy).logprobs)
+
+
+def make_ours_ce_fp32_logits(h, w, y, chunk):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(),
+                                               logits_dtype=torch.float32), h, w)
+
+
+def make_ours_logprobs_fp32_logits(h, w, y, chunk):
+    n = h.shape[0]
+    return lambda: _grads(-linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+                                           logits_dtype=torch.float32).logprobs.sum() / n, h, w)
+
+
+def _linear_grpo():
+    try:
+        from megatron_fused_ce import losses
+        fn = getattr(losses, "linear_grpo_loss", None)
+        if fn is None:
+            from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss as fn
+        from megatron_fused_ce.losses import GRPOConfig
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"fused GRPO not available: {type(exc).__name__}: {exc}")
+    return fn, GRPOConfig
+
+
+def _grpo_inputs(h, y):
+    n = h.shape[0]
+    batch = 8 if n % 8 == 0 else 1
+    g = torch.Generator(device=h.device).manual_seed(1)
+    adv = torch.randn(batch, device=h.device, generator=g)
+    mask = torch.ones(batch, n // batch, device=h.device)
+    return batch, adv, mask
+
+
+def make_ours_grpo(h, w, y, chunk, memory_mode="fast"):
+    fn, GRPOConfig = _linear_grpo()
+    batch, adv, mask = _grpo_inputs(h, y)
+    config = GRPOConfig()
+    hb, yb = h.view(batch, -1, h.shape[-1]), y.view(batch, -1)
+
+    def step():
+        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode)
+        return _grads(loss, h, w)
+    step.loss_kind = "grpo"
+    return step
+
+
+def _lean(maker):
+    return lambda h, w, y, chunk: maker(h, w, y, chunk, memory_mode="lean")
+
+
+make_ours_ce_lean = _lean(make_ours_ce)
+make_ours_logprobs_lean = _lean(make_ours_logprobs)
+make_ours_grpo_lean = _lean(make_ours_grpo)
+make_ours_ce_main_grad_lean = _lean(make_ours_ce_main_grad)
+
+
+def make_ours_fwd_entropy(h, w, y, chunk):
+    return make_ours_fwd(h, w, y, chunk, entropy=True)
+
+
+SAMPLER_TEMPERATURE = 0.25  # --sampler-temperature
+SAMPLERS = {"ours_top_p": dict(top_p=0.9), "ours_top_k": dict(top_k=50), "ours_topk20": dict(return_topk=20),
+            "ours_top_p_flat": dict(top_p=0.9)}
+
+
+def _sampled_logprobs_loss(name, h, w, y, chunk, **kwargs):
+    """-sum of the finite log-probs / N under the sampler settings of `name`."""
+    temperature = 1.0 if name.endswith("_flat") else SAMPLER_TEMPERATURE
+    lp = linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(), temperature=temperature,
+                         **SAMPLERS[name], **kwargs).logprobs
+    return -torch.where(torch.isfinite(lp), lp, 0.0).sum() / h.shape[0]
+
+
+def _sampler_maker(name):
+    def make(h, w, y, chunk):
+        step = lambda: _grads(_sampled_logprobs_loss(name, h, w, y, chunk), h, w)  # noqa: E731
+        step.loss_kind = "sampled"  # not the CE of torch_eager: no error check here
+        return step
+    return make
+
+
+for _name in SAMPLERS:
+    globals()["make_" + _name] = _sampler_maker(_name)
+
+def _makers(namespace):
+    return {name[len("make_"):]: fn for name, fn in namespace.items() if name.startswith("make_")}
+
+
+MAKERS = {**_makers(vars(measure)), **_makers(vars(peers)), **_makers(globals())}
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo", "ours_fwd",
+           "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits",
+           *SAMPLERS}  # lean rows take no chunk size
+ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
+MAIN_GRAD = {"ours_ce_main_grad", "ours_ce_main_grad_lean"}
+

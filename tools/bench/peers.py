@@ -1,0 +1,106 @@
+"""Every method that is not ours, at TP=1: what users write (eager, torch.compile), PyTorch's own
+fused op, Megatron, Liger and Apple's cut-cross-entropy. Each `make_<name>(h, w, y, chunk)`
+returns a step () -> (loss or log-probs, dX, dW); a peer that cannot run here raises Skip."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .measure import Skip, _forward_only, _grads
+
+
+def _eager_loss(h, w, y):
+    logits = (h @ w.t()).float()
+    return F.cross_entropy(logits, y)
+
+
+def make_torch_eager(h, w, y, chunk):
+    return lambda: _grads(_eager_loss(h, w, y), h, w)
+
+
+_COMPILED = {}
+
+
+def make_torch_compile(h, w, y, chunk):
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(_eager_loss)
+    fn = _COMPILED["fn"]
+    return lambda: _grads(fn(h, w, y), h, w)
+
+
+def _eager_logprobs(h, w, y):
+    return torch.log_softmax((h @ w.t()).float(), -1).gather(1, y[:, None]).squeeze(1)
+
+
+def make_torch_compile_fwd(h, w, y, chunk):
+    if "fwd" not in _COMPILED:
+        _COMPILED["fwd"] = torch.compile(_eager_logprobs)
+    fn = _COMPILED["fwd"]
+    return _forward_only(lambda: fn(h, w, y))
+
+
+def make_torch_lce(h, w, y, chunk):
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options is None or not hasattr(F, "linear_cross_entropy"):
+        raise Skip(f"needs PyTorch >= 2.13 (F.linear_cross_entropy with LinearCrossEntropyOptions); "
+                   f"this is {torch.__version__}")
+    return lambda: _grads(F.linear_cross_entropy(h, w, y, options=options()), h, w)
+
+
+_MEGATRON = {}
+
+
+def _megatron_init():
+    if "vpce" in _MEGATRON:
+        return _MEGATRON["vpce"]
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"megatron-core not importable: {type(exc).__name__}: {exc}")
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store,
+                                rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    _MEGATRON["vpce"] = vocab_parallel_cross_entropy
+    return vocab_parallel_cross_entropy
+
+
+def make_megatron(h, w, y, chunk):
+    vpce = _megatron_init()
+    return lambda: _grads(vpce(h @ w.t(), y).mean(), h, w)
+
+
+def make_liger(h, w, y, chunk):
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"liger-kernel not importable: {type(exc).__name__}: {exc}")
+    if h.device.type != "cuda":
+        raise Skip("liger needs CUDA")
+    loss_fn = LigerFusedLinearCrossEntropyLoss()
+    return lambda: _grads(loss_fn(w, h, y), h, w)
+
+
+def _cce():
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"cut-cross-entropy not importable: {type(exc).__name__}: {exc}")
+    if not torch.cuda.is_available():
+        raise Skip("cce needs CUDA")
+    return cce
+
+
+def make_cce(h, w, y, chunk):
+    cce = _cce()
+    return lambda: _grads(cce(h, w, y), h, w)  # default gradient filter
+
+
+def make_cce_exact(h, w, y, chunk):
+    cce = _cce()
+    return lambda: _grads(cce(h, w, y, filter_eps=None), h, w)
