@@ -85,6 +85,8 @@ def test_every_flag_has_help(name):
     ("grpo", ["--config", "nowhere.yaml"],
      "examples/grpo.py: error: [Errno 2] No such file or directory: 'nowhere.yaml'"),
     ("grpo", ["grpo.loss_type=ppo"], "examples/grpo.py: error: grpo: loss_type must be one of"),
+    ("grpo", ["rollout.task=add"],
+     "examples/grpo.py: error: rollout.task must be one of count, copy, reverse; got 'add'"),
 ])
 def test_mistakes_end_in_one_line(monkeypatch, capsys, name, argv, expected):
     rc, out, err = _run_main(monkeypatch, capsys, name, argv)

@@ -1,5 +1,6 @@
 """The examples' main() on 4 forked gloo ranks (TP=2 x PP=2, and TP=2 x CP=2), a couple of steps
-each, with the first-batch fused-vs-unfused comparison; GRPO running only the log-prob passes it needs; and one
+each, with the first-batch fused-vs-unfused comparison; GRPO (real rollouts) running only the
+log-prob passes it needs and its importance-ratio report; and one
 real torchrun launch, checked for a clean screen.
 (`torchrun --nproc_per_node 4 examples/<name>.py --tp 2 --pp 2` runs the same code.)"""
 
@@ -55,7 +56,7 @@ def example_worker(rank, world, name, argv):
     ("pretrain_gpt", []),
     ("sft", ["data.prompt_length=[2,4]", "data.response_length=[3,6]"]),
     ("dpo", ["data.prompt_length=8"]),
-    ("grpo", ["data.prompt_length=8", "rollout.num_prompts=2", "rollout.samples_per_prompt=4"]),
+    ("grpo", ["data.prompt_length=24", "rollout.num_prompts=2", "rollout.samples_per_prompt=4"]),
 ])
 def test_example_runs(name, extra, capfd):
     run_workers(example_worker, 4, name, FAST + ["--compare-unfused"] + extra, timeout=120)
@@ -75,7 +76,7 @@ CP_FAST = ["--tp", "2", "--cp", "2", "--steps", "2", "--seq-length", "32", "mode
     ("pretrain_gpt", []),
     ("sft", ["data.prompt_length=[2,4]", "data.response_length=[3,6]"]),  # THD packing
     ("dpo", ["data.prompt_length=8"]),
-    ("grpo", ["data.prompt_length=8", "rollout.num_prompts=2", "rollout.samples_per_prompt=4"]),
+    ("grpo", ["data.prompt_length=24", "rollout.num_prompts=2", "rollout.samples_per_prompt=4"]),
 ])
 def test_example_runs_with_context_parallelism(name, extra, capfd):
     """`--tp 2 --cp 2 --compare-unfused`: every sequence split over 2 CP ranks (GatheredKVAttention
@@ -89,15 +90,42 @@ def test_example_runs_with_context_parallelism(name, extra, capfd):
 
 
 @pytest.mark.parametrize("overrides,per_step,frozen", [
-    (["grpo.beta=0", "grpo.force_on_policy_ratio=true"], 1, 0),  # only the simulated engine pass
-    (["grpo.beta=0"], 1, 0),                                     # old-policy pass (it serves both)
-    (["grpo.beta=0.05"], 2, 1),                                  # + reference model and its pass
+    (["grpo.beta=0", "grpo.force_on_policy_ratio=true"], 0, 0),  # the sampler's log-probs only
+    (["grpo.beta=0"], 0, 0),                          # the sampler's log-probs serve as the old
+    (["grpo.beta=0", "rollout.old_logprobs=trainer"], 1, 0),     # an old-policy pass
+    (["grpo.beta=0.05"], 1, 1),                                  # reference model and its pass
 ])
 def test_grpo_runs_only_needed_passes(overrides, per_step, frozen):
-    argv = ["--steps", "2", "--seq-length", "32", "model.num_layers=2", "model.hidden_size=32",
+    argv = ["--steps", "2", "--seq-length", "16", "model.num_layers=2", "model.hidden_size=32",
             "data.prompt_length=8", "rollout.num_prompts=2"] + overrides
     for calls in run_workers(example_worker, 2, "grpo", argv, timeout=120):
         assert calls == {"compute_logprobs": 2 * per_step, "build_frozen_copy": frozen}
+
+
+def test_grpo_report_ratio(capfd):
+    """`--report-ratio` at TP=2 x PP=2 on the real rollouts (logits gathered over TP, tokens sent
+    to the first stage): the trainer's log-probs of the sampler's distribution reproduce the
+    recorded ones (r = 1 to fp32 precision) under every setting; plain-softmax log-probs give
+    r = the kept mass (< 1) under a filter, exactly 1 without one."""
+    argv = ["--tp", "2", "--pp", "2", "--steps", "1", "--seq-length", "16", "model.num_layers=2",
+            "model.hidden_size=32", "data.prompt_length=8", "rollout.num_prompts=2",
+            "rollout.samples_per_prompt=4", "--report-ratio"]
+    run_workers(example_worker, 4, "grpo", argv, timeout=120)
+    out = capfd.readouterr()
+    rows = {}
+    for line in (out.out + out.err).splitlines():
+        if line.startswith("| T=1"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[(cells[0], cells[1])] = dict(tokens=int(cells[2]), mean=float(cells[3]),
+                                              max_abs_log=float(cells[7]))
+    assert len(rows) == 10, rows
+    for (sampler, trainer), row in rows.items():
+        assert row["tokens"] == 2 * 4 * 9
+        if trainer.startswith("sampler") or sampler == "T=1 (no filter)":
+            assert row["max_abs_log"] < 1e-5 and abs(row["mean"] - 1) < 1e-5, (sampler, trainer, row)
+        else:
+            assert row["mean"] < 0.95, (sampler, trainer, row)
+    assert rows[("T=1 top_k=50", "plain softmax")]["mean"] < rows[("T=1 top_p=0.9", "plain softmax")]["mean"]
 
 
 def test_torchrun_run_is_one_clean_screen():
