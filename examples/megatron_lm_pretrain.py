@@ -10,10 +10,20 @@ data, on CPU/gloo or on GPUs/NCCL:
     torchrun --nproc_per_node 2 examples/megatron_lm_pretrain.py --bf16 --use-linear-ce-fusion-loss \\
         --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --compare-unfused
 
+    # real text: python tools/make_text_dataset.py --output-dir DIR --vocab-size 4096, then
+    torchrun --nproc_per_node 2 examples/megatron_lm_pretrain.py --data-path DIR/text_document \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file DIR/vocab.json --merge-file DIR/merges.txt \\
+        --use-linear-ce-fusion-loss --compare-unfused
+
 With `--use-linear-ce-fusion-loss` the model, called with labels, returns the per-token loss of the
 main head computed from the hidden states chunk by chunk, and every multi-token-prediction depth's
 loss likewise: no `[tokens, vocab/TP]` logits. `--compare-unfused` reports, on the first batch, the
 loss and MTP losses of the same model with and without the fused output layer.
+
+`loss_func`, the fused-CE configuration (`fused_ce_config_from_args`, which reconciles Megatron-LM's
+--cross-entropy-loss-fusion / --cross-entropy-fusion-impl) and the GPTDataset reading of --data-path
+are those of examples/megatron_lm_real_pretrain_gpt.py, the same script on Megatron-LM's own loop
+(megatron-core >= 0.19). Without --data-path the data are mock sequences.
 """
 
 from __future__ import annotations
@@ -36,6 +46,13 @@ from megatron_fused_ce.megatron import (  # noqa: E402  (fused CE)
     enable_cpu_mode,
     install_fused_output_layer,
     uninstall_fused_output_layer,
+)
+from megatron_fused_ce.megatron.megatron_lm import fused_ce_config_from_args  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_lm_real_pretrain_gpt import (  # noqa: E402  (shared with the real loop's script)
+    build_gpt_datasets,
+    loss_func,
 )
 
 _ARGS = None
@@ -75,6 +92,24 @@ def parse_args(argv=None, extra_args_provider=None):
     add("--overlap-grad-reduce", action="store_true")
     add("--overlap-param-gather", action="store_true")
     add("--seed", type=int, default=1234)
+    # Megatron-LM's cross-entropy flags (see fused_ce_config_from_args)
+    add("--cross-entropy-loss-fusion", action="store_true")
+    add("--cross-entropy-fusion-impl", choices=["native", "te"], default="native")
+    # Megatron-LM's data / tokenizer flags (without --data-path: mock sequences)
+    add("--data-path", nargs="*", default=None)
+    add("--split", default="100,0,0", help="train,valid,test weights (the stand-in trains only)")
+    add("--data-cache-path", default=None)
+    add("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false")
+    add("--reset-position-ids", action="store_true")
+    add("--reset-attention-mask", action="store_true")
+    add("--eod-mask-loss", action="store_true")
+    add("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+        action="store_false")
+    add("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer"],
+        default="GPT2BPETokenizer")
+    add("--vocab-file", default=None)
+    add("--merge-file", default=None)
+    add("--tokenizer-model", default=None, help="HuggingFaceTokenizer: folder with tokenizer.json")
     add("--log-interval", type=int, default=5)
     add("--compare-unfused", action="store_true")
     if extra_args_provider is not None:
@@ -102,6 +137,8 @@ def transformer_config(args):
         sequence_parallel=args.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=args.bf16, calculate_per_token_loss=args.calculate_per_token_loss,
         mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not torch.cuda.is_available())
 
@@ -130,22 +167,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         max_sequence_length=args.seq_length, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         mtp_block_spec=mtp_block_spec, vp_stage=vp_stage)
-    install_fused_output_layer(model, FusedCEConfig.from_megatron_cfg(vars(args)))  # fused CE
+    install_fused_output_layer(model, fused_ce_config_from_args(args))  # fused CE
     return model
 
 
 def get_batch(data_iterator):
     return next(data_iterator)
-
-
-def loss_func(loss_mask, output_tensor):
-    """pretrain_gpt.py's: the model returned per-token losses [b, s]."""
-    losses = output_tensor.float()
-    loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses.view(-1) * loss_mask)
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
-    return loss, num_tokens, {"lm loss": report}
 
 
 def forward_step(data_iterator, model):
@@ -231,6 +258,70 @@ def build_optimizer(args, model):
         [model])
 
 
+class TextTokenizer:
+    """What megatron-core's GPTDataset reads of Megatron-LM's tokenizer (`vocab_size`, `eod`), from
+    the files of --tokenizer-type GPT2BPETokenizer (--vocab-file / --merge-file) or
+    HuggingFaceTokenizer (--tokenizer-model DIR with tokenizer.json), through `tokenizers`."""
+
+    EOD = "<|endoftext|>"
+
+    def __init__(self, args):
+        import tokenizers
+
+        if args.tokenizer_type == "GPT2BPETokenizer":
+            if not (args.vocab_file and args.merge_file):
+                raise SystemExit("--tokenizer-type GPT2BPETokenizer needs --vocab-file and "
+                                 "--merge-file")
+            self._tokenizer = tokenizers.ByteLevelBPETokenizer(args.vocab_file, args.merge_file)
+        else:
+            if not args.tokenizer_model:
+                raise SystemExit("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
+            self._tokenizer = tokenizers.Tokenizer.from_file(
+                os.path.join(args.tokenizer_model, "tokenizer.json"))
+        self.vocab_size = self._tokenizer.get_vocab_size()
+        self.eod = self._tokenizer.token_to_id(self.EOD)
+        # (part of the dataset's cache key, as for megatron's tokenizers)
+        self.unique_identifiers = {"class": args.tokenizer_type, "vocab_file": args.vocab_file,
+                                   "merge_file": args.merge_file,
+                                   "tokenizer_model": args.tokenizer_model}
+        if self.eod is None:
+            raise SystemExit(f"the tokenizer has no {self.EOD} token")
+
+    def tokenize(self, text):
+        return self._tokenizer.encode(text).ids
+
+
+def text_data(args, parallel_state):
+    """megatron-core's GPTDataset over --data-path (the real script's builder); None without it."""
+    if not args.data_path:
+        return None
+    tokenizer = TextTokenizer(args)
+    args.vocab_size = tokenizer.vocab_size  # the model's vocab (padded) follows the tokenizer
+    train, _, _ = build_gpt_datasets(args, tokenizer,
+                                     [args.train_iters * args.global_batch_size, 0, 0],
+                                     lambda: True)
+    return train
+
+
+def text_batches(args, parallel_state, iteration, dataset):
+    """This data-parallel rank's micro-batches of step `iteration`: consecutive samples of the
+    dataset, as Megatron-LM's pretraining sampler hands them out."""
+    dp = parallel_state.get_data_parallel_world_size()
+    rows = args.global_batch_size // dp
+    first = iteration * args.global_batch_size + parallel_state.get_data_parallel_rank() * rows
+    batches = []
+    for begin in range(0, rows, args.micro_batch_size):
+        samples = [dataset[first + begin + j] for j in range(min(args.micro_batch_size, rows - begin))]
+        batch = {key: torch.stack([torch.as_tensor(sample[key]) for sample in samples])
+                 for key in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+                 if key in samples[0]}
+        if "attention_mask" not in batch:  # --no-create-attention-mask-in-dataloader
+            batch["attention_mask"] = torch.triu(torch.ones(
+                1, 1, args.seq_length, args.seq_length, dtype=torch.bool), 1)
+        batches.append({k: v.to(device()) for k, v in batch.items()})
+    return batches
+
+
 def mock_batches(args, parallel_state, iteration):
     """Arithmetic progressions mod vocab (learnable), different per data-parallel rank and step."""
     dp = parallel_state.get_data_parallel_world_size()
@@ -295,7 +386,7 @@ def compare_unfused(args, model, batches, parallel_state):
             results[fused] = reduce_losses(args, run(model, batches, args, forward_only=True),
                                            parallel_state)
     MTPLossLoggingHelper.tracker.clear()
-    install_fused_output_layer(model, FusedCEConfig.from_megatron_cfg(vars(args)))  # as configured
+    install_fused_output_layer(model, fused_ce_config_from_args(args))  # as configured
     if not results[True]:
         return None
     return "first batch: " + "; ".join(
@@ -307,6 +398,7 @@ def main(argv=None):
     global _ARGS
     _ARGS = args = parse_args(argv, extra_args_provider=add_fused_ce_args)  # fused CE: the flags
     parallel_state = initialize(args)
+    dataset = text_data(args, parallel_state)
     model = model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
                            post_process=parallel_state.is_pipeline_last_stage())
     model = wrap_model(args, model)
@@ -320,14 +412,18 @@ def main(argv=None):
     optimizer = build_optimizer(args, model)
     reporter = dist.get_rank() == dist.get_world_size() - 1
     if reporter:
+        fused_ce_config_from_args(args, log=print)  # names Megatron-LM loss flags it supersedes
         print(f"world {dist.get_world_size()}: TP {args.tensor_model_parallel_size} x PP "
               f"{args.pipeline_model_parallel_size} x DP "
               f"{parallel_state.get_data_parallel_world_size()} on "
               f"{'CUDA' if torch.cuda.is_available() else 'CPU'}; MTP depths "
               f"{args.mtp_num_layers or 0}; fused linear CE: "
-              f"{'on' if args.use_linear_ce_fusion_loss else 'off'}", flush=True)
+              f"{'on' if args.use_linear_ce_fusion_loss else 'off'}; data: "
+              f"{'GPTDataset ' + ' '.join(args.data_path) if dataset is not None else 'mock'}",
+              flush=True)
     for iteration in range(args.train_iters):
-        batches = mock_batches(args, parallel_state, iteration)
+        batches = (mock_batches(args, parallel_state, iteration) if dataset is None
+                   else text_batches(args, parallel_state, iteration, dataset))
         if iteration == 0 and args.compare_unfused:
             line = compare_unfused(args, model, batches, parallel_state)
             if reporter and line:
