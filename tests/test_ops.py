@@ -391,43 +391,6 @@ def test_second_backward_with_retained_graph(fn):
         assert reference.rel_err(both.double() - first.double(), ref) < TOL[torch.bfloat16]
 
 
-def test_auto_chunk_size_bounds_the_chunk():
-    from megatron_fused_ce.ops.api import auto_chunk_size
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert auto_chunk_size(100_000, 128_256, cpu) * 128_256 <= 64 * 2**20
-    assert auto_chunk_size(10, 128_256, cpu) == 10
-    assert auto_chunk_size(100_000, 128_256, cuda) == 2**32 // 128_256  # 8 GiB of bf16 logits
-    assert auto_chunk_size(100_000, 2**21, cuda) == 4096  # never below 4096 rows
-    assert auto_chunk_size(16384, 152_064, cuda) == 16384  # the benchmark shapes: one chunk
-    assert auto_chunk_size(1000, 256_000, cuda) == 1000
-
-
-def test_auto_chunk_size_takes_one_chunk_when_it_saves_the_fp32_weight_grad():
-    """One chunk of all rows is chosen iff its peak (all logits + dW in bf16) is no larger than the
-    chunked peak (one chunk + the fp32 dW buffer, or that buffer + the cast dW)."""
-    from megatron_fused_ce.ops.api import auto_chunk_size
-
-    cuda = torch.device("cuda")
-
-    def auto(n, v, h, buffer=True):
-        return auto_chunk_size(n, v, cuda, hidden_size=h, element_size=2, fp32_weight_grad_buffer=buffer)
-
-    # 40000 x 128256 x 2 B + dW 1 GiB = 10.5 GiB > 33487-row chunk + fp32 dW = 10.0 GiB: chunks
-    assert auto(40_000, 128_256, 4096) == 2**32 // 128_256
-    assert auto(34_000, 128_256, 4096) == 34_000  # 9.1 GiB <= 10.0 GiB: one chunk
-    assert auto(34_000, 128_256, 4096, buffer=False) == 2**32 // 128_256  # main_grad: the plain cap
-    # not on the CPU, whose torch backend also makes fp32 copies of the chunk
-    assert auto_chunk_size(4096, 128_256, torch.device("cpu"), hidden_size=4096,
-                           fp32_weight_grad_buffer=True) == 64 * 2**20 // 128_256
-    for n, v, h in [(65536, 128_256, 4096), (40000, 256_000, 2304), (36000, 152_064, 3584),
-                    (160_000, 32_000, 8192), (30000, 151_936, 1024)]:
-        cap = auto(n, v, h, buffer=False)
-        chunked_peak = max(cap * v * 2 + 4 * v * h, 6 * v * h)
-        one_chunk_peak = (n * v + v * h) * 2
-        assert (auto(n, v, h) == n) == (n > cap and one_chunk_peak <= chunked_peak) or n <= cap
-
-
 class _WeightGradBuffers(torch.utils._python_dispatch.TorchDispatchMode):
     """Dtypes of every tensor created with the weight's shape."""
 

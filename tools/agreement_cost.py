@@ -81,7 +81,7 @@ def main():
                 "linear_cross_entropy", hidden, weight, labels, group, vocab_size=None, temperature=1.0,
                 chunk_size=None, sequence_parallel=False, impl="auto", ignore_index=-100,
                 logits_dtype=None, memory_mode="fast", want_entropy=False, grad_path=(True, True, True),
-                fp32_weight_grad_buffer=True,
+                max_chunk_bytes=None,
                 extra_checks={"reduction": None, "label_smoothing": None, "z_loss_weight": None},
                 must_agree={"reduction": "mean", "label_smoothing": 0.0, "z_loss_weight": 0.0})
 

@@ -70,6 +70,7 @@ def linear_grpo_loss(
     accumulate_into_main_grad: bool = False,
     memory_mode: str = "fast",
     logits_dtype: Optional[torch.dtype] = None,
+    max_chunk_bytes: Optional[int] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO loss and metrics from hidden states (see the module doc and `grpo_loss`).
 
@@ -79,7 +80,8 @@ def linear_grpo_loss(
     Tokens where mask == 0 are skipped before the first GEMM. With `cp_group`, T is this rank's
     context-parallel slice of every sequence (as for `grpo_loss`); TP and CP groups may be combined.
     Argument errors raise the same ValueError on every rank of `tp_group` and `cp_group`.
-    `memory_mode`: "fast" or "lean"; `logits_dtype`: None or torch.float32 (see `linear_logprobs`).
+    `memory_mode`: "fast" or "lean"; `logits_dtype`: None or torch.float32; `max_chunk_bytes`: the
+    bound of a chunk of logits without `chunk_size` (see `linear_logprobs`).
     """
     sequence_first = bool(sequence_parallel)
     needs_grad = torch.is_grad_enabled() and any(
@@ -108,7 +110,7 @@ def linear_grpo_loss(
                      ignore_index=ignore_index, chunk_size=chunk_size,
                      sequence_parallel=sequence_parallel, impl=impl,
                      accumulate_into_main_grad=accumulate_into_main_grad, memory_mode=memory_mode,
-                     logits_dtype=logits_dtype)
+                     logits_dtype=logits_dtype, max_chunk_bytes=max_chunk_bytes)
 
     def to_batch_layout(logprobs: Tensor) -> Tensor:
         return logprobs.t() if sequence_first else logprobs

@@ -13,7 +13,8 @@ _ENABLED_KEYS = ("use_linear_ce_fusion_loss", "use_fused_linear_logprobs")
 _CHUNK_KEYS = ("linear_ce_fusion_chunk_size", "fused_linear_logprobs_chunk_size")
 _MEMORY_MODE_KEYS = ("linear_ce_fusion_memory_mode", "fused_linear_logprobs_memory_mode")
 _LOGITS_DTYPE_KEYS = ("linear_ce_fusion_logits_dtype", "fused_linear_logprobs_logits_dtype")
-OWN_KEYS = _ENABLED_KEYS + _CHUNK_KEYS + _MEMORY_MODE_KEYS + _LOGITS_DTYPE_KEYS
+_MAX_CHUNK_BYTES_KEYS = ("linear_ce_fusion_max_chunk_bytes", "fused_linear_logprobs_max_chunk_bytes")
+OWN_KEYS = _ENABLED_KEYS + _CHUNK_KEYS + _MEMORY_MODE_KEYS + _LOGITS_DTYPE_KEYS + _MAX_CHUNK_BYTES_KEYS
 MEMORY_MODES = ("fast", "lean")  # the ops' memory_mode values (ops.api.MEMORY_MODES)
 _LOGITS_DTYPES = ("float32", "fp32")  # spellings of the one non-default choice (fp32 logits)
 
@@ -28,8 +29,10 @@ NEAR_MISS_RATIO = 0.8
 class FusedCEConfig:
     """Whether the fused log-prob path is on, and how many tokens each chunk of logits covers.
 
-    `chunk_size=None` (the default) lets the op choose (`ops.api.auto_chunk_size`: large chunks,
-    fast on GPUs); an int bounds the transient logits of one chunk to `chunk_size x V/TP` elements.
+    `chunk_size=None` (the default) lets the op choose (`ops.api.auto_chunk_size`: equal chunks
+    whose logits take at most `max_chunk_bytes`, default None = 1 GiB, so the extra memory is flat
+    in the number of tokens); an int bounds the transient logits of one chunk to
+    `chunk_size x V/TP` elements (and `max_chunk_bytes` is not used).
     `memory_mode`: "fast" (chunks of logits) or "lean" (tiles: extra memory ~2.5 % of the N=8192
     dense logits whatever N, fp32-accurate dW, slower; see `linear_logprobs`).
     `logits_dtype`: None (logits rounded to the input dtype, like Megatron's output layer) or
@@ -41,12 +44,15 @@ class FusedCEConfig:
     chunk_size: Optional[int] = None
     memory_mode: str = "fast"
     logits_dtype: Optional[str] = None
+    max_chunk_bytes: Optional[int] = None
 
     def __post_init__(self):
         _check_bool("enabled", self.enabled)
         if self.chunk_size is not None:
             _check_chunk_size("chunk_size", self.chunk_size)
         _check_memory_mode("memory_mode", self.memory_mode)
+        if self.max_chunk_bytes is not None:
+            _check_chunk_size("max_chunk_bytes", self.max_chunk_bytes)
         if self.logits_dtype is not None:
             _check_logits_dtype("logits_dtype", self.logits_dtype)
             object.__setattr__(self, "logits_dtype", "float32")  # one spelling (frozen dataclass)
@@ -68,8 +74,10 @@ class FusedCEConfig:
         `linear_ce_fusion_memory_mode` (alias `fused_linear_logprobs_memory_mode`): "fast" / "lean".
         `linear_ce_fusion_logits_dtype` (alias `fused_linear_logprobs_logits_dtype`): null or
         "float32" / "fp32".
+        `linear_ce_fusion_max_chunk_bytes` (alias `fused_linear_logprobs_max_chunk_bytes`): a positive
+        int, the bound of one chunk of logits when no chunk size is given (null: 1 GiB).
         `megatron_cfg` also carries Megatron's own keys, which pass through unread. A key that
-        looks like a misspelling of one of the eight keys above (see `near_miss`) raises
+        looks like a misspelling of one of the ten keys above (see `near_miss`) raises
         `ValueError` naming it and the intended key: otherwise a typo would silently leave fusion
         off. A wrong type, or an alias that contradicts its canonical key, also raises `ValueError`
         naming the key.
@@ -87,11 +95,13 @@ class FusedCEConfig:
         chunk_size = _read(cfg, _CHUNK_KEYS, _check_chunk_size)
         memory_mode = _read(cfg, _MEMORY_MODE_KEYS, _check_memory_mode)
         logits_dtype = _read(cfg, _LOGITS_DTYPE_KEYS, _check_logits_dtype, same=_logits_dtype_name)
+        max_chunk_bytes = _read(cfg, _MAX_CHUNK_BYTES_KEYS, _check_chunk_size)
         return cls(
             enabled=False if enabled is None else bool(enabled),
             chunk_size=None if chunk_size is None else int(chunk_size),
             memory_mode="fast" if memory_mode is None else memory_mode,
             logits_dtype=logits_dtype,
+            max_chunk_bytes=None if max_chunk_bytes is None else int(max_chunk_bytes),
         )
 
 

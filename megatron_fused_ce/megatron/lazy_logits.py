@@ -101,7 +101,8 @@ class LazyLogits(torch.Tensor):
 
         def fused(hidden, weight):
             kwargs = layer.fused_op_kwargs(weight)
-            del kwargs["accumulate_into_main_grad"], kwargs["memory_mode"], kwargs["logits_dtype"]
+            for name in ("accumulate_into_main_grad", "memory_mode", "logits_dtype", "max_chunk_bytes"):
+                del kwargs[name]
             return linear_argmax(hidden, weight, **kwargs)
 
         return layer.run(self.hidden, fused, weight=self.given_weight)

@@ -133,7 +133,7 @@ class FusedOutputLayer(torch.nn.Module):
         return dict(
             tp_group=self.tp_group, chunk_size=self.fused_config.chunk_size,
             memory_mode=self.fused_config.memory_mode, logits_dtype=self.fused_config.op_logits_dtype(),
-            sequence_parallel=self.splits_sequence,
+            max_chunk_bytes=self.fused_config.max_chunk_bytes, sequence_parallel=self.splits_sequence,
             accumulate_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False))
             and sharded.may_add_into_main_grad(weight))
 

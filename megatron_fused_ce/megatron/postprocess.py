@@ -259,7 +259,7 @@ class LogprobsPostProcessor:
             vocab_size=self.vocab_size, temperature=self.temperature,
             ignore_index=self.ignore_index, chunk_size=self.config.chunk_size,
             memory_mode=self.config.memory_mode, logits_dtype=self.config.op_logits_dtype(),
-            sequence_parallel=sequence_parallel,
+            max_chunk_bytes=self.config.max_chunk_bytes, sequence_parallel=sequence_parallel,
             accumulate_into_main_grad=bool(getattr(gpt.config, "gradient_accumulation_fusion", False)),
         )
 

@@ -31,18 +31,14 @@ from .chunked import (
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MEMORY_MODES = ("fast", "lean")
-# memory_mode="fast": the automatic chunk size bounds one chunk of logits, whatever the number of
-# tokens. CPU (torch backend, which also holds fp32 copies of the chunk): 64 Mi elements. CUDA:
-# GEMMs of >= 4096 rows run near the cuBLAS peak while 256-500 rows cost 1.8-2.9x the GEMM floor
-# (docs/benchmarks.md), and one chunk of all rows writes dW in one GEMM per vocab block with no
-# fp32 buffer (SFT CE 1.01-1.07x the floor against 1.08-1.09x with 4096-row chunks on an H100):
-# at least 4096 rows, all of them while the chunk stays under 4 Gi elements (8 GiB of bf16).
-_AUTO_CHUNK_ELEMENTS = 64 * 1024 * 1024
-_AUTO_CHUNK_ELEMENTS_CUDA = 4 * 1024 * 1024 * 1024
-_AUTO_CHUNK_MIN_ROWS_CUDA = 4096
-# The sampler's chunk loop (sampling.py: candidate top-k, nucleus search per chunk) keeps bounded
-# chunks (512 Mi elements, 1 GiB of bf16): its per-chunk work is not the fused one-chunk schedule.
-_AUTO_CHUNK_ELEMENTS_SAMPLER_CUDA = 512 * 1024 * 1024
+# memory_mode="fast": with no `chunk_size`, a chunk of logits holds at most `max_chunk_bytes`
+# (default 1 GiB; the op's extra memory is then flat in the number of tokens: one chunk, plus the
+# fp32 [V_local, H] weight-gradient accumulator when several chunks share it and dW does not go into
+# Megatron's main_grad). The rows are split into chunks of equal size, rounded to the GEMM's 128-row
+# tiles. On the CPU the torch backend also makes fp32 copies of a chunk: at most 64 Mi elements.
+DEFAULT_MAX_CHUNK_BYTES = 1 << 30
+_CHUNK_ROW_MULTIPLE = 128
+_AUTO_CHUNK_ELEMENTS_CPU = 64 * 1024 * 1024
 # Columns per logits GEMM / kernel inside a chunk (chunked.py; 0: the whole shard in one GEMM).
 # Whole-shard GEMMs won on an H100 in one interleaved run (SFT CE x floor at the issue-15 shapes,
 # blocks of 8192 / 16384 / 32768 / whole: 1.127 / 1.098 / 1.074 / 1.055, 1.191 / 1.160 / 1.129 /
@@ -129,8 +125,8 @@ def select_backend(impl: str, device: torch.device):
 # all ranks (a fingerprint of the labels included) without raising; one small all-reduce then
 # makes every rank raise the same error before any real collective (agreement.py).
 # --------------------------------------------------------------------------------------------
-_CHECKS = ("hidden", "weight", "labels", "temperature", "chunk_size", "vocab_size", "impl",
-           "ignore_index", "logits_dtype", "memory_mode")
+_CHECKS = ("hidden", "weight", "labels", "temperature", "chunk_size", "max_chunk_bytes", "vocab_size",
+           "impl", "ignore_index", "logits_dtype", "memory_mode")
 _LABEL_DTYPES = (torch.int64, torch.int32)
 
 
@@ -138,7 +134,6 @@ _LABEL_DTYPES = (torch.int64, torch.int32)
 class _Agreed:
     true_vocab: int  # the unpadded global vocab size
     num_labelled: int  # labelled tokens of the call (the same on every rank)
-    fp32_weight_grad_buffer: bool  # for the automatic chunk size: any rank sums dW in fp32
 
 
 def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_size, temperature,
@@ -198,7 +193,7 @@ def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_s
 
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, temperature, chunk_size,
                      sequence_parallel, impl, ignore_index, logits_dtype, memory_mode, want_entropy,
-                     grad_path, fp32_weight_grad_buffer, extra_checks, must_agree) -> _Agreed:
+                     grad_path, max_chunk_bytes, extra_checks, must_agree) -> _Agreed:
     """Raise the same ValueError on every TP rank for bad input or arguments that differ across
     ranks; else return what the ranks agreed on. One all-reduce of a small int64 vector."""
     tp_size = reductions.group_size(tp_group)
@@ -206,6 +201,9 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     agreement = Agreement(fn_name, tp_group, device, _CHECKS + tuple(k for k in extra_checks if k not in _CHECKS))
     _local_checks(agreement, hidden, weight, labels, tp_size, vocab_size, temperature, chunk_size,
                   sequence_parallel, impl, ignore_index, logits_dtype, memory_mode)
+    if max_chunk_bytes is not None and not (is_int(max_chunk_bytes) and max_chunk_bytes > 0):
+        agreement.fail("max_chunk_bytes", f"max_chunk_bytes must be a positive integer or None, got "
+                                          f"{max_chunk_bytes!r}")
     for name, message in extra_checks.items():
         if message:
             agreement.fail(name, message)
@@ -243,6 +241,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     agreement.equal("vocab_size", true_vocab)
     agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
     agreement.equal("chunk_size", chunk_size if not agreement.failed("chunk_size") else -1)
+    agreement.equal("max_chunk_bytes", max_chunk_bytes if not agreement.failed("max_chunk_bytes") else -1)
     # the backend that will run ("auto" and "torch" agree on a CPU)
     agreement.equal("impl", select_backend(impl, device).__name__ if not agreement.failed("impl") else None)
     agreement.equal("logits_dtype", str(logits_dtype))
@@ -257,7 +256,6 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
             agreement.equal_tensor(name, value)
         else:
             agreement.equal(name, value)
-    buffer_key = agreement.maximum("chunk_size", int(fp32_weight_grad_buffer))
 
     def bad_label_message(agreed):
         if not agreed[bad_key]:
@@ -269,7 +267,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
         return [f"labels: labels outside [0, vocab_size={true_vocab}) on another tensor-parallel rank"]
 
     agreed = agreement.agree(bad_label_message)
-    return _Agreed(true_vocab, agreed[labelled_key], bool(agreed[buffer_key]))
+    return _Agreed(true_vocab, agreed[labelled_key])
 
 
 def _autocast_inputs(hidden, weight):
@@ -330,39 +328,26 @@ class TokenStats:
         return full.index_put((self.row_index,), values).reshape(shape)
 
 
-def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, hidden_size: int = 0,
-                    element_size: int = 2, fp32_weight_grad_buffer: bool = False,
-                    logits_element_size: Optional[int] = None,
-                    cuda_chunk_elements: int = _AUTO_CHUNK_ELEMENTS_CUDA) -> int:
-    """Rows per chunk when the caller gives none: bounded chunks of logits (see the caps above;
-    `cuda_chunk_elements` is the CUDA cap).
-
-    `fp32_weight_grad_buffer`: the weight gradient will be computed here and, once the rows span
-    several chunks, summed over them in an fp32 [V_local, H] buffer (i.e. not into Megatron's
-    main_grad). One chunk of all rows then needs no such buffer: its single GEMM writes dW in the
-    weight's dtype. That is taken whenever its peak memory, all logits + dW, is no larger than the
-    chunked peak, one chunk + the fp32 buffer (or the buffer + the cast dW): faster (no fp32
-    read-modify-write of dW per chunk, no final cast pass) at no memory cost. CUDA only: the peaks
-    assume the Triton backend, which works on the chunk in place (the torch backend on the CPU
-    also makes fp32 copies of it).
-    `logits_element_size` (fp32 logits of bf16/fp16 inputs: 4): the CUDA cap keeps the chunk's
-    bytes, and the one-chunk rule is not used (its peaks assume logits in the input dtype).
-    """
-    v_local = max(v_local, 1)
-    widening = 1 if logits_element_size is None else max(logits_element_size // element_size, 1)
-    if device.type == "cuda":
-        rows = max(_AUTO_CHUNK_MIN_ROWS_CUDA, cuda_chunk_elements // widening // v_local)
-    else:
-        rows = max(64, _AUTO_CHUNK_ELEMENTS // v_local)
-    num_rows = max(num_rows, 1)
-    if fp32_weight_grad_buffer and widening == 1 and device.type == "cuda" and num_rows > rows:
-        weight_elems = v_local * hidden_size
-        chunked_peak = max(rows * v_local * element_size + 4 * weight_elems,
-                           (4 + element_size) * weight_elems)
-        one_chunk_peak = (num_rows * v_local + weight_elems) * element_size
-        if one_chunk_peak <= chunked_peak:
-            return num_rows
-    return min(num_rows, rows)
+def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, logits_element_size: int = 2,
+                    max_chunk_bytes: Optional[int] = None) -> int:
+    """Rows per chunk when the caller gives none: chunks of equal size whose logits
+    ([rows, v_local] of `logits_element_size` bytes) fit in `max_chunk_bytes` (None: 1 GiB), as
+    many rows as fit rounded down to a multiple of 128 (at least 1 row)."""
+    budget = DEFAULT_MAX_CHUNK_BYTES if max_chunk_bytes is None else int(max_chunk_bytes)
+    v_local, num_rows = max(v_local, 1), max(num_rows, 1)
+    max_rows = budget // (v_local * logits_element_size)
+    if device.type != "cuda":
+        max_rows = min(max_rows, _AUTO_CHUNK_ELEMENTS_CPU // v_local)
+    if max_rows >= _CHUNK_ROW_MULTIPLE:
+        max_rows -= max_rows % _CHUNK_ROW_MULTIPLE
+    max_rows = max(max_rows, 1)
+    if num_rows <= max_rows:
+        return num_rows
+    num_chunks = -(-num_rows // max_rows)
+    rows = -(-num_rows // num_chunks)  # equal chunks: the last one is not a sliver
+    if max_rows >= _CHUNK_ROW_MULTIPLE:
+        rows = min(max_rows, -(-rows // _CHUNK_ROW_MULTIPLE) * _CHUNK_ROW_MULTIPLE)
+    return rows
 
 
 def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_max, log_sum_exp,
@@ -385,8 +370,8 @@ def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_
 
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
                      chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
-                     want_entropy, logits_dtype=None, memory_mode="fast", extra_checks=None,
-                     must_agree=None, token_grads=None, sampler=None) -> TokenStats:
+                     want_entropy, logits_dtype=None, memory_mode="fast", max_chunk_bytes=None,
+                     extra_checks=None, must_agree=None, token_grads=None, sampler=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
@@ -421,7 +406,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         chunk_size=chunk_size, sequence_parallel=sequence_parallel, impl=impl,
         ignore_index=ignore_index, logits_dtype=logits_dtype, memory_mode=memory_mode,
         want_entropy=want_entropy, grad_path=(needs_grad, needs_dx, grad_in_forward),
-        fp32_weight_grad_buffer=needs_grad and weight.requires_grad and main_grad_param is None,
+        max_chunk_bytes=max_chunk_bytes,
         extra_checks=extra_checks, must_agree={**(must_agree or {}), **(sampler or {})})
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
@@ -457,11 +442,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         **sampler, true_vocab=agreed.true_vocab, vocab_start=vocab_start)
     if not chunk_size:
         chunk_size = auto_chunk_size(
-            row_labels.numel(), v_local, hidden.device, hidden_size=hidden_size,
-            element_size=weight.element_size(), fp32_weight_grad_buffer=agreed.fp32_weight_grad_buffer,
-            logits_element_size=None if logits_dtype is None else 4,
-            cuda_chunk_elements=(_AUTO_CHUNK_ELEMENTS_CUDA if sampling_spec is None
-                                 else _AUTO_CHUNK_ELEMENTS_SAMPLER_CUDA))
+            row_labels.numel(), v_local, hidden.device, max_chunk_bytes=max_chunk_bytes,
+            logits_element_size=4 if logits_dtype is not None else weight.element_size())
     spec = ChunkSpec(
         tp_group=tp_group,
         backend=backend,
@@ -522,6 +504,7 @@ def linear_logprobs(
     accumulate_into_main_grad: bool = False,
     logits_dtype: Optional[torch.dtype] = None,
     memory_mode: str = "fast",
+    max_chunk_bytes: Optional[int] = None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
@@ -546,8 +529,9 @@ def linear_logprobs(
     (closer to float64 math for bf16/fp16 inputs, at the cost of a chunk twice as large).
     Under torch.autocast the inputs are cast to the autocast dtype first, as F.linear would.
     `memory_mode`: "fast" (default; the only mode for the sampler settings below) holds one chunk
-    of logits (on CUDA all rows while they stay under 8 GiB, `chunk_size` rows when given) and,
-    over several chunks, an fp32 [V_local, H] weight-gradient buffer; "lean" works in tiles within a fixed working set on each rank (400 bytes per
+    of logits (`chunk_size` rows when given, else equal chunks of at most `max_chunk_bytes` of
+    logits, default 1 GiB) and, over several chunks, an fp32 [V_local, H] weight-gradient buffer
+    (none when dW goes into Megatron's main_grad); "lean" works in tiles within a fixed working set on each rank (400 bytes per
     row of the whole vocab, at least 32 MiB: about 2.4 % of the logits of 8192 tokens, whatever the
     number of tokens or TP ranks; `chunk_size` is not used) with both gradients still
     accumulated in fp32, at the cost of more GEMMs (5 instead of 4 here, 4 instead of 3 for
@@ -595,7 +579,8 @@ def linear_logprobs(
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
-        memory_mode=memory_mode, want_sum_logits=False, want_entropy=return_entropy, extra_checks=problems,
+        memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=False,
+        want_entropy=return_entropy, extra_checks=problems,
         sampler=active)
     logprobs = stats.logprob()
     if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
@@ -626,6 +611,7 @@ def linear_cross_entropy(
     accumulate_into_main_grad: bool = False,
     logits_dtype: Optional[torch.dtype] = None,
     memory_mode: str = "fast",
+    max_chunk_bytes: Optional[int] = None,
 ) -> Tensor:
     """F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss, without the logits.
 
@@ -670,7 +656,8 @@ def linear_cross_entropy(
         temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
         sequence_parallel=sequence_parallel, impl=impl,
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
-        memory_mode=memory_mode, want_sum_logits=smoothing > 0.0, want_entropy=False, extra_checks=extra,
+        memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=smoothing > 0.0,
+        want_entropy=False, extra_checks=extra,
         must_agree=must_agree, token_grads=token_grads)
 
     per_token = -stats.logprob()

@@ -36,7 +36,8 @@ def linear_argmax(hidden: Tensor, weight: Tensor, *, tp_group=None, chunk_size: 
             out_shape = (out_shape[0] * tp_size,) + out_shape[1:]
         best_value = torch.full((rows.shape[0],), float("-inf"), device=rows.device)
         best_id = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
-        step = chunk_size or auto_chunk_size(rows.shape[0], v_local, rows.device)
+        step = chunk_size or auto_chunk_size(rows.shape[0], v_local, rows.device,
+                                             logits_element_size=weight.element_size())
         for begin in range(0, rows.shape[0], step):
             values, ids = torch.mm(rows[begin:begin + step], weight.t()).max(dim=-1)
             best_value[begin:begin + step] = values.float()  # exact: bf16/fp16 -> fp32
