@@ -6,7 +6,7 @@ only the log-prob passes the config needs.
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/grpo.py --tp 2 --cp 2 --compare-unfused
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py grpo.beta=0 grpo.force_on_policy_ratio=true
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py --tp 2 sampling.top_p=0.9 sampling.top_k=50
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py --tp 2 --report-ratio --steps 0
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo.py --tp 2 --report-ratio --steps 1
 
 Per rollout step:
 1. rollout (examples/rollout.py): the model generates the responses of this data-parallel
