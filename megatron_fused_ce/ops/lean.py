@@ -83,11 +83,9 @@ def tile_sizes(num_rows: int, v_local: int, hidden_size: int, element_size: int,
     copies). `weight_grad_accumulates`: dW goes into an existing fp32 buffer (main_grad)."""
     v_local, num_rows = max(v_local, 1), max(num_rows, 1)
     acc_row = hidden_size * (4 + element_size)
-    # Token chunks of equal size (8192 tokens at H=4096: 8 x 1024, not 7 x 1152 + 128, whose
-    # 128-row tiles ran 2 % of the call's time in tiny GEMMs on an H100), each near one full wave,
-    # or more rows where the working set holds them next to a full-width tile (fewer, larger
-    # GEMMs: lean CE at 8192x2304x256000 ran 2-6 % faster on an H100 in 4 chunks of 2048 than in 5
-    # of 1664, in three interleaved runs).
+    # Token chunks of equal size (8192 tokens at H=4096: 8 x 1024, not 7 x 1152 + 128), each near one
+    # full wave, or more rows where the working set holds them next to a full-width tile (fewer,
+    # larger GEMMs). Why: docs/design.md §10.7.
     full_wave_rows = _round_up(_FULL_WAVE // max(hidden_size, 1), 128)
     fitting_rows = workset_bytes // (min(v_local, _MAX_COLS_A) * tile_bytes_per_element + acc_row)
     chunk_rows = max(full_wave_rows, fitting_rows)
@@ -117,11 +115,7 @@ def weight_blocks(weight: Tensor, num_valid_cols: int, width: int):
 
 
 def _empty_stats(n: int, device, spec) -> ShardStats:
-    f32 = dict(dtype=torch.float32, device=device)
-    zeros = torch.zeros(n, **f32)
-    return ShardStats(max=torch.full((n,), float("-inf"), **f32), sum_exp=zeros, target=zeros.clone(),
-                      sum_logits=zeros.clone() if spec.want_sum_logits else None,
-                      sum_exp_shifted=zeros.clone() if spec.want_entropy else None)
+    return ShardStats.empty(n, device, spec.want_sum_logits, spec.want_entropy)
 
 
 def tile_stats(rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:

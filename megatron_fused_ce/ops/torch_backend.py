@@ -49,6 +49,19 @@ class ShardStats:
     sum_logits: Optional[Tensor] = None  # sum_k z_k (label smoothing)
     sum_exp_shifted: Optional[Tensor] = None  # sum_k exp(z_k - m) * (z_k - m) (entropy)
 
+    @staticmethod
+    def empty(n: int, device, want_sum_logits: bool = False, want_entropy: bool = False) -> "ShardStats":
+        """The partials of rows without a valid column (a shard made only of padding, or no rows):
+        max -inf, every sum 0."""
+        zeros = torch.zeros(n, dtype=torch.float32, device=device)
+        return ShardStats(
+            max=torch.full_like(zeros, float("-inf")),
+            sum_exp=zeros,
+            target=zeros.clone(),
+            sum_logits=zeros.clone() if want_sum_logits else None,
+            sum_exp_shifted=zeros.clone() if want_entropy else None,
+        )
+
 
 def _scaled_fp32(logits: Tensor, num_valid_cols: int, inv_temperature: float) -> Tensor:
     z = logits[:, :num_valid_cols].float()
@@ -74,16 +87,8 @@ def shard_stats(
     *,
     col_start: int = 0,
 ) -> ShardStats:
-    n = logits.shape[0]
     if num_valid_cols == 0:  # a shard made only of padding columns
-        zeros = logits.new_zeros(n, dtype=torch.float32)
-        return ShardStats(
-            max=torch.full_like(zeros, float("-inf")),
-            sum_exp=zeros,
-            target=zeros.clone(),
-            sum_logits=zeros.clone() if want_sum_logits else None,
-            sum_exp_shifted=zeros.clone() if want_entropy else None,
-        )
+        return ShardStats.empty(logits.shape[0], logits.device, want_sum_logits, want_entropy)
     z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
     on_shard, target_col = _target_mask(local_target, col_start, num_valid_cols)
     row_max = z.amax(dim=1)

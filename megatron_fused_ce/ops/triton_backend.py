@@ -184,27 +184,13 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def shard_stats(
-    logits: Tensor,
-    local_target: Tensor,
-    num_valid_cols: int,
-    inv_temperature: float,
-    want_sum_logits: bool = False,
-    want_entropy: bool = False,
-    *,
-    col_start: int = 0,
-) -> ShardStats:
+def shard_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
+                want_sum_logits: bool = False, want_entropy: bool = False, *, col_start: int = 0) -> ShardStats:
+    """torch_backend.shard_stats (same arguments, same results) in Triton."""
     n = logits.shape[0]
     f32 = dict(dtype=torch.float32, device=logits.device)
     if num_valid_cols == 0 or n == 0:  # a shard made only of padding columns, or no rows
-        zeros = torch.zeros(n, **f32)
-        return ShardStats(
-            max=torch.full_like(zeros, float("-inf")),
-            sum_exp=zeros,
-            target=zeros.clone(),
-            sum_logits=zeros.clone() if want_sum_logits else None,
-            sum_exp_shifted=zeros.clone() if want_entropy else None,
-        )
+        return ShardStats.empty(n, logits.device, want_sum_logits, want_entropy)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     local_target = local_target.contiguous()
@@ -253,20 +239,10 @@ def shard_stats(
     )
 
 
-def shard_dlogits_(
-    logits: Tensor,
-    local_target: Tensor,
-    num_valid_cols: int,
-    inv_temperature: float,
-    lse: Tensor,
-    coef_p: Tensor,
-    coef_pz: Optional[Tensor],
-    coef_target: Optional[Tensor],
-    coef_uniform: Optional[Tensor],
-    log_sum_exp: Optional[Tensor] = None,
-    *,
-    col_start: int = 0,
-) -> Tensor:
+def shard_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
+                   lse: Tensor, coef_p: Tensor, coef_pz: Optional[Tensor], coef_target: Optional[Tensor],
+                   coef_uniform: Optional[Tensor], log_sum_exp: Optional[Tensor] = None, *,
+                   col_start: int = 0) -> Tensor:
     """Overwrite `logits` with dL/d(logits) (chain rule through z = logits / T included);
     `log_sum_exp`, `col_start` as in torch_backend.shard_dlogits_."""
     n, num_cols = logits.shape
@@ -370,21 +346,9 @@ def _exp_tile_kernel(
         tl.store(target_out_ptr + row, z_t)
 
 
-def exp_tile_(
-    tile: Tensor,
-    local_target: Tensor,
-    num_valid_cols: int,
-    inv_temperature: float,
-    ref_max: Tensor,
-    sum_exp: Tensor,
-    target: Tensor,
-    sum_logits: Optional[Tensor],
-    acc: Optional[Tensor],
-    first: bool,
-    *,
-    ref_margin: float,
-    col_start: int = 0,
-) -> Tensor:
+def exp_tile_(tile: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float, ref_max: Tensor,
+              sum_exp: Tensor, target: Tensor, sum_logits: Optional[Tensor], acc: Optional[Tensor], first: bool,
+              *, ref_margin: float, col_start: int = 0) -> Tensor:
     """Same as torch_backend.exp_tile_ (lean sweep A), in place; all partials fp32 contiguous,
     `acc` fp32 with unit column stride."""
     n, num_cols = tile.shape

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .triton_gemm_stats import (_f32, _interpreting, _programs, _tile_coords, _use_tma, descriptor_scratch,
-                                round_bf16_by_hand, tile_product)
+                                operand_descriptors, round_bf16_by_hand, tile_product)
 from .triton_gemm_stats import supported as _gemm_supported
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Module-level so that tests can shrink it.
@@ -49,9 +49,7 @@ def _gemm_dlogits_tma(h_ptr, w_ptr, out_ptr, tgt_ptr, shift_ptr, rest_ptr, cp_pt
                       HAS_UNIFORM: tl.constexpr, HAS_REST: tl.constexpr, DOT_F32: tl.constexpr,
                       BF16_BY_HAND: tl.constexpr):
     # BF16_BY_HAND: the CPU interpreter's fp32 -> bf16 cast truncates; round to nearest even by hand
-    a_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, K], strides=[stride_h, 1], block_shape=[BM, BK])
-    # only the valid columns' weight rows are read: the padding columns' products load as zeros
-    b_desc = tl.make_tensor_descriptor(w_ptr, shape=[NV, K], strides=[stride_w, 1], block_shape=[BN, BK])
+    a_desc, b_desc = operand_descriptors(h_ptr, w_ptr, M, NV, K, stride_h, stride_w, BM, BN, BK)
     o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, NC], strides=[stride_out, 1], block_shape=[BM, BN])
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(NC, BN)

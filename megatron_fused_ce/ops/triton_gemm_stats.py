@@ -66,6 +66,16 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP: tl.constexpr):
 
 
 @triton.jit
+def operand_descriptors(h_ptr, w_ptr, M, NV, K, stride_h, stride_w,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """K-major tensor descriptors of the hidden rows [M, K] and of the valid weight rows [NV, K]
+    (the padding columns' products load as zeros: their weight rows are not read)."""
+    a_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, K], strides=[stride_h, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(w_ptr, shape=[NV, K], strides=[stride_w, 1], block_shape=[BN, BK])
+    return a_desc, b_desc
+
+
+@triton.jit
 def tile_product(a_desc, b_desc, pid_m, pid_n, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  DOT_F32: tl.constexpr):
     """fp32 [BM, BN] tile (pid_m, pid_n) of A @ B.T, both K-major tensor descriptors."""
@@ -126,8 +136,7 @@ def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_pt
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                     ROUND: tl.constexpr, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
                     DOT_F32: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    a_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, K], strides=[stride_h, 1], block_shape=[BM, BK])
-    b_desc = tl.make_tensor_descriptor(w_ptr, shape=[NV, K], strides=[stride_w, 1], block_shape=[BN, BK])
+    a_desc, b_desc = operand_descriptors(h_ptr, w_ptr, M, NV, K, stride_h, stride_w, BM, BN, BK)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(NV, BN)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_progs, flatten=True):
@@ -228,24 +237,14 @@ def _use_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def gemm_shard_stats(
-    hidden_rows: Tensor,
-    weight: Tensor,
-    local_target: Tensor,
-    num_valid_cols: int,
-    inv_temperature: float,
-    want_sum_logits: bool = False,
-    want_entropy: bool = False,
-    round_logits: bool = True,
-) -> ShardStats:
+def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, num_valid_cols: int,
+                     inv_temperature: float, want_sum_logits: bool = False, want_entropy: bool = False,
+                     round_logits: bool = True) -> ShardStats:
     """ShardStats of hidden_rows @ weight.T (see the module doc); `supported()` must hold."""
     n = hidden_rows.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden_rows.device)
     if num_valid_cols == 0 or n == 0:
-        zeros = torch.zeros(n, **f32)
-        return ShardStats(max=torch.full_like(zeros, float("-inf")), sum_exp=zeros, target=zeros.clone(),
-                          sum_logits=zeros.clone() if want_sum_logits else None,
-                          sum_exp_shifted=zeros.clone() if want_entropy else None)
+        return ShardStats.empty(n, hidden_rows.device, want_sum_logits, want_entropy)
     bm, bn, bk, warps, stages = TILE
     tiles_n = triton.cdiv(num_valid_cols, bn)
     per_row = 4 * tiles_n * (2 + want_sum_logits + want_entropy)
