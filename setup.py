@@ -17,7 +17,9 @@ setup(
         "triton": ["triton>=3.0"],
         # hypothesis pinned: its derandomized examples (tests/test_fuzz.py) depend on the version
         "test": ["pytest>=7", "hypothesis==6.170.15", "megatron-core>=0.16.1", "triton>=3.0", "pyyaml",
-                 "tqdm", "einops"],  # einops: megatron's Megatron-FSDP adapter (tests/test_megatron_fsdp.py)
+                 "tqdm", "einops", "tokenizers"],  # einops: megatron's Megatron-FSDP adapter (tests/test_megatron_fsdp.py)
         "bench": ["matplotlib", "triton>=3.0"],
+        # tools/make_text_dataset.py (BPE tokenizer + indexed dataset of the stdlib sources)
+        "data": ["tokenizers", "megatron-core>=0.16.1"],
     },
 )

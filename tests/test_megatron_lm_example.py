@@ -45,3 +45,82 @@ def test_megatron_lm_example(world, argv, capfd):
     differences = [float(x) for x in re.findall(r"\|difference\| ([0-9.e+-]+)", line)]
     assert len(differences) == len(names) and max(differences) <= 1e-4, line
     assert "iteration 2/2: lm loss" in text and f"mtp_{depths} loss" in text.split("iteration 2/2")[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# examples/megatron_lm_real_pretrain_gpt.py (Megatron-LM's own loop, megatron-core >= 0.19) and the
+# handling of Megatron-LM's cross-entropy flags, shared with the stand-in
+# ------------------------------------------------------------------------------------------------
+import argparse  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from megatron_fused_ce.megatron import add_fused_ce_args  # noqa: E402
+from megatron_fused_ce.megatron.megatron_lm import (  # noqa: E402
+    fused_ce_config_from_args,
+    superseded_loss_flags,
+)
+
+REAL_PATH = os.path.join(os.path.dirname(PATH), "megatron_lm_real_pretrain_gpt.py")
+_real_spec = importlib.util.spec_from_file_location("megatron_example_real_pretrain_gpt", REAL_PATH)
+REAL = importlib.util.module_from_spec(_real_spec)
+_real_spec.loader.exec_module(REAL)
+
+
+def test_real_script_exits_without_megatron_training():
+    if REAL.megatron_training_error() is None:
+        pytest.skip("megatron.training is importable here")
+    result = subprocess.run([sys.executable, REAL_PATH, "--use-linear-ce-fusion-loss"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result
+    assert "megatron.training is not importable" in result.stderr
+    assert "megatron-core wheels >= 0.19" in result.stderr
+
+
+def test_stand_in_shares_the_real_scripts_functions():
+    assert EXAMPLE.loss_func is sys.modules["megatron_lm_real_pretrain_gpt"].loss_func
+    assert EXAMPLE.build_gpt_datasets is sys.modules["megatron_lm_real_pretrain_gpt"].build_gpt_datasets
+
+
+def _args(argv):
+    return EXAMPLE.parse_args(argv, extra_args_provider=add_fused_ce_args)
+
+
+def test_cross_entropy_flags():
+    logged = []
+    # both fusions named: the fused layer supersedes megatron's logits fusion, which stays in args
+    args = _args(["--use-linear-ce-fusion-loss", "--cross-entropy-loss-fusion"])
+    config = fused_ce_config_from_args(args, log=logged.append)
+    assert config.enabled and args.cross_entropy_loss_fusion
+    assert superseded_loss_flags(args) == ["--cross-entropy-loss-fusion"]
+    assert len(logged) == 1 and "--cross-entropy-loss-fusion" in logged[0]
+    # megatron's own fusion alone: nothing to reconcile
+    logged.clear()
+    args = _args(["--cross-entropy-loss-fusion"])
+    assert not fused_ce_config_from_args(args, log=logged.append).enabled and not logged
+    assert superseded_loss_flags(args) == []
+    # --fp16-lm-cross-entropy (Megatron-LM's flag; not in the stand-in's parser)
+    args = argparse.Namespace(use_linear_ce_fusion_loss=True, fp16_lm_cross_entropy=True)
+    assert superseded_loss_flags(args) == ["--fp16-lm-cross-entropy"]
+    # megatron-core refuses te's cross-entropy fusion; so does the shared check
+    for argv in (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+                 ["--use-linear-ce-fusion-loss", "--cross-entropy-loss-fusion",
+                  "--cross-entropy-fusion-impl", "te"]):
+        with pytest.raises(ValueError, match="cross-entropy-fusion-impl native"):
+            fused_ce_config_from_args(_args(argv))
+    # te named without the fusion flag is inert, as in Megatron-LM
+    assert fused_ce_config_from_args(_args(["--use-linear-ce-fusion-loss",
+                                            "--cross-entropy-fusion-impl", "te"])).enabled
+
+
+def test_fused_flags_do_not_clash_with_megatron_lm_names():
+    """add_fused_ce_args next to the stand-in's copies of Megatron-LM's flags: argparse would raise
+    on a duplicate option; every fused flag's dest is read back by FusedCEConfig, and no Megatron-LM
+    dest (here: the stand-in's) reads as a near-miss of one of the package's keys."""
+    from megatron_fused_ce.megatron.config import near_miss
+
+    args = _args(["--use-linear-ce-fusion-loss", "--linear-ce-fusion-chunk-size", "64",
+                  "--linear-ce-fusion-memory-mode", "lean"])
+    config = fused_ce_config_from_args(args)
+    assert (config.enabled, config.chunk_size, config.memory_mode) == (True, 64, "lean")
+    assert [key for key in vars(args) if near_miss(key)] == []

@@ -1,0 +1,344 @@
+"""Fused vs unfused output layer inside Megatron-LM's own training loop, on real text, on one GPU.
+
+    python tools/real_loop_curves.py --work /tmp/real_loop --out $OUT            # ~350M GPT
+    python tools/real_loop_curves.py --preset tiny --work /tmp/rl --out /tmp/o   # a quick check
+
+Needs megatron-core >= 0.19 (megatron.training), `tokenizers`, `transformers`, matplotlib
+(tools/real_loop_curves.sh installs megatron-core from .wheels/). Steps, each a
+`torchrun --nproc_per_node 1 examples/megatron_lm_real_pretrain_gpt.py ...` process:
+
+  1. tools/make_text_dataset.py: BPE tokenizer (vocab 32768) + indexed dataset of the stdlib sources
+  2. `fused`:   --use-linear-ce-fusion-loss, checkpoint at --save-interval
+  3. `unfused`: the same seed, initialization and data order, Megatron's own output layer
+  4. `fused_to_unfused`: the fused run's checkpoint resumed without the fused layer (2 steps)
+     `unfused_to_fused`: the unfused run's checkpoint resumed with it
+     `fused_to_fused`:   the fused checkpoint resumed as it was (control: equals the fused run)
+  5. `mtp_fused` / `mtp_unfused`: --mtp-num-layers 1
+
+Writes under --out: real_loop_summary.json (per-step losses, tokens/s, peak memory, checkpoint
+interchange), real_loop.md (the same as tables), megatron_lm_curves.png, real_loop_logs.txt.
+Stops starting new runs once --deadline seconds have passed (the summary then lists what ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "examples" / "megatron_lm_real_pretrain_gpt.py"
+
+PRESETS = {
+    # ~350M parameters with a 32k vocabulary (GPT-2 medium shape)
+    "full": dict(vocab=32768, max_files=None, layers=24, hidden=1024, heads=16, seq=1024,
+                 micro=8, global_batch=16, iters=500, save_interval=250, mtp_iters=200,
+                 lr=3e-4, warmup=50),
+    "tiny": dict(vocab=4096, max_files=300, layers=2, hidden=256, heads=4, seq=256,
+                 micro=4, global_batch=8, iters=30, save_interval=15, mtp_iters=10,
+                 lr=1e-3, warmup=5),
+}
+
+ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
+FIELD_RE = {
+    "lm_loss": re.compile(r"\blm loss: ([0-9.eE+-]+)"),
+    "mtp_1_loss": re.compile(r"\bmtp_1 loss: ([0-9.eE+-]+)"),
+    "ms": re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)"),
+    "grad_norm": re.compile(r"grad norm: ([0-9.eE+-]+)"),
+}
+PEAK_RE = re.compile(r"peak GPU memory allocated \(max over ranks\): ([0-9.]+) GiB")
+
+
+def model_args(p, data_dir, iters):
+    return [
+        "--num-layers", str(p["layers"]), "--hidden-size", str(p["hidden"]),
+        "--num-attention-heads", str(p["heads"]), "--seq-length", str(p["seq"]),
+        "--max-position-embeddings", str(p["seq"]), "--micro-batch-size", str(p["micro"]),
+        "--global-batch-size", str(p["global_batch"]), "--train-iters", str(iters),
+        "--lr", str(p["lr"]), "--min-lr", str(p["lr"] / 10), "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", str(p["warmup"]), "--lr-decay-iters", str(p["iters"]),
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95",
+        "--init-method-std", "0.02", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--position-embedding-type", "rope", "--no-rope-fusion",
+        "--bf16", "--use-distributed-optimizer",
+        "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+        "--no-masked-softmax-fusion",
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(data_dir),
+        "--data-path", str(data_dir / "text_document"), "--split", "100,0,0",
+        "--eval-iters", "0", "--eval-interval", "1000000", "--log-interval", "1",
+        "--seed", "1234", "--num-workers", "1", "--distributed-timeout-minutes", "10",
+    ]
+
+
+_PORTS = iter(range(29500, 29900))
+
+
+def run_one(name, argv, logs, env, work):
+    """Start one training process (its own rendezvous port and dataset-index cache)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+           "--master_port", str(next(_PORTS)), str(SCRIPT)] + argv + [
+               "--data-cache-path", str(work / f"cache_{name}")]
+    start = time.time()
+    log_path = logs / f"{name}.log"
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    return proc, start, log_path
+
+
+def wait(name, proc, start, log_path, timeout):
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "timeout"
+    wall = time.time() - start
+    result = parse_log(log_path.read_text(errors="replace"))
+    result.update(name=name, rc=rc, wall_s=round(wall, 1))
+    print(f"[{name}] rc={rc} wall {wall:.0f}s steps {len(result['steps'])} "
+          f"last lm loss {result['lm_loss'][-1] if result['lm_loss'] else None} "
+          f"peak {result['peak_gib']} GiB", flush=True)
+    return result
+
+
+def parse_log(text):
+    steps, fields = [], {k: [] for k in FIELD_RE}
+    for line in text.splitlines():
+        m = ITER_RE.search(line)
+        if not m or "lm loss" not in line:
+            continue
+        steps.append(int(m.group(1)))
+        for key, rx in FIELD_RE.items():
+            f = rx.search(line)
+            fields[key].append(float(f.group(1)) if f else None)
+    peak = PEAK_RE.findall(text)
+    return {"steps": steps, **fields, "peak_gib": float(peak[-1]) if peak else None}
+
+
+def tokens_per_s(result, tokens_per_step, skip=10):
+    ms = [m for s, m in zip(result["steps"], result["ms"]) if m is not None and s > skip]
+    if not ms:
+        return None
+    ms.sort()
+    return round(tokens_per_step / (ms[len(ms) // 2] / 1000.0), 1)
+
+
+def loss_at(result, step, key="lm_loss"):
+    if result and step in result["steps"]:
+        return result[key][result["steps"].index(step)]
+    return None
+
+
+def compare(a, b, key="lm_loss"):
+    """Per-step |a - b| over the steps both logged."""
+    if not a or not b:
+        return None
+    bs = dict(zip(b["steps"], b[key]))
+    diffs = [(s, abs(x - bs[s])) for s, x in zip(a["steps"], a[key])
+             if s in bs and x is not None and bs[s] is not None]
+    if not diffs:
+        return None
+    worst = max(diffs, key=lambda d: d[1])
+    return {"steps": len(diffs), "max_abs_diff": worst[1], "at_step": worst[0],
+            "first_step_abs_diff": diffs[0][1],
+            "mean_abs_diff_last_50": sum(d for _, d in diffs[-50:]) / len(diffs[-50:])}
+
+
+def plot(results, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    styles = {"fused": ("tab:red", "-"), "unfused": ("tab:blue", "--"),
+              "mtp_fused": ("tab:orange", "-"), "mtp_unfused": ("tab:green", "--")}
+    for name, (color, ls) in styles.items():
+        r = results.get(name)
+        if r and r["steps"]:
+            axes[0].plot(r["steps"], r["lm_loss"], ls, color=color, lw=1.1, label=f"{name} lm loss")
+    axes[0].set_xlabel("iteration")
+    axes[0].set_ylabel("lm loss")
+    axes[0].set_title(title)
+    axes[0].legend()
+    for a, b, color in (("fused", "unfused", "tab:red"), ("mtp_fused", "mtp_unfused", "tab:orange")):
+        ra, rb = results.get(a), results.get(b)
+        if ra and rb:
+            bs = dict(zip(rb["steps"], rb["lm_loss"]))
+            xs = [s for s in ra["steps"] if s in bs]
+            ys = [ra["lm_loss"][ra["steps"].index(s)] - bs[s] for s in xs]
+            axes[1].plot(xs, ys, color=color, lw=0.9, label=f"{a} - {b}")
+    axes[1].axhline(0, color="k", lw=0.5)
+    axes[1].set_xlabel("iteration")
+    axes[1].set_ylabel("lm loss difference")
+    axes[1].set_title("fused minus unfused, same step")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(summary):
+    lines = [f"# Megatron-LM loop, fused vs unfused output layer ({summary['preset']})", "",
+             f"device: {summary['device']}; torch {summary['torch']}; megatron-core "
+             f"{summary['megatron_core']}; Python {summary['python']}", "",
+             f"dataset: {summary['dataset'].get('files')} stdlib files, "
+             f"{summary['dataset'].get('tokens')} tokens, vocab {summary['dataset'].get('vocab_size')}",
+             "", "| run | rc | steps | first lm loss | last lm loss | tokens/s | peak GiB | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in summary["runs"].items():
+        first = r["lm_loss"][0] if r["lm_loss"] else None
+        last = r["lm_loss"][-1] if r["lm_loss"] else None
+        lines.append(f"| {name} | {r['rc']} | {len(r['steps'])} | {first} | {last} | "
+                     f"{r.get('tokens_per_s')} | {r['peak_gib']} | {r['wall_s']} |")
+    lines += ["", "| comparison | steps | max abs diff | at step | step-1 diff | mean abs diff (last 50) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for name, c in summary["comparisons"].items():
+        if c:
+            lines.append(f"| {name} | {c['steps']} | {c['max_abs_diff']:.3g} | {c['at_step']} | "
+                         f"{c['first_step_abs_diff']:.3g} | {c['mean_abs_diff_last_50']:.3g} |")
+    lines += ["", "| checkpoint interchange | resumed step | resumed loss | uninterrupted fused | "
+              "uninterrupted unfused |", "| --- | --- | --- | --- | --- |"]
+    for name, c in summary["interchange"].items():
+        lines.append(f"| {name} | {c['step']} | {c['resumed']} | {c['uninterrupted_fused']} | "
+                     f"{c['uninterrupted_unfused']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--work", required=True, help="dataset and checkpoints go here")
+    parser.add_argument("--out", required=True, help="summary, PNG and logs go here")
+    parser.add_argument("--deadline", type=float, default=540.0,
+                        help="seconds after which no new run starts")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--parallel", action="store_true",
+                        help="start the fused and unfused runs side by side (a quick check: "
+                             "their tokens/s are then not comparable)")
+    args = parser.parse_args(argv)
+    start = time.time()
+    p = dict(PRESETS[args.preset])
+    if args.iters:
+        p["iters"] = args.iters
+    work, out = Path(args.work), Path(args.out)
+    logs = work / "logs"
+    for d in (work, out, logs):
+        d.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    import torch
+
+    import megatron.core
+
+    data_dir = work / "data"
+    if not (data_dir / "dataset.json").exists():
+        cmd = [sys.executable, str(REPO / "tools" / "make_text_dataset.py"), "--output-dir",
+               str(data_dir), "--vocab-size", str(p["vocab"])]
+        if p["max_files"]:
+            cmd += ["--max-files", str(p["max_files"])]
+        subprocess.run(cmd, check=True, env=dict(env, TOKENIZERS_PARALLELISM="true"))
+    dataset = json.loads((data_dir / "dataset.json").read_text())
+    print(f"dataset ready after {time.time() - start:.0f}s: {dataset}", flush=True)
+
+    summary = {"preset": args.preset, "params": p, "dataset": dataset,
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "python": sys.version.split()[0],
+               "megatron_core": getattr(megatron.core, "__version__", "?"),
+               "runs": {}, "comparisons": {}, "interchange": {}}
+    tokens_per_step = p["global_batch"] * p["seq"]
+    results = summary["runs"]
+    K = p["save_interval"]
+
+    def record(name, result):
+        result["tokens_per_s"] = tokens_per_s(result, tokens_per_step)
+        results[name] = result
+        finish(summary, out, logs)
+
+    def time_left():
+        return args.deadline - (time.time() - start)
+
+    base = model_args(p, data_dir, p["iters"])
+    fused = ["--use-linear-ce-fusion-loss"]
+    plan = [
+        ("fused", base + fused + ["--save", str(work / "ckpt_fused"), "--save-interval", str(K)]),
+        ("unfused", base + ["--save", str(work / "ckpt_unfused"), "--save-interval", str(K)]),
+    ]
+    run_pair(plan, args.parallel, record, time_left, logs, env, work)
+
+    # checkpoint interchange: three resumes side by side (their timings are not reported)
+    resume = model_args(p, data_dir, K + 2)
+    jobs = [("fused_to_unfused", resume + ["--load", str(work / "ckpt_fused"), "--ckpt-step", str(K)]),
+            ("unfused_to_fused", resume + fused + ["--load", str(work / "ckpt_unfused"),
+                                                   "--ckpt-step", str(K)]),
+            ("fused_to_fused", resume + fused + ["--load", str(work / "ckpt_fused"),
+                                                 "--ckpt-step", str(K)])]
+    if time_left() > 0:
+        started = [(name, run_one(name, a, logs, env, work)) for name, a in jobs]
+        for name, (proc, t0, log_path) in started:
+            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120))
+        for name, _ in jobs:
+            summary["interchange"][name] = {
+                "step": K + 1, "resumed": loss_at(results[name], K + 1),
+                "uninterrupted_fused": loss_at(results.get("fused"), K + 1),
+                "uninterrupted_unfused": loss_at(results.get("unfused"), K + 1)}
+        finish(summary, out, logs)
+
+    mtp = model_args(p, data_dir, p["mtp_iters"]) + ["--mtp-num-layers", "1"]
+    run_pair([("mtp_fused", mtp + fused), ("mtp_unfused", mtp)], args.parallel, record,
+             time_left, logs, env, work)
+    finish(summary, out, logs, final=True)
+    print(f"done in {time.time() - start:.0f}s", flush=True)
+
+
+def run_pair(plan, parallel, record, time_left, logs, env, work):
+    """The runs of `plan` one after the other (timed), or side by side with `parallel`."""
+    if parallel:
+        if time_left() <= 0:
+            return
+        started = [(name, run_one(name, argv, logs, env, work)) for name, argv in plan]
+        for name, (proc, t0, log_path) in started:
+            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120))
+        return
+    for name, argv in plan:
+        if time_left() <= 0:
+            print(f"[{name}] skipped: deadline", flush=True)
+            continue
+        record(name, wait(name, *run_one(name, argv, logs, env, work),
+                          timeout=max(time_left(), 0) + 120))
+
+
+def finish(summary, out, logs, final=False):
+    runs = summary["runs"]
+    summary["comparisons"] = {
+        "fused vs unfused (lm loss)": compare(runs.get("fused"), runs.get("unfused")),
+        "mtp_fused vs mtp_unfused (lm loss)": compare(runs.get("mtp_fused"), runs.get("mtp_unfused")),
+        "mtp_fused vs mtp_unfused (mtp_1 loss)": compare(runs.get("mtp_fused"),
+                                                         runs.get("mtp_unfused"), "mtp_1_loss"),
+    }
+    (out / "real_loop_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "real_loop.md").write_text(markdown(summary))
+    with open(out / "real_loop_logs.txt", "w") as f:
+        for log in sorted(logs.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            keep = [line for line in lines if "iteration" in line or "Error" in line
+                    or "error" in line or "peak GPU" in line or "fused linear" in line
+                    or line.startswith("$")]
+            f.write(f"===== {log.name} ({len(lines)} lines; iteration/error lines and last 60)\n")
+            f.write("\n".join(keep[:2000]) + "\n----- tail\n" + "\n".join(lines[-60:]) + "\n")
+    if final or runs.get("unfused"):
+        try:
+            plot(runs, out / "megatron_lm_curves.png",
+                 f"Megatron-LM loop, {summary['device']}, {summary['preset']}")
+        except Exception as error:  # the numbers matter more than the picture
+            print(f"plot failed: {error!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
