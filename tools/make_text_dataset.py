@@ -81,7 +81,6 @@ def write_tokenizer_files(tokenizer, out: Path, max_length: int = 1 << 20):
 def write_indexed_dataset(tokenizer, texts, prefix: str, eod_id: int, batch: int = 64):
     """One document per text, `<|endoftext|>` appended; uint16 tokens where the vocab fits."""
     import numpy
-    import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     dtype = numpy.uint16 if tokenizer.get_vocab_size() <= numpy.iinfo(numpy.uint16).max + 1 \
@@ -91,7 +90,7 @@ def write_indexed_dataset(tokenizer, texts, prefix: str, eod_id: int, batch: int
     for begin in range(0, len(texts), batch):
         for encoding in tokenizer.encode_batch(texts[begin:begin + batch]):
             ids = encoding.ids + [eod_id]
-            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            builder.add_document(numpy.asarray(ids, dtype=numpy.int64), [len(ids)])
             tokens += len(ids)
             documents += 1
     builder.finalize(prefix + ".idx")

@@ -37,7 +37,7 @@ SCRIPT = REPO / "examples" / "megatron_lm_real_pretrain_gpt.py"
 PRESETS = {
     # ~350M parameters with a 32k vocabulary (GPT-2 medium shape)
     "full": dict(vocab=32768, max_files=None, layers=24, hidden=1024, heads=16, seq=1024,
-                 micro=8, global_batch=16, iters=500, save_interval=250, mtp_iters=200,
+                 micro=8, global_batch=8, iters=500, save_interval=250, mtp_iters=150,
                  lr=3e-4, warmup=50),
     "tiny": dict(vocab=4096, max_files=300, layers=2, hidden=256, heads=4, seq=256,
                  micro=4, global_batch=8, iters=30, save_interval=15, mtp_iters=10,
@@ -215,7 +215,7 @@ def main(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--work", required=True, help="dataset and checkpoints go here")
     parser.add_argument("--out", required=True, help="summary, PNG and logs go here")
-    parser.add_argument("--deadline", type=float, default=540.0,
+    parser.add_argument("--deadline", type=float, default=470.0,
                         help="seconds after which no new run starts")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--parallel", action="store_true",
@@ -271,6 +271,12 @@ def main(argv=None):
         ("unfused", base + ["--save", str(work / "ckpt_unfused"), "--save-interval", str(K)]),
     ]
     run_pair(plan, args.parallel, record, time_left, logs, env, work)
+    broken = [name for name, _ in plan if name in results and (results[name]["rc"] != 0
+                                                                 or not results[name]["steps"])]
+    if broken:  # fail fast: the rest would fail alike
+        print(f"stopping: {', '.join(broken)} failed (see real_loop_logs.txt)", flush=True)
+        finish(summary, out, logs, final=True)
+        return 1
 
     # checkpoint interchange: three resumes side by side (their timings are not reported)
     resume = model_args(p, data_dir, K + 2)
@@ -295,6 +301,7 @@ def main(argv=None):
              time_left, logs, env, work)
     finish(summary, out, logs, final=True)
     print(f"done in {time.time() - start:.0f}s", flush=True)
+    return 0
 
 
 def run_pair(plan, parallel, record, time_left, logs, env, work):
@@ -310,8 +317,11 @@ def run_pair(plan, parallel, record, time_left, logs, env, work):
         if time_left() <= 0:
             print(f"[{name}] skipped: deadline", flush=True)
             continue
-        record(name, wait(name, *run_one(name, argv, logs, env, work),
-                          timeout=max(time_left(), 0) + 120))
+        result = wait(name, *run_one(name, argv, logs, env, work),
+                      timeout=max(time_left(), 0) + 120)
+        record(name, result)
+        if result["rc"] != 0 or not result["steps"]:
+            return
 
 
 def finish(summary, out, logs, final=False):
@@ -341,4 +351,4 @@ def finish(summary, out, logs, final=False):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
