@@ -270,3 +270,35 @@ def test_tp2_sequence_parallel_pairings(entry):
             assert reference.rel_err(dx, scale * ref_dx[:, seq_slice]) < TOL, (rank, name, "dX")
             assert reference.rel_err(dw, scale * ref_dw[rank * v_local:(rank + 1) * v_local]) < TOL, (
                 rank, name, "dW")
+
+
+# ------------------------------------------------------------------ the Triton backend on a GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("entry", ["ce", "grpo"])
+def test_cuda_bf16_checkpoint_and_dropped_forward(entry):
+    """bf16 on the GPU (Triton kernels, fast mode, main_grad): the non-reentrant checkpoint gives
+    the plain step's gradients, and a dropped forward poisons main_grad and raises."""
+    case = {k: v.cuda() for k, v in make_case(seed=5).items()}
+    grads = {}
+    for name, scenario in (("plain", plain), ("checkpoint", checkpoint_non_reentrant)):
+        h = case["h"].bfloat16().clone().requires_grad_()
+        w = case["w"].bfloat16().clone().requires_grad_()
+        w.main_grad = torch.zeros(w.shape, device="cuda")
+        scenario(lambda x, wt: _cuda_loss(entry, case, x, wt), h, w)
+        grads[name] = (h.grad.float(), w.main_grad.clone())
+    for a, b in zip(grads["plain"], grads["checkpoint"]):
+        assert reference.rel_err(b, a) < 2e-2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _cuda_loss(entry, case, h, w)
+    assert torch.isnan(w.main_grad).all()
+    with pytest.raises(ValueError, match="never backpropagated"):
+        _cuda_loss(entry, case, h, w)
+
+
+def _cuda_loss(entry, case, h, w):
+    kw = dict(vocab_size=TRUE_VOCAB, impl="triton", accumulate_into_main_grad=True)
+    if entry == "ce":
+        return linear_cross_entropy(h, w, case["y"], label_smoothing=0.1, **kw)
+    return linear_grpo_loss(h, w, case["y"].clamp(min=0), case["adv"].float(), case["mask"].float(), CONFIG,
+                            old_logprobs=case["old"].float(), **kw)[0]

@@ -19,6 +19,10 @@ What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
   cce                Apple cut_cross_entropy.linear_cross_entropy, default gradient filter (skips
                      vocab blocks whose probabilities are all tiny: its speed depends on the spread)
   cce_exact          the same with filter_eps=None (no filtering: exact gradients)
+  quack_c4096, quack_one_chunk   QuACK's chunked_linear_cross_entropy (CuTe DSL kernels), chunks of
+                     4096 rows / one chunk of all rows, tuned=False (its default configurations);
+                     *_tuned: tuned=True (autotuned on the first call, minutes; first_call_s says);
+                     quack_scaled_exp_c4096: its scaled-exp fused-backward pipeline (SM90)
   ours_ce@C          linear_cross_entropy(..., chunk_size=C) (mean), memory_mode="fast"
   ours_ce_lean       the same with memory_mode="lean"
   ours_logprobs@C    linear_logprobs(...), backward through -sum(lp)/N (recompute path); _lean too

@@ -104,3 +104,34 @@ def make_cce(h, w, y, chunk):
 def make_cce_exact(h, w, y, chunk):
     cce = _cce()
     return lambda: _grads(cce(h, w, y, filter_eps=None), h, w)
+
+
+# QuACK (Dao-AILab quack-kernels, CuTe DSL): chunked_linear_cross_entropy. "base" = its cuBLAS
+# logits GEMM + CuTe cross-entropy row kernel + dW accumulated by its own GEMM epilogue; "scaled_exp"
+# = its fused-backward pipeline (SM90, bf16, V % 128 == 0). tuned=True autotunes on the first call
+# of each shape (minutes): the benchmark's first call is outside the timing and reported as
+# first_call_s. QUACK_TUNED=1 adds the tuned rows to a run that names them.
+def _quack():
+    try:
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"quack-kernels not importable: {type(exc).__name__}: {exc}")
+    if not torch.cuda.is_available():
+        raise Skip("quack needs CUDA")
+    return chunked_linear_cross_entropy
+
+
+def _quack_maker(chunk_rows, tuned, scaled_exp=False):
+    def make(h, w, y, chunk):
+        fn = _quack()
+        rows = h.shape[0] if chunk_rows is None else chunk_rows
+        rows = -(-rows // 128) * 128  # its TMA GEMMs want multiples of 8 (scaled-exp: of 128)
+        return lambda: _grads(fn(h, w, y, chunk_size=rows, tuned=tuned, use_scaled_exp=scaled_exp), h, w)
+    return make
+
+
+make_quack_c4096 = _quack_maker(4096, tuned=False)
+make_quack_one_chunk = _quack_maker(None, tuned=False)
+make_quack_c4096_tuned = _quack_maker(4096, tuned=True)
+make_quack_one_chunk_tuned = _quack_maker(None, tuned=True)
+make_quack_scaled_exp_c4096 = _quack_maker(4096, tuned=False, scaled_exp=True)

@@ -15,20 +15,11 @@ from .report import write_json
 
 
 def resolved_auto_chunk(n, v_local, device, hdim, method):
-    """The package's auto chunk size for this call (its signature has changed over time); None if
-    unknown. With main_grad the weight gradient needs no fp32 buffer of its own."""
+    """The package's automatic chunk size for this call; None if unknown."""
     try:
         from megatron_fused_ce.ops import api
-        fn = getattr(api, "auto_chunk_size", None)
-        if fn is None:
-            return None
-        try:
-            kwargs = dict(logits_element_size=4) if method.endswith("fp32_logits") else {}
-            return fn(n, v_local, device, hidden_size=hdim, element_size=2,
-                      fp32_weight_grad_buffer=method not in MAIN_GRAD and not method.startswith("ours_fwd"),
-                      **kwargs)
-        except TypeError:
-            return fn(n, v_local, device)
+        return api.auto_chunk_size(n, v_local, device,
+                                   logits_element_size=4 if method.endswith("fp32_logits") else 2)
     except Exception:  # noqa: BLE001
         return None
 
