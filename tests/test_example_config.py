@@ -103,7 +103,7 @@ def test_yaml_mistakes_name_the_key(tmp_path, edit, message):
 
 
 def test_fusion_flag_cannot_be_silently_lost(tmp_path):
-    """The issue's case: a misspelled flag used to leave fusion off without a word."""
+    """A misspelled flag used to leave fusion off without a word."""
     text = MINIMAL.replace("use_linear_ce_fusion_loss", "use_linear_ce_fusion_los")
     with pytest.raises(ValueError, match="use_linear_ce_fusion_loss"):
         load_config("pretrain_gpt", write(tmp_path, text))

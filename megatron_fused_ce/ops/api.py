@@ -39,14 +39,12 @@ MEMORY_MODES = ("fast", "lean")
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 _CHUNK_ROW_MULTIPLE = 128
 _AUTO_CHUNK_ELEMENTS_CPU = 64 * 1024 * 1024
-# Columns per logits GEMM / kernel inside a chunk (chunked.py; 0: the whole shard in one GEMM).
-# Whole-shard GEMMs won on an H100 in one interleaved run (SFT CE x floor at the issue-15 shapes,
-# blocks of 8192 / 16384 / 32768 / whole: 1.127 / 1.098 / 1.074 / 1.055, 1.191 / 1.160 / 1.129 /
-# 1.119, 1.101 / 1.066 / 1.058 / 1.060; tools/perf_notes.md).
+# Columns per logits GEMM / kernel inside a chunk (chunked.py; 0: the whole shard in one GEMM,
+# faster than any block size measured: docs/design.md §10.1).
 VOCAB_BLOCK = 0
 # memory_mode="lean": the working set of the tile sweeps (lean.py) on each rank, whatever the number
 # of tokens: 400 bytes per row of the whole (padded) vocab (2.4 % of the bf16 logits of 8192 tokens,
-# under the issue's 3 %), at least 32 MiB. Per row of the whole vocab, not of the shard: tiles keep
+# under the 3 % target), at least 32 MiB. Per row of the whole vocab, not of the shard: tiles keep
 # their size as tensor parallelism shrinks the shard (with half-size tiles TP=2 was launch-bound:
 # 2.6x more kernels than the GPU could use, 99.7 ms against 65 ms at TP=1 on H200s).
 LEAN_WORKSET_BYTES = 32 * 1024 * 1024

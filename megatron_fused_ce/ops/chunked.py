@@ -39,7 +39,7 @@ parallelism), as Megatron's ColumnParallelLinear does.
 With `spec.vocab_block` > 0 the vocab shard is walked in blocks of that many columns inside a
 chunk: one logits GEMM and one stats kernel per block, then dlogits and dW per block (K = the
 chunk's rows), and one dX GEMM over the whole chunk. The default (api.VOCAB_BLOCK = 0) is one
-GEMM over the whole shard: 1-4 % faster on an H100 (tools/perf_notes.md).
+GEMM over the whole shard: 1-4 % faster on an H100 (docs/design.md §10.1).
 `spec.lean` (memory_mode="lean") replaces chunks by tiles (lean.py).
 
 Both autograd Functions are first-order only: a second backward through their gradients (a
