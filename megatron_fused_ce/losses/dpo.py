@@ -19,16 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from .context_parallel import agree_on_inputs, sum_over_cp
-from .nll import (
-    Normalizer,
-    as_weights,
-    check_bool,
-    check_normalizer,
-    check_number,
-    exclude_impossible_tokens,
-    masked_sum,
-    safe_divide,
-)
+from .nll import (Normalizer, as_weights, check_bool, check_normalizer, check_number,
+                  exclude_impossible_tokens, masked_sum, safe_divide)
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 

@@ -57,17 +57,8 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SAPO_REDUCTIONS = ("sequence", "token")
 
-__all__ = [
-    "GRPOConfig",
-    "BatchTotals",
-    "grpo_loss",
-    "GRPO_LOSS_TYPES",
-    "PPO_CLIP_LOSS_TYPES",
-    "KL_ESTIMATORS",
-    "IMPORTANCE_SAMPLING_LEVELS",
-    "IS_CORRECTIONS",
-    "SAPO_REDUCTIONS",
-]
+__all__ = ["GRPOConfig", "BatchTotals", "grpo_loss", "GRPO_LOSS_TYPES", "PPO_CLIP_LOSS_TYPES", "KL_ESTIMATORS",
+           "IMPORTANCE_SAMPLING_LEVELS", "IS_CORRECTIONS", "SAPO_REDUCTIONS"]
 
 
 @dataclass

@@ -592,24 +592,15 @@ def linear_logprobs(
 
 
 def linear_cross_entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    *,
-    tp_group=None,
-    vocab_size: Optional[int] = None,
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, tp_group=None, vocab_size: Optional[int] = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss_weight: float = 0.0,
     temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
-    sequence_parallel: bool = False,
-    impl: str = "auto",
-    accumulate_into_main_grad: bool = False,
-    logits_dtype: Optional[torch.dtype] = None,
-    memory_mode: str = "fast",
-    max_chunk_bytes: Optional[int] = None,
+    chunk_size: Optional[int] = None, sequence_parallel: bool = False, impl: str = "auto",
+    accumulate_into_main_grad: bool = False, logits_dtype: Optional[torch.dtype] = None,
+    memory_mode: str = "fast", max_chunk_bytes: Optional[int] = None,
 ) -> Tensor:
     """F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss, without the logits.
 
