@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 import tempfile
@@ -8,9 +9,59 @@ import pytest
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "megatron_fused_ce_inductor"))
 sys.path.insert(0, os.path.dirname(__file__))  # `from dist import run_workers`, `import reference`
 
-import torch  # noqa: E402,F401  (imported once here so that forked workers inherit it)
-
+import dist  # noqa: E402  (imports torch; its gloo workers re-apply this file's monkeypatches)
 import reference  # noqa: E402
+
+_UNSET = object()
+
+
+class _MonkeyPatch(pytest.MonkeyPatch):
+    """pytest's monkeypatch, also remembering which attributes it set or deleted: tests/dist.py
+    re-applies them in the gloo workers, which run in processes of their own and would otherwise
+    see the modules' original constants (tests shrink tile sizes this way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patched = []  # [(owner, attribute name)]
+
+    def _note(self, target, name):
+        if isinstance(target, str):  # the "package.module.attribute" form
+            path, name = target.rsplit(".", 1)
+            target = _resolve(path)
+        self.patched.append((target, name))
+
+    def setattr(self, target, name=_UNSET, value=_UNSET, raising=True):
+        args = [a for a in (name, value) if a is not _UNSET]
+        super().setattr(target, *args, raising=raising)
+        self._note(target, name)
+
+    def delattr(self, target, name=_UNSET, raising=True):
+        args = [name] if name is not _UNSET else []
+        super().delattr(target, *args, raising=raising)
+        self._note(target, name)
+
+
+def _resolve(path):
+    parts = path.split(".")
+    found = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            found = importlib.import_module(".".join(parts[:i]))
+    return found
+
+
+@pytest.fixture
+def monkeypatch():
+    patcher = _MonkeyPatch()
+    dist.PATCHERS.append(patcher)
+    try:
+        yield patcher
+    finally:
+        dist.PATCHERS.remove(patcher)
+        patcher.undo()
+
 
 _SKIPPED_MODULES = []  # (module, reason) of test modules that skipped themselves at import
 
