@@ -204,7 +204,9 @@ def test_grpo_example_with_sampler_overrides(capfd):
     argv = FAST + ["--compare-unfused", "data.prompt_length=8", "rollout.num_prompts=2",
                    "sampling.top_p=0.9", "sampling.top_k=50"]
     for calls in run_workers(example_worker, 4, "grpo", argv, timeout=180):
-        assert calls["compute_logprobs"] == 4  # old policy + reference, 2 steps
+        # the reference pass of each of the 2 steps; the old policy's log-probs are the sampler's
+        # record (rollout.old_logprobs=sampler, the default), which needs no pass
+        assert calls["compute_logprobs"] == 2
     text = "".join(capfd.readouterr())
     assert "first batch" in text and "excluded" in text
     assert float(text.split("|difference| ")[1].split()[0]) <= 1e-4
