@@ -381,6 +381,33 @@ def test_fused_forward_end_to_end(small_tiles, tp):
             assert err <= (2e-5 if "no_grad" in name or name == "logprobs" else 4e-3), f"{name}: {err:.2e}"
 
 
+def test_dlogits_row_padding_holds_zeros(small_tiles, monkeypatch):
+    """gemm_dlogits returns a view of a buffer whose rows are padded to 8 elements. torch's CPU
+    bf16 matmul of such a view reads the padding columns as well: dX = dlogits @ W turned NaN on
+    whole rows wherever the allocator had left NaN there (a flaky TP=2 end-to-end failure).
+    Uninitialized memory is filled with NaN here, so the check fails every time, not now and then."""
+    from megatron_fused_ce.ops import triton_gemm_dlogits
+
+    if DEVICE.type == "cuda":
+        pytest.skip("cuBLAS reads only the view; the interpreter's CPU path is the one at risk")
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # (fill_uninitialized_memory needs it)
+    try:
+        g = torch.Generator().manual_seed(8)
+        n, hdim, cols, valid = 19, 64, 54, 50  # 54 columns: rows padded to 56
+        h = torch.randn(n, hdim, generator=g).bfloat16()
+        w = (torch.randn(cols, hdim, generator=g) * 0.4).bfloat16()
+        target = torch.randint(0, valid, (n,), generator=g)
+        lse = torch.logsumexp((h.float() @ w[:valid].float().t()), dim=1)
+        coef = torch.randn(n, generator=g)
+        dlogits = triton_gemm_dlogits.gemm_dlogits(h, w, target, valid, cols, 1.0, lse, coef, None, coef, None)
+        assert dlogits.stride(0) == 56  # the padded layout this test is about
+        assert torch.isfinite(torch.mm(dlogits, w)).all()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
 def _exact_product_inputs(n, hdim, v, dtype, g):
     """h, w whose products and their fp32 sums are exact (multiples of 1/32, |sum| < 64): the
     logits are the same numbers whatever the GEMM's order of summation."""
@@ -490,9 +517,10 @@ def _host_syncs(fn):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs of CUDA calls")
 def test_host_syncs_per_call():
     """One host sync per call (the argument agreement; ignored tokens are indexed by the agreed
-    count), plus, in fast mode's backward, the g == 1 check that spares a pass over dW. Lean mode
-    has no other: its sweep A moves references on the device, its backward scales dX without
-    reading g (a sync there would leave the GPU idle while sweep B is queued)."""
+    count), plus, in fast mode's backward with one chunk, the g == 1 check that spares a pass over
+    a dW in the weight dtype. Several chunks (an fp32 dW, cast with g in one pass) and lean mode
+    have no other: lean's sweep A moves references on the device, and neither backward reads g to
+    scale dX (a sync there would leave the GPU idle while the rest is queued)."""
     g = torch.Generator().manual_seed(5)
     n, hdim, v = 300, 64, 1000
     h = torch.randn(n, hdim, generator=g).bfloat16().cuda().requires_grad_()
@@ -505,14 +533,16 @@ def test_host_syncs_per_call():
         with torch.no_grad():
             linear_logprobs(h, w, y)
 
-    def train(mode):
-        return lambda: torch.autograd.grad(linear_cross_entropy(h, w, y, memory_mode=mode), (h, w))
+    def train(mode, chunk_size=None):
+        return lambda: torch.autograd.grad(linear_cross_entropy(h, w, y, memory_mode=mode, chunk_size=chunk_size),
+                                           (h, w))
 
-    for fn in (forward_only, train("lean"), train("fast")):  # compile the kernels first
+    for fn in (forward_only, train("lean"), train("fast"), train("fast", 64)):  # compile the kernels first
         fn()
     assert _host_syncs(forward_only) == 1
     assert _host_syncs(train("lean")) == 1
-    assert _host_syncs(train("fast")) == 2
+    assert _host_syncs(train("fast")) == 2  # one chunk of all 225 labelled rows
+    assert _host_syncs(train("fast", 64)) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor descriptors' scratch allocator is CUDA's")

@@ -91,7 +91,12 @@ def gemm_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, num_valid_cols
     result rounded once to h's dtype, as gemm_input() would). `supported(h, weight)` must hold."""
     n = h.shape[0]
     padded = triton.cdiv(max(num_cols, 1), 8) * 8
-    out = torch.empty(n, padded, dtype=h.dtype, device=h.device)[:, :num_cols]
+    buffer = torch.empty(n, padded, dtype=h.dtype, device=h.device)
+    if not h.is_cuda and padded > num_cols:
+        # torch's CPU bf16/fp16 matmul of such a row-padded view reads the padding columns too (a
+        # NaN left there by the allocator made whole dX rows NaN): zero them (the interpreter only)
+        buffer[:, num_cols:].zero_()
+    out = buffer[:, :num_cols]
     if n == 0 or num_cols == 0:
         return out
     if num_valid_cols == 0:
