@@ -37,7 +37,7 @@ SCRIPT = REPO / "examples" / "megatron_lm_real_pretrain_gpt.py"
 PRESETS = {
     # ~350M parameters with a 32k vocabulary (GPT-2 medium shape)
     "full": dict(vocab=32768, max_files=None, layers=24, hidden=1024, heads=16, seq=1024,
-                 micro=8, global_batch=8, iters=500, save_interval=250, mtp_iters=150,
+                 micro=8, global_batch=8, iters=500, save_interval=250, mtp_iters=100,
                  lr=3e-4, warmup=50),
     "tiny": dict(vocab=4096, max_files=300, layers=2, hidden=256, heads=4, seq=256,
                  micro=4, global_batch=8, iters=30, save_interval=15, mtp_iters=10,
@@ -72,6 +72,9 @@ def model_args(p, data_dir, iters):
         "--data-path", str(data_dir / "text_document"), "--split", "100,0,0",
         "--eval-iters", "0", "--eval-interval", "1000000", "--log-interval", "1",
         "--seed", "1234", "--num-workers", "1", "--distributed-timeout-minutes", "10",
+        # megatron-core 0.19's torch_dist loader asks the distributed optimizer for its state_dict
+        # before allocating it, which fails with the torch Adam it falls back to without Apex/TE
+        "--ckpt-format", "torch",
     ]
 
 
@@ -194,19 +197,23 @@ def markdown(summary):
     for name, r in summary["runs"].items():
         first = r["lm_loss"][0] if r["lm_loss"] else None
         last = r["lm_loss"][-1] if r["lm_loss"] else None
+        rate = r.get("tokens_per_s") or (f"({r.get('tokens_per_s_side_by_side')}, side by side)"
+                                         if r.get("side_by_side") else None)
         lines.append(f"| {name} | {r['rc']} | {len(r['steps'])} | {first} | {last} | "
-                     f"{r.get('tokens_per_s')} | {r['peak_gib']} | {r['wall_s']} |")
+                     f"{rate} | {r['peak_gib']} | {r['wall_s']} |")
     lines += ["", "| comparison | steps | max abs diff | at step | step-1 diff | mean abs diff (last 50) |",
               "| --- | --- | --- | --- | --- | --- |"]
     for name, c in summary["comparisons"].items():
         if c:
             lines.append(f"| {name} | {c['steps']} | {c['max_abs_diff']:.3g} | {c['at_step']} | "
                          f"{c['first_step_abs_diff']:.3g} | {c['mean_abs_diff_last_50']:.3g} |")
-    lines += ["", "| checkpoint interchange | resumed step | resumed loss | uninterrupted fused | "
-              "uninterrupted unfused |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| checkpoint interchange | step | resumed | uninterrupted fused | "
+              "uninterrupted unfused | step+1 resumed | step+1 fused | step+1 unfused |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, c in summary["interchange"].items():
         lines.append(f"| {name} | {c['step']} | {c['resumed']} | {c['uninterrupted_fused']} | "
-                     f"{c['uninterrupted_unfused']} |")
+                     f"{c['uninterrupted_unfused']} | {c['resumed_next']} | "
+                     f"{c['uninterrupted_fused_next']} | {c['uninterrupted_unfused_next']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +225,8 @@ def main(argv=None):
     parser.add_argument("--deadline", type=float, default=470.0,
                         help="seconds after which no new run starts")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--serial-mtp", action="store_true",
+                        help="run the two MTP runs one after the other (timed) instead of side by side")
     parser.add_argument("--parallel", action="store_true",
                         help="start the fused and unfused runs side by side (a quick check: "
                              "their tokens/s are then not comparable)")
@@ -256,8 +265,12 @@ def main(argv=None):
     results = summary["runs"]
     K = p["save_interval"]
 
-    def record(name, result):
-        result["tokens_per_s"] = tokens_per_s(result, tokens_per_step)
+    def record(name, result, side_by_side=False):
+        rate = tokens_per_s(result, tokens_per_step)
+        result["side_by_side"] = side_by_side
+        result["tokens_per_s"] = None if side_by_side else rate
+        if side_by_side:
+            result["tokens_per_s_side_by_side"] = rate
         results[name] = result
         finish(summary, out, logs)
 
@@ -285,19 +298,40 @@ def main(argv=None):
                                                    "--ckpt-step", str(K)]),
             ("fused_to_fused", resume + fused + ["--load", str(work / "ckpt_fused"),
                                                  "--ckpt-step", str(K)])]
-    if time_left() > 0:
-        started = [(name, run_one(name, a, logs, env, work)) for name, a in jobs]
+    peaks = [results[n]["peak_gib"] for n in ("fused", "unfused")
+             if results.get(n, {}).get("peak_gib")]
+    at_once = max(1, int(70 // (max(peaks) * 1.15))) if peaks else 1  # side by side on 80 GB
+    summary["resumes_side_by_side"] = at_once
+    for begin in range(0, len(jobs), at_once):
+        if time_left() <= 0:
+            break
+        batch = jobs[begin:begin + at_once]
+        started = [(name, run_one(name, a, logs, env, work)) for name, a in batch]
         for name, (proc, t0, log_path) in started:
-            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120))
-        for name, _ in jobs:
+            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120),
+                   side_by_side=len(batch) > 1)
+    # where the full resume broke: the weights alone (the next step's loss needs no more)
+    retry = [(name + "_weights_only", a + ["--no-load-optim", "--no-load-rng"])
+             for name, a in jobs if name in results and not results[name]["steps"]]
+    if retry and time_left() > 0:
+        started = [(name, run_one(name, a, logs, env, work)) for name, a in retry[:at_once]]
+        for name, (proc, t0, log_path) in started:
+            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120),
+                   side_by_side=len(started) > 1)
+    for name in [n for n, _ in jobs] + [n for n, _ in retry]:
+        if name in results:
             summary["interchange"][name] = {
                 "step": K + 1, "resumed": loss_at(results[name], K + 1),
+                "resumed_next": loss_at(results[name], K + 2),
                 "uninterrupted_fused": loss_at(results.get("fused"), K + 1),
-                "uninterrupted_unfused": loss_at(results.get("unfused"), K + 1)}
-        finish(summary, out, logs)
+                "uninterrupted_unfused": loss_at(results.get("unfused"), K + 1),
+                "uninterrupted_fused_next": loss_at(results.get("fused"), K + 2),
+                "uninterrupted_unfused_next": loss_at(results.get("unfused"), K + 2)}
+    finish(summary, out, logs)
 
     mtp = model_args(p, data_dir, p["mtp_iters"]) + ["--mtp-num-layers", "1"]
-    run_pair([("mtp_fused", mtp + fused), ("mtp_unfused", mtp)], args.parallel, record,
+    # side by side unless --serial-mtp: their losses are compared, the throughput pair is above
+    run_pair([("mtp_fused", mtp + fused), ("mtp_unfused", mtp)], not args.serial_mtp, record,
              time_left, logs, env, work)
     finish(summary, out, logs, final=True)
     print(f"done in {time.time() - start:.0f}s", flush=True)
@@ -311,7 +345,8 @@ def run_pair(plan, parallel, record, time_left, logs, env, work):
             return
         started = [(name, run_one(name, argv, logs, env, work)) for name, argv in plan]
         for name, (proc, t0, log_path) in started:
-            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120))
+            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120),
+                   side_by_side=True)
         return
     for name, argv in plan:
         if time_left() <= 0:

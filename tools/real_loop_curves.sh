@@ -18,6 +18,12 @@ if ! python3 -c "import megatron.training.argument_utils" >/dev/null 2>&1; then
     --target "$SITE" .wheels/*.whl
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# Megatron-LM's initialization runs `make` in megatron/core/datasets (its checkout has a Makefile);
+# the wheel ships the built helpers_cpp module but no Makefile: give it one that checks the module.
+datasets_dir=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
+if [ ! -e "$datasets_dir/Makefile" ] && [ -w "$datasets_dir" ]; then
+  printf 'all:\n\t@python3 -c "import megatron.core.datasets.helpers_cpp"\n' >"$datasets_dir/Makefile"
+fi
 python3 -c "import sys, torch, megatron.core, tokenizers, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'tokenizers', tokenizers.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
 preset=${1:-full}
 shift || true
