@@ -18,6 +18,8 @@ Needs megatron-core >= 0.19 (megatron.training), `tokenizers`, `transformers`, m
 Writes under --out: real_loop_summary.json (per-step losses, tokens/s, peak memory, checkpoint
 interchange), real_loop.md (the same as tables), megatron_lm_curves.png, real_loop_logs.txt.
 Stops starting new runs once --deadline seconds have passed (the summary then lists what ran).
+`--stages main,resume` and then `--stages mtp` (same --work, another --out) split the work over
+two commands where one has a time limit.
 """
 
 from __future__ import annotations
@@ -225,6 +227,9 @@ def main(argv=None):
     parser.add_argument("--deadline", type=float, default=470.0,
                         help="seconds after which no new run starts")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--stages", default="main,resume,mtp",
+                        help="comma-separated subset of main (fused + unfused, with checkpoints), "
+                             "resume (needs main's checkpoints in --work), mtp")
     parser.add_argument("--serial-mtp", action="store_true",
                         help="run the two MTP runs one after the other (timed) instead of side by side")
     parser.add_argument("--parallel", action="store_true",
@@ -283,7 +288,9 @@ def main(argv=None):
         ("fused", base + fused + ["--save", str(work / "ckpt_fused"), "--save-interval", str(K)]),
         ("unfused", base + ["--save", str(work / "ckpt_unfused"), "--save-interval", str(K)]),
     ]
-    run_pair(plan, args.parallel, record, time_left, logs, env, work)
+    stages = set(args.stages.split(","))
+    if "main" in stages:
+        run_pair(plan, args.parallel, record, time_left, logs, env, work)
     broken = [name for name, _ in plan if name in results and (results[name]["rc"] != 0
                                                                  or not results[name]["steps"])]
     if broken:  # fail fast: the rest would fail alike
@@ -291,8 +298,19 @@ def main(argv=None):
         finish(summary, out, logs, final=True)
         return 1
 
-    # checkpoint interchange: three resumes side by side (their timings are not reported)
+    # checkpoint interchange: three resumes side by side (their timings are not reported).
+    # Without Apex / Transformer Engine, megatron-core 0.19.2 cannot load the distributed
+    # optimizer's state of its torch-Adam fallback (torch_dist: AssertionError in
+    # DistributedOptimizer.state_dict; torch: KeyError 'step'), whichever output layer wrote it:
+    # the weights alone are loaded there (the next step's loss depends on nothing else).
     resume = model_args(p, data_dir, K + 2)
+    if not full_optimizer_resume_possible():
+        resume += ["--no-load-optim", "--no-load-rng"]
+        summary["resume_mode"] = "weights only (no Apex/TE: optimizer state not loadable)"
+    else:
+        summary["resume_mode"] = "full (weights, optimizer, RNG)"
+    if "resume" not in stages:
+        jobs = []
     jobs = [("fused_to_unfused", resume + ["--load", str(work / "ckpt_fused"), "--ckpt-step", str(K)]),
             ("unfused_to_fused", resume + fused + ["--load", str(work / "ckpt_unfused"),
                                                    "--ckpt-step", str(K)]),
@@ -302,7 +320,7 @@ def main(argv=None):
              if results.get(n, {}).get("peak_gib")]
     at_once = max(1, int(70 // (max(peaks) * 1.15))) if peaks else 1  # side by side on 80 GB
     summary["resumes_side_by_side"] = at_once
-    for begin in range(0, len(jobs), at_once):
+    for begin in range(0, len(jobs) if "resume" in stages else 0, at_once):
         if time_left() <= 0:
             break
         batch = jobs[begin:begin + at_once]
@@ -312,7 +330,8 @@ def main(argv=None):
                    side_by_side=len(batch) > 1)
     # where the full resume broke: the weights alone (the next step's loss needs no more)
     retry = [(name + "_weights_only", a + ["--no-load-optim", "--no-load-rng"])
-             for name, a in jobs if name in results and not results[name]["steps"]]
+             for name, a in jobs if name in results and not results[name]["steps"]
+             and "--no-load-optim" not in a]
     if retry and time_left() > 0:
         started = [(name, run_one(name, a, logs, env, work)) for name, a in retry[:at_once]]
         for name, (proc, t0, log_path) in started:
@@ -331,11 +350,24 @@ def main(argv=None):
 
     mtp = model_args(p, data_dir, p["mtp_iters"]) + ["--mtp-num-layers", "1"]
     # side by side unless --serial-mtp: their losses are compared, the throughput pair is above
-    run_pair([("mtp_fused", mtp + fused), ("mtp_unfused", mtp)], not args.serial_mtp, record,
-             time_left, logs, env, work)
+    if "mtp" in stages:
+        run_pair([("mtp_fused", mtp + fused), ("mtp_unfused", mtp)], not args.serial_mtp, record,
+                 time_left, logs, env, work)
     finish(summary, out, logs, final=True)
     print(f"done in {time.time() - start:.0f}s", flush=True)
     return 0
+
+
+def full_optimizer_resume_possible():
+    """megatron-core 0.19's distributed optimizer reloads its state only with Apex's or
+    Transformer Engine's Adam (see the resume stage)."""
+    for name in ("transformer_engine", "apex"):
+        try:
+            __import__(name)
+            return True
+        except Exception:
+            pass
+    return False
 
 
 def run_pair(plan, parallel, record, time_left, logs, env, work):
