@@ -19,15 +19,19 @@ Megatron-LM's loop: argument validation, the distributed optimizer, checkpointin
         --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
         --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 32 \\
         --train-iters 500 --lr 3e-4 --bf16 --use-distributed-optimizer \\
-        --transformer-impl local --no-gradient-accumulation-fusion \\
+        --transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm \\
+        --no-masked-softmax-fusion --position-embedding-type rope --no-rope-fusion \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR \\
         --data-path DIR/text_document --split 100,0,0 --eval-iters 0 \\
         --use-linear-ce-fusion-loss
 
 (DIR from `python tools/make_text_dataset.py --output-dir DIR`; `--tokenizer-type
 GPT2BPETokenizer --vocab-file DIR/vocab.json --merge-file DIR/merges.txt` reads the same tokenizer
-where the Hugging Face hub is reachable.) Without `megatron.training` (megatron-core < 0.19 or
-Python < 3.12) the script says so and exits with status 2.
+where the Hugging Face hub is reachable. The `--no-*` flags select the local layer spec's plain
+PyTorch paths where neither Transformer Engine nor Apex is installed; RoPE is what --mtp-num-layers
+needs. Megatron-LM's initialization runs `make` in megatron/core/datasets, which a pip-installed
+wheel lacks a Makefile for: tools/real_loop_curves.sh adds one.) Without `megatron.training`
+(megatron-core < 0.19 or Python < 3.12) the script says so and exits with status 2.
 
 The functions below that need no `megatron.training` (`loss_func`, the dataset config, the fused
 CE configuration) are shared with examples/megatron_lm_pretrain.py, the CPU stand-in for this loop.
