@@ -569,11 +569,12 @@ class LinearLossGradInForward(torch.autograd.Function):
             ctx.main_grad_side_effect.backward_ran = True
         first_after_unit = ctx.unit_grad_in_main_grad  # main_grad already holds 1 x dW
         ctx.unit_grad_in_main_grad = False
-        # g == 1 (Megatron's loss functions) spares a pass over dW or main_grad's correction: worth
-        # one host sync there. dX alone is scaled without one: in lean mode sweep B follows, and a
-        # sync would leave the GPU idle while the host queues it (an [N, H] pass is far cheaper).
+        # g == 1 (Megatron's loss functions) spares a pass over a dW in the weight dtype or
+        # main_grad's correction: worth one host sync there. An fp32 dW summed over chunks is cast
+        # with g applied in the same pass, and dX alone is scaled, without one: a sync would leave
+        # the GPU idle while the host queues what follows (an [N, H] pass is far cheaper).
         unit = None
-        if dw is not None or first_after_unit:
+        if (dw is not None and dw.dtype == weight.dtype) or first_after_unit:
             unit = bool(g_anchor == 1.0)
             if first_after_unit and spec.sequence_parallel:  # g != 1 re-gathers hidden: all ranks must
                 not_unit = torch.tensor([0 if unit else 1], device=g_anchor.device)
