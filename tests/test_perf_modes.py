@@ -9,8 +9,8 @@ on CPU over gloo:
 - Megatron's main_grad with gradients in the forward pass: dW added to main_grad during the
   forward (no [V_local, H] buffer of its own), (g - 1) dW in backward, retained graphs, SP.
 
-The tile / block sizes are shrunk (monkeypatched module constants, inherited by the forked gloo
-workers) so that every sweep runs over several tiles in both directions. Tolerances as in
+The tile / block sizes are shrunk (monkeypatched module constants, which tests/dist.py applies in
+the gloo workers too) so that every sweep runs over several tiles in both directions. Tolerances as in
 test_ops.py (fp32 2e-5, bf16 2e-2 relative norm).
 """
 
