@@ -98,12 +98,18 @@ def _grad_diff(grads, reference):
     return max(common.max_rel_diff(grads[name], ref) for name, ref in reference.items())
 
 
-def pairing_worker(rank, world, setup: Setup, kind):
+def _fused_model(setup: Setup):
+    """The DDP-wrapped GPTModel with the fused output layer adding dW into main_grad, and its
+    post-processor."""
     chunks = common.build(setup)
     fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
     install_fused_output_layer(chunks, fused)
     unwrap_model(chunks[0]).config.gradient_accumulation_fusion = True
-    post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+    return chunks, LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+
+
+def pairing_worker(rank, world, setup: Setup, kind):
+    chunks, post = _fused_model(setup)
     batches = common.make_batches(kind, NUM_MICROBATCHES, seed=100)
     make = _loss_func_maker(kind, post)
     report = {}
@@ -150,11 +156,7 @@ def test_megatron_schedules_with_unpaired_forwards(kind):
 
 
 def mtp_pairing_worker(rank, world, setup: Setup, kind):
-    chunks = common.build(setup)
-    fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
-    install_fused_output_layer(chunks, fused)
-    unwrap_model(chunks[0]).config.gradient_accumulation_fusion = True
-    post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+    chunks, post = _fused_model(setup)
     batches = common.make_batches("grpo" if kind == "labels" else kind, NUM_MICROBATCHES, seed=100)
     make = mtp_loss_func_maker(kind, post, None)
     forward = mtp_model_call(kind, True, None)

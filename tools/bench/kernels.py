@@ -11,15 +11,21 @@ from . import methods
 from .measure import free, log, rel_err, time_step
 from .report import write_json
 
+def _chunk_inputs(device, chunk, hdim, v, seed):
+    """A generator and one chunk's bf16 hidden rows and weight (logits of std ~2)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(chunk, hdim, device=device, generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, hdim, device=device, generator=g) / math.sqrt(hdim) * 2).to(torch.bfloat16)
+    return g, h, w
+
+
 def kernel_check_and_breakdown(args, device, results, shape, chunk):
     """Triton backend vs torch backend on production block sizes, and one chunk's cost split."""
     from megatron_fused_ce.ops import torch_backend, triton_backend as tb
     n_tok, hdim, v = shape
     out = dict(shape=list(shape), chunk=chunk, checks={}, times_ms={})
     log(f"\n== kernel check + per-chunk breakdown: chunk [{chunk}, {v}] bf16, H={hdim}")
-    g = torch.Generator(device=device).manual_seed(5)
-    h = torch.randn(chunk, hdim, device=device, generator=g).to(torch.bfloat16)
-    w = (torch.randn(v, hdim, device=device, generator=g) / math.sqrt(hdim) * 2).to(torch.bfloat16)
+    g, h, w = _chunk_inputs(device, chunk, hdim, v, seed=5)
     nvc = v - 17  # some padding columns
     tgt = torch.randint(-1, nvc, (chunk,), device=device, generator=g)
     logits = h @ w.t()
@@ -120,9 +126,7 @@ def sampler_kernel_check(args, device, results, shape, chunk):
     _, hdim, v = shape
     out = dict(shape=list(shape), chunk=chunk, checks={}, times_ms={})
     log(f"\n== sampler kernels: chunk [{chunk}, {v}] bf16, H={hdim}, T={methods.SAMPLER_TEMPERATURE}")
-    g = torch.Generator(device=device).manual_seed(6)
-    h = torch.randn(chunk, hdim, device=device, generator=g).to(torch.bfloat16)
-    w = (torch.randn(v, hdim, device=device, generator=g) / math.sqrt(hdim) * 2).to(torch.bfloat16)
+    g, h, w = _chunk_inputs(device, chunk, hdim, v, seed=6)
     logits, nvc, inv_t, start = h @ w.t(), v - 17, 1.0 / methods.SAMPLER_TEMPERATURE, 1000
     tgt = torch.randint(-1, nvc, (chunk,), device=device, generator=g)
     for m in (20, 50, 128):

@@ -86,14 +86,22 @@ def make_liger(h, w, y, chunk):
     return lambda: _grads(loss_fn(w, h, y), h, w)
 
 
-def _cce():
+def _cuda_peer(name, load):
+    """The peer's entry point from `load()`, or Skip when it is not installed or there is no GPU."""
     try:
-        from cut_cross_entropy import linear_cross_entropy as cce
+        fn = load()
     except Exception as exc:  # noqa: BLE001
-        raise Skip(f"cut-cross-entropy not importable: {type(exc).__name__}: {exc}")
+        raise Skip(f"{name} not importable: {type(exc).__name__}: {exc}")
     if not torch.cuda.is_available():
-        raise Skip("cce needs CUDA")
-    return cce
+        raise Skip(f"{name} needs CUDA")
+    return fn
+
+
+def _cce():
+    def load():
+        from cut_cross_entropy import linear_cross_entropy
+        return linear_cross_entropy
+    return _cuda_peer("cut-cross-entropy", load)
 
 
 def make_cce(h, w, y, chunk):
@@ -108,17 +116,14 @@ def make_cce_exact(h, w, y, chunk):
 
 # QuACK (Dao-AILab quack-kernels, CuTe DSL): chunked_linear_cross_entropy. "base" = its cuBLAS
 # logits GEMM + CuTe cross-entropy row kernel + dW accumulated by its own GEMM epilogue; "scaled_exp"
-# = its fused-backward pipeline (SM90, bf16, V % 128 == 0). tuned=True autotunes on the first call
-# of each shape (minutes): the benchmark's first call is outside the timing and reported as
-# first_call_s. QUACK_TUNED=1 adds the tuned rows to a run that names them.
+# = its fused-backward pipeline (SM90, bf16, V % 128 == 0). The *_tuned rows autotune on the first
+# call of each shape (minutes): the benchmark's first call is outside the timing and reported as
+# first_call_s.
 def _quack():
-    try:
+    def load():
         from quack.linear_cross_entropy import chunked_linear_cross_entropy
-    except Exception as exc:  # noqa: BLE001
-        raise Skip(f"quack-kernels not importable: {type(exc).__name__}: {exc}")
-    if not torch.cuda.is_available():
-        raise Skip("quack needs CUDA")
-    return chunked_linear_cross_entropy
+        return chunked_linear_cross_entropy
+    return _cuda_peer("quack-kernels", load)
 
 
 def _quack_maker(chunk_rows, tuned, scaled_exp=False):
