@@ -302,3 +302,54 @@ def _cuda_loss(entry, case, h, w):
         return linear_cross_entropy(h, w, case["y"], label_smoothing=0.1, **kw)
     return linear_grpo_loss(h, w, case["y"].clamp(min=0), case["adv"].float(), case["mask"].float(), CONFIG,
                             old_logprobs=case["old"].float(), **kw)[0]
+
+
+# --------------------------------------------------- context parallelism: each rank a CP slice
+CP_POSITIONS = ([0, 1, 2, 3, 10, 11, 12, 13], [4, 5, 6, 7, 8, 9])  # megatron-like: ends on rank 0
+
+
+def _cp_worker(rank, world, case):
+    import torch.distributed as dist
+
+    pos = CP_POSITIONS[rank]
+    mine = {k: (v[:, pos] if k in ("h", "y", "mask", "old") else v) for k, v in case.items()}
+
+    def cp_loss(h, w):
+        return linear_grpo_loss(h, w, mine["y"].clamp(min=0), mine["adv"].float(), mine["mask"].float(), CONFIG,
+                                old_logprobs=mine["old"].float(), cp_group=dist.group.WORLD, vocab_size=TRUE_VOCAB,
+                                chunk_size=CHUNK, impl="torch", accumulate_into_main_grad=True)[0]
+
+    out = {}
+    for scenario in (checkpoint_non_reentrant, changing_loss_scale):
+        h, w = leaves(mine, main_grad=True)
+        loss, scale = scenario(cp_loss, h, w)
+        out[scenario.__name__] = (loss, scale, h.grad.clone(), w.main_grad.clone())
+    h, w = leaves(mine, main_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cp_loss(h, w)  # dropped
+    try:
+        cp_loss(h, w)
+        out["raised"] = None
+    except ValueError as error:
+        out["raised"] = str(error)
+    return out
+
+
+def test_cp2_slices_pairings():
+    """GRPO with each of 2 context-parallel ranks holding a slice of every sequence, main_grad in
+    fast mode: under a non-reentrant checkpoint and a changing loss scale each rank's dX slice is
+    the float64 one and the ranks' main_grads add up to the float64 dW (Megatron sums them over
+    DP x CP); a dropped forward raises on both ranks."""
+    case = make_case(seed=9)
+    ref_loss, ref_dx, ref_dw = reference_grads("grpo", case)
+    results = run_workers(_cp_worker, 2, case)
+    for name in ("checkpoint_non_reentrant", "changing_loss_scale"):
+        total_dw = sum(out[name][3].double() for out in results)
+        for rank, out in enumerate(results):
+            loss, scale, dx, _ = out[name]
+            assert abs(loss.double() - ref_loss) <= TOL * max(1.0, abs(ref_loss)), (rank, name)
+            assert reference.rel_err(dx, scale * ref_dx[:, CP_POSITIONS[rank]]) < TOL, (rank, name, "dX")
+        assert reference.rel_err(total_dw, results[0][name][1] * ref_dw) < TOL, (name, "dW")
+    for rank, out in enumerate(results):
+        assert out["raised"] is not None and "never backpropagated" in out["raised"], rank
