@@ -13,13 +13,17 @@ Needs megatron-core >= 0.19 (megatron.training), `tokenizers`, `transformers`, m
   4. `fused_to_unfused`: the fused run's checkpoint resumed without the fused layer (2 steps)
      `unfused_to_fused`: the unfused run's checkpoint resumed with it
      `fused_to_fused`:   the fused checkpoint resumed as it was (control: equals the fused run)
-  5. `mtp_fused` / `mtp_unfused`: --mtp-num-layers 1
+  5. `full_fused` / `full_unfused` (stage resume_full): a short pair with Megatron's
+     non-distributed mixed-precision optimizer, whose torch-Adam state megatron-core 0.19 reloads,
+     then the same three resumes with weights, optimizer state and RNG (`full_fused_to_unfused` ...)
+  6. `mtp_fused` / `mtp_unfused`: --mtp-num-layers 1
 
 Writes under --out: real_loop_summary.json (per-step losses, tokens/s, peak memory, checkpoint
 interchange), real_loop.md (the same as tables), megatron_lm_curves.png, real_loop_logs.txt.
 Stops starting new runs once --deadline seconds have passed (the summary then lists what ran).
-`--stages main,resume` and then `--stages mtp` (same --work, another --out) split the work over
-two commands where one has a time limit.
+`--stages main,resume`, `--stages resume_full` and `--stages mtp` (another --out each) split the
+work over commands with a time limit; each stage needs only the dataset (main's checkpoints stay
+in --work for resume).
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ SCRIPT = REPO / "examples" / "megatron_lm_real_pretrain_gpt.py"
 PRESETS = {
     # ~350M parameters with a 32k vocabulary (GPT-2 medium shape)
     "full": dict(vocab=32768, max_files=None, layers=24, hidden=1024, heads=16, seq=1024,
-                 micro=8, global_batch=8, iters=500, save_interval=250, mtp_iters=100,
-                 lr=3e-4, warmup=50),
+                 micro=8, global_batch=8, iters=500, save_interval=250, mtp_iters=500,
+                 full_resume_interval=20, lr=3e-4, warmup=50),
     "tiny": dict(vocab=4096, max_files=300, layers=2, hidden=256, heads=4, seq=256,
                  micro=4, global_batch=8, iters=30, save_interval=15, mtp_iters=10,
-                 lr=1e-3, warmup=5),
+                 full_resume_interval=5, lr=1e-3, warmup=5),
 }
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
@@ -53,10 +57,11 @@ FIELD_RE = {
     "ms": re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)"),
     "grad_norm": re.compile(r"grad norm: ([0-9.eE+-]+)"),
 }
+LOSS_KEYS = ("lm_loss", "mtp_1_loss")
 PEAK_RE = re.compile(r"peak GPU memory allocated \(max over ranks\): ([0-9.]+) GiB")
 
 
-def model_args(p, data_dir, iters):
+def model_args(p, data_dir, iters, distributed_optimizer=True):
     return [
         "--num-layers", str(p["layers"]), "--hidden-size", str(p["hidden"]),
         "--num-attention-heads", str(p["heads"]), "--seq-length", str(p["seq"]),
@@ -67,7 +72,7 @@ def model_args(p, data_dir, iters):
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95",
         "--init-method-std", "0.02", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--position-embedding-type", "rope", "--no-rope-fusion",
-        "--bf16", "--use-distributed-optimizer",
+        "--bf16", *(["--use-distributed-optimizer"] if distributed_optimizer else []),
         "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
         "--no-masked-softmax-fusion",
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(data_dir),
@@ -122,8 +127,20 @@ def parse_log(text):
         for key, rx in FIELD_RE.items():
             f = rx.search(line)
             fields[key].append(float(f.group(1)) if f else None)
+    # Megatron's training_log does not reset its loss sums after a process's first iteration
+    # (is_first_iteration), so the second line logged shows the mean of the first two steps: the
+    # second step's own loss is 2 x logged - first (this matters after a resume, where the
+    # uninterrupted run logs that step alone)
+    as_logged = {}
+    if len(steps) >= 2 and steps[1] == steps[0] + 1:
+        for key in LOSS_KEYS:
+            first, second = fields[key][0], fields[key][1]
+            if first is not None and second is not None:
+                as_logged[key] = second
+                fields[key][1] = round(2 * second - first, 6)
     peak = PEAK_RE.findall(text)
-    return {"steps": steps, **fields, "peak_gib": float(peak[-1]) if peak else None}
+    return {"steps": steps, **fields, "second_step_as_logged": as_logged,
+            "peak_gib": float(peak[-1]) if peak else None}
 
 
 def tokens_per_s(result, tokens_per_step, skip=10):
@@ -188,6 +205,10 @@ def plot(results, path, title):
     fig.savefig(path, dpi=110)
 
 
+def _fmt(value):
+    return "-" if value is None else f"{value:.3g}"
+
+
 def markdown(summary):
     lines = [f"# Megatron-LM loop, fused vs unfused output layer ({summary['preset']})", "",
              f"device: {summary['device']}; torch {summary['torch']}; megatron-core "
@@ -209,13 +230,16 @@ def markdown(summary):
         if c:
             lines.append(f"| {name} | {c['steps']} | {c['max_abs_diff']:.3g} | {c['at_step']} | "
                          f"{c['first_step_abs_diff']:.3g} | {c['mean_abs_diff_last_50']:.3g} |")
-    lines += ["", "| checkpoint interchange | step | resumed | uninterrupted fused | "
-              "uninterrupted unfused | step+1 resumed | step+1 fused | step+1 unfused |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", f"main runs' resume: {summary.get('resume_mode', 'not run')}", "",
+              "| checkpoint interchange | step | resumed | uninterrupted fused | "
+              "uninterrupted unfused | step+1 resumed | step+1 fused | step+1 unfused | "
+              "max abs diff vs writer (steps) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, c in summary["interchange"].items():
         lines.append(f"| {name} | {c['step']} | {c['resumed']} | {c['uninterrupted_fused']} | "
                      f"{c['uninterrupted_unfused']} | {c['resumed_next']} | "
-                     f"{c['uninterrupted_fused_next']} | {c['uninterrupted_unfused_next']} |")
+                     f"{c['uninterrupted_fused_next']} | {c['uninterrupted_unfused_next']} | "
+                     f"{_fmt(c.get('max_abs_diff_vs_writer'))} ({c.get('steps_compared')}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -227,9 +251,12 @@ def main(argv=None):
     parser.add_argument("--deadline", type=float, default=470.0,
                         help="seconds after which no new run starts")
     parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--stages", default="main,resume,mtp",
+    parser.add_argument("--main-iters", type=int, default=None,
+                        help="stop the main pair after this many steps (same schedule as --iters): "
+                             "save_interval + 2 is enough for the resume stage")
+    parser.add_argument("--stages", default="main,resume,resume_full,mtp",
                         help="comma-separated subset of main (fused + unfused, with checkpoints), "
-                             "resume (needs main's checkpoints in --work), mtp")
+                             "resume (needs main's checkpoints in --work), resume_full, mtp")
     parser.add_argument("--serial-mtp", action="store_true",
                         help="run the two MTP runs one after the other (timed) instead of side by side")
     parser.add_argument("--parallel", action="store_true",
@@ -282,7 +309,7 @@ def main(argv=None):
     def time_left():
         return args.deadline - (time.time() - start)
 
-    base = model_args(p, data_dir, p["iters"])
+    base = model_args(p, data_dir, args.main_iters or p["iters"])
     fused = ["--use-linear-ce-fusion-loss"]
     plan = [
         ("fused", base + fused + ["--save", str(work / "ckpt_fused"), "--save-interval", str(K)]),
@@ -298,55 +325,60 @@ def main(argv=None):
         finish(summary, out, logs, final=True)
         return 1
 
-    # checkpoint interchange: three resumes side by side (their timings are not reported).
-    # Without Apex / Transformer Engine, megatron-core 0.19.2 cannot load the distributed
-    # optimizer's state of its torch-Adam fallback (torch_dist: AssertionError in
-    # DistributedOptimizer.state_dict; torch: KeyError 'step'), whichever output layer wrote it:
-    # the weights alone are loaded there (the next step's loss depends on nothing else).
-    resume = model_args(p, data_dir, K + 2)
-    if not full_optimizer_resume_possible():
-        resume += ["--no-load-optim", "--no-load-rng"]
-        summary["resume_mode"] = "weights only (no Apex/TE: optimizer state not loadable)"
-    else:
-        summary["resume_mode"] = "full (weights, optimizer, RNG)"
-    if "resume" not in stages:
-        jobs = []
-    jobs = [("fused_to_unfused", resume + ["--load", str(work / "ckpt_fused"), "--ckpt-step", str(K)]),
-            ("unfused_to_fused", resume + fused + ["--load", str(work / "ckpt_unfused"),
-                                                   "--ckpt-step", str(K)]),
-            ("fused_to_fused", resume + fused + ["--load", str(work / "ckpt_fused"),
-                                                 "--ckpt-step", str(K)])]
-    peaks = [results[n]["peak_gib"] for n in ("fused", "unfused")
-             if results.get(n, {}).get("peak_gib")]
-    at_once = max(1, int(70 // (max(peaks) * 1.15))) if peaks else 1  # side by side on 80 GB
+    peaks = [r["peak_gib"] for r in results.values() if r.get("peak_gib")]
+    at_once = max(1, int(70 // (max(peaks) * 1.15))) if peaks else 3  # side by side on 80 GB
     summary["resumes_side_by_side"] = at_once
-    for begin in range(0, len(jobs) if "resume" in stages else 0, at_once):
-        if time_left() <= 0:
-            break
-        batch = jobs[begin:begin + at_once]
-        started = [(name, run_one(name, a, logs, env, work)) for name, a in batch]
-        for name, (proc, t0, log_path) in started:
-            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120),
-                   side_by_side=len(batch) > 1)
-    # where the full resume broke: the weights alone (the next step's loss needs no more)
-    retry = [(name + "_weights_only", a + ["--no-load-optim", "--no-load-rng"])
-             for name, a in jobs if name in results and not results[name]["steps"]
-             and "--no-load-optim" not in a]
-    if retry and time_left() > 0:
-        started = [(name, run_one(name, a, logs, env, work)) for name, a in retry[:at_once]]
-        for name, (proc, t0, log_path) in started:
-            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120),
-                   side_by_side=len(started) > 1)
-    for name in [n for n, _ in jobs] + [n for n, _ in retry]:
-        if name in results:
-            summary["interchange"][name] = {
-                "step": K + 1, "resumed": loss_at(results[name], K + 1),
-                "resumed_next": loss_at(results[name], K + 2),
-                "uninterrupted_fused": loss_at(results.get("fused"), K + 1),
-                "uninterrupted_unfused": loss_at(results.get("unfused"), K + 1),
-                "uninterrupted_fused_next": loss_at(results.get("fused"), K + 2),
-                "uninterrupted_unfused_next": loss_at(results.get("unfused"), K + 2)}
-    finish(summary, out, logs)
+
+    def resumes(jobs, writers, k):
+        """Run `jobs` (name, argv, writer) at_once at a time; record each resumed run's losses
+        at steps k+1, k+2 next to the uninterrupted runs' (`writers`: fused, unfused)."""
+        for begin in range(0, len(jobs), at_once):
+            if time_left() <= 0:
+                break
+            batch = jobs[begin:begin + at_once]
+            started = [(name, run_one(name, a, logs, env, work)) for name, a, _ in batch]
+            for name, (proc, t0, log_path) in started:
+                record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120),
+                       side_by_side=len(batch) > 1)
+        for name, _, writer in jobs:
+            if name in results:
+                summary["interchange"][name] = interchange_entry(
+                    results[name], results.get(writers[0]), results.get(writers[1]),
+                    results.get(writer), k)
+        finish(summary, out, logs)
+
+    # checkpoint interchange of the main runs (distributed optimizer). Without Apex / Transformer
+    # Engine, megatron-core 0.19.2 cannot reload the distributed optimizer's state of its
+    # torch-Adam fallback (torch_dist: AssertionError in DistributedOptimizer.state_dict; torch:
+    # KeyError 'step'), whichever output layer wrote it: the weights alone are loaded there (the
+    # next step's loss depends on nothing else); resume_full shows the whole state.
+    if "resume" in stages:
+        resume = model_args(p, data_dir, K + 2)
+        if not full_optimizer_resume_possible():
+            resume += ["--no-load-optim", "--no-load-rng"]
+            summary["resume_mode"] = "weights only (no Apex/TE: optimizer state not loadable)"
+        else:
+            summary["resume_mode"] = "full (weights, optimizer, RNG)"
+        load = lambda run: ["--load", str(work / f"ckpt_{run}"), "--ckpt-step", str(K)]  # noqa: E731
+        resumes([("fused_to_unfused", resume + load("fused"), "fused"),
+                 ("unfused_to_fused", resume + fused + load("unfused"), "unfused"),
+                 ("fused_to_fused", resume + fused + load("fused"), "fused")],
+                ("fused", "unfused"), K)
+
+    # the whole state (weights, optimizer, RNG, data position) through Megatron's non-distributed
+    # mixed-precision optimizer, which reloads torch Adam's state: a short pair saving at k, then
+    # the three resumes to step 2k
+    if "resume_full" in stages:
+        k = p["full_resume_interval"]
+        short = model_args(p, data_dir, 2 * k, distributed_optimizer=False)
+        save = lambda run: ["--save", str(work / f"ckpt_{run}"), "--save-interval", str(k)]  # noqa: E731
+        run_pair([("full_fused", short + fused + save("full_fused")),
+                  ("full_unfused", short + save("full_unfused"))], True, record, time_left, logs, env, work)
+        load = lambda run: ["--load", str(work / f"ckpt_{run}"), "--ckpt-step", str(k)]  # noqa: E731
+        resumes([("full_fused_to_unfused", short + load("full_fused"), "full_fused"),
+                 ("full_unfused_to_fused", short + fused + load("full_unfused"), "full_unfused"),
+                 ("full_fused_to_fused", short + fused + load("full_fused"), "full_fused")],
+                ("full_fused", "full_unfused"), k)
 
     mtp = model_args(p, data_dir, p["mtp_iters"]) + ["--mtp-num-layers", "1"]
     # side by side unless --serial-mtp: their losses are compared, the throughput pair is above
@@ -356,6 +388,21 @@ def main(argv=None):
     finish(summary, out, logs, final=True)
     print(f"done in {time.time() - start:.0f}s", flush=True)
     return 0
+
+
+def interchange_entry(resumed, fused_run, unfused_run, writer_run, k):
+    """A resumed run's lm loss at steps k+1 and k+2 next to the uninterrupted fused and unfused
+    runs', and its largest difference from the run that wrote the checkpoint over the steps
+    both logged after k."""
+    entry = {"step": k + 1, "resumed": loss_at(resumed, k + 1), "resumed_next": loss_at(resumed, k + 2),
+             "uninterrupted_fused": loss_at(fused_run, k + 1),
+             "uninterrupted_unfused": loss_at(unfused_run, k + 1),
+             "uninterrupted_fused_next": loss_at(fused_run, k + 2),
+             "uninterrupted_unfused_next": loss_at(unfused_run, k + 2)}
+    after = compare(resumed, writer_run)
+    entry["max_abs_diff_vs_writer"] = after["max_abs_diff"] if after else None
+    entry["steps_compared"] = after["steps"] if after else 0
+    return entry
 
 
 def full_optimizer_resume_possible():
