@@ -5,8 +5,10 @@
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: \
 #       --platform manylinux_2_28_x86_64 -d .wheels "megatron-core>=0.19").
 # Needs tokenizers, transformers and matplotlib (present with the CUDA image's torch).
-#   OUT=/tmp/out tools/real_loop_curves.sh            # ~350M GPT, 500 steps
-#   OUT=/tmp/out tools/real_loop_curves.sh tiny --parallel
+#   OUT=/tmp/out tools/real_loop_curves.sh full --stages main               # ~350M GPT, 500 steps
+#   OUT=/tmp/out tools/real_loop_curves.sh full --stages main,resume,resume_full --main-iters 252 --parallel
+#   OUT=/tmp/out tools/real_loop_curves.sh full --stages mtp --serial-mtp
+#   OUT=/tmp/out tools/real_loop_curves.sh tiny --parallel                  # a quick check
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/real_loop_out}
