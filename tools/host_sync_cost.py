@@ -21,7 +21,6 @@ agreement's read-back removed.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -36,16 +35,9 @@ from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E40
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss  # noqa: E402
 from megatron_fused_ce.ops import api  # noqa: E402
 
+from bench.measure import make_inputs  # noqa: E402  (the benchmark's inputs: logit std 2)
+
 SHAPES = "8192x4096x128256,8192x2304x256000,16384x3584x152064"
-
-
-def make_inputs(n, hidden_size, vocab, device):
-    g = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(n, hidden_size, device=device, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(vocab, hidden_size, device=device, generator=g) / math.sqrt(hidden_size) * 2
-         ).bfloat16().requires_grad_()
-    y = torch.randint(0, vocab, (n,), device=device, generator=g)
-    return h, w, y
 
 
 def paths(h, w, y):
@@ -144,36 +136,39 @@ def main():
         for _ in range(5):
             square @ square
 
-    real_check = api._check_arguments
     for shape in shapes:
-        h, w, y = make_inputs(*shape, device)
-        ce = paths(h, w, y)["ce"]
-
-        def floor():
-            logits = h @ w.t()
-            return logits @ w, logits.t() @ h
-
-        times = {"floor": median_ms(floor, device), "ce": median_ms(ce, device),
-                 "ce_preloaded": median_ms(ce, device, preload=preload),
-                 "ce_back_to_back": median_ms(ce, device, back_to_back=True)}
-        cached = {}
-
-        def replayed(*a, **k):
-            if "agreed" not in cached:
-                cached["agreed"] = real_check(*a, **k)
-            return cached["agreed"]
-
-        api._check_arguments = replayed
-        try:
-            times["ce_nosync"] = median_ms(ce, device)
-            times["ce_nosync_preloaded"] = median_ms(ce, device, preload=preload)
-            times["ce_nosync_back_to_back"] = median_ms(ce, device, back_to_back=True)
-        finally:
-            api._check_arguments = real_check
+        times = time_shape(shape, device, preload)
         print(f"{'x'.join(map(str, shape))} {device.type}: " + ", ".join(
             f"{k} {v:.2f} ms ({v / times['floor']:.3f})" for k, v in times.items()), flush=True)
-        del h, w, y
 
+
+def time_shape(shape, device, preload):
+    """The timings of one shape, the last three with the first call's agreement replayed."""
+    h, w, y = make_inputs(*shape, device)
+    ce = paths(h, w, y)["ce"]
+
+    def floor():
+        logits = h @ w.t()
+        return logits @ w, logits.t() @ h
+
+    times = {"floor": median_ms(floor, device), "ce": median_ms(ce, device),
+             "ce_preloaded": median_ms(ce, device, preload=preload),
+             "ce_back_to_back": median_ms(ce, device, back_to_back=True)}
+    real_check, cached = api._check_arguments, {}
+
+    def replayed(*a, **k):
+        if "agreed" not in cached:
+            cached["agreed"] = real_check(*a, **k)
+        return cached["agreed"]
+
+    api._check_arguments = replayed
+    try:
+        times["ce_nosync"] = median_ms(ce, device)
+        times["ce_nosync_preloaded"] = median_ms(ce, device, preload=preload)
+        times["ce_nosync_back_to_back"] = median_ms(ce, device, back_to_back=True)
+    finally:
+        api._check_arguments = real_check
+    return times
 
 if __name__ == "__main__":
     main()

@@ -311,10 +311,14 @@ def main(argv=None):
 
     base = model_args(p, data_dir, args.main_iters or p["iters"])
     fused = ["--use-linear-ce-fusion-loss"]
-    plan = [
-        ("fused", base + fused + ["--save", str(work / "ckpt_fused"), "--save-interval", str(K)]),
-        ("unfused", base + ["--save", str(work / "ckpt_unfused"), "--save-interval", str(K)]),
-    ]
+
+    def save(run, interval):
+        return ["--save", str(work / f"ckpt_{run}"), "--save-interval", str(interval)]
+
+    def load(run, step):
+        return ["--load", str(work / f"ckpt_{run}"), "--ckpt-step", str(step)]
+
+    plan = [("fused", base + fused + save("fused", K)), ("unfused", base + save("unfused", K))]
     stages = set(args.stages.split(","))
     if "main" in stages:
         run_pair(plan, args.parallel, record, time_left, logs, env, work)
@@ -359,10 +363,9 @@ def main(argv=None):
             summary["resume_mode"] = "weights only (no Apex/TE: optimizer state not loadable)"
         else:
             summary["resume_mode"] = "full (weights, optimizer, RNG)"
-        load = lambda run: ["--load", str(work / f"ckpt_{run}"), "--ckpt-step", str(K)]  # noqa: E731
-        resumes([("fused_to_unfused", resume + load("fused"), "fused"),
-                 ("unfused_to_fused", resume + fused + load("unfused"), "unfused"),
-                 ("fused_to_fused", resume + fused + load("fused"), "fused")],
+        resumes([("fused_to_unfused", resume + load("fused", K), "fused"),
+                 ("unfused_to_fused", resume + fused + load("unfused", K), "unfused"),
+                 ("fused_to_fused", resume + fused + load("fused", K), "fused")],
                 ("fused", "unfused"), K)
 
     # the whole state (weights, optimizer, RNG, data position) through Megatron's non-distributed
@@ -371,13 +374,11 @@ def main(argv=None):
     if "resume_full" in stages:
         k = p["full_resume_interval"]
         short = model_args(p, data_dir, 2 * k, distributed_optimizer=False)
-        save = lambda run: ["--save", str(work / f"ckpt_{run}"), "--save-interval", str(k)]  # noqa: E731
-        run_pair([("full_fused", short + fused + save("full_fused")),
-                  ("full_unfused", short + save("full_unfused"))], True, record, time_left, logs, env, work)
-        load = lambda run: ["--load", str(work / f"ckpt_{run}"), "--ckpt-step", str(k)]  # noqa: E731
-        resumes([("full_fused_to_unfused", short + load("full_fused"), "full_fused"),
-                 ("full_unfused_to_fused", short + fused + load("full_unfused"), "full_unfused"),
-                 ("full_fused_to_fused", short + fused + load("full_fused"), "full_fused")],
+        run_pair([("full_fused", short + fused + save("full_fused", k)),
+                  ("full_unfused", short + save("full_unfused", k))], True, record, time_left, logs, env, work)
+        resumes([("full_fused_to_unfused", short + load("full_fused", k), "full_fused"),
+                 ("full_unfused_to_fused", short + fused + load("full_unfused", k), "full_unfused"),
+                 ("full_fused_to_fused", short + fused + load("full_fused", k), "full_fused")],
                 ("full_fused", "full_unfused"), k)
 
     mtp = model_args(p, data_dir, p["mtp_iters"]) + ["--mtp-num-layers", "1"]
