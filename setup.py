@@ -19,6 +19,9 @@ setup(
         "test": ["pytest>=7", "hypothesis==6.170.15", "megatron-core>=0.16.1", "triton>=3.0", "pyyaml",
                  "tqdm", "einops", "tokenizers"],  # einops: megatron's Megatron-FSDP adapter (tests/test_megatron_fsdp.py)
         "bench": ["matplotlib", "triton>=3.0"],
+        # QuACK's one-pass cross-entropy row kernel on Hopper (ops/cute_backend.py); quack-kernels
+        # 0.6.5 imports with nvidia-cutlass-dsl 4.7.1, not 4.8
+        "cute": ["quack-kernels==0.6.5", "nvidia-cutlass-dsl==4.7.1"],
         # tools/make_text_dataset.py (BPE tokenizer + indexed dataset of the stdlib sources)
         "data": ["tokenizers", "megatron-core>=0.16.1"],
     },

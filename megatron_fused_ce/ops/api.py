@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import lean, reductions, sampling, torch_backend
+from . import cute_backend, lean, reductions, sampling, torch_backend
 from .agreement import Agreement, finite_real, fits_int64, is_int
 from .chunked import (
     ChunkSpec,
@@ -455,6 +455,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         logits_dtype=logits_dtype,
         vocab_block=VOCAB_BLOCK,
         lean=lean_tiles,
+        # "auto" may take QuACK's one-pass cross-entropy kernel where it applies (cute_backend.py)
+        row_kernel=cute_backend if impl == "auto" else None,
     )
     anchor = None
     if sampling_spec is not None:  # sampler fidelity: its own chunk loop (sampling.py)
@@ -633,12 +635,20 @@ def linear_cross_entropy(
         # The loss is a scalar whose per-token gradient is known once a chunk is merged: produce
         # dX, dW in the forward pass (3 GEMMs instead of 4). reduction="none" has arbitrary
         # per-token upstream gradients, so it keeps the recompute path.
+        def loss_scale(num_labelled):
+            return 1.0 / max(num_labelled, 1) if reduction == "mean" else 1.0
+
         def token_grads(merged, positions, num_labelled):
-            scale = 1.0 / max(num_labelled, 1) if reduction == "mean" else 1.0
+            scale = loss_scale(num_labelled)
             g_lse = merged.lse * (2.0 * z_weight * scale) + scale if z_weight else torch.full_like(merged.lse, scale)
             g_target = torch.full_like(merged.lse, -(1.0 - smoothing) * scale)
             g_sum = torch.full_like(merged.lse, -smoothing * scale / true_vocab) if smoothing > 0 else None
             return g_target, g_lse, g_sum, None
+
+        # Without smoothing or z-loss every token's dlogits are c (softmax - one_hot): the chunk loop
+        # may take them from a one-pass row kernel and apply c in the GEMMs (cute_backend.py).
+        token_grads.softmax_minus_one_hot_scale = (
+            loss_scale if not smoothing and not z_weight else lambda num_labelled: None)
 
     stats = token_statistics(
         "linear_cross_entropy", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,

@@ -82,6 +82,7 @@ class ChunkSpec:
     logits_dtype: Optional[torch.dtype] = None  # None: the input dtype
     vocab_block: int = 0  # columns per GEMM / kernel inside a chunk (0: the whole shard)
     lean: Optional[lean.LeanTiles] = None  # memory_mode="lean": tile sizes (None: fast mode)
+    row_kernel: Any = None  # cute_backend: a one-pass cross-entropy row kernel where it applies
 
 
 def autocast_off(device: torch.device):
@@ -251,14 +252,17 @@ def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec: Ch
 
 
 def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
-               dw_out: Optional[Tensor], dw_accumulate: bool) -> None:
+               dw_out: Optional[Tensor], dw_accumulate: bool, scale: float = 1.0) -> None:
     """dW per vocab block into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
-    into `dx_out`, from the chunk's dlogits."""
+    into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha)."""
     if dw_out is not None:
         for start, end in _vocab_blocks(spec, dlogits.shape[1]):
-            matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate)
+            matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate, alpha=scale)
     if dx_out is not None:
-        torch.mm(dlogits, weight, out=dx_out)
+        if scale == 1.0:
+            torch.mm(dlogits, weight, out=dx_out)
+        else:
+            torch.addmm(dx_out, dlogits, weight, beta=0, alpha=scale, out=dx_out)
 
 
 def _slice_coefs(coefs: dict, start: int, end: int) -> dict:
@@ -624,9 +628,18 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
         if spec.lean is not None:
             stats, acc = lean.expected_rows(h, lean_blocks, local_target[start:end], spec,
                                             want_acc=dx_rows is not None)
+            merged = reductions.merge_shard_stats(stats, spec.tp_group)
         else:
-            logits, stats = chunk_forward(h, weight, local_target[start:end], spec, want_stats=True)
-        merged = reductions.merge_shard_stats(stats, spec.tp_group)
+            one_hot_scale = _one_pass_scale(spec, token_grads, h, weight, rows.shape[0])
+            logits, stats = chunk_forward(h, weight, local_target[start:end], spec,
+                                          want_stats=one_hot_scale is None)
+            if one_hot_scale is None:
+                merged = reductions.merge_shard_stats(stats, spec.tp_group)
+            else:  # the logits become softmax - one_hot in the same pass that takes lse
+                loss, lse = spec.row_kernel.ce_dlogits_(logits, local_target[start:end])
+                target = lse - loss
+                # offsets M = z_y, log S = loss: M + log S = lse, and log p_y = -loss exactly
+                merged = reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss)
         merged_chunks.append(merged)
         positions = (row_index[start:end] if row_index is not None
                      else torch.arange(start, end, device=rows.device))
@@ -642,12 +655,30 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
                                               local_target[start:end], spec, column_sum, dx_rows[start:end])
             del acc
         else:
-            dlogits = gemm_input(chunk_dlogits_(logits, local_target[start:end], spec,
-                                                (merged.max, merged.log_sum_exp), coefs), h)
-            grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
-                       dw_out, dw_accumulate=into_main_grad or index > 0)
+            if one_hot_scale is None:
+                chunk_dlogits_(logits, local_target[start:end], spec, (merged.max, merged.log_sum_exp), coefs)
+            dlogits = gemm_input(logits, h)
+            grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
+                       dw_accumulate=into_main_grad or index > 0, scale=one_hot_scale or 1.0)
             del logits, dlogits  # one chunk alive at the peak
     return merged_chunks, coef_chunks
+
+
+def _one_pass_scale(spec: ChunkSpec, token_grads, h: Tensor, weight: Tensor, num_rows: int) -> Optional[float]:
+    """c where a chunk's dlogits may come from spec.row_kernel as c (softmax - one_hot), in one pass
+    over the logits; None where the statistics and dlogits are taken apart. It needs a shard with the
+    whole vocab (TP = 1: nothing to merge between the two), a loss whose per-token gradient is
+    c (softmax - one_hot) (cross-entropy without smoothing or z-loss), whole-shard GEMMs in the
+    input dtype, and the row kernel's own conditions (cute_backend.supported)."""
+    scale_of = getattr(token_grads, "softmax_minus_one_hot_scale", None)
+    if (spec.row_kernel is None or scale_of is None or reductions.group_size(spec.tp_group) != 1
+            or spec.lean is not None or spec.vocab_block != 0 or spec.want_entropy or spec.want_sum_logits
+            or spec.logits_dtype is not None):
+        return None
+    if not spec.row_kernel.supported(h.dtype, weight.shape[0], spec.num_valid_cols, spec.inv_temperature,
+                                     h.device):
+        return None
+    return scale_of(num_rows)
 
 
 def _scaled_coefs(coef_list, scale: Tensor) -> dict:

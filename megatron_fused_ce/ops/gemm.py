@@ -49,36 +49,42 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool) -> None:
-    """out (+)= a @ b; `accumulate=False` overwrites (no zero-fill, no read of `out`).
+def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool, alpha: float = 1.0) -> None:
+    """out (+)= alpha * a @ b; `accumulate=False` overwrites (no zero-fill, no read of `out`).
 
     `out` is fp32 when gradients are summed over chunks: low-precision weight-gradient
     accumulation drifts (axolotl #1601, Liger #827). On CUDA cuBLAS writes or adds the fp32 product
     of bf16/fp16 inputs in place (out_dtype); elsewhere (CPU) the chunk product is rounded to the
     input dtype first. A single GEMM over all rows may write the input dtype directly: cuBLAS
-    accumulates in fp32 internally.
+    accumulates in fp32 internally. `alpha` is the GEMM's own scale (no pass over `out`).
     """
     global _FP32_OUT_MATMUL_OK
+    beta = 1 if accumulate else 0  # beta = 0: `out` is not read (NaN in it does not propagate)
     if out.dtype == a.dtype:
-        if accumulate:
-            out.addmm_(a, b)
-        else:
+        if alpha == 1.0 and not accumulate:
             torch.mm(a, b, out=out)
+        else:
+            torch.addmm(out, a, b, beta=beta, alpha=alpha, out=out)
         return
     if out.is_cuda and _FP32_OUT_MATMUL_OK is not False:
         try:
-            if accumulate:
+            if alpha != 1.0:
+                torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=out.dtype, out=out)
+            elif accumulate:
                 torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
             else:
                 torch.mm(a, b, out_dtype=out.dtype, out=out)
             _FP32_OUT_MATMUL_OK = True
             return
         except (TypeError, RuntimeError):
-            _FP32_OUT_MATMUL_OK = False
+            if alpha == 1.0:
+                _FP32_OUT_MATMUL_OK = False
     if accumulate:
-        out.add_(torch.mm(a, b))
-    else:
+        out.add_(torch.mm(a, b), alpha=alpha)
+    elif alpha == 1.0:
         out.copy_(torch.mm(a, b))
+    else:
+        torch.mul(torch.mm(a, b), alpha, out=out)
 
 
 def fused_dlogits(h: Tensor, weight: Tensor, spec) -> bool:

@@ -29,7 +29,10 @@ def markdown(results):
     lines = [f"Device: {results['env'].get('device')}; torch {results['env']['torch']}, "
              f"triton {results['env'].get('triton')}; peers: megatron-core {results['env'].get('megatron-core')}, "
              f"liger-kernel {results['env'].get('liger-kernel')}, cut-cross-entropy "
-             f"{results['env'].get('cut-cross-entropy')}; command: `{results['command']}`", ""]
+             f"{results['env'].get('cut-cross-entropy')}, quack-kernels {results['env'].get('quack-kernels')} "
+             f"(nvidia-cutlass-dsl {results['env'].get('nvidia-cutlass-dsl')}); QuACK's row kernel in ours: "
+             f"{results['env'].get('cute_row_kernel')}; code: {results['env'].get('git')}; "
+             f"command: `{results['command']}`", ""]
     main = [r for r in results["rows"] if r["section"] == "shapes"]
     shapes = list(dict.fromkeys((r["N"], r["H"], r["V"]) for r in main))
     for spread in dict.fromkeys(r.get("spread", "random") for r in main):
@@ -280,15 +283,23 @@ def environment():
     else:
         env["device"] = "cpu (TRITON_INTERPRET=1)"
     for mod, dist in (("megatron.core", "megatron-core"), ("liger_kernel", "liger-kernel"),
-                      ("cut_cross_entropy", "cut-cross-entropy")):
+                      ("cut_cross_entropy", "cut-cross-entropy"), ("quack", "quack-kernels"),
+                      ("cutlass", "nvidia-cutlass-dsl")):
         try:
             from importlib.metadata import version
             env[dist] = version(dist)
         except Exception:  # noqa: BLE001
             env[dist] = None
+    if torch.cuda.is_available():
+        from megatron_fused_ce.ops import cute_backend
+        env["cute_row_kernel"] = cute_backend.supported(torch.bfloat16, 8, 8, 1.0, torch.device("cuda"))
     try:
-        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                    text=True, timeout=10).stdout.strip() or None
+        git = ["git", "-C", str(REPO)]
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        changed = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, timeout=10).stdout.strip()
+        env["git"] = (head + ("+uncommitted changes" if changed else "")) or None
     except Exception:  # noqa: BLE001
         env["git"] = None
     return env
