@@ -95,10 +95,11 @@ def test_one_pass_equals_two_passes(reference_kernel):
 
 
 @pytest.mark.parametrize("change", ["label_smoothing", "z_loss", "temperature", "padded_vocab", "lean",
-                                    "logprobs", "impl_torch", "fp32"])
-def test_one_pass_not_taken_where_it_does_not_apply(reference_kernel, change):
+                                    "logprobs", "impl_torch", "fp32", "switched_off"])
+def test_one_pass_not_taken_where_it_does_not_apply(reference_kernel, monkeypatch, change):
     """Where the per-token gradient is not c (softmax - one_hot) on whole unpadded bf16 rows at
-    temperature 1, or another path was asked for, the kernel is not called."""
+    temperature 1, another path was asked for, or MEGATRON_FUSED_CE_CUTE=0 switched it off, the
+    kernel is not called."""
     case = _case(13)
     h = case["hidden"].clone().requires_grad_()
     w = case["weight"].clone().requires_grad_()
@@ -118,6 +119,8 @@ def test_one_pass_not_taken_where_it_does_not_apply(reference_kernel, change):
         args["impl"] = "torch"
     elif change == "fp32":
         h, w = (t.detach().float().requires_grad_() for t in (h, w))
+    elif change == "switched_off":
+        monkeypatch.setattr(cute_backend, "ENABLED", False)
     labels = labels if change == "padded_vocab" else case["labels"]
     if change == "logprobs":
         linear_logprobs(h, w, labels, **args).logprobs.sum().backward()
