@@ -156,8 +156,17 @@ def test_without_quack_or_a_hopper_gpu_nothing_changes():
     """Where QuACK does not import (CPU CI) or the device is not SM90/SM100, `supported` is False
     and the chunk loop keeps the statistics + dlogits kernels."""
     assert cute_backend.KERNEL is None or cute_backend.KERNEL is not cute_backend.reference_kernel
-    assert not cute_backend.supported(torch.bfloat16, 1024, 1024, 1.0, torch.device("cpu"))
-    assert not cute_backend.supported(torch.float32, 1024, 1024, 1.0, torch.device("cpu"))
+    assert not cute_backend.supported(torch.bfloat16, 64, 1024, 1024, 1.0, torch.device("cpu"))
+    assert not cute_backend.supported(torch.float32, 64, 1024, 1024, 1.0, torch.device("cpu"))
+
+
+def test_chunks_of_2_to_the_31_elements_keep_the_triton_kernels(reference_kernel):
+    """A chunk of 2^31 or more logits (an explicit chunk_size or max_chunk_bytes above the default
+    1 GiB) is not handed to QuACK's kernel: its indexing is not known to be 64-bit."""
+    cpu = torch.device("cpu")
+    assert cute_backend.supported(torch.bfloat16, 16383, 131072, 131072, 1.0, cpu)
+    assert not cute_backend.supported(torch.bfloat16, 16384, 131072, 131072, 1.0, cpu)
+    assert not cute_backend.supported(torch.bfloat16, 16384, 152064, 152064, 1.0, cpu)
 
 
 def _quack_on_this_gpu() -> bool:

@@ -675,8 +675,8 @@ def _one_pass_scale(spec: ChunkSpec, token_grads, h: Tensor, weight: Tensor, num
             or spec.lean is not None or spec.vocab_block != 0 or spec.want_entropy or spec.want_sum_logits
             or spec.logits_dtype is not None):
         return None
-    if not spec.row_kernel.supported(h.dtype, weight.shape[0], spec.num_valid_cols, spec.inv_temperature,
-                                     h.device):
+    if not spec.row_kernel.supported(h.dtype, h.shape[0], weight.shape[0], spec.num_valid_cols,
+                                     spec.inv_temperature, h.device):
         return None
     return scale_of(num_rows)
 

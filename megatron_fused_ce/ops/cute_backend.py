@@ -51,11 +51,15 @@ def _sm90_or_sm100(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
-def supported(logits_dtype: torch.dtype, num_cols: int, num_valid_cols: int, inv_temperature: float,
-              device: torch.device) -> bool:
+def supported(logits_dtype: torch.dtype, num_rows: int, num_cols: int, num_valid_cols: int,
+              inv_temperature: float, device: torch.device) -> bool:
     """Whether `ce_dlogits_` runs for a chunk of this kind: whole unpadded rows in bf16/fp16
-    (a multiple of 8 columns, 16-byte rows), temperature 1, on an SM90/SM100 GPU with QuACK."""
+    (a multiple of 8 columns, 16-byte rows), temperature 1, fewer than 2^31 elements (the limit
+    the Triton kernels lift with 64-bit row offsets; not relied on here), on an SM90/SM100 GPU
+    with QuACK."""
     if not ENABLED or logits_dtype not in _DTYPES or num_valid_cols != num_cols or num_cols % 8:
+        return False
+    if num_rows * num_cols >= 2**31:
         return False
     if inv_temperature != 1.0:
         return False
