@@ -28,9 +28,8 @@ def reference_kernel(monkeypatch):
         calls.append(x.shape[0])
         return cute_backend.reference_kernel(x, target, *args, **kwargs)
 
-    counted.__wrapped__ = cute_backend.reference_kernel
-    monkeypatch.setattr(cute_backend, "KERNEL", cute_backend.reference_kernel)
     monkeypatch.setattr(cute_backend, "_kernel", lambda: counted)
+    monkeypatch.setattr(cute_backend, "_available", lambda device: True)
     return calls
 
 
@@ -134,8 +133,8 @@ def _tp2_worker(rank, world, case):
 
     from megatron_fused_ce.ops import cute_backend as cb
 
-    cb.KERNEL = cb.reference_kernel
     calls = []
+    cb._available = lambda device: True
     cb._kernel = lambda: calls.append(1) or cb.reference_kernel
     v_local = case["v_local"]
     h = case["hidden"].clone().requires_grad_()
@@ -155,7 +154,6 @@ def test_one_pass_not_taken_under_tensor_parallelism():
 def test_without_quack_or_a_hopper_gpu_nothing_changes():
     """Where QuACK does not import (CPU CI) or the device is not SM90/SM100, `supported` is False
     and the chunk loop keeps the statistics + dlogits kernels."""
-    assert cute_backend.KERNEL is None or cute_backend.KERNEL is not cute_backend.reference_kernel
     assert not cute_backend.supported(torch.bfloat16, 64, 1024, 1024, 1.0, torch.device("cpu"))
     assert not cute_backend.supported(torch.float32, 64, 1024, 1024, 1.0, torch.device("cpu"))
 
@@ -176,7 +174,7 @@ def _quack_on_this_gpu() -> bool:
 
 @pytest.mark.skipif(not _quack_on_this_gpu(), reason="QuACK's kernel runs on an SM90/SM100 GPU with quack-kernels")
 @pytest.mark.parametrize("main_grad", [False, True])
-def test_quack_kernel_on_gpu_matches_float64(main_grad):
+def test_quack_kernel_on_gpu_matches_float64(monkeypatch, main_grad):
     """QuACK's own kernel on the GPU, vocab 50304 (a column count its clusters split), 1037 labelled
     rows in chunks of 300: loss, dX and dW against the float64 dense reference, and the kernel
     was called (the Triton kernels were not)."""
@@ -185,10 +183,7 @@ def test_quack_kernel_on_gpu_matches_float64(main_grad):
     gpu = dict(case, hidden=case["hidden"].cuda(), weight=case["weight"].cuda(), labels=case["labels"].cuda())
     kernel = cute_backend._kernel()
     calls = []
-    cute_backend.KERNEL = lambda *a, **k: calls.append(1) or kernel(*a, **k)
-    try:
-        got = _run_ce(gpu, main_grad=main_grad)
-    finally:
-        cute_backend.KERNEL = kernel
+    monkeypatch.setattr(cute_backend, "_kernel", lambda: lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    got = _run_ce(gpu, main_grad=main_grad)
     assert calls
     _check(case, tuple(t.cpu() for t in got), "mean", 3.5, f"QuACK main_grad={main_grad}")

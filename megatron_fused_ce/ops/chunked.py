@@ -259,10 +259,7 @@ def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_o
         for start, end in _vocab_blocks(spec, dlogits.shape[1]):
             matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate, alpha=scale)
     if dx_out is not None:
-        if scale == 1.0:
-            torch.mm(dlogits, weight, out=dx_out)
-        else:
-            torch.addmm(dx_out, dlogits, weight, beta=0, alpha=scale, out=dx_out)
+        matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
 
 
 def _slice_coefs(coefs: dict, start: int, end: int) -> dict:
@@ -623,6 +620,7 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
     chunk_size = spec.lean.rows_a if spec.lean is not None else spec.chunk_size
     column_sum = None
     merged_chunks, coef_chunks = [], []
+    one_hot_scale = _one_pass_scale(spec, token_grads, rows, weight, min(chunk_size, rows.shape[0]))
     for index, (start, end) in enumerate(_chunks(rows.shape[0], chunk_size)):
         h = rows[start:end]
         if spec.lean is not None:
@@ -630,7 +628,6 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
                                             want_acc=dx_rows is not None)
             merged = reductions.merge_shard_stats(stats, spec.tp_group)
         else:
-            one_hot_scale = _one_pass_scale(spec, token_grads, h, weight, rows.shape[0])
             logits, stats = chunk_forward(h, weight, local_target[start:end], spec,
                                           want_stats=one_hot_scale is None)
             if one_hot_scale is None:
@@ -664,21 +661,21 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
     return merged_chunks, coef_chunks
 
 
-def _one_pass_scale(spec: ChunkSpec, token_grads, h: Tensor, weight: Tensor, num_rows: int) -> Optional[float]:
-    """c where a chunk's dlogits may come from spec.row_kernel as c (softmax - one_hot), in one pass
-    over the logits; None where the statistics and dlogits are taken apart. It needs a shard with the
-    whole vocab (TP = 1: nothing to merge between the two), a loss whose per-token gradient is
-    c (softmax - one_hot) (cross-entropy without smoothing or z-loss), whole-shard GEMMs in the
+def _one_pass_scale(spec: ChunkSpec, token_grads, rows: Tensor, weight: Tensor, chunk_rows: int) -> Optional[float]:
+    """c where every chunk's dlogits may come from spec.row_kernel as c (softmax - one_hot), in one
+    pass over the logits; None where the statistics and dlogits are taken apart. It needs a shard
+    with the whole vocab (TP = 1: nothing to merge between the two), a loss whose per-token gradient
+    is c (softmax - one_hot) (cross-entropy without smoothing or z-loss), whole-shard GEMMs in the
     input dtype, and the row kernel's own conditions (cute_backend.supported)."""
     scale_of = getattr(token_grads, "softmax_minus_one_hot_scale", None)
     if (spec.row_kernel is None or scale_of is None or reductions.group_size(spec.tp_group) != 1
             or spec.lean is not None or spec.vocab_block != 0 or spec.want_entropy or spec.want_sum_logits
             or spec.logits_dtype is not None):
         return None
-    if not spec.row_kernel.supported(h.dtype, h.shape[0], weight.shape[0], spec.num_valid_cols,
-                                     spec.inv_temperature, h.device):
+    if not spec.row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
+                                     spec.inv_temperature, rows.device):
         return None
-    return scale_of(num_rows)
+    return scale_of(rows.shape[0])
 
 
 def _scaled_coefs(coef_list, scale: Tensor) -> dict:

@@ -14,12 +14,14 @@ with "mean" / "sum" reduction, no label smoothing, no z-loss, temperature 1, no 
 is then applied by the dX / dW GEMMs (cuBLAS alpha), so that no pass scales dlogits. Everything
 else, and every machine without QuACK or a Hopper GPU, keeps the Triton kernels.
 
-`KERNEL` is the one call into QuACK (`cross_entropy_fwd_out`); tests replace it with `reference_kernel`
-(the same contract in torch) to check the integration on CPU.
+`_kernel()` is the one call into QuACK (`cross_entropy_fwd_out`); tests replace it with
+`reference_kernel` (the same contract in torch), and `_available` with True, to check the
+integration on CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -27,28 +29,23 @@ import torch
 from torch import Tensor
 
 ENABLED = os.environ.get("MEGATRON_FUSED_CE_CUTE", "1") not in ("0", "", "false", "False")
-KERNEL = None  # quack.cross_entropy.cross_entropy_fwd_out once imported (or a stand-in in tests)
-_IMPORT_TRIED = False
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel():
-    """QuACK's kernel, imported on first use (None where QuACK or CuTe DSL does not import)."""
-    global KERNEL, _IMPORT_TRIED
-    if KERNEL is None and not _IMPORT_TRIED:
-        _IMPORT_TRIED = True
-        try:
-            from quack.cross_entropy import cross_entropy_fwd_out
-        except Exception:  # not installed, or a CuTe DSL it does not import with
-            return None
-        KERNEL = cross_entropy_fwd_out
-    return KERNEL
+    """QuACK's kernel, imported once on first use (None where QuACK or CuTe DSL does not import)."""
+    try:
+        from quack.cross_entropy import cross_entropy_fwd_out
+    except Exception:  # not installed, or a CuTe DSL it does not import with
+        return None
+    return cross_entropy_fwd_out
 
 
-def _sm90_or_sm100(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+def _available(device: torch.device) -> bool:
+    """QuACK imports and the device is an SM90 / SM100 GPU."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+            and _kernel() is not None)
 
 
 def supported(logits_dtype: torch.dtype, num_rows: int, num_cols: int, num_valid_cols: int,
@@ -57,15 +54,8 @@ def supported(logits_dtype: torch.dtype, num_rows: int, num_cols: int, num_valid
     (a multiple of 8 columns, 16-byte rows), temperature 1, fewer than 2^31 elements (the limit
     the Triton kernels lift with 64-bit row offsets; not relied on here), on an SM90/SM100 GPU
     with QuACK."""
-    if not ENABLED or logits_dtype not in _DTYPES or num_valid_cols != num_cols or num_cols % 8:
-        return False
-    if num_rows * num_cols >= 2**31:
-        return False
-    if inv_temperature != 1.0:
-        return False
-    if KERNEL is not None and KERNEL is reference_kernel:
-        return True
-    return _sm90_or_sm100(device) and _kernel() is not None
+    return (ENABLED and logits_dtype in _DTYPES and num_valid_cols == num_cols and num_cols % 8 == 0
+            and num_rows * num_cols < 2**31 and inv_temperature == 1.0 and _available(device))
 
 
 def ce_dlogits_(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
@@ -74,8 +64,7 @@ def ce_dlogits_(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     n = logits.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    kernel = _kernel()
-    kernel(logits, target, None, loss, lse, logits, None)
+    _kernel()(logits, target, None, loss, lse, logits, None)
     return loss, lse
 
 
