@@ -128,6 +128,49 @@ def test_one_pass_not_taken_where_it_does_not_apply(reference_kernel, monkeypatc
     assert reference_kernel == []
 
 
+@pytest.mark.parametrize("main_grad", [True, False], ids=["main_grad", "grad"])
+def test_one_pass_under_every_forward_backward_pairing(reference_kernel, main_grad):
+    """The pairings of test_forward_backward_pairing (activation checkpointing both ways, a second
+    backward, the loss used twice, a changing loss scale) with the one-pass kernel: dX and dW stay
+    the float64 reference's multiple; a forward freed without backward under main_grad poisons it
+    and the next call raises, as on the two-pass path."""
+    import warnings
+
+    from test_forward_backward_pairing import SCENARIOS
+
+    case = _case(31)
+    ref_loss, ref_dx, ref_dw = _reference_ce(case, "mean", 0.0, 0.0, torch.tensor(1.0))
+
+    def leaves():
+        h = case["hidden"].clone().requires_grad_()
+        w = case["weight"].clone().requires_grad_()
+        if main_grad:
+            w.main_grad = torch.zeros(w.shape)
+            w.grad_added_to_main_grad = False
+        return h, w
+
+    def loss_fn(h, w):
+        return linear_cross_entropy(h, w, case["labels"], vocab_size=case["vocab"], chunk_size=7,
+                                    accumulate_into_main_grad=main_grad)
+
+    for scenario in SCENARIOS:
+        h, w = leaves()
+        loss, scale = scenario(loss_fn, h, w)
+        dw = w.main_grad if main_grad else w.grad
+        assert reference.rel_err(loss, ref_loss) < TOL[case["dtype"]], scenario.__name__
+        assert reference.rel_err(h.grad, scale * ref_dx) < TOL[case["dtype"]], scenario.__name__
+        assert reference.rel_err(dw, scale * ref_dw) < TOL[case["dtype"]], scenario.__name__
+    assert reference_kernel
+    if main_grad:
+        h, w = leaves()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_fn(h, w)  # graph freed without a backward
+        assert torch.isnan(w.main_grad).all()
+        with pytest.raises(ValueError, match="never backpropagated"):
+            loss_fn(h, w)
+
+
 def _tp2_worker(rank, world, case):
     import torch.distributed as dist
 
