@@ -230,3 +230,289 @@ def test_quack_kernel_on_gpu_matches_float64(monkeypatch, main_grad):
     got = _run_ce(gpu, main_grad=main_grad)
     assert calls
     _check(case, tuple(t.cpu() for t in got), "mean", 3.5, f"QuACK main_grad={main_grad}")
+
+
+# --------------------------------------------------------------------------------------------
+# QuACK's GEMM for the weight gradients (cute_backend.weight_grad_into_): written, added in place, and
+# the last chunk's dW written in the weight dtype with the fp32 sum of the other chunks added in the GEMM.
+
+
+@pytest.fixture
+def reference_gemms(monkeypatch):
+    """QuACK's GEMM replaced by its torch contract; returns its calls as (configuration,
+    "write" / "accumulate" / "add_cast")."""
+    calls = []
+
+    def counted(a, b, out, c, *, alpha=1.0, beta=1.0, add_to_output=False, config=None):
+        calls.append((config, "add_cast" if c is not None else "accumulate" if add_to_output else "write"))
+        cute_backend.reference_gemm(a, b, out, c, alpha=alpha, beta=beta, add_to_output=add_to_output)
+
+    monkeypatch.setattr(cute_backend, "_gemm", lambda: (counted, {key: key for key in cute_backend.GEMM_CONFIGS}))
+    monkeypatch.setattr(cute_backend, "_gemm_available", lambda device: True)
+    return calls
+
+
+@pytest.mark.parametrize("row_kernel", [False, True], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("upstream", [1.0, 3.5])
+@pytest.mark.parametrize("retain", [False, True])
+def test_quack_gemms_match_float64_reference(reference_gemms, monkeypatch, row_kernel, main_grad, upstream, retain):
+    """Cross-entropy with the dW GEMMs on QuACK (the row kernel on or off), chunks of 7 rows:
+    loss, dX and dW against float64. Without main_grad the last chunk's GEMM adds the fp32 sum of
+    the others and writes dW in bf16 during the forward, which the backward scales by g (checked
+    with g = 1 and 3.5, and through a second backward, which recomputes)."""
+    if row_kernel:
+        monkeypatch.setattr(cute_backend, "_kernel", lambda: cute_backend.reference_kernel)
+        monkeypatch.setattr(cute_backend, "_available", lambda device: True)
+    case = _case(41)
+    got = _run_ce(case, upstream=upstream, main_grad=main_grad, retain=retain)
+    _check(case, got, "mean", upstream, f"QuACK GEMMs row_kernel={row_kernel} main_grad={main_grad} g={upstream}")
+    assert ("add", "accumulate") in reference_gemms
+    assert (("write", "write") in reference_gemms) == (not main_grad)  # main_grad: every chunk adds
+    forward_add_casts = 0 if main_grad else 1
+    second_backward_add_casts = 1 if retain and not main_grad else 0
+    assert reference_gemms.count(("add", "add_cast")) == forward_add_casts + second_backward_add_casts
+
+
+@pytest.mark.parametrize("entry", ["logprobs", "grpo"])
+def test_quack_gemms_on_the_recompute_path(reference_gemms, entry):
+    """Log-probs and GRPO recompute dlogits in the backward (temperature 0.7, a padded vocab, TP = 1,
+    chunks of 7): their dW GEMMs run on QuACK and the backward's last chunk writes bf16 dW with the
+    fp32 sum added; log-probs (the loss), dX and dW against float64."""
+    case = make_case(43, 1, dtype=torch.bfloat16, seq=23, batch=3, hidden=32, vocab=101, extra_pad=3,
+                     temperature=0.7)
+    g = torch.Generator().manual_seed(1)
+    token_weight = torch.randn(case["labels"].shape, generator=g, dtype=torch.float64)
+    h = case["hidden"].clone().requires_grad_()
+    w = case["weight"].clone().requires_grad_()
+    h64 = case["hidden"].double().requires_grad_()
+    w64 = case["weight"].double().requires_grad_()
+    ref_lp, _, _ = reference.dense_stats(h64, w64, case["labels"], vocab_size=case["vocab"], temperature=case["T"])
+    ref_lp = ref_lp.reshape(case["labels"].shape)
+    mask = case["labels"] != -100
+    if entry == "logprobs":
+        lp = linear_logprobs(h, w, case["labels"], vocab_size=case["vocab"], temperature=case["T"],
+                             chunk_size=7).logprobs
+        (lp.double() * token_weight * mask).sum().backward()
+        (ref_lp * token_weight * mask).sum().backward()
+        assert reference.rel_err(lp[mask], ref_lp[mask]) < TOL[torch.bfloat16]
+    else:  # the package's GRPO formula on the float64 dense log-probs is the reference
+        from megatron_fused_ce.losses import GRPOConfig, grpo_loss
+        from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss
+
+        labels = case["labels"].clamp(min=0)  # GRPO masks by `mask`, not by ignore_index
+        ref_lp, _, _ = reference.dense_stats(h64, w64, labels, vocab_size=case["vocab"], temperature=case["T"])
+        ref_lp = ref_lp.reshape(labels.shape)
+        old = (ref_lp.detach() + 0.1 * token_weight).float()
+        advantages = token_weight.float()
+        fmask = mask.float()
+        loss, _ = linear_grpo_loss(h, w, labels, advantages, fmask, GRPOConfig(), old_logprobs=old,
+                                   vocab_size=case["vocab"], temperature=case["T"], chunk_size=7)
+        ref_loss, _ = grpo_loss(ref_lp, advantages.double(), fmask.double(), GRPOConfig(), old_logprobs=old.double())
+        (2.5 * loss).backward()
+        (2.5 * ref_loss).backward()
+        assert reference.rel_err(loss, ref_loss) < TOL[torch.bfloat16]
+    assert reference.rel_err(h.grad, h64.grad) < TOL[torch.bfloat16]
+    assert reference.rel_err(w.grad, w64.grad) < TOL[torch.bfloat16]
+    assert ("add", "add_cast") in reference_gemms and ("write", "write") in reference_gemms
+
+
+@pytest.mark.parametrize("change", ["impl_triton_or_torch", "fp32", "switched_off", "unaligned_hidden", "lean"])
+def test_quack_gemms_not_taken_where_they_do_not_apply(reference_gemms, monkeypatch, change):
+    """An explicit impl, fp32 inputs, MEGATRON_FUSED_CE_CUTE=0, a hidden size whose rows TMA cannot
+    address (36 bf16 = 72 bytes, not a multiple of 16) and lean mode keep cuBLAS: QuACK's GEMM is
+    not called, and the result is the float64 reference's."""
+    hidden = 36 if change == "unaligned_hidden" else 32
+    case = make_case(47, 1, dtype=torch.bfloat16, seq=23, batch=3, hidden=hidden, vocab=104, extra_pad=0,
+                     temperature=1.0)
+    kwargs = {}
+    if change == "impl_triton_or_torch":
+        kwargs["impl"] = "torch"  # on CPU "triton" runs the same GEMM calls (no role named)
+    elif change == "fp32":
+        case = dict(case, hidden=case["hidden"].float(), weight=case["weight"].float(), dtype=torch.float32)
+    elif change == "switched_off":
+        monkeypatch.setattr(cute_backend, "ENABLED", False)
+    elif change == "lean":
+        kwargs["memory_mode"] = "lean"
+    got = _run_ce(case, **kwargs)
+    assert reference_gemms == []
+    _check(case, got, "mean", 3.5, change)
+
+
+def test_quack_gemms_with_vocab_blocks_not_16_byte_aligned(reference_gemms, monkeypatch):
+    """GEMMs per vocab block of 12 columns: blocks that start 24 bytes into a bf16 row are declined
+    (cuBLAS runs them; the last chunk adds them to the fp32 sum and casts), the aligned ones run on
+    QuACK; together the float64 reference's gradients."""
+    from megatron_fused_ce.ops import api
+
+    monkeypatch.setattr(api, "VOCAB_BLOCK", 12)
+    case = _case(53)
+    got = _run_ce(case, upstream=2.0)
+    _check(case, got, "mean", 2.0, "vocab blocks of 12")
+    assert ("add", "add_cast") in reference_gemms and ("add", "accumulate") in reference_gemms
+
+
+@pytest.mark.parametrize("main_grad", [True, False], ids=["main_grad", "grad"])
+def test_quack_gemms_under_every_forward_backward_pairing(reference_gemms, reference_kernel, main_grad):
+    """The pairings of test_forward_backward_pairing with QuACK's GEMMs and row kernel: the bf16 dW
+    written in the forward is scaled by each backward's upstream gradient (or recomputed on a
+    second backward) and matches the float64 reference's multiple."""
+    from test_forward_backward_pairing import SCENARIOS
+
+    case = _case(59)
+    ref_loss, ref_dx, ref_dw = _reference_ce(case, "mean", 0.0, 0.0, torch.tensor(1.0))
+    for scenario in SCENARIOS:
+        h = case["hidden"].clone().requires_grad_()
+        w = case["weight"].clone().requires_grad_()
+        if main_grad:
+            w.main_grad = torch.zeros(w.shape)
+            w.grad_added_to_main_grad = False
+        loss, scale = scenario(lambda h, w: linear_cross_entropy(
+            h, w, case["labels"], vocab_size=case["vocab"], chunk_size=7, accumulate_into_main_grad=main_grad), h, w)
+        dw = w.main_grad if main_grad else w.grad
+        assert reference.rel_err(loss, ref_loss) < TOL[case["dtype"]], scenario.__name__
+        assert reference.rel_err(h.grad, scale * ref_dx) < TOL[case["dtype"]], scenario.__name__
+        assert reference.rel_err(dw, scale * ref_dw) < TOL[case["dtype"]], scenario.__name__
+    assert ("add", "add_cast" if not main_grad else "accumulate") in reference_gemms
+
+
+def _quack_gemms_on_this_gpu() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+            and cute_backend._gemm() is not None)
+
+
+@pytest.mark.skipif(not _quack_gemms_on_this_gpu(), reason="QuACK's GEMM runs on an SM90 GPU with quack-kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quack_weight_grad_gemms_on_gpu_match_float64(dtype):
+    """Both fixed configurations on the GPU, on a chunk whose row and column counts are not
+    multiples of their tiles (300 rows, 50312 columns, hidden 72): dW written in fp32 with alpha,
+    added in place, and added to an fp32 sum while written in the input dtype, against float64."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, v, hd = 300, 50312, 72
+    h = torch.randn(n, hd, device="cuda", generator=g).to(dtype)
+    dl = (torch.randn(n, v, device="cuda", generator=g) * 0.01).to(dtype)
+    total = torch.randn(v, hd, device="cuda", generator=g)
+    product = dl.double().t() @ h.double()
+
+    def err(out, ref):
+        return ((out.double() - ref).norm() / ref.norm()).item()
+
+    acc = torch.full((v, hd), float("nan"), device="cuda")
+    assert cute_backend.weight_grad_into_(acc, dl.t(), h, alpha=0.25)  # overwrite: `out` not read
+    assert err(acc, 0.25 * product) < 1e-5
+    acc.copy_(total)
+    assert cute_backend.weight_grad_into_(acc, dl.t(), h, accumulate=True, alpha=0.25)
+    assert err(acc, total.double() + 0.25 * product) < 1e-5
+    out = torch.empty(v, hd, device="cuda", dtype=dtype)
+    assert cute_backend.weight_grad_into_(out, dl.t(), h, alpha=0.25, add=total)
+    assert err(out, total.double() + 0.25 * product) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.skipif(not _quack_gemms_on_this_gpu(), reason="QuACK's GEMMs run on an SM90 GPU with quack-kernels")
+@pytest.mark.parametrize("entry", ["ce_upstream_1", "ce_main_grad", "logprobs_temperature_padded"])
+def test_quack_gemms_on_gpu_inside_the_op_match_float64(monkeypatch, entry):
+    """The op on the GPU with QuACK's dW GEMMs (and its row kernel where it applies): 1037
+    labelled rows in chunks of 300, vocab 50304 (log-probs: temperature 0.7 and 5 padding columns);
+    values, dX and dW against float64, and QuACK's GEMM ran, including the last chunk's add + cast."""
+    gemm, configs = cute_backend._gemm()
+    calls = []
+    monkeypatch.setattr(cute_backend, "_gemm", lambda: (
+        lambda *a, **k: calls.append(a[3] is not None) or gemm(*a, **k), configs))
+    padded = entry.startswith("logprobs")
+    case = make_case(29, 1, dtype=torch.bfloat16, seq=61, batch=17, hidden=64, vocab=50304 - (5 if padded else 0),
+                     extra_pad=5 if padded else 0, temperature=0.7 if padded else 1.0, chunk_size=300)
+    gpu = dict(case, hidden=case["hidden"].cuda(), weight=case["weight"].cuda(), labels=case["labels"].cuda())
+    if not padded:
+        got = _run_ce(gpu, upstream=1.0, main_grad=entry == "ce_main_grad")
+        _check(case, tuple(t.cpu() for t in got), "mean", 1.0, f"QuACK GEMMs {entry}")
+    else:
+        h = gpu["hidden"].clone().requires_grad_()
+        w = gpu["weight"].clone().requires_grad_()
+        lp = linear_logprobs(h, w, gpu["labels"], vocab_size=case["vocab"], temperature=case["T"],
+                             chunk_size=300).logprobs
+        mask = case["labels"] != -100
+        (lp * mask.cuda()).sum().backward()
+        h64 = case["hidden"].double().requires_grad_()
+        w64 = case["weight"].double().requires_grad_()
+        ref_lp, _, _ = reference.dense_stats(h64, w64, case["labels"], vocab_size=case["vocab"], temperature=case["T"])
+        ref_lp = ref_lp.reshape(case["labels"].shape)
+        (ref_lp * mask).sum().backward()
+        assert reference.rel_err(lp.cpu()[mask], ref_lp[mask]) < TOL[torch.bfloat16]
+        assert reference.rel_err(h.grad.cpu(), h64.grad) < TOL[torch.bfloat16]
+        assert reference.rel_err(w.grad.cpu(), w64.grad) < TOL[torch.bfloat16]
+    assert calls
+    assert any(calls) == (entry != "ce_main_grad")  # the last chunk's add + cast, not into main_grad
+
+
+def _tp2_gemms_worker(rank, world, case):
+    import torch.distributed as dist
+
+    from megatron_fused_ce.ops import cute_backend as cb
+
+    calls = []
+
+    def counted(a, b, out, c, **kwargs):
+        calls.append(c is not None)
+        cb.reference_gemm(a, b, out, c, **{k: v for k, v in kwargs.items() if k != "config"})
+
+    cb._gemm_available = lambda device: True
+    cb._gemm = lambda: (counted, {key: key for key in cb.GEMM_CONFIGS})
+    v_local = case["v_local"]
+    h = case["hidden"].clone().requires_grad_()
+    w = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, case["labels"], tp_group=dist.group.WORLD, vocab_size=case["vocab"],
+                                chunk_size=7)
+    (loss * 3.5).backward()
+    return loss.detach(), h.grad, w.grad, calls
+
+
+def test_quack_gemms_under_tensor_parallelism():
+    """At TP = 2 (gloo) each rank's dW GEMMs run on QuACK (the stand-in), the last chunk's writing
+    bf16 dW with its fp32 sum added; loss, dX and each rank's dW shard against float64."""
+    case = make_case(61, 2, dtype=torch.bfloat16, seq=12, batch=3, hidden=16, vocab=92, extra_pad=2,
+                     temperature=1.0)
+    ref_loss, ref_dx, ref_dw = _reference_ce(case, "mean", 0.0, 0.0, torch.tensor(3.5))
+    v_local = case["v_local"]
+    for rank, (loss, dx, dw, calls) in enumerate(run_workers(_tp2_gemms_worker, 2, case)):
+        assert calls.count(True) == 1 and False in calls
+        assert reference.rel_err(loss, ref_loss) < TOL[torch.bfloat16]
+        assert reference.rel_err(dx, ref_dx) < TOL[torch.bfloat16]
+        assert reference.rel_err(dw, ref_dw[rank * v_local:(rank + 1) * v_local]) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("quack", [False, True], ids=["without_quack", "with_quack"])
+def test_last_chunk_gemm_allocates_dw_only_where_it_runs(request, quack):
+    """The last chunk's add + cast allocates the [V, H] dW in the weight dtype only when QuACK's
+    GEMM will write it: without QuACK (CUDA machines without the extra, CPU) it returns None having
+    allocated nothing, so the peak stays one chunk plus the fp32 sum."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_fused_ce.ops import chunked, torch_backend
+
+    if quack:
+        request.getfixturevalue("reference_gemms")
+    v, hd = 104, 32
+    spec = chunked.ChunkSpec(tp_group=None, backend=torch_backend, num_valid_cols=v, inv_temperature=1.0,
+                             chunk_size=7, want_sum_logits=False, want_entropy=False, sequence_parallel=False,
+                             cute_gemms=True)
+    dlogits, h = torch.randn(7, v).bfloat16(), torch.randn(7, hd).bfloat16()
+    dw_sum = torch.randn(v, hd)
+
+    class Allocations(TorchDispatchMode):
+        shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and func.__name__.startswith("empty"):
+                self.shapes.append((tuple(out.shape), out.dtype))
+            return out
+
+    with Allocations() as allocations:
+        dw = chunked.last_weight_grad(dlogits, h, spec, dw_sum, torch.bfloat16, scale=0.5)
+    weight_sized = [s for s in allocations.shapes if s[0] == (v, hd)]
+    if quack:
+        assert dw.dtype == torch.bfloat16 and weight_sized == [((v, hd), torch.bfloat16)]
+        expected = dw_sum.double() + 0.5 * dlogits.double().t() @ h.double()
+        assert reference.rel_err(dw, expected) < 1e-2
+    else:
+        assert dw is None and weight_sized == []

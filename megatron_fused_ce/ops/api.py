@@ -455,8 +455,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         logits_dtype=logits_dtype,
         vocab_block=VOCAB_BLOCK,
         lean=lean_tiles,
-        # "auto" may take QuACK's one-pass cross-entropy kernel where it applies (cute_backend.py)
+        # "auto" may take QuACK's one-pass cross-entropy kernel and dW GEMMs where they apply (cute_backend.py)
         row_kernel=cute_backend if impl == "auto" else None,
+        cute_gemms=impl == "auto",
     )
     anchor = None
     if sampling_spec is not None:  # sampler fidelity: its own chunk loop (sampling.py)

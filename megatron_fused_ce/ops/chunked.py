@@ -59,8 +59,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import lean, reductions
-from .gemm import dlogits_gemm, fused_dlogits, gemm_input, logits_gemm, logits_into, matmul_into_
+from . import cute_backend, lean, reductions
+from .gemm import dlogits_gemm, fused_dlogits, gemm_input, logits_gemm, logits_into, matmul_add_cast, matmul_into_
 from .torch_backend import ShardStats, combine_blocks
 
 
@@ -83,6 +83,7 @@ class ChunkSpec:
     vocab_block: int = 0  # columns per GEMM / kernel inside a chunk (0: the whole shard)
     lean: Optional[lean.LeanTiles] = None  # memory_mode="lean": tile sizes (None: fast mode)
     row_kernel: Any = None  # cute_backend: a one-pass cross-entropy row kernel where it applies
+    cute_gemms: bool = False  # the dW GEMMs may run on QuACK's GEMM where it applies (cute_backend.py)
 
 
 def autocast_off(device: torch.device):
@@ -257,9 +258,30 @@ def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_o
     into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha)."""
     if dw_out is not None:
         for start, end in _vocab_blocks(spec, dlogits.shape[1]):
-            matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate, alpha=scale)
+            matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate, alpha=scale,
+                         cute=spec.cute_gemms)
     if dx_out is not None:
         matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
+
+
+def last_weight_grad(dlogits: Tensor, h: Tensor, spec: ChunkSpec, dw_sum: Tensor, dtype: torch.dtype,
+                     scale: float = 1.0) -> Optional[Tensor]:
+    """The last chunk's dW added to the fp32 sum of the others and written in `dtype` by one GEMM
+    per vocab block (gemm.matmul_add_cast), or None where no such GEMM applies (the caller then
+    adds into the sum and casts later)."""
+    blocks = _vocab_blocks(spec, dlogits.shape[1])
+    first_start, first_end = blocks[0]
+    if not (spec.cute_gemms and cute_backend.weight_grad_supported(
+            dlogits[:, first_start:first_end].t(), h, dtype, add=dw_sum[first_start:first_end])):
+        return None  # checked before allocating: no [V, H] buffer unless the GEMM runs
+    out = torch.empty(dw_sum.shape, dtype=dtype, device=dw_sum.device)
+    for start, end in blocks:
+        dl_t, block_sum = dlogits[:, start:end].t(), dw_sum[start:end]
+        if not matmul_add_cast(out[start:end], dl_t, h, block_sum, alpha=scale):
+            # a block QuACK's TMA cannot address (unaligned block start): add, then cast it
+            matmul_into_(block_sum, dl_t, h, accumulate=True, alpha=scale)
+            out[start:end].copy_(block_sum)
+    return out
 
 
 def _slice_coefs(coefs: dict, start: int, end: int) -> dict:
@@ -276,18 +298,33 @@ def backward_grads(
     dx_rows: Optional[Tensor],
     dw_out: Optional[Tensor],
     dw_accumulate: bool,
-) -> None:
+    cast_dw_to: Optional[torch.dtype] = None,
+) -> Optional[Tensor]:
     """Chunk loop of the backward pass: writes dX rows, and dW into `dw_out` (adding to what it
     holds if `dw_accumulate`, e.g. Megatron's main_grad; else the first chunk overwrites).
-    `offsets`: the rows' (max, log_sum_exp) of the merged softmax (see MergedStats)."""
+    `offsets`: the rows' (max, log_sum_exp) of the merged softmax (see MergedStats). With
+    `cast_dw_to` (dw_out an fp32 sum over chunks), the last chunk may write dW in that dtype
+    (last_weight_grad): returned, else None."""
     row_max, log_sum_exp = offsets
+    dw_last = None
     for index, (start, end) in enumerate(_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = hidden_rows[start:end]
         dlogits = recomputed_dlogits(h, weight, local_target[start:end], spec,
                                      (row_max[start:end], log_sum_exp[start:end]), _slice_coefs(coefs, start, end))
+        if cast_dw_to is not None and index > 0 and end == hidden_rows.shape[0]:
+            dw_last = last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to)
         grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
-                   dw_out, dw_accumulate=dw_accumulate or index > 0)
+                   dw_out if dw_last is None else None, dw_accumulate=dw_accumulate or index > 0)
         del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
+    return dw_last
+
+
+def _cast_target(dw_out: Optional[Tensor], weight: Tensor, accumulate: bool) -> Optional[torch.dtype]:
+    """The dtype a backward's last chunk may write dW in: the weight's, where dw_out is an fp32
+    sum over chunks returned to autograd (not Megatron's main_grad, not already that dtype)."""
+    if dw_out is None or accumulate or dw_out.dtype == weight.dtype:
+        return None
+    return weight.dtype
 
 
 def _input_grad(dx_rows: Tensor, row_index: Optional[Tensor], full_shape, spec: ChunkSpec) -> Tensor:
@@ -354,8 +391,8 @@ class LinearSoftmaxStats(torch.autograd.Function):
                     lean.weight_grad_sweep(rows, weight, local_target, spec, stats, coefs, dw_out,
                                            accumulate=accumulate)
             else:
-                backward_grads(rows, weight, local_target, spec, stats, coefs, dx_rows, dw_out,
-                               dw_accumulate=accumulate)
+                return backward_grads(rows, weight, local_target, spec, stats, coefs, dx_rows, dw_out,
+                                      dw_accumulate=accumulate, cast_dw_to=_cast_target(dw_out, weight, accumulate))
 
         grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, spec, needs_dx, needs_dw,
                                                    coefs is not None, write_grads)
@@ -367,14 +404,15 @@ def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, 
     """The frame of every recompute backward (plain and sampler statistics): gather the SP hidden
     states again, allocate the dX rows and the dW buffer (or use Megatron's main_grad), let
     `write_grads(rows, dx_rows, dw_out, accumulate)` fill them (skipped, gradients zero, when
-    nothing depends on the statistics), and return (grad_hidden, grad_weight) for autograd."""
+    nothing depends on the statistics; it may return dW already in the weight dtype instead of
+    filling an fp32 dw_out), and return (grad_hidden, grad_weight) for autograd."""
     with autocast_off(hidden.device):
         full_hidden = (reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
                        else hidden)
         rows = _rows(full_hidden, row_index)
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
         into_main_grad = needs_dw and spec.main_grad_param is not None
-        dw_out = grad_weight = None
+        dw_out = grad_weight = dw_done = None
         if needs_dw:
             dw_dtype = weight.dtype if spec.lean is not None else _weight_grad_dtype(weight, rows.shape[0], spec)
             dw_out = spec.main_grad_param.main_grad if into_main_grad else torch.empty(
@@ -385,9 +423,12 @@ def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, 
             if dw_out is not None and not into_main_grad:
                 dw_out.zero_()
         else:
-            write_grads(rows, dx_rows, dw_out, into_main_grad)
+            dw_done = write_grads(rows, dx_rows, dw_out, into_main_grad)
         if needs_dw and not into_main_grad:
-            grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
+            if dw_done is not None:
+                grad_weight = dw_done
+            else:
+                grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
         grad_hidden = _input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
     if into_main_grad:
         grad_weight = _main_grad_added(spec.main_grad_param, weight)
@@ -483,7 +524,8 @@ class LinearLossGradInForward(torch.autograd.Function):
     `anchor` is a zero scalar that carries the gradient: callers return `loss_value + anchor`, and
     backward scales the dX and dW computed here by the anchor's upstream gradient g (loss scaling,
     averaging over micro-batches ...). Costs: the chunk merge is done per chunk (2 collectives per
-    chunk instead of 2 per call) and dX / dW (fp32 when summed over several chunks) live from
+    chunk instead of 2 per call) and dX / dW (fp32 when summed over several chunks, unless QuACK's
+    GEMM adds the sum while writing the last chunk's dW in the weight dtype) live from
     forward to backward. Not for fp16 (api.py takes the recompute path there): dX would be stored in
     fp16 under a unit upstream gradient, before the loss scale, and per-token terms like p/N underflow.
 
@@ -522,8 +564,11 @@ class LinearLossGradInForward(torch.autograd.Function):
         # forward raises half-way), it poisons main_grad instead of leaving it wrong
         ctx.main_grad_side_effect = (MainGradSideEffect(spec.main_grad_param)
                                      if into_main_grad and spec.lean is None else None)
-        merged_chunks, coef_chunks = _forward_chunks(rows, weight, row_index, local_target, spec, token_grads,
-                                                     dx_rows, dw_out, into_main_grad)
+        merged_chunks, coef_chunks, dw_last = _forward_chunks(
+            rows, weight, row_index, local_target, spec, token_grads, dx_rows, dw_out, into_main_grad,
+            cast_dw_to=weight.dtype if dw_acc is not None and dw_acc.dtype != weight.dtype else None)
+        if dw_last is not None:  # dW in the weight dtype already: the fp32 sum is not needed any more
+            dw_acc = dw_last
 
         def cat(values, wanted=True):
             if not wanted:
@@ -612,14 +657,17 @@ class LinearLossGradInForward(torch.autograd.Function):
 
 
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, token_grads, dx_rows, dw_out,
-                    into_main_grad: bool):
-    """LinearLossGradInForward's chunk loop -> (merged statistics, coefficients) per chunk: per
+                    into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None):
+    """LinearLossGradInForward's chunk loop -> (merged statistics, coefficients per chunk, dW): per
     chunk, the statistics merged over TP ranks, the per-token coefficients, then dX (and in fast
-    mode dW) into `dx_rows` / `dw_out`. Lean mode runs sweep A per chunk instead of a chunk of logits."""
+    mode dW) into `dx_rows` / `dw_out`. With `cast_dw_to` (dw_out is an fp32 sum over chunks), the
+    last chunk may add the sum and write dW in that dtype in one GEMM (last_weight_grad): that dW
+    is returned, else None. Lean mode runs sweep A per chunk instead of a chunk of logits."""
     lean_blocks = None if spec.lean is None else lean.weight_blocks(weight, spec.num_valid_cols, spec.lean.cols_a)
     chunk_size = spec.lean.rows_a if spec.lean is not None else spec.chunk_size
     column_sum = None
     merged_chunks, coef_chunks = [], []
+    dw_last = None
     one_hot_scale = _one_pass_scale(spec, token_grads, rows, weight, min(chunk_size, rows.shape[0]))
     for index, (start, end) in enumerate(_chunks(rows.shape[0], chunk_size)):
         h = rows[start:end]
@@ -655,10 +703,13 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
             if one_hot_scale is None:
                 chunk_dlogits_(logits, local_target[start:end], spec, (merged.max, merged.log_sum_exp), coefs)
             dlogits = gemm_input(logits, h)
-            grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
-                       dw_accumulate=into_main_grad or index > 0, scale=one_hot_scale or 1.0)
+            if cast_dw_to is not None and index > 0 and end == rows.shape[0]:
+                dw_last = last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, scale=one_hot_scale or 1.0)
+            grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
+                       dw_out if dw_last is None else None, dw_accumulate=into_main_grad or index > 0,
+                       scale=one_hot_scale or 1.0)
             del logits, dlogits  # one chunk alive at the peak
-    return merged_chunks, coef_chunks
+    return merged_chunks, coef_chunks, dw_last
 
 
 def _one_pass_scale(spec: ChunkSpec, token_grads, rows: Tensor, weight: Tensor, chunk_rows: int) -> Optional[float]:
@@ -702,8 +753,11 @@ def _weight_grad_from_coefs(spec: ChunkSpec, into_main_grad: bool, hidden, weigh
             lean.weight_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dw_out,
                                    accumulate=main_grad is not None)
         elif rows.shape[0] > 0:
-            backward_grads(rows, weight, local_target, spec, offsets, coefs, None, dw_out,
-                           dw_accumulate=main_grad is not None)
+            dw_done = backward_grads(rows, weight, local_target, spec, offsets, coefs, None, dw_out,
+                                     dw_accumulate=main_grad is not None,
+                                     cast_dw_to=_cast_target(dw_out, weight, main_grad is not None))
+            if dw_done is not None:
+                return dw_done
         elif main_grad is None:
             dw_out.zero_()
     if main_grad is not None:

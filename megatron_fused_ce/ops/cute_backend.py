@@ -1,5 +1,6 @@
-"""QuACK's CuTe DSL cross-entropy row kernel: an optional one-pass replacement for the Triton
-statistics + dlogits kernels (`pip install megatron_fused_ce[cute]`).
+"""QuACK's CuTe DSL kernels (`pip install megatron_fused_ce[cute]`): a one-pass cross-entropy row
+kernel in place of the Triton statistics + dlogits kernels, and its persistent warp-specialized
+Hopper GEMM in place of cuBLAS for the weight-gradient GEMMs.
 
 On Hopper, QuACK (quack-kernels, built on nvidia-cutlass-dsl) holds each row of logits on chip
 across a cluster of thread blocks, so one read of a chunk gives the row's log-sum-exp and one write
@@ -11,12 +12,21 @@ shapes (docs/design.md §10.6).
 It applies where nothing has to be merged between the two (the shard holds the whole vocab: TP = 1)
 and the loss's gradient is c (softmax - one_hot) with one constant c for every row: cross-entropy
 with "mean" / "sum" reduction, no label smoothing, no z-loss, temperature 1, no vocab padding. c
-is then applied by the dX / dW GEMMs (cuBLAS alpha), so that no pass scales dlogits. Everything
+is then applied by the dX / dW GEMMs (their alpha), so that no pass scales dlogits. Everything
 else, and every machine without QuACK or a Hopper GPU, keeps the Triton kernels.
 
-`_kernel()` is the one call into QuACK (`cross_entropy_fwd_out`); tests replace it with
-`reference_kernel` (the same contract in torch), and `_available` with True, to check the
-integration on CPU.
+The weight-gradient GEMMs (`weight_grad_into_`): dW = dlogits.T @ h per chunk, written in fp32 by
+the first chunk, added in place to that fp32 sum (or Megatron's main_grad) by the others, or, for
+the last chunk, added to the sum and written in the weight dtype by the GEMM's epilogue (no pass
+casts the fp32 sum afterwards). Each runs one fixed QuACK configuration, the fastest of those
+tried on an H100 for the bounded default's chunks (docs/design.md §10.11): no autotuning, about
+3 s of compilation per kernel the first time on a machine (QuACK caches compiled kernels on
+disk). There, QuACK's GEMMs were also timed for the logits and dX GEMMs and were not faster than
+cuBLAS on every shape, which keeps them. SM90 only: the configurations were measured there.
+
+`_kernel()` and `_gemm()` are the only calls into QuACK (`cross_entropy_fwd_out`, `gemm_tuned.fn`);
+tests replace them with `reference_kernel` / `reference_gemm` (the same contracts in torch), and
+`_available` / `_gemm_available` with True, to check the integration on CPU.
 """
 
 from __future__ import annotations
@@ -83,3 +93,78 @@ def reference_kernel(x: Tensor, target: Tensor, target_logit: Optional[Tensor], 
         grad = torch.exp(z - row_lse.unsqueeze(1))
         grad[rows, target] -= 1.0
         dx.copy_(grad)
+
+
+# epilogue -> (tile_m, tile_n, pingpong, cluster_m, cluster_n, swap_ab): the QuACK SM90 configuration
+# that was fastest for the dW GEMM of the bounded default's chunks on an H100 (docs/design.md §10.11)
+GEMM_CONFIGS = {
+    "write": (128, 192, True, 2, 1, True),  # dW = alpha dlogits.T @ h (fp32, the first chunk)
+    "add": (192, 128, True, 1, 2, False),  # ... + the fp32 sum: in place, or written in the weight dtype
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm():
+    """(QuACK's GEMM with an explicit configuration, {epilogue: its configuration}), or None where
+    QuACK does not import."""
+    try:
+        from quack.gemm_config import GemmConfig
+        from quack.gemm_interface import gemm_tuned
+    except Exception:  # not installed, or a CuTe DSL it does not import with
+        return None
+    configs = {key: GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cm, cluster_n=cn, swap_ab=swap,
+                               is_dynamic_persistent=False, device_capacity=9)
+               for key, (m, n, pingpong, cm, cn, swap) in GEMM_CONFIGS.items()}
+    return gemm_tuned.fn, configs
+
+
+def _gemm_available(device: torch.device) -> bool:
+    """QuACK imports and the device is an SM90 GPU (where GEMM_CONFIGS were measured)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and _gemm() is not None
+
+
+def _tma_ok(t: Tensor) -> bool:
+    """A 2-D operand QuACK's TMA copies can address: one unit stride, the other stride and the
+    base address 16-byte aligned, no empty dimension."""
+    if t.dim() != 2 or 0 in t.shape or 1 not in t.stride():
+        return False
+    elems = 16 // t.element_size()
+    return max(t.stride()) % elems == 0 and t.data_ptr() % 16 == 0
+
+
+def weight_grad_supported(a: Tensor, b: Tensor, out_dtype: torch.dtype, *, accumulate: bool = False,
+                          add: Optional[Tensor] = None) -> bool:
+    """Whether weight_grad_into_ runs for these inputs and a contiguous `out` of `out_dtype`:
+    inputs both bf16 / fp16, `out` their dtype or fp32, every operand addressable by TMA, QuACK
+    on an SM90 GPU, MEGATRON_FUSED_CE_CUTE not 0."""
+    out_row_bytes = b.shape[-1] * torch.finfo(out_dtype).bits // 8
+    return (ENABLED and a.dtype in _DTYPES and b.dtype == a.dtype and out_dtype in (a.dtype, torch.float32)
+            and (add is None or (add.dtype == torch.float32 and not accumulate))
+            and out_row_bytes % 16 == 0 and _gemm_available(a.device)
+            and all(_tma_ok(t) for t in (a, b) + (() if add is None else (add,))))
+
+
+def weight_grad_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool = False, alpha: float = 1.0,
+                      add: Optional[Tensor] = None) -> bool:
+    """out = alpha * a @ b (+ out if `accumulate`; + `add`, an fp32 sum, before `out`'s dtype is
+    written) by QuACK's GEMM: a weight gradient dlogits.T @ h. Returns False, having done nothing,
+    where it does not apply (weight_grad_supported, and `out` addressable by TMA)."""
+    if not (weight_grad_supported(a, b, out.dtype, accumulate=accumulate, add=add) and _tma_ok(out)
+            and (add is None or add.shape == out.shape)):
+        return False
+    gemm, configs = _gemm()
+    config = configs["add" if accumulate or add is not None else "write"]
+    # in place: QuACK's epilogue reads `out` itself (add_to_output), as its gemm_add_inplace does
+    gemm(a, b, out, add, alpha=float(alpha), beta=1.0, add_to_output=accumulate, config=config)
+    return True
+
+
+def reference_gemm(a: Tensor, b: Tensor, out: Tensor, c: Optional[Tensor], *, alpha: float = 1.0, beta: float = 1.0,
+                   add_to_output: bool = False, config=None) -> None:
+    """QuACK's `gemm_tuned.fn` contract in torch (fp32 math): out = alpha a @ b (+ beta c) (+ out)."""
+    acc = alpha * (a.float() @ b.float())
+    if c is not None:
+        acc = acc + beta * c.float()
+    if add_to_output:
+        acc = acc + out.float()
+    out.copy_(acc)

@@ -1,6 +1,10 @@
 """The op's GEMMs on bf16/fp16/fp32 inputs: a chunk's logits (in the input dtype or fp32), its
 dlogits once the softmax offsets are known (the backend's fused GEMM where it has one), and
-matmuls that write or add an fp32 product in place (weight gradients summed over chunks)."""
+matmuls that write or add an fp32 product in place (weight gradients summed over chunks).
+
+cuBLAS runs them; the weight-gradient GEMMs run on QuACK's Hopper GEMM where the caller allows it
+and it applies (cute_backend.weight_grad_into_), and the last chunk's dW can add the fp32 sum of
+the others in that GEMM and be written in the weight dtype (matmul_add_cast)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from . import cute_backend
 
 
 def logits_into(out: Tensor, h: Tensor, weight_t: Tensor) -> Tensor:
@@ -49,7 +55,8 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool, alpha: float = 1.0) -> None:
+def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool, alpha: float = 1.0,
+                 cute: bool = False) -> None:
     """out (+)= alpha * a @ b; `accumulate=False` overwrites (no zero-fill, no read of `out`).
 
     `out` is fp32 when gradients are summed over chunks: low-precision weight-gradient
@@ -57,8 +64,11 @@ def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool, alpha: 
     of bf16/fp16 inputs in place (out_dtype); elsewhere (CPU) the chunk product is rounded to the
     input dtype first. A single GEMM over all rows may write the input dtype directly: cuBLAS
     accumulates in fp32 internally. `alpha` is the GEMM's own scale (no pass over `out`).
+    `cute`: a weight-gradient GEMM that QuACK's GEMM runs where it applies.
     """
     global _FP32_OUT_MATMUL_OK
+    if cute and cute_backend.weight_grad_into_(out, a, b, accumulate=accumulate, alpha=alpha):
+        return
     beta = 1 if accumulate else 0  # beta = 0: `out` is not read (NaN in it does not propagate)
     if out.dtype == a.dtype:
         if alpha == 1.0 and not accumulate:
@@ -85,6 +95,13 @@ def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool, alpha: 
         out.copy_(torch.mm(a, b))
     else:
         torch.mul(torch.mm(a, b), alpha, out=out)
+
+
+def matmul_add_cast(out: Tensor, a: Tensor, b: Tensor, fp32_sum: Tensor, *, alpha: float = 1.0) -> bool:
+    """out = alpha * a @ b + fp32_sum, written in out's dtype by one GEMM (QuACK's epilogue adds the
+    sum): the last chunk's dW, so that no pass reads the fp32 sum again to cast it. False, having
+    done nothing, where that GEMM does not apply (cute_backend.weight_grad_into_)."""
+    return cute_backend.weight_grad_into_(out, a, b, alpha=alpha, add=fp32_sum)
 
 
 def fused_dlogits(h: Tensor, weight: Tensor, spec) -> bool:
