@@ -320,7 +320,7 @@ def backward_grads(
 
 
 def _cast_target(dw_out: Optional[Tensor], weight: Tensor, accumulate: bool) -> Optional[torch.dtype]:
-    """The dtype a backward's last chunk may write dW in: the weight's, where dw_out is an fp32
+    """The dtype the last chunk may write dW in: the weight's, where dw_out is an fp32
     sum over chunks returned to autograd (not Megatron's main_grad, not already that dtype)."""
     if dw_out is None or accumulate or dw_out.dtype == weight.dtype:
         return None
@@ -566,7 +566,7 @@ class LinearLossGradInForward(torch.autograd.Function):
                                      if into_main_grad and spec.lean is None else None)
         merged_chunks, coef_chunks, dw_last = _forward_chunks(
             rows, weight, row_index, local_target, spec, token_grads, dx_rows, dw_out, into_main_grad,
-            cast_dw_to=weight.dtype if dw_acc is not None and dw_acc.dtype != weight.dtype else None)
+            cast_dw_to=_cast_target(dw_acc, weight, accumulate=False))
         if dw_last is not None:  # dW in the weight dtype already: the fp32 sum is not needed any more
             dw_acc = dw_last
 
