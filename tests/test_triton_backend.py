@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 from dist import run_workers  # noqa: E402
 from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
-from megatron_fused_ce.ops import cute_backend, torch_backend  # noqa: E402
+from megatron_fused_ce.ops import torch_backend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL_BLOCKS = dict(STATS_BLOCK_N=64, DLOGITS_BLOCK_N=64, MERGE_BLOCK_R=4)
@@ -516,12 +516,11 @@ def _host_syncs(fn):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs of CUDA calls")
 def test_host_syncs_per_call():
-    """One host sync per call (the argument agreement; ignored tokens are indexed by the agreed
-    count), plus, in fast mode's backward with one chunk, the g == 1 check that spares a pass over
-    a dW in the weight dtype. Several chunks (an fp32 dW, cast with g in one pass) and lean mode
-    have no other: lean's sweep A moves references on the device, and neither backward reads g to
-    scale dX (a sync there would leave the GPU idle while the rest is queued). Where QuACK's GEMM
-    writes the last chunk's dW in the weight dtype (cute_backend), several chunks check g == 1 too."""
+    """One host sync per call: the argument agreement (ignored tokens are indexed by the agreed
+    count). No backward reads g on the host: dX and a dW made in the weight dtype (one chunk, or
+    QuACK's last-chunk GEMM) are scaled by `scale_`, which decides g == 1 on the GPU, an fp32 dW
+    summed over chunks is cast with g in one pass, and lean's sweep A moves references on the
+    device. A sync there would leave the GPU idle while the host queues what follows."""
     g = torch.Generator().manual_seed(5)
     n, hdim, v = 300, 64, 1000
     h = torch.randn(n, hdim, generator=g).bfloat16().cuda().requires_grad_()
@@ -542,9 +541,55 @@ def test_host_syncs_per_call():
         fn()
     assert _host_syncs(forward_only) == 1
     assert _host_syncs(train("lean")) == 1
-    assert _host_syncs(train("fast")) == 2  # one chunk of all 225 labelled rows
-    quack_dw = cute_backend.ENABLED and cute_backend._gemm_available(h.device)
-    assert _host_syncs(train("fast", 64)) == (2 if quack_dw else 1)
+    assert _host_syncs(train("fast")) == 1  # one chunk of all 225 labelled rows: dW made in bf16
+    assert _host_syncs(train("fast", 64)) == 1  # an fp32 sum, or QuACK's last GEMM writing bf16
+
+
+# ------------------------------------------------------------ the upstream gradient g in backward
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", [1, 4096, 3 * 4096 + 17])
+def test_scale_matches_torch_math(tb, dtype, numel):
+    """`scale_`: t * g in fp32 with the fp32 g, rounded once to t's dtype, in place, whatever g
+    (1, not representable in bf16, negative); the torch backend's pieces give the same. The
+    interpreter's fp32 -> bf16 cast truncates, so on CPU the kernel is checked in fp32."""
+    g = torch.Generator().manual_seed(numel)
+    src = (torch.randn(numel, generator=g) * 3).to(dtype)
+    for scale in (1.0, 1.0 / 3.0, -2.5):
+        s = torch.tensor(scale, dtype=torch.float32)
+        want = (src.float() * s).to(dtype)
+        t = src.clone()
+        assert torch_backend.scale_(t, s) is t
+        assert torch.equal(t, want), f"torch backend, g = {scale}"
+        if DEVICE.type == "cuda" or dtype == torch.float32:
+            t = src.clone().to(DEVICE)
+            tb._scale_kernel[(-(-numel // 1024),)](t, s.reshape(1).to(DEVICE), numel, BLOCK=1024)
+            assert torch.equal(t.cpu(), want), f"Triton kernel, g = {scale}"
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("chunk_size", [None, 16])
+def test_upstream_gradient_is_applied_in_fp32(small_blocks, impl, chunk_size):
+    """With g = 1/3 (Megatron's 1 / num_microbatches; not a bf16 number), the dX made in the
+    forward, and a dW made there in bf16 (one chunk), come out as bf16(fp32 grad x g): g is not
+    rounded to bf16 before it multiplies (a 0.2 % bias on every element if it were)."""
+    if DEVICE.type == "cpu" and impl == "triton" and chunk_size is None:
+        pytest.skip("same scaling path as chunk_size=16 under the slow interpreter")
+    g = torch.Generator().manual_seed(8)
+    n, hdim, v = 40, 32, 100
+    h = torch.randn(n, hdim, generator=g).bfloat16().to(DEVICE).requires_grad_()
+    w = (torch.randn(v, hdim, generator=g) * 0.3).bfloat16().to(DEVICE).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::5] = -100
+    y = y.to(DEVICE)
+    third = torch.tensor(1.0 / 3.0, device=DEVICE)
+    grads = {}
+    for name, upstream in (("unit", None), ("third", third)):
+        loss = linear_cross_entropy(h, w, y, impl=impl, chunk_size=chunk_size)
+        grads[name] = torch.autograd.grad(loss, (h, w), grad_outputs=upstream)
+    (dx1, dw1), (dx3, dw3) = grads["unit"], grads["third"]
+    assert torch.equal(dx3, (dx1.float() * third).bfloat16())
+    if chunk_size is None:  # one chunk: dW made in bf16 in the forward (several: an fp32 sum)
+        assert torch.equal(dw3, (dw1.float() * third).bfloat16())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor descriptors' scratch allocator is CUDA's")

@@ -583,8 +583,8 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.unit_grad_in_main_grad = into_main_grad and spec.lean is None
         ctx.needs_dw = needs_dw
         # The gradients made here are handed to autograd by the first backward without a copy
-        # (scaled in place by g unless g == 1: one more [tokens, H] and [V_local, H] buffer
-        # otherwise, and a pass over dW). They are kept outside save_for_backward, whose version
+        # (which would be one more [tokens, H] and [V_local, H] buffer), scaled in place by g (no
+        # pass when g == 1). They are kept outside save_for_backward, whose version
         # check would reject that; a second backward (retain_graph) recomputes them from the saved
         # per-token coefficients.
         ctx.dx_buffer, ctx.dw_buffer = dx_rows, dw_acc
@@ -615,19 +615,21 @@ class LinearLossGradInForward(torch.autograd.Function):
             ctx.main_grad_side_effect.backward_ran = True
         first_after_unit = ctx.unit_grad_in_main_grad  # main_grad already holds 1 x dW
         ctx.unit_grad_in_main_grad = False
-        # g == 1 (Megatron's loss functions) spares a pass over a dW in the weight dtype or
-        # main_grad's correction: worth one host sync there. An fp32 dW summed over chunks is cast
-        # with g applied in the same pass, and dX alone is scaled, without one: a sync would leave
-        # the GPU idle while the host queues what follows (an [N, H] pass is far cheaper).
+        # Only main_grad's correction ((g - 1) x dW, recomputed) needs the host to know whether
+        # g == 1 (Megatron's loss functions): one host sync there. dX and a dW made in the weight
+        # dtype are scaled by backend.scale_, which reads g on the GPU (no pass when g == 1), and
+        # an fp32 dW summed over chunks is cast with g applied in one pass: a sync would leave the
+        # GPU idle while the host queues what follows.
         unit = None
-        if (dw is not None and dw.dtype == weight.dtype) or first_after_unit:
+        if first_after_unit:
             unit = bool(g_anchor == 1.0)
             if first_after_unit and spec.sequence_parallel:  # g != 1 re-gathers hidden: all ranks must
                 not_unit = torch.tensor([0 if unit else 1], device=g_anchor.device)
                 unit = not bool(reductions.max_over_ranks(not_unit, spec.tp_group).item())
         grad_hidden = grad_weight = None
         if dx is not None:
-            grad_hidden = _input_grad(dx if unit else dx.mul_(g_anchor.to(dx.dtype)), row_index, ctx.full_shape, spec)
+            grad_hidden = _input_grad(dx if unit else spec.backend.scale_(dx, g_anchor), row_index, ctx.full_shape,
+                                      spec)
         elif ctx.needs_input_grad[0]:  # a second backward through the same graph: recompute dX
             coefs = _scaled_coefs(coef_list, g_anchor)
             with autocast_off(hidden.device):
@@ -643,7 +645,7 @@ class LinearLossGradInForward(torch.autograd.Function):
                 grad_hidden = _input_grad(dx, row_index, ctx.full_shape, spec)
         if dw is not None:  # fast mode, no main_grad: made in the forward
             if dw.dtype == weight.dtype:
-                grad_weight = dw if unit else dw.mul_(g_anchor.to(dw.dtype))
+                grad_weight = spec.backend.scale_(dw, g_anchor)
             else:  # summed over chunks in fp32: scale and cast in one pass
                 grad_weight = spec.backend.scale_cast(dw, g_anchor, weight.dtype)
         elif ctx.needs_dw:  # lean mode, main_grad, or a second backward: from the coefficients

@@ -153,6 +153,18 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (src * scale).to(dtype)
 
 
+def scale_(t: Tensor, scale: Tensor) -> Tensor:
+    """t *= scale in place, in fp32 with the fp32 upstream gradient (scale is not rounded to t's
+    dtype first, as `t.mul_` would do for bf16): dX, or a dW made in the weight dtype. In pieces,
+    so that no fp32 copy of a [V_local, H] dW exists; t is unchanged when scale == 1."""
+    scale = scale.to(torch.float32)
+    if not t.is_contiguous():
+        return t.copy_(t.float() * scale)
+    for part in t.view(-1).split(1 << 22):
+        part.copy_(part.float() * scale)
+    return t
+
+
 def combine_blocks(parts: list) -> ShardStats:
     """Merge the ShardStats of disjoint column blocks of one shard (same rows) into one, exactly as
     reductions.merge_shard_stats merges shards (without a collective)."""

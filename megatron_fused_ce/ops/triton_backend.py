@@ -12,6 +12,9 @@ math); tests/test_triton_backend.py checks them against each other, on CPU under
   fills up, and a tiny second kernel merges the per-split partials of each row.
 - `scale_cast`: dtype(fp32 dW * upstream gradient) in one pass (6 bytes/element instead of 14 for
   a multiply followed by a cast).
+- `scale_`: dX, or a dW made in the weight dtype, times the upstream gradient g in place; each
+  program reads g and returns at once when g == 1, so the host need not read g (no sync) and
+  Megatron's g == 1 costs no pass.
 - `exp_tile_` (lean mode, lean.py): two reads and one write of a tile
   of logits, in place: one program per row takes the row's max, moves the reference when that max
   is too far above it (rescaling the row's sums and its row of the accumulator), overwrites the row
@@ -39,6 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import torch_backend
 from .torch_backend import ShardStats, combine_blocks  # noqa: F401  (combine_blocks: shared math)
 from . import triton_gemm_dlogits
 from .triton_gemm_dlogits import gemm_dlogits  # noqa: F401
@@ -288,6 +292,28 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     _scale_cast_kernel[(triton.cdiv(src.numel(), block),)](
         src, out, scale.reshape(1).to(torch.float32), src.numel(), BLOCK=block, num_warps=8)
     return out
+
+
+@triton.jit
+def _scale_kernel(ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+    scale = tl.load(scale_ptr)
+    if scale != 1.0:
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offsets < numel
+        scaled = tl.load(ptr + offsets, mask=in_range).to(tl.float32) * scale
+        tl.store(ptr + offsets, scaled.to(ptr.dtype.element_ty), mask=in_range)
+
+
+def scale_(t: Tensor, scale: Tensor) -> Tensor:
+    """t *= scale in place, in fp32 with the fp32 upstream gradient, decided on the GPU: g == 1
+    (Megatron's loss functions) reads and writes nothing, and the host never waits for g."""
+    # Off CUDA (incl. the interpreter, whose fp32 -> bf16 cast truncates) the torch math is used.
+    if not t.is_cuda or not t.is_contiguous():
+        return torch_backend.scale_(t, scale)
+    block = 4096
+    _scale_kernel[(triton.cdiv(t.numel(), block),)](t, scale.reshape(1).to(torch.float32), t.numel(),
+                                                    BLOCK=block, num_warps=8)
+    return t
 
 
 @triton.jit
