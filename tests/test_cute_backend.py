@@ -318,6 +318,19 @@ def test_quack_gemms_on_the_recompute_path(reference_gemms, entry):
     assert ("add", "add_cast") in reference_gemms and ("write", "write") in reference_gemms
 
 
+def test_quack_gemms_in_the_sampler_filters_backward(reference_gemms):
+    """Log-probs under top-k / top-p / min-p (ops/sampling.py) recompute the kept set's dlogits in
+    the backward: their dW GEMMs run on QuACK too, the last chunk writing bf16 dW with the fp32 sum
+    added; log-probs, entropy, dX and dW against the float64 filtered reference (chunks of 7)."""
+    from test_sampling import _run, check
+    from test_sampling import make_case as sampling_case
+
+    case = sampling_case(61, 1, dtype=torch.bfloat16, ints=True)
+    params = dict(top_k=12, top_p=0.9, min_p=0.02)
+    check(case, params, [_run(0, 1, case, params, impl="auto")], what="QuACK sampled")
+    assert ("add", "add_cast") in reference_gemms and ("write", "write") in reference_gemms
+
+
 @pytest.mark.parametrize("change", ["impl_triton_or_torch", "fp32", "switched_off", "unaligned_hidden", "lean"])
 def test_quack_gemms_not_taken_where_they_do_not_apply(reference_gemms, monkeypatch, change):
     """An explicit impl, fp32 inputs, MEGATRON_FUSED_CE_CUTE=0, a hidden size whose rows TMA cannot

@@ -65,6 +65,7 @@ from .agreement import finite_real, is_int
 from .chunked import (
     ChunkSpec,
     LinearSoftmaxStats,
+    _cast_target,
     _chunks,
     _rows,
     chunk_logits,
@@ -72,7 +73,8 @@ from .chunked import (
     first_order_only,
     forward_stats,
     gemm_input,
-    matmul_into_,
+    grad_gemms,
+    last_weight_grad,
     recompute_grads,
 )
 from .sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
@@ -407,6 +409,10 @@ class LinearKeptStats(torch.autograd.Function):
         coefs = coefficients(g_target, g_lse, None, g_entropy, entropy, lse)
 
         def write_grads(rows, dx_rows, dw_out, accumulate):
+            # the GEMMs of chunked.backward_grads: QuACK's for dW where it applies, the last chunk's
+            # adding the fp32 sum and writing dW in the weight dtype (returned)
+            cast_dw_to = _cast_target(dw_out, weight, accumulate)
+            dw_last = None
             for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
                 h, piece = rows[start:end], slice(start, end)
                 dlogits = kernels.kept_dlogits_(
@@ -415,11 +421,12 @@ class LinearKeptStats(torch.autograd.Function):
                     z_cut[piece], id_cut[piece],
                     *(None if coefs[c] is None else coefs[c][piece] for c in ("p", "pz", "target")))
                 dlogits = gemm_input(dlogits, h)
-                if dx_rows is not None:
-                    torch.mm(dlogits, weight, out=dx_rows[start:end])
-                if dw_out is not None:
-                    matmul_into_(dw_out, dlogits.t(), h, accumulate=accumulate or index > 0)
+                if cast_dw_to is not None and index > 0 and end == rows.shape[0]:
+                    dw_last = last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to)
+                grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
+                           dw_out if dw_last is None else None, dw_accumulate=accumulate or index > 0)
                 del dlogits  # one chunk alive at the peak
+            return dw_last
 
         grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, spec, needs_dx, needs_dw,
                                                    coefs is not None, write_grads)
