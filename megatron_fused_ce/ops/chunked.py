@@ -623,7 +623,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         unit = None
         if first_after_unit:
             unit = bool(g_anchor == 1.0)
-            if first_after_unit and spec.sequence_parallel:  # g != 1 re-gathers hidden: all ranks must
+            if spec.sequence_parallel:  # g != 1 re-gathers hidden: all ranks must
                 not_unit = torch.tensor([0 if unit else 1], device=g_anchor.device)
                 unit = not bool(reductions.max_over_ranks(not_unit, spec.tp_group).item())
         grad_hidden = grad_weight = None
