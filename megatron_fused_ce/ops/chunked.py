@@ -253,15 +253,26 @@ def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec: Ch
 
 
 def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
-               dw_out: Optional[Tensor], dw_accumulate: bool, scale: float = 1.0) -> None:
+               dw_out: Optional[Tensor], dw_accumulate: bool, scale: float = 1.0,
+               cast_dw_to: Optional[torch.dtype] = None) -> Optional[Tensor]:
     """dW per vocab block into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
-    into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha)."""
-    if dw_out is not None:
+    into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha). With `cast_dw_to`
+    (the last of several chunks, `dw_out` their fp32 sum), dW may instead be written in that dtype
+    with the sum added by one GEMM (last_weight_grad): returned, else None."""
+    dw_last = None if cast_dw_to is None else last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, scale)
+    if dw_out is not None and dw_last is None:
         for start, end in _vocab_blocks(spec, dlogits.shape[1]):
             matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate, alpha=scale,
                          cute=spec.cute_gemms)
     if dx_out is not None:
         matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
+    return dw_last
+
+
+def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int) -> Optional[torch.dtype]:
+    """grad_gemms' `cast_dw_to` for chunk `index` ending at row `end`: set on the last chunk of
+    several only (one chunk writes dW in the weight dtype by itself)."""
+    return cast_dw_to if index > 0 and end == num_rows else None
 
 
 def last_weight_grad(dlogits: Tensor, h: Tensor, spec: ChunkSpec, dw_sum: Tensor, dtype: torch.dtype,
@@ -311,10 +322,9 @@ def backward_grads(
         h = hidden_rows[start:end]
         dlogits = recomputed_dlogits(h, weight, local_target[start:end], spec,
                                      (row_max[start:end], log_sum_exp[start:end]), _slice_coefs(coefs, start, end))
-        if cast_dw_to is not None and index > 0 and end == hidden_rows.shape[0]:
-            dw_last = last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to)
-        grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
-                   dw_out if dw_last is None else None, dw_accumulate=dw_accumulate or index > 0)
+        dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
+                             dw_accumulate=dw_accumulate or index > 0,
+                             cast_dw_to=last_of_several(cast_dw_to, index, end, hidden_rows.shape[0]))
         del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
     return dw_last
 
@@ -705,11 +715,9 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
             if one_hot_scale is None:
                 chunk_dlogits_(logits, local_target[start:end], spec, (merged.max, merged.log_sum_exp), coefs)
             dlogits = gemm_input(logits, h)
-            if cast_dw_to is not None and index > 0 and end == rows.shape[0]:
-                dw_last = last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, scale=one_hot_scale or 1.0)
-            grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
-                       dw_out if dw_last is None else None, dw_accumulate=into_main_grad or index > 0,
-                       scale=one_hot_scale or 1.0)
+            dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
+                                 dw_accumulate=into_main_grad or index > 0, scale=one_hot_scale or 1.0,
+                                 cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
             del logits, dlogits  # one chunk alive at the peak
     return merged_chunks, coef_chunks, dw_last
 

@@ -74,7 +74,7 @@ from .chunked import (
     forward_stats,
     gemm_input,
     grad_gemms,
-    last_weight_grad,
+    last_of_several,
     recompute_grads,
 )
 from .sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
@@ -409,8 +409,8 @@ class LinearKeptStats(torch.autograd.Function):
         coefs = coefficients(g_target, g_lse, None, g_entropy, entropy, lse)
 
         def write_grads(rows, dx_rows, dw_out, accumulate):
-            # the GEMMs of chunked.backward_grads: QuACK's for dW where it applies, the last chunk's
-            # adding the fp32 sum and writing dW in the weight dtype (returned)
+            # chunked.grad_gemms as in backward_grads: QuACK's dW GEMM where it applies, the last of
+            # several chunks adding the fp32 sum and writing dW in the weight dtype (returned)
             cast_dw_to = _cast_target(dw_out, weight, accumulate)
             dw_last = None
             for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
@@ -421,10 +421,9 @@ class LinearKeptStats(torch.autograd.Function):
                     z_cut[piece], id_cut[piece],
                     *(None if coefs[c] is None else coefs[c][piece] for c in ("p", "pz", "target")))
                 dlogits = gemm_input(dlogits, h)
-                if cast_dw_to is not None and index > 0 and end == rows.shape[0]:
-                    dw_last = last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to)
-                grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
-                           dw_out if dw_last is None else None, dw_accumulate=accumulate or index > 0)
+                dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
+                                     dw_out, dw_accumulate=accumulate or index > 0,
+                                     cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
                 del dlogits  # one chunk alive at the peak
             return dw_last
 
