@@ -171,6 +171,72 @@ def test_one_pass_under_every_forward_backward_pairing(reference_kernel, main_gr
             loss_fn(h, w)
 
 
+def _run_grpo(case, *, upstream=2.5, main_grad=False, retain=False, device="cpu", **kwargs):
+    """linear_grpo_loss (token-level ratios against old log-probs 0.1 * w away, per-token
+    advantages: clipped and unclipped tokens) and its float64 reference: grpo_loss on the dense
+    log-probs. Returns ((loss, dX, dW), (reference loss, dX, dW))."""
+    from megatron_fused_ce.losses import GRPOConfig, grpo_loss
+    from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss
+
+    g = torch.Generator().manual_seed(1)
+    token_weight = torch.randn(case["labels"].shape, generator=g, dtype=torch.float64)
+    mask = (case["labels"] != -100).double()
+    labels = case["labels"].clamp(min=0)  # GRPO masks by `mask`
+    h64 = case["hidden"].double().requires_grad_()
+    w64 = case["weight"].double().requires_grad_()
+    ref_lp, _, _ = reference.dense_stats(h64, w64, labels, vocab_size=case["vocab"], temperature=case["T"])
+    ref_lp = ref_lp.reshape(labels.shape)
+    old = ref_lp.detach() + 0.1 * token_weight
+    ref_loss, _ = grpo_loss(ref_lp, token_weight, mask, GRPOConfig(), old_logprobs=old)
+    (upstream * ref_loss).backward()
+
+    h = case["hidden"].detach().clone().to(device).requires_grad_()
+    w = case["weight"].detach().clone().to(device).requires_grad_()
+    if main_grad:
+        w.main_grad = torch.full(w.shape, 0.25, device=device)
+        w.grad_added_to_main_grad = False
+    args = [t.to(device) for t in (labels, token_weight.float(), mask.float())]
+    loss, _ = linear_grpo_loss(h, w, *args, GRPOConfig(), old_logprobs=old.float().to(device),
+                               vocab_size=case["vocab"], chunk_size=case["chunk_size"],
+                               accumulate_into_main_grad=main_grad, **kwargs)
+    (upstream * loss).backward(retain_graph=retain)
+    if retain:  # a second backward recomputes dX, dW from the saved coefficients and offsets
+        h.grad = w.grad = None
+        if main_grad:
+            w.main_grad.fill_(0.25)
+        (upstream * loss).backward()
+    dw = w.main_grad - 0.25 if main_grad else w.grad
+    return tuple(t.detach().cpu() for t in (loss, h.grad, dw)), (ref_loss, h64.grad, w64.grad)
+
+
+@pytest.mark.parametrize("main_grad", [False, True])
+@pytest.mark.parametrize("retain", [False, True])
+def test_one_pass_with_a_factor_per_token_matches_float64(reference_kernel, main_grad, retain):
+    """GRPO's per-token gradient is c_i (softmax - one_hot) with c_i = -dloss/dlogp_i: the kernel's
+    softmax - one_hot, dX scaled per row after its GEMM and dW from the scaled hidden rows give the
+    float64 reference's loss, dX and dW (chunks of 7, masked tokens, an upstream gradient != 1,
+    main_grad with its (g - 1) dW, a second backward)."""
+    case = _case(37)
+    got, ref = _run_grpo(case, main_grad=main_grad, retain=retain)
+    labelled = int((case["labels"] != -100).sum())
+    assert reference_kernel == [7] * (labelled // 7) + ([labelled % 7] if labelled % 7 else [])
+    for name, out, expected in zip(("loss", "dX", "dW"), got, ref):
+        err = reference.rel_err(out, expected)
+        assert err <= TOL[torch.bfloat16], f"GRPO main_grad={main_grad} retain={retain} {name}: {err:.2e}"
+
+
+def test_one_pass_with_a_factor_per_token_equals_two_passes(reference_kernel):
+    """The same GRPO loss and gradients as the statistics + dlogits path (impl="torch"), within bf16
+    rounding: a wrong factor (its sign, the row it goes to) is far outside that."""
+    case = _case(41)
+    one_pass, _ = _run_grpo(case)
+    assert reference_kernel
+    two_pass, _ = _run_grpo(case, impl="torch")
+    torch.testing.assert_close(one_pass[0], two_pass[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(one_pass[1:], two_pass[1:]):
+        assert reference.rel_err(a, b) < 1e-2
+
+
 def _tp2_worker(rank, world, case):
     import torch.distributed as dist
 
@@ -230,6 +296,21 @@ def test_quack_kernel_on_gpu_matches_float64(monkeypatch, main_grad):
     got = _run_ce(gpu, main_grad=main_grad)
     assert calls
     _check(case, tuple(t.cpu() for t in got), "mean", 3.5, f"QuACK main_grad={main_grad}")
+
+
+@pytest.mark.skipif(not _quack_on_this_gpu(), reason="QuACK's kernel runs on an SM90/SM100 GPU with quack-kernels")
+def test_quack_kernel_on_gpu_with_a_factor_per_token_matches_float64(monkeypatch):
+    """GRPO through QuACK's kernel on the GPU (vocab 50304, chunks of 300): loss, dX and dW against
+    the float64 reference, and the kernel was called."""
+    case = make_case(47, 1, dtype=torch.bfloat16, seq=61, batch=17, hidden=64, vocab=50304, extra_pad=0,
+                     temperature=1.0, chunk_size=300)
+    kernel = cute_backend._kernel()
+    calls = []
+    monkeypatch.setattr(cute_backend, "_kernel", lambda: lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    got, ref = _run_grpo(case, device="cuda")
+    assert calls
+    for name, out, expected in zip(("loss", "dX", "dW"), got, ref):
+        assert reference.rel_err(out, expected) <= TOL[torch.bfloat16], name
 
 
 # --------------------------------------------------------------------------------------------

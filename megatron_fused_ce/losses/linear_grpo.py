@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..ops.api import linear_logprobs, token_statistics
+from ..ops.chunked import PER_ROW
 from .grpo import GRPOConfig, batch_totals, check_grpo_arguments, grpo_loss, loss_given_totals
 from .nll import Normalizer
 
@@ -146,6 +147,10 @@ def linear_grpo_loss(
             loss = loss_given_totals(logprobs, advantages, mask, config, totals, **loss_kwargs)
             (grad,) = torch.autograd.grad(loss, chunk_logprobs)
         return grad, -grad, None, None  # log p = target - lse
+
+    # each token's dlogits are -grad_i (softmax - one_hot): the chunk loop may take softmax - one_hot
+    # from a one-pass row kernel and apply the per-token factor in its GEMMs (cute_backend.py)
+    token_grads.softmax_minus_one_hot_scale = lambda num_labelled: PER_ROW
 
     # every per-token gradient depends on these: TP ranks that differ would sum unrelated dX parts
     must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)

@@ -60,7 +60,8 @@ import torch
 from torch import Tensor
 
 from . import cute_backend, lean, reductions
-from .gemm import dlogits_gemm, fused_dlogits, gemm_input, logits_gemm, logits_into, matmul_add_cast, matmul_into_
+from .gemm import (dlogits_gemm, fused_dlogits, gemm_input, logits_gemm, logits_into, matmul_add_cast,
+                   matmul_fp32, matmul_into_)
 from .torch_backend import ShardStats, combine_blocks
 
 
@@ -267,6 +268,26 @@ def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_o
     if dx_out is not None:
         matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
     return dw_last
+
+
+PER_ROW = "per_row"  # _one_pass_scale: dlogits = c_i (softmax - one_hot), c_i differing per token
+
+
+def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
+                          dw_out: Optional[Tensor], row_scale: Tensor, dw_accumulate: bool,
+                          cast_dw_to: Optional[torch.dtype] = None) -> Optional[Tensor]:
+    """grad_gemms of diag(row_scale) @ dlogits without a pass over the chunk of dlogits: dX of the
+    chunk is the fp32 product dlogits @ W times row_scale, rounded once into `dx_out`; dW =
+    dlogits.T @ (row_scale * h), the scaled rows rounded once to the input dtype (as each element
+    of scaled dlogits would be)."""
+    scale = row_scale.unsqueeze(1)
+    if dx_out is not None:
+        torch.mul(matmul_fp32(dlogits, weight), scale, out=dx_out)  # fp32 math, one rounding
+    scaled_h = None
+    if dw_out is not None:
+        scaled_h = torch.empty_like(h)
+        torch.mul(h, scale, out=scaled_h)
+    return grad_gemms(dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate, cast_dw_to=cast_dw_to)
 
 
 def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int) -> Optional[torch.dtype]:
@@ -715,19 +736,25 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
             if one_hot_scale is None:
                 chunk_dlogits_(logits, local_target[start:end], spec, (merged.max, merged.log_sum_exp), coefs)
             dlogits = gemm_input(logits, h)
-            dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
-                                 dw_accumulate=into_main_grad or index > 0, scale=one_hot_scale or 1.0,
-                                 cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
+            gemm_args = (dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out)
+            gemm_kwargs = dict(dw_accumulate=into_main_grad or index > 0,
+                               cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
+            if one_hot_scale is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
+                dw_last = row_scaled_grad_gemms(*gemm_args, coefs["p"], **gemm_kwargs)
+            else:
+                dw_last = grad_gemms(*gemm_args, scale=one_hot_scale or 1.0, **gemm_kwargs)
             del logits, dlogits  # one chunk alive at the peak
     return merged_chunks, coef_chunks, dw_last
 
 
-def _one_pass_scale(spec: ChunkSpec, token_grads, rows: Tensor, weight: Tensor, chunk_rows: int) -> Optional[float]:
+def _one_pass_scale(spec: ChunkSpec, token_grads, rows: Tensor, weight: Tensor, chunk_rows: int):
     """c where every chunk's dlogits may come from spec.row_kernel as c (softmax - one_hot), in one
-    pass over the logits; None where the statistics and dlogits are taken apart. It needs a shard
-    with the whole vocab (TP = 1: nothing to merge between the two), a loss whose per-token gradient
-    is c (softmax - one_hot) (cross-entropy without smoothing or z-loss), whole-shard GEMMs in the
-    input dtype, and the row kernel's own conditions (cute_backend.supported)."""
+    pass over the logits: a float (the same c for every token, the GEMMs' alpha), PER_ROW (c_i read
+    from each chunk's coefficients), or None where the statistics and dlogits are taken apart. It
+    needs a shard with the whole vocab (TP = 1: nothing to merge between the two), a loss whose
+    per-token gradient is c (softmax - one_hot) (`token_grads.softmax_minus_one_hot_scale`:
+    cross-entropy without smoothing or z-loss, GRPO), whole-shard GEMMs in the input dtype, and the
+    row kernel's own conditions (cute_backend.supported)."""
     scale_of = getattr(token_grads, "softmax_minus_one_hot_scale", None)
     if (spec.row_kernel is None or scale_of is None or reductions.group_size(spec.tp_group) != 1
             or spec.lean is not None or spec.vocab_block != 0 or spec.want_entropy or spec.want_sum_logits
