@@ -15,6 +15,7 @@ of tokens, so the op's extra memory is flat in N.
 from __future__ import annotations
 
 import argparse
+import weakref
 
 import pytest
 import torch
@@ -111,6 +112,44 @@ def test_largest_logits_tensor_is_bounded_and_flat_in_tokens(entry):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # flat: equal chunks of nearly the budget's rows whatever N (8x more tokens, not 8x the chunk)
     assert min(sizes.values()) > BUDGET // 2, sizes
+
+
+class _ChunksAlive:
+    """How many chunks of logits (gemm.logits_gemm's outputs) are still alive each time the next
+    one is made: 0 means one chunk at a time, whatever else the loop keeps."""
+
+    def __init__(self, monkeypatch):
+        from megatron_fused_ce.ops import chunked, gemm
+
+        self.alive_when_made, self._chunks = [], []
+        make = gemm.logits_gemm
+
+        def counted(h, weight, logits_dtype):
+            self.alive_when_made.append(sum(ref() is not None for ref in self._chunks))
+            logits = make(h, weight, logits_dtype)
+            self._chunks.append(weakref.ref(logits))
+            return logits
+
+        monkeypatch.setattr(gemm, "logits_gemm", counted)
+        monkeypatch.setattr(chunked, "logits_gemm", counted)
+
+
+@pytest.mark.parametrize("entry", ["logprobs", "ce", "ce_main_grad", "grpo"])
+def test_one_chunk_of_logits_alive_at_a_time(monkeypatch, entry):
+    """Each chunk's logits (and the dlogits made from them in place) are released before the next
+    chunk is made, in the forward loop and the backward's recompute: the peak is one chunk."""
+    chunks = _ChunksAlive(monkeypatch)
+    if entry == "ce_main_grad":
+        g = torch.Generator().manual_seed(3)
+        h = torch.randn(512, H, generator=g, requires_grad=True)
+        w = torch.randn(V, H, generator=g, requires_grad=True)
+        w.main_grad = torch.zeros(V, H)
+        linear_cross_entropy(h, w, torch.randint(0, V, (512,), generator=g), impl="torch",
+                             max_chunk_bytes=BUDGET, accumulate_into_main_grad=True).backward()
+    else:
+        _run(entry, 512, max_chunk_bytes=BUDGET)
+    assert len(chunks.alive_when_made) >= 6  # 512 rows in chunks of 80: several per pass
+    assert chunks.alive_when_made == [0] * len(chunks.alive_when_made)
 
 
 def test_max_chunk_bytes_is_checked_and_agreed():

@@ -736,13 +736,14 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
             if one_hot_scale is None:
                 chunk_dlogits_(logits, local_target[start:end], spec, (merged.max, merged.log_sum_exp), coefs)
             dlogits = gemm_input(logits, h)
-            gemm_args = (dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out)
+            dx_chunk = None if dx_rows is None else dx_rows[start:end]
             gemm_kwargs = dict(dw_accumulate=into_main_grad or index > 0,
                                cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
             if one_hot_scale is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
-                dw_last = row_scaled_grad_gemms(*gemm_args, coefs["p"], **gemm_kwargs)
+                dw_last = row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **gemm_kwargs)
             else:
-                dw_last = grad_gemms(*gemm_args, scale=one_hot_scale or 1.0, **gemm_kwargs)
+                dw_last = grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=one_hot_scale or 1.0,
+                                     **gemm_kwargs)
             del logits, dlogits  # one chunk alive at the peak
     return merged_chunks, coef_chunks, dw_last
 
