@@ -10,10 +10,11 @@ kernel took 0.74 / 0.49 / 0.66 ms against 1.10 / 0.90 / 1.27 ms for the chunks o
 shapes (docs/design.md §10.6).
 
 It applies where nothing has to be merged between the two (the shard holds the whole vocab: TP = 1)
-and the loss's gradient is c (softmax - one_hot) with one constant c for every row: cross-entropy
-with "mean" / "sum" reduction, no label smoothing, no z-loss, temperature 1, no vocab padding. c
-is then applied by the dX / dW GEMMs (their alpha), so that no pass scales dlogits. Everything
-else, and every machine without QuACK or a Hopper GPU, keeps the Triton kernels.
+and each row's gradient is c_i (softmax - one_hot), at temperature 1 with no vocab padding:
+cross-entropy with "mean" / "sum" reduction, no label smoothing and no z-loss (one c for every
+row, applied by the dX / dW GEMMs as their alpha), and the fused GRPO loss (c_i per row, applied
+to the chunk's dX rows and hidden rows: chunked.row_scaled_grad_gemms). No pass scales dlogits.
+Everything else, and every machine without QuACK or a Hopper GPU, keeps the Triton kernels.
 
 The weight-gradient GEMMs (`weight_grad_into_`): dW = dlogits.T @ h per chunk, written in fp32 by
 the first chunk, added in place to that fp32 sum (or Megatron's main_grad) by the others, or, for
