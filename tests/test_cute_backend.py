@@ -225,6 +225,28 @@ def test_one_pass_with_a_factor_per_token_matches_float64(reference_kernel, main
         assert err <= TOL[torch.bfloat16], f"GRPO main_grad={main_grad} retain={retain} {name}: {err:.2e}"
 
 
+def test_one_pass_with_a_factor_per_token_and_a_frozen_weight(reference_kernel):
+    """A frozen output weight (adapters trained, the vocab projection not): only dX is made, and it
+    matches the float64 reference's."""
+    from megatron_fused_ce.losses import GRPOConfig
+    from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss
+
+    case = _case(43)
+    _, ref = _run_grpo(case)
+    g = torch.Generator().manual_seed(1)
+    token_weight = torch.randn(case["labels"].shape, generator=g, dtype=torch.float64)
+    h = case["hidden"].detach().clone().requires_grad_()
+    lp64, _, _ = reference.dense_stats(case["hidden"].double(), case["weight"].double(), case["labels"].clamp(min=0),
+                                       vocab_size=case["vocab"], temperature=case["T"])
+    old = lp64.reshape(case["labels"].shape) + 0.1 * token_weight
+    loss, _ = linear_grpo_loss(h, case["weight"], case["labels"].clamp(min=0), token_weight.float(),
+                               (case["labels"] != -100).float(), GRPOConfig(), old_logprobs=old.float(),
+                               vocab_size=case["vocab"], chunk_size=case["chunk_size"])
+    (2.5 * loss).backward()
+    assert reference_kernel
+    assert reference.rel_err(h.grad, ref[1]) <= TOL[torch.bfloat16]
+
+
 def test_one_pass_with_a_factor_per_token_equals_two_passes(reference_kernel):
     """The same GRPO loss and gradients as the statistics + dlogits path (impl="torch"), within bf16
     rounding: a wrong factor (its sign, the row it goes to) is far outside that."""

@@ -283,10 +283,10 @@ def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: Chun
     scale = row_scale.unsqueeze(1)
     if dx_out is not None:
         torch.mul(matmul_fp32(dlogits, weight), scale, out=dx_out)  # fp32 math, one rounding
-    scaled_h = None
-    if dw_out is not None:
-        scaled_h = torch.empty_like(h)
-        torch.mul(h, scale, out=scaled_h)
+    if dw_out is None:
+        return None
+    scaled_h = torch.empty_like(h)
+    torch.mul(h, scale, out=scaled_h)
     return grad_gemms(dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate, cast_dw_to=cast_dw_to)
 
 
