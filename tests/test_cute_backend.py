@@ -39,23 +39,36 @@ def _case(seed, **kwargs):
                      temperature=1.0, **kwargs)
 
 
-def _run_ce(case, *, reduction="mean", upstream=3.5, main_grad=False, retain=False, **kwargs):
-    h = case["hidden"].clone().requires_grad_()
-    w = case["weight"].clone().requires_grad_()
+def _leaves(case, main_grad, device=None, train_weight=True):
+    """Fresh hidden / weight leaves (on `device`, else the case's); with `main_grad`, Megatron's fp32
+    main_grad at 0.25."""
+    device = device or case["hidden"].device
+    h = case["hidden"].detach().clone().to(device).requires_grad_()
+    w = case["weight"].detach().clone().to(device).requires_grad_(train_weight)
     if main_grad:
-        w.main_grad = torch.full(w.shape, 0.25, device=w.device)
+        w.main_grad = torch.full(w.shape, 0.25, device=device)
         w.grad_added_to_main_grad = False
-    loss = linear_cross_entropy(h, w, case["labels"], vocab_size=case["vocab"], reduction=reduction,
-                                temperature=case["T"], chunk_size=case["chunk_size"],
-                                accumulate_into_main_grad=main_grad, **kwargs)
+    return h, w
+
+
+def _backward(loss, h, w, upstream, main_grad, retain):
+    """(dX, dW) of upstream * loss; with `retain`, those of a second backward through the retained
+    graph, which recomputes them from the saved coefficients and offsets."""
     (loss * upstream).backward(retain_graph=retain)
-    if retain:  # a second backward recomputes dX, dW from the saved coefficients and offsets
+    if retain:
         h.grad = w.grad = None
         if main_grad:
             w.main_grad.fill_(0.25)
         (loss * upstream).backward()
-    dw = w.main_grad - 0.25 if main_grad else w.grad
-    return loss.detach(), h.grad, dw
+    return h.grad, (w.main_grad - 0.25 if main_grad else w.grad)
+
+
+def _run_ce(case, *, reduction="mean", upstream=3.5, main_grad=False, retain=False, **kwargs):
+    h, w = _leaves(case, main_grad)
+    loss = linear_cross_entropy(h, w, case["labels"], vocab_size=case["vocab"], reduction=reduction,
+                                temperature=case["T"], chunk_size=case["chunk_size"],
+                                accumulate_into_main_grad=main_grad, **kwargs)
+    return (loss.detach(),) + _backward(loss, h, w, upstream, main_grad, retain)
 
 
 def _check(case, got, reduction, upstream, what):
@@ -171,10 +184,10 @@ def test_one_pass_under_every_forward_backward_pairing(reference_kernel, main_gr
             loss_fn(h, w)
 
 
-def _run_grpo(case, *, upstream=2.5, main_grad=False, retain=False, device="cpu", **kwargs):
+def _run_grpo(case, *, upstream=2.5, main_grad=False, retain=False, device="cpu", train_weight=True, **kwargs):
     """linear_grpo_loss (token-level ratios against old log-probs 0.1 * w away, per-token
     advantages: clipped and unclipped tokens) and its float64 reference: grpo_loss on the dense
-    log-probs. Returns ((loss, dX, dW), (reference loss, dX, dW))."""
+    log-probs. Returns ((loss, dX, dW), (reference loss, dX, dW)); dW is None for a frozen weight."""
     from megatron_fused_ce.losses import GRPOConfig, grpo_loss
     from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss
 
@@ -190,23 +203,13 @@ def _run_grpo(case, *, upstream=2.5, main_grad=False, retain=False, device="cpu"
     ref_loss, _ = grpo_loss(ref_lp, token_weight, mask, GRPOConfig(), old_logprobs=old)
     (upstream * ref_loss).backward()
 
-    h = case["hidden"].detach().clone().to(device).requires_grad_()
-    w = case["weight"].detach().clone().to(device).requires_grad_()
-    if main_grad:
-        w.main_grad = torch.full(w.shape, 0.25, device=device)
-        w.grad_added_to_main_grad = False
+    h, w = _leaves(case, main_grad, device, train_weight)
     args = [t.to(device) for t in (labels, token_weight.float(), mask.float())]
     loss, _ = linear_grpo_loss(h, w, *args, GRPOConfig(), old_logprobs=old.float().to(device),
                                vocab_size=case["vocab"], chunk_size=case["chunk_size"],
                                accumulate_into_main_grad=main_grad, **kwargs)
-    (upstream * loss).backward(retain_graph=retain)
-    if retain:  # a second backward recomputes dX, dW from the saved coefficients and offsets
-        h.grad = w.grad = None
-        if main_grad:
-            w.main_grad.fill_(0.25)
-        (upstream * loss).backward()
-    dw = w.main_grad - 0.25 if main_grad else w.grad
-    return tuple(t.detach().cpu() for t in (loss, h.grad, dw)), (ref_loss, h64.grad, w64.grad)
+    got = (loss,) + _backward(loss, h, w, upstream, main_grad, retain)
+    return tuple(None if t is None else t.detach().cpu() for t in got), (ref_loss, h64.grad, w64.grad)
 
 
 @pytest.mark.parametrize("main_grad", [False, True])
@@ -228,23 +231,9 @@ def test_one_pass_with_a_factor_per_token_matches_float64(reference_kernel, main
 def test_one_pass_with_a_factor_per_token_and_a_frozen_weight(reference_kernel):
     """A frozen output weight (adapters trained, the vocab projection not): only dX is made, and it
     matches the float64 reference's."""
-    from megatron_fused_ce.losses import GRPOConfig
-    from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss
-
-    case = _case(43)
-    _, ref = _run_grpo(case)
-    g = torch.Generator().manual_seed(1)
-    token_weight = torch.randn(case["labels"].shape, generator=g, dtype=torch.float64)
-    h = case["hidden"].detach().clone().requires_grad_()
-    lp64, _, _ = reference.dense_stats(case["hidden"].double(), case["weight"].double(), case["labels"].clamp(min=0),
-                                       vocab_size=case["vocab"], temperature=case["T"])
-    old = lp64.reshape(case["labels"].shape) + 0.1 * token_weight
-    loss, _ = linear_grpo_loss(h, case["weight"], case["labels"].clamp(min=0), token_weight.float(),
-                               (case["labels"] != -100).float(), GRPOConfig(), old_logprobs=old.float(),
-                               vocab_size=case["vocab"], chunk_size=case["chunk_size"])
-    (2.5 * loss).backward()
+    got, ref = _run_grpo(_case(43), train_weight=False)
     assert reference_kernel
-    assert reference.rel_err(h.grad, ref[1]) <= TOL[torch.bfloat16]
+    assert reference.rel_err(got[1], ref[1]) <= TOL[torch.bfloat16]
 
 
 def test_one_pass_with_a_factor_per_token_equals_two_passes(reference_kernel):
@@ -257,6 +246,62 @@ def test_one_pass_with_a_factor_per_token_equals_two_passes(reference_kernel):
     torch.testing.assert_close(one_pass[0], two_pass[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(one_pass[1:], two_pass[1:]):
         assert reference.rel_err(a, b) < 1e-2
+
+
+def _grpo_cp_data():
+    """[B, T] = [3, 8] bf16 GRPO inputs (unpadded vocab 104, temperature 1: the kernel's conditions),
+    masked tokens, per-sequence advantages, old log-probs near the policy's."""
+    g = torch.Generator().manual_seed(53)
+    hidden = torch.randn(3, 8, 32, generator=g).bfloat16()
+    weight = (torch.randn(104, 32, generator=g) * 2.0 / 32**0.5).bfloat16()
+    labels = torch.randint(0, 104, (3, 8), generator=g)
+    mask = (torch.rand(3, 8, generator=g) > 0.25).float()
+    advantages = torch.randn(3, generator=g)
+    lp64, _, _ = reference.dense_stats(hidden.double(), weight.double(), labels, vocab_size=104, temperature=1.0)
+    old = lp64.reshape(3, 8) + 0.1 * torch.randn(3, 8, generator=g, dtype=torch.float64)
+    return hidden, weight, labels, mask, advantages, old
+
+
+def _cp2_grpo_worker(rank, world):
+    import torch.distributed as dist
+
+    from megatron_fused_ce.losses import GRPOConfig
+    from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss
+    from megatron_fused_ce.ops import cute_backend as cb
+
+    calls = []
+    cb._available = lambda device: True
+    cb._kernel = lambda: calls.append(1) or cb.reference_kernel
+    hidden, weight, labels, mask, advantages, old = _grpo_cp_data()
+    index = _CP2_POSITIONS[rank]
+    h = hidden[:, index].clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    loss, _ = linear_grpo_loss(h, w, labels[:, index], advantages, mask[:, index], GRPOConfig(),
+                               old_logprobs=old[:, index].float(), cp_group=dist.group.WORLD, chunk_size=5)
+    (2.5 * loss).backward()
+    return loss.detach(), h.grad, w.grad, len(calls)
+
+
+_CP2_POSITIONS = [torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5])]  # Megatron's balanced split
+
+
+def test_one_pass_with_a_factor_per_token_under_context_parallelism():
+    """GRPO at CP = 2 with the kernel on each rank's slice of every sequence (the batch totals summed
+    over CP before the chunk loop): each rank's loss is the float64 CP=1 loss, its dX the CP=1 dX at
+    its positions, and the ranks' dW add up to the CP=1 dW."""
+    from megatron_fused_ce.losses import GRPOConfig, grpo_loss
+
+    hidden, weight, labels, mask, advantages, old = _grpo_cp_data()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp, _, _ = reference.dense_stats(h64, w64, labels, vocab_size=104, temperature=1.0)
+    ref_loss, _ = grpo_loss(lp.reshape(3, 8), advantages.double(), mask.double(), GRPOConfig(), old_logprobs=old)
+    (2.5 * ref_loss).backward()
+    results = run_workers(_cp2_grpo_worker, 2)
+    for rank, (loss, dx, dw, calls) in enumerate(results):
+        assert calls > 0, rank
+        assert reference.rel_err(loss, ref_loss) <= TOL[torch.bfloat16], rank
+        assert reference.rel_err(dx, h64.grad[:, _CP2_POSITIONS[rank]]) <= TOL[torch.bfloat16], rank
+    assert reference.rel_err(results[0][2].double() + results[1][2].double(), w64.grad) <= TOL[torch.bfloat16]
 
 
 def _tp2_worker(rank, world, case):
