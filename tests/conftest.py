@@ -84,13 +84,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The worst errors against the float64 reference that the accuracy tests measured, and,
-    apart from them, the memory ratios that the memory tests measured."""
-    if reference.ERRORS:
-        terminalreporter.section("worst relative error vs float64 dense reference (||out-ref||/||ref||)")
-        for line in reference.error_table():
-            terminalreporter.write_line(line)
-    if reference.MEMORY:
-        terminalreporter.section("memory: largest tensor the op allocated / the dense [N, V] logits")
-        for line in reference.memory_table():
-            terminalreporter.write_line(line)
+    """What the tests measured, one table per kind of quantity (reference.tables()): errors against
+    the float64 reference, differences between two computations, error ratios, memory ratios."""
+    for heading, results in reference.tables():
+        lines = reference.table(results)
+        if lines:
+            terminalreporter.section(heading)
+            for line in lines:
+                terminalreporter.write_line(line)

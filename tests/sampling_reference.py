@@ -2,7 +2,8 @@
 / return_topk), written straight from the definition, on materialized logits.
 
 Per row, with z the [V] float64 logits / temperature of the unpadded vocab:
-  min_p: keep p_k >= min_p * max p;  top_k: keep z >= (k-th largest kept z);
+  min_p: keep p_k >= min_p * max p (min_p = 1: the tokens tied with the max);
+  top_k: keep z >= (k-th largest kept z); None, 0 and -1 (vLLM's spellings) keep everything;
   top_p: walking z descending then id ascending over the renormalized remainder, keep a token iff
          the mass strictly before it is < top_p;  then renormalize over the kept set.
 """
@@ -18,7 +19,7 @@ def kept_set(z: torch.Tensor, top_k=None, top_p=None, min_p=None) -> torch.Tenso
     if min_p:
         p = torch.softmax(z, dim=-1)
         keep &= p >= min_p * p.max(dim=-1, keepdim=True).values
-    if top_k is not None and top_k < v:
+    if top_k is not None and 0 < top_k < v:
         remaining = torch.where(keep, z, float("-inf"))
         kth = remaining.sort(dim=-1, descending=True).values[:, top_k - 1:top_k]
         keep &= z >= kth

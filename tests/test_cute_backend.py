@@ -3,7 +3,7 @@
 On CPU the kernel is replaced by `cute_backend.reference_kernel` (QuACK's contract in torch), so
 that what the chunk loop does around it is checked against the float64 dense reference: dlogits
 = softmax - one_hot scaled by the GEMMs' alpha (1/labelled tokens or 1), the statistics rebuilt
-from (loss, lse), the offsets saved for a second backward and for main_grad's (g - 1) dW, and
+from (loss, lse), the offsets saved for a second backward, and
 where the kernel must not be used (smoothing, z-loss, temperature, vocab padding, TP > 1,
 log-probs, lean mode, an explicit impl). On a Hopper GPU with QuACK installed the last test runs
 QuACK's kernel itself.
@@ -71,10 +71,14 @@ def _run_ce(case, *, reduction="mean", upstream=3.5, main_grad=False, retain=Fal
     return (loss.detach(),) + _backward(loss, h, w, upstream, main_grad, retain)
 
 
-def _check(case, got, reduction, upstream, what):
+def _check(case, got, reduction, upstream, what, row=None):
+    """Loss, dX, dW against float64; `row`: the summary table's row (only where QuACK's own
+    kernels ran: a torch stand-in of them is no QuACK result)."""
     ref = _reference_ce(case, reduction, 0.0, 0.0, torch.tensor(upstream))
     for name, out, expected in zip(("loss", "dX", "dW"), got, ref):
-        err = reference.record(f"cute {name}", 1, case["dtype"], reference.rel_err(out, expected))
+        err = reference.rel_err(out, expected)
+        if row is not None:
+            reference.record(f"{row} ce_{name}", 1, case["dtype"], err)
         assert err <= TOL[case["dtype"]], f"{what} {name}: {err:.2e}"
 
 
@@ -83,8 +87,8 @@ def _check(case, got, reduction, upstream, what):
 @pytest.mark.parametrize("retain", [False, True])
 def test_one_pass_matches_float64_reference(reference_kernel, reduction, main_grad, retain):
     """Ignored tokens, chunks of 7 rows (not dividing the labelled rows), an upstream gradient
-    != 1, Megatron's main_grad (with its (g - 1) dW recomputed from the saved offsets) and a second
-    backward through a retained graph."""
+    != 1, Megatron's main_grad (dW summed in fp32 until the backward adds g x dW) and a second
+    backward through a retained graph (recomputed from the saved offsets)."""
     case = _case(5)
     got = _run_ce(case, reduction=reduction, main_grad=main_grad, retain=retain)
     labelled = int((case["labels"] != -100).sum())
@@ -141,15 +145,17 @@ def test_one_pass_not_taken_where_it_does_not_apply(reference_kernel, monkeypatc
     assert reference_kernel == []
 
 
-@pytest.mark.parametrize("main_grad", [True, False], ids=["main_grad", "grad"])
-def test_one_pass_under_every_forward_backward_pairing(reference_kernel, main_grad):
+@pytest.mark.parametrize("target", ["grad", "main_grad", "main_grad_expected"])
+def test_one_pass_under_every_forward_backward_pairing(reference_kernel, target):
     """The pairings of test_forward_backward_pairing (activation checkpointing both ways, a second
-    backward, the loss used twice, a changing loss scale) with the one-pass kernel: dX and dW stay
-    the float64 reference's multiple; a forward freed without backward under main_grad poisons it
-    and the next call raises, as on the two-pass path."""
+    backward, the loss used twice, changing and Megatron-sized loss scales) with the one-pass
+    kernel: dX and dW stay the float64 reference's multiple; a forward freed without backward
+    that added into main_grad poisons it and the next call raises, as on the two-pass path."""
     import warnings
 
     from test_forward_backward_pairing import SCENARIOS
+
+    main_grad = target != "grad"
 
     case = _case(31)
     ref_loss, ref_dx, ref_dw = _reference_ce(case, "mean", 0.0, 0.0, torch.tensor(1.0))
@@ -162,9 +168,10 @@ def test_one_pass_under_every_forward_backward_pairing(reference_kernel, main_gr
             w.grad_added_to_main_grad = False
         return h, w
 
-    def loss_fn(h, w):
+    def loss_fn(h, w, g=1.0):
         return linear_cross_entropy(h, w, case["labels"], vocab_size=case["vocab"], chunk_size=7,
-                                    accumulate_into_main_grad=main_grad)
+                                    accumulate_into_main_grad=main_grad,
+                                    expected_upstream_grad=g if target == "main_grad_expected" else None)
 
     for scenario in SCENARIOS:
         h, w = leaves()
@@ -174,7 +181,7 @@ def test_one_pass_under_every_forward_backward_pairing(reference_kernel, main_gr
         assert reference.rel_err(h.grad, scale * ref_dx) < TOL[case["dtype"]], scenario.__name__
         assert reference.rel_err(dw, scale * ref_dw) < TOL[case["dtype"]], scenario.__name__
     assert reference_kernel
-    if main_grad:
+    if target == "main_grad_expected":
         h, w = leaves()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -218,7 +225,7 @@ def test_one_pass_with_a_factor_per_token_matches_float64(reference_kernel, main
     """GRPO's per-token gradient is c_i (softmax - one_hot) with c_i = -dloss/dlogp_i: the kernel's
     softmax - one_hot, dX scaled per row after its GEMM and dW from the scaled hidden rows give the
     float64 reference's loss, dX and dW (chunks of 7, masked tokens, an upstream gradient != 1,
-    main_grad with its (g - 1) dW, a second backward)."""
+    main_grad, a second backward)."""
     case = _case(37)
     got, ref = _run_grpo(case, main_grad=main_grad, retain=retain)
     labelled = int((case["labels"] != -100).sum())
@@ -362,7 +369,8 @@ def test_quack_kernel_on_gpu_matches_float64(monkeypatch, main_grad):
     monkeypatch.setattr(cute_backend, "_kernel", lambda: lambda *a, **k: calls.append(1) or kernel(*a, **k))
     got = _run_ce(gpu, main_grad=main_grad)
     assert calls
-    _check(case, tuple(t.cpu() for t in got), "mean", 3.5, f"QuACK main_grad={main_grad}")
+    _check(case, tuple(t.cpu() for t in got), "mean", 3.5, f"QuACK main_grad={main_grad}",
+           row="QuACK row kernel (GPU)")
 
 
 @pytest.mark.skipif(not _quack_on_this_gpu(), reason="QuACK's kernel runs on an SM90/SM100 GPU with quack-kernels")
@@ -401,22 +409,26 @@ def reference_gemms(monkeypatch):
 
 
 @pytest.mark.parametrize("row_kernel", [False, True], ids=["two_pass", "one_pass"])
-@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("target", ["grad", "main_grad", "main_grad_expected"])
 @pytest.mark.parametrize("upstream", [1.0, 3.5])
 @pytest.mark.parametrize("retain", [False, True])
-def test_quack_gemms_match_float64_reference(reference_gemms, monkeypatch, row_kernel, main_grad, upstream, retain):
+def test_quack_gemms_match_float64_reference(reference_gemms, monkeypatch, row_kernel, target, upstream, retain):
     """Cross-entropy with the dW GEMMs on QuACK (the row kernel on or off), chunks of 7 rows:
     loss, dX and dW against float64. Without main_grad the last chunk's GEMM adds the fp32 sum of
     the others and writes dW in bf16 during the forward, which the backward scales by g (checked
-    with g = 1 and 3.5, and through a second backward, which recomputes)."""
+    with g = 1 and 3.5, and through a second backward, which recomputes). With main_grad, dW is
+    summed in fp32 (a buffer when g is unknown at forward time, main_grad itself when expected)."""
     if row_kernel:
         monkeypatch.setattr(cute_backend, "_kernel", lambda: cute_backend.reference_kernel)
         monkeypatch.setattr(cute_backend, "_available", lambda device: True)
+    main_grad = target != "grad"
     case = _case(41)
-    got = _run_ce(case, upstream=upstream, main_grad=main_grad, retain=retain)
-    _check(case, got, "mean", upstream, f"QuACK GEMMs row_kernel={row_kernel} main_grad={main_grad} g={upstream}")
+    got = _run_ce(case, upstream=upstream, main_grad=main_grad, retain=retain,
+                  expected_upstream_grad=upstream if target == "main_grad_expected" else None)
+    _check(case, got, "mean", upstream, f"QuACK GEMMs row_kernel={row_kernel} {target} g={upstream}")
     assert ("add", "accumulate") in reference_gemms
-    assert (("write", "write") in reference_gemms) == (not main_grad)  # main_grad: every chunk adds
+    # the first chunk writes its buffer; into main_grad every chunk adds
+    assert (("write", "write") in reference_gemms) == (target != "main_grad_expected")
     forward_add_casts = 0 if main_grad else 1
     second_backward_add_casts = 1 if retain and not main_grad else 0
     assert reference_gemms.count(("add", "add_cast")) == forward_add_casts + second_backward_add_casts
@@ -475,7 +487,7 @@ def test_quack_gemms_in_the_sampler_filters_backward(reference_gemms):
 
     case = sampling_case(61, 1, dtype=torch.bfloat16, ints=True)
     params = dict(top_k=12, top_p=0.9, min_p=0.02)
-    check(case, params, [_run(0, 1, case, params, impl="auto")], what="QuACK sampled")
+    check(case, params, [_run(0, 1, case, params, impl="auto")], what="QuACK sampled", record=False)
     assert ("add", "add_cast") in reference_gemms and ("write", "write") in reference_gemms
 
 
@@ -514,12 +526,14 @@ def test_quack_gemms_with_vocab_blocks_not_16_byte_aligned(reference_gemms, monk
     assert ("add", "add_cast") in reference_gemms and ("add", "accumulate") in reference_gemms
 
 
-@pytest.mark.parametrize("main_grad", [True, False], ids=["main_grad", "grad"])
-def test_quack_gemms_under_every_forward_backward_pairing(reference_gemms, reference_kernel, main_grad):
+@pytest.mark.parametrize("target", ["grad", "main_grad", "main_grad_expected"])
+def test_quack_gemms_under_every_forward_backward_pairing(reference_gemms, reference_kernel, target):
     """The pairings of test_forward_backward_pairing with QuACK's GEMMs and row kernel: the bf16 dW
     written in the forward is scaled by each backward's upstream gradient (or recomputed on a
     second backward) and matches the float64 reference's multiple."""
     from test_forward_backward_pairing import SCENARIOS
+
+    main_grad = target != "grad"
 
     case = _case(59)
     ref_loss, ref_dx, ref_dw = _reference_ce(case, "mean", 0.0, 0.0, torch.tensor(1.0))
@@ -529,8 +543,9 @@ def test_quack_gemms_under_every_forward_backward_pairing(reference_gemms, refer
         if main_grad:
             w.main_grad = torch.zeros(w.shape)
             w.grad_added_to_main_grad = False
-        loss, scale = scenario(lambda h, w: linear_cross_entropy(
-            h, w, case["labels"], vocab_size=case["vocab"], chunk_size=7, accumulate_into_main_grad=main_grad), h, w)
+        loss, scale = scenario(lambda h, w, g: linear_cross_entropy(
+            h, w, case["labels"], vocab_size=case["vocab"], chunk_size=7, accumulate_into_main_grad=main_grad,
+            expected_upstream_grad=g if target == "main_grad_expected" else None), h, w)
         dw = w.main_grad if main_grad else w.grad
         assert reference.rel_err(loss, ref_loss) < TOL[case["dtype"]], scenario.__name__
         assert reference.rel_err(h.grad, scale * ref_dx) < TOL[case["dtype"]], scenario.__name__
@@ -586,7 +601,8 @@ def test_quack_gemms_on_gpu_inside_the_op_match_float64(monkeypatch, entry):
     gpu = dict(case, hidden=case["hidden"].cuda(), weight=case["weight"].cuda(), labels=case["labels"].cuda())
     if not padded:
         got = _run_ce(gpu, upstream=1.0, main_grad=entry == "ce_main_grad")
-        _check(case, tuple(t.cpu() for t in got), "mean", 1.0, f"QuACK GEMMs {entry}")
+        _check(case, tuple(t.cpu() for t in got), "mean", 1.0, f"QuACK GEMMs {entry}",
+               row="QuACK dW GEMMs (GPU)")
     else:
         h = gpu["hidden"].clone().requires_grad_()
         w = gpu["weight"].clone().requires_grad_()

@@ -197,7 +197,7 @@ def test_losses_under_context_parallelism_equal_cp1(cp, layout):
             full_grad[:, index] = cp_grad
             worst = max(worst, abs(float(cp_loss) - float(loss)) / max(abs(float(loss)), 1e-30))
         worst = max(worst, reference.rel_err(full_grad, grad))
-    reference.record(f"losses CP={cp} vs CP=1", 1, F64, worst)
+    reference.record_difference(f"losses CP={cp} vs CP=1", 1, F64, worst)
     excluded = {name: float(expected[name][1]["num_excluded_tokens"]) for name in CASES if "excluded" in name}
     assert excluded["excluded_grpo"] == 3 and excluded["excluded_dapo_gspo"] == 2, excluded
     assert excluded["excluded_nll"] == 1 and excluded["excluded_dpo"] == 1, excluded
@@ -356,10 +356,12 @@ def test_linear_grpo_under_context_parallelism_equals_cp1(tp, sequence_parallel)
                 want_dx = want_dx.transpose(0, 1)
                 rows = want_dx.shape[0] // tp
                 want_dx = want_dx[tp_rank * rows:(tp_rank + 1) * rows]
-            err = reference.record("linear_grpo CP=2 dX", tp, torch.float32, reference.rel_err(got_dx, want_dx))
+            err = reference.record_difference("linear_grpo_loss dX, CP=2 vs CP=1", tp, torch.float32,
+                                              reference.rel_err(got_dx, want_dx))
             assert err < 1e-5, (name, rank, "dX", err)
             dw_sum[tp_rank] += got_dw  # Megatron sums parameter gradients over the CP group
         for tp_rank in range(tp):
             want_dw = dw[tp_rank * V_LOCAL:(tp_rank + 1) * V_LOCAL]
-            err = reference.record("linear_grpo CP=2 dW", tp, torch.float32, reference.rel_err(dw_sum[tp_rank], want_dw))
+            err = reference.record_difference("linear_grpo_loss dW, CP=2 vs CP=1", tp, torch.float32,
+                                              reference.rel_err(dw_sum[tp_rank], want_dw))
             assert err < 1e-5, (name, tp_rank, "dW", err)

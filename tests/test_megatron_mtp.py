@@ -188,6 +188,9 @@ def _mtp_runs(chunks, gpt, counter, setup: Setup, kinds):
             fused = mode == "fused"
             if fused:
                 install_fused_output_layer(chunks, fused_config)
+            # switched on after building (Megatron's own layers would need its CUDA extension): the
+            # fused output layer and MTP heads add dW straight into main_grad
+            unwrap_model(chunks[0]).config.gradient_accumulation_fusion = setup.grad_acc_fusion and fused
             capture = MainLogits(gpt) if last and not fused and kind != "labels" else None
             forward = model_call(kind, fused, capture)
             MTPLossLoggingHelper.tracker.clear()
@@ -235,6 +238,10 @@ MTP_CASES = [
     (Setup(pp=2, tied=True, mtp_layers=1, per_token_loss=False), ("labels", "grpo")),
     (Setup(tp=2, pp=2, tied=True, sp=True, mtp_layers=2), ("labels",)),
     (Setup(tp=2, sp=True, mtp_layers=1, bf16=True), ("labels", "sft")),
+    # Megatron's default loss scaling (calculate_per_token_loss off: the MTP heads' loss scale is set
+    # by the schedule after their forward) with gradient-accumulation fusion, bf16
+    (Setup(tp=2, pp=2, mtp_layers=1, bf16=True, grad_acc_fusion=True, per_token_loss=False),
+     ("labels", "sft", "grpo")),
     (Setup(tied=True, mtp_layers=2, mtp_detach_heads=True), ("labels",)),
 ]
 

@@ -31,7 +31,8 @@ from megatron_fused_ce.megatron import (
 
 ATOL = 1e-5
 FUSED = FusedCEConfig(enabled=True, chunk_size=8)
-SAMPLERS = [dict(top_p=0.9, return_topk=5), dict(top_k=7, min_p=0.9), dict(top_k=40, top_p=0.95)]
+SAMPLERS = [dict(top_p=0.9, return_topk=5), dict(top_k=7, min_p=0.9), dict(top_k=40, top_p=0.95),
+            dict(top_k=-1, min_p=1.0)]  # vLLM's spellings: top_k -1 = off, min_p 1 = ties with the max
 
 
 def postprocess_worker(rank, world, setup: Setup, temperature: float):
@@ -97,12 +98,16 @@ def test_post_processor_matches_dense_reference(setup, temperature):
 
 
 def test_post_processor_rejects_bad_settings():
-    for kwargs, name in ((dict(top_k=0), "top_k"), (dict(top_p=1.2), "top_p"), (dict(min_p=1.0), "min_p"),
-                         (dict(return_topk=-2), "return_topk")):
+    for kwargs, name in ((dict(top_k=-2), "top_k"), (dict(top_p=1.2), "top_p"), (dict(min_p=1.5), "min_p"),
+                         (dict(min_p=float("nan")), "min_p"), (dict(return_topk=-2), "return_topk")):
         with pytest.raises(ValueError, match=name):
             LogprobsPostProcessor(FUSED, **kwargs)
-    assert not LogprobsPostProcessor(FUSED, top_p=1.0, min_p=0.0).filters
+    # the engine's settings as vLLM reads them: top_k 0 / -1 are off, min_p = 1 is a filter
+    for off in (dict(top_p=1.0, min_p=0.0), dict(top_k=0), dict(top_k=-1, top_p=1.0),
+                dict(top_k=TRUE_VOCAB)):
+        assert not LogprobsPostProcessor(FUSED, vocab_size=TRUE_VOCAB, **off).filters, off
     assert LogprobsPostProcessor(FUSED, top_k=3).filters
+    assert LogprobsPostProcessor(FUSED, top_k=0, min_p=1.0).filters
 
 
 # ------------------------------------------------------------------------------------------------

@@ -264,7 +264,8 @@ def test_largest_intermediate_is_one_chunk(fn):
         else:
             linear_cross_entropy(h, w, y, chunk_size=chunk, label_smoothing=0.1).backward()
     fraction = mode.largest / (n * v_local)
-    reference.record_memory(f"linear_{fn} (chunk {chunk} of {n} rows)", fraction)
+    reference.record_memory(f"linear_{fn} (chunk {chunk} of {n} rows): largest tensor / dense [N, V] logits",
+                            fraction)
     # one chunk of logits: chunk / n = 1/16 of the dense [N, V_local] tensor
     assert mode.largest <= chunk * v_local, (mode.largest, chunk * v_local)
 

@@ -285,7 +285,7 @@ def check_entropy_precision(case, results, what):
         for i, name in enumerate(("logprobs", "entropy", "dX", "dW")):
             sl = slice(rank * v, (rank + 1) * v) if name == "dW" else slice(None)
             err, plain_err = _rel(ours[i], ref[i][sl]), _rel(plain[i][sl], ref[i][sl])
-            reference.record(f"{what} {name} / plain fp32", len(results), torch.float32, err / plain_err)
+            reference.record_error_ratio(f"{what} {name}", len(results), torch.float32, err / plain_err)
             assert err <= 2 * plain_err + 1e-7, f"rank {rank} {name}: {err:.2e} vs plain fp32 {plain_err:.2e}"
 
 

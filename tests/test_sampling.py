@@ -113,7 +113,12 @@ def _reference(case, params):
     return out
 
 
-def check(case, params, results, what="sampled"):
+def check(case, params, results, what="sampled", record=True):
+    """The results of every rank against the float64 reference; `record`: add the errors to the
+    summary table under `what` (not for runs through a stand-in of a backend)."""
+    def recorded(name, err):
+        return reference.record(f"{what} {name}", tp, dtype, err) if record else err
+
     ref = _reference(case, params)
     tp, dtype, v_local, tol = case["tp"], case["dtype"], case["v_local"], TOL[case["dtype"]]
     labelled = case["labels"] != -100
@@ -132,7 +137,7 @@ def check(case, params, results, what="sampled"):
         for name, out, want in (("lp", got["lp"][ref_finite], ref["lp"][ref_finite]),
                                 ("entropy", got["ent"], ref["ent"]), ("dX", got["dx"], dx_ref),
                                 ("dW", got["dw"], dw_ref)):
-            err = reference.record(f"{what} {name}", tp, dtype, reference.rel_err(out, want))
+            err = recorded(name, reference.rel_err(out, want))
             assert err <= tol, f"rank {rank} {params} {name}: rel err {err:.2e} > {tol:.0e}"
         assert torch.all(got["dw"][max(case["vocab"] - rank * v_local, 0):] == 0)  # padding rows
         if params.get("return_topk"):
@@ -141,7 +146,7 @@ def check(case, params, results, what="sampled"):
             assert torch.equal(got["topk_ids"][labelled], ref["topk_ids"][labelled])
             assert torch.all(got["topk_ids"][~labelled] == -1) and torch.all(got["topk_lp"][~labelled] == 0)
             err = reference.rel_err(got["topk_lp"][labelled], ref["topk_lp"][labelled])
-            assert reference.record(f"{what} topk_lp", tp, dtype, err) <= tol
+            assert recorded("topk_lp", err) <= tol
         else:
             assert got["topk_lp"] is None and got["topk_ids"] is None
     for got in results[1:]:  # identical on every rank
@@ -160,6 +165,28 @@ def test_matches_dense_reference(tp, dtype, ints):
     case = make_case(_seed(tp, str(dtype), ints), tp, dtype=dtype, ints=ints)
     for params, results in zip(PARAMS, zip(*run_workers(_params_worker, tp, case, PARAMS))):
         check(case, params, results)
+
+
+# vLLM's SamplingParams spellings: top_k 0 / -1 = off, min_p = 1 keeps the tokens tied with the max
+ENGINE_PARAMS = [
+    dict(min_p=1.0),
+    dict(top_k=-1, top_p=0.8),
+    dict(top_k=0, min_p=0.1, return_topk=3),
+    dict(top_k=-1, top_p=0.9, min_p=1.0),
+]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("dtype,ints", [(torch.float32, False), (torch.float32, True)], ids=["fp32", "fp32-ties"])
+def test_engine_settings_match_dense_reference(tp, dtype, ints):
+    """The settings as vLLM reads them, against the float64 reference: "ties" rows hold several
+    tokens tied with the max, all of which min_p=1 keeps."""
+    case = make_case(_seed("engine", tp, ints), tp, dtype=dtype, ints=ints)
+    if ints:  # the case exercises ties with the max
+        z = _dense_z(case["hidden"], case["weight"], case["vocab"], case["T"])
+        assert ((z == z.max(dim=1, keepdim=True).values).sum(dim=1) > 1).any()
+    for params, results in zip(ENGINE_PARAMS, zip(*run_workers(_params_worker, tp, case, ENGINE_PARAMS))):
+        check(case, params, results, what="sampled (engine settings)")
 
 
 def test_sequence_parallel_and_all_ignored_chunks():
@@ -210,8 +237,10 @@ def _identity_worker(rank, world, case):
     plain = _run(rank, world, case, {})
     noop = _run(rank, world, case, dict(top_k=case["vocab"], top_p=1.0, min_p=0.0))
     noop_none = _run(rank, world, case, dict(top_k=None, top_p=None, min_p=None, return_topk=0))
+    noop_engine = _run(rank, world, case, dict(top_k=0, top_p=1.0, min_p=0.0))  # vLLM's defaults
+    noop_minus_one = _run(rank, world, case, dict(top_k=-1))
     topk_only = _run(rank, world, case, dict(return_topk=5))
-    return plain, noop, noop_none, topk_only
+    return plain, noop, noop_none, noop_engine, noop_minus_one, topk_only
 
 
 @pytest.mark.parametrize("tp", [1, 4])
@@ -222,7 +251,7 @@ def test_no_filter_is_todays_result_bit_for_bit(tp):
         for other in others:
             for key in ("lp", "ent", "dx", "dw"):
                 assert torch.equal(plain[key], other[key]), key
-    check(case, dict(return_topk=5), [r[3] for r in results], what="topk-only")
+    check(case, dict(return_topk=5), [r[-1] for r in results], what="topk-only")
 
 
 def test_no_grad_matches_grad_path():
@@ -295,19 +324,24 @@ def test_largest_intermediate_is_one_chunk(forced_search, monkeypatch):
         out = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True, top_k=40, top_p=0.9,
                               min_p=0.001, return_topk=20)
         (torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0).sum() + out.entropy.sum()).backward()
-    reference.ERRORS[(f"largest/NV sampled{' searched' if forced_search else ''}", 1, "float32")] = \
-        mode.largest / (n * v_local)
+    reference.record_memory(f"linear_logprobs top_k/top_p/min_p/return_topk"
+                            f"{', exact searches' if forced_search else ''} (chunk {chunk} of {n} rows): "
+                            f"largest tensor / dense [N, V] logits", mode.largest / (n * v_local))
     assert mode.largest <= chunk * v_local, (mode.largest, chunk * v_local)
 
 
 # ---------------------------------------------------------------- bad input
-BAD = {
-    "top_k_zero": (dict(top_k=0), "top_k"),
+BAD = {  # values no engine accepts (vLLM: top_k >= -1, top_p in (0, 1], min_p in [0, 1])
+    "top_k_minus_two": (dict(top_k=-2), "top_k"),
     "top_k_float": (dict(top_k=2.0), "top_k"),
+    "top_k_bool": (dict(top_k=True), "top_k"),
     "top_p_zero": (dict(top_p=0.0), "top_p"),
     "top_p_above_one": (dict(top_p=1.5), "top_p"),
-    "min_p_one": (dict(min_p=1.0), "min_p"),
+    "top_p_nan": (dict(top_p=float("nan")), "top_p"),
+    "min_p_above_one": (dict(min_p=1.5), "min_p"),
     "min_p_negative": (dict(min_p=-0.1), "min_p"),
+    "min_p_nan": (dict(min_p=float("nan")), "min_p"),
+    "min_p_inf": (dict(min_p=float("inf")), "min_p"),
     "return_topk_larger_than_vocab": (dict(return_topk=21), "return_topk"),
     "return_topk_negative": (dict(return_topk=-1), "return_topk"),
     "top_p_on_rank1_only": ("rank1", "top_p"),
@@ -337,21 +371,54 @@ def test_bad_sampler_arguments_raise_on_every_rank(name):
         assert BAD[name][1] in msg, f"rank {rank}: {msg!r} does not name {BAD[name][1]}"
 
 
-def _off_spelled_differently_worker(rank, world):
+def _off_spelled_differently_worker(rank, world, spellings):
     torch.manual_seed(0)
     h, w, y = torch.randn(6, 8), torch.randn(10, 8), torch.randint(0, 20, (6,))
-    off = dict(top_p=None, min_p=0.0) if rank == 0 else dict(top_p=1.0, min_p=None)
-    got = linear_logprobs(h, w, y, tp_group=dist.group.WORLD, **off).logprobs
+    got = linear_logprobs(h, w, y, tp_group=dist.group.WORLD, **spellings[rank]).logprobs
     return torch.equal(got, linear_logprobs(h, w, y, tp_group=dist.group.WORLD).logprobs)
 
 
-def test_filters_that_are_off_agree_however_spelled():
-    """top_p=None and top_p=1.0 (min_p=None and 0.0) are the same setting: no rank raises."""
-    assert run_workers(_off_spelled_differently_worker, 2, timeout=20) == [True, True]
+@pytest.mark.parametrize("spellings", [
+    (dict(top_p=None, min_p=0.0), dict(top_p=1.0, min_p=None)),
+    (dict(top_k=0), dict(top_k=None)),
+    (dict(top_k=-1), dict(top_k=0)),
+    (dict(top_k=20, top_p=1), dict(top_k=-1)),  # top_k >= the vocab (20) keeps everything too
+], ids=["top_p_min_p", "top_k_0_none", "top_k_-1_0", "top_k_vocab_-1"])
+def test_filters_that_are_off_agree_however_spelled(spellings):
+    """top_p=None and top_p=1.0, min_p=None and 0.0, top_k None / 0 / -1 / >= vocab are the same
+    setting: no rank raises, and the result is the unfiltered one."""
+    assert run_workers(_off_spelled_differently_worker, 2, spellings, timeout=20) == [True, True]
+
+
+def _filter_on_one_rank_worker(rank, world, spellings):
+    torch.manual_seed(0)
+    h, w, y = torch.randn(6, 8), torch.randn(10, 8), torch.randint(0, 20, (6,))
+    try:
+        linear_logprobs(h, w, y, tp_group=dist.group.WORLD, **spellings[rank])
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("spellings,name", [
+    ((dict(top_k=0), dict(top_k=1)), "top_k"),
+    ((dict(min_p=1.0), dict(min_p=None)), "min_p"),
+], ids=["top_k_off_vs_1", "min_p_1_vs_off"])
+def test_a_filter_on_one_rank_only_raises_on_every_rank(spellings, name):
+    """Compared by effect, not leniently: top_k=0 (off) and top_k=1 differ, min_p=1 is a filter."""
+    for rank, msg in enumerate(run_workers(_filter_on_one_rank_worker, 2, spellings, timeout=20)):
+        assert msg is not None and name in msg, (rank, msg)
 
 
 # ---------------------------------------------------------------- exact semantics, by hand
 LN2 = 0.6931471805599453
+_F32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+_BELOW_3 = torch.nextafter(_F32(3.0), _F32(float("-inf"))).item()  # fp32 neighbours
+_BELOW_M15 = torch.nextafter(_F32(-1.5), _F32(float("-inf"))).item()
+_ABOVE_M15 = torch.nextafter(_F32(-1.5), _F32(float("inf"))).item()
+_LSE_M15 = math.log(math.exp(0.5) + math.exp(-1.5) + math.exp(_ABOVE_M15))
+_LSE_1220 = math.log(math.e + 2 * math.e**2 + 1.0)
+_LSE_122 = math.log(math.e + 2 * math.e**2)
 # (logits of one row, settings, {label: expected log-prob}); every probability is exact in fp32
 EXACT = [
     ([0.0, 0.0, 0.0, 0.0], dict(top_p=0.5), {0: -LN2, 1: -LN2, 2: None}),  # mass before id 2 = 0.5: out
@@ -361,6 +428,16 @@ EXACT = [
                                            2: 1.0 - math.log(math.e**2 + 2 * math.e), 3: None}),  # k-th kept
     ([2 * LN2, LN2, 0.0, 0.0], dict(min_p=0.5), {0: math.log(4 / 6), 1: math.log(2 / 6), 2: None}),
     ([3.0, 3.0, 2.0, 1.0], dict(min_p=math.exp(-1.5), top_k=3, top_p=0.7), {1: -LN2, 2: None, 3: None}),
+    # min_p = 1: the tokens tied with the max (here on both ranks at TP=2), not one an ulp below it
+    ([3.0, _BELOW_3, 3.0, 1.0], dict(min_p=1.0), {0: -LN2, 2: -LN2, 1: None, 3: None}),
+    ([_BELOW_3, 3.0, 1.0, 1.0], dict(min_p=1.0, top_k=-1, top_p=0.5), {1: 0.0, 0: None, 2: None}),
+    # the min_p boundary, decided on fp32 logits: keep z >= M + fl32(log(min_p)) = 0.5 - 2 = -1.5
+    # exactly (log(exp(-2)) rounds to -2 in fp32): the token at -1.5 is kept, one an ulp below not
+    ([0.5, -1.5, _BELOW_M15, _ABOVE_M15], dict(min_p=math.exp(-2.0)),
+     {0: 0.5 - _LSE_M15, 1: -1.5 - _LSE_M15, 3: _ABOVE_M15 - _LSE_M15, 2: None}),
+    # top_k 0 and -1: off (vLLM's spellings), with and without another filter
+    ([1.0, 2.0, 2.0, 0.0], dict(top_k=0), {0: 1.0 - _LSE_1220, 3: -_LSE_1220}),
+    ([1.0, 2.0, 2.0, 0.0], dict(top_k=-1, min_p=math.exp(-1.5)), {0: 1.0 - _LSE_122, 1: 2.0 - _LSE_122, 3: None}),
 ]
 
 
@@ -379,7 +456,9 @@ def _exact_worker(rank, world, candidates):
 @pytest.mark.parametrize("tp,candidates", [(1, 128), (2, 128), (2, 1)], ids=["tp1", "tp2", "tp2-searched"])
 def test_exact_semantics_by_hand(tp, candidates):
     """vLLM's rules at their boundaries: a token whose preceding mass equals top_p is dropped,
-    every token tied with the k-th is kept, p == min_p * p_max is kept, ties cut by lower id."""
+    every token tied with the k-th is kept, p == min_p * p_max is kept, ties cut by lower id;
+    min_p's boundary is decided on fp32 logits (z >= M + log(min_p), both rounded to fp32):
+    min_p = 1 keeps exactly the ties with the max; top_k 0 / -1 are off."""
     for results in run_workers(_exact_worker, tp, candidates):
         for (row, params, expected), lp in zip(EXACT, results):
             for (label, want), got in zip(expected.items(), lp.tolist()):

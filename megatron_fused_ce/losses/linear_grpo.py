@@ -72,6 +72,7 @@ def linear_grpo_loss(
     memory_mode: str = "fast",
     logits_dtype: Optional[torch.dtype] = None,
     max_chunk_bytes: Optional[int] = None,
+    expected_upstream_grad: Optional[float] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO loss and metrics from hidden states (see the module doc and `grpo_loss`).
 
@@ -83,6 +84,9 @@ def linear_grpo_loss(
     Argument errors raise the same ValueError on every rank of `tp_group` and `cp_group`.
     `memory_mode`: "fast" or "lean"; `logits_dtype`: None or torch.float32; `max_chunk_bytes`: the
     bound of a chunk of logits without `chunk_size` (see `linear_logprobs`).
+    `expected_upstream_grad`: the gradient the loss will receive, if known at forward time; with
+    `accumulate_into_main_grad` dW then goes into main_grad in the forward with no fp32 buffer (see
+    `linear_cross_entropy`).
     """
     sequence_first = bool(sequence_parallel)
     needs_grad = torch.is_grad_enabled() and any(
@@ -156,7 +160,7 @@ def linear_grpo_loss(
     must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)
     stats = token_statistics("linear_grpo_loss", hidden, weight, labels, **op_kwargs,
                              want_sum_logits=False, want_entropy=False, token_grads=token_grads,
-                             must_agree=must_agree)
+                             must_agree=must_agree, expected_upstream_grad=expected_upstream_grad)
     with torch.no_grad():
         logprobs = to_batch_layout(stats.to_full(stats.logprob()))
         loss, metrics = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs, cp_group=cp_group)

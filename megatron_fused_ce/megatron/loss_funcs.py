@@ -51,6 +51,14 @@ the average over CP ranks of `CP · loss_sum_r / count` has the gradient of `L /
 Bad input under CP raises the same ValueError on every CP (and TP) rank before any collective of
 the loss func: different numbers of sequences, or a mask / per-token input that is not sliced like
 the labels and the model output.
+
+The gradient Megatron sends into `loss_sum`, g, is known when the loss func runs: the optimizer's
+loss scale (`config.grad_scale_func`; 1 in bf16), divided, under `calculate_per_token_loss=False`,
+by the count and the number of micro-batches (times CP, see above). The loss funcs pass it to the
+gradients-in-forward losses as `expected_upstream_grad`, so that under gradient-accumulation fusion
+the forward adds g x dW straight into `main_grad` with no buffer of its own; under
+`calculate_per_token_loss=False` that needs the factories' `num_microbatches` (the one the schedule
+is called with). Without it the op keeps dW in an fp32 buffer until the backward: exact either way.
 """
 
 from __future__ import annotations
@@ -167,11 +175,42 @@ class _ContextParallel:
         with torch.no_grad():
             return sum_over_cp({"value": value.float()}, self.group)["value"]
 
-    def for_megatron(self, loss_sum: Tensor, count: Tensor):
-        """`(loss_sum, count)` as the schedule needs them (`calculate_per_token_loss=False`: module doc)."""
-        if self.group is None or _per_token_loss(self.model):
-            return loss_sum, count
-        return loss_sum * self.size, torch.round(self.sum(count)).to(count.dtype)
+    def _cp_scaled(self) -> bool:
+        return self.group is not None and not _per_token_loss(self.model)
+
+    def megatron_count(self, count: Tensor) -> Tensor:
+        """The count returned to the schedule (`calculate_per_token_loss=False`: module doc)."""
+        return torch.round(self.sum(count)).to(count.dtype) if self._cp_scaled() else count
+
+    def for_megatron(self, loss_sum: Tensor, count: Tensor, megatron_count: Optional[Tensor] = None):
+        """`(loss_sum, count)` as the schedule needs them (`calculate_per_token_loss=False`: module
+        doc); `megatron_count`: megatron_count(count), if already known."""
+        if megatron_count is None:
+            megatron_count = self.megatron_count(count)
+        return (loss_sum * self.size if self._cp_scaled() else loss_sum), megatron_count
+
+    def upstream_grad(self, megatron_count: Tensor, num_microbatches: Optional[int],
+                      inputs: dict) -> Optional[float]:
+        """The gradient Megatron's schedule sends into this micro-batch's `loss_sum` (before
+        for_megatron's CP factor), in the order of its fp32 operations, or None when unknown
+        (calculate_per_token_loss=False without `num_microbatches`). Computed only where the op
+        uses it (gradients into main_grad: it costs a host sync)."""
+        if not inputs.get("accumulate_into_main_grad"):
+            return None
+        config = unwrap_model(self.model).config
+        device = megatron_count.device
+        grad_scale_func = getattr(config, "grad_scale_func", None)
+        # backward_step multiplies the loss by grad_scale_func's loss scale (1 in bf16)
+        g = (grad_scale_func(torch.ones(1, device=device)).reshape(()).float() if grad_scale_func is not None
+             else torch.ones((), device=device))
+        if not _per_token_loss(self.model):
+            if num_microbatches is None:
+                return None
+            # forward_step: loss_sum /= clamp(count, 1); loss_sum /= num_microbatches
+            g = g / num_microbatches / torch.clamp(megatron_count, min=1)
+            if self._cp_scaled():
+                g = g * self.size
+        return float(g)
 
 
 def _per_token_loss(model) -> bool:
@@ -186,11 +225,14 @@ def _per_token_loss(model) -> bool:
 # ------------------------------------------------------------------------------------------------
 def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module, labels: Tensor,
                   loss_mask: Tensor, *, cu_seqlens: Optional[Tensor] = None,
-                  cu_seqlens_padded: Optional[Tensor] = None) -> LossFunc:
+                  cu_seqlens_padded: Optional[Tensor] = None,
+                  num_microbatches: Optional[int] = None) -> LossFunc:
     """Token-level NLL: `loss_sum = -Σ m·lp`, count = loss tokens; metric `"lm loss"`.
 
     Packed sequences: `cu_seqlens` (and `cu_seqlens_padded` for THD with padding) as for the
-    post-processor; under CP, the labels and mask are this rank's slice of the packed row."""
+    post-processor; under CP, the labels and mask are this rank's slice of the packed row.
+    `num_microbatches`: the schedule's, for the upstream gradient under
+    `calculate_per_token_loss=False` (module doc)."""
     packing = dict(cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
 
     def loss_func(output_tensor: Tensor):
@@ -200,18 +242,22 @@ def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
         count = _count(mask)
         inputs = None if getattr(post_processor, "filters", False) else \
             post_processor.fused_inputs(output_tensor, model, labels, **packing)
+        megatron_count = None
         if inputs is not None and bool(((mask == 0) | (mask == 1)).all()):
             # Σ over loss tokens of -log p(label) = the summed cross-entropy of those tokens.
             keep = _in_label_layout(mask, inputs) != 0
             inputs["labels"] = torch.where(keep, inputs["labels"], post_processor.ignore_index)
-            loss_sum = run_in_output_layer(model, linear_cross_entropy, **inputs, reduction="sum")
+            megatron_count = cp.megatron_count(count)
+            loss_sum = run_in_output_layer(model, linear_cross_entropy, **inputs, reduction="sum",
+                                           expected_upstream_grad=cp.upstream_grad(
+                                               megatron_count, num_microbatches, inputs))
         else:
             lp = post_processor(output_tensor, model, labels, **packing).logprobs
             loss_sum, _ = nll_loss(lp, mask, normalizer=1)
             count = _count(_without_excluded(mask, lp))
         # token-level: this CP rank's partial sum and count (they add up over CP)
         metrics = _pairs({}, count, {"lm loss": loss_sum})
-        return (*cp.for_megatron(loss_sum, count), metrics)
+        return (*cp.for_megatron(loss_sum, count, megatron_count), metrics)
 
     return loss_func
 
@@ -281,7 +327,8 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
                    loss_mask: Tensor, advantages: Tensor, config: GRPOConfig, *,
                    old_logprobs: Optional[Tensor] = None,
                    reference_logprobs: Optional[Tensor] = None,
-                   sampling_logprobs: Optional[Tensor] = None) -> LossFunc:
+                   sampling_logprobs: Optional[Tensor] = None,
+                   num_microbatches: Optional[int] = None) -> LossFunc:
     """GRPO-family loss (`megatron_fused_ce.losses.grpo_loss`) on one micro-batch of rollouts.
 
     `loss_mask` is the loss mask × tool mask over the `[B, s]` rollout rows (0 on prompt, padding
@@ -296,6 +343,8 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
     old-policy pass): the log-probs are then those of the distribution the engine sampled from, a
     token outside the trainer's kept set gets -inf and is excluded (`num_excluded_tokens`) and
     left out of the count. This takes the log-probs path (no gradients in the forward pass).
+    `num_microbatches`: the schedule's, for the upstream gradient under
+    `calculate_per_token_loss=False` (module doc).
     """
     if config.needs_reference_logprobs and reference_logprobs is None:
         raise ValueError(f"reference_logprobs are required when beta > 0 (beta={config.beta})")
@@ -311,29 +360,35 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
                       cp_group=cp.group)
         inputs = None if post_processor.return_entropy or getattr(post_processor, "filters", False) else \
             post_processor.fused_inputs(output_tensor, model, labels)
-        policy_logprobs = None
+        old = None if config.force_on_policy_ratio else old_logprobs
+
+        def megatron_count(policy_logprobs):
+            """The tokens (sequences) that reach the loss, excluded ones left out."""
+            counted = _without_excluded(mask, policy_logprobs, old, sampling_logprobs)
+            if config.normalizer_unit == "sequences" and (config.count_empty_sequences
+                                                          or not config.per_sequence_mean):
+                count = cp.once(torch.tensor(counted.shape[0], dtype=torch.int, device=counted.device))
+            elif config.normalizer_unit == "sequences":  # sequences with a loss token (on any CP rank)
+                count = cp.once((cp.sum((counted != 0).sum(-1)) > 0).sum().to(torch.int))
+            else:  # this rank's loss tokens
+                count = _count(counted)
+            return count, cp.megatron_count(count)
+
         # the loss of the whole sequences on every CP rank (sequence terms summed over CP)
-        if inputs is not None:
-            loss, metrics = run_in_output_layer(model, linear_grpo_loss, advantages=advantages,
-                                                mask=mask, config=config, **inputs, **kwargs)
+        if inputs is not None:  # the policy's own log-probs exclude nothing: the count is known now
+            count, count_for_megatron = megatron_count(None)
+            loss, metrics = run_in_output_layer(
+                model, linear_grpo_loss, advantages=advantages, mask=mask, config=config, **inputs, **kwargs,
+                expected_upstream_grad=cp.upstream_grad(count_for_megatron, num_microbatches, inputs))
         else:
             out = post_processor(output_tensor, model, labels)
-            policy_logprobs = out.logprobs
             loss, metrics = grpo_loss(out.logprobs, advantages, mask, config, **kwargs,
                                       entropy=out.entropy)
-        # Megatron's count: the tokens (sequences) that reach the loss, excluded ones left out
-        old = None if config.force_on_policy_ratio else old_logprobs
-        mask = _without_excluded(mask, policy_logprobs, old, sampling_logprobs)
-        if config.normalizer_unit == "sequences" and (config.count_empty_sequences or not config.per_sequence_mean):
-            count = cp.once(torch.tensor(mask.shape[0], dtype=torch.int, device=mask.device))
-        elif config.normalizer_unit == "sequences":  # sequences with a loss token (on any CP rank)
-            count = cp.once((cp.sum((mask != 0).sum(-1)) > 0).sum().to(torch.int))
-        else:  # this rank's loss tokens
-            count = _count(mask)
+            count, count_for_megatron = megatron_count(out.logprobs)
         # loss, pg_loss, kl and num_excluded_tokens are sums here (normalizer=1); the rest are means.
         loss_sum = cp.share(loss)
         sums = {name: cp.once(metrics[name]) for name in ("pg_loss", "kl", "num_excluded_tokens")}
         metrics = _pairs(metrics, count, {"loss": loss_sum, **sums})
-        return (*cp.for_megatron(loss_sum, count), metrics)
+        return (*cp.for_megatron(loss_sum, count, count_for_megatron), metrics)
 
     return loss_func

@@ -137,7 +137,8 @@ class LogprobsPostProcessor:
         top_k, top_p, min_p: the rollouts' sampler settings (vLLM semantics, see
             `linear_logprobs`): log-probs of the truncated, renormalized distribution; a token
             outside it gets -inf (the losses exclude and count those). None / top_p=1 / min_p=0
-            = off.
+            / top_k 0 or -1 = off; min_p=1 keeps the tokens tied with the most likely one (the
+            ranges vLLM's `SamplingParams` accepts, so the engine's settings pass through).
         return_topk: also return `topk_logprobs` / `topk_ids` `[b, s, k]` (full softmax).
         cp_group: the context-parallel group. Default: the model's (megatron's `pg_collection.cp`,
             else `parallel_state`'s); a group of one rank means no context parallelism.
@@ -181,8 +182,7 @@ class LogprobsPostProcessor:
     @property
     def filters(self) -> bool:
         """Whether a sampler filter may drop tokens (log-probs can then be -inf)."""
-        return ((self.top_k is not None) or (self.top_p is not None and self.top_p < 1.0)
-                or bool(self.min_p))
+        return sampling.filters_on(self.top_k, self.top_p, self.min_p, self.vocab_size)
 
     def tensor_parallel_group(self, model: torch.nn.Module):
         """The model's tensor-parallel group (the vocab shards)."""
@@ -409,7 +409,7 @@ def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, i
     agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
     agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
     agreement.equal("return_entropy", bool(return_entropy))
-    for name, value in sampling.agreed_values(sampler, problems).items():  # they decide the collectives
+    for name, value in sampling.agreed_values(sampler, problems, true_vocab).items():  # they decide the collectives
         agreement.equal(name, value)
     agreement.agree(lambda agreed: [
         f"labels: labels outside [0, vocab_size={true_vocab}) that are not ignore_index="

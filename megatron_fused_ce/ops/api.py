@@ -348,6 +348,24 @@ def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, logits
     return rows
 
 
+def expected_upstream_grad_problem(value) -> Optional[str]:
+    """The check of `expected_upstream_grad` (None when it passes): None, or a finite number != 0.
+
+    Where the loss's gradient is made in the forward pass and its weight gradient goes into
+    Megatron's main_grad, the forward adds expected_upstream_grad x dW there (no buffer of the op's
+    own), and the backward checks that the gradient it receives is that value (else main_grad is
+    poisoned: chunked.check_upstream_grad). Without it dW waits in an fp32 buffer for the backward.
+    Elsewhere it changes nothing: every other path applies the upstream gradient in the backward."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        return ("expected_upstream_grad must be a Python number (the value is needed on the host "
+                "before the first GEMM), got a tensor")
+    if not finite_real(value) or value == 0:
+        return f"expected_upstream_grad must be None or a finite number other than 0, got {value!r}"
+    return None
+
+
 def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_max, log_sum_exp,
                              row_index) -> Tensor:
     """Recompute path for a loss with known per-token gradients (fp16): a zero scalar whose
@@ -369,7 +387,8 @@ def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
                      chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
                      want_entropy, logits_dtype=None, memory_mode="fast", max_chunk_bytes=None,
-                     extra_checks=None, must_agree=None, token_grads=None, sampler=None) -> TokenStats:
+                     extra_checks=None, must_agree=None, token_grads=None, sampler=None,
+                     expected_upstream_grad=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
@@ -378,6 +397,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
     returned statistics are then plain values and `anchor` carries the gradient. fp16 inputs keep
     that contract on the recompute path (see LinearLossGradInForward on why).
+    `expected_upstream_grad`: the gradient the anchor will receive, when the caller knows it at
+    forward time (see check_expected_upstream_grad).
     `logits_dtype`: None (the input dtype, like Megatron's output layer) or torch.float32.
     `memory_mode`: "fast" (chunks of logits, `chunk_size`) or "lean" (tiles, lean.py; `chunk_size`
     is not used).
@@ -399,6 +420,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                        and adds_into_main_grad(weight_param, accumulate_into_main_grad) else None)
     extra_checks = dict(extra_checks or {})
     extra_checks["main_grad"] = unpaired_forward_error(main_grad_param) if needs_grad else None
+    extra_checks["expected_upstream_grad"] = expected_upstream_grad_problem(expected_upstream_grad)
+    if not extra_checks["expected_upstream_grad"] and expected_upstream_grad is not None:
+        must_agree = {**(must_agree or {}), "expected_upstream_grad": float(expected_upstream_grad)}
     agreed = _check_arguments(
         fn_name, hidden, weight, labels, tp_group, vocab_size=vocab_size, temperature=temperature,
         chunk_size=chunk_size, sequence_parallel=sequence_parallel, impl=impl,
@@ -470,7 +494,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
-                hidden2d, weight, row_index, local_target, spec, token_grads)
+                hidden2d, weight, row_index, local_target, spec, token_grads,
+                None if expected_upstream_grad is None else float(expected_upstream_grad))
         elif needs_grad:
             target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearSoftmaxStats.apply(
                 hidden2d, weight, row_index, local_target, spec)
@@ -541,19 +566,23 @@ def linear_logprobs(
 
     Sampler fidelity (vLLM V1's sampler; sampling.py cites the functions). With z = logits / T over
     the unpadded vocab, per token row:
-      1. `min_p` in [0, 1): drop tokens with p_k < min_p * max_j p_j (p = softmax(z)), i.e. keep
-         z_k >= max(z) + log(min_p);
+      1. `min_p` in [0, 1]: drop tokens with p_k < min_p * max_j p_j (p = softmax(z)), i.e. keep
+         z_k >= max(z) + log(min_p). The logits decide, not probabilities: z_k >= M + log(min_p)
+         in fp32 (M the row max, log(min_p) and the sum rounded to fp32), which differs from
+         vLLM's fp32 comparison of probabilities only for tokens within a rounding of the
+         boundary; min_p=1 keeps exactly the tokens whose z equals M;
       2. `top_k` >= 1: keep tokens with z_k >= the k-th largest remaining z (every token tied
-         with the k-th is kept);
+         with the k-th is kept); 0 and -1 are off (vLLM's spellings);
       3. `top_p` in (0, 1]: renormalize what is left and keep the smallest prefix of it, in the
          order z descending then global id ascending, whose mass is >= top_p: a token is kept iff
          the renormalized mass ranked strictly before it is < top_p (the first token always is);
       4. renormalize over the kept set K: logprobs = z_y - logsumexp_K(z) if y is in K, else
          -inf with no gradient. Gradients are exact on K (K itself is piecewise constant).
          `return_entropy` then gives the entropy of this renormalized distribution.
-    None (or top_p=1, min_p=0, top_k >= vocab) skips a filter; with none left the result is
+    None (or top_p=1, min_p=0, top_k 0 / -1 / >= vocab) skips a filter; with none left the result is
     today's, bit for bit. vLLM orders exactly tied z arbitrarily at the top_p cut; here the
-    lower id comes first. The settings must be the same on every TP rank (checked).
+    lower id comes first. The settings must have the same effect on every TP rank (checked:
+    top_k None / 0 / -1 agree, as do top_p None / 1 and min_p None / 0).
     `return_topk=k` (0 = off): `LogprobsOutput.topk_logprobs` / `.topk_ids`, labels.shape + (k,):
     log-probs under the full softmax(z) (not the filtered one) of the k most likely global ids,
     descending, ties by lower id, never a padded column; identical on every TP rank; no gradient.
@@ -568,7 +597,7 @@ def linear_logprobs(
         if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
     sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
     problems = sampling.sampler_problems(top_k, top_p, min_p, return_topk, true_vocab)
-    active = sampling.agreed_values(sampler, problems)
+    active = sampling.agreed_values(sampler, problems, true_vocab)
     # the sampler's statistics have their own chunk loop (sampling.py): no lean tiles there
     problems["memory_mode_with_sampler"] = (
         "memory_mode='lean' cannot be combined with top_k / top_p / min_p / return_topk (the "
@@ -604,6 +633,7 @@ def linear_cross_entropy(
     chunk_size: Optional[int] = None, sequence_parallel: bool = False, impl: str = "auto",
     accumulate_into_main_grad: bool = False, logits_dtype: Optional[torch.dtype] = None,
     memory_mode: str = "fast", max_chunk_bytes: Optional[int] = None,
+    expected_upstream_grad: Optional[float] = None,
 ) -> Tensor:
     """F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss, without the logits.
 
@@ -616,6 +646,11 @@ def linear_cross_entropy(
     scale) multiplies the fp32 per-token gradients before anything is rounded to fp16.
     `logits_dtype`, autocast: as in `linear_logprobs`. `memory_mode`: "fast" or "lean", see
     `linear_logprobs`.
+    With `accumulate_into_main_grad` ("mean" / "sum", fast mode) dW is exact whatever the upstream
+    gradient g (loss scaling, Megatron's 1/(tokens x micro-batches)): it waits in an fp32
+    [V_local, H] buffer until the backward adds g x dW to main_grad, or, given
+    `expected_upstream_grad` (g, known at forward time), goes straight into main_grad times g with
+    no buffer; the backward then checks g (see `expected_upstream_grad_problem`).
     """
     extra = {"reduction": None, "label_smoothing": None, "z_loss_weight": None}  # None: passed
     if reduction not in ("mean", "sum", "none"):
@@ -658,7 +693,7 @@ def linear_cross_entropy(
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
         memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=smoothing > 0.0,
         want_entropy=False, extra_checks=extra,
-        must_agree=must_agree, token_grads=token_grads)
+        must_agree=must_agree, token_grads=token_grads, expected_upstream_grad=expected_upstream_grad)
 
     per_token = -stats.logprob()
     if smoothing > 0.0:

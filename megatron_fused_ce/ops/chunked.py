@@ -255,16 +255,18 @@ def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec: Ch
 
 def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
                dw_out: Optional[Tensor], dw_accumulate: bool, scale: float = 1.0,
-               cast_dw_to: Optional[torch.dtype] = None) -> Optional[Tensor]:
+               cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
     """dW per vocab block into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
-    into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha). With `cast_dw_to`
+    into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha; dW's times `dw_scale`
+    too: the upstream gradient of a dW added into main_grad in the forward). With `cast_dw_to`
     (the last of several chunks, `dw_out` their fp32 sum), dW may instead be written in that dtype
     with the sum added by one GEMM (last_weight_grad): returned, else None."""
-    dw_last = None if cast_dw_to is None else last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, scale)
+    dw_alpha = scale * dw_scale
+    dw_last = None if cast_dw_to is None else last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, dw_alpha)
     if dw_out is not None and dw_last is None:
         for start, end in _vocab_blocks(spec, dlogits.shape[1]):
-            matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate, alpha=scale,
-                         cute=spec.cute_gemms)
+            matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate,
+                         alpha=dw_alpha, cute=spec.cute_gemms)
     if dx_out is not None:
         matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
     return dw_last
@@ -275,7 +277,7 @@ PER_ROW = "per_row"  # _one_pass_scale: dlogits = c_i (softmax - one_hot), c_i d
 
 def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
                           dw_out: Optional[Tensor], row_scale: Tensor, dw_accumulate: bool,
-                          cast_dw_to: Optional[torch.dtype] = None) -> Optional[Tensor]:
+                          cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
     """grad_gemms of diag(row_scale) @ dlogits without a pass over the chunk of dlogits: dX of the
     chunk is the fp32 product dlogits @ W times row_scale, rounded once into `dx_out`; dW =
     dlogits.T @ (row_scale * h), the scaled rows rounded once to the input dtype (as each element
@@ -287,7 +289,8 @@ def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: Chun
         return None
     scaled_h = torch.empty_like(h)
     torch.mul(h, scale, out=scaled_h)
-    return grad_gemms(dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate, cast_dw_to=cast_dw_to)
+    return grad_gemms(dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate, cast_dw_to=cast_dw_to,
+                      dw_scale=dw_scale)
 
 
 def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int) -> Optional[torch.dtype]:
@@ -507,22 +510,52 @@ class MainGradSideEffect:
         if main_grad is None:
             return
         try:
-            main_grad.fill_(float("nan"))
-            setattr(self.param, UNPAIRED_FORWARD_ATTR, True)
-            warnings.warn("megatron_fused_ce: " + UNPAIRED_FORWARD_MESSAGE, RuntimeWarning, stacklevel=2)
+            poison_main_grad(self.param, UNPAIRED_FORWARD_MESSAGE)
         except Exception:  # interpreter shutdown: nothing left to protect
             pass
 
 
+def poison_main_grad(param: Tensor, message: str) -> None:
+    """Fill `param.main_grad` with NaN and mark the parameter with `message`: an optimizer step sees
+    NaN, and the next fused call on it raises `message` on every rank (unpaired_forward_error)."""
+    param.main_grad.fill_(float("nan"))
+    setattr(param, UNPAIRED_FORWARD_ATTR, message)
+    warnings.warn("megatron_fused_ce: " + message, RuntimeWarning, stacklevel=3)
+
+
+# g may differ from the expected value by the rounding of how each side computes it (Megatron
+# divides the loss by the token count, then by the number of micro-batches, in fp32): a few ulps.
+EXPECTED_GRAD_RTOL = 2.0 ** -20
+
+UPSTREAM_GRAD_MISMATCH_MESSAGE = (
+    "the upstream gradient of a loss computed with expected_upstream_grad={expected:.7g} was {actual:.7g}. "
+    "With accumulate_into_main_grad the fast path added expected_upstream_grad x dW to main_grad during "
+    "the forward; a different gradient cannot be corrected exactly (the difference of two terms of the "
+    "size of dW keeps nothing of a small gradient), so main_grad was filled with NaN instead. Pass the "
+    "gradient the backward will bring (Megatron's loss funcs: num_microbatches for "
+    "calculate_per_token_loss=False), or leave expected_upstream_grad=None (dW then waits in an fp32 "
+    "buffer for the backward). Zero the gradient buffer (model.zero_grad_buffer()) before the next step")
+
+
+def check_upstream_grad(param: Tensor, actual: float, expected: float) -> None:
+    """The first backward of a forward that added expected·dW into main_grad: poison main_grad
+    unless the upstream gradient is the expected one (up to EXPECTED_GRAD_RTOL)."""
+    if abs(actual - expected) <= EXPECTED_GRAD_RTOL * abs(expected):
+        return
+    poison_main_grad(param, UPSTREAM_GRAD_MISMATCH_MESSAGE.format(expected=expected, actual=actual))
+
+
 def unpaired_forward_error(param: Optional[Tensor]) -> Optional[str]:
-    """The error for a fused call that adds into `param.main_grad` while it still holds NaN from an
-    unpaired forward (see MainGradSideEffect); None, and the mark cleared, once it was zeroed.
+    """The error for a fused call that adds into `param.main_grad` while it still holds NaN from a
+    gradient that could not be made exact (an unpaired forward: MainGradSideEffect; an unexpected
+    upstream gradient: check_upstream_grad); None, and the mark cleared, once it was zeroed.
     Reads main_grad (one pass, one host sync) only while the mark is set."""
-    if param is None or not getattr(param, UNPAIRED_FORWARD_ATTR, False):
+    message = None if param is None else getattr(param, UNPAIRED_FORWARD_ATTR, None)
+    if not message:
         return None
     if bool(torch.isnan(param.main_grad).any()):
-        return UNPAIRED_FORWARD_MESSAGE
-    setattr(param, UNPAIRED_FORWARD_ATTR, False)
+        return message if isinstance(message, str) else UNPAIRED_FORWARD_MESSAGE
+    setattr(param, UNPAIRED_FORWARD_ATTR, None)
     return None
 
 
@@ -560,16 +593,21 @@ class LinearLossGradInForward(torch.autograd.Function):
     forward to backward. Not for fp16 (api.py takes the recompute path there): dX would be stored in
     fp16 under a unit upstream gradient, before the loss scale, and per-token terms like p/N underflow.
 
-    Megatron's main_grad (gradient-accumulation fusion): dW is added to the fp32 main_grad in the
-    forward pass, under a unit upstream gradient; no [V_local, H] buffer of its own. Backward adds
-    (g - 1) dW when g != 1 (exactly; recomputed chunk by chunk from the saved per-token coefficients:
-    2 more GEMMs per chunk), and g dW on any further backward through the same graph. With
-    Megatron's bf16 loss functions g is 1 (calculate_per_token_loss: the loss sum, loss scale 1).
-    That forward has a side effect, so it must pair with exactly one first backward: a forward
-    whose graph is freed without any backward poisons main_grad with NaN and makes the next fused
-    call raise (MainGradSideEffect); a forward run again during backward (torch.utils.checkpoint with
-    use_reentrant=False) never gets here: under saved-tensor hooks api.py takes the recompute path.
-    Run forward-only passes under torch.no_grad() (as Megatron's evaluation does).
+    Megatron's main_grad (gradient-accumulation fusion). g is only known in the backward, and
+    g·dW must never be formed as a difference (1·dW added in the forward, then (g - 1)·dW: for
+    g = 1e-5, Megatron's default loss scaling, that keeps nothing of the gradient in bf16):
+    * `expected_grad` given (the caller knows g at forward time: Megatron's loss funcs): the dW GEMMs
+      add expected_grad·dW straight into main_grad, no [V_local, H] buffer of the op's own. The
+      first backward checks that g is that value (one host sync); if it is not, main_grad cannot be
+      repaired exactly, so it is poisoned as for an unpaired forward (UpstreamGradMismatch).
+    * otherwise: dW is summed in a private fp32 [V_local, H] buffer and the backward adds g·dW to
+      main_grad (one pass, no host sync).
+    A forward that added into main_grad has a side effect, so it must pair with exactly one first
+    backward: a forward whose graph is freed without any backward poisons main_grad with NaN and
+    makes the next fused call raise (MainGradSideEffect); a forward run again during backward
+    (torch.utils.checkpoint with use_reentrant=False) never gets here: under saved-tensor hooks
+    api.py takes the recompute path. Any further backward through the same graph recomputes
+    g·dW from the saved per-token coefficients and adds it.
 
     Lean mode (spec.lean): the forward runs lean sweep A (statistics and dX, tile by tile) and the
     backward lean sweep B (dW with the exact upstream gradient, into main_grad or the weight
@@ -577,27 +615,30 @@ class LinearLossGradInForward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, token_grads):
+    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, token_grads,
+                expected_grad: Optional[float] = None):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
         rows = _rows(full_hidden, row_index)
         needs_dx, needs_dw = hidden.requires_grad, weight.requires_grad
         into_main_grad = needs_dw and spec.main_grad_param is not None
+        # dW added into main_grad by this forward (times expected_grad), or held until backward
+        adds_in_forward = into_main_grad and spec.lean is None and expected_grad is not None
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-        # fast mode without main_grad: dW held until backward scales it (cast to the weight dtype)
         dw_acc = None
-        if needs_dw and spec.lean is None and not into_main_grad:
-            dw_acc = torch.empty(weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec),
-                                 device=weight.device)
+        if needs_dw and spec.lean is None and not adds_in_forward:
+            # fp32 for main_grad (added times g in backward); else the weight dtype for one chunk
+            dw_dtype = torch.float32 if into_main_grad else _weight_grad_dtype(weight, rows.shape[0], spec)
+            dw_acc = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device)
             if rows.shape[0] == 0:
                 dw_acc.zero_()
-        dw_out = spec.main_grad_param.main_grad if into_main_grad and spec.lean is None else dw_acc
+        dw_out = spec.main_grad_param.main_grad if adds_in_forward else dw_acc
         # owned by the node from before the first add: freed without a backward (also when this
         # forward raises half-way), it poisons main_grad instead of leaving it wrong
-        ctx.main_grad_side_effect = (MainGradSideEffect(spec.main_grad_param)
-                                     if into_main_grad and spec.lean is None else None)
+        ctx.main_grad_side_effect = MainGradSideEffect(spec.main_grad_param) if adds_in_forward else None
         merged_chunks, coef_chunks, dw_last = _forward_chunks(
-            rows, weight, row_index, local_target, spec, token_grads, dx_rows, dw_out, into_main_grad,
-            cast_dw_to=_cast_target(dw_acc, weight, accumulate=False))
+            rows, weight, row_index, local_target, spec, token_grads, dx_rows, dw_out, adds_in_forward,
+            cast_dw_to=_cast_target(dw_acc, weight, accumulate=into_main_grad),
+            dw_scale=expected_grad if adds_in_forward else 1.0)
         if dw_last is not None:  # dW in the weight dtype already: the fp32 sum is not needed any more
             dw_acc = dw_last
 
@@ -611,7 +652,8 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.spec = spec
         ctx.into_main_grad = into_main_grad
         ctx.full_shape = full_hidden.shape
-        ctx.unit_grad_in_main_grad = into_main_grad and spec.lean is None
+        # the g the first backward must bring, main_grad already holding g·dW (None: nothing added)
+        ctx.expected_grad_in_main_grad = expected_grad if adds_in_forward else None
         ctx.needs_dw = needs_dw
         # The gradients made here are handed to autograd by the first backward without a copy
         # (which would be one more [tokens, H] and [V_local, H] buffer), scaled in place by g (no
@@ -644,23 +686,15 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.dx_buffer = ctx.dw_buffer = None
         if ctx.main_grad_side_effect is not None:
             ctx.main_grad_side_effect.backward_ran = True
-        first_after_unit = ctx.unit_grad_in_main_grad  # main_grad already holds 1 x dW
-        ctx.unit_grad_in_main_grad = False
-        # Only main_grad's correction ((g - 1) x dW, recomputed) needs the host to know whether
-        # g == 1 (Megatron's loss functions): one host sync there. dX and a dW made in the weight
-        # dtype are scaled by backend.scale_, which reads g on the GPU (no pass when g == 1), and
-        # an fp32 dW summed over chunks is cast with g applied in one pass: a sync would leave the
-        # GPU idle while the host queues what follows.
-        unit = None
-        if first_after_unit:
-            unit = bool(g_anchor == 1.0)
-            if spec.sequence_parallel:  # g != 1 re-gathers hidden: all ranks must
-                not_unit = torch.tensor([0 if unit else 1], device=g_anchor.device)
-                unit = not bool(reductions.max_over_ranks(not_unit, spec.tp_group).item())
+        expected = ctx.expected_grad_in_main_grad  # main_grad holds expected·dW of this forward
+        ctx.expected_grad_in_main_grad = None
+        # dX and a dW made in the weight dtype are scaled by backend.scale_, which reads g on the GPU
+        # (no pass when g == 1), and an fp32 dW summed over chunks is cast or added into main_grad
+        # with g applied in one pass: a host sync would leave the GPU idle while the host queues
+        # what follows. Only the check of g against expected_grad reads g on the host.
         grad_hidden = grad_weight = None
         if dx is not None:
-            grad_hidden = _input_grad(dx if unit else spec.backend.scale_(dx, g_anchor), row_index, ctx.full_shape,
-                                      spec)
+            grad_hidden = _input_grad(spec.backend.scale_(dx, g_anchor), row_index, ctx.full_shape, spec)
         elif ctx.needs_input_grad[0]:  # a second backward through the same graph: recompute dX
             coefs = _scaled_coefs(coef_list, g_anchor)
             with autocast_off(hidden.device):
@@ -674,26 +708,29 @@ class LinearLossGradInForward(torch.autograd.Function):
                 else:
                     backward_grads(rows, weight, local_target, spec, offsets, coefs, dx, None, dw_accumulate=False)
                 grad_hidden = _input_grad(dx, row_index, ctx.full_shape, spec)
-        if dw is not None:  # fast mode, no main_grad: made in the forward
+        if dw is not None and ctx.into_main_grad:  # fp32 dW of the forward: main_grad += g·dW
+            spec.main_grad_param.main_grad.addcmul_(dw, g_anchor.to(torch.float32))
+            grad_weight = _main_grad_added(spec.main_grad_param, weight)
+        elif dw is not None:  # fast mode, no main_grad: made in the forward
             if dw.dtype == weight.dtype:
                 grad_weight = spec.backend.scale_(dw, g_anchor)
             else:  # summed over chunks in fp32: scale and cast in one pass
                 grad_weight = spec.backend.scale_cast(dw, g_anchor, weight.dtype)
-        elif ctx.needs_dw:  # lean mode, main_grad, or a second backward: from the coefficients
-            if first_after_unit and unit:
-                grad_weight = _main_grad_added(spec.main_grad_param, weight)
-            else:
-                grad_weight = _weight_grad_from_coefs(
-                    spec, ctx.into_main_grad, hidden, weight, row_index, local_target, offsets, coef_list,
-                    g_anchor - 1.0 if first_after_unit else g_anchor)
-        return grad_hidden, grad_weight, None, None, None, None
+        elif expected is not None:
+            check_upstream_grad(spec.main_grad_param, float(g_anchor), expected)
+            grad_weight = _main_grad_added(spec.main_grad_param, weight)
+        elif ctx.needs_dw:  # lean mode, or a second backward: g·dW from the coefficients
+            grad_weight = _weight_grad_from_coefs(
+                spec, ctx.into_main_grad, hidden, weight, row_index, local_target, offsets, coef_list, g_anchor)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, token_grads, dx_rows, dw_out,
-                    into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None):
+                    into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0):
     """LinearLossGradInForward's chunk loop -> (merged statistics, coefficients per chunk, dW): per
     chunk, the statistics merged over TP ranks, the per-token coefficients, then dX (and in fast
-    mode dW) into `dx_rows` / `dw_out`. With `cast_dw_to` (dw_out is an fp32 sum over chunks), the
+    mode dW, times `dw_scale`) into `dx_rows` / `dw_out` (`into_main_grad`: dw_out is main_grad, added
+    to from the first chunk on). With `cast_dw_to` (dw_out is an fp32 sum over chunks), the
     last chunk may add the sum and write dW in that dtype in one GEMM (last_weight_grad): that dW
     is returned, else None. Lean mode runs sweep A per chunk instead of a chunk of logits."""
     lean_blocks = None if spec.lean is None else lean.weight_blocks(weight, spec.num_valid_cols, spec.lean.cols_a)
@@ -737,7 +774,7 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
                 chunk_dlogits_(logits, local_target[start:end], spec, (merged.max, merged.log_sum_exp), coefs)
             dlogits = gemm_input(logits, h)
             dx_chunk = None if dx_rows is None else dx_rows[start:end]
-            gemm_kwargs = dict(dw_accumulate=into_main_grad or index > 0,
+            gemm_kwargs = dict(dw_accumulate=into_main_grad or index > 0, dw_scale=dw_scale,
                                cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
             if one_hot_scale is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
                 dw_last = row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **gemm_kwargs)

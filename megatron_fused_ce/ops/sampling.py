@@ -8,11 +8,16 @@ vllm/v1/sample/ops/topk_topp_sampler.py). Per token row, with z = logits / T ove
 vocab:
 
 1. min_p: drop tokens with softmax(z)_k < min_p * max_j softmax(z)_j, i.e. keep
-   z_k >= max(z) + log(min_p).
-2. top_k: keep the tokens whose z is >= the k-th largest remaining z (every token tied with the
-   k-th is kept, as the `logits < kth_value` mask of vLLM's `apply_top_k_top_p_pytorch` does; the
-   newer Triton kernel of vllm/v1/sample/ops/topk_topp_triton.py may trim such ties to k by
-   position: the two differ only on exactly tied logits at the k-th value).
+   z_k >= max(z) + log(min_p). Decided on the fp32 logits, not on probabilities: keep
+   z_k >= fl32(M + fl32(log(min_p))), M the row max (see `min_p_floor`). vLLM compares fp32
+   probabilities (p_k >= min_p * p_max); the two rules agree except for tokens within a rounding
+   of the boundary, where this rule decides. min_p = 1 keeps exactly the tokens whose z equals
+   the max (vLLM's fp32 probabilities may also tie a token a few ulps below it).
+2. top_k (0 and -1 are vLLM's "off"): keep the tokens whose z is >= the k-th largest remaining z
+   (every token tied with the k-th is kept, as the `logits < kth_value` mask of vLLM's
+   `apply_top_k_top_p_pytorch` does; the newer Triton kernel of
+   vllm/v1/sample/ops/topk_topp_triton.py may trim such ties to k by position: the two differ
+   only on exactly tied logits at the k-th value).
 3. top_p: renormalize the remainder R (q = softmax over R) and keep, walking the total order
    "z descending, then global id ascending", every token whose mass ranked strictly before it is
    < top_p: the smallest prefix with mass >= top_p (vLLM drops a token when the ascending
@@ -104,9 +109,14 @@ class SamplingSpec:
         return self.top_k is not None or self.top_p is not None or self.min_p is not None
 
 
+def top_k_off(top_k, true_vocab: Optional[int] = None) -> bool:
+    """Whether a (checked) top_k keeps every token: None, vLLM's 0 / -1, or >= the vocab."""
+    return top_k is None or top_k < 1 or (true_vocab is not None and top_k >= true_vocab)
+
+
 def sampling_spec(top_k, top_p, min_p, return_topk, *, true_vocab: int, vocab_start: int) -> Optional[SamplingSpec]:
     """None when the call is today's plain log-probs (no filter that drops anything, no top-k)."""
-    top_k = None if top_k is None or top_k >= true_vocab else int(top_k)
+    top_k = None if top_k_off(top_k, true_vocab) else int(top_k)
     top_p = None if top_p is None or top_p >= 1.0 else float(top_p)
     min_p = None if min_p is None or min_p <= 0.0 else float(min_p)
     return_topk = int(return_topk or 0)
@@ -125,12 +135,14 @@ def sampler_problems(top_k, top_p, min_p, return_topk, true_vocab: int) -> dict:
     """The sampler settings' checks: {name: error message, or None when it passed} (for the
     agreement of api.py and the post-processor's unfused path)."""
     problems = dict.fromkeys(("top_k", "top_p", "min_p", "return_topk"))
-    if top_k is not None and (not is_int(top_k) or top_k < 1):
-        problems["top_k"] = f"top_k must be None or an integer >= 1, got {top_k!r}"
+    # the ranges vLLM's SamplingParams accepts, so that a trainer can pass the engine's settings
+    # through unchanged: top_k 0 or -1 = off, min_p = 1 keeps the tokens tied with the max
+    if top_k is not None and (not is_int(top_k) or top_k < -1):
+        problems["top_k"] = f"top_k must be None, 0 or -1 (off), or an integer >= 1, got {top_k!r}"
     if top_p is not None and (not finite_real(top_p) or not 0.0 < top_p <= 1.0):
         problems["top_p"] = f"top_p must be None or a number in (0, 1], got {top_p!r}"
-    if min_p is not None and (not finite_real(min_p) or not 0.0 <= min_p < 1.0):
-        problems["min_p"] = f"min_p must be None or a number in [0, 1), got {min_p!r}"
+    if min_p is not None and (not finite_real(min_p) or not 0.0 <= min_p <= 1.0):
+        problems["min_p"] = f"min_p must be None or a number in [0, 1], got {min_p!r}"
     if not is_int(return_topk) or return_topk < 0:
         problems["return_topk"] = f"return_topk must be an integer >= 0, got {return_topk!r}"
     elif return_topk > true_vocab:
@@ -138,10 +150,11 @@ def sampler_problems(top_k, top_p, min_p, return_topk, true_vocab: int) -> dict:
     return problems
 
 
-def agreed_values(sampler: dict, problems: dict) -> dict:
+def agreed_values(sampler: dict, problems: dict, true_vocab: Optional[int] = None) -> dict:
     """The settings as every rank must pass them (must_agree), by effect: top_p / min_p as floats
-    (1 and 1.0 alike), a filter that is off (None, top_p=1, min_p=0) as None, None for a setting
-    that failed its check (reported by the check)."""
+    (1 and 1.0 alike), a filter that is off (None, top_p=1, min_p=0, top_k 0 / -1 / >= the vocab
+    when `true_vocab` is given) as None, None for a setting that failed its check (reported by
+    the check)."""
     def effect(k, v):
         if problems[k] or v is None:
             return None
@@ -149,8 +162,28 @@ def agreed_values(sampler: dict, problems: dict) -> dict:
             return None if float(v) >= 1.0 else float(v)
         if k == "min_p":
             return None if float(v) <= 0.0 else float(v)
+        if k == "top_k" and top_k_off(v, true_vocab):
+            return None
         return int(v)
     return {k: effect(k, v) for k, v in sampler.items()}
+
+
+def filters_on(top_k, top_p, min_p, true_vocab: Optional[int] = None) -> bool:
+    """Whether (checked) settings may drop a token, i.e. a log-prob may be -inf."""
+    agreed = agreed_values(dict(top_k=top_k, top_p=top_p, min_p=min_p),
+                           dict.fromkeys(("top_k", "top_p", "min_p")), true_vocab)
+    return any(v is not None for v in agreed.values())
+
+
+def min_p_floor(row_max: Tensor, min_p: float) -> Tensor:
+    """The min_p cut on fp32 logits: keep z >= row_max + log(min_p), with log(min_p) rounded to
+    fp32 and the sum rounded to fp32 (row_max is fp32). One explicit rule, so that a token at the
+    boundary is decided the same way by every backend, rank and chunk; min_p = 1 gives
+    row_max itself: the tokens tied with the max."""
+    # rounded to fp32 on the host (no device copy): the sum of two fp32 values is then rounded
+    # once, to fp32, on every device
+    log_min_p = torch.tensor(math.log(min_p), dtype=torch.float32).item()
+    return row_max.float() + log_min_p
 
 
 def kernels_for(backend):
@@ -263,7 +296,7 @@ def kept_cut(cz: Tensor, cid: Tensor, cvalid: Tensor, search: _ChunkSearch, sp: 
     n, num_cands = cz.shape
     SEARCH_COUNTS["rows"] += n
     row_max = cz[:, 0]
-    floor = (row_max + math.log(sp.min_p) if sp.min_p is not None
+    floor = (min_p_floor(row_max, sp.min_p) if sp.min_p is not None
              else torch.full_like(row_max, float("-inf")))
     if sp.top_k is not None:
         if sp.top_k <= num_cands:

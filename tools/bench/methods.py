@@ -17,7 +17,7 @@ QUICK_SHAPES_GPU = [(2048, 1024, 32000)]
 QUICK_SHAPES_CPU = [(48, 32, 500)]
 DEFAULT_IMPLS = ("floor,floor_fwd,torch_eager,torch_compile,torch_compile_fwd,torch_lce,megatron,liger,cce,"
                  "cce_exact,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,ours_grpo,ours_grpo_lean,"
-                 "ours_ce_main_grad,ours_ce_main_grad_lean,ours_fwd,ours_fwd_entropy,"
+                 "ours_ce_main_grad,ours_ce_main_grad_buffer,ours_ce_main_grad_lean,ours_fwd,ours_fwd_entropy,"
                  "ours_top_p,ours_top_k,ours_topk20")
 SWEEP_IMPLS = "floor,torch_compile,liger,cce,ours_ce,ours_ce_lean,ours_logprobs_lean,ours_fwd"
 SPREADS = ("random", "peaked")
@@ -51,13 +51,15 @@ def make_ours_ce_torch(h, w, y, chunk):
     return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl="torch"), h, w)
 
 
-def make_ours_ce_main_grad(h, w, y, chunk, memory_mode="fast"):
+def make_ours_ce_main_grad(h, w, y, chunk, memory_mode="fast", expected_upstream_grad=1.0):
+    """Megatron's gradient-accumulation fusion as its loss funcs call it: the upstream gradient (1
+    here) known at forward time, dW added into main_grad by the forward's GEMMs."""
     w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     w.grad_added_to_main_grad = False  # as Megatron's DDP sets it: autograd gets the dummy gradient
 
     def step():
         loss = linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), accumulate_into_main_grad=True,
-                                    memory_mode=memory_mode)
+                                    memory_mode=memory_mode, expected_upstream_grad=expected_upstream_grad)
         dx, _ = torch.autograd.grad(loss, (h, w), allow_unused=True)
         return loss.detach(), dx, w.main_grad
     step.main_grad = True
@@ -124,6 +126,12 @@ make_ours_grpo_lean = _lean(make_ours_grpo)
 make_ours_ce_main_grad_lean = _lean(make_ours_ce_main_grad)
 
 
+def make_ours_ce_main_grad_buffer(h, w, y, chunk):
+    """main_grad with the upstream gradient unknown at forward time: dW in an fp32 buffer until the
+    backward adds g x dW."""
+    return make_ours_ce_main_grad(h, w, y, chunk, expected_upstream_grad=None)
+
+
 def make_ours_fwd_entropy(h, w, y, chunk):
     return make_ours_fwd(h, w, y, chunk, entropy=True)
 
@@ -157,9 +165,10 @@ def _makers(namespace):
 
 
 MAKERS = {**_makers(vars(measure)), **_makers(vars(peers)), **_makers(globals())}
-CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_grpo", "ours_fwd",
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_ce_main_grad_buffer", "ours_grpo",
+           "ours_fwd",
            "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits",
            *SAMPLERS}  # lean rows take no chunk size
 ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
-MAIN_GRAD = {"ours_ce_main_grad", "ours_ce_main_grad_lean"}
+MAIN_GRAD = {"ours_ce_main_grad", "ours_ce_main_grad_buffer", "ours_ce_main_grad_lean"}
 
