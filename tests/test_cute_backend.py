@@ -9,13 +9,15 @@ log-probs, lean mode, an explicit impl). On a Hopper GPU with QuACK installed th
 QuACK's kernel itself.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 import reference
 from dist import run_workers
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
-from megatron_fused_ce.ops import cute_backend
+from megatron_fused_ce.ops.backends import cute_backend
 from test_ops import TOL, _reference_ce, make_case
 
 
@@ -274,7 +276,7 @@ def _cp2_grpo_worker(rank, world):
 
     from megatron_fused_ce.losses import GRPOConfig
     from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss
-    from megatron_fused_ce.ops import cute_backend as cb
+    from megatron_fused_ce.ops.backends import cute_backend as cb
 
     calls = []
     cb._available = lambda device: True
@@ -314,7 +316,7 @@ def test_one_pass_with_a_factor_per_token_under_context_parallelism():
 def _tp2_worker(rank, world, case):
     import torch.distributed as dist
 
-    from megatron_fused_ce.ops import cute_backend as cb
+    from megatron_fused_ce.ops.backends import cute_backend as cb
 
     calls = []
     cb._available = lambda device: True
@@ -513,19 +515,6 @@ def test_quack_gemms_not_taken_where_they_do_not_apply(reference_gemms, monkeypa
     _check(case, got, "mean", 3.5, change)
 
 
-def test_quack_gemms_with_vocab_blocks_not_16_byte_aligned(reference_gemms, monkeypatch):
-    """GEMMs per vocab block of 12 columns: blocks that start 24 bytes into a bf16 row are declined
-    (cuBLAS runs them; the last chunk adds them to the fp32 sum and casts), the aligned ones run on
-    QuACK; together the float64 reference's gradients."""
-    from megatron_fused_ce.ops import api
-
-    monkeypatch.setattr(api, "VOCAB_BLOCK", 12)
-    case = _case(53)
-    got = _run_ce(case, upstream=2.0)
-    _check(case, got, "mean", 2.0, "vocab blocks of 12")
-    assert ("add", "add_cast") in reference_gemms and ("add", "accumulate") in reference_gemms
-
-
 @pytest.mark.parametrize("target", ["grad", "main_grad", "main_grad_expected"])
 def test_quack_gemms_under_every_forward_backward_pairing(reference_gemms, reference_kernel, target):
     """The pairings of test_forward_backward_pairing with QuACK's GEMMs and row kernel: the bf16 dW
@@ -625,7 +614,7 @@ def test_quack_gemms_on_gpu_inside_the_op_match_float64(monkeypatch, entry):
 def _tp2_gemms_worker(rank, world, case):
     import torch.distributed as dist
 
-    from megatron_fused_ce.ops import cute_backend as cb
+    from megatron_fused_ce.ops.backends import cute_backend as cb
 
     calls = []
 
@@ -665,14 +654,15 @@ def test_last_chunk_gemm_allocates_dw_only_where_it_runs(request, quack):
     allocated nothing, so the peak stays one chunk plus the fp32 sum."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_fused_ce.ops import chunked, torch_backend
+    from megatron_fused_ce.ops import chunked
+    from megatron_fused_ce.ops.backends import torch_backend
 
     if quack:
         request.getfixturevalue("reference_gemms")
     v, hd = 104, 32
-    spec = chunked.ChunkSpec(tp_group=None, backend=torch_backend, num_valid_cols=v, inv_temperature=1.0,
-                             chunk_size=7, want_sum_logits=False, want_entropy=False, sequence_parallel=False,
-                             cute_gemms=True)
+    backend = dataclasses.replace(torch_backend.BACKEND, weight_grad_gemm=cute_backend.WEIGHT_GRAD_GEMM)
+    spec = chunked.ChunkSpec(tp_group=None, backend=backend, num_valid_cols=v, inv_temperature=1.0,
+                             chunk_size=7, want_sum_logits=False, want_entropy=False, sequence_parallel=False)
     dlogits, h = torch.randn(7, v).bfloat16(), torch.randn(7, hd).bfloat16()
     dw_sum = torch.randn(v, hd)
 

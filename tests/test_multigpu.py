@@ -277,7 +277,6 @@ def gpt_parity_body(layout: str, tied: bool, device: str, kinds=GPT_KINDS,
     )
 
     from megatron_fused_ce.megatron import loss_funcs
-    from megatron_fused_ce.ops import api
 
     loss_rtol = LOSS_RTOL_BF16 if loss_rtol is None else loss_rtol
     grad_rtol = GRAD_RTOL_BF16 if grad_rtol is None else grad_rtol
@@ -287,18 +286,20 @@ def gpt_parity_body(layout: str, tied: bool, device: str, kinds=GPT_KINDS,
 
     # parity_worker wraps these two with call counters for good; put the originals back after.
     counted = {name: getattr(loss_funcs, name) for name in ("linear_cross_entropy", "linear_grpo_loss")}
-    make_batches, select_backend = common.make_batches, api.select_backend
+    from megatron_fused_ce.ops import backends as op_backends
+
+    make_batches, select = common.make_batches, op_backends.select
     backends = set()
 
     def batches_on_device(*args, **kwargs):
         return [{k: v.to(device) for k, v in batch.items()} for batch in make_batches(*args, **kwargs)]
 
-    def recording_select_backend(impl, dev):
-        backend = select_backend(impl, dev)
-        backends.add(backend.__name__.rsplit(".", 1)[-1])
+    def recording_select(impl, dev):
+        backend = select(impl, dev)
+        backends.add(backend.name)
         return backend
 
-    common.make_batches, api.select_backend = batches_on_device, recording_select_backend
+    common.make_batches, op_backends.select = batches_on_device, recording_select
     report, error = None, None
     try:
         report = _to_cpu(parity_worker(rank, world, setup, kinds))
@@ -310,7 +311,7 @@ def gpt_parity_body(layout: str, tied: bool, device: str, kinds=GPT_KINDS,
         print(f"rank {rank} failed in {layout} {'tied' if tied else 'untied'}:\n{error}",
               file=sys.stderr, flush=True)
     finally:
-        common.make_batches, api.select_backend = make_batches, select_backend
+        common.make_batches, op_backends.select = make_batches, select
         for name, fn in counted.items():
             setattr(loss_funcs, name, fn)
         parallel_state.destroy_model_parallel()
@@ -324,7 +325,7 @@ def gpt_parity_body(layout: str, tied: bool, device: str, kinds=GPT_KINDS,
     for rank_, report in enumerate(reports):
         if report["last_stage"]:
             if device == "cuda":  # the fused loss (last stage only) ran the Triton kernels
-                assert "triton_backend" in report["backends"], (rank_, report["backends"])
+                assert "triton" in report["backends"], (rank_, report["backends"])
             assert report["grad_added_to_main_grad"] == setup.grad_acc_fusion, rank_
         for kind in kinds:
             r = report[kind]

@@ -5,7 +5,6 @@ on CPU over gloo:
   TP 1/2/4 with ignored tokens, padded vocab, temperature, sequence parallel; its memory bound
   (largest allocation inside the op, flat in the number of tokens, no fp32 [V_local, H] buffer);
   sweep A's reference moving (and its sums rescaled) where a later vocab block is far above it.
-- vocab blocks inside a chunk (fast mode, ChunkSpec.vocab_block), with blocks made only of padding.
 - Megatron's main_grad with gradients in the forward pass: dW added to main_grad during the
   forward when the upstream gradient is expected (no [V_local, H] buffer of its own), else held in
   an fp32 buffer until the backward; retained graphs, SP.
@@ -29,12 +28,11 @@ from test_ops import TOL, _group, _local_inputs, _reference_ce, check_against_re
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Lean tiles of 16 rows x 16 columns (sweeps A/A'), dW over 12-token chunks in 16-column
-    blocks (sweep B), vocab blocks of 13 columns in fast mode."""
+    blocks (sweep B)."""
     monkeypatch.setattr(lean, "_MAX_COLS_A", 16)
     monkeypatch.setattr(lean, "_MAX_ROWS_B", 24)
     monkeypatch.setattr(api, "LEAN_WORKSET_BYTES", 6000)
     monkeypatch.setattr(api, "LEAN_WORKSET_PER_VOCAB_ROW", 0)
-    monkeypatch.setattr(api, "VOCAB_BLOCK", 13)
 
 
 def _logprobs_worker(rank, world, case, memory_mode):
@@ -135,11 +133,11 @@ class _Created(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("expected", [True, False], ids=["expected", "unknown"])
 @pytest.mark.parametrize("upstream, chunk", [(1.0, 10), (1.0, None), (2.5, 10), (1e-5, None)])
 def test_main_grad_gets_weight_grad_in_forward(small_tiles, upstream, chunk, expected):
-    """Gradients in the forward pass with Megatron's main_grad: 3 GEMMs per chunk (a logits and a
-    dW GEMM per vocab block, one dX GEMM) whatever the upstream gradient g, none in the backward.
-    With g expected at forward time, dW goes straight into main_grad: no [V_local, H] fp32 tensor is
-    created (on CPU a vocab block's product is rounded and added: block-sized temporaries); with g
-    unknown, exactly one, the fp32 buffer that waits for g."""
+    """Gradients in the forward pass with Megatron's main_grad: 3 GEMMs per chunk (logits, dW, dX)
+    whatever the upstream gradient g, none in the backward. With g expected at forward time, dW
+    goes straight into main_grad: no [V_local, H] fp32 tensor is created (on CPU the chunk's
+    product is made in bf16 and added: a bf16 temporary); with g unknown, exactly one, the fp32
+    buffer that waits for g."""
     torch.manual_seed(5)
     n, hdim, v = 40, 16, 30
     h = torch.randn(n, hdim, dtype=torch.bfloat16, requires_grad=True)
@@ -155,8 +153,8 @@ def test_main_grad_gets_weight_grad_in_forward(small_tiles, upstream, chunk, exp
         (loss * upstream).backward()
     buffers = [c for c in mode.created if c[0] == (v, hdim) and c[1] == torch.float32]
     assert len(buffers) == (0 if expected else 1), mode.created
-    chunks, blocks = -(-int((y != -100).sum()) // (chunk or n)), -(-v // api.VOCAB_BLOCK)
-    assert mode.matmuls == (2 * blocks + 1) * chunks
+    chunks = -(-int((y != -100).sum()) // (chunk or n))
+    assert mode.matmuls == 3 * chunks
     hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = torch.nn.functional.cross_entropy(hd @ wd.t(), y, label_smoothing=0.05) * upstream
     ref_dx, ref_dw = torch.autograd.grad(ref, (hd, wd))

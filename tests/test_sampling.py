@@ -23,7 +23,8 @@ import reference
 import sampling_reference as sref
 from dist import run_workers
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
-from megatron_fused_ce.ops import sampling, sampling_torch
+from megatron_fused_ce.ops import sampling
+from megatron_fused_ce.ops.backends import sampling_torch
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

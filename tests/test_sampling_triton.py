@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 from dist import run_workers  # noqa: E402
 from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_logprobs  # noqa: E402
-from megatron_fused_ce.ops import sampling, sampling_torch  # noqa: E402
+from megatron_fused_ce.ops import sampling  # noqa: E402
+from megatron_fused_ce.ops.backends import sampling_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL = dict(GROUP_COLS=4, CAPACITY_PER_CANDIDATE=4, COMPACT_BLOCK_N=16, KEPT_BLOCK_N=32,
@@ -31,7 +32,7 @@ SMALL = dict(GROUP_COLS=4, CAPACITY_PER_CANDIDATE=4, COMPACT_BLOCK_N=16, KEPT_BL
 @pytest.fixture(scope="module")
 def st():
     if DEVICE.type == "cuda":
-        from megatron_fused_ce.ops import sampling_triton
+        from megatron_fused_ce.ops.backends import sampling_triton
 
         return sampling_triton
     return kernel_modules()["sampling_triton"]

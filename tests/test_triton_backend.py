@@ -16,6 +16,8 @@ on either side of a rounding boundary.
 import math
 import os
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ pytest.importorskip("triton")
 from dist import run_workers  # noqa: E402
 from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
-from megatron_fused_ce.ops import torch_backend  # noqa: E402
+from megatron_fused_ce.ops.backends import torch_backend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL_BLOCKS = dict(STATS_BLOCK_N=64, DLOGITS_BLOCK_N=64, MERGE_BLOCK_R=4)
@@ -36,7 +38,7 @@ SMALL_BLOCKS = dict(STATS_BLOCK_N=64, DLOGITS_BLOCK_N=64, MERGE_BLOCK_R=4)
 @pytest.fixture(scope="module")
 def tb():
     if DEVICE.type == "cuda":
-        from megatron_fused_ce.ops import triton_backend
+        from megatron_fused_ce.ops.backends import triton_backend
 
         return triton_backend
     return kernel_modules()["triton_backend"]
@@ -311,7 +313,7 @@ def test_cuda_autocast_bf16(fn):
 # ------------------------------------- fused GEMM + stats (triton_gemm_stats), lean exp_tile_
 @pytest.fixture
 def small_tiles(tb, monkeypatch):
-    from megatron_fused_ce.ops import triton_gemm_dlogits, triton_gemm_stats
+    from megatron_fused_ce.ops.backends import triton_gemm_dlogits, triton_gemm_stats
 
     monkeypatch.setattr(triton_gemm_stats, "TILE", (16, 32, 32, 4, 1))
     monkeypatch.setattr(triton_gemm_stats, "MERGE_BLOCK_T", 4)
@@ -386,7 +388,7 @@ def test_dlogits_row_padding_holds_zeros(small_tiles, monkeypatch):
     bf16 matmul of such a view reads the padding columns as well: dX = dlogits @ W turned NaN on
     whole rows wherever the allocator had left NaN there (a flaky TP=2 end-to-end failure).
     Uninitialized memory is filled with NaN here, so the check fails every time, not now and then."""
-    from megatron_fused_ce.ops import triton_gemm_dlogits
+    from megatron_fused_ce.ops.backends import triton_gemm_dlogits
 
     if DEVICE.type == "cuda":
         pytest.skip("cuBLAS reads only the view; the interpreter's CPU path is the one at risk")
@@ -423,7 +425,7 @@ def test_gemm_dlogits_matches_gemm_then_dlogits_kernel(small_tiles, dtype, tempe
     logits) + shard_dlogits_, for every coefficient combination, with padding columns (whose
     weight rows hold NaN: never read), a width that is not a multiple of 8 (padded store), labels
     before / inside / after the block (col_start), rows and columns not multiples of the tile."""
-    from megatron_fused_ce.ops import triton_gemm_dlogits
+    from megatron_fused_ce.ops.backends import triton_gemm_dlogits
 
     g = torch.Generator().manual_seed(21 + round_logits)
     n, hdim, cols, nv, start = 45, 64, 150, 139, 300
@@ -455,16 +457,24 @@ def test_gemm_dlogits_matches_gemm_then_dlogits_kernel(small_tiles, dtype, tempe
     assert not triton_gemm_dlogits.supported(h.float(), w.float())  # fp32 inputs: GEMM + kernel
 
 
+def _count_gemm_dlogits(triton_backend, calls: list):
+    """Make the Triton backend count its dlogits-GEMM calls in `calls`; returns the backend to put back."""
+    original = triton_backend.BACKEND
+    fused = original.gemm_dlogits
+    triton_backend.BACKEND = dataclasses.replace(original, gemm_dlogits=dataclasses.replace(
+        fused, run=lambda *a, **k: calls.append(1) or fused.run(*a, **k)))
+    return original
+
+
 def _fused_dlogits_worker(rank, world, case):
     import torch.distributed as dist
 
-    from megatron_fused_ce.ops import triton_backend
+    from megatron_fused_ce.ops.backends import triton_backend
 
     v_local = case["v_local"]
     group = dist.group.WORLD if world > 1 else None
     calls = []
-    fused = triton_backend.gemm_dlogits
-    triton_backend.gemm_dlogits = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    original = _count_gemm_dlogits(triton_backend, calls)
     out = []
     try:
         for impl in ("triton", "torch"):
@@ -480,7 +490,7 @@ def _fused_dlogits_worker(rank, world, case):
                  + (ce * case["grad_lp"]).sum() + 3 * ce_mean).backward()
                 out.append((mode, lp.logprobs.detach(), h.grad, w.grad))
     finally:
-        triton_backend.gemm_dlogits = fused
+        triton_backend.BACKEND = original
     return out, len(calls)
 
 
@@ -599,14 +609,14 @@ def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call():
     threads (activation recomputation, data-loader-side reference passes)."""
     import threading
 
-    from megatron_fused_ce.ops import triton_backend
+    from megatron_fused_ce.ops.backends import triton_backend
 
     g = torch.Generator(device="cuda").manual_seed(4)
     h = torch.randn(256, 128, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(1000, 128, device="cuda", generator=g) / 8).bfloat16().requires_grad_()
     y = torch.randint(0, 1000, (256,), device="cuda", generator=g)
-    calls, fused = [], triton_backend.gemm_dlogits
-    triton_backend.gemm_dlogits = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    calls = []
+    original = _count_gemm_dlogits(triton_backend, calls)
     try:
         with torch.no_grad():
             first = linear_logprobs(h, w, y).logprobs  # main thread: the stats GEMM
@@ -616,7 +626,7 @@ def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call():
         thread.join()
         linear_logprobs(h, w, y).logprobs.sum().backward()  # dlogits GEMM in the backward thread
     finally:
-        triton_backend.gemm_dlogits = fused
+        triton_backend.BACKEND = original
     assert results and torch.equal(results[0], first)
     assert calls and h.grad is not None and torch.isfinite(w.grad.float()).all()
 

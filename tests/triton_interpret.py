@@ -13,7 +13,7 @@ import importlib
 import sys
 
 # in import order: later modules import kernels from the earlier ones
-KERNEL_MODULES = ("triton_gemm_stats", "triton_gemm_dlogits", "triton_backend", "sampling_triton")
+KERNEL_MODULES = ("triton_gemm_stats", "triton_gemm_dlogits", "sampling_triton", "triton_backend")
 
 
 def _interpreted(jit_function) -> bool:
@@ -24,7 +24,7 @@ def kernel_modules() -> dict:
     """{name: module} of KERNEL_MODULES, every kernel in them interpreted."""
     import triton.language as tl
 
-    modules = {name: importlib.import_module(f"megatron_fused_ce.ops.{name}") for name in KERNEL_MODULES}
+    modules = {name: importlib.import_module(f"megatron_fused_ce.ops.backends.{name}") for name in KERNEL_MODULES}
     if not _interpreted(tl.standard.max):
         for name in list(sys.modules):
             if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):

@@ -153,7 +153,7 @@ def linear_grpo_loss(
         return grad, -grad, None, None  # log p = target - lse
 
     # each token's dlogits are -grad_i (softmax - one_hot): the chunk loop may take softmax - one_hot
-    # from a one-pass row kernel and apply the per-token factor in its GEMMs (cute_backend.py)
+    # from a one-pass row kernel and apply the per-token factor in its GEMMs (the backend's row_kernel)
     token_grads.softmax_minus_one_hot_scale = lambda num_labelled: PER_ROW
 
     # every per-token gradient depends on these: TP ranks that differ would sum unrelated dX parts

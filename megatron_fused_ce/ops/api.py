@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import cute_backend, lean, reductions, sampling, torch_backend
+from . import backends, lean, reductions, sampling
 from .agreement import Agreement, finite_real, fits_int64, is_int
 from .chunked import (
     ChunkSpec,
@@ -39,9 +39,6 @@ MEMORY_MODES = ("fast", "lean")
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 _CHUNK_ROW_MULTIPLE = 128
 _AUTO_CHUNK_ELEMENTS_CPU = 64 * 1024 * 1024
-# Columns per logits GEMM / kernel inside a chunk (chunked.py; 0: the whole shard in one GEMM,
-# faster than any block size measured: docs/design.md §10.1).
-VOCAB_BLOCK = 0
 # memory_mode="lean": the working set of the tile sweeps (lean.py) on each rank, whatever the number
 # of tokens: 400 bytes per row of the whole (padded) vocab (2.4 % of the bf16 logits of 8192 tokens,
 # under the 3 % target), at least 32 MiB. Per row of the whole vocab, not of the shard: tiles keep
@@ -92,30 +89,6 @@ class LogprobsOutput(_LogprobsPair):
         extra = "" if self.topk_ids is None else (f", topk_logprobs={self.topk_logprobs!r}, "
                                                   f"topk_ids={self.topk_ids!r}")
         return f"LogprobsOutput(logprobs={self.logprobs!r}, entropy={self.entropy!r}{extra})"
-
-
-def _triton_backend_or_none():
-    try:
-        from . import triton_backend
-    except ImportError:
-        return None
-    return triton_backend
-
-
-def select_backend(impl: str, device: torch.device):
-    if impl == "torch":
-        return torch_backend
-    if impl == "triton":
-        backend = _triton_backend_or_none()
-        if backend is None:
-            raise ValueError("impl: 'triton' was requested but triton cannot be imported")
-        return backend
-    # "auto": Triton where it compiles for the device, the torch reference elsewhere.
-    if device.type == "cuda":
-        backend = _triton_backend_or_none()
-        if backend is not None:
-            return backend
-    return torch_backend
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,9 +151,9 @@ def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_s
         if vocab_size is not None and (not is_int(vocab_size) or not 0 < vocab_size <= padded_vocab):
             fail("vocab_size", f"vocab_size must be an integer in [1, V_local * tp_size = "
                                f"{padded_vocab}], got {vocab_size!r}")
-    if impl not in ("auto", "torch", "triton"):
-        fail("impl", f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    elif impl == "triton" and _triton_backend_or_none() is None:
+    if impl not in backends.IMPLS:
+        fail("impl", f"impl must be one of {', '.join(map(repr, backends.IMPLS))}, got {impl!r}")
+    elif impl == "triton" and not backends.triton_available():
         fail("impl", "impl='triton' was requested but triton cannot be imported")
     if logits_dtype not in (None, torch.float32):
         fail("logits_dtype", f"logits_dtype must be None (the input dtype) or torch.float32, "
@@ -241,7 +214,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     agreement.equal("chunk_size", chunk_size if not agreement.failed("chunk_size") else -1)
     agreement.equal("max_chunk_bytes", max_chunk_bytes if not agreement.failed("max_chunk_bytes") else -1)
     # the backend that will run ("auto" and "torch" agree on a CPU)
-    agreement.equal("impl", select_backend(impl, device).__name__ if not agreement.failed("impl") else None)
+    agreement.equal("impl", backends.select(impl, device).name if not agreement.failed("impl") else None)
     agreement.equal("logits_dtype", str(logits_dtype))
     agreement.equal("memory_mode", memory_mode if not agreement.failed("memory_mode") else None)
     agreement.equal("return_entropy", bool(want_entropy))
@@ -450,15 +423,14 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         local_target = row_labels - vocab_start
         local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
 
-    backend = select_backend(impl, hidden.device)
+    backend = backends.select(impl, hidden.device)
     lean_tiles = None
     if memory_mode == "lean":
         element_size = 4 if logits_dtype is not None else weight.element_size()
         lean_tiles = lean.tile_sizes(
             row_labels.numel(), v_local, hidden_size, weight.element_size(),
             lean_workset_bytes(v_local, tp_size),
-            # the torch backend makes fp32 copies of a tile; the Triton kernels work in place
-            tile_bytes_per_element=element_size + (12 if backend is torch_backend else 0),
+            tile_bytes_per_element=element_size + backend.tile_scratch_bytes,
             weight_grad_accumulates=main_grad_param is not None)
     sampling_spec = None if sampler is None else sampling.sampling_spec(
         **sampler, true_vocab=agreed.true_vocab, vocab_start=vocab_start)
@@ -477,11 +449,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         sequence_parallel=sequence_parallel,
         main_grad_param=main_grad_param,
         logits_dtype=logits_dtype,
-        vocab_block=VOCAB_BLOCK,
         lean=lean_tiles,
-        # "auto" may take QuACK's one-pass cross-entropy kernel and dW GEMMs where they apply (cute_backend.py)
-        row_kernel=cute_backend if impl == "auto" else None,
-        cute_gemms=impl == "auto",
     )
     anchor = None
     if sampling_spec is not None:  # sampler fidelity: its own chunk loop (sampling.py)
@@ -682,7 +650,7 @@ def linear_cross_entropy(
             return g_target, g_lse, g_sum, None
 
         # Without smoothing or z-loss every token's dlogits are c (softmax - one_hot): the chunk loop
-        # may take them from a one-pass row kernel and apply c in the GEMMs (cute_backend.py).
+        # may take them from a one-pass row kernel and apply c in the GEMMs (the backend's row_kernel: backends/__init__.py).
         token_grads.softmax_minus_one_hot_scale = (
             loss_scale if not smoothing and not z_weight else lambda num_labelled: None)
 

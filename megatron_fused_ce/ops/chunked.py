@@ -22,7 +22,7 @@ with `logits_dtype=torch.float32` (an fp32-output GEMM; its dlogits are rounded 
 for the two backward GEMMs).
 
 Backward: the upstream gradients of the four statistics become per-token coefficients
-(see torch_backend.shard_dlogits_):
+(see backends/torch_backend.shard_dlogits_):
 
     d target / dz_k          = [k == y]                 -> coef_target  += g_target
     d lse / dz_k             = p_k                      -> coef_p       += g_lse
@@ -36,11 +36,8 @@ and multiplied into dX (rows of this chunk) and dW (accumulated in fp32 over chu
 Megatron's `weight.main_grad` when asked). dX is then summed over TP ranks (reduce-scattered under sequence
 parallelism), as Megatron's ColumnParallelLinear does.
 
-With `spec.vocab_block` > 0 the vocab shard is walked in blocks of that many columns inside a
-chunk: one logits GEMM and one stats kernel per block, then dlogits and dW per block (K = the
-chunk's rows), and one dX GEMM over the whole chunk. The default (api.VOCAB_BLOCK = 0) is one
-GEMM over the whole shard: 1-4 % faster on an H100 (docs/design.md §10.1).
-`spec.lean` (memory_mode="lean") replaces chunks by tiles (lean.py).
+Each chunk is one GEMM over the whole vocab shard (docs/design.md §10.1); `spec.lean`
+(memory_mode="lean") replaces chunks by tiles (lean.py).
 
 Both autograd Functions are first-order only: a second backward through their gradients (a
 gradient penalty, create_graph=True) raises instead of silently dropping the second-order term.
@@ -59,10 +56,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import cute_backend, lean, reductions
-from .gemm import (dlogits_gemm, fused_dlogits, gemm_input, logits_gemm, logits_into, matmul_add_cast,
-                   matmul_fp32, matmul_into_)
-from .torch_backend import ShardStats, combine_blocks
+from . import lean, reductions
+from .backends import Backend, ShardStats
+from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_add_cast, matmul_fp32, matmul_into_
 
 
 @dataclass(frozen=True)
@@ -70,7 +66,7 @@ class ChunkSpec:
     """Static settings of one call (everything but tensors)."""
 
     tp_group: Any
-    backend: Any  # torch_backend or triton_backend module
+    backend: Backend  # the per-chunk math and its capabilities (backends/__init__.py)
     num_valid_cols: int  # columns of this shard below the true vocab size
     inv_temperature: float
     chunk_size: int
@@ -81,10 +77,7 @@ class ChunkSpec:
     # (under autocast, the fp32 parameter of which `weight` is a cast copy); None = autograd.
     main_grad_param: Optional[Tensor] = None
     logits_dtype: Optional[torch.dtype] = None  # None: the input dtype
-    vocab_block: int = 0  # columns per GEMM / kernel inside a chunk (0: the whole shard)
     lean: Optional[lean.LeanTiles] = None  # memory_mode="lean": tile sizes (None: fast mode)
-    row_kernel: Any = None  # cute_backend: a one-pass cross-entropy row kernel where it applies
-    cute_gemms: bool = False  # the dW GEMMs may run on QuACK's GEMM where it applies (cute_backend.py)
 
 
 def autocast_off(device: torch.device):
@@ -153,20 +146,14 @@ def chunk_logits(h: Tensor, weight: Tensor, spec: ChunkSpec) -> Tensor:
     return logits_gemm(h, weight, spec.logits_dtype)
 
 
-def _fused_stats(rows: Tensor, weight: Tensor, spec: ChunkSpec) -> bool:
-    """Whether the backend computes the statistics inside the logits GEMM for these inputs."""
-    supported = getattr(spec.backend, "gemm_stats_supported", None)
-    return supported is not None and rows.shape[0] > 0 and supported(rows, weight)
-
-
 def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
                   on_chunk=None):
     """The forward pass's statistics -> reductions.MergedStats over the rows given.
     `on_chunk(logits)`, if given, also sees each chunk's logits (sampling.py: top-k candidates), so
     the chunks of logits are then made even where the statistics could be taken inside the GEMM."""
     backend = spec.backend
-    if on_chunk is None and _fused_stats(hidden_rows, weight, spec):
-        stats = backend.gemm_shard_stats(
+    if on_chunk is None and backend.stats_in_gemm(hidden_rows, weight):
+        stats = backend.gemm_stats.run(
             hidden_rows, weight, local_target, spec.num_valid_cols, spec.inv_temperature,
             want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
             round_logits=spec.logits_dtype is None)
@@ -203,60 +190,34 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
     return reductions.merge_shard_stats(stats, spec.tp_group)
 
 
-def _vocab_blocks(spec: ChunkSpec, num_cols: int):
-    block = spec.vocab_block if 0 < spec.vocab_block < num_cols else num_cols
-    return [(start, min(num_cols, start + block)) for start in range(0, num_cols, block)]
-
-
-def _block_valid(spec: ChunkSpec, start: int, end: int) -> int:
-    return min(max(spec.num_valid_cols - start, 0), end - start)
-
-
 def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec, want_stats: bool):
-    """A chunk's logits [rows, V_local] (GEMM per vocab block) and, if asked, its ShardStats."""
-    num_cols = weight.shape[0]
-    blocks = _vocab_blocks(spec, num_cols)
-    if len(blocks) == 1:
-        logits = chunk_logits(h, weight, spec)
-    else:
-        logits = torch.empty(h.shape[0], num_cols, dtype=spec.logits_dtype or h.dtype, device=h.device)
-    parts = []
-    for start, end in blocks:
-        block = logits[:, start:end]
-        if len(blocks) > 1:
-            logits_into(block, h, weight[start:end].t())
-        valid = _block_valid(spec, start, end)
-        if want_stats and (valid > 0 or not parts and end == num_cols):
-            parts.append(spec.backend.shard_stats(
-                block, local_target, valid, spec.inv_temperature, want_sum_logits=spec.want_sum_logits,
-                want_entropy=spec.want_entropy, col_start=start))
-    return logits, (combine_blocks(parts) if want_stats else None)
+    """A chunk's logits [rows, V_local] and, if asked, its ShardStats."""
+    logits = chunk_logits(h, weight, spec)
+    if not want_stats:
+        return logits, None
+    return logits, spec.backend.shard_stats(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
+                                            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)
 
 
 def chunk_dlogits_(logits: Tensor, local_target: Tensor, spec: ChunkSpec, offsets: tuple, coefs: dict) -> Tensor:
-    """Overwrite a chunk's logits with dlogits (per vocab block); returned as the GEMMs take them."""
+    """Overwrite a chunk's logits with dlogits, returned as the GEMMs take them."""
     row_max, log_sum_exp = offsets
-    for start, end in _vocab_blocks(spec, logits.shape[1]):
-        spec.backend.shard_dlogits_(
-            logits[:, start:end], local_target, _block_valid(spec, start, end), spec.inv_temperature, row_max,
-            coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp, col_start=start)
+    spec.backend.shard_dlogits_(logits, local_target, spec.num_valid_cols, spec.inv_temperature, row_max,
+                                coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp)
     return logits
 
 
 def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec, offsets: tuple,
                        coefs: dict) -> Tensor:
     """A chunk's dlogits [rows, V_local] in the GEMM input dtype, its softmax offsets known: from the
-    logits GEMM's epilogue where the backend has it, else GEMM + dlogits kernel per vocab block."""
-    if len(_vocab_blocks(spec, weight.shape[0])) > 1 and not fused_dlogits(h, weight, spec):
-        logits, _ = chunk_forward(h, weight, local_target, spec, want_stats=False)
-        return gemm_input(chunk_dlogits_(logits, local_target, spec, offsets, coefs), h)
+    logits GEMM's epilogue where the backend has it, else GEMM + dlogits kernel."""
     return dlogits_gemm(h, weight, local_target, spec.num_valid_cols, spec, offsets, coefs)
 
 
 def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
                dw_out: Optional[Tensor], dw_accumulate: bool, scale: float = 1.0,
                cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
-    """dW per vocab block into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
+    """dW into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
     into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha; dW's times `dw_scale`
     too: the upstream gradient of a dW added into main_grad in the forward). With `cast_dw_to`
     (the last of several chunks, `dw_out` their fp32 sum), dW may instead be written in that dtype
@@ -264,9 +225,8 @@ def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_o
     dw_alpha = scale * dw_scale
     dw_last = None if cast_dw_to is None else last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, dw_alpha)
     if dw_out is not None and dw_last is None:
-        for start, end in _vocab_blocks(spec, dlogits.shape[1]):
-            matmul_into_(dw_out[start:end], dlogits[:, start:end].t(), h, accumulate=dw_accumulate,
-                         alpha=dw_alpha, cute=spec.cute_gemms)
+        matmul_into_(dw_out, dlogits.t(), h, accumulate=dw_accumulate, alpha=dw_alpha,
+                     weight_grad_gemm=spec.backend.weight_grad_gemm)
     if dx_out is not None:
         matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
     return dw_last
@@ -302,20 +262,15 @@ def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num
 def last_weight_grad(dlogits: Tensor, h: Tensor, spec: ChunkSpec, dw_sum: Tensor, dtype: torch.dtype,
                      scale: float = 1.0) -> Optional[Tensor]:
     """The last chunk's dW added to the fp32 sum of the others and written in `dtype` by one GEMM
-    per vocab block (gemm.matmul_add_cast), or None where no such GEMM applies (the caller then
-    adds into the sum and casts later)."""
-    blocks = _vocab_blocks(spec, dlogits.shape[1])
-    first_start, first_end = blocks[0]
-    if not (spec.cute_gemms and cute_backend.weight_grad_supported(
-            dlogits[:, first_start:first_end].t(), h, dtype, add=dw_sum[first_start:first_end])):
+    (the backend's weight_grad_gemm: gemm.matmul_add_cast), or None where no such GEMM applies (the
+    caller then adds into the sum and casts later)."""
+    gemm = spec.backend.weight_grad_gemm
+    if gemm is None or not gemm.supported(dlogits.t(), h, dtype, add=dw_sum):
         return None  # checked before allocating: no [V, H] buffer unless the GEMM runs
     out = torch.empty(dw_sum.shape, dtype=dtype, device=dw_sum.device)
-    for start, end in blocks:
-        dl_t, block_sum = dlogits[:, start:end].t(), dw_sum[start:end]
-        if not matmul_add_cast(out[start:end], dl_t, h, block_sum, alpha=scale):
-            # a block QuACK's TMA cannot address (unaligned block start): add, then cast it
-            matmul_into_(block_sum, dl_t, h, accumulate=True, alpha=scale)
-            out[start:end].copy_(block_sum)
+    if not matmul_add_cast(out, dlogits.t(), h, dw_sum, gemm, alpha=scale):  # `out` not addressable
+        matmul_into_(dw_sum, dlogits.t(), h, accumulate=True, alpha=scale)
+        out.copy_(dw_sum)
     return out
 
 
@@ -751,7 +706,7 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
             if one_hot_scale is None:
                 merged = reductions.merge_shard_stats(stats, spec.tp_group)
             else:  # the logits become softmax - one_hot in the same pass that takes lse
-                loss, lse = spec.row_kernel.ce_dlogits_(logits, local_target[start:end])
+                loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target[start:end])
                 target = lse - loss
                 # offsets M = z_y, log S = loss: M + log S = lse, and log p_y = -loss exactly
                 merged = reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss)
@@ -786,20 +741,21 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
 
 
 def _one_pass_scale(spec: ChunkSpec, token_grads, rows: Tensor, weight: Tensor, chunk_rows: int):
-    """c where every chunk's dlogits may come from spec.row_kernel as c (softmax - one_hot), in one
+    """c where every chunk's dlogits may come from the backend's row kernel as c (softmax - one_hot), in one
     pass over the logits: a float (the same c for every token, the GEMMs' alpha), PER_ROW (c_i read
     from each chunk's coefficients), or None where the statistics and dlogits are taken apart. It
     needs a shard with the whole vocab (TP = 1: nothing to merge between the two), a loss whose
     per-token gradient is c (softmax - one_hot) (`token_grads.softmax_minus_one_hot_scale`:
     cross-entropy without smoothing or z-loss, GRPO), whole-shard GEMMs in the input dtype, and the
-    row kernel's own conditions (cute_backend.supported)."""
+    row kernel's own conditions (its `supported`)."""
     scale_of = getattr(token_grads, "softmax_minus_one_hot_scale", None)
-    if (spec.row_kernel is None or scale_of is None or reductions.group_size(spec.tp_group) != 1
-            or spec.lean is not None or spec.vocab_block != 0 or spec.want_entropy or spec.want_sum_logits
+    row_kernel = spec.backend.row_kernel
+    if (row_kernel is None or scale_of is None or reductions.group_size(spec.tp_group) != 1
+            or spec.lean is not None or spec.want_entropy or spec.want_sum_logits
             or spec.logits_dtype is not None):
         return None
-    if not spec.row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
-                                     spec.inv_temperature, rows.device):
+    if not row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
+                                spec.inv_temperature, rows.device):
         return None
     return scale_of(rows.shape[0])
 

@@ -2,9 +2,9 @@
 dlogits once the softmax offsets are known (the backend's fused GEMM where it has one), and
 matmuls that write or add an fp32 product in place (weight gradients summed over chunks).
 
-cuBLAS runs them; the weight-gradient GEMMs run on QuACK's Hopper GEMM where the caller allows it
-and it applies (cute_backend.weight_grad_into_), and the last chunk's dW can add the fp32 sum of
-the others in that GEMM and be written in the weight dtype (matmul_add_cast)."""
+cuBLAS runs them; the weight-gradient GEMMs run on the backend's `weight_grad_gemm` where it has
+one and it applies (QuACK's Hopper GEMM: backends/cute_backend.py), and the last chunk's dW can add
+the fp32 sum of the others in that GEMM and be written in the weight dtype (matmul_add_cast)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cute_backend
+from .backends import WeightGradGemm
 
 
 def logits_into(out: Tensor, h: Tensor, weight_t: Tensor) -> Tensor:
@@ -56,7 +56,7 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
 
 
 def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool, alpha: float = 1.0,
-                 cute: bool = False) -> None:
+                 weight_grad_gemm: Optional[WeightGradGemm] = None) -> None:
     """out (+)= alpha * a @ b; `accumulate=False` overwrites (no zero-fill, no read of `out`).
 
     `out` is fp32 when gradients are summed over chunks: low-precision weight-gradient
@@ -64,10 +64,10 @@ def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool, alpha: 
     of bf16/fp16 inputs in place (out_dtype); elsewhere (CPU) the chunk product is rounded to the
     input dtype first. A single GEMM over all rows may write the input dtype directly: cuBLAS
     accumulates in fp32 internally. `alpha` is the GEMM's own scale (no pass over `out`).
-    `cute`: a weight-gradient GEMM that QuACK's GEMM runs where it applies.
+    `weight_grad_gemm`: a backend's dW GEMM, which runs this product where it applies.
     """
     global _FP32_OUT_MATMUL_OK
-    if cute and cute_backend.weight_grad_into_(out, a, b, accumulate=accumulate, alpha=alpha):
+    if weight_grad_gemm is not None and weight_grad_gemm.into_(out, a, b, accumulate=accumulate, alpha=alpha):
         return
     beta = 1 if accumulate else 0  # beta = 0: `out` is not read (NaN in it does not propagate)
     if out.dtype == a.dtype:
@@ -97,17 +97,12 @@ def matmul_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool, alpha: 
         torch.mul(torch.mm(a, b), alpha, out=out)
 
 
-def matmul_add_cast(out: Tensor, a: Tensor, b: Tensor, fp32_sum: Tensor, *, alpha: float = 1.0) -> bool:
-    """out = alpha * a @ b + fp32_sum, written in out's dtype by one GEMM (QuACK's epilogue adds the
-    sum): the last chunk's dW, so that no pass reads the fp32 sum again to cast it. False, having
-    done nothing, where that GEMM does not apply (cute_backend.weight_grad_into_)."""
-    return cute_backend.weight_grad_into_(out, a, b, alpha=alpha, add=fp32_sum)
-
-
-def fused_dlogits(h: Tensor, weight: Tensor, spec) -> bool:
-    """Whether spec's backend makes dlogits inside the logits GEMM for these inputs."""
-    supported = getattr(spec.backend, "gemm_dlogits_supported", None)
-    return supported is not None and h.shape[0] > 0 and supported(h, weight)
+def matmul_add_cast(out: Tensor, a: Tensor, b: Tensor, fp32_sum: Tensor, weight_grad_gemm: WeightGradGemm, *,
+                    alpha: float = 1.0) -> bool:
+    """out = alpha * a @ b + fp32_sum, written in out's dtype by one GEMM (the backend's dW GEMM adds
+    the sum in its epilogue): the last chunk's dW, so that no pass reads the fp32 sum again to cast
+    it. False, having done nothing, where that GEMM does not apply."""
+    return weight_grad_gemm.into_(out, a, b, alpha=alpha, add=fp32_sum)
 
 
 def dlogits_gemm(h: Tensor, w_block: Tensor, local_target: Tensor, num_valid: int, spec, offsets, coefs: dict,
@@ -119,8 +114,8 @@ def dlogits_gemm(h: Tensor, w_block: Tensor, local_target: Tensor, num_valid: in
     shard_dlogits_ in place."""
     row_max, log_sum_exp = offsets
     args = (local_target, num_valid)
-    if fused_dlogits(h, w_block, spec):
-        return spec.backend.gemm_dlogits(
+    if spec.backend.dlogits_in_gemm(h, w_block):
+        return spec.backend.gemm_dlogits.run(
             h, w_block, *args, w_block.shape[0], spec.inv_temperature, row_max, coefs["p"], coefs["pz"],
             coefs["target"], coefs["uniform"], log_sum_exp, col_start=col_start, round_logits=spec.logits_dtype is None)
     tile = logits_gemm(h, w_block, spec.logits_dtype)

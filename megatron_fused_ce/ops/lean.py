@@ -46,7 +46,8 @@ import torch
 from torch import Tensor
 
 from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_into_
-from .torch_backend import ShardStats, combine_blocks
+from .backends import ShardStats
+from .reductions import combine_blocks
 
 _REF_MARGIN = 60.0  # largest z - ref in sweep A: e^60 * V_local * |W| stays far below fp32 max
 _MAX_COLS_A = 16384  # vocab block of sweeps A / A' (K of the P @ W GEMM: amortizes the fp32 accumulator)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .torch_backend import ShardStats
+from .backends import ShardStats
 
 
 def group_size(group) -> int:
@@ -44,6 +44,30 @@ class MergedStats:
     def logprob(self) -> Tensor:
         """log p_y = (z_y - M) - log S."""
         return (self.target - self.max) - self.log_sum_exp
+
+
+def combine_blocks(parts: list) -> ShardStats:
+    """Merge the ShardStats of disjoint column blocks of one shard (same rows: lean mode's tiles)
+    into one, exactly as merge_shard_stats merges shards (without a collective)."""
+    if len(parts) == 1:
+        return parts[0]
+    maxes = torch.stack([p.max for p in parts])
+    row_max = maxes.amax(0)
+    safe_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    rescale = torch.exp(maxes - safe_max)  # a block without valid columns: exp(-inf) = 0
+    sums = torch.stack([p.sum_exp for p in parts])
+    sum_exp_shifted = None
+    if parts[0].sum_exp_shifted is not None:
+        shift = torch.where(torch.isfinite(maxes), maxes - safe_max, 0.0)
+        shifted = torch.stack([p.sum_exp_shifted for p in parts])
+        sum_exp_shifted = ((shifted + shift * sums) * rescale).sum(0)
+    return ShardStats(
+        max=row_max,
+        sum_exp=(sums * rescale).sum(0),
+        target=torch.stack([p.target for p in parts]).sum(0),
+        sum_logits=None if parts[0].sum_logits is None else torch.stack([p.sum_logits for p in parts]).sum(0),
+        sum_exp_shifted=sum_exp_shifted,
+    )
 
 
 def merge_shard_stats(stats: ShardStats, group) -> MergedStats:

@@ -65,7 +65,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reductions, sampling_torch
+from . import reductions
+from .backends import sampling_torch
 from .agreement import finite_real, is_int
 from .chunked import (
     ChunkSpec,
@@ -82,7 +83,7 @@ from .chunked import (
     last_of_several,
     recompute_grads,
 )
-from .sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
+from .backends.sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
 
 # Candidates per row when top_p is set: nuclei longer than this take the exact search.
 CANDIDATES = 128
@@ -184,15 +185,6 @@ def min_p_floor(row_max: Tensor, min_p: float) -> Tensor:
     # once, to fp32, on every device
     log_min_p = torch.tensor(math.log(min_p), dtype=torch.float32).item()
     return row_max.float() + log_min_p
-
-
-def kernels_for(backend):
-    """The sampling kernels that go with a chunk backend (torch_backend / triton_backend)."""
-    if backend.__name__.endswith("triton_backend"):
-        from . import sampling_triton
-
-        return sampling_triton
-    return sampling_torch
 
 
 def merge_candidates(keys: Tensor, group) -> Tensor:
@@ -390,7 +382,7 @@ def _kept_chunk(logits: Tensor, local_target: Tensor, labels: Tensor, spec: Chun
 def kept_forward(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, labels: Tensor,
                  spec: ChunkSpec, sp: SamplingSpec) -> KeptStats:
     """Chunk loop of the filtered forward pass over the rows given (labelled rows)."""
-    kernels = kernels_for(spec.backend)
+    kernels = spec.backend
     results = []
     for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
         logits = chunk_logits(hidden_rows[start:end], weight, spec)
@@ -437,7 +429,7 @@ class LinearKeptStats(torch.autograd.Function):
         hidden, weight, row_index, local_target, lse, entropy, row_max, log_sum_exp, z_cut, id_cut = \
             ctx.saved_tensors
         spec, sp = ctx.spec, ctx.sp
-        kernels = kernels_for(spec.backend)
+        kernels = spec.backend
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         coefs = coefficients(g_target, g_lse, None, g_entropy, entropy, lse)
 
@@ -479,7 +471,7 @@ def sampled_statistics(hidden2d: Tensor, weight: Tensor, row_index: Optional[Ten
         return kept_forward(_rows(full, row_index), weight, local_target, labels, spec, sp)
 
     # return_topk only: today's statistics, candidates collected from the same chunks
-    kernels, keys = kernels_for(spec.backend), []
+    kernels, keys = spec.backend, []
 
     def collect(logits):
         keys.append(kernels.shard_candidates(logits, spec.num_valid_cols, spec.inv_temperature,

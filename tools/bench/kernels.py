@@ -21,7 +21,7 @@ def _chunk_inputs(device, chunk, hdim, v, seed):
 
 def kernel_check_and_breakdown(args, device, results, shape, chunk):
     """Triton backend vs torch backend on production block sizes, and one chunk's cost split."""
-    from megatron_fused_ce.ops import torch_backend, triton_backend as tb
+    from megatron_fused_ce.ops.backends import torch_backend, triton_backend as tb
     n_tok, hdim, v = shape
     out = dict(shape=list(shape), chunk=chunk, checks={}, times_ms={})
     log(f"\n== kernel check + per-chunk breakdown: chunk [{chunk}, {v}] bf16, H={hdim}")
@@ -122,7 +122,7 @@ def kernel_check_and_breakdown(args, device, results, shape, chunk):
 def sampler_kernel_check(args, device, results, shape, chunk):
     """The sampler-fidelity Triton kernels vs their torch reference on one production chunk
     (candidates must be identical), and their cost next to the plain stats kernel."""
-    from megatron_fused_ce.ops import sampling_torch as st, sampling_triton as sx, triton_backend as tb
+    from megatron_fused_ce.ops.backends import sampling_torch as st, sampling_triton as sx, triton_backend as tb
     _, hdim, v = shape
     out = dict(shape=list(shape), chunk=chunk, checks={}, times_ms={})
     log(f"\n== sampler kernels: chunk [{chunk}, {v}] bf16, H={hdim}, T={methods.SAMPLER_TEMPERATURE}")

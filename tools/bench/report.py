@@ -291,7 +291,7 @@ def environment():
         except Exception:  # noqa: BLE001
             env[dist] = None
     if torch.cuda.is_available():
-        from megatron_fused_ce.ops import cute_backend
+        from megatron_fused_ce.ops.backends import cute_backend
         env["cute_row_kernel"] = cute_backend.supported(torch.bfloat16, 8, 8, 8, 1.0, torch.device("cuda"))
     try:
         git = ["git", "-C", str(REPO)]

@@ -42,7 +42,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .torch_backend import _scaled_fp32
+
+def scaled_fp32(logits: Tensor, num_valid_cols: int, inv_temperature: float) -> Tensor:
+    """z = fp32(logits) / T over the valid (unpadded) columns: what every torch kernel reduces
+    (the chunk backend's too: torch_backend.py)."""
+    z = logits[:, :num_valid_cols].float()
+    if inv_temperature != 1.0:
+        z = z * inv_temperature
+    return z
+
 
 KEY_NONE = -(2**63)  # an empty candidate slot: below every real key
 ID_ALL = 2**63 - 1  # id_cut: every token tied at z_cut is kept
@@ -92,7 +100,7 @@ def shard_candidates(logits: Tensor, num_valid_cols: int, inv_temperature: float
     take = min(num_candidates, num_valid_cols)
     if n == 0 or take == 0:
         return out
-    z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
+    z = scaled_fp32(logits, num_valid_cols, inv_temperature)
     ids = torch.arange(vocab_start, vocab_start + num_valid_cols, device=logits.device)
     # unique keys: torch.topk's arbitrary choice among equal values cannot matter
     out[:, :take] = candidate_keys(z, ids).topk(take, dim=1, sorted=True).values
@@ -135,7 +143,7 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
     if num_valid_cols == 0 or n == 0:
         return empty_kept_sums(n, logits.device, local_target is not None, want_entropy, want_count,
                                want_total)
-    z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
+    z = scaled_fp32(logits, num_valid_cols, inv_temperature)
     ids = torch.arange(vocab_start, vocab_start + num_valid_cols, device=logits.device)
     keep = kept_mask(z, ids, z_cut, id_cut)
     shifted = z - row_max.unsqueeze(1)
@@ -164,7 +172,7 @@ def kept_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv
         logits[:, num_valid_cols:].zero_()
     if num_valid_cols == 0 or logits.shape[0] == 0:
         return logits
-    z = _scaled_fp32(logits, num_valid_cols, inv_temperature)
+    z = scaled_fp32(logits, num_valid_cols, inv_temperature)
     ids = torch.arange(vocab_start, vocab_start + num_valid_cols, device=logits.device)
     keep = kept_mask(z, ids, z_cut, id_cut)
     log_q = (z - row_max.unsqueeze(1)) - log_sum_exp.unsqueeze(1)
@@ -193,7 +201,7 @@ def tie_id(logits: Tensor, rows: Tensor, num_valid_cols: int, inv_temperature: f
         return out
     for start in range(0, n, TIE_ROWS):  # a few rows at a time: int32 cumsums of whole rows
         block = slice(start, min(start + TIE_ROWS, n))
-        z = _scaled_fp32(logits.index_select(0, rows[block]), num_valid_cols, inv_temperature)
+        z = scaled_fp32(logits.index_select(0, rows[block]), num_valid_cols, inv_temperature)
         tied = z == value[block].unsqueeze(1)
         hit = tied & (tied.cumsum(dim=1, dtype=torch.int32) == position[block].unsqueeze(1))
         found = hit.any(dim=1) & (position[block] > 0)

@@ -1,7 +1,8 @@
 """Per-chunk softmax math on one vocab shard, in Triton: the GPU backend.
 
-Same two functions, arguments and results as torch_backend.py (read its module docstring for the
-math); tests/test_triton_backend.py checks them against each other, on CPU under TRITON_INTERPRET=1.
+Same functions, arguments and results as torch_backend.py (read its module docstring for the
+math), and two capabilities of its own (backends/__init__.py); tests/test_triton_backend.py checks
+them against the torch backend, on CPU under TRITON_INTERPRET=1.
 
 - `shard_stats`: one read of the [n, V_local] chunk. Each program takes one row and one contiguous
   range ("split") of its valid columns and walks it in blocks of BLOCK_N columns, keeping an online
@@ -19,10 +20,11 @@ math); tests/test_triton_backend.py checks them against each other, on CPU under
   of logits, in place: one program per row takes the row's max, moves the reference when that max
   is too far above it (rescaling the row's sums and its row of the accumulator), overwrites the row
   with exp(z - ref_max) and accumulates the row's partials.
-- `gemm_shard_stats` (triton_gemm_stats.py): the logits GEMM with the statistics in its epilogue,
+- `gemm_stats` (triton_gemm_stats.py): the logits GEMM with the statistics in its epilogue,
   for forward passes that need no logits afterwards.
 - `gemm_dlogits` (triton_gemm_dlogits.py): the logits GEMM with `shard_dlogits_`'s math in its
   epilogue, where the softmax offsets are known before the GEMM (backward recompute, lean sweeps).
+- the sampler filters' kernels: sampling_triton.py.
 - `shard_dlogits_`: one read and one write of the chunk, in place. A 2-D grid of (row, column
   block) programs; each computes dL/dlogits = inv_T * (exp(z - lse) (c_p + c_pz (z - lse)) + c_u
   + c_t [k == y]) in fp32 and stores it in the chunk's dtype; padding columns get 0.
@@ -34,7 +36,6 @@ hold more than 2^31 elements).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -42,13 +43,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import torch_backend
-from .torch_backend import ShardStats, combine_blocks  # noqa: F401  (combine_blocks: shared math)
-from . import triton_gemm_dlogits
-from .triton_gemm_dlogits import gemm_dlogits  # noqa: F401
-from .triton_gemm_stats import _f32, round_bf16_by_hand
-from .triton_gemm_stats import gemm_shard_stats  # noqa: F401
-from .triton_gemm_stats import supported as gemm_stats_supported  # noqa: F401
+from . import Backend, FusedGemm, ShardStats, torch_backend, triton_gemm_dlogits, triton_gemm_stats
+from .triton_common import f32 as _f32, interpreting as _interpreting, sm_count as _sm_count
+from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (at the memory roofline: docs/design.md §10.6). Module-level so that
 # tools/benchmark.py can try a variant; not a public API.
@@ -172,20 +169,6 @@ def _dlogits_kernel(
     tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < num_cols)
 
 
-_SM_COUNT: dict = {}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # TRITON_INTERPRET on CPU: any small number
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def shard_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
@@ -392,3 +375,14 @@ def exp_tile_(tile: Tensor, local_target: Tensor, num_valid_cols: int, inv_tempe
         ROUND_BF16=_interpreting() and tile.dtype == torch.bfloat16, num_warps=STATS_WARPS,
     )
     return tile
+
+
+from . import sampling_triton  # noqa: E402  (it uses the helpers above)
+
+BACKEND = Backend(
+    name="triton", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
+    exp_tile_=exp_tile_, shard_candidates=sampling_triton.shard_candidates, kept_sums=sampling_triton.kept_sums,
+    kept_dlogits_=sampling_triton.kept_dlogits_,
+    gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
+    gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
+)

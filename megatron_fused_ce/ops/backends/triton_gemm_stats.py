@@ -23,14 +23,14 @@ with H a multiple of BLOCK_K (64) and 16-byte aligned rows; `supported()` says w
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .torch_backend import ShardStats
+from . import ShardStats
+from .triton_common import interpreting as _interpreting, sm_count as _programs
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
 # benchmark shapes (docs/design.md §10.3). Module-level so that tests can shrink them.
@@ -38,10 +38,6 @@ TILE = (128, 256, 64, 8, 3)
 GROUP_M = 16  # row tiles that share a column tile consecutively (L2 reuse of the weight)
 PARTIALS_BYTES = 64 * 1024 * 1024  # bound on the per-tile partials of one launch
 MERGE_BLOCK_R, MERGE_BLOCK_T = 32, 64
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def supported(hidden_rows: Tensor, weight: Tensor, block_k: int = 0) -> bool:
@@ -95,11 +91,6 @@ def round_bf16_by_hand(x):
     whose fp32 -> bf16 cast truncates; compiled kernels cast."""
     bits = x.to(tl.uint32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-
-def _f32(t: Tensor) -> Tensor:
-    """A per-row coefficient as the kernels read it: fp32, contiguous."""
-    return t.to(torch.float32).contiguous()
 
 
 @triton.jit
@@ -208,16 +199,6 @@ def _merge_tiles_kernel(pm_ptr, ps_ptr, pl_ptr, pe_ptr, m_ptr, s_ptr, l_ptr, e_p
         tl.store(e_ptr + rows, se, mask=row_ok)
 
 
-_SM_COUNT: dict = {}
-
-
-def _programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def _scratch(size: int, align: int, stream) -> Tensor:

@@ -30,8 +30,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import sampling_torch
-from .sampling_torch import KEY_NONE, KeptSums, tie_id  # noqa: F401  (tie_id: shared torch code)
-from .triton_backend import _f32, _interpreting, _sm_count
+from .sampling_torch import KEY_NONE, KeptSums
+from .triton_common import f32 as _f32, interpreting as _interpreting, sm_count as _sm_count
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API).

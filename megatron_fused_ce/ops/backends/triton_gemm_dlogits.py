@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_gemm_stats import (_f32, _interpreting, _programs, _tile_coords, _use_tma, descriptor_scratch,
-                                operand_descriptors, round_bf16_by_hand, tile_product)
+from .triton_common import f32 as _f32, interpreting as _interpreting, sm_count as _programs
+from .triton_gemm_stats import (_tile_coords, _use_tma, descriptor_scratch, operand_descriptors, round_bf16_by_hand,
+                                tile_product)
 from .triton_gemm_stats import supported as _gemm_supported
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Module-level so that tests can shrink it.

@@ -5,7 +5,8 @@ Megatron's output layer would produce. Here it is scaled by 1/temperature (z = l
 reduced in fp32. Columns at or past `num_valid_cols` are Megatron's vocab padding: they take no part
 in any sum and get zero gradient.
 
-Two functions make a backend (triton_backend.py has the same two, with the same arguments):
+Two functions make the core of a backend (triton_backend.py has the same two, with the same
+arguments; the interface and the other capabilities: backends/__init__.py):
 
 - `shard_stats` -> `ShardStats`: this shard's per-token partials, to be merged across tensor-parallel
   ranks by `reductions.merge_shard_stats`.
@@ -27,47 +28,18 @@ another block (the chunk loop and lean mode walk the shard in blocks without re-
 Lean mode (lean.py) adds one function, `exp_tile_`: overwrite a tile of logits with
 exp(z - ref_max) against a per-row reference (moved, with what was summed against it rescaled,
 when the tile goes too far above it) and accumulate its partials. `combine_blocks` (plain
-math, shared by both backends) merges the partials of column blocks of one shard.
+math: reductions.py) merges the partials of column blocks of one shard.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-
-@dataclass
-class ShardStats:
-    """Per-token partials over this rank's valid vocab columns (fp32, shape [n])."""
-
-    max: Tensor  # m = max_k z_k (-inf when the shard has no valid column)
-    sum_exp: Tensor  # sum_k exp(z_k - m)
-    target: Tensor  # z_y when the label lives on this shard, else 0
-    sum_logits: Optional[Tensor] = None  # sum_k z_k (label smoothing)
-    sum_exp_shifted: Optional[Tensor] = None  # sum_k exp(z_k - m) * (z_k - m) (entropy)
-
-    @staticmethod
-    def empty(n: int, device, want_sum_logits: bool = False, want_entropy: bool = False) -> "ShardStats":
-        """The partials of rows without a valid column (a shard made only of padding, or no rows):
-        max -inf, every sum 0."""
-        zeros = torch.zeros(n, dtype=torch.float32, device=device)
-        return ShardStats(
-            max=torch.full_like(zeros, float("-inf")),
-            sum_exp=zeros,
-            target=zeros.clone(),
-            sum_logits=zeros.clone() if want_sum_logits else None,
-            sum_exp_shifted=zeros.clone() if want_entropy else None,
-        )
-
-
-def _scaled_fp32(logits: Tensor, num_valid_cols: int, inv_temperature: float) -> Tensor:
-    z = logits[:, :num_valid_cols].float()
-    if inv_temperature != 1.0:
-        z = z * inv_temperature
-    return z
+from . import Backend, ShardStats, sampling_torch
+from .sampling_torch import scaled_fp32 as _scaled_fp32
 
 
 def _target_mask(local_target: Tensor, col_start: int, width: int) -> tuple[Tensor, Tensor]:
@@ -165,30 +137,6 @@ def scale_(t: Tensor, scale: Tensor) -> Tensor:
     return t
 
 
-def combine_blocks(parts: list) -> ShardStats:
-    """Merge the ShardStats of disjoint column blocks of one shard (same rows) into one, exactly as
-    reductions.merge_shard_stats merges shards (without a collective)."""
-    if len(parts) == 1:
-        return parts[0]
-    maxes = torch.stack([p.max for p in parts])
-    row_max = maxes.amax(0)
-    safe_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    rescale = torch.exp(maxes - safe_max)  # a block without valid columns: exp(-inf) = 0
-    sums = torch.stack([p.sum_exp for p in parts])
-    sum_exp_shifted = None
-    if parts[0].sum_exp_shifted is not None:
-        shift = torch.where(torch.isfinite(maxes), maxes - safe_max, 0.0)
-        shifted = torch.stack([p.sum_exp_shifted for p in parts])
-        sum_exp_shifted = ((shifted + shift * sums) * rescale).sum(0)
-    return ShardStats(
-        max=row_max,
-        sum_exp=(sums * rescale).sum(0),
-        target=torch.stack([p.target for p in parts]).sum(0),
-        sum_logits=None if parts[0].sum_logits is None else torch.stack([p.sum_logits for p in parts]).sum(0),
-        sum_exp_shifted=sum_exp_shifted,
-    )
-
-
 def exp_tile_(
     tile: Tensor,
     local_target: Tensor,
@@ -238,3 +186,11 @@ def exp_tile_(
         tile[:, valid:].zero_()
     tile[:, :valid].copy_(p)
     return tile
+
+
+BACKEND = Backend(
+    name="torch", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
+    exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
+    kept_dlogits_=sampling_torch.kept_dlogits_,
+    tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
+)

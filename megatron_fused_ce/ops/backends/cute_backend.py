@@ -25,7 +25,8 @@ tried on an H100 for the bounded default's chunks (docs/design.md §10.11): no a
 disk). There, QuACK's GEMMs were also timed for the logits and dX GEMMs and were not faster than
 cuBLAS on every shape, which keeps them. SM90 only: the configurations were measured there.
 
-`_kernel()` and `_gemm()` are the only calls into QuACK (`cross_entropy_fwd_out`, `gemm_tuned.fn`);
+Both reach the chunk loop as capabilities of the "auto" backend (`ROW_KERNEL`, `WEIGHT_GRAD_GEMM`,
+backends/__init__.py). `_kernel()` and `_gemm()` are the only calls into QuACK (`cross_entropy_fwd_out`, `gemm_tuned.fn`);
 tests replace them with `reference_kernel` / `reference_gemm` (the same contracts in torch), and
 `_available` / `_gemm_available` with True, to check the integration on CPU.
 """
@@ -38,6 +39,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from . import RowKernel, WeightGradGemm
 
 ENABLED = os.environ.get("MEGATRON_FUSED_CE_CUTE", "1") not in ("0", "", "false", "False")
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -169,3 +172,8 @@ def reference_gemm(a: Tensor, b: Tensor, out: Tensor, c: Optional[Tensor], *, al
     if add_to_output:
         acc = acc + out.float()
     out.copy_(acc)
+
+
+# what impl="auto" adds to the chunk backend (backends.select)
+ROW_KERNEL = RowKernel(supported=supported, ce_dlogits_=ce_dlogits_)
+WEIGHT_GRAD_GEMM = WeightGradGemm(supported=weight_grad_supported, into_=weight_grad_into_)

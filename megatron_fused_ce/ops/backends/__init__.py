@@ -1,0 +1,142 @@
+"""Backends: the per-chunk math of the op behind one interface, and the choice among them.
+
+A backend turns one chunk of logits (`[rows, V_local]`, this rank's vocab shard) into what the
+chunk loop needs. Every backend has the required math; what a backend does faster is stated as a
+capability, and the chunk loop asks for the capability, never for a backend by name:
+
+| capability | what it replaces | who has it |
+|---|---|---|
+| `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
+| `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
+| `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
+| `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
+| `weight_grad_gemm`: the dW GEMMs (write, add in place, add a sum and cast) | cuBLAS | QuACK, added to "auto" |
+
+The math of each function is in torch_backend.py's module docstring; triton_backend.py and
+sampling_triton.py give the same results (tests/test_triton_backend.py, tests/test_sampling_triton.py),
+cute_backend.py states the contract of its two capabilities and where they apply. A new backend
+(another GPU generation, say) is one module that builds a `Backend` and one line in `select`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+IMPLS = ("auto", "torch", "triton")  # linear_logprobs(impl=...)
+
+
+@dataclass
+class ShardStats:
+    """Per-token partials over this rank's valid vocab columns (fp32, shape [n])."""
+
+    max: Tensor  # m = max_k z_k (-inf when the shard has no valid column)
+    sum_exp: Tensor  # sum_k exp(z_k - m)
+    target: Tensor  # z_y when the label lives on this shard, else 0
+    sum_logits: Optional[Tensor] = None  # sum_k z_k (label smoothing)
+    sum_exp_shifted: Optional[Tensor] = None  # sum_k exp(z_k - m) * (z_k - m) (entropy)
+
+    @staticmethod
+    def empty(n: int, device, want_sum_logits: bool = False, want_entropy: bool = False) -> "ShardStats":
+        """The partials of rows without a valid column (a shard made only of padding, or no rows):
+        max -inf, every sum 0."""
+        zeros = torch.zeros(n, dtype=torch.float32, device=device)
+        return ShardStats(
+            max=torch.full_like(zeros, float("-inf")),
+            sum_exp=zeros,
+            target=zeros.clone(),
+            sum_logits=zeros.clone() if want_sum_logits else None,
+            sum_exp_shifted=zeros.clone() if want_entropy else None,
+        )
+
+
+
+
+@dataclass(frozen=True)
+class FusedGemm:
+    """A logits GEMM with an epilogue: `run(...)` where `supported(h, weight)` (the inputs' dtype,
+    alignment, device)."""
+
+    supported: Callable
+    run: Callable
+
+
+@dataclass(frozen=True)
+class RowKernel:
+    """One pass over a chunk of logits giving each row's (loss = lse - z_target, lse) and leaving
+    softmax - one_hot(target) in place: `ce_dlogits_(logits, target)`, where
+    `supported(dtype, rows, cols, valid_cols, inv_temperature, device)`."""
+
+    supported: Callable
+    ce_dlogits_: Callable
+
+
+@dataclass(frozen=True)
+class WeightGradGemm:
+    """dW GEMMs: `into_(out, a, b, accumulate=, alpha=, add=)` writes or adds alpha * a @ b (with
+    `add`: alpha * a @ b + add, written in out's dtype) and returns False, having done nothing,
+    where it does not apply; `supported(a, b, out_dtype, accumulate=, add=)` asks first."""
+
+    supported: Callable
+    into_: Callable
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    # required: chunk statistics and dlogits, in-place scaling by the upstream gradient, lean's
+    # exp tile, and the sampler filters' kernels (candidates, kept-set sums, kept-set dlogits)
+    shard_stats: Callable
+    shard_dlogits_: Callable
+    scale_: Callable
+    scale_cast: Callable
+    exp_tile_: Callable
+    shard_candidates: Callable
+    kept_sums: Callable
+    kept_dlogits_: Callable
+    # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)
+    tile_scratch_bytes: int = 0
+    # capabilities (None: not available)
+    gemm_stats: Optional[FusedGemm] = None
+    gemm_dlogits: Optional[FusedGemm] = None
+    row_kernel: Optional[RowKernel] = None
+    weight_grad_gemm: Optional[WeightGradGemm] = None
+
+    def stats_in_gemm(self, h, weight) -> bool:
+        return self.gemm_stats is not None and h.shape[0] > 0 and self.gemm_stats.supported(h, weight)
+
+    def dlogits_in_gemm(self, h, weight) -> bool:
+        return self.gemm_dlogits is not None and h.shape[0] > 0 and self.gemm_dlogits.supported(h, weight)
+
+
+def _triton_or_none() -> Optional[Backend]:
+    try:
+        from . import triton_backend
+    except ImportError:
+        return None
+    return triton_backend.BACKEND
+
+
+def triton_available() -> bool:
+    return _triton_or_none() is not None
+
+
+def select(impl: str, device: torch.device) -> Backend:
+    """The backend that runs `impl` on `device`: "torch" the reference; "triton" the Triton kernels
+    (ValueError where Triton does not import); "auto" the Triton kernels on CUDA (the torch
+    reference elsewhere), plus QuACK's row kernel and dW GEMM, which decline where they do not
+    apply (cute_backend.py)."""
+    from . import cute_backend, torch_backend
+
+    if impl == "torch":
+        return torch_backend.BACKEND
+    triton = _triton_or_none()
+    if impl == "triton":
+        if triton is None:
+            raise ValueError("impl: 'triton' was requested but triton cannot be imported")
+        return triton
+    base = triton if device.type == "cuda" and triton is not None else torch_backend.BACKEND
+    return replace(base, row_kernel=cute_backend.ROW_KERNEL, weight_grad_gemm=cute_backend.WEIGHT_GRAD_GEMM)
