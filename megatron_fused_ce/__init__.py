@@ -7,7 +7,8 @@ Losses on log-probs (SFT/DPO/GRPO) live in `megatron_fused_ce.losses`, the Megat
 in `megatron_fused_ce.megatron`.
 """
 
-from .ops import LogprobsOutput, linear_cross_entropy, linear_logprobs
+from .losses.linear_cross_entropy import linear_cross_entropy
+from .ops import LogprobsOutput, linear_logprobs
 
 __all__ = ["LogprobsOutput", "linear_cross_entropy", "linear_logprobs"]
 __version__ = "0.1.0"

@@ -1,4 +1,6 @@
-"""Losses on per-token log-probs: SFT (NLL), DPO and the GRPO family.
+"""Losses on per-token log-probs: SFT (NLL), DPO and the GRPO family; and the two fused losses whose
+gradients are made in the forward pass from hidden states (``linear_cross_entropy``,
+``linear_grpo_loss``: ops/forward_grad.py is their contract).
 
 Pure functions of tensors: they give the same result on log-probs from ``linear_logprobs`` (no
 logits tensor) and on ``log_softmax`` of materialized logits. Each returns ``(loss, metrics)`` with
@@ -32,6 +34,7 @@ from .grpo import (
     GRPOConfig,
     grpo_loss,
 )
+from .linear_cross_entropy import linear_cross_entropy
 from .linear_grpo import linear_grpo_loss
 from .nll import masked_mean, masked_sum, nll_loss, safe_divide
 
@@ -52,6 +55,7 @@ __all__ = [
     "GRPOConfig",
     "grpo_loss",
     "linear_grpo_loss",
+    "linear_cross_entropy",
     "needs_reference_logprobs",
     "needs_old_logprobs",
     "masked_sum",

@@ -11,8 +11,8 @@ importance ratios is a weighted sum of per-token terms, so d loss / d lp_t depen
 constants alone. The totals depend on the mask and old / sampling log-probs only, so they are
 computed (and summed over ``cp_group``) before the chunk loop. As soon as a chunk's log-probs are
 known (merged over TP ranks), the loss given those totals is evaluated with autograd on a [B, T]
-buffer holding them and its gradient w.r.t. those tokens is read off; the chunk's dlogits, dX and
-dW follow at once. No context-parallel collective runs inside the chunk loop (CP ranks may have
+buffer holding them and its gradient w.r.t. those tokens is read off (``GRPOGrads``, on the
+forward-gradient contract of ops/forward_grad.py); the chunk's dlogits, dX and dW follow at once. No context-parallel collective runs inside the chunk loop (CP ranks may have
 different numbers of chunks). The loss value and metrics come from one final `grpo_loss` call on
 all log-probs. Reusing `grpo.py` keeps one definition of every option.
 
@@ -22,8 +22,10 @@ policy's own (on-policy), since then rho of one token depends on the others' log
 
 Excluded tokens (a ``-inf`` log-prob, see ``grpo.py``): those of the old / sampling log-probs are
 known before the loop and enter the totals; the policy's own log-probs here are those of the full
-softmax, never ``-inf``. (A sampler filter on the policy log-probs would change the totals during
-the loop, so it would have to take the recompute path.)
+softmax, never ``-inf``. A sampling mask (``sampling_mask``: the engine's kept sets, replayed by
+``linear_logprobs``) makes some of them ``-inf``, which changes the totals during the loop: with a
+mask the loss takes the recompute path (``grpo_loss`` on ``linear_logprobs(..., sampling_mask=)``).
+The reference model's log-probs stay those of the plain softmax (passed in, never masked here).
 """
 
 from __future__ import annotations
@@ -34,9 +36,38 @@ import torch
 from torch import Tensor
 
 from ..ops.api import linear_logprobs, token_statistics
-from ..ops.chunked import PER_ROW
+from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 from .grpo import GRPOConfig, batch_totals, check_grpo_arguments, grpo_loss, loss_given_totals
 from .nll import Normalizer
+
+
+class GRPOGrads(ForwardGradLoss):
+    """d loss / d (target, lse) of each token of a chunk under token-level ratios: the loss given the
+    batch totals (grpo.loss_given_totals) is differentiated w.r.t. the chunk's log-probs, placed in
+    a [B, T] buffer (module doc). `totals` may be None: computed by `totals_of_batch` at the first
+    chunk (while its logits GEMM runs)."""
+
+    def __init__(self, totals, totals_of_batch, batch: int, length: int, sequence_first: bool,
+                 placeholder: Tensor, loss_given):
+        self.totals, self.totals_of_batch = totals, totals_of_batch
+        self.batch, self.length, self.sequence_first = batch, length, sequence_first
+        self.placeholder, self.loss_given = placeholder, loss_given
+
+    def token_grads(self, stats, positions: Tensor, num_labelled: int) -> TokenGrads:
+        if self.totals is None:
+            self.totals = self.totals_of_batch()
+        if self.sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
+            positions = (positions % self.batch) * self.length + positions // self.batch
+        with torch.enable_grad():
+            chunk_logprobs = stats.logprob().detach().requires_grad_()
+            logprobs = self.placeholder.index_put((positions,), chunk_logprobs).view(self.batch, self.length)
+            (grad,) = torch.autograd.grad(self.loss_given(logprobs, self.totals), chunk_logprobs)
+        return TokenGrads(target=grad, lse=-grad)  # log p = target - lse
+
+    def one_hot_scale(self, num_labelled: int) -> str:
+        # each token's dlogits are -grad_i (softmax - one_hot): a row kernel's softmax - one_hot
+        # times the per-token factor, applied in the GEMMs
+        return PER_ROW
 
 
 def gradients_in_forward_apply(config: GRPOConfig, old_logprobs, sampling_logprobs) -> bool:
@@ -73,6 +104,7 @@ def linear_grpo_loss(
     logits_dtype: Optional[torch.dtype] = None,
     max_chunk_bytes: Optional[int] = None,
     expected_upstream_grad: Optional[float] = None,
+    sampling_mask=None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO loss and metrics from hidden states (see the module doc and `grpo_loss`).
 
@@ -87,6 +119,11 @@ def linear_grpo_loss(
     `expected_upstream_grad`: the gradient the loss will receive, if known at forward time; with
     `accumulate_into_main_grad` dW then goes into main_grad in the forward with no fp32 buffer (see
     `linear_cross_entropy`).
+    `sampling_mask`: the kept sets the engine sampled from (see `linear_logprobs`), in the
+    row-major order of `labels` as passed ([T, B] under `sequence_parallel`; this rank's positions
+    under `cp_group`: ops.replay.slice_sampling_mask): the policy's log-probs are those of the
+    engine's sampling distribution, and a sampled token outside its set is excluded. Recompute
+    path (module doc).
     """
     sequence_first = bool(sequence_parallel)
     needs_grad = torch.is_grad_enabled() and any(
@@ -106,7 +143,8 @@ def linear_grpo_loss(
 
     check_grpo_arguments("linear_grpo_loss", mask, advantages, mask, config, **loss_kwargs,
                          cp_group=cp_group, other_groups=(tp_group,), extra_check=check_mask_and_labels,
-                         extra_flags=[("needs_grad", needs_grad)], shape_source="mask")
+                         extra_flags=[("needs_grad", needs_grad), ("sampling_mask given", sampling_mask is not None)],
+                         shape_source="mask")
 
     # masked tokens never reach the loss: drop their rows before any GEMM
     keep = (mask.t() if sequence_first else mask) != 0
@@ -120,8 +158,9 @@ def linear_grpo_loss(
     def to_batch_layout(logprobs: Tensor) -> Tensor:
         return logprobs.t() if sequence_first else logprobs
 
-    if not needs_grad or not gradients_in_forward_apply(config, old_logprobs, sampling_logprobs):
-        logprobs = linear_logprobs(hidden, weight, labels, **op_kwargs).logprobs
+    if (sampling_mask is not None or not needs_grad
+            or not gradients_in_forward_apply(config, old_logprobs, sampling_logprobs)):
+        logprobs = linear_logprobs(hidden, weight, labels, **op_kwargs, sampling_mask=sampling_mask).logprobs
         return grpo_loss(to_batch_layout(logprobs), advantages, mask, config, **loss_kwargs,
                          cp_group=cp_group)
 
@@ -139,27 +178,14 @@ def linear_grpo_loss(
     # ~30 small kernels fewer before the first GEMM, where the GPU would wait for the host.
     totals = totals_of_batch() if cp_group is not None else None
 
-    def token_grads(merged, positions, num_labelled):
-        nonlocal totals
-        if totals is None:
-            totals = totals_of_batch()
-        if sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
-            positions = (positions % batch) * length + positions // batch
-        with torch.enable_grad():
-            chunk_logprobs = merged.logprob().detach().requires_grad_()
-            logprobs = placeholder.index_put((positions,), chunk_logprobs).view(batch, length)
-            loss = loss_given_totals(logprobs, advantages, mask, config, totals, **loss_kwargs)
-            (grad,) = torch.autograd.grad(loss, chunk_logprobs)
-        return grad, -grad, None, None  # log p = target - lse
-
-    # each token's dlogits are -grad_i (softmax - one_hot): the chunk loop may take softmax - one_hot
-    # from a one-pass row kernel and apply the per-token factor in its GEMMs (the backend's row_kernel)
-    token_grads.softmax_minus_one_hot_scale = lambda num_labelled: PER_ROW
+    forward_grad = GRPOGrads(totals, totals_of_batch, batch, length, sequence_first, placeholder,
+                             lambda logprobs, totals: loss_given_totals(logprobs, advantages, mask, config, totals,
+                                                                        **loss_kwargs))
 
     # every per-token gradient depends on these: TP ranks that differ would sum unrelated dX parts
     must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)
     stats = token_statistics("linear_grpo_loss", hidden, weight, labels, **op_kwargs,
-                             want_sum_logits=False, want_entropy=False, token_grads=token_grads,
+                             want_sum_logits=False, want_entropy=False, forward_grad=forward_grad,
                              must_agree=must_agree, expected_upstream_grad=expected_upstream_grad)
     with torch.no_grad():
         logprobs = to_batch_layout(stats.to_full(stats.logprob()))

@@ -1,4 +1,5 @@
-"""Public entry points: `linear_logprobs` and `linear_cross_entropy`.
+"""The op's entry: `linear_logprobs`, and `token_statistics`, which every fused entry point runs
+(linear_logprobs here; the gradients-in-forward losses in losses/, on ops/forward_grad.py).
 
 One token's path: its hidden row (all-gathered first under sequence parallelism) -> if its label is
 not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this rank's vocab shard ->
@@ -16,8 +17,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import backends, lean, reductions, sampling
+from . import backends, lean, reductions, replay, sampling
 from .agreement import Agreement, finite_real, fits_int64, is_int
+from .forward_grad import ForwardGradLoss
 from .chunked import (
     ChunkSpec,
     LinearLossGradInForward,
@@ -105,6 +107,7 @@ _LABEL_DTYPES = (torch.int64, torch.int32)
 class _Agreed:
     true_vocab: int  # the unpadded global vocab size
     num_labelled: int  # labelled tokens of the call (the same on every rank)
+    mask_rows: int = 0  # labelled tokens with a kept set in the sampling mask (replay.py)
 
 
 def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_size, temperature,
@@ -164,7 +167,7 @@ def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_s
 
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, temperature, chunk_size,
                      sequence_parallel, impl, ignore_index, logits_dtype, memory_mode, want_entropy,
-                     grad_path, max_chunk_bytes, extra_checks, must_agree) -> _Agreed:
+                     grad_path, max_chunk_bytes, extra_checks, must_agree, mask_check=None) -> _Agreed:
     """Raise the same ValueError on every TP rank for bad input or arguments that differ across
     ranks; else return what the ranks agreed on. One all-reduce of a small int64 vector."""
     tp_size = reductions.group_size(tp_group)
@@ -227,6 +230,8 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
             agreement.equal_tensor(name, value)
         else:
             agreement.equal(name, value)
+    if mask_check is not None:  # linear_logprobs: the sampling mask's entries, on every rank
+        mask_check.register(agreement, device)
 
     def bad_label_message(agreed):
         if not agreed[bad_key]:
@@ -237,8 +242,12 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
                     f"that are not ignore_index={ignore_index} (e.g. {example})"]
         return [f"labels: labels outside [0, vocab_size={true_vocab}) on another tensor-parallel rank"]
 
-    agreed = agreement.agree(bad_label_message)
-    return _Agreed(true_vocab, agreed[labelled_key])
+    def messages(agreed):
+        return bad_label_message(agreed) + (mask_check.messages(agreed) if mask_check is not None else [])
+
+    agreed = agreement.agree(messages)
+    return _Agreed(true_vocab, agreed[labelled_key],
+                   mask_check.rows_with_set(agreed) if mask_check is not None else 0)
 
 
 def _autocast_inputs(hidden, weight):
@@ -274,7 +283,7 @@ class TokenStats:
     row_index: Optional[Tensor]  # labelled rows among all (gathered) rows; None = all rows
     out_shape: tuple
     num_rows: int
-    anchor: Optional[Tensor] = None  # with token_grads: zero scalar carrying dX, dW (add to the loss)
+    anchor: Optional[Tensor] = None  # with forward_grad: zero scalar carrying dX, dW (add to the loss)
     max: Optional[Tensor] = None  # lse = max + log_sum_exp (plain values, see MergedStats)
     log_sum_exp: Optional[Tensor] = None
     # sampler fidelity (sampling.py), on the labelled rows
@@ -339,17 +348,18 @@ def expected_upstream_grad_problem(value) -> Optional[str]:
     return None
 
 
-def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_max, log_sum_exp,
-                             row_index) -> Tensor:
+def _anchor_from_token_grads(forward_grad: ForwardGradLoss, target, lse, sum_logits, entropy, row_max,
+                             log_sum_exp, row_index) -> Tensor:
     """Recompute path for a loss with known per-token gradients (fp16): a zero scalar whose
-    gradient w.r.t. the differentiable statistics is token_grads' (so backward gets them already
+    gradient w.r.t. the differentiable statistics is forward_grad's (so backward gets them already
     multiplied by the upstream gradient, in fp32, as the unfused path does)."""
     detached = [None if t is None else t.detach() for t in (target, lse, sum_logits, entropy)]
     merged = reductions.MergedStats(lse=detached[1], target=detached[0], sum_logits=detached[2],
                                     entropy=detached[3], max=row_max, log_sum_exp=log_sum_exp)
     positions = row_index if row_index is not None else torch.arange(lse.shape[0], device=lse.device)
-    grads = token_grads(merged, positions, lse.shape[0])
-    terms = [(g * stat).sum() for g, stat in zip(grads, (target, lse, sum_logits, entropy))
+    grads = forward_grad.token_grads(merged, positions, lse.shape[0])
+    terms = [(g * stat).sum() for g, stat in zip((grads.target, grads.lse, grads.sum_logits, grads.entropy),
+                                                 (target, lse, sum_logits, entropy))
              if g is not None and stat is not None]
     if not terms:
         return lse.new_zeros(())
@@ -360,23 +370,28 @@ def _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy, row_
 def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, temperature, ignore_index,
                      chunk_size, sequence_parallel, impl, accumulate_into_main_grad, want_sum_logits,
                      want_entropy, logits_dtype=None, memory_mode="fast", max_chunk_bytes=None,
-                     extra_checks=None, must_agree=None, token_grads=None, sampler=None,
-                     expected_upstream_grad=None) -> TokenStats:
+                     extra_checks=None, must_agree=None, forward_grad: Optional[ForwardGradLoss] = None,
+                     sampler=None,
+                     expected_upstream_grad=None, mask_check=None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
     checks (the same names on every rank). `must_agree`: {name: value or tensor} that must be the
     same on every TP rank (a tensor is compared by fingerprint). Both join the one agreement.
-    `token_grads`, when given, switches to gradients-in-forward (see LinearLossGradInForward): the
-    returned statistics are then plain values and `anchor` carries the gradient. fp16 inputs keep
-    that contract on the recompute path (see LinearLossGradInForward on why).
+    `forward_grad`, when given, switches to gradients-in-forward (forward_grad.py,
+    chunked.LinearLossGradInForward): the returned statistics are then plain values and `anchor`
+    carries the gradient. fp16 inputs keep that contract on the recompute path (see
+    LinearLossGradInForward on why).
     `expected_upstream_grad`: the gradient the anchor will receive, when the caller knows it at
     forward time (see check_expected_upstream_grad).
     `logits_dtype`: None (the input dtype, like Megatron's output layer) or torch.float32.
     `memory_mode`: "fast" (chunks of logits, `chunk_size`) or "lean" (tiles, lean.py; `chunk_size`
     is not used).
     `sampler`: linear_logprobs' {top_k, top_p, min_p, return_topk} (sampling.py; they join
-    `must_agree`: they decide the collectives made)."""
+    `must_agree`: they decide the collectives made).
+    `mask_check`: linear_logprobs' replay.MaskCheck (every rank passes one, with or without a
+    mask: its entries join the agreement); a mask that keeps a set at some labelled position
+    switches to replay.py's statistics."""
     weight_param = weight
     hidden, weight = _autocast_inputs(hidden, weight)
     if isinstance(labels, Tensor) and labels.dtype == torch.int32:
@@ -387,7 +402,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # Gradients in the forward pass are a side effect of the forward: not where autograd may drop
     # saved tensors and run the forward again during backward (saved-tensor hooks: non-reentrant
     # checkpoint): the recompute path's forward has none.
-    grad_in_forward = (needs_grad and token_grads is not None and hidden.dtype != torch.float16
+    grad_in_forward = (needs_grad and forward_grad is not None and hidden.dtype != torch.float16
                        and not saved_tensors_hooks_active())
     main_grad_param = (weight_param if isinstance(weight_param, Tensor)
                        and adds_into_main_grad(weight_param, accumulate_into_main_grad) else None)
@@ -402,7 +417,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         ignore_index=ignore_index, logits_dtype=logits_dtype, memory_mode=memory_mode,
         want_entropy=want_entropy, grad_path=(needs_grad, needs_dx, grad_in_forward),
         max_chunk_bytes=max_chunk_bytes,
-        extra_checks=extra_checks, must_agree={**(must_agree or {}), **(sampler or {})})
+        extra_checks=extra_checks, must_agree={**(must_agree or {}), **(sampler or {})}, mask_check=mask_check)
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
@@ -452,6 +467,12 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         lean=lean_tiles,
     )
     anchor = None
+    if agreed.mask_rows > 0:  # sampling-mask replay (replay.py); a mask of empty sets is today's path
+        with autocast_off(hidden.device):
+            out = replay.replay_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
+                                           mask_check.ids, mask_check.offsets, vocab_start, needs_grad)
+        return TokenStats(out.target, out.lse, None, out.entropy, row_index, tuple(labels.shape), num_rows,
+                          None, out.max, out.log_sum_exp, kept=out.kept)
     if sampling_spec is not None:  # sampler fidelity: its own chunk loop (sampling.py)
         with autocast_off(hidden.device):
             out = sampling.sampled_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
@@ -462,13 +483,13 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
-                hidden2d, weight, row_index, local_target, spec, token_grads,
+                hidden2d, weight, row_index, local_target, spec, forward_grad,
                 None if expected_upstream_grad is None else float(expected_upstream_grad))
         elif needs_grad:
             target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearSoftmaxStats.apply(
                 hidden2d, weight, row_index, local_target, spec)
-            if token_grads is not None:  # fp16: the same contract, gradients on the recompute path
-                anchor = _anchor_from_token_grads(token_grads, target, lse, sum_logits, entropy,
+            if forward_grad is not None:  # fp16: the same contract, gradients on the recompute path
+                anchor = _anchor_from_token_grads(forward_grad, target, lse, sum_logits, entropy,
                                                   row_max, log_sum_exp, row_index)
                 target, lse, sum_logits, entropy = (None if t is None else t.detach()
                                                     for t in (target, lse, sum_logits, entropy))
@@ -503,6 +524,7 @@ def linear_logprobs(
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
     return_topk: int = 0,
+    sampling_mask=None,
 ) -> LogprobsOutput:
     """Per-token log p(label) (and entropy) of softmax(hidden @ W_full.T / temperature), or of the
     distribution an inference engine's sampler draws from (`top_k` / `top_p` / `min_p`).
@@ -559,6 +581,22 @@ def linear_logprobs(
     Cost: per chunk, every rank's M first tokens are all-gathered (M = max(return_topk, top_k,
     128 with top_p)); rows whose nucleus is longer, or top_k > 1024, take an exact search of up to
     ~32 extra passes over the chunk (those rows) with one small all-reduce each.
+
+    Sampling-distribution replay (`sampling_mask`; replay.py): the sets the engine's sampler
+    kept, as `(token_ids, offsets)` or an object with `.token_ids` / `.offsets` (vLLM's
+    `SamplingMask`), integer tensors or sequences, CSR: position i of `labels` in row-major order
+    (ignored positions included; `len(offsets) == labels.numel() + 1`) keeps the global ids
+    token_ids[offsets[i]:offsets[i + 1]] (each at most once, < vocab_size). Then
+    logprobs = z_y - logsumexp over the kept ids of z (z = logits / T), -inf with no gradient
+    where y is not kept, the plain log-prob where the set is empty (no truncation), 0.0 at
+    ignored positions; `return_entropy` gives the entropy of that distribution. Bad masks, or
+    masks that differ across TP ranks, raise the same ValueError on every rank. Not with
+    top_k / top_p / min_p (the engine's filters already chose the sets), `return_topk` or
+    memory_mode="lean". replay.build_sampling_mask makes a batch's mask from per-request masks,
+    replay.slice_sampling_mask a context-parallel rank's part. Cost: sets of K << V_local ids
+    are scored on the union of each tile's kept ids (one gathered GEMM per tile, O(rows x union
+    x H)); large or scattered sets on the whole shard with 3 GEMMs per chunk (a cost model in
+    replay.py chooses per tile).
     """
     true_vocab = vocab_size if is_int(vocab_size) and vocab_size > 0 else (
         weight.shape[0] * reductions.group_size(tp_group)
@@ -566,6 +604,9 @@ def linear_logprobs(
     sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
     problems = sampling.sampler_problems(top_k, top_p, min_p, return_topk, true_vocab)
     active = sampling.agreed_values(sampler, problems, true_vocab)
+    mask_check = replay.MaskCheck(sampling_mask, labels, ignore_index, true_vocab)
+    problems["sampling_mask"] = mask_check.problem
+    problems.update(replay.sampling_mask_problems(sampling_mask, active, memory_mode))
     # the sampler's statistics have their own chunk loop (sampling.py): no lean tiles there
     problems["memory_mode_with_sampler"] = (
         "memory_mode='lean' cannot be combined with top_k / top_p / min_p / return_topk (the "
@@ -579,7 +620,7 @@ def linear_logprobs(
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
         memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=False,
         want_entropy=return_entropy, extra_checks=problems,
-        sampler=active)
+        sampler=active, mask_check=mask_check)
     logprobs = stats.logprob()
     if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
         logprobs = torch.where(stats.kept, logprobs, float("-inf"))
@@ -589,88 +630,3 @@ def linear_logprobs(
         return LogprobsOutput(logprobs, entropy)
     return LogprobsOutput(logprobs, entropy, stats.to_full(stats.topk_logprobs),
                           stats.to_full(stats.topk_ids, fill=-1))
-
-
-def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, *, tp_group=None, vocab_size: Optional[int] = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss_weight: float = 0.0,
-    temperature: float = 1.0,
-    chunk_size: Optional[int] = None, sequence_parallel: bool = False, impl: str = "auto",
-    accumulate_into_main_grad: bool = False, logits_dtype: Optional[torch.dtype] = None,
-    memory_mode: str = "fast", max_chunk_bytes: Optional[int] = None,
-    expected_upstream_grad: Optional[float] = None,
-) -> Tensor:
-    """F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss, without the logits.
-
-    Per labelled token: (1 - eps) * (lse - z_y) + eps * (lse - sum_k z_k / vocab_size)
-    + z_loss_weight * lse**2, with eps = label_smoothing over the global unpadded vocab.
-    "mean" divides by the number of labelled tokens (0.0 with zero gradients when there are none),
-    "sum" adds, "none" returns fp32 per-token losses of labels.shape (0 at ignored positions).
-    "mean" / "sum" compute dX and dW during the forward pass (3 GEMMs per chunk instead of 4),
-    except for fp16 inputs, which take the recompute path so that the upstream gradient (a loss
-    scale) multiplies the fp32 per-token gradients before anything is rounded to fp16.
-    `logits_dtype`, autocast: as in `linear_logprobs`. `memory_mode`: "fast" or "lean", see
-    `linear_logprobs`.
-    With `accumulate_into_main_grad` ("mean" / "sum", fast mode) dW is exact whatever the upstream
-    gradient g (loss scaling, Megatron's 1/(tokens x micro-batches)): it waits in an fp32
-    [V_local, H] buffer until the backward adds g x dW to main_grad, or, given
-    `expected_upstream_grad` (g, known at forward time), goes straight into main_grad times g with
-    no buffer; the backward then checks g (see `expected_upstream_grad_problem`).
-    """
-    extra = {"reduction": None, "label_smoothing": None, "z_loss_weight": None}  # None: passed
-    if reduction not in ("mean", "sum", "none"):
-        extra["reduction"] = f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
-    if not finite_real(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
-        extra["label_smoothing"] = f"label_smoothing must be in [0, 1), got {label_smoothing!r}"
-    if not finite_real(z_loss_weight) or not z_loss_weight >= 0.0:
-        extra["z_loss_weight"] = f"z_loss_weight must be a finite number >= 0, got {z_loss_weight!r}"
-    smoothing = float(label_smoothing) if not extra["label_smoothing"] else 0.0
-    z_weight = float(z_loss_weight) if not extra["z_loss_weight"] else 0.0
-    must_agree = {"reduction": reduction if not extra["reduction"] else None,
-                  "label_smoothing": smoothing, "z_loss_weight": z_weight}
-    true_vocab = vocab_size if vocab_size is not None else (
-        weight.shape[0] * reductions.group_size(tp_group)
-        if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
-    token_grads = None
-    if reduction in ("mean", "sum") and isinstance(labels, Tensor):
-        # The loss is a scalar whose per-token gradient is known once a chunk is merged: produce
-        # dX, dW in the forward pass (3 GEMMs instead of 4). reduction="none" has arbitrary
-        # per-token upstream gradients, so it keeps the recompute path.
-        def loss_scale(num_labelled):
-            return 1.0 / max(num_labelled, 1) if reduction == "mean" else 1.0
-
-        def token_grads(merged, positions, num_labelled):
-            scale = loss_scale(num_labelled)
-            g_lse = merged.lse * (2.0 * z_weight * scale) + scale if z_weight else torch.full_like(merged.lse, scale)
-            g_target = torch.full_like(merged.lse, -(1.0 - smoothing) * scale)
-            g_sum = torch.full_like(merged.lse, -smoothing * scale / true_vocab) if smoothing > 0 else None
-            return g_target, g_lse, g_sum, None
-
-        # Without smoothing or z-loss every token's dlogits are c (softmax - one_hot): the chunk loop
-        # may take them from a one-pass row kernel and apply c in the GEMMs (the backend's row_kernel: backends/__init__.py).
-        token_grads.softmax_minus_one_hot_scale = (
-            loss_scale if not smoothing and not z_weight else lambda num_labelled: None)
-
-    stats = token_statistics(
-        "linear_cross_entropy", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
-        temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
-        sequence_parallel=sequence_parallel, impl=impl,
-        accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
-        memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=smoothing > 0.0,
-        want_entropy=False, extra_checks=extra,
-        must_agree=must_agree, token_grads=token_grads, expected_upstream_grad=expected_upstream_grad)
-
-    per_token = -stats.logprob()
-    if smoothing > 0.0:
-        per_token = (1.0 - smoothing) * per_token + smoothing * (stats.lse - stats.sum_logits / true_vocab)
-    if z_weight:
-        per_token = per_token + z_weight * stats.lse.square()
-    if reduction == "none":
-        return stats.to_full(per_token)
-    total = per_token.sum()
-    if reduction == "mean":
-        total = total / max(per_token.numel(), 1)
-    return total if stats.anchor is None else total + stats.anchor

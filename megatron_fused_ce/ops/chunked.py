@@ -58,6 +58,7 @@ from torch import Tensor
 
 from . import lean, reductions
 from .backends import Backend, ShardStats
+from .forward_grad import PER_ROW, ForwardGradLoss
 from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_add_cast, matmul_fp32, matmul_into_
 
 
@@ -120,12 +121,13 @@ def first_order_only(backward):
     return wrapper
 
 
-def _chunks(num_rows: int, chunk_size: int):
+def row_chunks(num_rows: int, chunk_size: int):
+    """(start, end) of each chunk of `chunk_size` rows (the last one may be shorter)."""
     for start in range(0, num_rows, chunk_size):
         yield start, min(start + chunk_size, num_rows)
 
 
-def _rows(full_hidden: Tensor, row_index: Optional[Tensor]) -> Tensor:
+def labelled_rows(full_hidden: Tensor, row_index: Optional[Tensor]) -> Tensor:
     """Hidden rows that have a label (all rows when row_index is None)."""
     return full_hidden if row_index is None else full_hidden.index_select(0, row_index)
 
@@ -151,17 +153,24 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
     """The forward pass's statistics -> reductions.MergedStats over the rows given.
     `on_chunk(logits)`, if given, also sees each chunk's logits (sampling.py: top-k candidates), so
     the chunks of logits are then made even where the statistics could be taken inside the GEMM."""
+    return reductions.merge_shard_stats(shard_partials(hidden_rows, weight, local_target, spec, on_chunk),
+                                        spec.tp_group)
+
+
+def shard_partials(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
+                   on_chunk=None) -> ShardStats:
+    """forward_stats before the TP merge: this shard's ShardStats over the rows given (replay.py
+    merges them with the partials of other rows, in one merge)."""
     backend = spec.backend
     if on_chunk is None and backend.stats_in_gemm(hidden_rows, weight):
-        stats = backend.gemm_stats.run(
+        return backend.gemm_stats.run(
             hidden_rows, weight, local_target, spec.num_valid_cols, spec.inv_temperature,
             want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
             round_logits=spec.logits_dtype is None)
-        return reductions.merge_shard_stats(stats, spec.tp_group)
     if on_chunk is None and spec.lean is not None:
-        return reductions.merge_shard_stats(lean.tile_stats(hidden_rows, weight, local_target, spec), spec.tp_group)
+        return lean.tile_stats(hidden_rows, weight, local_target, spec)
     partials = []
-    for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
+    for start, end in row_chunks(hidden_rows.shape[0], spec.chunk_size):
         logits = chunk_logits(hidden_rows[start:end], weight, spec)
         partials.append(
             backend.shard_stats(
@@ -177,17 +186,16 @@ def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spe
             on_chunk(logits)
         del logits
     if partials:
-        stats = ShardStats(**{
+        return ShardStats(**{
             name: None if getattr(partials[0], name) is None
             else torch.cat([getattr(p, name) for p in partials])
             for name in ShardStats.__dataclass_fields__
         })
-    else:  # no labelled row here: still take part in the collectives
-        empty = hidden_rows.new_zeros(0, dtype=torch.float32)
-        stats = ShardStats(max=empty, sum_exp=empty, target=empty,
-                           sum_logits=empty if spec.want_sum_logits else None,
-                           sum_exp_shifted=empty if spec.want_entropy else None)
-    return reductions.merge_shard_stats(stats, spec.tp_group)
+    # no labelled row here: still take part in the collectives
+    empty = hidden_rows.new_zeros(0, dtype=torch.float32)
+    return ShardStats(max=empty, sum_exp=empty, target=empty,
+                      sum_logits=empty if spec.want_sum_logits else None,
+                      sum_exp_shifted=empty if spec.want_entropy else None)
 
 
 def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec, want_stats: bool):
@@ -230,9 +238,6 @@ def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_o
     if dx_out is not None:
         matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
     return dw_last
-
-
-PER_ROW = "per_row"  # _one_pass_scale: dlogits = c_i (softmax - one_hot), c_i differing per token
 
 
 def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
@@ -297,7 +302,7 @@ def backward_grads(
     (last_weight_grad): returned, else None."""
     row_max, log_sum_exp = offsets
     dw_last = None
-    for index, (start, end) in enumerate(_chunks(hidden_rows.shape[0], spec.chunk_size)):
+    for index, (start, end) in enumerate(row_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = hidden_rows[start:end]
         dlogits = recomputed_dlogits(h, weight, local_target[start:end], spec,
                                      (row_max[start:end], log_sum_exp[start:end]), _slice_coefs(coefs, start, end))
@@ -308,7 +313,7 @@ def backward_grads(
     return dw_last
 
 
-def _cast_target(dw_out: Optional[Tensor], weight: Tensor, accumulate: bool) -> Optional[torch.dtype]:
+def weight_grad_cast_target(dw_out: Optional[Tensor], weight: Tensor, accumulate: bool) -> Optional[torch.dtype]:
     """The dtype the last chunk may write dW in: the weight's, where dw_out is an fp32
     sum over chunks returned to autograd (not Megatron's main_grad, not already that dtype)."""
     if dw_out is None or accumulate or dw_out.dtype == weight.dtype:
@@ -350,7 +355,7 @@ class LinearSoftmaxStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, on_chunk=None):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        merged = forward_stats(_rows(full_hidden, row_index), weight, local_target, spec, on_chunk)
+        merged = forward_stats(labelled_rows(full_hidden, row_index), weight, local_target, spec, on_chunk)
         ctx.spec = spec
         ctx.num_full_rows = full_hidden.shape[0]
         ctx.set_materialize_grads(False)
@@ -381,7 +386,7 @@ class LinearSoftmaxStats(torch.autograd.Function):
                                            accumulate=accumulate)
             else:
                 return backward_grads(rows, weight, local_target, spec, stats, coefs, dx_rows, dw_out,
-                                      dw_accumulate=accumulate, cast_dw_to=_cast_target(dw_out, weight, accumulate))
+                                      dw_accumulate=accumulate, cast_dw_to=weight_grad_cast_target(dw_out, weight, accumulate))
 
         grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, spec, needs_dx, needs_dw,
                                                    coefs is not None, write_grads)
@@ -398,7 +403,7 @@ def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, 
     with autocast_off(hidden.device):
         full_hidden = (reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
                        else hidden)
-        rows = _rows(full_hidden, row_index)
+        rows = labelled_rows(full_hidden, row_index)
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
         into_main_grad = needs_dw and spec.main_grad_param is not None
         dw_out = grad_weight = dw_done = None
@@ -533,11 +538,8 @@ class LinearLossGradInForward(torch.autograd.Function):
     """Gradients during the forward pass: 3 GEMMs per chunk instead of 4 (no backward recompute).
 
     Valid for a scalar loss whose gradient w.r.t. each token's statistics is known as soon as that
-    token's chunk has been merged across TP ranks (cross-entropy, token-level GRPO ...).
-    `token_grads(merged_chunk, positions, num_labelled)` returns (g_target, g_lse, g_sum_logits,
-    g_entropy) for the chunk's tokens under a unit upstream gradient (None = no dependence);
-    `positions` are their flat indices into labels.reshape(-1), `num_labelled` the number of
-    labelled tokens of the whole call.
+    token's chunk has been merged across TP ranks: `forward_grad`, a ForwardGradLoss (its
+    contract: forward_grad.py).
 
     Outputs: (anchor, target, lse, sum_logits, entropy, max, log_sum_exp). The statistics are plain values;
     `anchor` is a zero scalar that carries the gradient: callers return `loss_value + anchor`, and
@@ -570,10 +572,10 @@ class LinearLossGradInForward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, token_grads,
+    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, forward_grad: ForwardGradLoss,
                 expected_grad: Optional[float] = None):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        rows = _rows(full_hidden, row_index)
+        rows = labelled_rows(full_hidden, row_index)
         needs_dx, needs_dw = hidden.requires_grad, weight.requires_grad
         into_main_grad = needs_dw and spec.main_grad_param is not None
         # dW added into main_grad by this forward (times expected_grad), or held until backward
@@ -591,8 +593,8 @@ class LinearLossGradInForward(torch.autograd.Function):
         # forward raises half-way), it poisons main_grad instead of leaving it wrong
         ctx.main_grad_side_effect = MainGradSideEffect(spec.main_grad_param) if adds_in_forward else None
         merged_chunks, coef_chunks, dw_last = _forward_chunks(
-            rows, weight, row_index, local_target, spec, token_grads, dx_rows, dw_out, adds_in_forward,
-            cast_dw_to=_cast_target(dw_acc, weight, accumulate=into_main_grad),
+            rows, weight, row_index, local_target, spec, forward_grad, dx_rows, dw_out, adds_in_forward,
+            cast_dw_to=weight_grad_cast_target(dw_acc, weight, accumulate=into_main_grad),
             dw_scale=expected_grad if adds_in_forward else 1.0)
         if dw_last is not None:  # dW in the weight dtype already: the fp32 sum is not needed any more
             dw_acc = dw_last
@@ -653,7 +655,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         elif ctx.needs_input_grad[0]:  # a second backward through the same graph: recompute dX
             coefs = _scaled_coefs(coef_list, g_anchor)
             with autocast_off(hidden.device):
-                rows = _rows(reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
+                rows = labelled_rows(reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
                              else hidden, row_index)
                 dx = rows.new_empty(rows.shape)
                 if rows.shape[0] == 0:
@@ -680,8 +682,8 @@ class LinearLossGradInForward(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, token_grads, dx_rows, dw_out,
-                    into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0):
+def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forward_grad: ForwardGradLoss, dx_rows,
+                    dw_out, into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0):
     """LinearLossGradInForward's chunk loop -> (merged statistics, coefficients per chunk, dW): per
     chunk, the statistics merged over TP ranks, the per-token coefficients, then dX (and in fast
     mode dW, times `dw_scale`) into `dx_rows` / `dw_out` (`into_main_grad`: dw_out is main_grad, added
@@ -693,8 +695,8 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
     column_sum = None
     merged_chunks, coef_chunks = [], []
     dw_last = None
-    one_hot_scale = _one_pass_scale(spec, token_grads, rows, weight, min(chunk_size, rows.shape[0]))
-    for index, (start, end) in enumerate(_chunks(rows.shape[0], chunk_size)):
+    one_hot_scale = _one_pass_scale(spec, forward_grad, rows, weight, min(chunk_size, rows.shape[0]))
+    for index, (start, end) in enumerate(row_chunks(rows.shape[0], chunk_size)):
         h = rows[start:end]
         if spec.lean is not None:
             stats, acc = lean.expected_rows(h, lean_blocks, local_target[start:end], spec,
@@ -713,7 +715,8 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
         merged_chunks.append(merged)
         positions = (row_index[start:end] if row_index is not None
                      else torch.arange(start, end, device=rows.device))
-        coefs = coefficients(*token_grads(merged, positions, rows.shape[0]), merged.entropy, merged.lse)
+        grads = forward_grad.token_grads(merged, positions, rows.shape[0])
+        coefs = coefficients(grads.target, grads.lse, grads.sum_logits, grads.entropy, merged.entropy, merged.lse)
         if coefs is None:
             coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
         coef_chunks.append(coefs)
@@ -740,24 +743,23 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, toke
     return merged_chunks, coef_chunks, dw_last
 
 
-def _one_pass_scale(spec: ChunkSpec, token_grads, rows: Tensor, weight: Tensor, chunk_rows: int):
+def _one_pass_scale(spec: ChunkSpec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor, chunk_rows: int):
     """c where every chunk's dlogits may come from the backend's row kernel as c (softmax - one_hot), in one
     pass over the logits: a float (the same c for every token, the GEMMs' alpha), PER_ROW (c_i read
     from each chunk's coefficients), or None where the statistics and dlogits are taken apart. It
     needs a shard with the whole vocab (TP = 1: nothing to merge between the two), a loss whose
-    per-token gradient is c (softmax - one_hot) (`token_grads.softmax_minus_one_hot_scale`:
+    per-token gradient is c (softmax - one_hot) (`forward_grad.one_hot_scale`:
     cross-entropy without smoothing or z-loss, GRPO), whole-shard GEMMs in the input dtype, and the
     row kernel's own conditions (its `supported`)."""
-    scale_of = getattr(token_grads, "softmax_minus_one_hot_scale", None)
     row_kernel = spec.backend.row_kernel
-    if (row_kernel is None or scale_of is None or reductions.group_size(spec.tp_group) != 1
+    if (row_kernel is None or reductions.group_size(spec.tp_group) != 1
             or spec.lean is not None or spec.want_entropy or spec.want_sum_logits
             or spec.logits_dtype is not None):
         return None
     if not row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
                                 spec.inv_temperature, rows.device):
         return None
-    return scale_of(rows.shape[0])
+    return forward_grad.one_hot_scale(rows.shape[0])
 
 
 def _scaled_coefs(coef_list, scale: Tensor) -> dict:
@@ -770,7 +772,7 @@ def _weight_grad_from_coefs(spec: ChunkSpec, into_main_grad: bool, hidden, weigh
     into main_grad, or returned in the weight dtype (fp32-accumulated over chunks)."""
     main_grad = spec.main_grad_param.main_grad if into_main_grad else None
     full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-    rows = _rows(full_hidden, row_index)
+    rows = labelled_rows(full_hidden, row_index)
     coefs = _scaled_coefs(coef_list, scale)
     with autocast_off(hidden.device):
         if main_grad is not None:
@@ -786,7 +788,7 @@ def _weight_grad_from_coefs(spec: ChunkSpec, into_main_grad: bool, hidden, weigh
         elif rows.shape[0] > 0:
             dw_done = backward_grads(rows, weight, local_target, spec, offsets, coefs, None, dw_out,
                                      dw_accumulate=main_grad is not None,
-                                     cast_dw_to=_cast_target(dw_out, weight, main_grad is not None))
+                                     cast_dw_to=weight_grad_cast_target(dw_out, weight, main_grad is not None))
             if dw_done is not None:
                 return dw_done
         elif main_grad is None:

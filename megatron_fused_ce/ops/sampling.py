@@ -71,17 +71,17 @@ from .agreement import finite_real, is_int
 from .chunked import (
     ChunkSpec,
     LinearSoftmaxStats,
-    _cast_target,
-    _chunks,
-    _rows,
     chunk_logits,
     coefficients,
     first_order_only,
     forward_stats,
     gemm_input,
     grad_gemms,
+    labelled_rows,
     last_of_several,
     recompute_grads,
+    row_chunks,
+    weight_grad_cast_target,
 )
 from .backends.sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
 
@@ -384,7 +384,7 @@ def kept_forward(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, labe
     """Chunk loop of the filtered forward pass over the rows given (labelled rows)."""
     kernels = spec.backend
     results = []
-    for start, end in _chunks(hidden_rows.shape[0], spec.chunk_size):
+    for start, end in row_chunks(hidden_rows.shape[0], spec.chunk_size):
         logits = chunk_logits(hidden_rows[start:end], weight, spec)
         results.append(_kept_chunk(logits, local_target[start:end], labels[start:end], spec, sp, kernels))
         del logits
@@ -412,7 +412,7 @@ class LinearKeptStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, row_index, local_target, labels, spec: ChunkSpec, sp: SamplingSpec):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        out = kept_forward(_rows(full_hidden, row_index), weight, local_target, labels, spec, sp)
+        out = kept_forward(labelled_rows(full_hidden, row_index), weight, local_target, labels, spec, sp)
         ctx.spec, ctx.sp = spec, sp
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, row_index, local_target, out.lse, out.entropy, out.max,
@@ -436,9 +436,9 @@ class LinearKeptStats(torch.autograd.Function):
         def write_grads(rows, dx_rows, dw_out, accumulate):
             # chunked.grad_gemms as in backward_grads: QuACK's dW GEMM where it applies, the last of
             # several chunks adding the fp32 sum and writing dW in the weight dtype (returned)
-            cast_dw_to = _cast_target(dw_out, weight, accumulate)
+            cast_dw_to = weight_grad_cast_target(dw_out, weight, accumulate)
             dw_last = None
-            for index, (start, end) in enumerate(_chunks(rows.shape[0], spec.chunk_size)):
+            for index, (start, end) in enumerate(row_chunks(rows.shape[0], spec.chunk_size)):
                 h, piece = rows[start:end], slice(start, end)
                 dlogits = kernels.kept_dlogits_(
                     chunk_logits(h, weight, spec), local_target[piece], spec.num_valid_cols,
@@ -468,7 +468,7 @@ def sampled_statistics(hidden2d: Tensor, weight: Tensor, row_index: Optional[Ten
         if needs_grad:
             return KeptStats(*LinearKeptStats.apply(hidden2d, weight, row_index, local_target, labels, spec, sp))
         full = reductions.gather_sequence(hidden2d, spec.tp_group) if spec.sequence_parallel else hidden2d
-        return kept_forward(_rows(full, row_index), weight, local_target, labels, spec, sp)
+        return kept_forward(labelled_rows(full, row_index), weight, local_target, labels, spec, sp)
 
     # return_topk only: today's statistics, candidates collected from the same chunks
     kernels, keys = spec.backend, []
@@ -482,7 +482,7 @@ def sampled_statistics(hidden2d: Tensor, weight: Tensor, row_index: Optional[Ten
             hidden2d, weight, row_index, local_target, spec, collect)
     else:
         full = reductions.gather_sequence(hidden2d, spec.tp_group) if spec.sequence_parallel else hidden2d
-        merged = forward_stats(_rows(full, row_index), weight, local_target, spec, on_chunk=collect)
+        merged = forward_stats(labelled_rows(full, row_index), weight, local_target, spec, on_chunk=collect)
         target, lse, entropy = merged.target, merged.lse, merged.entropy
         row_max, log_sum_exp = merged.max, merged.log_sum_exp
     local = torch.cat(keys) if keys else torch.zeros(0, sp.num_candidates, dtype=torch.int64,

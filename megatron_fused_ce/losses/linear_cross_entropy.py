@@ -1,0 +1,116 @@
+"""Fused cross-entropy (SFT, pretraining): `linear_cross_entropy`, on the forward-gradient contract.
+
+    linear_cross_entropy(hidden, weight, labels, ...)
+        == F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss
+
+Per labelled token: (1 - eps) (lse - z_y) + eps (lse - sum_k z_k / V) + lambda lse^2 (docs/design.md
+§4.3). With reduction "mean" / "sum" the loss is a scalar whose gradient w.r.t. each token's
+statistics is a constant (or, with z-loss, a function of the token's own lse): `CrossEntropyGrads`
+gives it to the chunk loop, which makes dX and dW in the forward pass (ops/forward_grad.py).
+"none" has arbitrary per-token upstream gradients and keeps the recompute path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..ops import reductions
+from ..ops.agreement import finite_real
+from ..ops.api import token_statistics
+from ..ops.forward_grad import ForwardGradLoss, TokenGrads
+
+
+class CrossEntropyGrads(ForwardGradLoss):
+    """d loss / d statistics of cross-entropy with label smoothing `smoothing` over `vocab` ids and
+    z-loss weight `z_weight`, summed (`mean`: divided by the labelled tokens)."""
+
+    def __init__(self, mean: bool, smoothing: float, z_weight: float, vocab: int):
+        self.mean, self.smoothing, self.z_weight, self.vocab = mean, smoothing, z_weight, vocab
+        self.want_sum_logits = smoothing > 0
+
+    def _scale(self, num_labelled: int) -> float:
+        return 1.0 / max(num_labelled, 1) if self.mean else 1.0
+
+    def token_grads(self, stats, positions: Tensor, num_labelled: int) -> TokenGrads:
+        scale = self._scale(num_labelled)
+        lse = stats.lse
+        g_lse = lse * (2.0 * self.z_weight * scale) + scale if self.z_weight else torch.full_like(lse, scale)
+        return TokenGrads(
+            target=torch.full_like(lse, -(1.0 - self.smoothing) * scale), lse=g_lse,
+            sum_logits=torch.full_like(lse, -self.smoothing * scale / self.vocab) if self.smoothing else None)
+
+    def one_hot_scale(self, num_labelled: int) -> Optional[float]:
+        # without smoothing or z-loss every token's dlogits are c (softmax - one_hot), c the same
+        if self.smoothing or self.z_weight:
+            return None
+        return self._scale(num_labelled)
+
+
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, tp_group=None, vocab_size: Optional[int] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None, sequence_parallel: bool = False, impl: str = "auto",
+    accumulate_into_main_grad: bool = False, logits_dtype: Optional[torch.dtype] = None,
+    memory_mode: str = "fast", max_chunk_bytes: Optional[int] = None,
+    expected_upstream_grad: Optional[float] = None,
+) -> Tensor:
+    """F.cross_entropy(full_logits[..., :vocab_size] / T, labels, ...) + z-loss, without the logits.
+
+    Per labelled token: (1 - eps) * (lse - z_y) + eps * (lse - sum_k z_k / vocab_size)
+    + z_loss_weight * lse**2, with eps = label_smoothing over the global unpadded vocab.
+    "mean" divides by the number of labelled tokens (0.0 with zero gradients when there are none),
+    "sum" adds, "none" returns fp32 per-token losses of labels.shape (0 at ignored positions).
+    "mean" / "sum" compute dX and dW during the forward pass (3 GEMMs per chunk instead of 4),
+    except for fp16 inputs, which take the recompute path so that the upstream gradient (a loss
+    scale) multiplies the fp32 per-token gradients before anything is rounded to fp16.
+    Every other argument as in `linear_logprobs` (logits_dtype, autocast, memory_mode ...).
+    With `accumulate_into_main_grad` ("mean" / "sum", fast mode) dW is exact whatever the upstream
+    gradient g (loss scaling, Megatron's 1/(tokens x micro-batches)): it waits in an fp32
+    [V_local, H] buffer until the backward adds g x dW to main_grad, or, given
+    `expected_upstream_grad` (g, known at forward time), goes straight into main_grad times g with
+    no buffer; the backward then checks g (see `api.expected_upstream_grad_problem`).
+    """
+    extra = {"reduction": None, "label_smoothing": None, "z_loss_weight": None}  # None: passed
+    if reduction not in ("mean", "sum", "none"):
+        extra["reduction"] = f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
+    if not finite_real(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
+        extra["label_smoothing"] = f"label_smoothing must be in [0, 1), got {label_smoothing!r}"
+    if not finite_real(z_loss_weight) or not z_loss_weight >= 0.0:
+        extra["z_loss_weight"] = f"z_loss_weight must be a finite number >= 0, got {z_loss_weight!r}"
+    smoothing = float(label_smoothing) if not extra["label_smoothing"] else 0.0
+    z_weight = float(z_loss_weight) if not extra["z_loss_weight"] else 0.0
+    must_agree = {"reduction": reduction if not extra["reduction"] else None,
+                  "label_smoothing": smoothing, "z_loss_weight": z_weight}
+    true_vocab = vocab_size if vocab_size is not None else (
+        weight.shape[0] * reductions.group_size(tp_group)
+        if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
+    forward_grad = (CrossEntropyGrads(reduction == "mean", smoothing, z_weight, true_vocab)
+                    if reduction in ("mean", "sum") and isinstance(labels, Tensor) else None)
+
+    stats = token_statistics(
+        "linear_cross_entropy", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
+        temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
+        sequence_parallel=sequence_parallel, impl=impl,
+        accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
+        memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=smoothing > 0.0,
+        want_entropy=False, extra_checks=extra,
+        must_agree=must_agree, forward_grad=forward_grad, expected_upstream_grad=expected_upstream_grad)
+
+    per_token = -stats.logprob()
+    if smoothing > 0.0:
+        per_token = (1.0 - smoothing) * per_token + smoothing * (stats.lse - stats.sum_logits / true_vocab)
+    if z_weight:
+        per_token = per_token + z_weight * stats.lse.square()
+    if reduction == "none":
+        return stats.to_full(per_token)
+    total = per_token.sum()
+    if reduction == "mean":
+        total = total / max(per_token.numel(), 1)
+    return total if stats.anchor is None else total + stats.anchor

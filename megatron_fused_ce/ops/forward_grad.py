@@ -1,0 +1,58 @@
+"""The contract of a loss whose gradients are made in the forward pass.
+
+A fused loss over the labelled tokens is a scalar L(statistics) of each token's statistics (its
+target logit z_y, lse, and on request sum_k z_k and the entropy, all over the global vocab). When
+dL/d(statistics of token i) is known as soon as token i's chunk has been merged across TP ranks,
+the chunk loop can turn it into that chunk's dlogits, dX and dW right away: 3 GEMMs per chunk
+instead of the recompute path's 4, and no logits kept for the backward (docs/design.md §4.5).
+
+A loss says how, by subclassing `ForwardGradLoss`:
+
+* `token_grads(stats, positions, num_labelled) -> TokenGrads`: the gradient under a unit upstream
+  gradient w.r.t. each statistic of the chunk's tokens (`stats`: reductions.MergedStats of the
+  chunk; `positions`: the tokens' flat indices into `labels.reshape(-1)`; `num_labelled`: the
+  labelled tokens of the whole call). Everything it needs from other tokens must be known before
+  the chunk loop (linear_grpo_loss computes its batch totals first).
+* `one_hot_scale(num_labelled)`: where each token's dlogits are c_i (softmax - one_hot(y)), a
+  backend's one-pass row kernel can make them in the same pass that takes lse: return c (a float,
+  the same for every token: the GEMMs' alpha) or `PER_ROW` (c_i = the token's coefficient of lse,
+  read from `token_grads`); None (the default) where the gradient has any other form.
+* `want_sum_logits`: whether `token_grads` reads `sum_logits` (label smoothing).
+
+Then `api.token_statistics(..., forward_grad=loss)` runs the chunk loop and returns the statistics
+as plain values with an `anchor`, a zero scalar carrying dX and dW: the loss returns
+`value + anchor`, and the backward scales what the forward made by the anchor's upstream gradient.
+losses/linear_cross_entropy.py and losses/linear_grpo.py are the two such losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from torch import Tensor
+
+PER_ROW = "per_row"  # one_hot_scale: c_i differs per token (the coefficient of lse)
+
+
+@dataclass
+class TokenGrads:
+    """d loss / d statistic for each token of a chunk ([rows] fp32; None: the loss does not depend
+    on that statistic)."""
+
+    target: Optional[Tensor] = None
+    lse: Optional[Tensor] = None
+    sum_logits: Optional[Tensor] = None
+    entropy: Optional[Tensor] = None
+
+
+class ForwardGradLoss:
+    """Base of the losses whose gradients are made in the forward pass (module doc)."""
+
+    want_sum_logits: bool = False
+
+    def token_grads(self, stats, positions: Tensor, num_labelled: int) -> TokenGrads:
+        raise NotImplementedError
+
+    def one_hot_scale(self, num_labelled: int) -> Union[float, str, None]:
+        return None
