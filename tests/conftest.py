@@ -63,6 +63,24 @@ def monkeypatch():
         patcher.undo()
 
 
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    """QuACK's one-pass row kernel replaced by its torch contract (cute_backend.reference_kernel) and
+    declared available, so that the chunk loop's use of it runs on CPU; returns the list of calls
+    (row counts)."""
+    from megatron_fused_ce.ops.backends import cute_backend
+
+    calls = []
+
+    def counted(x, target, *args, **kwargs):
+        calls.append(x.shape[0])
+        return cute_backend.reference_kernel(x, target, *args, **kwargs)
+
+    monkeypatch.setattr(cute_backend, "_kernel", lambda: counted)
+    monkeypatch.setattr(cute_backend, "_available", lambda device: True)
+    return calls
+
+
 _SKIPPED_MODULES = []  # (module, reason) of test modules that skipped themselves at import
 
 

@@ -21,20 +21,6 @@ from megatron_fused_ce.ops.backends import cute_backend
 from test_ops import TOL, _reference_ce, make_case
 
 
-@pytest.fixture
-def reference_kernel(monkeypatch):
-    """QuACK's kernel replaced by its torch contract; returns the list of calls (row counts)."""
-    calls = []
-
-    def counted(x, target, *args, **kwargs):
-        calls.append(x.shape[0])
-        return cute_backend.reference_kernel(x, target, *args, **kwargs)
-
-    monkeypatch.setattr(cute_backend, "_kernel", lambda: counted)
-    monkeypatch.setattr(cute_backend, "_available", lambda device: True)
-    return calls
-
-
 def _case(seed, **kwargs):
     # vocab a multiple of 8 and no padding rows: the kernel's conditions at TP = 1
     return make_case(seed, 1, dtype=torch.bfloat16, seq=23, batch=3, hidden=32, vocab=104, extra_pad=0,
