@@ -1,24 +1,20 @@
-"""The measurement tools still run against the package's current internals (a tool that calls a
-private function breaks silently otherwise: tools/ has no other test)."""
+"""The tools under tools/ still run against the package's current internals, each on tiny shapes
+on the CPU (CI has no GPU: a tool that calls a private function would otherwise break unnoticed;
+tests/test_gpu_check.py fails for a tool that no test starts)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
 import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_agreement_cost_runs_on_cpu():
-    out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "agreement_cost.py"), "--device", "cpu", "--tokens", "64"],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()
-    assert lines[0].startswith("TP=1 device=cpu")
-    n, floor, counts, agreement, _ = lines[-1].split(" | ")
-    assert n == "64" and float(agreement) > 0
 
 
 def test_host_sync_cost_runs_on_cpu():
@@ -33,6 +29,20 @@ def test_host_sync_cost_runs_on_cpu():
     for key in ("ce", "ce_preloaded", "ce_back_to_back", "ce_nosync", "ce_nosync_preloaded",
                 "ce_nosync_back_to_back"):
         assert f" {key} " in line
+
+
+def test_profile_op_runs_on_cpu():
+    """tools/profile_op.py (how docs/benchmarks.md's per-kernel figures were taken) on the CPU:
+    every path of the op runs under the profiler and lists its ops."""
+    paths = "ce,logprobs,ce_lean,logprobs_lean,fwd,grpo"
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "profile_op.py"), "--device", "cpu", "--shape", "64x32x100",
+         "--paths", paths, "--reps", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    headers = [line for line in out.stdout.splitlines() if line.startswith("== ")]
+    assert [h.split(":")[0][3:] for h in headers] == paths.split(","), out.stdout[-2000:]
+    assert all("ms per call, CPU ops" in h for h in headers)
+    assert "aten::" in out.stdout  # the ops of each call, by self time
 
 
 def _benchmark(*args, timeout=600):
@@ -68,6 +78,25 @@ def test_benchmark_quick_runs_on_cpu(tmp_path):
     assert "### Summary, random logits" in (tmp_path / "results.md").read_text()
 
 
+def test_benchmark_tensor_parallel_runs_on_cpu(tmp_path):
+    """tools/benchmark.py --tp 2 (what the GPU check runs at TP = the visible GPU count) on two
+    gloo processes: per-rank rows against the fp32 reference, the scaling table, the files.
+    (The Megatron rows are left out: importing megatron-core would double the test's time.)"""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(REPO, "tools", "benchmark.py"), "--tp", "2", "--device", "cpu", "--quick",
+         "--impls", "floor,ours_ce,ours_logprobs", "--chunks", "auto", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    results = json.loads((tmp_path / "tp2_results.json").read_text())
+    rows = {r["impl"]: r for r in results["rows"]}
+    assert {"floor", "ours_ce@auto", "ours_logprobs@auto"} <= set(rows), sorted(rows)
+    for name in ("ours_ce@auto", "ours_logprobs@auto"):
+        assert rows[name]["ms"] > 0 and rows[name]["err_dx"] < 2e-2, rows[name]
+    assert any(s["method"].startswith("ours_ce") for s in results["scaling"]), results["scaling"]
+    assert "### TP=2: N=48, H=32, V=500" in (tmp_path / "tp2_results.md").read_text()
+
+
 FAKE_MEGATRON_LM = r'''
 """Stands in for examples/megatron_lm_real_pretrain_gpt.py: prints Megatron-LM's iteration lines
 with a loss that depends on the step and the output layer only, printing a process's second
@@ -95,6 +124,37 @@ print("peak GPU memory allocated (max over ranks): 2.5 GiB")
 '''
 
 
+def _real_loop_tool():
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import real_loop_curves as tool
+    finally:
+        sys.path.pop(0)
+    return tool
+
+
+def test_real_loop_wrapper_passes_its_arguments(tmp_path):
+    """tools/real_loop_curves.sh hands the preset, the folders from the environment and the rest
+    of its arguments to tools/real_loop_curves.py (--help: parsed, nothing run)."""
+    out = subprocess.run(["bash", os.path.join(REPO, "tools", "real_loop_curves.sh"), "tiny", "--help"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "o")))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage: real_loop_curves.py" in out.stdout and "--stages" in out.stdout
+
+
+def test_real_loop_tool_names_what_to_install(tmp_path, monkeypatch, capsys):
+    """Without megatron.training (megatron-core < 0.19) the tool says what to install and starts
+    nothing: exit status 2, no dataset built."""
+    tool = _real_loop_tool()
+    monkeypatch.setattr(tool, "REQUIREMENTS", (("megatron_fused_ce_no_such_module", '"megatron-core>=0.19"'),
+                                               ("json", "json")))
+    assert tool.main(["--preset", "tiny", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install" in err and '"megatron-core>=0.19"' in err and "json" not in err
+    assert not (tmp_path / "w").exists()
+
+
 def test_real_loop_tool_stages_and_megatron_log(tmp_path, monkeypatch):
     """tools/real_loop_curves.py (GPU only otherwise) with a stand-in training script: each stage
     starts the runs it should with the flags megatron-core 0.19 can resume (weights only under the
@@ -102,15 +162,13 @@ def test_real_loop_tool_stages_and_megatron_log(tmp_path, monkeypatch):
     own loss from Megatron's mean-of-two second line, and compares every resume with its writer."""
     import json
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        import real_loop_curves as tool
-    finally:
-        sys.path.pop(0)
+    tool = _real_loop_tool()
     script = tmp_path / "fake_pretrain.py"
     script.write_text(FAKE_MEGATRON_LM)
     monkeypatch.setattr(tool, "SCRIPT", script)
     monkeypatch.setattr(tool, "full_optimizer_resume_possible", lambda: False)
+    monkeypatch.setattr(tool, "missing_requirements", lambda: [])  # megatron-core >= 0.19 stands in
+    monkeypatch.setattr(tool, "add_datasets_makefile", lambda: None)
     monkeypatch.setitem(tool.PRESETS, "test", dict(tool.PRESETS["tiny"], iters=12, save_interval=6,
                                                    full_resume_interval=3, mtp_iters=4))
     work, out = tmp_path / "work", tmp_path / "out"
@@ -137,3 +195,56 @@ def test_real_loop_tool_stages_and_megatron_log(tmp_path, monkeypatch):
     assert runs["mtp_fused"]["mtp_1_loss"][0] == 11.0 and runs["mtp_unfused"]["side_by_side"] is False
     md = (out / "real_loop.md").read_text()
     assert "| full_fused_to_fused | 4 |" in md
+
+
+# ------------------------------------------------------------------------------------------------
+# tools/e2e_seqlen.py: its main() on forked gloo ranks, as torchrun would start it
+# ------------------------------------------------------------------------------------------------
+E2E_TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "1000", "--seqs", "32,64",
+            "--steps", "3", "--modes", "fused,unfused,megatron", "--device-memory-limit-gb", "0",
+            "--sgd-lr", "1.0", "--simulate-oom-tokens", "32"]
+
+
+def e2e_worker(rank, world, argv):
+    """Loaded here, not at the test module's import: the tool sets PYTORCH_CUDA_ALLOC_CONF for
+    its own process."""
+    spec = importlib.util.spec_from_file_location("e2e_seqlen_tool", os.path.join(REPO, "tools", "e2e_seqlen.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.main(argv)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU; on GPUs tools/gpu_check.sh "
+                                                      "runs the tool over NCCL")
+def test_e2e_seqlen_tp2_sequence_parallel_matches_tp1(tmp_path):
+    """The end-to-end tool on CPU at TP=1 and at TP=2 with sequence parallelism (the local spec,
+    its norms made SP-capable), every mode: the losses of three steps with SGD updates between
+    them equal TP=1's (so the norms' gradients were reduced over the TP ranks), fused equals unfused,
+    Megatron's own loss (softmax over the padded vocab) sits near log(padded / true vocab) above
+    them, and the simulated OOM stops every mode at the length above the limit."""
+    from dist import run_workers
+
+    (tp1,) = run_workers(e2e_worker, 1, E2E_TINY + ["--out", str(tmp_path / "tp1")], timeout=120)
+    tp2 = run_workers(e2e_worker, 2, E2E_TINY + ["--tp", "2", "--out", str(tmp_path / "tp2")],
+                      timeout=120)
+    meta = tp2[0]["meta"]
+    assert (meta["tp"], meta["sequence_parallel"], meta["spec"]) == (2, True, "local")
+    assert (tp1["meta"]["tp"], tp1["meta"]["sequence_parallel"]) == (1, False)
+    written = json.loads((tmp_path / "tp2" / "e2e_seqlen.json").read_text())
+    assert written["summary"] == tp2[0]["summary"]
+    assert "TP 2 + sequence parallel" in (tmp_path / "tp2" / "e2e_seqlen.md").read_text()
+    for mode in ("fused", "unfused", "megatron"):
+        for report in (tp1, tp2[0]):
+            runs = report["results"][mode]
+            assert runs["32"]["ok"], (mode, runs)
+            assert not runs["64"]["ok"] and "simulated" in runs["64"]["error"]
+            assert report["summary"]["longest_fitting_seq"][mode] == 32
+        one, two = tp1["results"][mode]["32"]["losses"], tp2[0]["results"][mode]["32"]["losses"]
+        assert one[1] < one[0] - 1e-3, (mode, one)  # a backward ran and the SGD step changed the model
+        # (without the norms' TP all-reduce, the third step's loss moves by ~1e-2)
+        assert max(abs(a - b) for a, b in zip(one, two)) < 2e-5, (mode, one, two)
+    for report in (tp1, tp2[0]):
+        comparisons = report["summary"]["comparisons"]
+        assert comparisons["fused_vs_unfused"]["max_abs_loss_diff_first_step"] < 1e-4
+        padding = math.log(1024 / 1000)
+        assert 0.3 * padding < comparisons["fused_vs_megatron"]["max_abs_loss_diff_first_step"] < 3 * padding

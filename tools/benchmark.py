@@ -63,7 +63,8 @@ check of the Triton backend against the torch backend on the GPU.
 Outputs (in --out): results.json (every number), results.md (tables), pareto_<N>x<H>x<V>.png
 (extra memory vs x floor, every peer and both our modes, both spreads), sweep.png (memory vs N).
 
-Tensor parallel (one process per GPU, NCCL; tools/gpu_tp.sh runs it with the multi-GPU tests):
+Tensor parallel (one process per GPU, NCCL; tools/gpu_check.sh's bench stage runs it at TP = the
+number of visible GPUs):
     torchrun --nproc_per_node 2 tools/benchmark.py --tp 2 [--shapes ...] [--chunks auto,4096] [--out DIR]
 Same global shapes; every rank holds the full hidden [N, H] (no sequence parallel) and a V/TP shard
 of the bf16 weight. Per GPU, forward+backward, dist.barrier() before each timed region, median over

@@ -5,6 +5,10 @@ time by kernel name, and the GPU's busy time against the wall time (gaps = launc
     python tools/profile_op.py [--shape 8192x4096x128256] [--paths ce,logprobs,ce_lean,fwd,grpo]
     python tools/profile_op.py --paths ce_lean --lean-tiles 1152,16384,8192,4096   # try tile sizes
     python tools/profile_op.py --gaps   # where the GPU waits: after host syncs, at the call's start, else
+    python tools/profile_op.py --device cpu --shape 64x32x100 --paths ce,grpo --reps 1   # smoke test
+
+On the CPU (`--device cpu`, the torch backend) the table lists the ops by self CPU time instead of
+the CUDA kernels; `--gaps` needs CUDA.
 """
 
 import argparse
@@ -13,6 +17,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -23,8 +28,8 @@ from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss  # noqa: E402
 from megatron_fused_ce.ops import lean  # noqa: E402
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="8192x4096x128256")
     p.add_argument("--paths", default="ce,logprobs,ce_lean,fwd")
     p.add_argument("--reps", type=int, default=3)
@@ -32,16 +37,21 @@ def main():
     p.add_argument("--gaps", action="store_true",
                    help="the GPU's idle time per call: at the call's start, after each host sync, the rest")
     p.add_argument("--lean-tiles", help="rows_a,cols_a,rows_b,cols_b: lean mode's tiles instead of tile_sizes()")
-    args = p.parse_args()
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if args.gaps and not cuda:
+        p.error("--gaps reads the GPU's idle time: it needs --device cuda")
     if args.lean_tiles:
         tiles = lean.LeanTiles(*(int(x) for x in args.lean_tiles.split(",")))
         lean.tile_sizes = lambda *a, **k: tiles
     n, hdim, v = (int(x) for x in args.shape.split("x"))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(n, hdim, device="cuda", generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(v, hdim, device="cuda", generator=g) / math.sqrt(hdim) * 2).bfloat16().requires_grad_()
-    y = torch.randint(0, v, (n,), device="cuda", generator=g)
-    adv, mask = torch.randn(8, device="cuda", generator=g), torch.ones(8, n // 8, device="cuda")  # grpo: 8 sequences
+    dev = args.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(n, hdim, device=dev, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, hdim, device=dev, generator=g) / math.sqrt(hdim) * 2).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), device=dev, generator=g)
+    adv, mask = torch.randn(8, device=dev, generator=g), torch.ones(8, n // 8, device=dev)  # grpo: 8 sequences
     paths = {
         "ce": lambda: torch.autograd.grad(linear_cross_entropy(h, w, y), (h, w)),
         "ce_lean": lambda: torch.autograd.grad(linear_cross_entropy(h, w, y, memory_mode="lean"), (h, w)),
@@ -52,33 +62,43 @@ def main():
         "grpo": lambda: torch.autograd.grad(
             linear_grpo_loss(h.view(8, -1, hdim), w, y.view(8, -1), adv, mask, GRPOConfig())[0], (h, w)),
     }
+    unknown = [name for name in args.paths.split(",") if name not in paths]
+    if unknown:
+        p.error(f"unknown --paths {unknown}: choose from {sorted(paths)}")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU]
     for name in args.paths.split(","):
         fn = paths[name]
         for _ in range(2):
             fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            start.record()
+        sync()
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
             for _ in range(args.reps):
-                torch.cuda.synchronize()  # each call starts on an idle GPU, as in tools/benchmark.py
+                sync()  # each call starts on an idle GPU, as in tools/benchmark.py
                 with torch.profiler.record_function("profiled_call"):
                     fn()
-            end.record()
-            torch.cuda.synchronize()
-        wall = start.elapsed_time(end) / args.reps
+            sync()
+            wall = (time.perf_counter() - t0) * 1e3 / args.reps
         if args.gaps:
             print_gaps(name, prof, args.reps)
-        kernels = {}
-        for evt in prof.key_averages():
-            t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-            if t and evt.device_type.name == "CUDA":
-                kernels[evt.key] = t / 1e3 / args.reps
-        busy = sum(kernels.values())
-        print(f"\n== {name}: {wall:.2f} ms per call, GPU kernels {busy:.2f} ms ({100 * busy / wall:.0f} % busy)")
+        if cuda:
+            kernels = {}
+            for evt in prof.key_averages():
+                t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+                # (the "profiled_call" annotation has a GPU-side span too: the whole call, not a kernel)
+                if t and evt.device_type.name == "CUDA" and evt.key != "profiled_call":
+                    kernels[evt.key] = t / 1e3 / args.reps
+            busy = sum(kernels.values())
+            print(f"\n== {name}: {wall:.2f} ms per call, GPU kernels {busy:.2f} ms ({100 * busy / wall:.0f} % busy)")
+        else:  # the ops themselves are the work; "profiled_call" (the whole call) is not an op
+            kernels = {e.key: e.self_cpu_time_total / 1e3 / args.reps for e in prof.key_averages()
+                       if e.self_cpu_time_total > 0 and e.key != "profiled_call"}
+            busy = sum(kernels.values())
+            print(f"\n== {name}: {wall:.2f} ms per call, CPU ops {busy:.2f} ms (self time)")
         for key, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:14]:
             print(f"  {ms:8.3f} ms  {key[:110]}")
-        if args.cpu:
+        if args.cpu and cuda:
             host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
                           key=lambda e: -e.self_cpu_time_total)[:14]
             print(f"  host: {sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3 / args.reps:.2f} ms per call")

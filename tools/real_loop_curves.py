@@ -3,8 +3,8 @@
     python tools/real_loop_curves.py --work /tmp/real_loop --out $OUT            # ~350M GPT
     python tools/real_loop_curves.py --preset tiny --work /tmp/rl --out /tmp/o   # a quick check
 
-Needs megatron-core >= 0.19 (megatron.training), `tokenizers`, `transformers`, matplotlib
-(tools/real_loop_curves.sh installs megatron-core from .wheels/). Steps, each a
+Needs megatron-core >= 0.19 (megatron.training; Python >= 3.12), `tokenizers`, `transformers`,
+matplotlib (tools/real_loop_curves.sh runs it with its folders from the environment). Steps, each a
 `torchrun --nproc_per_node 1 examples/megatron_lm_real_pretrain_gpt.py ...` process:
 
   1. tools/make_text_dataset.py: BPE tokenizer (vocab 32768) + indexed dataset of the stdlib sources
@@ -59,6 +59,35 @@ FIELD_RE = {
 }
 LOSS_KEYS = ("lm_loss", "mtp_1_loss")
 PEAK_RE = re.compile(r"peak GPU memory allocated \(max over ranks\): ([0-9.]+) GiB")
+
+
+REQUIREMENTS = (("megatron.training.argument_utils", '"megatron-core>=0.19" (megatron.training, Python >= 3.12)'),
+                ("tokenizers", "tokenizers"), ("transformers", "transformers"), ("matplotlib", "matplotlib"))
+
+
+def missing_requirements():
+    """The pip requirements of this tool that do not import here (empty when all do)."""
+    import importlib
+
+    missing = []
+    for module, requirement in REQUIREMENTS:
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 (ImportError, or a too-old Python's SyntaxError)
+            missing.append(f"{requirement} [{type(error).__name__}: {error}]")
+    return missing
+
+
+def add_datasets_makefile():
+    """Megatron-LM's initialization runs `make` in megatron/core/datasets, where a Megatron-LM
+    checkout builds the helpers_cpp module; the pip wheel ships that module already built but no
+    Makefile. Give it one that only checks the module imports."""
+    import megatron.core.datasets
+
+    folder = Path(megatron.core.datasets.__file__).parent
+    makefile = folder / "Makefile"
+    if not makefile.exists() and os.access(folder, os.W_OK):
+        makefile.write_text('all:\n\t@python3 -c "import megatron.core.datasets.helpers_cpp"\n')
 
 
 def model_args(p, data_dir, iters, distributed_optimizer=True):
@@ -263,6 +292,11 @@ def main(argv=None):
                         help="start the fused and unfused runs side by side (a quick check: "
                              "their tokens/s are then not comparable)")
     args = parser.parse_args(argv)
+    missing = missing_requirements()
+    if missing:
+        print("real_loop_curves: install first (pip install ...): " + "; ".join(missing), file=sys.stderr)
+        return 2
+    add_datasets_makefile()
     start = time.time()
     p = dict(PRESETS[args.preset])
     if args.iters:
@@ -286,7 +320,9 @@ def main(argv=None):
             cmd += ["--max-files", str(p["max_files"])]
         subprocess.run(cmd, check=True, env=dict(env, TOKENIZERS_PARALLELISM="true"))
     dataset = json.loads((data_dir / "dataset.json").read_text())
-    print(f"dataset ready after {time.time() - start:.0f}s: {dataset}", flush=True)
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core "
+          f"{getattr(megatron.core, '__version__', '?')}; dataset ready after {time.time() - start:.0f}s: "
+          f"{dataset}", flush=True)
 
     summary = {"preset": args.preset, "params": p, "dataset": dataset,
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

@@ -434,16 +434,6 @@ def tp_main(args):
     if rank != 0:
         measure.QUIET = True  # only rank 0 prints
     ctx = _TPCtx(dist, dist.group.WORLD, world, rank, device)
-    ctx.megatron_error = None
-    try:
-        from megatron.core import parallel_state
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    except Exception as exc:  # noqa: BLE001
-        ctx.megatron_error = f"megatron parallel_state not initialized: {type(exc).__name__}: {str(exc)[:200]}"
-    flags = [None] * world
-    dist.all_gather_object(flags, ctx.megatron_error)
-    ctx.megatron_error = next((f for f in flags if f), None)
 
     quick_dev = "cuda" if dev_type == "cuda" else "cpu"
     if args.quick:
@@ -474,6 +464,17 @@ def tp_main(args):
             impls.append((name, None))
 
     ctx.impls = impls
+    ctx.megatron_error = None
+    if any(name.startswith("megatron") for name, _ in impls):  # (megatron-core is slow to import)
+        try:
+            from megatron.core import parallel_state
+            if not parallel_state.model_parallel_is_initialized():
+                parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+        except Exception as exc:  # noqa: BLE001
+            ctx.megatron_error = f"megatron parallel_state not initialized: {type(exc).__name__}: {str(exc)[:200]}"
+        flags = [None] * world
+        dist.all_gather_object(flags, ctx.megatron_error)
+        ctx.megatron_error = next((f for f in flags if f), None)
     results = dict(command=" ".join(["torchrun", f"--nproc_per_node {world}", os.path.relpath(sys.argv[0], REPO)]
                                     + sys.argv[1:]), tp=world, backend=backend, quick=args.quick,
                    rows=[], scaling=[], notes=[])
