@@ -13,11 +13,12 @@ setup(
     # every import without it.
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "megatron": ["megatron-core>=0.16.1", "pyyaml", "tqdm"],
+        # psutil: megatron-core's dist_checkpointing writer (the examples' --save) reads its memory with it
+        "megatron": ["megatron-core>=0.16.1", "pyyaml", "tqdm", "psutil"],
         "triton": ["triton>=3.0"],
         # hypothesis pinned: its derandomized examples (tests/test_fuzz.py) depend on the version
         "test": ["pytest>=7", "hypothesis==6.170.15", "megatron-core>=0.16.1", "triton>=3.0", "pyyaml",
-                 "tqdm", "einops", "tokenizers"],  # einops: megatron's Megatron-FSDP adapter (tests/test_megatron_fsdp.py)
+                 "tqdm", "psutil", "einops", "tokenizers"],  # einops: megatron's Megatron-FSDP adapter (tests/test_megatron_fsdp.py)
         "bench": ["matplotlib", "triton>=3.0"],
         # QuACK's one-pass cross-entropy row kernel on Hopper (ops/cute_backend.py); quack-kernels
         # 0.6.5 imports with nvidia-cutlass-dsl 4.7.1, not 4.8

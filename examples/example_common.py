@@ -96,20 +96,53 @@ def build_parser(example: str, description: str) -> argparse.ArgumentParser:
                              "sequence split over N ranks")
     parser.add_argument("--seq-length", type=int, metavar="S", help="sequence length (sets data.seq_length)")
     parser.add_argument("--steps", type=int, metavar="N", help="optimizer steps (sets train.steps)")
+    compared = ("the trainer's log-probs of its response tokens (the on-policy loss is 0 by "
+                "construction)" if example == "grpo" else "the loss")
     parser.add_argument("--compare-unfused", action="store_true",
-                        help="on the first batch, run forward+backward with and without fusion and "
-                             "print the loss difference and the peak tensor memory of each")
+                        help=f"run forward+backward of the first batch with and without fusion and "
+                             f"print the difference of {compared}, and the peak tensor memory of each")
     if example == "grpo":
         parser.add_argument("--report-ratio", action="store_true",
                             help="before training, print the importance ratio exp(trainer - "
                                  "sampler log-prob) of the first update for several sampler "
                                  "settings, with sampler-fidelity and with plain-softmax log-probs")
-        parser.add_argument("--log-jsonl", metavar="PATH",
-                            help="write one JSON line per rollout step (reward and loss metrics)")
+    if example in RL_EXAMPLES:
+        add_rl_arguments(parser, example)
     parser.add_argument("overrides", nargs="*", metavar="section.key=VALUE",
                         help="config overrides, read as YAML values, e.g. train.lr=1e-3 "
                              "megatron_cfg.use_linear_ce_fusion_loss=false")
     return parser
+
+
+RL_EXAMPLES = ("sft", "dpo", "grpo")  # the digit task's chain: SFT, then GRPO or DPO
+
+
+def add_rl_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument("--task", choices=("count", "copy", "reverse"), metavar="TASK",
+                        help="the digit task (sets rollout.task): count (on from the prompt's last "
+                             "digit), copy or reverse (its digits)")
+    parser.add_argument("--load", metavar="DIR",
+                        help="start the policy (and the reference model, where the loss has one) "
+                             "from a checkpoint written by --save, whatever its TP / PP layout")
+    parser.add_argument("--save", metavar="DIR",
+                        help="after the last step, write the policy as a Megatron distributed "
+                             "checkpoint (megatron.core.dist_checkpointing), its model config "
+                             "beside it")
+    what = {"sft": "the loss, and the reward and exact-match accuracy of the evaluations",
+            "dpo": "the loss and preference accuracy, and the reward and exact-match accuracy "
+                   "of the evaluations",
+            "grpo": "the rollout's reward and exact-match accuracy, and the loss metrics"}[example]
+    parser.add_argument("--log-jsonl", metavar="PATH", help=f"write one JSON line per step: {what}")
+
+
+def check_rl_arguments(prog: str, args: argparse.Namespace) -> None:
+    """--load / --save mistakes end in one line before any process starts: a missing checkpoint,
+    one of another model (each differing setting named), a --save directory with other files."""
+    from example_checkpoint import check_load, check_save_dir
+
+    problem = (args.load and check_load(args.load, args.cfg)) or (args.save and check_save_dir(args.save))
+    if problem:
+        fail(prog, problem)
 
 
 def parse_args(example: str, description: str) -> argparse.Namespace:
@@ -122,23 +155,80 @@ def parse_args(example: str, description: str) -> argparse.Namespace:
     flags = (("megatron_cfg.tensor_model_parallel_size", args.tp),
              ("megatron_cfg.pipeline_model_parallel_size", args.pp),
              ("megatron_cfg.context_parallel_size", args.cp),
-             ("data.seq_length", args.seq_length), ("train.steps", args.steps))
+             ("data.seq_length", args.seq_length), ("train.steps", args.steps),
+             ("rollout.task", getattr(args, "task", None)))
     try:
         args.cfg = load_config(example, args.config, [(k, v) for k, v in flags if v is not None],
                                args.overrides)
     except (ValueError, OSError) as err:
         fail(parser.prog, str(err))
+    if example in RL_EXAMPLES:
+        check_rl_arguments(parser.prog, args)
     mcfg = args.cfg["megatron_cfg"]
     require_torchrun(parser.prog, mcfg["tensor_model_parallel_size"] * mcfg["pipeline_model_parallel_size"]
                      * mcfg["context_parallel_size"])
+    problem = layout_problem(args.cfg, launched_world_size())
+    if problem:
+        fail(parser.prog, problem)
     require_packages(parser.prog, ("tqdm", "megatron.core"))
     return args
+
+
+def launched_world_size() -> int:
+    """The number of processes of this launch (torchrun's WORLD_SIZE, or the group's)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+
+
+def layout_problem(cfg: dict, world: int) -> Optional[str]:
+    """Why `world` processes cannot hold the config's parallel layout and model, or None.
+
+    Megatron checks these too, but only after the processes connected, on every rank, with a
+    traceback each (`world_size (3) is not divisible by 2` three times under torchrun); here they
+    end in one line before any process group exists."""
+    mcfg, m = cfg["megatron_cfg"], cfg["model"]
+    tp, pp, cp = (mcfg["tensor_model_parallel_size"], mcfg["pipeline_model_parallel_size"],
+                  mcfg["context_parallel_size"])
+    model_size = tp * pp * cp
+    if world % model_size:
+        return (f"{world} processes do not split into data-parallel replicas of TP x PP x CP = "
+                f"{tp} x {pp} x {cp} = {model_size} ranks: launch a multiple of {model_size} "
+                f"(torchrun --nproc_per_node) or change --tp / --pp / --cp")
+    if m["num_attention_heads"] % tp:
+        return (f"model.num_attention_heads ({m['num_attention_heads']}) must be a multiple of the "
+                f"tensor-parallel size ({tp}): each TP rank holds whole heads")
+    ffn = m["ffn_hidden_size"] if m["ffn_hidden_size"] is not None else 4 * m["hidden_size"]
+    if ffn % tp:
+        return (f"the MLP width ({ffn}, model.ffn_hidden_size or 4 x model.hidden_size) must be a "
+                f"multiple of the tensor-parallel size ({tp})")
+    if m["num_layers"] % pp:
+        return (f"model.num_layers ({m['num_layers']}) must be a multiple of the pipeline-parallel "
+                f"size ({pp}): every stage holds the same number of layers")
+    dp, train = world // model_size, cfg["train"]
+    if "global_batch_size" in train and train["global_batch_size"] % (dp * train["micro_batch_size"]):
+        return (f"train.global_batch_size ({train['global_batch_size']}) must split into DP = {dp} "
+                f"data-parallel replicas x micro-batches of train.micro_batch_size "
+                f"({train['micro_batch_size']})")
+    if "num_prompts" in cfg.get("rollout", {}) and cfg["rollout"]["num_prompts"] % dp:
+        return (f"rollout.num_prompts ({cfg['rollout']['num_prompts']}) must be a multiple of the "
+                f"data-parallel size DP = {dp}")
+    if "eval" in cfg and cfg["eval"]["num_prompts"] % dp:
+        return (f"eval.num_prompts ({cfg['eval']['num_prompts']}) must be a multiple of the "
+                f"data-parallel size DP = {dp}")
+    return None
+
+
+# How long the other ranks of a launch wait for rank 0 to print a mistake (see `fail`).
+OTHER_RANKS_WAIT_S = 20.0
 
 
 def fail(prog: str, message: str) -> NoReturn:
     """Print `prog: error: message` once (rank 0 under torchrun) and exit with status 2."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    elif not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun stops every process as soon as one exits with an error: a rank that exited
+        # first could take rank 0 down before it printed. The others wait; rank 0's exit ends them.
+        time.sleep(OTHER_RANKS_WAIT_S)
     sys.exit(2)
 
 
@@ -283,23 +373,29 @@ def build_frozen_copy(model, cfg: dict, parallel_state):
 class MainGradAdamW:
     """torch AdamW stepping on megatron DDP's fp32 `main_grad` buffers (megatron's own optimizer
     allocates CUDA tensors, so it does not run on CPU). Tied embeddings stay tied:
-    `finalize_model_grads` gave both copies the same gradient. A demo optimizer: bf16 parameters
-    are updated in place, without fp32 master weights, and there is no gradient clipping."""
+    `finalize_model_grads` gave both copies the same gradient. bf16 parameters are stepped through
+    fp32 master copies, as megatron's mixed-precision optimizer does: an update below bf16's
+    resolution (a fine-tuning learning rate) would otherwise round away; so build it after the
+    weights are loaded. A demo optimizer: no gradient clipping."""
 
     def __init__(self, model, lr: float, weight_decay: float = 0.0):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.masters = [p.detach().float() if p.dtype != torch.float32 else p for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
 
     def zero_grad(self):
         self.model.zero_grad_buffer()
 
     def step(self):
-        for p in self.params:
-            p.grad = p.main_grad.to(p.dtype)
+        for p, master in zip(self.params, self.masters):
+            master.grad = p.main_grad.float()
         self.opt.step()
-        for p in self.params:
-            p.grad = None
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                master.grad = None
+                if master is not p:
+                    p.copy_(master)
 
 
 # ------------------------------------------------------------------------------------------------

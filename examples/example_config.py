@@ -3,7 +3,8 @@
 Every section and key an example reads is listed in its schema (below), with its type and
 default. A section or key that is not there, a value of the wrong type, or a missing required key
 raises `ValueError` naming it (`train.stepz`: "did you mean 'train.steps'?"), before any process
-group is created: a typo never silently falls back to a default. Values are read with YAML
+group is created: a typo never silently falls back to a default. A file may build on others
+(`include: rl_model.yaml`: the model the SFT, DPO and GRPO examples share; see `_read`). Values are read with YAML
 semantics, except that `1e-3` and the like are floats (YAML 1.1, PyYAML's dialect, reads them as
 strings).
 
@@ -20,6 +21,7 @@ import copy
 import dataclasses
 import difflib
 import numbers
+import os
 import re
 import typing
 from dataclasses import dataclass
@@ -115,6 +117,9 @@ MEGATRON_CFG = {
     # null = logits in the input dtype; "float32" / "fp32" (one setting) keep the GEMM's fp32 output
     "linear_ce_fusion_logits_dtype": Key("str", None, choices=("float32", "fp32"), nullable=True),
     "fused_linear_logprobs_logits_dtype": Key("str", None, choices=("float32", "fp32"), nullable=True),
+    # null = the op's bound on one chunk of logits (1 GiB) when no chunk size is set
+    "linear_ce_fusion_max_chunk_bytes": Int(None, nullable=True),
+    "fused_linear_logprobs_max_chunk_bytes": Int(None, nullable=True),
 }
 TRAIN = {"steps": Int(), "global_batch_size": Int(), "micro_batch_size": Int(),
          "lr": Float(positive=True), "seed": Int(1234, positive=False)}
@@ -148,13 +153,29 @@ def schema_for(example: str) -> Schema:
     common = {"model": dict(MODEL), "megatron_cfg": dict(MEGATRON_CFG)}
     if example == "pretrain_gpt":
         return {**common, "data": {"seq_length": Int()}, "train": dict(TRAIN)}
-    if example == "sft":
-        data = {"seq_length": Int(), "pack": Bool(True), "prompt_length": Key("int_range"),
-                "response_length": Key("int_range")}
-        return {**common, "data": data, "train": dict(TRAIN)}
-    if example == "dpo":
-        return {**common, "data": {"seq_length": Int(), "prompt_length": Int()},
-                "train": dict(TRAIN), "dpo": _dpo_section()}
+    if example in ("sft", "dpo"):
+        # the task, sampler and sequence layout of the GRPO rollouts (configs/rl_model.yaml), so
+        # that an SFT or DPO policy is evaluated (and DPO's pairs are sampled) as GRPO samples
+        grpo = schema_for("grpo")
+        rollout = {k: grpo["rollout"][k] for k in ("task", "temperature")}
+        sampling = {k: v for k, v in grpo["sampling"].items() if k != "fidelity"}
+        data = {"seq_length": Int(), "prompt_length": Int()}
+        train = dict(TRAIN)
+        if example == "sft":
+            # pack: several shorter demonstrations per row (cu_seqlens; THD under CP)
+            data["pack"] = Bool(False)
+            # stop after the first evaluation whose reward reaches it (a partial policy for RL)
+            train["stop_at_reward"] = Float(None, nullable=True)
+        else:  # the samples that the preference pairs are drawn from
+            rollout.update(num_prompts=Int(), samples_per_prompt=Int())
+        sections = {**common, "data": data, "train": train, "rollout": rollout,
+                    "sampling": sampling,
+                    # every `every` steps (and after the last) the policy answers `num_prompts`
+                    # held-out prompts with the sampler: `reward` and `accuracy` of the log
+                    "eval": {"every": Int(10), "num_prompts": Int(64)}}
+        if example == "dpo":
+            sections["dpo"] = _dpo_section()
+        return sections
     if example == "grpo":
         train = {k: v for k, v in TRAIN.items() if k != "global_batch_size"}
         train["updates_per_rollout"] = Int(1)
@@ -164,9 +185,10 @@ def schema_for(example: str) -> Schema:
                    # where the old policy's log-probs come from: the sampler's record (no pass)
                    # or a forward-only pass of the trainer
                    "old_logprobs": Choice("sampler", "trainer", default="sampler")}
-        # the rollouts' sampler (vLLM semantics; defaults = off); fidelity: the trainer's
-        # log-probs are of the same distribution (LogprobsPostProcessor top_k / top_p / min_p)
-        sampling = {"top_k": Int(None, nullable=True), "top_p": Float(1.0), "min_p": Float(0.0),
+        # the rollouts' sampler (vLLM semantics and ranges, checked by `_check_sampling`;
+        # defaults = off); fidelity: the trainer's log-probs are of the same distribution
+        # (LogprobsPostProcessor top_k / top_p / min_p)
+        sampling = {"top_k": Key("int", None, nullable=True), "top_p": Float(1.0), "min_p": Float(0.0),
                     "fidelity": Bool(True)}
         return {**common, "data": {"seq_length": Int(), "prompt_length": Int()}, "train": train,
                 "rollout": rollout, "sampling": sampling, "grpo": _grpo_section()}
@@ -210,14 +232,7 @@ def load_config(example: str, path: str, settings: Iterable[Tuple[str, Any]] = (
     (`a.b=value` strings), check everything against `schema_for(example)` and fill the defaults.
     Raises ValueError naming the offending section, key or override."""
     schema = schema_for(example)
-    with open(path) as f:
-        cfg = parse_yaml(f.read())
-    if cfg is None:
-        cfg = {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected sections (model:, train:, ...), got {type(cfg).__name__}")
-    _check_names(cfg, schema, f"in {path}")
-    cfg = copy.deepcopy(cfg)
+    cfg = _read(path, schema)
     for dotted, value in settings:
         _set(cfg, schema, dotted, value, "")
     for item in overrides:
@@ -226,6 +241,42 @@ def load_config(example: str, path: str, settings: Iterable[Tuple[str, Any]] = (
             raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. train.lr=1e-3)")
         _set(cfg, schema, dotted.strip(), parse_value(text), f" (override {item!r})")
     return _complete(cfg, schema, path)
+
+
+INCLUDE = "include"
+
+
+def _read(path: str, schema: Schema, including: Tuple[str, ...] = ()) -> dict:
+    """The sections of `path`, on top of those of the files its `include:` names (one file or a
+    list, relative to `path`; later ones win): a key set here replaces the included one, the
+    included file's other keys stay. The RL examples share their model this way."""
+    with open(path) as f:
+        cfg = parse_yaml(f.read())
+    if cfg is None:
+        cfg = {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected sections (model:, train:, ...), got {type(cfg).__name__}")
+    names = cfg.pop(INCLUDE, None)
+    names = [names] if isinstance(names, str) else names or []
+    _check_names(cfg, schema, f"in {path}")
+    merged: dict = {}
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"{INCLUDE} in {path} must name YAML files, got {name!r}")
+        base = os.path.join(os.path.dirname(path), name)
+        if os.path.abspath(base) in including + (os.path.abspath(path),):
+            raise ValueError(f"{path} includes {name}, which includes {path} (a cycle)")
+        _merge(merged, _read(base, schema, including + (os.path.abspath(path),)))
+    _merge(merged, copy.deepcopy(cfg))
+    return merged
+
+
+def _merge(into: dict, cfg: dict) -> None:
+    for section, keys in cfg.items():
+        if keys is None:  # an empty section adds nothing
+            into.setdefault(section, None)
+        else:
+            into[section] = {**(into.get(section) or {}), **keys}
 
 
 def _suggest(name: str, valid: Iterable[str]) -> str:
@@ -280,6 +331,8 @@ def _complete(cfg: dict, schema: Schema, path: str) -> dict:
             else:
                 out[section][key] = copy.deepcopy(spec.default)
     _check_combinations(out)
+    if "sampling" in out:
+        _check_sampling(out)
     if "grpo" in out:
         from megatron_fused_ce.losses import GRPOConfig
 
@@ -294,6 +347,22 @@ def _complete(cfg: dict, schema: Schema, path: str) -> dict:
     except ValueError as err:
         raise ValueError(f"megatron_cfg: {err}") from None
     return out
+
+
+def _check_sampling(cfg: dict) -> None:
+    """The sampler settings in the ranges vLLM's SamplingParams accepts (the op's own check):
+    top_k null, 0 or -1 (off) or >= 1; top_p in (0, 1]; min_p in [0, 1]. top_k 0 / -1 become
+    null, the one spelling of "off" that the rollouts' sampler reads."""
+    from megatron_fused_ce.ops import sampling
+
+    s = cfg["sampling"]
+    problems = sampling.sampler_problems(s["top_k"], s["top_p"], s["min_p"], 0,
+                                         true_vocab=cfg["model"]["vocab_size"])
+    for name, message in problems.items():
+        if message:
+            raise ValueError(f"sampling.{message}")
+    if sampling.top_k_off(s["top_k"]):
+        s["top_k"] = None
 
 
 def _check_combinations(cfg: dict) -> None:
@@ -313,3 +382,6 @@ def _check_combinations(cfg: dict) -> None:
                          f"multiple of train.micro_batch_size ({train['micro_batch_size']})")
     if "dpo" in cfg and train["micro_batch_size"] % 2:
         raise ValueError("train.micro_batch_size must be even for DPO (chosen/rejected row pairs)")
+    if "dpo" in cfg and cfg["rollout"]["samples_per_prompt"] < 2:
+        raise ValueError("rollout.samples_per_prompt must be >= 2 for DPO: a pair is two ranked "
+                         "answers to one prompt")

@@ -1,5 +1,7 @@
 """Real GRPO rollouts for examples/grpo.py: the Megatron policy generates its own responses with an
-inference engine's sampler, and a verifiable reward scores them.
+inference engine's sampler, and a verifiable reward scores them. The same sampler draws DPO's
+preference pairs (examples/dpo.py) and answers the evaluations of sft.py and dpo.py (`evaluate`);
+the same task makes SFT's demonstrations (`targets`).
 
 Sampler (vLLM V1's semantics, as `linear_logprobs` documents them), per row of full-vocab logits:
 
@@ -26,10 +28,11 @@ the response is
     copy     the prompt's digits, repeated;
     reverse  the prompt's digits in reverse order, repeated.
 Per position: 1 for the right digit, 0.1 for another digit (a small format reward: a random
-policy emits few digits), 0 otherwise; the reward is the mean over the response.
+policy emits few digits), 0 otherwise; the reward is the mean over the response (0-1, partial
+credit: a signal for GRPO), the accuracy its exact match (1 only for a response right throughout).
 
-`python examples/rollout.py --plot OUT.png RUN.jsonl...` draws the reward curves of `grpo.py
---log-jsonl` runs.
+`python examples/rollout.py --plot OUT.png RUN.jsonl...` draws the reward curves of `--log-jsonl`
+runs (grpo.py, and the evaluations of sft.py and dpo.py).
 """
 
 from __future__ import annotations
@@ -131,6 +134,11 @@ def rewards(response: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return score.mean(dim=1)
 
 
+def accuracy(response: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[rows] 1.0 where the whole response is right (exact match), else 0.0."""
+    return (response == target).all(dim=1).float()
+
+
 def group_advantages(reward: torch.Tensor, group: int) -> torch.Tensor:
     grouped = reward.view(-1, group)
     return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
@@ -171,6 +179,62 @@ def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: in
     finally:
         install_fused_output_layer(model, fused)  # (a no-op with fusion off)
     return tokens, recorded
+
+
+def sampler_of(cfg) -> Sampler:
+    """The sampler of a config's `rollout.temperature` and `sampling` section."""
+    s = cfg["sampling"]
+    return Sampler(cfg["rollout"]["temperature"], s["top_k"], s["top_p"], s["min_p"])
+
+
+def answer(model, fused, cfg, prompt: torch.Tensor, sampler: Sampler, generator: torch.Generator):
+    """The policy's sampled answers to `prompt` [B, P] (this replica's rows): tokens
+    [B, seq_length + 1] and sampler log-probs [B, seq_length] (see `generate`), and per row the
+    task's reward and exact match, all on the CPU."""
+    data = cfg["data"]
+    seq, prompt_length = data["seq_length"], prompt.shape[1]
+    tokens, logq = generate(model, fused, prompt, seq, cfg["model"]["vocab_size"], sampler, generator)
+    tokens, logq = tokens.cpu(), logq.cpu()
+    target = targets(prompt, seq + 1 - prompt_length, cfg["rollout"]["task"])
+    response = tokens[:, prompt_length:]
+    return tokens, logq, rewards(response, target), accuracy(response, target)
+
+
+def check_rows(name: str, rows: int, prompt_length: int, seq_length: int, parallel_state) -> int:
+    """`rows` prompts over the data-parallel ranks -> this rank's share; one line on a bad value."""
+    dp = parallel_state.get_data_parallel_world_size()
+    if rows % dp:
+        raise SystemExit(f"{name} ({rows}) must be a multiple of the data-parallel size {dp}")
+    if not 2 <= prompt_length <= seq_length:
+        raise SystemExit(f"data.prompt_length ({prompt_length}) must be in [2, data.seq_length = "
+                         f"{seq_length}]")
+    return rows // dp
+
+
+def mean_over_replicas(values, parallel_state):
+    """Means of per-row [rows] tensors over the rows of every data-parallel replica (one
+    all-reduce; a replica's rows are the same on all its TP / CP / PP ranks)."""
+    from example_common import device
+
+    sums = torch.tensor([float(v.double().sum()) for v in values] + [float(values[0].numel())],
+                        dtype=torch.float64, device=device())
+    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+    count = max(sums[-1].item(), 1.0)
+    return [s / count for s in sums[:-1].tolist()]
+
+
+def evaluate(model, fused, cfg, parallel_state, sampler: Sampler):
+    """(mean reward, exact-match accuracy) of the policy's sampled answers to the held-out
+    prompts (`eval.num_prompts`, the same ones and the same uniforms at every evaluation, so
+    that successive evaluations differ by the policy only)."""
+    data = cfg["data"]
+    rows = check_rows("eval.num_prompts", cfg["eval"]["num_prompts"], data["prompt_length"],
+                      data["seq_length"], parallel_state)
+    seed = cfg["train"]["seed"] * 999331 + 104729 * (1 + parallel_state.get_data_parallel_rank())
+    prompt = prompts(rows, data["prompt_length"], torch.Generator().manual_seed(seed))
+    _, _, reward, exact = answer(model, fused, cfg, prompt, sampler,
+                                 torch.Generator().manual_seed(seed + 1))
+    return mean_over_replicas([reward, exact], parallel_state)
 
 
 def _last_stage_logits(model, batch, position: int, seq_length: int, vocab_size: int):
@@ -276,8 +340,27 @@ def ratio_table(rows: List[dict], low: float, high: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Reward curves of several runs
+# Step logs (--log-jsonl) and reward curves of several runs
 # ------------------------------------------------------------------------------------------------
+class JsonlLog:
+    """`--log-jsonl PATH`: one JSON object per line and step, written by the reporting rank only
+    (the last one: it holds the loss metrics) and flushed at once, so a run that stops midway
+    leaves its steps so far."""
+
+    def __init__(self, path: Optional[str], is_reporter: bool):
+        self.file = open(path, "w") if path and is_reporter else None
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 def plot(out: str, paths: Sequence[str], title: str = "") -> None:
     import matplotlib
 
@@ -289,10 +372,10 @@ def plot(out: str, paths: Sequence[str], title: str = "") -> None:
         with open(path) as f:
             records = [json.loads(line) for line in f if line.strip()]
         label = records[0].get("label", path)
-        steps = [r["step"] for r in records]
-        axes[0].plot(steps, [r["reward"] for r in records], label=label)
+        rated = [r for r in records if "reward" in r]  # (SFT and DPO: the evaluation steps)
+        axes[0].plot([r["step"] for r in rated], [r["reward"] for r in rated], label=label)
         if all("clip_ratio" in r for r in records):
-            axes[1].plot(steps, [r["clip_ratio"] for r in records], label=label)
+            axes[1].plot([r["step"] for r in records], [r["clip_ratio"] for r in records], label=label)
     axes[0].set(xlabel="rollout step", ylabel="mean reward", title="reward")
     axes[1].set(xlabel="rollout step", ylabel="fraction of tokens", title="PPO-clipped tokens")
     for ax in axes:

@@ -7,6 +7,7 @@ misspelled `trian:` section, and a misspelled fusion flag in the YAML are reject
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -245,3 +246,157 @@ def test_run_header_names_memory_mode_and_logits_dtype(monkeypatch):
     assert header("megatron_cfg.linear_ce_fusion_memory_mode=lean").endswith("fused linear CE: on (lean tiles)")
     assert header("megatron_cfg.linear_ce_fusion_logits_dtype=fp32").endswith(
         "fused linear CE: on (chunk 64, float32 logits)")
+
+
+# ---------------------------------------------------------------- every documented megatron_cfg key
+ROOT = os.path.dirname(EXAMPLES_DIR)
+# a fused-CE key as the README spells it (backticked, in a YAML line or after `megatron_cfg.`)
+_FUSED_KEY = re.compile(r"\b((?:use_)?(?:linear_ce_fusion|fused_linear_logprobs)[a-z_]*)")
+
+
+def documented_megatron_cfg_keys():
+    """The megatron_cfg keys the README documents, with FusedCEConfig's keys and aliases
+    (config.OWN_KEYS); the README's examples of typos (near-misses of a real key) left out."""
+    from megatron_fused_ce.megatron.config import OWN_KEYS, near_miss
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    found = set(_FUSED_KEY.findall(text)) | set(re.findall(r"megatron_cfg\.([a-z_]+)", text))
+    keys = {key for key in found if near_miss(key) is None} | set(OWN_KEYS)
+    assert {"linear_ce_fusion_max_chunk_bytes", "use_fused_linear_logprobs"} <= keys  # the parse works
+    return sorted(keys)
+
+
+_VALUES = (("_max_chunk_bytes", 1 << 20), ("_chunk_size", 32), ("_memory_mode", "lean"),
+           ("_logits_dtype", "float32"), ("_loss", True), ("_logprobs", True))
+
+
+def _valid_value(key):
+    """A value FusedCEConfig accepts for one of its keys (None: not one of its keys)."""
+    for suffix, value in _VALUES:
+        if key.endswith(suffix):
+            return value
+    return None
+
+
+def _same_setting(key):
+    """The keys of the setting `key` names (canonical and alias), `key` first."""
+    from megatron_fused_ce.megatron.config import OWN_KEYS
+
+    suffix = next(suffix for suffix, _ in _VALUES if key.endswith(suffix))
+    group = [k for k in OWN_KEYS if next(s for s, _ in _VALUES if k.endswith(s)) == suffix]
+    return [key] + [k for k in group if k != key]
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_documented_megatron_cfg_key_is_accepted_and_listed(example):
+    """What the README documents, every example reads: set from the command line, passed to
+    FusedCEConfig, and named in --help."""
+    import example_common
+    from megatron_fused_ce.megatron import FusedCEConfig
+    from megatron_fused_ce.megatron.config import OWN_KEYS
+
+    help_text = " ".join(example_common.build_parser(example, "doc").format_help().split())
+    listed = help_text.split("megatron_cfg:")[1].split(" data:")[0]
+    for key in documented_megatron_cfg_keys():
+        assert re.search(rf"\b{key}\b", listed), f"--help of {example} does not list megatron_cfg.{key}"
+        value = _valid_value(key)
+        if value is None:  # one of the examples' own Megatron settings
+            assert key in schema_for(example)["megatron_cfg"], key
+            continue
+        assert key in OWN_KEYS, f"the README documents megatron_cfg.{key}, FusedCEConfig does not read it"
+        # the example's YAML may set the other spelling of the same setting: cleared here
+        others = [f"megatron_cfg.{other}=null" for other in _same_setting(key)[1:]]
+        cfg = load_config(example, config_path(example), overrides=[f"megatron_cfg.{key}={value}"] + others)
+        assert cfg["megatron_cfg"][key] == value
+        FusedCEConfig.from_megatron_cfg({key: value})  # a value the library takes
+
+
+def test_max_chunk_bytes_reaches_fused_ce_config():
+    from megatron_fused_ce.megatron import FusedCEConfig
+
+    for key in ("linear_ce_fusion_max_chunk_bytes", "fused_linear_logprobs_max_chunk_bytes"):
+        cfg = load_config("pretrain_gpt", config_path("pretrain_gpt"),
+                          overrides=[f"megatron_cfg.{key}=1048576",
+                                     "megatron_cfg.linear_ce_fusion_chunk_size=null"])
+        fused = FusedCEConfig.from_megatron_cfg(cfg["megatron_cfg"])  # what build_model does with it
+        assert fused.max_chunk_bytes == 1048576 and fused.chunk_size is None
+        with pytest.raises(ValueError, match=rf"megatron_cfg\.{key} must be > 0"):
+            load_config("pretrain_gpt", config_path("pretrain_gpt"), overrides=[f"megatron_cfg.{key}=0"])
+    sft = load_config("sft", config_path("sft"))
+    assert FusedCEConfig.from_megatron_cfg(sft["megatron_cfg"]).max_chunk_bytes is None
+
+
+# ---------------------------------------------------------------- the rollouts' sampler settings
+@pytest.mark.parametrize("overrides,expected", [
+    (["sampling.top_k=0"], dict(top_k=None)),  # vLLM's "off" spellings
+    (["sampling.top_k=-1"], dict(top_k=None)),
+    (["sampling.top_k=50", "sampling.min_p=1.0", "sampling.top_p=1"], dict(top_k=50, min_p=1.0, top_p=1.0)),
+    (["sampling.min_p=0"], dict(min_p=0.0)),
+])
+def test_sampler_settings_as_the_engine_reads_them(overrides, expected):
+    sampling = load_config("grpo", config_path("grpo"), overrides=overrides)["sampling"]
+    assert {k: sampling[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("override,message", [
+    ("sampling.top_k=-2", r"sampling\.top_k must be None, 0 or -1 \(off\), or an integer >= 1, got -2"),
+    ("sampling.top_k=2.5", r"sampling\.top_k must be an integer"),
+    ("sampling.min_p=1.5", r"sampling\.min_p must be None or a number in \[0, 1\], got 1\.5"),
+    ("sampling.min_p=-0.1", r"sampling\.min_p must be None or a number in \[0, 1\]"),
+    ("sampling.min_p=.nan", r"sampling\.min_p must be None or a number in \[0, 1\], got nan"),
+    ("sampling.top_p=0", r"sampling\.top_p must be None or a number in \(0, 1\]"),
+    ("sampling.top_p=1.5", r"sampling\.top_p must be None or a number in \(0, 1\]"),
+])
+def test_sampler_settings_no_engine_accepts_are_rejected(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config("grpo", config_path("grpo"), overrides=[override])
+
+
+# ---------------------------------------------------------------- the RL examples' shared model
+@pytest.mark.parametrize("suffix", ["", "_gpu"])
+def test_rl_examples_share_one_model(suffix):
+    """sft, dpo and grpo read their model, sequence layout, task and sampler from one file
+    (configs/rl_model{suffix}.yaml), so that a checkpoint of one loads into the others with their
+    defaults: what --load compares is the same for the three."""
+    from example_checkpoint import model_identity
+
+    cfgs = {name: load_config(name, config_path(name + suffix)) for name in ("sft", "dpo", "grpo")}
+    for name, cfg in cfgs.items():
+        assert model_identity(cfg) == model_identity(cfgs["sft"]), name
+        assert cfg["data"]["prompt_length"] == cfgs["sft"]["data"]["prompt_length"], name
+        assert cfg["rollout"]["task"] == cfgs["sft"]["rollout"]["task"] == "count", name
+        sampler = {k: cfg["sampling"][k] for k in ("top_k", "top_p", "min_p")}
+        assert sampler == {k: cfgs["sft"]["sampling"][k] for k in ("top_k", "top_p", "min_p")}, name
+        assert cfg["rollout"]["temperature"] == cfgs["sft"]["rollout"]["temperature"], name
+    assert cfgs["sft"]["train"]["stop_at_reward"] is not None  # SFT kept partial for RL
+
+
+def test_rl_gpu_configs_are_of_the_promised_scale():
+    """>= 100M parameters, a vocab of >= 32k tokens, sequences of >= 128 tokens."""
+    from example_checkpoint import model_identity
+
+    cfg = load_config("grpo", config_path("grpo_gpu"))
+    m = model_identity(cfg)
+    h, layers = m["model.hidden_size"], m["model.num_layers"]
+    per_layer = 4 * h * h + 2 * h * m["model.ffn_hidden_size"]  # attention + MLP weights
+    params = m["model.vocab_size"] * h + layers * per_layer + m["data.seq_length"] * h
+    assert params >= 100e6 and m["model.vocab_size"] >= 32000 and m["data.seq_length"] >= 128
+    assert cfg["megatron_cfg"]["dtype"] == "bfloat16"
+
+
+def test_include(tmp_path):
+    """A file's `include:` names files (relative to it) whose sections it extends: its own keys win,
+    the included file's others stay; a mistake in the included file names that file."""
+    (tmp_path / "base.yaml").write_text(MINIMAL)
+    path = write(tmp_path, "include: base.yaml\ntrain: {steps: 7}\nmodel: {hidden_size: 64}\n")
+    cfg = load_config("pretrain_gpt", path)
+    assert cfg["train"]["steps"] == 7 and cfg["train"]["global_batch_size"] == 4
+    assert cfg["model"]["hidden_size"] == 64 and cfg["model"]["num_layers"] == 2
+    (tmp_path / "base.yaml").write_text(MINIMAL.replace("steps: 3", "stepz: 3"))
+    with pytest.raises(ValueError, match=r"unknown key 'train\.stepz' in .*base\.yaml"):
+        load_config("pretrain_gpt", path)
+    (tmp_path / "base.yaml").write_text("include: cfg.yaml\n")
+    with pytest.raises(ValueError, match=r"base\.yaml includes cfg\.yaml, which includes .*base\.yaml \(a cycle\)"):
+        load_config("pretrain_gpt", path)
+    with pytest.raises(OSError, match=r"nowhere\.yaml"):
+        load_config("pretrain_gpt", write(tmp_path, "include: nowhere.yaml\n"))

@@ -187,3 +187,154 @@ def test_multigpu_suite_on_a_cpu_machine_exits_0():
     assert "tests/test_multigpu.py skipped: needs torchrun with >= 2 CUDA GPUs" in proc.stdout
     for f in files:
         assert f"{f} skipped: needs torchrun" in proc.stdout, f
+
+
+# ---------------------------------------------------------------- the layout, before Megatron's checks
+def _parse_as_rank(monkeypatch, capsys, name, argv, rank, world):
+    """example_common.parse_args as rank `rank` of a torchrun launch of `world` processes:
+    (exit status or None, stderr)."""
+    for key in TORCHRUN_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setattr(sys, "argv", [f"examples/{name}.py"] + argv)
+    code = None
+    try:
+        example_common.parse_args(name, "doc")
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,world,argv,expected", [
+    ("pretrain_gpt", 3, ["--tp", "2"],
+     "3 processes do not split into data-parallel replicas of TP x PP x CP = 2 x 1 x 1 = 2 ranks: "
+     "launch a multiple of 2 (torchrun --nproc_per_node) or change --tp / --pp / --cp"),
+    ("sft", 6, ["--tp", "2", "--pp", "2"], "6 processes do not split into data-parallel replicas of "
+     "TP x PP x CP = 2 x 2 x 1 = 4 ranks"),
+    ("pretrain_gpt", 3, ["--tp", "3"],
+     "model.num_attention_heads (4) must be a multiple of the tensor-parallel size (3)"),
+    ("pretrain_gpt", 2, ["--tp", "2", "model.ffn_hidden_size=33"],
+     "the MLP width (33, model.ffn_hidden_size or 4 x model.hidden_size) must be a multiple of the "
+     "tensor-parallel size (2)"),
+    ("pretrain_gpt", 3, ["--pp", "3"],
+     "model.num_layers (4) must be a multiple of the pipeline-parallel size (3)"),
+    ("pretrain_gpt", 3, ["train.global_batch_size=16", "train.micro_batch_size=2"],
+     "train.global_batch_size (16) must split into DP = 3 data-parallel replicas x micro-batches of "
+     "train.micro_batch_size (2)"),
+    ("grpo", 3, ["rollout.num_prompts=8"],
+     "rollout.num_prompts (8) must be a multiple of the data-parallel size DP = 3"),
+])
+def test_layout_is_checked_before_megatron(monkeypatch, capsys, name, world, argv, expected):
+    """A layout the processes cannot hold ends in one line from rank 0 (status 2), before any
+    process group exists; the other ranks print nothing and wait for rank 0 to end the launch."""
+    waits = []
+    monkeypatch.setattr(example_common.time, "sleep", waits.append)
+    code, err = _parse_as_rank(monkeypatch, capsys, name, argv, 0, world)
+    assert code == 2 and err.startswith(f"examples/{name}.py: error: {expected}") and err.count("\n") == 1, err
+    assert waits == []
+    code, err = _parse_as_rank(monkeypatch, capsys, name, argv, world - 1, world)
+    assert (code, err) == (2, "")
+    assert waits == [example_common.OTHER_RANKS_WAIT_S]
+
+
+@pytest.mark.parametrize("name,world,argv", [("pretrain_gpt", 4, ["--tp", "2"]), ("pretrain_gpt", 2, []),
+                                             ("grpo", 4, ["--tp", "2", "rollout.num_prompts=8"])])
+def test_layouts_that_fit_pass(monkeypatch, capsys, name, world, argv):
+    code, err = _parse_as_rank(monkeypatch, capsys, name, argv, 0, world)
+    assert (code, err) == (None, "")
+
+
+def test_torchrun_with_a_world_size_the_layout_does_not_divide():
+    """`torchrun --nproc_per_node 3 examples/pretrain_gpt.py --tp 2`: rank 0's one line, once,
+    instead of Megatron's `world_size (3) is not divisible by 2` traceback on every rank."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+                           "examples/pretrain_gpt.py", "--tp", "2"], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=240)
+    message = ("examples/pretrain_gpt.py: error: 3 processes do not split into data-parallel replicas "
+               "of TP x PP x CP = 2 x 1 x 1 = 2 ranks")
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    ours = [line for line in proc.stderr.splitlines() if "examples/pretrain_gpt.py: error:" in line]
+    assert len(ours) == 1 and ours[0].startswith(message), proc.stderr
+    assert "not divisible" not in proc.stderr, proc.stderr
+    # torchrun's own report may carry one traceback (its ChildFailedError); no rank printed one
+    assert proc.stderr.count("Traceback (most recent call last)") <= 1, proc.stderr
+
+
+# ---------------------------------------------------------------- the RL chain: --load, --save, --task
+def _checkpoint_dir(tmp_path, **changes) -> str:
+    """A directory that --load's check takes for a checkpoint of the default RL model (with
+    `changes`): its model_config.json (the check reads nothing else)."""
+    import json
+
+    from example_checkpoint import MODEL_CONFIG, model_identity
+    from example_config import load_config
+
+    identity = model_identity(load_config("grpo", os.path.join(EXAMPLES_DIR, "configs", "grpo.yaml")))
+    identity.update(changes)
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / MODEL_CONFIG).write_text(json.dumps({"model": identity}))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "grpo"])
+def test_load_of_another_model_ends_in_one_line(monkeypatch, capsys, tmp_path, name):
+    """Every setting that differs is named, checkpoint value first, before any process starts."""
+    path = _checkpoint_dir(tmp_path, **{"model.num_layers": 6, "data.seq_length": 32})
+    rc, out, err = _run_main(monkeypatch, capsys, name, ["--load", path])
+    assert (rc, out) == (2, "")
+    assert err == (f"examples/{name}.py: error: --load {path}: the checkpoint's model does not match "
+                   "the config: model.num_layers 6 in the checkpoint, 4 in the config; "
+                   "data.seq_length 32 in the checkpoint, 16 in the config (set them with "
+                   "section.key=VALUE)\n")
+    # the same model passes the check (and the launch without torchrun is what stops it then)
+    rc, out, err = _run_main(monkeypatch, capsys, name, ["--load", path, "model.num_layers=6",
+                                                          "--seq-length", "32"])
+    assert rc == 2 and "error: launch with torchrun" in err
+
+
+def test_load_and_save_mistakes_end_in_one_line(monkeypatch, capsys, tmp_path):
+    missing = str(tmp_path / "nowhere")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    for argv, expected in (
+            (["--load", missing], f"--load {missing}: no such directory"),
+            (["--load", str(tmp_path / "notes")],
+             f"--load {tmp_path / 'notes'}: not a checkpoint written by --save (no model_config.json in it)"),
+            (["--save", str(tmp_path / "notes")],
+             f"--save {tmp_path / 'notes'}: the directory holds files that are not a checkpoint of these "
+             "examples (no model_config.json); choose a new or empty directory")):
+        rc, out, err = _run_main(monkeypatch, capsys, "grpo", argv)
+        assert (rc, out, err) == (2, "", f"examples/grpo.py: error: {expected}\n")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def test_task_flag_sets_the_rollout_task(monkeypatch):
+    for key in TORCHRUN_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    for name in ("sft", "dpo", "grpo"):
+        monkeypatch.setattr(sys, "argv", [f"examples/{name}.py", "--task", "reverse"])
+        assert example_common.parse_args(name, "doc").cfg["rollout"]["task"] == "reverse"
+
+
+def test_rl_chain_help_and_a_bad_stage(monkeypatch, capsys):
+    chain = _load("rl_chain")
+    with pytest.raises(SystemExit) as exit_info:
+        chain.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage: examples/rl_chain.py")
+    assert "--grpo-args" in out and "--gpu" in out
+    with pytest.raises(SystemExit) as exit_info:
+        chain.main(["--stages", "sft,ppo"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.splitlines()[-1] == ("examples/rl_chain.py: error: --stages takes a comma-separated list "
+                                    "of sft, grpo, dpo; got 'sft,ppo'")

@@ -113,8 +113,25 @@ def test_task_targets_and_reward():
     target = rollout.targets(prompt, 4, "count")
     response = torch.tensor([[5, 6, 0, 50], [7, 8, 9, 0]])  # 2 right + a wrong digit + a non-digit
     assert rollout.rewards(response, target).tolist() == pytest.approx([(2 + 0.1) / 4, 1.0])
+    # partial credit in the reward; the accuracy is the exact match of the whole response
+    assert rollout.accuracy(response, target).tolist() == [0.0, 1.0]
+    assert rollout.accuracy(target, target).tolist() == [1.0, 1.0]
     advantages = rollout.group_advantages(torch.tensor([0.0, 1.0, 0.5, 0.5]), 2)
     assert advantages[0] < 0 < advantages[1] and advantages[2:].abs().max() < 1e-5
     g = torch.Generator().manual_seed(0)
     p = rollout.prompts(5, 4, g)
     assert p.shape == (5, 4) and (p[:, -1] == rollout.SEPARATOR).all() and (p[:, :-1] < 10).all()
+
+
+def test_step_log_is_written_by_the_reporter_only(tmp_path):
+    path = tmp_path / "log.jsonl"
+    silent = rollout.JsonlLog(str(tmp_path / "other.jsonl"), is_reporter=False)
+    silent.write({"step": 0})
+    silent.close()
+    assert not (tmp_path / "other.jsonl").exists()
+    log = rollout.JsonlLog(str(path), is_reporter=True)
+    log.write({"step": 0, "loss": 1.5})
+    assert path.read_text() == '{"step": 0, "loss": 1.5}\n'  # flushed at once
+    log.write({"step": 1, "reward": 0.25, "accuracy": 0.0})
+    log.close()
+    assert [line for line in path.read_text().splitlines()][1] == '{"step": 1, "reward": 0.25, "accuracy": 0.0}'

@@ -1,12 +1,14 @@
 """The examples' main() on 4 forked gloo ranks (TP=2 x PP=2, and TP=2 x CP=2), a couple of steps
 each, with the first-batch fused-vs-unfused comparison; GRPO (real rollouts) running only the
-log-prob passes it needs and its importance-ratio report; and one
-real torchrun launch, checked for a clean screen.
+log-prob passes it needs and its importance-ratio report; the RL chain (SFT, then GRPO and DPO
+from its Megatron distributed checkpoint, reloaded in other layouts) and GRPO's reward gain; and
+one real torchrun launch, checked for a clean screen.
 (`torchrun --nproc_per_node 4 examples/<name>.py --tp 2 --pp 2` runs the same code.)"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -52,20 +54,36 @@ def example_worker(rank, world, name, argv):
     return calls
 
 
+# the RL examples: fewer prompts for DPO's pairs and for the evaluations (one at the first step
+# and one after the last)
+SMALL_RL = {"sft": ["eval.num_prompts=4"],
+            "dpo": ["rollout.num_prompts=2", "rollout.samples_per_prompt=4", "eval.num_prompts=4",
+                    "train.global_batch_size=4", "train.micro_batch_size=2"],
+            "grpo": ["rollout.num_prompts=2", "rollout.samples_per_prompt=4"]}
+
+
 @pytest.mark.parametrize("name,extra", [
     ("pretrain_gpt", []),
-    ("sft", ["data.prompt_length=[2,4]", "data.response_length=[3,6]"]),
-    ("dpo", ["data.prompt_length=8"]),
-    ("grpo", ["data.prompt_length=24", "rollout.num_prompts=2", "rollout.samples_per_prompt=4"]),
+    ("sft", ["data.pack=true"] + SMALL_RL["sft"]),  # several demonstrations per row (cu_seqlens)
+    ("dpo", SMALL_RL["dpo"]),
+    ("grpo", ["data.prompt_length=24"] + SMALL_RL["grpo"]),
 ])
 def test_example_runs(name, extra, capfd):
     run_workers(example_worker, 4, name, FAST + ["--compare-unfused"] + extra, timeout=120)
     out = capfd.readouterr()
     text = out.out + out.err
     assert "fused linear CE: on" in text
-    assert "first batch" in text and "|difference|" in text
+    assert "|difference|" in text
     difference = float(text.split("|difference| ")[1].split()[0])
     assert difference <= 1e-4
+    if name == "grpo":
+        # the on-policy loss is 0 by construction: the line compares the log-probs, which are not
+        line = next(line for line in text.splitlines() if line.startswith("first rollout"))
+        fused, unfused = map(float, re.search(r"mean fused (\S+) vs unfused (\S+),", line).groups())
+        assert "log-probs of its 72 response tokens" in line and fused < -0.5, line
+        assert abs(fused - unfused) <= 1e-5
+    else:
+        assert "first batch" in text
 
 
 CP_FAST = ["--tp", "2", "--cp", "2", "--steps", "2", "--seq-length", "32", "model.num_layers=2",
@@ -74,9 +92,9 @@ CP_FAST = ["--tp", "2", "--cp", "2", "--steps", "2", "--seq-length", "32", "mode
 
 @pytest.mark.parametrize("name,extra", [
     ("pretrain_gpt", []),
-    ("sft", ["data.prompt_length=[2,4]", "data.response_length=[3,6]"]),  # THD packing
-    ("dpo", ["data.prompt_length=8"]),
-    ("grpo", ["data.prompt_length=24", "rollout.num_prompts=2", "rollout.samples_per_prompt=4"]),
+    ("sft", ["data.pack=true"] + SMALL_RL["sft"]),  # THD packing
+    ("dpo", SMALL_RL["dpo"]),
+    ("grpo", ["data.prompt_length=24"] + SMALL_RL["grpo"]),
 ])
 def test_example_runs_with_context_parallelism(name, extra, capfd):
     """`--tp 2 --cp 2 --compare-unfused`: every sequence split over 2 CP ranks (GatheredKVAttention
@@ -126,6 +144,108 @@ def test_grpo_report_ratio(capfd):
         else:
             assert row["mean"] < 0.95, (sampler, trainer, row)
     assert rows[("T=1 top_k=50", "plain softmax")]["mean"] < rows[("T=1 top_p=0.9", "plain softmax")]["mean"]
+
+
+def _log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _mean(values):
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def test_rl_chain_sft_then_grpo_raises_the_reward(tmp_path):
+    """The chain users run (examples/rl_chain.py), shorter: SFT with the default configs on 2 ranks
+    (DP = 2) stops partial and saves a Megatron distributed checkpoint; GRPO loads it and its
+    mean reward over its last 5 rollout steps beats its first 3 by a clear margin (the full
+    60-step run gains about 0.4, docs/rl.md); DPO trains on pairs of the same policy's answers.
+    Every stage logs `step`, and `reward` / `accuracy` where it sampled answers."""
+    checkpoint = str(tmp_path / "ckpt")
+    run_workers(example_worker, 2, "sft", ["--task", "count", "--save", checkpoint,
+                                           "--log-jsonl", str(tmp_path / "sft.jsonl")], timeout=120)
+    sft = _log(tmp_path / "sft.jsonl")
+    assert [r["step"] for r in sft] == list(range(len(sft))) and "loss" in sft[0]
+    final = [r for r in sft if "reward" in r][-1]
+    assert 0.3 <= final["reward"] <= 0.7 and len(sft) < 100  # stopped partial (stop_at_reward)
+    info = json.loads((tmp_path / "ckpt" / "model_config.json").read_text())
+    assert info["model"]["model.vocab_size"] == 128 and info["saved_by"] == "examples/sft.py"
+    assert os.path.exists(tmp_path / "ckpt" / "metadata.json")  # dist_checkpointing's
+
+    run_workers(example_worker, 2, "grpo", ["--load", checkpoint, "--steps", "25",
+                                            "--log-jsonl", str(tmp_path / "grpo.jsonl")], timeout=180)
+    grpo = _log(tmp_path / "grpo.jsonl")
+    assert [r["step"] for r in grpo] == list(range(25))
+    first, last = _mean(r["reward"] for r in grpo[:3]), _mean(r["reward"] for r in grpo[-5:])
+    assert abs(first - final["reward"]) < 0.15  # GRPO starts where SFT stopped
+    assert last - first >= 0.1, (first, last)
+    assert all(0 <= r["accuracy"] <= r["reward"] + 1e-6 <= 1 + 1e-6 for r in grpo)
+
+    run_workers(example_worker, 2, "dpo", ["--load", checkpoint, "--steps", "3", "eval.every=2",
+                                           "--log-jsonl", str(tmp_path / "dpo.jsonl")], timeout=120)
+    dpo = _log(tmp_path / "dpo.jsonl")
+    assert [r["step"] for r in dpo] == [0, 1, 2]
+    assert all("preference_accuracy" in r and "loss" in r for r in dpo)
+    assert [r["step"] for r in dpo if "reward" in r] == [0, 2]
+    assert abs(dpo[0]["reward"] - final["reward"]) < 0.15  # (after one step from the checkpoint)
+
+
+def logprobs_worker(rank, world, argv):
+    """The log-probs of fixed token rows, on the last stage of DP rank 0, under the policy that
+    `--load` reads in the layout `argv` asks for, or under a perturbed initial one that `--save`
+    writes."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_fused_ce.megatron import compute_logprobs
+
+    module = EXAMPLES["grpo"]
+    sys.argv = ["grpo.py"] + argv
+    args = module.parse_args("grpo", "doc")
+    cfg = args.cfg
+    state = module.init_distributed(cfg, cfg["train"]["seed"])
+    model, _, fused = module.build_model(cfg, state)
+    if args.load:
+        module.load(model, args.load)
+    elif args.save:  # weights no layout would initialize to (the same noise on both DP replicas)
+        noise = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=noise) * 0.2)
+    tokens = torch.randint(0, 11, (4, cfg["data"]["seq_length"] + 1), generator=torch.Generator().manual_seed(3))
+    batches = module.micro_batches({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}, 4)
+    post = module.LogprobsPostProcessorFor(cfg, fused)
+    (out,) = compute_logprobs(model, batches, module.forward_fn, post,
+                              seq_length=cfg["data"]["seq_length"], micro_batch_size=4)
+    if args.save:  # as where psutil is missing (megatron-core's writer would raise for want of it)
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        sys.modules["psutil"] = None
+        filesystem_async.HAVE_PSUTIL = False
+        module.save(model, cfg, args.save, "grpo", 0)
+    keep = parallel_state.get_data_parallel_rank() == 0 and parallel_state.is_pipeline_last_stage()
+    result = out.logprobs.cpu() if keep else None
+    module.shutdown()
+    return result
+
+
+def test_checkpoint_loads_in_another_layout(tmp_path):
+    """A checkpoint saved at TP = 1 x DP = 2 (vocab 128, padded to 128) loads at TP = 2 x PP = 2
+    (the vocab padded to 256: megatron's make_vocab_size_divisible_by x TP; the tied output weight
+    on the last stage): the same log-probs on the same tokens. The save runs as without psutil."""
+    layout = ["--tp", "2", "--pp", "2"]
+    checkpoint = str(tmp_path / "ckpt")
+    small = ["model.num_layers=2", "model.hidden_size=32"]
+    saved = [r for r in run_workers(logprobs_worker, 2, small + ["--save", checkpoint], timeout=120)
+             if r is not None]
+    loaded = [r for r in run_workers(logprobs_worker, 4, small + layout + ["--load", checkpoint],
+                                     timeout=120) if r is not None]
+    assert saved and loaded
+    assert float((saved[0] - loaded[0]).abs().max()) < 1e-5
+    assert float(saved[0].mean()) < -1.0  # (a real distribution over 128 tokens, not zeros)
+    fresh = [r for r in run_workers(logprobs_worker, 4, small + layout, timeout=120) if r is not None]
+    assert float((saved[0] - fresh[0]).abs().max()) > 0.1  # what the load changed
 
 
 def test_torchrun_run_is_one_clean_screen():

@@ -209,9 +209,10 @@ def test_grpo_example_with_sampler_overrides(capfd):
     argv = FAST + ["--compare-unfused", "data.prompt_length=8", "rollout.num_prompts=2",
                    "sampling.top_p=0.9", "sampling.top_k=50"]
     for calls in run_workers(example_worker, 4, "grpo", argv, timeout=180):
-        # the reference pass of each of the 2 steps; the old policy's log-probs are the sampler's
-        # record (rollout.old_logprobs=sampler, the default), which needs no pass
-        assert calls["compute_logprobs"] == 2
+        # the reference pass of each of the 2 steps, and --compare-unfused's fused and unfused
+        # log-probs of the first rollout; the old policy's log-probs are the sampler's record
+        # (rollout.old_logprobs=sampler, the default), which needs no pass
+        assert calls["compute_logprobs"] == 2 + 2
     text = "".join(capfd.readouterr())
-    assert "first batch" in text and "excluded" in text
-    assert float(text.split("|difference| ")[1].split()[0]) <= 1e-4
+    assert "first rollout" in text and "excluded" in text
+    assert float(text.split("max |difference| ")[1].split()[0]) <= 1e-4
