@@ -173,6 +173,12 @@ class Agreement:
         agreed = its max over ranks."""
         return self._add_dev("max", name, None, self._on_device(count), False)
 
+    def maximum_counts(self, name: str, counts: Tensor):
+        """Several integers computed on the device (a 1-D tensor, the same length on every rank);
+        agreed = the list of their maxima over ranks."""
+        return self._add_dev("maxes", name, None, counts.to(device=self.device, dtype=torch.int64).reshape(-1),
+                             False)
+
     def _on_device(self, count) -> Tensor:
         if isinstance(count, Tensor):
             return count.to(device=self.device, dtype=torch.int64).reshape(1)
@@ -230,6 +236,9 @@ class Agreement:
                 complement = values[dev_start + dev_width + offset:dev_start + dev_width + offset + width]
             if kind == "max":
                 agreed.values[key] = largest[0]
+                continue
+            if kind == "maxes":
+                agreed.values[key] = list(largest)
                 continue
             agreed.values[key] = largest[0]
             if not report_differences or all(a == ~b for a, b in zip(largest, complement)) or name in named:

@@ -7,6 +7,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 | capability | what it replaces | who has it |
 |---|---|---|
 | `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
+| `entry_stats`, `entry_dlogits`: sampling-mask replay on the kept entries of a block (required) | - | replay_torch.py for both (O(rows x K) next to the GEMMs) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
 | `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
@@ -88,7 +89,8 @@ class WeightGradGemm:
 class Backend:
     name: str
     # required: chunk statistics and dlogits, in-place scaling by the upstream gradient, lean's
-    # exp tile, and the sampler filters' kernels (candidates, kept-set sums, kept-set dlogits)
+    # exp tile, the sampler filters' kernels (candidates, kept-set sums, kept-set dlogits) and
+    # sampling-mask replay's
     shard_stats: Callable
     shard_dlogits_: Callable
     scale_: Callable
@@ -97,6 +99,9 @@ class Backend:
     shard_candidates: Callable
     kept_sums: Callable
     kept_dlogits_: Callable
+    # sampling-mask replay (replay.py): partials and dlogits of each row's kept entries
+    entry_stats: Callable
+    entry_dlogits: Callable
     # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)
     tile_scratch_bytes: int = 0
     # capabilities (None: not available)

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import Backend, ShardStats, sampling_torch
+from . import Backend, ShardStats, replay_torch, sampling_torch
 from .sampling_torch import scaled_fp32 as _scaled_fp32
 
 
@@ -192,5 +192,6 @@ BACKEND = Backend(
     name="torch", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
     exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
     kept_dlogits_=sampling_torch.kept_dlogits_,
+    entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
     tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
 )

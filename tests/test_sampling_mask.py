@@ -1,0 +1,476 @@
+"""Sampling-distribution replay: linear_logprobs(sampling_mask=(token_ids, offsets)) against a
+float64 dense reference (full logits, log-softmax over each position's kept set), at TP 1/2 over
+gloo, with padded vocab, temperature 0.7, chunks of 7 rows (dividing nothing), ignored positions
+(some holding sets, which are not scored), empty sets (no truncation), labels inside and outside
+their sets, and sets from one id to nearly the whole vocab. Each case runs with the cost model's
+choice and with every tile forced sparse (gathered union GEMMs) and dense (whole-shard GEMMs).
+
+Tolerances as tests/test_sampling.py: fp32 2e-5, bf16 2e-2 (relative norm vs float64); which
+labels are kept must match exactly.
+"""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import reference
+import sampling_reference as sref
+from dist import run_workers
+from megatron_fused_ce import linear_logprobs
+from megatron_fused_ce.losses import GRPOConfig, grpo_loss, linear_grpo_loss
+from megatron_fused_ce.ops import replay
+from megatron_fused_ce.ops.replay import (SamplingMask, build_sampling_mask, flat_positions, make_plan,
+                                          slice_sampling_mask)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+FORCES = (None, "sparse", "dense")
+
+
+def _seed(*key):
+    return zlib.crc32(repr(key).encode()) % 10_000
+
+
+def random_sets(g, n, vocab, labels, *, empty=0.2, sizes=(1, 3, 8, 30, 90)):
+    """Kept sets per position: a fifth empty, the others of the given sizes, holding the label
+    two times out of three; ignored positions get sets too (the engine may send them)."""
+    sets = []
+    for i in range(n):
+        if torch.rand((), generator=g) < empty:
+            sets.append(torch.zeros(0, dtype=torch.int64))
+            continue
+        k = sizes[int(torch.randint(0, len(sizes), (), generator=g))]
+        ids = torch.randperm(vocab, generator=g)[:k]
+        y = int(labels[i])
+        if y >= 0 and torch.rand((), generator=g) < 2 / 3 and not bool((ids == y).any()):
+            ids[0] = y
+        sets.append(ids[torch.randperm(ids.numel(), generator=g)])  # any order within a position
+    offsets = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
+    return SamplingMask(torch.cat(sets), offsets)
+
+
+def make_case(seed, tp, *, dtype=torch.float32, ints=False, seq=10, batch=3, hidden=16, vocab=101, extra_pad=3,
+              temperature=0.7, chunk_size=7, sp=False):
+    g = torch.Generator().manual_seed(seed)
+    v_local = -(-vocab // tp) + extra_pad
+    if ints:  # integer logits: exact in bf16, many ties
+        hidden_full = torch.randint(-2, 3, (seq, batch, hidden), generator=g).to(dtype)
+        weight_full = (torch.randint(-2, 3, (v_local * tp, hidden), generator=g) * 0.25).to(dtype)
+    else:
+        hidden_full = torch.randn(seq, batch, hidden, generator=g).to(dtype)
+        weight_full = (torch.randn(v_local * tp, hidden, generator=g) * 2.0 / hidden**0.5).to(dtype)
+    labels = torch.randint(0, vocab, (seq, batch), generator=g)
+    labels[torch.rand(seq, batch, generator=g) < 0.25] = -100
+    mask = random_sets(g, seq * batch, vocab, labels.reshape(-1))
+    return dict(tp=tp, dtype=dtype, hidden=hidden_full, weight=weight_full, labels=labels, mask=mask,
+                grad_lp=torch.randn(seq, batch, generator=g), grad_ent=torch.randn(seq, batch, generator=g),
+                vocab=vocab, v_local=v_local, T=temperature, chunk_size=chunk_size, sp=sp)
+
+
+def keep_matrix(mask, n, vocab):
+    """[n, vocab] bool: each position's kept set, everything where it is empty."""
+    ids, offsets = mask
+    keep = torch.zeros(n, vocab, dtype=torch.bool)
+    sizes = (offsets[1:] - offsets[:-1]).tolist()
+    for i, (start, size) in enumerate(zip(offsets[:-1].tolist(), sizes)):
+        if size:
+            keep[i, ids[start:start + size]] = True
+        else:
+            keep[i] = True
+    return keep
+
+
+def dense_reference(case):
+    h = case["hidden"].double().requires_grad_()
+    w = case["weight"].double().requires_grad_()
+    z = (h.reshape(-1, h.shape[-1]) @ w.t())[:, :case["vocab"]] / case["T"]
+    keep = keep_matrix(case["mask"], z.shape[0], case["vocab"])
+    lp, ent = sref.processed_stats(z, case["labels"].reshape(-1), keep)
+    finite = torch.isfinite(lp)
+    g_lp, g_ent = case["grad_lp"].reshape(-1).double(), case["grad_ent"].reshape(-1).double()
+    ((torch.where(finite, lp, 0.0) * g_lp).sum() + (ent * g_ent).sum()).backward()
+    shape = case["labels"].shape
+    return dict(lp=lp.detach().reshape(shape), ent=ent.detach().reshape(shape), dx=h.grad, dw=w.grad)
+
+
+def _local_inputs(rank, case):
+    v_local = case["v_local"]
+    weight = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    hidden = case["hidden"]
+    if case["sp"]:
+        s_local = hidden.shape[0] // case["tp"]
+        hidden = hidden[rank * s_local:(rank + 1) * s_local]
+    return hidden.clone().requires_grad_(), weight
+
+
+def _group(world):
+    return dist.group.WORLD if world > 1 else None
+
+
+def _run(rank, world, case, force=None, mask=None, **kwargs):
+    replay.FORCE_PIECES = force
+    try:
+        hidden, weight = _local_inputs(rank, case)
+        out = linear_logprobs(hidden, weight, case["labels"], tp_group=_group(world), vocab_size=case["vocab"],
+                              temperature=case["T"], return_entropy=True, chunk_size=case["chunk_size"],
+                              sequence_parallel=case["sp"], sampling_mask=case["mask"] if mask is None else mask,
+                              **kwargs)
+        finite = torch.isfinite(out.logprobs)
+        ((torch.where(finite, out.logprobs, 0.0) * case["grad_lp"]).sum()
+         + (out.entropy * case["grad_ent"]).sum()).backward()
+    finally:
+        replay.FORCE_PIECES = None
+    return dict(lp=out.logprobs.detach(), ent=out.entropy.detach(), dx=hidden.grad, dw=weight.grad)
+
+
+def _forces_worker(rank, world, cases):
+    return [[_run(rank, world, case, force) for force in FORCES] for case in cases]
+
+
+def check(case, results, what):
+    ref = dense_reference(case)
+    tp, dtype, v_local, tol = case["tp"], case["dtype"], case["v_local"], TOL[case["dtype"]]
+    labelled = case["labels"] != -100
+    ref_finite = torch.isfinite(ref["lp"])
+    assert ref_finite[labelled].any() and not ref_finite[labelled].all()  # labels in and out of sets
+    for rank, got in enumerate(results):
+        assert torch.equal(torch.isfinite(got["lp"]), ref_finite), f"{what} rank {rank}: kept labels differ"
+        assert torch.all(got["lp"][~labelled] == 0) and torch.all(got["ent"][~labelled] == 0)
+        dx_ref = ref["dx"]
+        if case["sp"]:
+            s_local = dx_ref.shape[0] // tp
+            dx_ref = dx_ref[rank * s_local:(rank + 1) * s_local]
+        dw_ref = ref["dw"][rank * v_local:(rank + 1) * v_local]
+        for name, out, want in (("lp", got["lp"][ref_finite], ref["lp"][ref_finite]),
+                                ("entropy", got["ent"], ref["ent"]), ("dX", got["dx"], dx_ref),
+                                ("dW", got["dw"], dw_ref)):
+            err = reference.record(f"replay {name}", tp, dtype, reference.rel_err(out, want))
+            assert err <= tol, f"{what} rank {rank} {name}: rel err {err:.2e} > {tol:.0e}"
+        assert torch.all(got["dw"][max(case["vocab"] - rank * v_local, 0):] == 0)  # padding rows
+    for got in results[1:]:  # identical on every rank
+        assert torch.equal(got["lp"], results[0]["lp"]) and torch.equal(got["ent"], results[0]["ent"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_matches_dense_reference(tp):
+    cases = [make_case(_seed("ref", tp), tp),
+             make_case(_seed("ref-bf16", tp), tp, dtype=torch.bfloat16, ints=True)]
+    for case, per_force in zip(cases, zip(*run_workers(_forces_worker, tp, cases))):
+        for f, force in enumerate(FORCES):
+            check(case, [per_rank[f] for per_rank in per_force], f"{case['dtype']} pieces={force}")
+
+
+def _options_worker(rank, world, case):
+    out = [_run(rank, world, case, force) for force in FORCES]
+    # Megatron's main_grad: the same dW lands there
+    hidden, weight = _local_inputs(rank, case)
+    weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(weight.shape), False
+    lp = linear_logprobs(hidden, weight, case["labels"], tp_group=_group(world), vocab_size=case["vocab"],
+                         temperature=case["T"], chunk_size=case["chunk_size"], sequence_parallel=case["sp"],
+                         sampling_mask=case["mask"], accumulate_into_main_grad=True).logprobs
+    (torch.where(torch.isfinite(lp), lp, 0.0) * case["grad_lp"]).sum().backward()
+    plain = _run(rank, world, dict(case, grad_ent=torch.zeros_like(case["grad_ent"])))
+    return out, (weight.main_grad, weight.grad_added_to_main_grad, plain["dw"])
+
+
+def test_sequence_parallel_and_main_grad():
+    case = make_case(_seed("sp"), 2, sp=True)
+    results = run_workers(_options_worker, 2, case)
+    for f, force in enumerate(FORCES):
+        check(case, [r[0][f] for r in results], f"sp pieces={force}")
+    for _, (main_grad, added, dw) in results:
+        assert added and reference.rel_err(main_grad, dw) < 1e-6
+
+
+# ---------------------------------------------------------------- plain where nothing is truncated
+def test_mask_of_empty_sets_is_todays_result_bit_for_bit():
+    case = make_case(_seed("empty"), 1, dtype=torch.bfloat16, ints=True)
+    n = case["labels"].numel()
+    empty = SamplingMask(torch.zeros(0, dtype=torch.int64), torch.zeros(n + 1, dtype=torch.int64))
+    # sets at ignored positions only: nothing labelled is truncated
+    ignored = (case["labels"].reshape(-1) == -100).nonzero().squeeze(1)
+    sizes = torch.zeros(n, dtype=torch.int64)
+    sizes[ignored] = 2
+    only_ignored = SamplingMask(torch.arange(2 * ignored.numel()) % case["vocab"],
+                                torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]))
+    plain = linear_logprobs(case["hidden"], case["weight"], case["labels"], vocab_size=case["vocab"],
+                            temperature=case["T"], return_entropy=True, chunk_size=7)
+    for mask in (empty, only_ignored):
+        out = linear_logprobs(case["hidden"], case["weight"], case["labels"], vocab_size=case["vocab"],
+                              temperature=case["T"], return_entropy=True, chunk_size=7, sampling_mask=mask)
+        assert torch.equal(out.logprobs, plain.logprobs) and torch.equal(out.entropy, plain.entropy)
+
+
+def test_no_grad_matches_grad_path_and_input_forms():
+    case = make_case(_seed("nograd"), 1)
+    h, w, y = case["hidden"], case["weight"], case["labels"]
+    kw = dict(vocab_size=case["vocab"], temperature=case["T"], chunk_size=5, return_entropy=True)
+    ids, offsets = case["mask"]
+
+    class EngineMask:  # vLLM's SamplingMask: .token_ids / .offsets, here a list and int32
+        def __init__(self):
+            self.token_ids, self.offsets = ids.tolist(), offsets.to(torch.int32)
+
+    with torch.no_grad():
+        a = linear_logprobs(h, w, y, sampling_mask=case["mask"], **kw)
+    b = linear_logprobs(h.clone().requires_grad_(), w, y, sampling_mask=EngineMask(), **kw)
+    assert torch.equal(a.logprobs, b.logprobs.detach()) and torch.equal(a.entropy, b.entropy.detach())
+
+
+# ---------------------------------------------------------------- helpers: batch and CP masks
+def test_build_sampling_mask_from_requests():
+    # two requests in a [3, 6] labels batch: row 0 from position 2 (3 tokens), row 2 from 0 (2 tokens)
+    r0 = SamplingMask(torch.tensor([5, 1, 7, 7, 2, 9]), torch.tensor([0, 2, 3, 6]))
+    r1 = ([4, 0], [0, 1, 2])  # plain lists, as an engine may return them
+    mask = build_sampling_mask([(0, 2, r0), (2, 0, r1)], (3, 6))
+    assert mask.offsets.tolist() == [0, 0, 0, 2, 3, 6, 6] + [6] * 6 + [7, 8, 8, 8, 8, 8]
+    assert mask.token_ids.tolist() == [5, 1, 7, 7, 2, 9, 4, 0]
+    # [S, B] (sequence first): the same sets at (position, row)
+    first = build_sampling_mask([(0, 2, r0), (2, 0, r1)], (6, 3), sequence_first=True)
+    sets = {i: first.token_ids[first.offsets[i]:first.offsets[i + 1]].tolist() for i in range(18)}
+    assert sets[2 * 3 + 0] == [5, 1] and sets[3 * 3 + 0] == [7] and sets[4 * 3 + 0] == [7, 2, 9]
+    assert sets[0 * 3 + 2] == [4] and sets[1 * 3 + 2] == [0] and sum(map(len, sets.values())) == 8
+    with pytest.raises(ValueError, match="overlaps"):
+        build_sampling_mask([(0, 2, r0), (0, 4, r1)], (3, 6))
+    with pytest.raises(ValueError, match="do not fit"):
+        build_sampling_mask([(0, 4, r0)], (3, 6))
+
+
+def test_kept_columns_of_a_shard():
+    """replay.kept_columns (for materialized vocab-parallel logits): each shard's columns of the
+    kept sets, every column where a set is empty."""
+    g = torch.Generator().manual_seed(4)
+    labels = torch.randint(0, 50, (20,), generator=g)
+    mask = random_sets(g, 20, 50, labels)
+    full = keep_matrix(mask, 20, 50)
+    for start, width in ((0, 25), (25, 25), (40, 13)):
+        cols = replay.kept_columns(mask, start, width)
+        assert torch.equal(cols[:, :min(width, 50 - start)], full[:, start:start + width])
+
+
+def test_context_parallel_slice_matches_the_full_sequence():
+    """A CP rank's labels [B, S/CP] at megatron's load-balanced positions, its mask cut by
+    slice_sampling_mask: the log-probs of those positions equal the full call's."""
+    from megatron_fused_ce.megatron.context_parallel import positions_on_cp_rank
+
+    g = torch.Generator().manual_seed(5)
+    batch, length, hidden, vocab, cp = 3, 8, 16, 40, 2
+    h = torch.randn(batch, length, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.5
+    y = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = random_sets(g, batch * length, vocab, y.reshape(-1))
+    full = linear_logprobs(h, w, y, return_entropy=True, sampling_mask=mask)
+    for rank in range(cp):
+        seq = positions_on_cp_rank(length, cp, rank)
+        local = slice_sampling_mask(mask, flat_positions(seq, batch, length))
+        out = linear_logprobs(h[:, seq], w, y[:, seq], return_entropy=True, sampling_mask=local)
+        torch.testing.assert_close(out.logprobs, full.logprobs[:, seq], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out.entropy, full.entropy[:, seq], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="positions"):
+        slice_sampling_mask(mask, [batch * length])
+
+
+# ---------------------------------------------------------------- GRPO
+def test_linear_grpo_loss_with_sampling_mask():
+    """linear_grpo_loss(sampling_mask=) == grpo_loss on linear_logprobs(sampling_mask=), values
+    and gradients; a sampled token outside its own kept set is excluded, as with the filters."""
+    g = torch.Generator().manual_seed(11)
+    batch, length, hidden, vocab = 2, 9, 16, 37
+    h = torch.randn(batch, length, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.5
+    y = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = random_sets(g, batch * length, vocab, y.reshape(-1))
+    loss_mask = (torch.rand(batch, length, generator=g) < 0.8).float()
+    adv, old = torch.randn(batch, generator=g), -torch.rand(batch, length, generator=g)
+    config = GRPOConfig(loss_type="dapo", beta=0.0)
+    grads = []
+    for fused in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused:
+            loss, metrics = linear_grpo_loss(hh, ww, y, adv, loss_mask, config, old_logprobs=old, chunk_size=4,
+                                             sampling_mask=mask)
+        else:
+            lp = linear_logprobs(hh, ww, y, chunk_size=4, sampling_mask=mask).logprobs
+            loss, metrics = grpo_loss(lp, adv, loss_mask, config, old_logprobs=old)
+        loss.backward()
+        grads.append((loss.detach(), metrics["num_excluded_tokens"], hh.grad, ww.grad))
+    (a, ea, dxa, dwa), (b, eb, dxb, dwb) = grads
+    assert ea == eb and ea > 0
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(dxa, dxb)
+    torch.testing.assert_close(dwa, dwb)
+
+
+# ---------------------------------------------------------------- bad masks
+def _bad_cases(n, vocab):
+    ok_ids, ok_offsets = torch.arange(n) % vocab, torch.arange(n + 1)
+    return {
+        "not_a_mask": (42, "sampling_mask must be"),
+        "float_ids": ((ok_ids.float(), ok_offsets), "integer"),
+        "bool_offsets": ((ok_ids, ok_offsets > 0), "integer"),
+        "2d_ids": ((ok_ids.view(1, -1), ok_offsets), "1-D"),
+        "offsets_too_short": ((ok_ids, ok_offsets[:-1]), "len(offsets)"),
+        "offsets_not_from_0": ((ok_ids, ok_offsets + 1), "start at 0"),
+        "offsets_decrease": ((ok_ids, torch.tensor([0, 1, 3, 2, 4, 5, 6])), "never decrease"),
+        "offsets_end": ((ok_ids[:-1], ok_offsets), "end at len"),
+        "id_negative": ((torch.where(ok_ids == 3, -1, ok_ids), ok_offsets), "outside [0, vocab_size"),
+        "id_in_padding": ((torch.where(ok_ids == 3, vocab + 1, ok_ids), ok_offsets), "outside [0, vocab_size"),
+        "duplicate": ((torch.tensor([0, 1, 1, 2, 3, 4, 5]), torch.tensor([0, 1, 3, 4, 5, 6, 7])), "twice"),
+        "with_top_p": (("ok", dict(top_p=0.9)), "top_p"),
+        "with_return_topk": (("ok", dict(return_topk=2)), "return_topk"),
+        "lean": (("ok", dict(memory_mode="lean")), "lean"),
+        "differs_across_ranks": ("differs", "differs across tensor-parallel ranks"),
+        "on_one_rank_only": ("one rank", "differs across tensor-parallel ranks"),
+        "bad_on_one_rank": ("bad on one rank", "invalid on another"),
+    }
+
+
+def _bad_worker(rank, world):
+    torch.manual_seed(0)
+    n, vocab = 6, 16
+    h, w, y = torch.randn(n, 8), torch.randn(vocab // world + 2, 8), torch.randint(0, vocab, (n,))
+    ok = (torch.arange(n) % vocab, torch.arange(n + 1))
+    messages = {}
+    for name, (mask, _) in _bad_cases(n, vocab).items():
+        kwargs = {}
+        if isinstance(mask, tuple) and mask[0] == "ok":
+            mask, kwargs = ok, mask[1]
+        elif mask == "differs":
+            mask = (ok[0] if rank == 0 else (ok[0] + 1) % vocab, ok[1])
+        elif mask == "one rank":
+            mask = ok if rank == 0 else None
+        elif mask == "bad on one rank":
+            mask = ok if rank == 0 else (ok[0].float(), ok[1])
+        try:
+            linear_logprobs(h.requires_grad_(), w.requires_grad_(), y, tp_group=dist.group.WORLD, vocab_size=vocab,
+                            sampling_mask=mask, **kwargs)
+            messages[name] = None
+        except ValueError as err:
+            messages[name] = str(err)
+    return messages
+
+
+def test_bad_masks_raise_on_every_rank():
+    results = run_workers(_bad_worker, 2, timeout=60)
+    for name, (_, expected) in _bad_cases(6, 16).items():
+        for rank, messages in enumerate(results):
+            msg = messages[name]
+            assert msg is not None, f"rank {rank} did not raise for {name}"
+            if not (name == "bad_on_one_rank" and rank == 1):  # the rank with the bad mask names it
+                assert expected in msg, f"rank {rank} {name}: {msg!r}"
+    assert "integer" in results[1]["bad_on_one_rank"]
+
+
+# ---------------------------------------------------------------- memory
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("force", FORCES)
+def test_largest_intermediate_is_one_chunk(force, monkeypatch):
+    monkeypatch.setattr(replay, "FORCE_PIECES", force)
+    n, hidden, v_local, chunk = 1024, 32, 512, 128
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(n, hidden, generator=g, requires_grad=True)
+    w = torch.randn(v_local, hidden, generator=g).requires_grad_()
+    y = torch.randint(0, v_local, (n,), generator=g)
+    y[::5] = -100
+    mask = random_sets(g, n, v_local, y, sizes=(4, 20, 60))
+    with _LargestTensor() as mode:
+        out = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True, sampling_mask=mask)
+        (torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0).sum() + out.entropy.sum()).backward()
+    reference.record_memory(f"linear_logprobs sampling_mask, pieces {force or 'by cost'} (chunk {chunk} of {n} "
+                            f"rows): largest tensor / dense [N, V] logits", mode.largest / (n * v_local))
+    # (+1: the dlogits block's spare element, where empty entry slots write: replay_torch.py)
+    assert mode.largest <= chunk * v_local + 1, (mode.largest, chunk * v_local)
+
+
+def test_a_few_large_sets_do_not_pad_every_tile():
+    """Rows are tiled in order of their set size: the padded entries stay about the mask's size,
+    not [rows, largest set] (here the largest set is 300 of 512 ids, one row in four)."""
+    n, hidden, v_local, chunk = 1024, 32, 512, 128
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(n, hidden, generator=g, requires_grad=True)
+    w = torch.randn(v_local, hidden, generator=g)
+    y = torch.randint(0, v_local, (n,), generator=g)
+    mask = random_sets(g, n, v_local, y, sizes=(1, 2, 3, 300))
+    with _LargestTensor() as mode:
+        out = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask)
+        torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0).sum().backward()
+    entries = mask.token_ids.numel()
+    assert mode.largest <= max(chunk * v_local + 1, 2 * entries), (mode.largest, entries)
+
+
+# ---------------------------------------------------------------- cost model
+def _plan_of(sets, vocab, n, hidden, chunk):
+    """The plan of [n, K] sets (a repeated id changes nothing the plan counts)."""
+    offsets = torch.arange(n + 1) * sets.shape[1]
+    plan = make_plan(sets.reshape(-1), offsets, torch.arange(n), sets[:, 0], 0, vocab, vocab, hidden, 2, chunk)
+    sparse = sum(p.rows.numel() for p in plan.pieces if p.cols is not None)
+    return sparse / n, plan
+
+
+def test_cost_model_picks_sparse_for_small_or_shared_sets_dense_for_large_scattered_ones():
+    """At S1's vocab and hidden size (128256 x 4096, bf16, chunks of 4096 rows), planned on the CPU:
+    small sets (K=50) are scored on their unions, shared or not; independent random sets of
+    K=512 cover a chunk's vocab many times over, so the whole shard is cheaper; 512 shared ids
+    per row stay sparse."""
+    g = torch.Generator().manual_seed(3)
+    n, vocab, hidden, chunk = 512, 128256, 4096, 4096
+    popular = torch.randperm(vocab, generator=g)[:2000]
+    random_50 = torch.randint(0, vocab, (n, 50), generator=g)
+    random_512 = torch.randint(0, vocab, (n, 512), generator=g)
+    shared_512 = popular[torch.randint(0, 2000, (n, 512), generator=g)]
+    assert _plan_of(random_50, vocab, n, hidden, chunk)[0] == 1.0
+    assert _plan_of(random_512, vocab, n, hidden, chunk)[0] == 0.0
+    fraction, plan = _plan_of(shared_512, vocab, n, hidden, chunk)
+    assert fraction == 1.0 and plan.tile_rows == n  # one tile: the union is the 2000 popular ids
+
+
+# ---------------------------------------------------------------- why replay: engine and trainer drift
+def _bench_tool():
+    spec = importlib.util.spec_from_file_location("sampling_mask_bench",
+                                                  os.path.join(REPO, "tools", "sampling_mask_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("filters,noise", [(dict(top_p=0.9), 0.0), (dict(top_k=50, top_p=0.95), 0.02)],
+                         ids=["top_p-bf16", "top_k_top_p-bf16+noise"])
+def test_replay_scores_the_engines_sets_where_recomputed_filters_drift(filters, noise):
+    """With engine logits a bf16 rounding (and noise) away from the trainer's, recomputing the
+    filters on the trainer's logits drops some sampled tokens (-inf) and renormalizes others over
+    a different set; replay scores every sampled token, over exactly the engine's set."""
+    row = _bench_tool().drift_table_row(filters, noise, seed=1, n=2048, vocab=1000)
+    assert row["excluded"] > 0 and row["sets_differ"] > row["excluded"] and row["ratio_error"] > 1e-4, row
+    assert row["replay_excluded"] == 0 and row["replay_error"] < 1e-5, row
+
+
+# ---------------------------------------------------------------- the GPU benchmark's CPU smoke run
+def test_sampling_mask_bench_runs_on_cpu():
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "sampling_mask_bench.py"), "--device", "cpu",
+         "--shapes", "256x32x3000", "--ks", "5,50", "--reps", "1", "--chunk-size", "128", "--pieces", "sparse"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| 256x32x3000")]
+    assert len(lines) == 4, out.stdout  # {zipf, random} x K
+    for line in lines:  # union / V of the (forced) sparse tiles, replay / plain
+        assert 0 < float(line.split("|")[4]) <= 1 and math.isfinite(float(line.split("|")[8])), out.stdout

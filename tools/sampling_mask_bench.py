@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Sampling-mask replay against plain log-probs: linear_logprobs(..., sampling_mask=) fwd+bwd vs
+linear_logprobs(...) fwd+bwd, same inputs, same process, bf16.
+
+    python tools/sampling_mask_bench.py                  # GPU: the three shapes x {zipf, random} x K in {50, 512}
+    python tools/sampling_mask_bench.py --shapes 8192x4096x128256 --ks 50 --sets zipf
+    python tools/sampling_mask_bench.py --pieces sparse   # every tile on its union (--pieces dense: on the shard)
+    python tools/sampling_mask_bench.py --device cpu --shapes 256x32x3000 --ks 5,50 --reps 1   # smoke test
+    python tools/sampling_mask_bench.py --fidelity       # the drift table of docs/design.md §8.3 (CPU)
+
+Kept sets (K ids per token, the sampled label one of them):
+  zipf    a trained model's sets overlap: every token keeps K distinct ids drawn without
+          replacement with p(id) ~ 1 / (rank + 1)^1.1 over one fixed random ranking of the vocab
+          (frequent tokens are in most sets, each set also reaches into the tail);
+  random  K distinct ids uniformly at random per token: sets of different tokens share only
+          what chance gives (the worst case for the union of a tile).
+Both ops run on the same random bf16 hidden states and weights (logit std 2): replay's cost does
+not depend on the logits, only on the sets. Timing: CUDA events, warm-up first, median. "union"
+is the mean size of a sparse tile's union of kept ids / V (replay.PIECE_COUNTS); "sparse" the
+fraction of tokens scored on unions (the rest on the whole shard). "lp err" is replay's
+log-probs against float64 on 64 tokens. Targets: K=50 at most 0.25x plain, K=512 below 1x, every
+row at most 1x. `--pieces sparse` / `dense` overrides the cost model (replay.FORCE_PIECES): run
+both to see whether its choice was the faster one.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_fused_ce import linear_logprobs  # noqa: E402
+from megatron_fused_ce.ops import replay  # noqa: E402
+
+SHAPES = "8192x4096x128256,8192x2304x256000,16384x3584x152064"
+ZIPF_EXPONENT = 1.1
+
+
+def kept_sets(kind: str, n: int, vocab: int, k: int, device, generator) -> tuple:
+    """(token_ids [n * k], offsets [n + 1], labels [n]) of `kind` sets (module doc), on `device`."""
+    if kind == "zipf":
+        rank = torch.randperm(vocab, device=device, generator=generator)  # rank of each id
+        log_p = -ZIPF_EXPONENT * torch.log1p(rank.float())
+    elif kind == "random":
+        log_p = torch.zeros(vocab, device=device)
+    else:
+        raise SystemExit(f"unknown --sets {kind!r}")
+    ids = []
+    for start in range(0, n, 256):  # Gumbel top-k: k draws without replacement, [256, V] at a time
+        rows = min(256, n - start)
+        u = torch.rand(rows, vocab, device=device, generator=generator).clamp_(1e-20, 1.0)
+        ids.append((log_p - torch.log(-torch.log(u))).topk(k, dim=1).indices)
+    ids = torch.cat(ids)
+    pick = torch.randint(0, k, (n, 1), device=device, generator=generator)
+    labels = ids.gather(1, pick).squeeze(1)
+    offsets = torch.arange(n + 1, device=device, dtype=torch.int64) * k
+    return ids.reshape(-1), offsets, labels
+
+
+def time_ms(step, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        step()
+    cuda = torch.cuda.is_available() and step.device.type == "cuda"
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_step(h, w, y, chunk, mask=None):
+    def step():
+        lp = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask).logprobs
+        return torch.autograd.grad(-lp.sum() / lp.numel(), (h, w))
+    step.device = h.device
+    return step
+
+
+def replay_error(h, w, y, mask, rows=64) -> float:
+    """Replay's log-probs of the first `rows` tokens against float64 over their kept sets."""
+    ids, offsets = mask
+    with torch.no_grad():
+        sub_offsets = offsets[:rows + 1]
+        sub = (ids[:int(sub_offsets[-1])], sub_offsets)
+        got = linear_logprobs(h[:rows], w, y[:rows], sampling_mask=sub).logprobs.double()
+        z = h[:rows].double() @ w.double().t()
+        k = int(offsets[1] - offsets[0])
+        kept = ids[:rows * k].view(rows, k)
+        want = z.gather(1, y[:rows].unsqueeze(1)).squeeze(1) - torch.logsumexp(z.gather(1, kept), dim=1)
+        return ((got - want).norm() / want.norm()).item()
+
+
+def benchmark(args):
+    device = torch.device(args.device)
+    replay.FORCE_PIECES = None if args.pieces == "auto" else args.pieces
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}")
+    print("| shape NxHxV | sets | K | union / V | sparse | plain ms | replay ms | replay / plain | target | lp err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    failed = 0
+    for shape in args.shapes.split(","):
+        n, hdim, vocab = (int(x) for x in shape.split("x"))
+        g = torch.Generator(device=device).manual_seed(0)
+        h = torch.randn(n, hdim, device=device, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(vocab, hdim, device=device, generator=g) * (2 / math.sqrt(hdim))).bfloat16().requires_grad_()
+        y_plain = torch.randint(0, vocab, (n,), device=device, generator=g)
+        plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size), args.warmup, args.reps)
+        for kind in args.sets.split(","):
+            for k in (int(x) for x in args.ks.split(",")):
+                ids, offsets, labels = kept_sets(kind, n, vocab, k, device, g)
+                mask = (ids, offsets)
+                before = dict(replay.PIECE_COUNTS)
+                step = make_step(h, w, labels, args.chunk_size, mask)
+                step()  # one call to read the plan
+                counts = {key: replay.PIECE_COUNTS[key] - before.get(key, 0) for key in replay.PIECE_COUNTS}
+                sparse_rows, pieces = counts.get("sparse_rows", 0), counts.get("sparse_pieces", 0)
+                union = counts.get("sparse_union_cols", 0) / pieces / vocab if pieces else float("nan")
+                replay_ms = time_ms(step, args.warmup, args.reps)
+                ratio = replay_ms / plain_ms
+                target = 0.25 if k <= 50 else 1.0
+                met = ratio <= target
+                failed += not met
+                err = replay_error(h, w, labels, mask)
+                print(f"| {shape} | {kind} | {k} | {union:.3f} | {sparse_rows / n:.2f} | {plain_ms:.2f} | "
+                      f"{replay_ms:.2f} | {ratio:.3f} | {'<=' if k <= 50 else '<'} {target:g}x "
+                      f"{'ok' if met else 'MISSED'} | {err:.1e} |", flush=True)
+                del ids, offsets, labels, mask, step
+    return failed
+
+
+def _float64_reference():
+    """tests/sampling_reference.py: the float64 filters and kept-set log-probs, from the definition."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import sampling_reference
+
+    return sampling_reference
+
+
+def drift_case(filters: dict, engine_noise: float, seed: int, n=4096, hidden=64, vocab=2000):
+    """Trainer logits: fp32 from fp32 weights. Engine logits: the same model run in bf16, plus
+    Gaussian noise of std `engine_noise` (another kernel, another TP layout). The engine samples
+    from its own filtered distribution: (h, w, sampled tokens, the kept sets it used as a mask,
+    as [n, vocab] bool)."""
+    sref = _float64_reference()
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * (3.0 / hidden**0.5)  # logits of std ~3: peaked rows
+    engine_z = (h.bfloat16() @ w.bfloat16().t()).float() + engine_noise * torch.randn(n, vocab, generator=g)
+    keep = sref.kept_set(engine_z.double(), **filters)
+    q = torch.softmax(torch.where(keep, engine_z.double(), float("-inf")), dim=-1)
+    y = torch.multinomial(q, 1, generator=g).squeeze(1)
+    _, cols = keep.nonzero(as_tuple=True)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), keep.sum(1).cumsum(0)])
+    return h, w, y, replay.SamplingMask(cols, offsets), keep
+
+
+def drift_table_row(filters: dict, engine_noise: float, seed: int = 0, **sizes) -> dict:
+    """Recomputing the engine's filters on the trainer's logits vs replaying its kept sets:
+    sampled tokens the recomputed filter excludes (-inf), tokens whose recomputed set differs
+    from the engine's, the largest |p_recomputed / p_replayed - 1| over the tokens both keep (the
+    error of an importance ratio), and replay's exclusions and largest error against float64
+    log-probs over the engine's sets on the trainer's logits."""
+    sref = _float64_reference()
+    h, w, y, mask, keep = drift_case(filters, engine_noise, seed, **sizes)
+    recomputed = linear_logprobs(h, w, y, **filters).logprobs
+    replayed = linear_logprobs(h, w, y, sampling_mask=mask).logprobs
+    z = h.double() @ w.double().t()
+    ref, _ = sref.processed_stats(z, y, keep)
+    trainer_keep = sref.kept_set(z, **filters)
+    both = torch.isfinite(recomputed)
+    ratio_error = (recomputed[both].double() - replayed[both].double()).exp().sub(1).abs().max().item()
+    return dict(tokens=y.numel(), excluded=int((~both).sum()),
+                sets_differ=int((trainer_keep != keep).any(1).sum()), ratio_error=ratio_error,
+                replay_excluded=int((~torch.isfinite(replayed)).sum()),
+                replay_error=(replayed.double() - ref).abs().max().item())
+
+
+def fidelity():
+    """The drift table: engine logits = the same model in bf16 (+ noise), trainer in fp32."""
+    print("| engine vs trainer logits | filters | tokens | recompute: sampled tokens excluded | recompute: "
+          "sets that differ | recompute: max abs(ratio - 1), kept tokens | replay: excluded | "
+          "replay: max err vs fp64 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for filters, noise in ((dict(top_p=0.9), 0.0), (dict(top_k=50, top_p=0.95), 0.0),
+                           (dict(top_p=0.9), 0.02), (dict(top_k=50, top_p=0.95), 0.02),
+                           (dict(min_p=0.05), 0.02)):
+        row = drift_table_row(filters, noise)
+        name = ", ".join(f"{k}={v}" for k, v in filters.items())
+        drift = "bf16 rounding" + (f" + N(0, {noise}^2)" if noise else "")
+        print(f"| {drift} | {name} | {row['tokens']} | {row['excluded']} ({row['excluded'] / row['tokens']:.2%}) | "
+              f"{row['sets_differ']} ({row['sets_differ'] / row['tokens']:.1%}) | {row['ratio_error']:.2e} | "
+              f"{row['replay_excluded']} | {row['replay_error']:.1e} |", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--sets", default="zipf,random")
+    p.add_argument("--ks", default="50,512")
+    p.add_argument("--chunk-size", type=int, default=None, help="default: the op's automatic chunk")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--pieces", choices=("auto", "sparse", "dense"), default="auto",
+                   help="auto: the cost model chooses per tile; sparse / dense: every tile so")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--fidelity", action="store_true", help="print the engine/trainer drift table instead")
+    args = p.parse_args(argv)
+    if args.fidelity:
+        fidelity()
+        return 0
+    failed = benchmark(args)
+    print(f"{failed} row(s) missed their target" if failed else "every row met its target")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
