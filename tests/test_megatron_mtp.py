@@ -301,16 +301,16 @@ def test_mtp_fused_matches_unfused(setup, kinds, record_property):
 
 
 def no_labels_worker(rank, world):
-    from megatron_fused_ce.megatron import mtp
+    from megatron_fused_ce.megatron import compat
 
     (chunk,) = common.build(Setup(mtp_layers=1))
     install_fused_output_layer(chunk, FusedCEConfig(enabled=True, chunk_size=8))
     batch = common.make_batches("sft", 1, seed=0)[0]
     try:
         out = common.forward_fn(chunk, batch)
-        return {"derives": mtp.derives_labels_from_input_ids(), "shape": tuple(out.shape)}
+        return {"derives": compat.mtp_labels_from_input_ids(), "shape": tuple(out.shape)}
     except ValueError as error:
-        return {"derives": mtp.derives_labels_from_input_ids(), "error": str(error)}
+        return {"derives": compat.mtp_labels_from_input_ids(), "error": str(error)}
 
 
 def test_mtp_without_labels():

@@ -137,7 +137,7 @@ def test_install_and_checkpoint_round_trip(setup):
 
 
 def test_rejects_unsupported_models(monkeypatch):
-    from megatron_fused_ce.megatron import mtp
+    from megatron_fused_ce.megatron import compat
 
     layer = types.SimpleNamespace(weight=None, bias=None)
     configs = [types.SimpleNamespace(defer_embedding_wgrad_compute=True),
@@ -147,7 +147,7 @@ def test_rejects_unsupported_models(monkeypatch):
         with pytest.raises(ValueError, match="unsupported"):
             install_fused_output_layer(model, FUSED)
     # MTP: supported from megatron-core 0.16 on; older versions are named in the error.
-    monkeypatch.setattr(mtp, "megatron_core_version", lambda: (0, 15))
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 15))
     model = types.SimpleNamespace(post_process=True, config=types.SimpleNamespace(mtp_num_layers=1),
                                   output_layer=layer)
     with pytest.raises(ValueError, match=r"multi-token prediction .* megatron-core >= 0.16, found 0.15"):

@@ -10,6 +10,8 @@ test_megatron_parity.py. A README edit that breaks a snippet fails here.
   (Megatron-LM, not part of megatron-core) is stood in for by its one function the snippet
   calls, `get_args`.
 - megatron_cfg route at TP=2: `prepare_model` and `train_step` as written.
+- megatron-core's `output_processor` hook at TP=2 (megatron-core >= 0.18; skipped before):
+  `make_processor` and `forward_step` as written, under `get_forward_backward_func`.
 """
 
 from __future__ import annotations
@@ -152,6 +154,53 @@ def test_megatron_cfg_snippet(chunk_size):
     unfused = run_workers(megatron_cfg_worker, 2, code, {"use_linear_ce_fusion_loss": False}, timeout=120)
     for f, u in zip(fused, unfused):
         assert f["fused"] and not u["fused"] and f["chunk_size"] == chunk_size
+        assert len(f["losses"]) == 2
+        for a, b in zip(f["losses"], u["losses"]):
+            assert common.max_rel_diff(a, b) <= LOSS_RTOL
+        for name, g in u["grads"].items():
+            assert common.max_rel_diff(f["grads"][name], g) <= GRAD_RTOL, name
+
+
+# ------------------------------------------------------------------------------------------------
+# megatron-core's output_processor hook
+# ------------------------------------------------------------------------------------------------
+def output_processor_worker(rank, world, code, megatron_cfg):
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_fused_ce.megatron import loss_funcs
+
+    calls = []  # the fused loss ran (forked worker: the patch dies with it)
+    original = loss_funcs.linear_cross_entropy
+    loss_funcs.linear_cross_entropy = lambda *a, **k: calls.append(1) or original(*a, **k)
+    namespace = {}
+    exec(compile(code, "README.md (output_processor snippet)", "exec"), namespace)
+    (model,) = common.build(Setup(tp=2))
+    proc = namespace["make_processor"](megatron_cfg, TRUE_VOCAB)
+    batches = common.make_batches("sft", 2, seed=7 + parallel_state.get_data_parallel_rank())
+    model.zero_grad_buffer()
+    metrics = get_forward_backward_func()(
+        forward_step_func=partial(namespace["forward_step"], proc), data_iterator=iter(batches),
+        model=[model], num_microbatches=len(batches), seq_length=SEQ,
+        micro_batch_size=common.MBS, forward_only=False)
+    return {"fused": is_fused(model), "losses": [m["lm loss"] for m in metrics],
+            "grads": common.grads([model]), "fused_loss_calls": len(calls)}
+
+
+def test_output_processor_snippet():
+    from megatron_fused_ce.megatron import compat
+
+    if not compat.has_output_processor():
+        pytest.skip(f"megatron-core {compat.megatron_core_version_string()} has no GPTModel "
+                    f"output_processor (>= 0.18)")
+    code = snippet("megatron-core >= 0.18")
+    fused = run_workers(output_processor_worker, 2, code,
+                        {"use_linear_ce_fusion_loss": True, "linear_ce_fusion_chunk_size": 8}, timeout=120)
+    unfused = run_workers(output_processor_worker, 2, code, {"use_linear_ce_fusion_loss": False},
+                          timeout=120)
+    for f, u in zip(fused, unfused):
+        assert not f["fused"] and not u["fused"]  # nothing installed either way
+        assert f["fused_loss_calls"] == 2 and u["fused_loss_calls"] == 0  # per micro-batch
         assert len(f["losses"]) == 2
         for a, b in zip(f["losses"], u["losses"]):
             assert common.max_rel_diff(a, b) <= LOSS_RTOL

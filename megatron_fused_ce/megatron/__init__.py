@@ -13,6 +13,12 @@ last pipeline stage computes log-probs and losses from hidden states, never the 
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         return output, sft_loss_func(post, model, batch["labels"], batch["loss_mask"])
 
+On megatron-core >= 0.18 the same, with nothing installed, through megatron-core's own hook:
+
+    proc = FusedOutputProcessor(fused, vocab_size=tokenizer_vocab_size)
+    output = model(tokens, position_ids, attention_mask, output_processor=proc)
+    loss_func = sft_loss_func(proc, model, labels, loss_mask)      # dpo_ / grpo_loss_func alike
+
 `compute_logprobs` runs forward-only passes (reference / old policy) and broadcasts the result from
 the last pipeline stage to every stage; `grpo_logprob_passes(config)` says which passes GRPO needs.
 Megatron-LM-style `model(..., labels=labels)` keeps returning the per-token loss with fusion on,
@@ -24,7 +30,9 @@ megatron does (packed THD batches too, without Transformer Engine), `compute_log
 layout="gathered")` returns whole sequences.
 
 Modules: config.py (the switches), output_layer.py (hidden states out of the last stage),
-lazy_logits.py (what the output layer returns instead of logits), mtp.py (multi-token prediction),
+output_processor.py (the same through megatron-core's `output_processor` hook), lazy_logits.py
+(what the output layer returns instead of logits), mtp.py (multi-token prediction), compat.py
+(every difference between megatron-core versions),
 megatron_lm.py (the argparse flags for Megatron-LM scripts),
 postprocess.py (log-probs from hidden states or logits; pipeline broadcast), loss_funcs.py
 (Megatron loss funcs for SFT / DPO / GRPO), context_parallel.py (CP layouts), cp_attention.py (a CP
@@ -46,12 +54,14 @@ from .loss_funcs import dpo_loss_func, grpo_logprob_passes, grpo_loss_func, sft_
 from .megatron_lm import add_fused_ce_args
 from .output_layer import (
     FusedOutputLayer,
+    HiddenStates,
     install_fused_output_layer,
     is_fused,
     output_weight,
     uninstall_fused_output_layer,
     unwrap_model,
 )
+from .output_processor import FusedOutputProcessor
 from .postprocess import (
     LogprobsPostProcessor,
     broadcast_from_last_stage,
@@ -72,6 +82,8 @@ __all__ = [
     "install_fused_output_layer",
     "uninstall_fused_output_layer",
     "FusedOutputLayer",
+    "FusedOutputProcessor",
+    "HiddenStates",
     "LazyLogits",
     "add_fused_ce_args",
     "is_fused",

@@ -29,6 +29,8 @@ from torch import Tensor
 
 from megatron_fused_ce.ops import reductions
 
+from . import compat
+
 # batch entries that describe the packing rather than hold one value per token
 PACKING_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
@@ -38,7 +40,7 @@ def context_parallel_group(model: Optional[torch.nn.Module] = None):
     one; None without context parallelism (CP = 1, or no megatron parallel state)."""
     group = None
     if model is not None:
-        group = getattr(getattr(model, "pg_collection", None), "cp", None)
+        group = compat.cp_group_of(model)
     if group is None:
         try:
             from megatron.core import parallel_state

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from megatron_fused_ce.ops import reductions
 
+from . import compat
 from .context_parallel import positions_on_cp_rank
 
 
@@ -47,8 +48,10 @@ class GatheredKVAttention(torch.nn.Module):
         from megatron.core import parallel_state
 
         self.config = config
-        tp_group = getattr(pg_collection, "tp", None) or parallel_state.get_tensor_model_parallel_group()
-        self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
+        tp_group = compat.pg_collection_group(pg_collection, "tp") or \
+            parallel_state.get_tensor_model_parallel_group()
+        self.cp_group = compat.pg_collection_group(pg_collection, "cp") or \
+            parallel_state.get_context_parallel_group()
         tp = reductions.group_size(tp_group)
         self.heads = config.num_attention_heads // tp
         self.query_groups = config.num_query_groups // tp

@@ -9,6 +9,12 @@ one micro-batch:
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         return output, sft_loss_func(post_processor, model, batch["labels"], batch["loss_mask"])
 
+`output_tensor` is the last stage's model output by either route: the installed fused layer's
+hidden states (`install_fused_output_layer`), megatron-core's `output_processor` hook with a
+`FusedOutputProcessor` (its `HiddenStates`; megatron-core >= 0.18), or, fusion off, the logits.
+`post_processor` is a `LogprobsPostProcessor` or a `FusedOutputProcessor` (whose settings it
+then takes).
+
 Each loss func returns `(loss_sum, count, {name: tensor([sum, count])})`, Megatron's contract for
 `calculate_per_token_loss=True`: `loss_sum` is *not* normalized; the schedule adds up `count` over
 micro-batches and `finalize_model_grads` divides the gradients by the total over data-parallel
@@ -74,7 +80,7 @@ from megatron_fused_ce.losses.context_parallel import agree_on_inputs, sum_over_
 from megatron_fused_ce.ops import reductions
 
 from .output_layer import run_in_output_layer, unwrap_model
-from .postprocess import LogprobsPostProcessor
+from .postprocess import LogprobsPostProcessor, as_post_processor, check_model_output
 
 LossFunc = Callable[[Tensor], tuple]
 
@@ -120,6 +126,7 @@ class _ContextParallel:
 
     def __init__(self, fn_name: str, post_processor: LogprobsPostProcessor, model, output_tensor,
                  labels: Tensor, per_token: Mapping[str, Optional[Tensor]], **packing):
+        check_model_output(output_tensor)  # before anything reads it as a tensor
         self.group = post_processor.context_parallel_group(model)
         self.size = reductions.group_size(self.group)
         self.rank = reductions.group_rank(self.group)
@@ -234,6 +241,7 @@ def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
     `num_microbatches`: the schedule's, for the upstream gradient under
     `calculate_per_token_loss=False` (module doc)."""
     packing = dict(cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    post_processor = as_post_processor(post_processor)
 
     def loss_func(output_tensor: Tensor):
         cp = _ContextParallel("sft_loss_func", post_processor, model, output_tensor, labels,
@@ -283,6 +291,7 @@ def dpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
     for key in ("normalizer", "sft_normalizer"):
         if key in dpo_kwargs:
             raise ValueError(f"dpo_loss_func sets {key} itself (Megatron normalizes by pair count)")
+    post_processor = as_post_processor(post_processor)
 
     def loss_func(output_tensor: Tensor):
         cp = _ContextParallel("dpo_loss_func", post_processor, model, output_tensor, labels,
@@ -348,6 +357,7 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
     """
     if config.needs_reference_logprobs and reference_logprobs is None:
         raise ValueError(f"reference_logprobs are required when beta > 0 (beta={config.beta})")
+    post_processor = as_post_processor(post_processor)
 
     def loss_func(output_tensor: Tensor):
         cp = _ContextParallel("grpo_loss_func", post_processor, model, output_tensor, labels,

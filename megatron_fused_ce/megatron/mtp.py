@@ -19,21 +19,17 @@ sequences), `mtp_loss_scaling_factor`, `calculate_per_token_loss`, the `MTPLossA
 gradient path, the logging, `mtp_detach_heads` (the detached weight arrives in `weight=`), and
 where the MTP layers live in the pipeline. So the MTP losses and every gradient are megatron's.
 
-The checks here: the megatron-core versions whose MTP loop has that shape, and labels.
+The checks here: the megatron-core versions whose MTP loop has that shape, and labels (the
+version probes themselves are in compat.py).
+
+Through megatron-core's `output_processor` hook alone (FusedOutputProcessor, nothing installed),
+the MTP depths are megatron's own: it runs them through `self.output_layer` before it calls the
+processor, so their logits are formed. Install the fused layer as well to keep them fused.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Tuple
-
-MIN_MEGATRON_CORE = (0, 16)
-
-
-def megatron_core_version() -> Tuple[int, int]:
-    from megatron.core import package_info
-
-    return int(package_info.MAJOR), int(package_info.MINOR)
+from . import compat
 
 
 def has_mtp(gpt) -> bool:
@@ -42,33 +38,23 @@ def has_mtp(gpt) -> bool:
 
 def check_mtp_model(gpt) -> None:
     """At install time: MTP is supported where megatron computes its losses through
-    `output_layer` + `compute_language_model_loss` (megatron-core >= 0.16)."""
+    `output_layer` + `compute_language_model_loss` (compat.mtp_through_output_layer)."""
     if not has_mtp(gpt):
         return
-    version = megatron_core_version()
-    if version < MIN_MEGATRON_CORE:
+    if not compat.mtp_through_output_layer():
         raise ValueError(
             f"install_fused_output_layer: multi-token prediction (mtp_num_layers="
             f"{gpt.config.mtp_num_layers}) is supported with megatron-core >= "
-            f"{'.'.join(map(str, MIN_MEGATRON_CORE))}, found {'.'.join(map(str, version))}")
-
-
-def derives_labels_from_input_ids() -> bool:
-    """megatron-core >= 0.19 computes MTP losses without `labels` (from the shifted input ids);
-    before, GPTModel needs `labels` whenever the model has MTP layers."""
-    try:
-        from megatron.core.transformer.multi_token_prediction import process_mtp_loss
-    except ImportError:
-        return False
-    return "input_ids" in inspect.signature(process_mtp_loss).parameters
+            f"{compat.version_string(compat.MTP_MIN_VERSION)}, found "
+            f"{compat.version_string(compat.megatron_core_version())}")
 
 
 def check_mtp_call(gpt, labels) -> None:
     """Per forward call of the last stage: where megatron needs labels for the MTP losses, say so
     (instead of megatron's `'NoneType' object has no attribute 'clone'`)."""
-    if labels is None and has_mtp(gpt) and not derives_labels_from_input_ids():
+    if labels is None and has_mtp(gpt) and not compat.mtp_labels_from_input_ids():
         raise ValueError(
             f"a model with multi-token prediction needs labels on megatron-core "
-            f"{'.'.join(map(str, megatron_core_version()))}: call model(..., labels=labels, "
-            f"loss_mask=loss_mask) (add return_hidden_states=True to get the hidden states back "
-            f"for this package's loss functions)")
+            f"{compat.version_string(compat.megatron_core_version())}: call model(..., "
+            f"labels=labels, loss_mask=loss_mask) (add return_hidden_states=True to get the hidden "
+            f"states back for this package's loss functions)")

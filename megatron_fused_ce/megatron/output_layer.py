@@ -38,6 +38,12 @@ What stays the same:
 
 `model(..., labels=labels, loss_mask=loss_mask, return_hidden_states=True)` keeps the labels for
 the MTP losses but returns the main head's hidden states (for this package's loss functions).
+
+The other route, megatron-core >= 0.18's `output_processor` hook (output_processor.py), installs
+nothing: GPTModel hands its hidden states, its output layer (megatron's own) and the tied weight
+to the processor. Both routes meet in `HiddenStates` (the hidden states, the layer and the weight
+it is given) and `run_in_layer` (a fused op inside a call of that layer, fused or megatron's own,
+with its module hooks), so the post-processor and the loss funcs read either the same way.
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
+from megatron_fused_ce import linear_cross_entropy
 from megatron_fused_ce.ops import LogprobsOutput, reductions
 
-from . import mtp, sharded
+from . import compat, mtp, sharded
 from .config import FusedCEConfig
 from .lazy_logits import LazyLogits
 
@@ -117,25 +124,16 @@ class FusedOutputLayer(torch.nn.Module):
     @property
     def tp_group(self):
         """The original layer's tensor-parallel group (None: no tensor parallelism)."""
-        if hasattr(self.unfused, "tp_group"):
-            return self.unfused.tp_group
-        from megatron.core import parallel_state
-
-        return parallel_state.get_tensor_model_parallel_group()
+        return compat.tp_group_of(self.unfused)
 
     @property
     def splits_sequence(self) -> bool:
         """Sequence parallelism with TP > 1: the input is this rank's `[s/TP, b, h]` slice."""
-        return bool(self.sequence_parallel) and reductions.group_size(self.tp_group) > 1
+        return splits_sequence(self)
 
     def fused_op_kwargs(self, weight) -> dict:
         """Keyword arguments of the fused ops for this layer's inputs (Megatron's `[s, b, h]`)."""
-        return dict(
-            tp_group=self.tp_group, chunk_size=self.fused_config.chunk_size,
-            memory_mode=self.fused_config.memory_mode, logits_dtype=self.fused_config.op_logits_dtype(),
-            max_chunk_bytes=self.fused_config.max_chunk_bytes, sequence_parallel=self.splits_sequence,
-            accumulate_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False))
-            and sharded.may_add_into_main_grad(weight))
+        return fused_op_kwargs(self, self.fused_config, self.config, weight)
 
     # ColumnParallelLinear has an (empty) extra state: keep the `output_layer._extra_state` key.
     def get_extra_state(self):
@@ -161,6 +159,160 @@ class FusedOutputLayer(torch.nn.Module):
 
     def extra_repr(self):
         return f"returns LazyLogits (no logits); replaces {self.unfused!r}"
+
+
+def layer_tp_group(layer: torch.nn.Module):
+    """The tensor-parallel group of an output layer, fused or megatron's own."""
+    return layer.tp_group if isinstance(layer, FusedOutputLayer) else compat.tp_group_of(layer)
+
+
+def splits_sequence(layer: torch.nn.Module) -> bool:
+    """Sequence parallelism with TP > 1 on this output layer: its input is the rank's
+    `[s/TP, b, h]` slice, gathered along dim 0 by the op."""
+    return bool(getattr(layer, "sequence_parallel", False)) and \
+        reductions.group_size(layer_tp_group(layer)) > 1
+
+
+def fused_op_kwargs(layer: torch.nn.Module, fused_config: FusedCEConfig, model_config,
+                    weight: Optional[torch.Tensor] = None) -> dict:
+    """Keyword arguments of the fused ops (`linear_cross_entropy`, `linear_logprobs`, ...) for the
+    inputs of `layer` (fused or megatron's own; Megatron's `[s, b, h]`), under `fused_config`'s
+    chunking and the model's gradient-accumulation fusion (narrowed to what `weight` allows, when
+    it is known)."""
+    return _op_kwargs(layer_tp_group(layer), splits_sequence(layer), fused_config, model_config, weight)
+
+
+def _op_kwargs(tp_group, sequence_parallel: bool, fused_config: FusedCEConfig, model_config,
+               weight: Optional[torch.Tensor] = None) -> dict:
+    accumulate = bool(getattr(model_config, "gradient_accumulation_fusion", False))
+    if accumulate and weight is not None:
+        accumulate = sharded.may_add_into_main_grad(weight)
+    return dict(
+        tp_group=tp_group, chunk_size=fused_config.chunk_size,
+        memory_mode=fused_config.memory_mode, logits_dtype=fused_config.op_logits_dtype(),
+        max_chunk_bytes=fused_config.max_chunk_bytes, sequence_parallel=sequence_parallel,
+        accumulate_into_main_grad=accumulate)
+
+
+_NO_FORWARD = object()
+_LAYERS_GROUP = object()  # HiddenStates: the output layer's tensor-parallel group
+
+
+def run_in_layer(layer: torch.nn.Module, hidden, compute, weight=None):
+    """`compute(hidden, weight)` inside a call of the output-layer module `layer`, with its
+    module hooks around it; `weight` only for one the layer does not own (tied).
+
+    The fused layer has a `run` for this. Megatron's own layer (the output_processor route, nothing
+    installed) is called with `compute` as its forward for that one call: Megatron's DDP waits for
+    the weight's all-gather (overlap_param_gather) and FSDP engines gather the weight in that
+    module's pre-hooks, so a fused op reading the weight outside a call of it could read a stale or
+    sharded weight. The instance attribute is removed again before this returns."""
+    if isinstance(layer, FusedOutputLayer):
+        return layer.run(hidden, compute, weight=weight)
+
+    def forward(input_, weight=None):
+        own = weight is None
+        weight = layer.weight if own else weight
+        sharded.check_gathered(weight, tied=not own)
+        return _without_views(compute(input_, weight))
+
+    saved = layer.__dict__.get("forward", _NO_FORWARD)
+    layer.__dict__["forward"] = forward
+    try:
+        return layer(hidden, weight=weight)
+    finally:
+        if saved is _NO_FORWARD:
+            del layer.__dict__["forward"]
+        else:
+            layer.__dict__["forward"] = saved
+
+
+def given_weight(layer: torch.nn.Module, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The weight to pass to `run_in_layer`: None where it is the layer's own (the last stage's
+    copy of a tied weight at PP > 1 is), so that a sharding engine gathers it in the layer's call."""
+    return None if weight is None or weight is getattr(layer, "weight", None) else weight
+
+
+class HiddenStates:
+    """The last stage's final hidden states where Megatron would form the logits, and what the
+    fused ops need to project them: the output layer and the weight GPTModel hands it.
+
+    `FusedOutputProcessor` (megatron-core's `output_processor` hook) returns one; the installed
+    layer's `[b, s, h]` model output is read as one (`of_installed`). `states` is in Megatron's
+    sequence-first layout, `[s, b, h]` (`[s/TP, b, h]` under sequence parallelism: this rank's
+    slice). Neither a tensor nor a tuple on purpose: megatron's Float16Module upcasts tensors and
+    rebuilds tuples in the last stage's output, and passes anything else through unchanged.
+    `model_config`: the model's TransformerConfig (default: the layer's); `tp_group`: the
+    model's tensor-parallel group (default: the layer's)."""
+
+    def __init__(self, states: torch.Tensor, output_layer: torch.nn.Module,
+                 output_weight: Optional[torch.Tensor] = None, model_config=None,
+                 tp_group=_LAYERS_GROUP):
+        if getattr(output_layer, "bias", None) is not None:
+            raise ValueError("the fused ops do not support an output layer with a bias")
+        self.states = states
+        self.output_layer = output_layer
+        self.output_weight = given_weight(output_layer, output_weight)
+        self.model_config = model_config if model_config is not None else getattr(output_layer, "config", None)
+        self.tp_group = layer_tp_group(output_layer) if tp_group is _LAYERS_GROUP else tp_group
+        # the op gathers a sequence-parallel input along dim 0 (Megatron's [s/TP, b, h])
+        self.sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False)) and \
+            reductions.group_size(self.tp_group) > 1
+
+    @classmethod
+    def of_installed(cls, gpt: torch.nn.Module, output: torch.Tensor) -> "HiddenStates":
+        """The installed fused layer's model output `[b, s, h]` (`[b, s/TP, h]` under SP)."""
+        return cls(output.transpose(0, 1), gpt.output_layer, _tied_weight(gpt), gpt.config,
+                   tp_group=compat.tp_group_of(gpt))
+
+    @property
+    def device(self) -> torch.device:
+        return self.states.device
+
+    def token_shape(self):
+        """`(b, s)`: the labels' shape for these hidden states (s gathered under SP)."""
+        s, b = self.states.shape[0], self.states.shape[1]
+        if self.sequence_parallel:
+            s *= reductions.group_size(self.tp_group)
+        return b, s
+
+    def batch_first(self) -> torch.Tensor:
+        """`[b, s, h]` (`[b, s/TP, h]` under SP), the layout of the installed layer's output."""
+        return self.states.transpose(0, 1)
+
+    def op_kwargs(self, fused_config: FusedCEConfig, weight: Optional[torch.Tensor] = None) -> dict:
+        """The fused ops' keyword arguments for these hidden states (without `weight`,
+        `accumulate_into_main_grad` is the model's setting; `run` narrows it to the weight's)."""
+        return _op_kwargs(self.tp_group, self.sequence_parallel, fused_config, self.model_config, weight)
+
+    def run(self, op, hidden, **op_kwargs):
+        """`op(hidden, weight, **op_kwargs)` inside a call of the output layer (run_in_layer)."""
+        return run_in_layer(self.output_layer, hidden, _cast_and_call(op, op_kwargs),
+                            weight=self.output_weight)
+
+    def cross_entropy(self, labels: torch.Tensor, fused_config: FusedCEConfig) -> torch.Tensor:
+        """Per-token `-log softmax(logits)[label]` over the full (padded) vocab, `[b, s]` fp32, as
+        megatron's `compute_language_model_loss(labels [b, s], logits)`; differentiable."""
+        def fused(hidden, weight):
+            return linear_cross_entropy(hidden.to(weight.dtype), weight, labels.t(), reduction="none",
+                                        **self.op_kwargs(fused_config, weight))
+
+        return run_in_layer(self.output_layer, self.states, fused,
+                            weight=self.output_weight).t().contiguous()
+
+    def __repr__(self):
+        return (f"HiddenStates(states={tuple(self.states.shape)} {self.states.dtype}, "
+                f"output_layer={type(self.output_layer).__name__})")
+
+
+def _cast_and_call(op, op_kwargs):
+    def compute(hidden, weight):
+        kwargs = dict(op_kwargs)
+        if kwargs.get("accumulate_into_main_grad"):
+            kwargs["accumulate_into_main_grad"] = sharded.may_add_into_main_grad(weight)
+        return op(hidden.to(weight.dtype), weight, **kwargs)
+
+    return compute
 
 
 def _without_views(out):
@@ -197,15 +349,20 @@ def _chunks(model: ModelOrChunks) -> Iterable[torch.nn.Module]:
     return model if isinstance(model, (list, tuple)) else [model]
 
 
-def _check_supported(gpt: torch.nn.Module) -> None:
-    config = gpt.config
+def unsupported_configuration(config, gpt: Optional[torch.nn.Module] = None) -> List[str]:
+    """Why the fused ops cannot stand in for this model's output layer (empty: they can)."""
     problems = []
     if getattr(config, "defer_embedding_wgrad_compute", False):
         problems.append("defer_embedding_wgrad_compute defers the output-layer GEMM")
-    if getattr(config, "use_mup", False):
+    if compat.uses_mup(config):
         problems.append("MuP scales the logits after the output layer")
-    if getattr(gpt, "use_fused_lce", False):
+    if gpt is not None and compat.has_own_fused_linear_ce(gpt):
         problems.append("the model already uses megatron's own fused linear cross-entropy")
+    return problems
+
+
+def _check_supported(gpt: torch.nn.Module) -> None:
+    problems = unsupported_configuration(gpt.config, gpt)
     if problems:
         raise ValueError("install_fused_output_layer: unsupported model configuration: "
                          + "; ".join(problems))
@@ -362,24 +519,23 @@ def is_fused(model: torch.nn.Module) -> bool:
 
 
 def run_in_output_layer(model: torch.nn.Module, op, hidden, **op_kwargs):
-    """`op(hidden, weight, **op_kwargs)` on this stage's output weight, inside a call of the fused
-    output layer (so that sharding engines' hooks surround it: FSDP gathers the weight there and
-    takes its gradient when autograd delivers it). `hidden` is cast to the weight's dtype
-    (Float16Module hands the last stage's output back in fp32; exact for bf16/fp16 values)."""
+    """`op(hidden, weight, **op_kwargs)` on this stage's output weight, inside a call of the
+    output layer (`run_in_layer`: the fused layer when installed, else megatron's own, as on the
+    output_processor route), so that sharding engines' hooks surround it: DDP waits for the
+    weight's all-gather there, FSDP gathers it and takes its gradient when autograd delivers it.
+    `hidden` is cast to the weight's dtype (Float16Module hands the last stage's output back in
+    fp32; exact for bf16/fp16 values)."""
     gpt = unwrap_model(model)
-    layer = gpt.output_layer
-    tied = gpt.shared_embedding_or_output_weight() if getattr(
-        gpt, "share_embeddings_and_output_weights", False) else None
-    if tied is layer.weight:  # the last stage's copy of a tied weight (PP > 1): the layer's own
-        tied = None
+    return run_in_layer(gpt.output_layer, hidden, _cast_and_call(op, op_kwargs),
+                        weight=_tied_weight(gpt))
 
-    def compute(hidden, weight):
-        kwargs = dict(op_kwargs)
-        if kwargs.get("accumulate_into_main_grad"):
-            kwargs["accumulate_into_main_grad"] = sharded.may_add_into_main_grad(weight)
-        return op(hidden.to(weight.dtype), weight, **kwargs)
 
-    return layer.run(hidden, compute, weight=tied)
+def _tied_weight(gpt: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The tied weight GPTModel passes to its output layer (None when untied, and for the last
+    stage's copy at PP > 1, which is the layer's own)."""
+    if not getattr(gpt, "share_embeddings_and_output_weights", False):
+        return None
+    return given_weight(gpt.output_layer, gpt.shared_embedding_or_output_weight())
 
 
 def output_weight(model: torch.nn.Module) -> Optional[torch.Tensor]:

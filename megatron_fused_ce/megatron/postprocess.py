@@ -40,20 +40,36 @@ from megatron_fused_ce.losses.context_parallel import agree_on_inputs
 from megatron_fused_ce.ops import reductions, sampling
 from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, is_int
 
+from . import compat
 from .config import FusedCEConfig
 from .context_parallel import context_parallel_group, gather_from_cp_ranks, positions_on_cp_rank
-from .output_layer import is_fused, output_weight, run_in_output_layer, unwrap_model
+from .output_layer import HiddenStates, is_fused, output_weight, unwrap_model
 
 IGNORE_INDEX = -100
 
 
 def _tp_group(gpt):
-    group = getattr(gpt, "tp_group", None)
-    if group is None:
-        from megatron.core import parallel_state
+    return compat.tp_group_of(gpt)
 
-        group = parallel_state.get_tensor_model_parallel_group()
-    return group
+
+def check_model_output(output) -> None:
+    """Refuse log-probs an output processor already computed: the post-processor, the loss funcs
+    and compute_logprobs read logits, the installed layer's hidden states or `HiddenStates`."""
+    if isinstance(output, tuple):
+        raise TypeError(
+            "the model returned log-probs already (FusedOutputProcessor(returns='logprobs'), a "
+            "LogprobsOutput or the plain tuple Float16Module makes of it): the post-processor, the "
+            "loss funcs and compute_logprobs take the hidden states, "
+            "FusedOutputProcessor(returns='hidden_states') (the default)")
+
+
+def as_post_processor(post_processor):
+    """The `LogprobsPostProcessor` behind `post_processor`: itself, or the one a
+    `FusedOutputProcessor` holds (the same settings), so that the loss funcs take either."""
+    inner = getattr(post_processor, "post_processor", None)
+    if not isinstance(post_processor, LogprobsPostProcessor) and isinstance(inner, LogprobsPostProcessor):
+        return inner
+    return post_processor
 
 
 def packed_sequence_labels(labels: Tensor, cu_seqlens: Optional[Tensor],
@@ -203,79 +219,101 @@ class LogprobsPostProcessor:
                                       cu_seqlens_padded=cu_seqlens_padded,
                                       cp_group=self.context_parallel_group(model))
 
-    def token_shape(self, output_tensor: Tensor, model: torch.nn.Module) -> Tuple[int, int]:
+    def token_shape(self, output_tensor, model: torch.nn.Module) -> Tuple[int, int]:
         """`(b, s)`: the shape of the labels that go with this model output (`[b, s, V/TP]` logits,
-        `[b, s, h]` hidden states, or `[b, s/TP, h]` under sequence parallelism)."""
-        gpt = unwrap_model(model)
-        b, s = output_tensor.shape[0], output_tensor.shape[1]
-        if is_fused(gpt) and bool(gpt.config.sequence_parallel):
-            s *= dist.get_world_size(_tp_group(gpt))
-        return b, s
+        `[b, s, h]` hidden states, `[b, s/TP, h]` under sequence parallelism, or `HiddenStates`)."""
+        check_model_output(output_tensor)
+        head = self._hidden_states(output_tensor, unwrap_model(model), check=False)
+        if head is not None:
+            return head.token_shape()
+        return output_tensor.shape[0], output_tensor.shape[1]
 
-    def __call__(self, output_tensor: Tensor, model: torch.nn.Module, labels: Tensor, *,
+    def __call__(self, output_tensor, model: torch.nn.Module, labels: Tensor, *,
                  cu_seqlens: Optional[Tensor] = None,
                  cu_seqlens_padded: Optional[Tensor] = None) -> LogprobsOutput:
         gpt = unwrap_model(model)
         if not getattr(gpt, "post_process", False):
             raise RuntimeError("LogprobsPostProcessor runs on the last pipeline stage only")
+        check_model_output(output_tensor)
         labels = self.scored_labels(labels, gpt, cu_seqlens=cu_seqlens,
                                     cu_seqlens_padded=cu_seqlens_padded)
-        if is_fused(gpt):
-            return self._from_hidden(output_tensor, gpt, labels)
-        return self._from_logits(output_tensor, gpt, labels)
+        head = self._hidden_states(output_tensor, gpt)
+        if head is not None:
+            return self._from_hidden(head, labels)
+        return self._from_logits(output_tensor, labels, _tp_group(gpt), output_weight(gpt).shape[0])
 
     # -- fusion on -------------------------------------------------------------------------------
-    def fused_inputs(self, output_tensor: Tensor, model: torch.nn.Module, labels: Tensor, *,
+    @staticmethod
+    def _hidden_states(output, gpt, check: bool = True) -> Optional[HiddenStates]:
+        """The model output read as hidden states: the output processor's `HiddenStates`, or the
+        installed fused layer's `[b, s, h]`; None for logits."""
+        if isinstance(output, HiddenStates):
+            if check and output.output_layer is not getattr(gpt, "output_layer", None):
+                raise ValueError("these HiddenStates come from another model's output layer: pass the "
+                                 "model chunk whose forward returned them")
+            return output
+        if not is_fused(gpt):
+            return None
+        weight = output_weight(gpt)
+        if check and output.shape[-1] != weight.shape[1]:
+            raise RuntimeError(
+                f"the fused output layer is installed but the model returned [..., "
+                f"{output.shape[-1]}], not hidden states of size {weight.shape[1]}: this "
+                f"megatron-core version does not route the logits through model.output_layer")
+        return HiddenStates.of_installed(gpt, output)
+
+    def fused_inputs(self, output_tensor, model: torch.nn.Module, labels: Tensor, *,
                      cu_seqlens: Optional[Tensor] = None,
                      cu_seqlens_padded: Optional[Tensor] = None) -> Optional[dict]:
         """The fused op's arguments for this output, or None when the model returns logits.
 
-        `hidden` and `labels` are in the op's layout: `[b, s, h]` / `[b, s]`, or Megatron's
-        sequence-first `[s/TP, b, h]` / `[s, b]` when `sequence_parallel` is True. The weight is
-        not among them: ops run as `run_in_output_layer(model, op, **inputs, ...)`, which passes
-        it inside a call of the output layer (where sharding engines gather it). The loss funcs
-        use this to call the gradients-in-forward losses (`linear_cross_entropy`,
+        The output is the installed fused layer's `[b, s, h]` or the output processor's
+        `HiddenStates`. `hidden` and `labels` are in the op's layout: `[b, s, h]` / `[b, s]`, or
+        Megatron's sequence-first `[s/TP, b, h]` / `[s, b]` when `sequence_parallel` is True. The
+        weight is not among them: ops run as `run_in_output_layer(model, op, **inputs, ...)`,
+        which passes it inside a call of the output layer (where sharding engines gather it). The
+        loss funcs use this to call the gradients-in-forward losses (`linear_cross_entropy`,
         `linear_grpo_loss`) on exactly what `linear_logprobs` would see.
         """
         gpt = unwrap_model(model)
-        if not is_fused(gpt):
+        check_model_output(output_tensor)
+        head = self._hidden_states(output_tensor, gpt)
+        if head is None:
             return None
         labels = self.scored_labels(labels, gpt, cu_seqlens=cu_seqlens,
                                     cu_seqlens_padded=cu_seqlens_padded)
-        weight = output_weight(gpt)
-        if output_tensor.shape[-1] != weight.shape[1]:
-            raise RuntimeError(
-                f"the fused output layer is installed but the model returned [..., "
-                f"{output_tensor.shape[-1]}], not hidden states of size {weight.shape[1]}: this "
-                f"megatron-core version does not route the logits through model.output_layer")
-        tp_group = _tp_group(gpt)
-        sequence_parallel = bool(gpt.config.sequence_parallel) and dist.get_world_size(tp_group) > 1
-        hidden = output_tensor
-        if sequence_parallel:
-            # The op gathers along dim 0: back to Megatron's [s/TP, b, h] layout, labels [s, b].
-            hidden, labels = hidden.transpose(0, 1), labels.t()
-        return dict(
-            hidden=hidden, labels=labels, tp_group=tp_group,
-            vocab_size=self.vocab_size, temperature=self.temperature,
-            ignore_index=self.ignore_index, chunk_size=self.config.chunk_size,
-            memory_mode=self.config.memory_mode, logits_dtype=self.config.op_logits_dtype(),
-            max_chunk_bytes=self.config.max_chunk_bytes, sequence_parallel=sequence_parallel,
-            accumulate_into_main_grad=bool(getattr(gpt.config, "gradient_accumulation_fusion", False)),
-        )
+        return self._op_inputs(head, labels)
 
-    def _from_hidden(self, hidden: Tensor, gpt, labels: Tensor) -> LogprobsOutput:
-        inputs = self.fused_inputs(hidden, gpt, labels)
-        out = run_in_output_layer(gpt, linear_logprobs, **inputs, return_entropy=self.return_entropy,
-                                  **self.sampler)
+    def _op_inputs(self, head: HiddenStates, labels: Tensor) -> dict:
+        """The op's arguments for hidden states and their (scored) `[b, s]` labels."""
+        kwargs = head.op_kwargs(self.config)
+        if kwargs["sequence_parallel"]:  # the op gathers along dim 0: Megatron's [s/TP, b, h]
+            hidden, labels = head.states, labels.t()
+        else:
+            hidden = head.batch_first()
+        return dict(hidden=hidden, labels=labels, vocab_size=self.vocab_size,
+                    temperature=self.temperature, ignore_index=self.ignore_index, **kwargs)
+
+    def logprobs_of(self, hidden_states: HiddenStates, labels: Tensor, *,
+                    cu_seqlens: Optional[Tensor] = None,
+                    cu_seqlens_padded: Optional[Tensor] = None) -> LogprobsOutput:
+        """`LogprobsOutput [b, s]` of `HiddenStates` without the model (the output processor's
+        `returns="logprobs"`); the CP group is this post-processor's `cp_group` or megatron's."""
+        labels = self.scored_labels(labels, None, cu_seqlens=cu_seqlens,
+                                    cu_seqlens_padded=cu_seqlens_padded)
+        return self._from_hidden(hidden_states, labels)
+
+    def _from_hidden(self, head: HiddenStates, labels: Tensor) -> LogprobsOutput:
+        inputs = self._op_inputs(head, labels)
+        out = head.run(linear_logprobs, **inputs, return_entropy=self.return_entropy, **self.sampler)
         if inputs["sequence_parallel"]:  # [s, b] -> [b, s]
             out = out.map(lambda t: t.transpose(0, 1))
         return out
 
     # -- fusion off ------------------------------------------------------------------------------
-    def _from_logits(self, logits: Tensor, gpt, labels: Tensor) -> LogprobsOutput:
-        tp_group = _tp_group(gpt)
+    def _from_logits(self, logits: Tensor, labels: Tensor, tp_group, v_local: int) -> LogprobsOutput:
+        """`v_local`: the rows of this rank's output-weight shard (tells gathered logits apart)."""
         tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-        v_local = output_weight(gpt).shape[0]
         if logits.shape[-1] == v_local * tp_size and tp_size > 1:  # gathered (parallel_output=False)
             tp_group, tp_size, tp_rank, v_local = None, 1, 0, logits.shape[-1]
         return vocab_parallel_logprobs(
@@ -504,7 +542,9 @@ def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
     """A forward-only pass (no autograd graph) returning each micro-batch's log-probs on every stage.
 
     For reference-policy / old-policy log-probs. `forward_fn(model_chunk, batch)` runs the model on
-    one micro-batch (`model_chunk(tokens, position_ids, attention_mask)`), `batch["labels"]` holds
+    one micro-batch (`model_chunk(tokens, position_ids, attention_mask)`, with the fused layer
+    installed or not; or with `output_processor=FusedOutputProcessor(...)` on megatron-core >=
+    0.18), `post_processor` is a `LogprobsPostProcessor` or that processor, `batch["labels"]` holds
     the shifted labels, `batch.get("cu_seqlens")` / `batch.get("cu_seqlens_padded")` the
     packed-sequence offsets. `model` is a model chunk or the list of virtual-pipeline chunks.
     `seq_length` is the full sequence length (megatron divides it by CP for the pipeline buffers).
@@ -520,9 +560,11 @@ def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
 
     if layout not in COMPUTE_LOGPROBS_LAYOUTS:
         raise ValueError(f"layout must be one of {COMPUTE_LOGPROBS_LAYOUTS}, got {layout!r}")
+    post_processor = as_post_processor(post_processor)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
 
     def loss_func(batch, chunk, output_tensor):
+        check_model_output(output_tensor)
         packing = dict(cu_seqlens=batch.get("cu_seqlens"), cu_seqlens_padded=batch.get("cu_seqlens_padded"))
         cp_group = post_processor.context_parallel_group(chunk) if layout == "gathered" else None
         outs = []
@@ -541,7 +583,7 @@ def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
             # [b, s/CP, ...] -> [b, s, ...] (entropy, top-k too)
             out = out.map(lambda values: gather_from_cp_ranks(values, cp_group,
                                                               cu_seqlens_padded=layout_offsets))
-        zero = output_tensor.new_zeros(())
+        zero = torch.zeros((), device=output_tensor.device)  # (a HiddenStates has no new_zeros)
         return zero, torch.ones((), dtype=torch.int, device=zero.device), {"logprobs": out}
 
     def forward_step(data_iterator, chunk):
