@@ -6,6 +6,7 @@ misspelled `trian:` section, and a misspelled fusion flag in the YAML are reject
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import sys
@@ -250,16 +251,17 @@ def test_run_header_names_memory_mode_and_logits_dtype(monkeypatch):
 
 # ---------------------------------------------------------------- every documented megatron_cfg key
 ROOT = os.path.dirname(EXAMPLES_DIR)
-# a fused-CE key as the README spells it (backticked, in a YAML line or after `megatron_cfg.`)
+# a fused-CE key as the docs spell it (backticked, in a YAML line or after `megatron_cfg.`)
 _FUSED_KEY = re.compile(r"\b((?:use_)?(?:linear_ce_fusion|fused_linear_logprobs)[a-z_]*)")
 
 
 def documented_megatron_cfg_keys():
-    """The megatron_cfg keys the README documents, with FusedCEConfig's keys and aliases
-    (config.OWN_KEYS); the README's examples of typos (near-misses of a real key) left out."""
+    """The megatron_cfg keys the README and the docs pages document, with FusedCEConfig's keys and
+    aliases (config.OWN_KEYS); their examples of typos (near-misses of a real key) left out."""
     from megatron_fused_ce.megatron.config import OWN_KEYS, near_miss
 
-    text = open(os.path.join(ROOT, "README.md")).read()
+    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    text = "\n".join(open(page).read() for page in pages)
     found = set(_FUSED_KEY.findall(text)) | set(re.findall(r"megatron_cfg\.([a-z_]+)", text))
     keys = {key for key in found if near_miss(key) is None} | set(OWN_KEYS)
     assert {"linear_ce_fusion_max_chunk_bytes", "use_fused_linear_logprobs"} <= keys  # the parse works

@@ -1,7 +1,7 @@
-"""The README's "Integrate into your Megatron training script" snippets, extracted from README.md
-and run as written on forked gloo ranks with a tiny GPTModel: fused against unfused, the same
+"""The integration guide's snippets (docs/integration.md, linked from the README), extracted and
+run as written on forked gloo ranks with a tiny GPTModel: fused against unfused, the same
 losses (1e-5 relative) and every parameter's gradient (1e-4 of its largest entry), as in
-test_megatron_parity.py. A README edit that breaks a snippet fails here.
+test_megatron_parity.py. An edit that breaks a snippet fails here.
 
 - Megatron-LM route at PP=2 (tied embeddings): the snippet's `add_fused_ce_args` parses the flags,
   `fused_model_provider` wraps a Megatron-LM-style `model_provider` (bare GPTModel, wrapped in DDP
@@ -32,14 +32,16 @@ from test_megatron_common import PADDED_VOCAB, SEQ, TRUE_VOCAB, Setup
 
 from megatron_fused_ce.megatron import is_fused
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# where the integration snippets live: the README links this page for them
+GUIDE = os.path.join(ROOT, "docs", "integration.md")
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
 
 def snippet(heading: str) -> str:
-    """The first ```python block after the README heading that starts with `heading`."""
-    text = open(README).read()
-    start = text.index(f"\n### {heading}")
+    """The first ```python block after the guide's heading that starts with `heading`."""
+    text = open(GUIDE).read()
+    start = re.search(rf"\n#+ {re.escape(heading)}", text).start()
     return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
 
 
@@ -65,7 +67,7 @@ def megatron_lm_worker(rank, world, code, argv):
     training.get_args = lambda: parsed["args"]
     sys.modules["megatron.training"] = training
     namespace = {}
-    exec(compile(code, "README.md (Megatron-LM snippet)", "exec"), namespace)
+    exec(compile(code, "docs/integration.md (Megatron-LM snippet)", "exec"), namespace)
     parsed["args"] = namespace["add_fused_ce_args"](argparse.ArgumentParser()).parse_args(argv)
 
     setup = Setup(pp=2, tied=True)
@@ -133,7 +135,7 @@ def megatron_cfg_worker(rank, world, code, megatron_cfg):
     from megatron.core import parallel_state
 
     namespace = {}
-    exec(compile(code, "README.md (megatron_cfg snippet)", "exec"), namespace)
+    exec(compile(code, "docs/integration.md (megatron_cfg snippet)", "exec"), namespace)
     (model,) = common.build(Setup(tp=2))
     fused = namespace["prepare_model"](model, megatron_cfg)
     batches = common.make_batches("sft", 2, seed=5 + parallel_state.get_data_parallel_rank())
@@ -174,7 +176,7 @@ def output_processor_worker(rank, world, code, megatron_cfg):
     original = loss_funcs.linear_cross_entropy
     loss_funcs.linear_cross_entropy = lambda *a, **k: calls.append(1) or original(*a, **k)
     namespace = {}
-    exec(compile(code, "README.md (output_processor snippet)", "exec"), namespace)
+    exec(compile(code, "docs/integration.md (output_processor snippet)", "exec"), namespace)
     (model,) = common.build(Setup(tp=2))
     proc = namespace["make_processor"](megatron_cfg, TRUE_VOCAB)
     batches = common.make_batches("sft", 2, seed=7 + parallel_state.get_data_parallel_rank())
