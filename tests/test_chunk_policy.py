@@ -119,7 +119,7 @@ class _ChunksAlive:
     one is made: 0 means one chunk at a time, whatever else the loop keeps."""
 
     def __init__(self, monkeypatch):
-        from megatron_fused_ce.ops import chunked, gemm
+        from megatron_fused_ce.ops import fast, gemm
 
         self.alive_when_made, self._chunks = [], []
         make = gemm.logits_gemm
@@ -131,7 +131,7 @@ class _ChunksAlive:
             return logits
 
         monkeypatch.setattr(gemm, "logits_gemm", counted)
-        monkeypatch.setattr(chunked, "logits_gemm", counted)
+        monkeypatch.setattr(fast, "logits_gemm", counted)
 
 
 @pytest.mark.parametrize("entry", ["logprobs", "ce", "ce_main_grad", "grpo"])

@@ -640,7 +640,7 @@ def test_last_chunk_gemm_allocates_dw_only_where_it_runs(request, quack):
     allocated nothing, so the peak stays one chunk plus the fp32 sum."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_fused_ce.ops import chunked
+    from megatron_fused_ce.ops import chunked, fast
     from megatron_fused_ce.ops.backends import torch_backend
 
     if quack:
@@ -662,7 +662,7 @@ def test_last_chunk_gemm_allocates_dw_only_where_it_runs(request, quack):
             return out
 
     with Allocations() as allocations:
-        dw = chunked.last_weight_grad(dlogits, h, spec, dw_sum, torch.bfloat16, scale=0.5)
+        dw = fast.last_weight_grad(dlogits, h, spec, dw_sum, torch.bfloat16, scale=0.5)
     weight_sized = [s for s in allocations.shapes if s[0] == (v, hd)]
     if quack:
         assert dw.dtype == torch.bfloat16 and weight_sized == [((v, hd), torch.bfloat16)]

@@ -48,11 +48,11 @@ SETUPS = [
 def _worker(rank, world, setup: Setup, kinds):
     from megatron.core import parallel_state
 
-    from megatron_fused_ce.ops import chunked
+    from megatron_fused_ce.ops import main_grad
 
     checks = []  # backward checks of an expected upstream gradient (in this forked worker only)
-    check = chunked.check_upstream_grad
-    chunked.check_upstream_grad = lambda param, actual, expected: (checks.append(1), check(param, actual, expected))
+    check = main_grad.check_upstream_grad
+    main_grad.check_upstream_grad = lambda param, actual, expected: (checks.append(1), check(param, actual, expected))
     chunks = common.build(setup)
     fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
     post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)

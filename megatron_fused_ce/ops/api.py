@@ -20,16 +20,9 @@ from torch import Tensor
 from . import backends, lean, reductions, replay, sampling
 from .agreement import Agreement, finite_real, fits_int64, is_int
 from .forward_grad import ForwardGradLoss
-from .chunked import (
-    ChunkSpec,
-    LinearLossGradInForward,
-    LinearSoftmaxStats,
-    adds_into_main_grad,
-    autocast_off,
-    forward_stats,
-    saved_tensors_hooks_active,
-    unpaired_forward_error,
-)
+from .chunked import ChunkSpec, LinearLossGradInForward, LinearSoftmaxStats, autocast_off, forward_stats
+from .fast import FAST_CHUNKS
+from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MEMORY_MODES = ("fast", "lean")
@@ -336,7 +329,7 @@ def expected_upstream_grad_problem(value) -> Optional[str]:
     Where the loss's gradient is made in the forward pass and its weight gradient goes into
     Megatron's main_grad, the forward adds expected_upstream_grad x dW there (no buffer of the op's
     own), and the backward checks that the gradient it receives is that value (else main_grad is
-    poisoned: chunked.check_upstream_grad). Without it dW waits in an fp32 buffer for the backward.
+    poisoned: main_grad.check_upstream_grad). Without it dW waits in an fp32 buffer for the backward.
     Elsewhere it changes nothing: every other path applies the upstream gradient in the backward."""
     if value is None:
         return None
@@ -464,7 +457,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         sequence_parallel=sequence_parallel,
         main_grad_param=main_grad_param,
         logits_dtype=logits_dtype,
-        lean=lean_tiles,
+        tiling=lean_tiles if lean_tiles is not None else FAST_CHUNKS,
     )
     anchor = None
     if agreed.mask_rows > 0:  # sampling-mask replay (replay.py); a mask of empty sets is today's path
@@ -539,7 +532,7 @@ def linear_logprobs(
     `zero_out_wgrad` (Megatron's DDP then adds .grad to main_grad), else uninitialized (DDP
     ignores it). (linear_cross_entropy and linear_grpo_loss add it during the forward pass in fast
     mode: a forward freed without a backward fills main_grad with NaN and makes the next call on
-    the weight raise, see chunked.MainGradSideEffect.)
+    the weight raise, see main_grad.MainGradSideEffect.)
     `logits_dtype`: None (default) rounds each chunk of logits to the input dtype before the fp32
     softmax, as Megatron's unfused output layer does; torch.float32 keeps the GEMM's fp32 output
     (closer to float64 math for bf16/fp16 inputs, at the cost of a chunk twice as large).

@@ -14,12 +14,12 @@ and log S = log sum_k exp(z_k - M) (not differentiable): log p_k = (z_k - M) - l
 that rounding M + log S to fp32 loses (saturated tokens, |z| ~ 50), in values and in dlogits.
 
 Forward: the per-token partials of this shard, merged across TP ranks with two collectives after
-the loop. Where the backend has it (Triton, bf16/fp16), `gemm_shard_stats` computes them in the
-logits GEMM's epilogue: no logits in memory at all. Otherwise, for each chunk of token rows,
-logits = h_chunk @ W.T (the only [chunk, V_local] tensor) and backend.shard_stats reduces it. Only
-hidden, weight, row indices and per-token lse (M, log S) / entropy are saved. The chunk of logits is in the input dtype (like Megatron's output layer), or fp32
-with `logits_dtype=torch.float32` (an fp32-output GEMM; its dlogits are rounded to the input dtype
-for the two backward GEMMs).
+the loop. Where the backend has it (Triton, bf16/fp16), the logits GEMM's epilogue computes them:
+no logits in memory at all. Otherwise the tiling walks the rows (fast.py: for each chunk of rows,
+logits = h_chunk @ W.T, the only [chunk, V_local] tensor, reduced by backend.shard_stats). Only
+hidden, weight, row indices and per-token lse (M, log S) / entropy are saved. The logits are in
+the input dtype (like Megatron's output layer), or fp32 with `logits_dtype=torch.float32` (an
+fp32-output GEMM; its dlogits are rounded to the input dtype for the two backward GEMMs).
 
 Backward: the upstream gradients of the four statistics become per-token coefficients
 (see backends/torch_backend.shard_dlogits_):
@@ -36,8 +36,9 @@ and multiplied into dX (rows of this chunk) and dW (accumulated in fp32 over chu
 Megatron's `weight.main_grad` when asked). dX is then summed over TP ranks (reduce-scattered under sequence
 parallelism), as Megatron's ColumnParallelLinear does.
 
-Each chunk is one GEMM over the whole vocab shard (docs/design.md §10.1); `spec.lean`
-(memory_mode="lean") replaces chunks by tiles (lean.py).
+How the rows and the vocab are walked is `spec.tiling`'s: fast.FastChunks (chunks of rows, each one
+GEMM over the whole vocab shard; the default) or lean.LeanTiles (memory_mode="lean": tiles within a
+fixed working set). Both offer the same methods, and the loops here call them without knowing which.
 
 Both autograd Functions are first-order only: a second backward through their gradients (a
 gradient penalty, create_graph=True) raises instead of silently dropping the second-order term.
@@ -49,17 +50,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from . import lean, reductions
+from . import reductions
 from .backends import Backend, ShardStats
-from .forward_grad import PER_ROW, ForwardGradLoss
-from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_add_cast, matmul_fp32, matmul_into_
+from .forward_grad import ForwardGradLoss
+from . import main_grad
+from .main_grad import MainGradSideEffect, main_grad_added
+from .fast import FAST_CHUNKS, last_of_several, row_chunks, weight_grad_cast_target
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class ChunkSpec:
     # (under autocast, the fp32 parameter of which `weight` is a cast copy); None = autograd.
     main_grad_param: Optional[Tensor] = None
     logits_dtype: Optional[torch.dtype] = None  # None: the input dtype
-    lean: Optional[lean.LeanTiles] = None  # memory_mode="lean": tile sizes (None: fast mode)
+    tiling: Any = FAST_CHUNKS  # how rows and vocab are walked: fast.FastChunks or lean.LeanTiles
 
 
 def autocast_off(device: torch.device):
@@ -121,31 +123,9 @@ def first_order_only(backward):
     return wrapper
 
 
-def row_chunks(num_rows: int, chunk_size: int):
-    """(start, end) of each chunk of `chunk_size` rows (the last one may be shorter)."""
-    for start in range(0, num_rows, chunk_size):
-        yield start, min(start + chunk_size, num_rows)
-
-
 def labelled_rows(full_hidden: Tensor, row_index: Optional[Tensor]) -> Tensor:
     """Hidden rows that have a label (all rows when row_index is None)."""
     return full_hidden if row_index is None else full_hidden.index_select(0, row_index)
-
-
-def adds_into_main_grad(weight: Tensor, accumulate_into_main_grad: bool) -> bool:
-    """Whether dW goes into Megatron's fp32 `weight.main_grad` (gradient-accumulation fusion)."""
-    return weight.requires_grad and accumulate_into_main_grad and hasattr(weight, "main_grad")
-
-
-def _weight_grad_dtype(weight: Tensor, num_rows: int, spec: ChunkSpec) -> torch.dtype:
-    """dW summed over chunks is kept in fp32 (low-precision accumulation drifts: axolotl #1601,
-    Liger #827); one GEMM over all rows writes the weight's dtype (cuBLAS accumulates in fp32)."""
-    return weight.dtype if num_rows <= spec.chunk_size else torch.float32
-
-
-def chunk_logits(h: Tensor, weight: Tensor, spec: ChunkSpec) -> Tensor:
-    """A chunk's logits h @ W.T in the input dtype, or in `spec.logits_dtype` (fp32)."""
-    return logits_gemm(h, weight, spec.logits_dtype)
 
 
 def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
@@ -167,161 +147,12 @@ def shard_partials(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, sp
             hidden_rows, weight, local_target, spec.num_valid_cols, spec.inv_temperature,
             want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
             round_logits=spec.logits_dtype is None)
-    if on_chunk is None and spec.lean is not None:
-        return lean.tile_stats(hidden_rows, weight, local_target, spec)
-    partials = []
-    for start, end in row_chunks(hidden_rows.shape[0], spec.chunk_size):
-        logits = chunk_logits(hidden_rows[start:end], weight, spec)
-        partials.append(
-            backend.shard_stats(
-                logits,
-                local_target[start:end],
-                spec.num_valid_cols,
-                spec.inv_temperature,
-                want_sum_logits=spec.want_sum_logits,
-                want_entropy=spec.want_entropy,
-            )
-        )
-        if on_chunk is not None:
-            on_chunk(logits)
-        del logits
-    if partials:
-        return ShardStats(**{
-            name: None if getattr(partials[0], name) is None
-            else torch.cat([getattr(p, name) for p in partials])
-            for name in ShardStats.__dataclass_fields__
-        })
-    # no labelled row here: still take part in the collectives
-    empty = hidden_rows.new_zeros(0, dtype=torch.float32)
-    return ShardStats(max=empty, sum_exp=empty, target=empty,
-                      sum_logits=empty if spec.want_sum_logits else None,
-                      sum_exp_shifted=empty if spec.want_entropy else None)
+    if on_chunk is not None:  # the sampler's candidates need each chunk of logits
+        return FAST_CHUNKS.statistics(hidden_rows, weight, local_target, spec, on_chunk)
+    return spec.tiling.statistics(hidden_rows, weight, local_target, spec)
 
 
-def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec, want_stats: bool):
-    """A chunk's logits [rows, V_local] and, if asked, its ShardStats."""
-    logits = chunk_logits(h, weight, spec)
-    if not want_stats:
-        return logits, None
-    return logits, spec.backend.shard_stats(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
-                                            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)
-
-
-def chunk_dlogits_(logits: Tensor, local_target: Tensor, spec: ChunkSpec, offsets: tuple, coefs: dict) -> Tensor:
-    """Overwrite a chunk's logits with dlogits, returned as the GEMMs take them."""
-    row_max, log_sum_exp = offsets
-    spec.backend.shard_dlogits_(logits, local_target, spec.num_valid_cols, spec.inv_temperature, row_max,
-                                coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp)
-    return logits
-
-
-def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec, offsets: tuple,
-                       coefs: dict) -> Tensor:
-    """A chunk's dlogits [rows, V_local] in the GEMM input dtype, its softmax offsets known: from the
-    logits GEMM's epilogue where the backend has it, else GEMM + dlogits kernel."""
-    return dlogits_gemm(h, weight, local_target, spec.num_valid_cols, spec, offsets, coefs)
-
-
-def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
-               dw_out: Optional[Tensor], dw_accumulate: bool, scale: float = 1.0,
-               cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
-    """dW into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
-    into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha; dW's times `dw_scale`
-    too: the upstream gradient of a dW added into main_grad in the forward). With `cast_dw_to`
-    (the last of several chunks, `dw_out` their fp32 sum), dW may instead be written in that dtype
-    with the sum added by one GEMM (last_weight_grad): returned, else None."""
-    dw_alpha = scale * dw_scale
-    dw_last = None if cast_dw_to is None else last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, dw_alpha)
-    if dw_out is not None and dw_last is None:
-        matmul_into_(dw_out, dlogits.t(), h, accumulate=dw_accumulate, alpha=dw_alpha,
-                     weight_grad_gemm=spec.backend.weight_grad_gemm)
-    if dx_out is not None:
-        matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
-    return dw_last
-
-
-def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec: ChunkSpec, dx_out: Optional[Tensor],
-                          dw_out: Optional[Tensor], row_scale: Tensor, dw_accumulate: bool,
-                          cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
-    """grad_gemms of diag(row_scale) @ dlogits without a pass over the chunk of dlogits: dX of the
-    chunk is the fp32 product dlogits @ W times row_scale, rounded once into `dx_out`; dW =
-    dlogits.T @ (row_scale * h), the scaled rows rounded once to the input dtype (as each element
-    of scaled dlogits would be)."""
-    scale = row_scale.unsqueeze(1)
-    if dx_out is not None:
-        torch.mul(matmul_fp32(dlogits, weight), scale, out=dx_out)  # fp32 math, one rounding
-    if dw_out is None:
-        return None
-    scaled_h = torch.empty_like(h)
-    torch.mul(h, scale, out=scaled_h)
-    return grad_gemms(dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate, cast_dw_to=cast_dw_to,
-                      dw_scale=dw_scale)
-
-
-def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int) -> Optional[torch.dtype]:
-    """grad_gemms' `cast_dw_to` for chunk `index` ending at row `end`: set on the last chunk of
-    several only (one chunk writes dW in the weight dtype by itself)."""
-    return cast_dw_to if index > 0 and end == num_rows else None
-
-
-def last_weight_grad(dlogits: Tensor, h: Tensor, spec: ChunkSpec, dw_sum: Tensor, dtype: torch.dtype,
-                     scale: float = 1.0) -> Optional[Tensor]:
-    """The last chunk's dW added to the fp32 sum of the others and written in `dtype` by one GEMM
-    (the backend's weight_grad_gemm: gemm.matmul_add_cast), or None where no such GEMM applies (the
-    caller then adds into the sum and casts later)."""
-    gemm = spec.backend.weight_grad_gemm
-    if gemm is None or not gemm.supported(dlogits.t(), h, dtype, add=dw_sum):
-        return None  # checked before allocating: no [V, H] buffer unless the GEMM runs
-    out = torch.empty(dw_sum.shape, dtype=dtype, device=dw_sum.device)
-    if not matmul_add_cast(out, dlogits.t(), h, dw_sum, gemm, alpha=scale):  # `out` not addressable
-        matmul_into_(dw_sum, dlogits.t(), h, accumulate=True, alpha=scale)
-        out.copy_(dw_sum)
-    return out
-
-
-def _slice_coefs(coefs: dict, start: int, end: int) -> dict:
-    return {k: None if c is None else c[start:end] for k, c in coefs.items()}
-
-
-def backward_grads(
-    hidden_rows: Tensor,
-    weight: Tensor,
-    local_target: Tensor,
-    spec: ChunkSpec,
-    offsets: tuple,
-    coefs: dict,
-    dx_rows: Optional[Tensor],
-    dw_out: Optional[Tensor],
-    dw_accumulate: bool,
-    cast_dw_to: Optional[torch.dtype] = None,
-) -> Optional[Tensor]:
-    """Chunk loop of the backward pass: writes dX rows, and dW into `dw_out` (adding to what it
-    holds if `dw_accumulate`, e.g. Megatron's main_grad; else the first chunk overwrites).
-    `offsets`: the rows' (max, log_sum_exp) of the merged softmax (see MergedStats). With
-    `cast_dw_to` (dw_out an fp32 sum over chunks), the last chunk may write dW in that dtype
-    (last_weight_grad): returned, else None."""
-    row_max, log_sum_exp = offsets
-    dw_last = None
-    for index, (start, end) in enumerate(row_chunks(hidden_rows.shape[0], spec.chunk_size)):
-        h = hidden_rows[start:end]
-        dlogits = recomputed_dlogits(h, weight, local_target[start:end], spec,
-                                     (row_max[start:end], log_sum_exp[start:end]), _slice_coefs(coefs, start, end))
-        dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
-                             dw_accumulate=dw_accumulate or index > 0,
-                             cast_dw_to=last_of_several(cast_dw_to, index, end, hidden_rows.shape[0]))
-        del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
-    return dw_last
-
-
-def weight_grad_cast_target(dw_out: Optional[Tensor], weight: Tensor, accumulate: bool) -> Optional[torch.dtype]:
-    """The dtype the last chunk may write dW in: the weight's, where dw_out is an fp32
-    sum over chunks returned to autograd (not Megatron's main_grad, not already that dtype)."""
-    if dw_out is None or accumulate or dw_out.dtype == weight.dtype:
-        return None
-    return weight.dtype
-
-
-def _input_grad(dx_rows: Tensor, row_index: Optional[Tensor], full_shape, spec: ChunkSpec) -> Tensor:
+def input_grad(dx_rows: Tensor, row_index: Optional[Tensor], full_shape, spec: ChunkSpec) -> Tensor:
     """This rank's partial dX of the labelled rows -> the full input gradient of `hidden`: scatter
     back to all (gathered) rows, then sum over TP ranks (reduce-scatter under SP), as Megatron's
     ColumnParallelLinear does in its backward."""
@@ -378,15 +209,8 @@ class LinearSoftmaxStats(torch.autograd.Function):
         stats = (row_max, log_sum_exp)
 
         def write_grads(rows, dx_rows, dw_out, accumulate):
-            if spec.lean is not None:  # two tile sweeps: dX token-outer, dW vocab-outer
-                if dx_rows is not None:
-                    lean.input_grad_sweep(rows, weight, local_target, spec, stats, coefs, dx_rows)
-                if dw_out is not None:
-                    lean.weight_grad_sweep(rows, weight, local_target, spec, stats, coefs, dw_out,
-                                           accumulate=accumulate)
-            else:
-                return backward_grads(rows, weight, local_target, spec, stats, coefs, dx_rows, dw_out,
-                                      dw_accumulate=accumulate, cast_dw_to=weight_grad_cast_target(dw_out, weight, accumulate))
+            return spec.tiling.recompute_grads(rows, weight, local_target, spec, stats, coefs, dx_rows, dw_out,
+                                               accumulate)
 
         grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, spec, needs_dx, needs_dw,
                                                    coefs is not None, write_grads)
@@ -408,7 +232,7 @@ def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, 
         into_main_grad = needs_dw and spec.main_grad_param is not None
         dw_out = grad_weight = dw_done = None
         if needs_dw:
-            dw_dtype = weight.dtype if spec.lean is not None else _weight_grad_dtype(weight, rows.shape[0], spec)
+            dw_dtype = spec.tiling.weight_grad_dtype(weight, rows.shape[0], spec)
             dw_out = spec.main_grad_param.main_grad if into_main_grad else torch.empty(
                 weight.shape, dtype=dw_dtype, device=weight.device)
         if not has_coefs or rows.shape[0] == 0:  # nothing to differentiate: zero gradients
@@ -423,115 +247,10 @@ def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, 
                 grad_weight = dw_done
             else:
                 grad_weight = dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)
-        grad_hidden = _input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
+        grad_hidden = input_grad(dx_rows, row_index, full_hidden.shape, spec) if needs_dx else None
     if into_main_grad:
-        grad_weight = _main_grad_added(spec.main_grad_param, weight)
+        grad_weight = main_grad_added(spec.main_grad_param, weight)
     return grad_hidden, grad_weight
-
-
-def saved_tensors_hooks_active() -> bool:
-    """Whether autograd's saved-tensor hooks are in force (torch.utils.checkpoint with
-    use_reentrant=False, activation offloading): tensors saved for backward may then be dropped
-    and the forward run again during backward, so a forward pass must have no side effect."""
-    top = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
-
-
-UNPAIRED_FORWARD_ATTR = "fused_ce_unpaired_forward"
-UNPAIRED_FORWARD_MESSAGE = (
-    "weight.main_grad holds the weight gradient of a forward pass that was never backpropagated "
-    "(its autograd graph was freed without a backward: a loss computed under grad mode and dropped, "
-    "e.g. an evaluation or log-prob pass outside torch.no_grad(), or a micro-batch abandoned after an "
-    "error). With accumulate_into_main_grad the fast path adds dW to main_grad during the forward, so "
-    "main_grad was filled with NaN instead of being left silently wrong. Zero the gradient buffer "
-    "(Megatron: model.zero_grad_buffer()) before the next step, and run forward-only passes under "
-    "torch.no_grad()")
-
-
-class MainGradSideEffect:
-    """The dW that LinearLossGradInForward (fast mode) added to `param.main_grad` during its forward,
-    owned by the op's autograd node until a backward through it runs.
-
-    If the node is freed with no backward ever run (the graph dropped, an exception after the
-    forward), main_grad holds a gradient nobody asked for. It cannot be taken back here: that needs
-    the chunk GEMMs again (and, under sequence parallelism, a collective on every rank at once),
-    and the buffer may have been zeroed since. So main_grad is filled with NaN and the parameter
-    marked: the next fused call on it raises on every rank (api.py) unless the buffer was zeroed
-    in between, and an optimizer step without such a call sees NaN, never a wrong gradient."""
-
-    def __init__(self, param: Tensor):
-        self.param = param
-        self.backward_ran = False
-
-    def __del__(self):
-        if self.backward_ran:
-            return
-        main_grad = getattr(self.param, "main_grad", None)
-        if main_grad is None:
-            return
-        try:
-            poison_main_grad(self.param, UNPAIRED_FORWARD_MESSAGE)
-        except Exception:  # interpreter shutdown: nothing left to protect
-            pass
-
-
-def poison_main_grad(param: Tensor, message: str) -> None:
-    """Fill `param.main_grad` with NaN and mark the parameter with `message`: an optimizer step sees
-    NaN, and the next fused call on it raises `message` on every rank (unpaired_forward_error)."""
-    param.main_grad.fill_(float("nan"))
-    setattr(param, UNPAIRED_FORWARD_ATTR, message)
-    warnings.warn("megatron_fused_ce: " + message, RuntimeWarning, stacklevel=3)
-
-
-# g may differ from the expected value by the rounding of how each side computes it (Megatron
-# divides the loss by the token count, then by the number of micro-batches, in fp32): a few ulps.
-EXPECTED_GRAD_RTOL = 2.0 ** -20
-
-UPSTREAM_GRAD_MISMATCH_MESSAGE = (
-    "the upstream gradient of a loss computed with expected_upstream_grad={expected:.7g} was {actual:.7g}. "
-    "With accumulate_into_main_grad the fast path added expected_upstream_grad x dW to main_grad during "
-    "the forward; a different gradient cannot be corrected exactly (the difference of two terms of the "
-    "size of dW keeps nothing of a small gradient), so main_grad was filled with NaN instead. Pass the "
-    "gradient the backward will bring (Megatron's loss funcs: num_microbatches for "
-    "calculate_per_token_loss=False), or leave expected_upstream_grad=None (dW then waits in an fp32 "
-    "buffer for the backward). Zero the gradient buffer (model.zero_grad_buffer()) before the next step")
-
-
-def check_upstream_grad(param: Tensor, actual: float, expected: float) -> None:
-    """The first backward of a forward that added expected·dW into main_grad: poison main_grad
-    unless the upstream gradient is the expected one (up to EXPECTED_GRAD_RTOL)."""
-    if abs(actual - expected) <= EXPECTED_GRAD_RTOL * abs(expected):
-        return
-    poison_main_grad(param, UPSTREAM_GRAD_MISMATCH_MESSAGE.format(expected=expected, actual=actual))
-
-
-def unpaired_forward_error(param: Optional[Tensor]) -> Optional[str]:
-    """The error for a fused call that adds into `param.main_grad` while it still holds NaN from a
-    gradient that could not be made exact (an unpaired forward: MainGradSideEffect; an unexpected
-    upstream gradient: check_upstream_grad); None, and the mark cleared, once it was zeroed.
-    Reads main_grad (one pass, one host sync) only while the mark is set."""
-    message = None if param is None else getattr(param, UNPAIRED_FORWARD_ATTR, None)
-    if not message:
-        return None
-    if bool(torch.isnan(param.main_grad).any()):
-        return message if isinstance(message, str) else UNPAIRED_FORWARD_MESSAGE
-    setattr(param, UNPAIRED_FORWARD_ATTR, None)
-    return None
-
-
-def _main_grad_added(param: Tensor, weight: Tensor) -> Optional[Tensor]:
-    """Megatron's gradient-accumulation-fusion convention (its ColumnParallelLinear backward): the
-    gradient is already in main_grad; hand autograd a dummy gradient so that DDP's per-parameter
-    hook still fires. DDP ignores it unless the parameter has `zero_out_wgrad` (a weight tied to
-    the embedding on the same stage: DDP then adds .grad, the embedding's gradient plus this
-    dummy, to main_grad), so it is zeros only then; uninitialized otherwise (no [V, H] memset
-    per micro-batch)."""
-    if hasattr(param, "grad_added_to_main_grad"):
-        param.grad_added_to_main_grad = True
-        if getattr(param, "zero_out_wgrad", False):
-            return torch.zeros_like(weight)
-        return torch.empty_like(weight)
-    return None
 
 
 class LinearLossGradInForward(torch.autograd.Function):
@@ -566,7 +285,7 @@ class LinearLossGradInForward(torch.autograd.Function):
     api.py takes the recompute path. Any further backward through the same graph recomputes
     g·dW from the saved per-token coefficients and adds it.
 
-    Lean mode (spec.lean): the forward runs lean sweep A (statistics and dX, tile by tile) and the
+    Lean mode (lean.LeanTiles): the forward runs lean sweep A (statistics and dX, tile by tile) and the
     backward lean sweep B (dW with the exact upstream gradient, into main_grad or the weight
     dtype): 4 GEMMs, no chunk of logits and no [V_local, H] buffer.
     """
@@ -579,12 +298,13 @@ class LinearLossGradInForward(torch.autograd.Function):
         needs_dx, needs_dw = hidden.requires_grad, weight.requires_grad
         into_main_grad = needs_dw and spec.main_grad_param is not None
         # dW added into main_grad by this forward (times expected_grad), or held until backward
-        adds_in_forward = into_main_grad and spec.lean is None and expected_grad is not None
+        makes_dw = spec.tiling.weight_grad_in_forward
+        adds_in_forward = into_main_grad and makes_dw and expected_grad is not None
         dx_rows = rows.new_empty(rows.shape) if needs_dx else None
         dw_acc = None
-        if needs_dw and spec.lean is None and not adds_in_forward:
+        if needs_dw and makes_dw and not adds_in_forward:
             # fp32 for main_grad (added times g in backward); else the weight dtype for one chunk
-            dw_dtype = torch.float32 if into_main_grad else _weight_grad_dtype(weight, rows.shape[0], spec)
+            dw_dtype = torch.float32 if into_main_grad else spec.tiling.weight_grad_dtype(weight, rows.shape[0], spec)
             dw_acc = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device)
             if rows.shape[0] == 0:
                 dw_acc.zero_()
@@ -651,7 +371,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         # what follows. Only the check of g against expected_grad reads g on the host.
         grad_hidden = grad_weight = None
         if dx is not None:
-            grad_hidden = _input_grad(spec.backend.scale_(dx, g_anchor), row_index, ctx.full_shape, spec)
+            grad_hidden = input_grad(spec.backend.scale_(dx, g_anchor), row_index, ctx.full_shape, spec)
         elif ctx.needs_input_grad[0]:  # a second backward through the same graph: recompute dX
             coefs = _scaled_coefs(coef_list, g_anchor)
             with autocast_off(hidden.device):
@@ -660,22 +380,20 @@ class LinearLossGradInForward(torch.autograd.Function):
                 dx = rows.new_empty(rows.shape)
                 if rows.shape[0] == 0:
                     dx.zero_()
-                elif spec.lean is not None:
-                    lean.input_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dx)
                 else:
-                    backward_grads(rows, weight, local_target, spec, offsets, coefs, dx, None, dw_accumulate=False)
-                grad_hidden = _input_grad(dx, row_index, ctx.full_shape, spec)
+                    spec.tiling.recompute_grads(rows, weight, local_target, spec, offsets, coefs, dx, None, False)
+                grad_hidden = input_grad(dx, row_index, ctx.full_shape, spec)
         if dw is not None and ctx.into_main_grad:  # fp32 dW of the forward: main_grad += g·dW
             spec.main_grad_param.main_grad.addcmul_(dw, g_anchor.to(torch.float32))
-            grad_weight = _main_grad_added(spec.main_grad_param, weight)
+            grad_weight = main_grad_added(spec.main_grad_param, weight)
         elif dw is not None:  # fast mode, no main_grad: made in the forward
             if dw.dtype == weight.dtype:
                 grad_weight = spec.backend.scale_(dw, g_anchor)
             else:  # summed over chunks in fp32: scale and cast in one pass
                 grad_weight = spec.backend.scale_cast(dw, g_anchor, weight.dtype)
         elif expected is not None:
-            check_upstream_grad(spec.main_grad_param, float(g_anchor), expected)
-            grad_weight = _main_grad_added(spec.main_grad_param, weight)
+            main_grad.check_upstream_grad(spec.main_grad_param, float(g_anchor), expected)
+            grad_weight = main_grad_added(spec.main_grad_param, weight)
         elif ctx.needs_dw:  # lean mode, or a second backward: g·dW from the coefficients
             grad_weight = _weight_grad_from_coefs(
                 spec, ctx.into_main_grad, hidden, weight, row_index, local_target, offsets, coef_list, g_anchor)
@@ -684,34 +402,20 @@ class LinearLossGradInForward(torch.autograd.Function):
 
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forward_grad: ForwardGradLoss, dx_rows,
                     dw_out, into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0):
-    """LinearLossGradInForward's chunk loop -> (merged statistics, coefficients per chunk, dW): per
-    chunk, the statistics merged over TP ranks, the per-token coefficients, then dX (and in fast
-    mode dW, times `dw_scale`) into `dx_rows` / `dw_out` (`into_main_grad`: dw_out is main_grad, added
-    to from the first chunk on). With `cast_dw_to` (dw_out is an fp32 sum over chunks), the
-    last chunk may add the sum and write dW in that dtype in one GEMM (last_weight_grad): that dW
-    is returned, else None. Lean mode runs sweep A per chunk instead of a chunk of logits."""
-    lean_blocks = None if spec.lean is None else lean.weight_blocks(weight, spec.num_valid_cols, spec.lean.cols_a)
-    chunk_size = spec.lean.rows_a if spec.lean is not None else spec.chunk_size
-    column_sum = None
+    """LinearLossGradInForward's loop -> (merged statistics, coefficients per step, dW): per step of
+    rows (spec.tiling's: a chunk of logits, or lean sweep A over a token chunk), the statistics
+    merged over TP ranks, the per-token coefficients, then dX (and, where the tiling makes it in
+    the forward, dW times `dw_scale`) into `dx_rows` / `dw_out` (`into_main_grad`: dw_out is
+    main_grad, added to from the first step on). With `cast_dw_to` (dw_out an fp32 sum over
+    chunks), the last chunk may add the sum and write dW in that dtype in one GEMM: that dW is
+    returned, else None."""
+    tiling = spec.tiling
+    plan = tiling.forward_plan(rows, weight, spec, forward_grad, needs_dx=dx_rows is not None)
     merged_chunks, coef_chunks = [], []
     dw_last = None
-    one_hot_scale = _one_pass_scale(spec, forward_grad, rows, weight, min(chunk_size, rows.shape[0]))
-    for index, (start, end) in enumerate(row_chunks(rows.shape[0], chunk_size)):
-        h = rows[start:end]
-        if spec.lean is not None:
-            stats, acc = lean.expected_rows(h, lean_blocks, local_target[start:end], spec,
-                                            want_acc=dx_rows is not None)
-            merged = reductions.merge_shard_stats(stats, spec.tp_group)
-        else:
-            logits, stats = chunk_forward(h, weight, local_target[start:end], spec,
-                                          want_stats=one_hot_scale is None)
-            if one_hot_scale is None:
-                merged = reductions.merge_shard_stats(stats, spec.tp_group)
-            else:  # the logits become softmax - one_hot in the same pass that takes lse
-                loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target[start:end])
-                target = lse - loss
-                # offsets M = z_y, log S = loss: M + log S = lse, and log p_y = -loss exactly
-                merged = reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss)
+    for index, (start, end) in enumerate(row_chunks(rows.shape[0], tiling.forward_rows(spec))):
+        h, target = rows[start:end], local_target[start:end]
+        merged, pending = tiling.forward_statistics(plan, h, weight, target, spec)
         merged_chunks.append(merged)
         positions = (row_index[start:end] if row_index is not None
                      else torch.arange(start, end, device=rows.device))
@@ -720,46 +424,12 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forw
         if coefs is None:
             coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
         coef_chunks.append(coefs)
-        if spec.lean is not None:
-            if dx_rows is not None:
-                if coefs["uniform"] is not None and column_sum is None:
-                    column_sum = weight[:spec.num_valid_cols].sum(0, dtype=torch.float32)
-                lean.input_grad_from_expected(acc, stats.max, merged.lse, coefs, weight,
-                                              local_target[start:end], spec, column_sum, dx_rows[start:end])
-            del acc
-        else:
-            if one_hot_scale is None:
-                chunk_dlogits_(logits, local_target[start:end], spec, (merged.max, merged.log_sum_exp), coefs)
-            dlogits = gemm_input(logits, h)
-            dx_chunk = None if dx_rows is None else dx_rows[start:end]
-            gemm_kwargs = dict(dw_accumulate=into_main_grad or index > 0, dw_scale=dw_scale,
-                               cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
-            if one_hot_scale is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
-                dw_last = row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **gemm_kwargs)
-            else:
-                dw_last = grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=one_hot_scale or 1.0,
-                                     **gemm_kwargs)
-            del logits, dlogits  # one chunk alive at the peak
+        dw_last = tiling.forward_grads(
+            plan, pending, h, weight, target, spec, merged, coefs, None if dx_rows is None else dx_rows[start:end],
+            dw_out, dw_accumulate=into_main_grad or index > 0, dw_scale=dw_scale,
+            cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
+        del pending  # one chunk alive at the peak
     return merged_chunks, coef_chunks, dw_last
-
-
-def _one_pass_scale(spec: ChunkSpec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor, chunk_rows: int):
-    """c where every chunk's dlogits may come from the backend's row kernel as c (softmax - one_hot), in one
-    pass over the logits: a float (the same c for every token, the GEMMs' alpha), PER_ROW (c_i read
-    from each chunk's coefficients), or None where the statistics and dlogits are taken apart. It
-    needs a shard with the whole vocab (TP = 1: nothing to merge between the two), a loss whose
-    per-token gradient is c (softmax - one_hot) (`forward_grad.one_hot_scale`:
-    cross-entropy without smoothing or z-loss, GRPO), whole-shard GEMMs in the input dtype, and the
-    row kernel's own conditions (its `supported`)."""
-    row_kernel = spec.backend.row_kernel
-    if (row_kernel is None or reductions.group_size(spec.tp_group) != 1
-            or spec.lean is not None or spec.want_entropy or spec.want_sum_logits
-            or spec.logits_dtype is not None):
-        return None
-    if not row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
-                                spec.inv_temperature, rows.device):
-        return None
-    return forward_grad.one_hot_scale(rows.shape[0])
 
 
 def _scaled_coefs(coef_list, scale: Tensor) -> dict:
@@ -775,24 +445,15 @@ def _weight_grad_from_coefs(spec: ChunkSpec, into_main_grad: bool, hidden, weigh
     rows = labelled_rows(full_hidden, row_index)
     coefs = _scaled_coefs(coef_list, scale)
     with autocast_off(hidden.device):
-        if main_grad is not None:
-            dw_out = main_grad
-        elif spec.lean is not None:
-            dw_out = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-        else:
-            dw_out = torch.empty(weight.shape, dtype=_weight_grad_dtype(weight, rows.shape[0], spec),
-                                 device=weight.device)
-        if spec.lean is not None:
-            lean.weight_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dw_out,
-                                   accumulate=main_grad is not None)
-        elif rows.shape[0] > 0:
-            dw_done = backward_grads(rows, weight, local_target, spec, offsets, coefs, None, dw_out,
-                                     dw_accumulate=main_grad is not None,
-                                     cast_dw_to=weight_grad_cast_target(dw_out, weight, main_grad is not None))
+        dw_out = main_grad if main_grad is not None else torch.empty(
+            weight.shape, dtype=spec.tiling.weight_grad_dtype(weight, rows.shape[0], spec), device=weight.device)
+        if rows.shape[0] > 0:
+            dw_done = spec.tiling.recompute_grads(rows, weight, local_target, spec, offsets, coefs, None, dw_out,
+                                                  main_grad is not None)
             if dw_done is not None:
                 return dw_done
         elif main_grad is None:
             dw_out.zero_()
     if main_grad is not None:
-        return _main_grad_added(spec.main_grad_param, weight)
+        return main_grad_added(spec.main_grad_param, weight)
     return dw_out if dw_out.dtype == weight.dtype else dw_out.to(weight.dtype)

@@ -45,8 +45,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_into_
+from . import reductions
 from .backends import ShardStats
+from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_into_
 from .reductions import combine_blocks
 
 _REF_MARGIN = 60.0  # largest z - ref in sweep A: e^60 * V_local * |W| stays far below fp32 max
@@ -56,10 +57,60 @@ _MAX_ROWS_B = 16384  # token chunk of sweep B (K of the dW GEMM)
 
 @dataclass(frozen=True)
 class LeanTiles:
+    """memory_mode="lean": the chunk loop's tiling (`spec.tiling`, the methods fast.FastChunks has)
+    with these tile sizes."""
+
     rows_a: int  # sweeps A / A' / stats: token chunk ...
     cols_a: int  # ... x vocab block (fp32 accumulator [rows_a, H])
     rows_b: int  # sweep B: token chunk (K of the dW GEMM) ...
     cols_b: int  # ... x vocab block (fp32 accumulator [cols_b, H] when the tokens span chunks)
+
+    # dW needs every token of a vocab block: sweep B, in the backward (with the exact upstream gradient)
+    weight_grad_in_forward = False
+
+    def forward_rows(self, spec) -> int:
+        return self.rows_a
+
+    def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
+        return weight.dtype  # sweep B sums every token of a block in fp32 before writing it
+
+    def statistics(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
+        return tile_stats(rows, weight, local_target, spec)
+
+    def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
+                        coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor], accumulate: bool) -> None:
+        """Two tile sweeps: dX token-outer (A'), dW vocab-outer (B)."""
+        if dx_rows is not None:
+            input_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dx_rows)
+        if dw_out is not None:
+            weight_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dw_out, accumulate=accumulate)
+
+    def forward_plan(self, rows: Tensor, weight: Tensor, spec, forward_grad, needs_dx: bool) -> "_SweepA":
+        return _SweepA(weight_blocks(weight, spec.num_valid_cols, self.cols_a), needs_dx)
+
+    def forward_statistics(self, plan: "_SweepA", h: Tensor, weight: Tensor, local_target: Tensor, spec):
+        """Sweep A over a token chunk -> (its statistics merged over TP ranks, (partials, accumulator))."""
+        stats, acc = expected_rows(h, plan.blocks, local_target, spec, want_acc=plan.needs_dx)
+        return reductions.merge_shard_stats(stats, spec.tp_group), (stats, acc)
+
+    def forward_grads(self, plan: "_SweepA", pending, h: Tensor, weight: Tensor, local_target: Tensor, spec,
+                      merged, coefs: dict, dx_chunk: Optional[Tensor], dw_out: Optional[Tensor], **unused) -> None:
+        """dX of the chunk from sweep A's accumulator; dW waits for sweep B in the backward."""
+        stats, acc = pending
+        if dx_chunk is None:
+            return None
+        if coefs["uniform"] is not None and plan.column_sum is None:
+            plan.column_sum = weight[:spec.num_valid_cols].sum(0, dtype=torch.float32)
+        input_grad_from_expected(acc, stats.max, merged.lse, coefs, weight, local_target, spec, plan.column_sum,
+                                 dx_chunk)
+        return None
+
+
+class _SweepA:
+    """One call's sweep A: the weight's vocab blocks, and the column sum once a step needs it."""
+
+    def __init__(self, blocks, needs_dx: bool):
+        self.blocks, self.needs_dx, self.column_sum = blocks, needs_dx, None
 
 
 def _round_down(x: int, multiple: int, minimum: int) -> int:
@@ -121,7 +172,7 @@ def _empty_stats(n: int, device, spec) -> ShardStats:
 
 def tile_stats(rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
     """Forward statistics of `rows` tile by tile (when triton_gemm_stats does not run)."""
-    tiles: LeanTiles = spec.lean
+    tiles: LeanTiles = spec.tiling
     blocks = weight_blocks(weight, spec.num_valid_cols, tiles.cols_a)
     out = []
     for r0, r1 in _spans(rows.shape[0], tiles.rows_a):
@@ -214,7 +265,7 @@ def _dlogits_tile(rs: _RowSlice, w_block: Tensor, c0: int, spec) -> Tensor:
 def input_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets, coefs,
                      dx_rows: Tensor) -> None:
     """Sweep A': dX of the rows (this shard's part), fp32-accumulated over vocab blocks."""
-    tiles: LeanTiles = spec.lean
+    tiles: LeanTiles = spec.tiling
     blocks = weight_blocks(weight, spec.num_valid_cols, tiles.cols_a)
     if not blocks:
         dx_rows.zero_()
@@ -234,7 +285,7 @@ def weight_grad_sweep(rows: Tensor, weight: Tensor, local_target: Tensor, spec, 
                       dw_out: Tensor, accumulate: bool) -> None:
     """Sweep B: dW of this shard into `dw_out` (weight dtype: written; fp32 main_grad with
     `accumulate`: added), fp32-accumulated over every token of each vocab block."""
-    tiles: LeanTiles = spec.lean
+    tiles: LeanTiles = spec.tiling
     row_chunks = _spans(rows.shape[0], tiles.rows_b)
     direct = accumulate or len(row_chunks) <= 1
     acc = None if direct else torch.empty(tiles.cols_b, rows.shape[1], dtype=torch.float32, device=rows.device)

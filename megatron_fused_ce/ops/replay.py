@@ -53,18 +53,9 @@ from torch import Tensor
 
 from . import reductions
 from .backends import ShardStats
-from .chunked import (
-    ChunkSpec,
-    _input_grad,
-    _main_grad_added,
-    autocast_off,
-    backward_grads,
-    chunk_logits,
-    coefficients,
-    first_order_only,
-    labelled_rows,
-    shard_partials,
-)
+from .chunked import ChunkSpec, autocast_off, coefficients, first_order_only, input_grad, labelled_rows, shard_partials
+from .fast import backward_grads, chunk_logits
+from .main_grad import main_grad_added
 from .gemm import logits_gemm, matmul_fp32, matmul_into_
 
 # Cost model (module doc). Nominal H100 figures: bf16 GEMMs reach ~600 of the 989 TFLOP/s peak,
@@ -614,10 +605,10 @@ class LinearReplayStats(torch.autograd.Function):
             if coefs is not None and rows.shape[0] > 0:
                 _backward_pieces(rows, weight, local_target, spec, plan, coefs, row_max, log_sum_exp, entry_z,
                                  dx_rows, dw)
-            grad_hidden = _input_grad(dx_rows, row_index, ctx.full_shape, spec) if needs_dx else None
+            grad_hidden = input_grad(dx_rows, row_index, ctx.full_shape, spec) if needs_dx else None
         grad_weight = None
         if into_main_grad:
-            grad_weight = _main_grad_added(spec.main_grad_param, weight)
+            grad_weight = main_grad_added(spec.main_grad_param, weight)
         elif needs_dw:
             grad_weight = dw.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None

@@ -68,21 +68,10 @@ from torch import Tensor
 from . import reductions
 from .backends import sampling_torch
 from .agreement import finite_real, is_int
-from .chunked import (
-    ChunkSpec,
-    LinearSoftmaxStats,
-    chunk_logits,
-    coefficients,
-    first_order_only,
-    forward_stats,
-    gemm_input,
-    grad_gemms,
-    labelled_rows,
-    last_of_several,
-    recompute_grads,
-    row_chunks,
-    weight_grad_cast_target,
-)
+from .chunked import (ChunkSpec, LinearSoftmaxStats, coefficients, first_order_only, forward_stats, labelled_rows,
+                      recompute_grads)
+from .fast import chunk_logits, grad_gemms, last_of_several, row_chunks, weight_grad_cast_target
+from .gemm import gemm_input
 from .backends.sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
 
 # Candidates per row when top_p is set: nuclei longer than this take the exact search.
@@ -434,7 +423,7 @@ class LinearKeptStats(torch.autograd.Function):
         coefs = coefficients(g_target, g_lse, None, g_entropy, entropy, lse)
 
         def write_grads(rows, dx_rows, dw_out, accumulate):
-            # chunked.grad_gemms as in backward_grads: QuACK's dW GEMM where it applies, the last of
+            # fast.grad_gemms as in fast.backward_grads: QuACK's dW GEMM where it applies, the last of
             # several chunks adding the fp32 sum and writing dW in the weight dtype (returned)
             cast_dw_to = weight_grad_cast_target(dw_out, weight, accumulate)
             dw_last = None

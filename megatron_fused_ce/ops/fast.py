@@ -1,0 +1,285 @@
+"""Fast mode, the default tiling of the chunk loop: chunks of rows, each one GEMM over the whole
+vocab shard (docs/design.md §10.1), the chunk of logits (the only [chunk, V_local] tensor) reduced by
+the backend, then overwritten with its dlogits for the dX and dW GEMMs.
+
+`FastChunks` is what chunked.py's loops call through `spec.tiling` (lean.py's `LeanTiles` has the
+same methods, on tiles):
+
+  statistics(rows, ...)              forward statistics of the rows (ShardStats before the TP merge)
+  recompute_grads(rows, ...)         the recompute backward: dX rows and / or dW from the offsets
+                                     and coefficients
+  weight_grad_dtype(weight, n, spec) the dtype of a dW buffer returned to autograd
+  forward_plan / forward_rows / forward_statistics / forward_grads
+                                     one step of the gradients-in-forward loop: its statistics,
+                                     then (the coefficients known) its dX and dW
+  weight_grad_in_forward             whether forward_grads makes dW (fast: yes; lean: in backward)
+
+The chunk's GEMMs come from gemm.py and the backend's capabilities: dlogits from the logits GEMM's
+epilogue where the backend has it, a one-pass row kernel where a loss's gradient is
+c (softmax - one_hot) (`forward_plan`), the backend's dW GEMM, and the last chunk's dW added to the
+fp32 sum of the others and written in the weight dtype by one GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reductions
+from .backends import ShardStats
+from .forward_grad import PER_ROW, ForwardGradLoss
+from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_add_cast, matmul_fp32, matmul_into_
+
+
+def row_chunks(num_rows: int, chunk_size: int):
+    """(start, end) of each chunk of `chunk_size` rows (the last one may be shorter)."""
+    for start in range(0, num_rows, chunk_size):
+        yield start, min(start + chunk_size, num_rows)
+
+
+def _weight_grad_dtype(weight: Tensor, num_rows: int, spec) -> torch.dtype:
+    """dW summed over chunks is kept in fp32 (low-precision accumulation drifts: axolotl #1601,
+    Liger #827); one GEMM over all rows writes the weight's dtype (cuBLAS accumulates in fp32)."""
+    return weight.dtype if num_rows <= spec.chunk_size else torch.float32
+
+
+
+def chunk_logits(h: Tensor, weight: Tensor, spec) -> Tensor:
+    """A chunk's logits h @ W.T in the input dtype, or in `spec.logits_dtype` (fp32)."""
+    return logits_gemm(h, weight, spec.logits_dtype)
+
+
+
+def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec, want_stats: bool):
+    """A chunk's logits [rows, V_local] and, if asked, its ShardStats."""
+    logits = chunk_logits(h, weight, spec)
+    if not want_stats:
+        return logits, None
+    return logits, spec.backend.shard_stats(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
+                                            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)
+
+
+
+def chunk_dlogits_(logits: Tensor, local_target: Tensor, spec, offsets: tuple, coefs: dict) -> Tensor:
+    """Overwrite a chunk's logits with dlogits, returned as the GEMMs take them."""
+    row_max, log_sum_exp = offsets
+    spec.backend.shard_dlogits_(logits, local_target, spec.num_valid_cols, spec.inv_temperature, row_max,
+                                coefs["p"], coefs["pz"], coefs["target"], coefs["uniform"], log_sum_exp=log_sum_exp)
+    return logits
+
+
+
+def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
+                       coefs: dict) -> Tensor:
+    """A chunk's dlogits [rows, V_local] in the GEMM input dtype, its softmax offsets known: from the
+    logits GEMM's epilogue where the backend has it, else GEMM + dlogits kernel."""
+    return dlogits_gemm(h, weight, local_target, spec.num_valid_cols, spec, offsets, coefs)
+
+
+
+def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec, dx_out: Optional[Tensor],
+               dw_out: Optional[Tensor], dw_accumulate: bool, scale: float = 1.0,
+               cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
+    """dW into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
+    into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha; dW's times `dw_scale`
+    too: the upstream gradient of a dW added into main_grad in the forward). With `cast_dw_to`
+    (the last of several chunks, `dw_out` their fp32 sum), dW may instead be written in that dtype
+    with the sum added by one GEMM (last_weight_grad): returned, else None."""
+    dw_alpha = scale * dw_scale
+    dw_last = None if cast_dw_to is None else last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, dw_alpha)
+    if dw_out is not None and dw_last is None:
+        matmul_into_(dw_out, dlogits.t(), h, accumulate=dw_accumulate, alpha=dw_alpha,
+                     weight_grad_gemm=spec.backend.weight_grad_gemm)
+    if dx_out is not None:
+        matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
+    return dw_last
+
+
+
+def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec, dx_out: Optional[Tensor],
+                          dw_out: Optional[Tensor], row_scale: Tensor, dw_accumulate: bool,
+                          cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
+    """grad_gemms of diag(row_scale) @ dlogits without a pass over the chunk of dlogits: dX of the
+    chunk is the fp32 product dlogits @ W times row_scale, rounded once into `dx_out`; dW =
+    dlogits.T @ (row_scale * h), the scaled rows rounded once to the input dtype (as each element
+    of scaled dlogits would be)."""
+    scale = row_scale.unsqueeze(1)
+    if dx_out is not None:
+        torch.mul(matmul_fp32(dlogits, weight), scale, out=dx_out)  # fp32 math, one rounding
+    if dw_out is None:
+        return None
+    scaled_h = torch.empty_like(h)
+    torch.mul(h, scale, out=scaled_h)
+    return grad_gemms(dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate, cast_dw_to=cast_dw_to,
+                      dw_scale=dw_scale)
+
+
+
+def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int) -> Optional[torch.dtype]:
+    """grad_gemms' `cast_dw_to` for chunk `index` ending at row `end`: set on the last chunk of
+    several only (one chunk writes dW in the weight dtype by itself)."""
+    return cast_dw_to if index > 0 and end == num_rows else None
+
+
+
+def last_weight_grad(dlogits: Tensor, h: Tensor, spec, dw_sum: Tensor, dtype: torch.dtype,
+                     scale: float = 1.0) -> Optional[Tensor]:
+    """The last chunk's dW added to the fp32 sum of the others and written in `dtype` by one GEMM
+    (the backend's weight_grad_gemm: gemm.matmul_add_cast), or None where no such GEMM applies (the
+    caller then adds into the sum and casts later)."""
+    gemm = spec.backend.weight_grad_gemm
+    if gemm is None or not gemm.supported(dlogits.t(), h, dtype, add=dw_sum):
+        return None  # checked before allocating: no [V, H] buffer unless the GEMM runs
+    out = torch.empty(dw_sum.shape, dtype=dtype, device=dw_sum.device)
+    if not matmul_add_cast(out, dlogits.t(), h, dw_sum, gemm, alpha=scale):  # `out` not addressable
+        matmul_into_(dw_sum, dlogits.t(), h, accumulate=True, alpha=scale)
+        out.copy_(dw_sum)
+    return out
+
+
+
+def _slice_coefs(coefs: dict, start: int, end: int) -> dict:
+    return {k: None if c is None else c[start:end] for k, c in coefs.items()}
+
+
+
+def backward_grads(
+    hidden_rows: Tensor,
+    weight: Tensor,
+    local_target: Tensor,
+    spec,
+    offsets: tuple,
+    coefs: dict,
+    dx_rows: Optional[Tensor],
+    dw_out: Optional[Tensor],
+    dw_accumulate: bool,
+    cast_dw_to: Optional[torch.dtype] = None,
+) -> Optional[Tensor]:
+    """Chunk loop of the backward pass: writes dX rows, and dW into `dw_out` (adding to what it
+    holds if `dw_accumulate`, e.g. Megatron's main_grad; else the first chunk overwrites).
+    `offsets`: the rows' (max, log_sum_exp) of the merged softmax (see MergedStats). With
+    `cast_dw_to` (dw_out an fp32 sum over chunks), the last chunk may write dW in that dtype
+    (last_weight_grad): returned, else None."""
+    row_max, log_sum_exp = offsets
+    dw_last = None
+    for index, (start, end) in enumerate(row_chunks(hidden_rows.shape[0], spec.chunk_size)):
+        h = hidden_rows[start:end]
+        dlogits = recomputed_dlogits(h, weight, local_target[start:end], spec,
+                                     (row_max[start:end], log_sum_exp[start:end]), _slice_coefs(coefs, start, end))
+        dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
+                             dw_accumulate=dw_accumulate or index > 0,
+                             cast_dw_to=last_of_several(cast_dw_to, index, end, hidden_rows.shape[0]))
+        del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
+    return dw_last
+
+
+
+def weight_grad_cast_target(dw_out: Optional[Tensor], weight: Tensor, accumulate: bool) -> Optional[torch.dtype]:
+    """The dtype the last chunk may write dW in: the weight's, where dw_out is an fp32
+    sum over chunks returned to autograd (not Megatron's main_grad, not already that dtype)."""
+    if dw_out is None or accumulate or dw_out.dtype == weight.dtype:
+        return None
+    return weight.dtype
+
+
+
+def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor, chunk_rows: int):
+    """c where every chunk's dlogits may come from the backend's row kernel as c (softmax - one_hot), in one
+    pass over the logits: a float (the same c for every token, the GEMMs' alpha), PER_ROW (c_i read
+    from each chunk's coefficients), or None where the statistics and dlogits are taken apart. It
+    needs a shard with the whole vocab (TP = 1: nothing to merge between the two), a loss whose
+    per-token gradient is c (softmax - one_hot) (`forward_grad.one_hot_scale`:
+    cross-entropy without smoothing or z-loss, GRPO), whole-shard GEMMs in the input dtype, and the
+    row kernel's own conditions (its `supported`)."""
+    row_kernel = spec.backend.row_kernel
+    if (row_kernel is None or reductions.group_size(spec.tp_group) != 1
+            or spec.want_entropy or spec.want_sum_logits
+            or spec.logits_dtype is not None):
+        return None
+    if not row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
+                                spec.inv_temperature, rows.device):
+        return None
+    return forward_grad.one_hot_scale(rows.shape[0])
+
+
+class FastChunks:
+    """Chunks of `spec.chunk_size` rows, each one GEMM over the whole vocab shard (module doc)."""
+
+    weight_grad_in_forward = True
+
+    def forward_rows(self, spec) -> int:
+        return spec.chunk_size
+
+    def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
+        return _weight_grad_dtype(weight, num_rows, spec)
+
+    def statistics(self, hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec,
+                   on_chunk=None) -> ShardStats:
+        """This shard's ShardStats over the rows, chunk by chunk; `on_chunk(logits)`, if given, also
+        sees each chunk's logits (sampling.py: top-k candidates)."""
+        backend = spec.backend
+        partials = []
+        for start, end in row_chunks(hidden_rows.shape[0], spec.chunk_size):
+            logits = chunk_logits(hidden_rows[start:end], weight, spec)
+            partials.append(
+                backend.shard_stats(
+                    logits,
+                    local_target[start:end],
+                    spec.num_valid_cols,
+                    spec.inv_temperature,
+                    want_sum_logits=spec.want_sum_logits,
+                    want_entropy=spec.want_entropy,
+                )
+            )
+            if on_chunk is not None:
+                on_chunk(logits)
+            del logits
+        if partials:
+            return ShardStats(**{
+                name: None if getattr(partials[0], name) is None
+                else torch.cat([getattr(p, name) for p in partials])
+                for name in ShardStats.__dataclass_fields__
+            })
+        # no labelled row here: still take part in the collectives
+        empty = hidden_rows.new_zeros(0, dtype=torch.float32)
+        return ShardStats(max=empty, sum_exp=empty, target=empty,
+                          sum_logits=empty if spec.want_sum_logits else None,
+                          sum_exp_shifted=empty if spec.want_entropy else None)
+
+    def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
+                        coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
+                        accumulate: bool) -> Optional[Tensor]:
+        return backward_grads(rows, weight, local_target, spec, offsets, coefs, dx_rows, dw_out,
+                              dw_accumulate=accumulate, cast_dw_to=weight_grad_cast_target(dw_out, weight, accumulate))
+
+    def forward_plan(self, rows: Tensor, weight: Tensor, spec, forward_grad: ForwardGradLoss, needs_dx: bool):
+        """The one-pass scale of this call (None: statistics and dlogits taken apart)."""
+        return _one_pass_scale(spec, forward_grad, rows, weight, min(spec.chunk_size, rows.shape[0]))
+
+    def forward_statistics(self, one_hot_scale, h: Tensor, weight: Tensor, local_target: Tensor, spec):
+        """-> (the chunk's statistics merged over TP ranks, its logits)."""
+        logits, stats = chunk_forward(h, weight, local_target, spec, want_stats=one_hot_scale is None)
+        if one_hot_scale is None:
+            return reductions.merge_shard_stats(stats, spec.tp_group), logits
+        # the logits become softmax - one_hot in the same pass that takes lse
+        loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
+        target = lse - loss
+        # offsets M = z_y, log S = loss: M + log S = lse, and log p_y = -loss exactly
+        return reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss), logits
+
+    def forward_grads(self, one_hot_scale, logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor, spec,
+                      merged, coefs: dict, dx_chunk: Optional[Tensor], dw_out: Optional[Tensor], *,
+                      dw_accumulate: bool, dw_scale: float, cast_dw_to: Optional[torch.dtype]) -> Optional[Tensor]:
+        """The chunk's dlogits (in place of its logits), then dX and dW (see grad_gemms)."""
+        if one_hot_scale is None:
+            chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
+        dlogits = gemm_input(logits, h)
+        kwargs = dict(dw_accumulate=dw_accumulate, dw_scale=dw_scale, cast_dw_to=cast_dw_to)
+        if one_hot_scale is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
+            return row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **kwargs)
+        return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=one_hot_scale or 1.0, **kwargs)
+
+
+FAST_CHUNKS = FastChunks()
