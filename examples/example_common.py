@@ -64,7 +64,7 @@ from megatron_fused_ce.megatron import (  # noqa: E402
     uninstall_fused_output_layer,
     with_context_parallel_attention,
 )
-from megatron_fused_ce.memory import PeakTensorMemory  # noqa: E402
+from megatron_fused_ce.testing import PeakTensorMemory  # noqa: E402
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 INSTALL_HINT = 'pip install -e ".[megatron]"'

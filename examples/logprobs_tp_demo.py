@@ -20,7 +20,7 @@ import torch.distributed as dist
 from example_common import fail, require_torchrun  # (it also puts the checkout on sys.path)
 
 from megatron_fused_ce import linear_logprobs
-from megatron_fused_ce.memory import PeakTensorMemory
+from megatron_fused_ce.testing import PeakTensorMemory
 
 
 class _SumOverRanks(torch.autograd.Function):

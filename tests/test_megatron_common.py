@@ -25,7 +25,7 @@ import megatron.core.models.gpt  # noqa: F401
 import megatron.core.pipeline_parallel  # noqa: F401
 
 from megatron_fused_ce.megatron import enable_cpu_mode
-from megatron_fused_ce.megatron.cp_attention import with_context_parallel_attention
+from megatron_fused_ce.testing import with_context_parallel_attention
 
 TRUE_VOCAB = 100  # the tokenizer's vocab; the model's is padded to PADDED_VOCAB
 PADDED_VOCAB = 128
@@ -55,7 +55,7 @@ class Setup:
     # buckets (the output weight gets a bucket of its own)
     overlap: bool = False
     cp: int = 1  # context parallel size
-    # GatheredKVAttention (exact under CP, see megatron_fused_ce/megatron/cp_attention.py) instead of
+    # GatheredKVAttention (exact under CP, see megatron_fused_ce/testing/cp_attention.py) instead of
     # megatron's local DotProductAttention; always on with cp > 1 (a CP=1 reference sets it)
     gathered_attention: bool = False
 

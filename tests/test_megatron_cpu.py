@@ -9,7 +9,7 @@ import test_megatron_common  # noqa: F401  (megatron-core imported before forkin
 from dist import init_megatron_parallel, run_workers
 
 from megatron_fused_ce.megatron import enable_cpu_mode
-from megatron_fused_ce.megatron.cpu import is_cpu_mode
+from megatron_fused_ce.testing.cpu import is_cpu_mode
 
 
 def cpu_mode_worker(rank, world):

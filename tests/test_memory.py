@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_fused_ce import linear_logprobs
-from megatron_fused_ce.memory import PeakTensorMemory
+from megatron_fused_ce.testing import PeakTensorMemory
 
 
 def test_counts_live_bytes_exactly():

@@ -25,8 +25,8 @@ from torch import Tensor
 
 from megatron_fused_ce.ops import reductions
 
-from . import compat
-from .context_parallel import positions_on_cp_rank
+from megatron_fused_ce.megatron import compat
+from megatron_fused_ce.megatron.context_parallel import positions_on_cp_rank
 
 
 class GatheredKVAttention(torch.nn.Module):
