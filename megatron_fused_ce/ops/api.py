@@ -37,8 +37,8 @@ _AUTO_CHUNK_ELEMENTS_CPU = 64 * 1024 * 1024
 # memory_mode="lean": the working set of the tile sweeps (lean.py) on each rank, whatever the number
 # of tokens: 400 bytes per row of the whole (padded) vocab (2.4 % of the bf16 logits of 8192 tokens,
 # under the 3 % target), at least 32 MiB. Per row of the whole vocab, not of the shard: tiles keep
-# their size as tensor parallelism shrinks the shard (with half-size tiles TP=2 was launch-bound:
-# 2.6x more kernels than the GPU could use, 99.7 ms against 65 ms at TP=1 on H200s).
+# their size as tensor parallelism shrinks the shard (half-size tiles made TP=2 launch-bound:
+# docs/design.md §10.7).
 LEAN_WORKSET_BYTES = 32 * 1024 * 1024
 LEAN_WORKSET_PER_VOCAB_ROW = 400
 
