@@ -158,7 +158,7 @@ def schema_for(example: str) -> Schema:
         # that an SFT or DPO policy is evaluated (and DPO's pairs are sampled) as GRPO samples
         grpo = schema_for("grpo")
         rollout = {k: grpo["rollout"][k] for k in ("task", "temperature")}
-        sampling = {k: v for k, v in grpo["sampling"].items() if k != "fidelity"}
+        sampling = {k: v for k, v in grpo["sampling"].items() if k not in ("fidelity", "replay")}
         data = {"seq_length": Int(), "prompt_length": Int()}
         train = dict(TRAIN)
         if example == "sft":
@@ -187,9 +187,10 @@ def schema_for(example: str) -> Schema:
                    "old_logprobs": Choice("sampler", "trainer", default="sampler")}
         # the rollouts' sampler (vLLM semantics and ranges, checked by `_check_sampling`;
         # defaults = off); fidelity: the trainer's log-probs are of the same distribution
-        # (LogprobsPostProcessor top_k / top_p / min_p)
+        # (LogprobsPostProcessor top_k / top_p / min_p); replay: of the kept sets the sampler
+        # reported (sampling_mask), instead of the filters recomputed on the trainer's logits
         sampling = {"top_k": Key("int", None, nullable=True), "top_p": Float(1.0), "min_p": Float(0.0),
-                    "fidelity": Bool(True)}
+                    "fidelity": Bool(True), "replay": Bool(False)}
         return {**common, "data": {"seq_length": Int(), "prompt_length": Int()}, "train": train,
                 "rollout": rollout, "sampling": sampling, "grpo": _grpo_section()}
     raise ValueError(f"no config schema for example {example!r}")
@@ -333,6 +334,7 @@ def _complete(cfg: dict, schema: Schema, path: str) -> dict:
     _check_combinations(out)
     if "sampling" in out:
         _check_sampling(out)
+        _check_replay(out)
     if "grpo" in out:
         from megatron_fused_ce.losses import GRPOConfig
 
@@ -363,6 +365,25 @@ def _check_sampling(cfg: dict) -> None:
             raise ValueError(f"sampling.{message}")
     if sampling.top_k_off(s["top_k"]):
         s["top_k"] = None
+
+
+def _check_replay(cfg: dict) -> None:
+    """`sampling.replay` (GRPO) goes with fidelity and a filter that can cut tokens; checked after
+    `_check_sampling`, so the values are in range."""
+    from megatron_fused_ce.ops import sampling
+
+    s = cfg["sampling"]
+    if not s.get("replay"):
+        return
+    if not s["fidelity"]:
+        raise ValueError("sampling.replay=true needs sampling.fidelity=true: replay scores each token over the "
+                         "set the sampler kept, fidelity=false asks for plain-softmax log-probs")
+    # Without a filter the sampler keeps every token: a switch that changes nothing would hide a
+    # forgotten top_k / top_p / min_p.
+    if sampling.top_k_off(s["top_k"], cfg["model"]["vocab_size"]) and s["top_p"] >= 1.0 and s["min_p"] <= 0.0:
+        raise ValueError("sampling.replay=true needs a sampler filter to replay: set sampling.top_k, "
+                         "sampling.top_p < 1 or sampling.min_p > 0 (without one the sampler keeps every "
+                         "token and the log-probs are the plain softmax either way)")
 
 
 def _check_combinations(cfg: dict) -> None:

@@ -13,6 +13,11 @@ Sampler (vLLM V1's semantics, as `linear_logprobs` documents them), per row of f
             the first token is always kept)
     q = the remainder renormalized; the sampled token's log q is recorded, as an engine reports it
 
+and, asked for (`answer(..., kept_sets=True)`; GRPO with `sampling.replay`), the kept set of every
+sampled token, as vLLM's mask replay returns it: per request a `SamplingMask(token_ids, offsets)`
+over its generated tokens only (CSR: token t kept token_ids[offsets[t]:offsets[t + 1]]), an empty
+set where nothing was cut (no filter, or every token of the vocab kept).
+
 Generation is a plain loop over the model (no KV cache): every step runs the whole fixed-length
 sequence through megatron's forward-only schedule, so pipeline and context parallelism work as in
 training (causal attention: the not-yet-generated positions cannot change the logits read). The
@@ -45,6 +50,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_fused_ce.ops.replay import SamplingMask, slice_sampling_mask
+
 DIGITS = 10
 SEPARATOR = DIGITS  # `=`
 TASKS = ("count", "copy", "reverse")
@@ -59,6 +66,12 @@ class Sampler:
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     min_p: Optional[float] = None
+
+    @property
+    def filters(self) -> bool:
+        """Whether a filter may cut tokens (then the kept sets are worth recording)."""
+        return (self.top_k is not None or (self.top_p is not None and self.top_p < 1.0)
+                or bool(self.min_p))
 
     def describe(self) -> str:
         parts = [f"T={self.temperature:g}"]
@@ -93,15 +106,43 @@ def sampler_logprobs(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
     return torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def sample(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator):
+def sample(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator, *, kept_sets: bool = False):
     """(tokens [N] int64, log q(token) [N] fp32): one draw per row by inverse CDF of q, from one
-    uniform per row of `generator` (a CPU generator: the same draw on every device)."""
+    uniform per row of `generator` (a CPU generator: the same draw on every device). With
+    `kept_sets`, also each row's kept set (`kept_sets_of`)."""
     logq = sampler_logprobs(logits, sampler)
     cdf = torch.cumsum(logq.double().exp(), dim=-1)
     u = torch.rand(logq.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
     # the first token whose cumulative mass exceeds u * total: never one with q = 0
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=logq.shape[1] - 1).squeeze(1)
-    return tokens, logq.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    drawn = tokens, logq.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return (*drawn, kept_sets_of(logq)) if kept_sets else drawn
+
+
+def kept_sets_of(logq: torch.Tensor) -> SamplingMask:
+    """The kept set of each row of the sampler's log q [N, V] (-inf = cut), CSR over the rows,
+    ids ascending; an empty set where the row kept the whole vocab (nothing to replay)."""
+    keep = torch.isfinite(logq)
+    keep &= ~keep.all(dim=1, keepdim=True)
+    offsets = torch.zeros(keep.shape[0] + 1, dtype=torch.int64, device=keep.device)
+    torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
+    return SamplingMask(keep.nonzero()[:, 1], offsets)
+
+
+def per_request(steps: Sequence[SamplingMask]) -> List[SamplingMask]:
+    """`steps[t]`: every row's kept set at its t-th generated token -> per row (request), the
+    sets of its generated tokens in order (vLLM's per-request SamplingMask)."""
+    rows = steps[0].offsets.numel() - 1
+    # one CSR over (step, row) in that order, then each row's positions t * rows + row
+    ids = torch.cat([step.token_ids for step in steps])
+    starts, base = [], 0
+    for step in steps:
+        starts.append(step.offsets[:-1] + base)
+        base += step.token_ids.numel()
+    offsets = torch.cat(starts + [torch.tensor([base], device=ids.device)])
+    every = (ids, offsets)
+    index = torch.arange(len(steps)) * rows
+    return [slice_sampling_mask(every, index + row) for row in range(rows)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,11 +189,14 @@ def group_advantages(reward: torch.Tensor, group: int) -> torch.Tensor:
 # Generation with the Megatron model
 # ------------------------------------------------------------------------------------------------
 def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: int, sampler: Sampler,
-             generator: torch.Generator):
+             generator: torch.Generator, *, kept_sets: bool = False):
     """Sample the responses of `prompt` [B, P] (this data-parallel replica's rows, identical on
     its TP / CP / PP ranks) with the model, up to `seq_length + 1` tokens. Returns (tokens
     [B, seq_length + 1], sampler log-probs [B, seq_length]: log q of token t+1 at t, 0 at the
-    prompt), identical on every rank of the replica."""
+    prompt), identical on every rank of the replica, and with `kept_sets` the per-request kept
+    sets of the generated tokens (`per_request`) on the last pipeline stage (None on the others:
+    only the last stage's loss reads them). The kept sets come from the logits the draw came from,
+    identical on the TP and CP ranks of the last stage (gathered and summed the same way)."""
     from megatron.core import parallel_state
 
     from megatron_fused_ce.megatron import install_fused_output_layer, uninstall_fused_output_layer
@@ -163,13 +207,15 @@ def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: in
     tokens = torch.zeros(rows, seq_length + 1, dtype=torch.long, device=device())
     tokens[:, :start] = prompt.to(device())
     recorded = torch.zeros(rows, seq_length, dtype=torch.float32, device=device())
+    steps = []
     uninstall_fused_output_layer(model)  # generation needs logits
     try:
         for position in range(start, seq_length + 1):
             (batch,) = on_this_cp_rank(micro_batches({"tokens": tokens[:, :-1]}, rows))
             logits = _last_stage_logits(model, batch, position - 1, seq_length, vocab_size)
             if logits is not None:
-                new, logq = sample(logits, sampler, generator)
+                new, logq, *kept = sample(logits, sampler, generator, kept_sets=kept_sets)
+                steps += [SamplingMask(k.token_ids.cpu(), k.offsets.cpu()) for k in kept]
                 new, logq = _agree(new, logq, parallel_state)
             else:
                 new = logq = None
@@ -178,7 +224,9 @@ def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: in
             recorded[:, position - 1] = logq
     finally:
         install_fused_output_layer(model, fused)  # (a no-op with fusion off)
-    return tokens, recorded
+    if not kept_sets:
+        return tokens, recorded
+    return tokens, recorded, (per_request(steps) if steps else None)
 
 
 def sampler_of(cfg) -> Sampler:
@@ -187,17 +235,20 @@ def sampler_of(cfg) -> Sampler:
     return Sampler(cfg["rollout"]["temperature"], s["top_k"], s["top_p"], s["min_p"])
 
 
-def answer(model, fused, cfg, prompt: torch.Tensor, sampler: Sampler, generator: torch.Generator):
+def answer(model, fused, cfg, prompt: torch.Tensor, sampler: Sampler, generator: torch.Generator, *,
+           kept_sets: bool = False):
     """The policy's sampled answers to `prompt` [B, P] (this replica's rows): tokens
     [B, seq_length + 1] and sampler log-probs [B, seq_length] (see `generate`), and per row the
-    task's reward and exact match, all on the CPU."""
+    task's reward and exact match, all on the CPU; with `kept_sets`, fifth, the per-request kept
+    sets of the generated tokens (last pipeline stage; None elsewhere)."""
     data = cfg["data"]
     seq, prompt_length = data["seq_length"], prompt.shape[1]
-    tokens, logq = generate(model, fused, prompt, seq, cfg["model"]["vocab_size"], sampler, generator)
+    tokens, logq, *kept = generate(model, fused, prompt, seq, cfg["model"]["vocab_size"], sampler, generator,
+                                   kept_sets=kept_sets)
     tokens, logq = tokens.cpu(), logq.cpu()
     target = targets(prompt, seq + 1 - prompt_length, cfg["rollout"]["task"])
     response = tokens[:, prompt_length:]
-    return tokens, logq, rewards(response, target), accuracy(response, target)
+    return (tokens, logq, rewards(response, target), accuracy(response, target), *kept)
 
 
 def check_rows(name: str, rows: int, prompt_length: int, seq_length: int, parallel_state) -> int:
@@ -254,7 +305,9 @@ def _last_stage_logits(model, batch, position: int, seq_length: int, vocab_size:
         def loss_func(output):
             # this rank's [B, V/TP] logits at `position`, or zeros where another CP rank holds it
             picked = output[:, int(where[0])] if where.numel() else output.new_zeros(output[:, 0].shape)
-            picked = picked.detach().float()
+            # contiguous: over gloo the all-reduce of a strided view (a column of the logits) left
+            # the holder's value in place and gave the other CP ranks the sum of other memory
+            picked = picked.detach().float().contiguous()
             if cp > 1:
                 dist.all_reduce(picked, group=parallel_state.get_context_parallel_group())
             tp_group = parallel_state.get_tensor_model_parallel_group()

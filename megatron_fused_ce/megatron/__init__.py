@@ -29,6 +29,10 @@ Context parallelism: the post-processor and the loss funcs take the CP group fro
 megatron does (packed THD batches too, without Transformer Engine), `compute_logprobs(...,
 layout="gathered")` returns whole sequences.
 
+Sampling-distribution replay: the post-processor, `FusedOutputProcessor(returns="logprobs")`,
+`compute_logprobs` and `grpo_loss_func` take the engine's kept sets (`sampling_mask=`, `[b, s]`
+like the labels, whole sequences under CP; `local_sampling_mask` cuts a rank's part).
+
 Modules: config.py (the switches), output_layer.py (hidden states out of the last stage),
 output_processor.py (the same through megatron-core's `output_processor` hook), lazy_logits.py
 (what the output layer returns instead of logits), mtp.py (multi-token prediction), compat.py
@@ -65,6 +69,7 @@ from .postprocess import (
     LogprobsPostProcessor,
     broadcast_from_last_stage,
     compute_logprobs,
+    local_sampling_mask,
     packed_sequence_labels,
     vocab_parallel_logprobs,
 )
@@ -91,6 +96,7 @@ __all__ = [
     "LogprobsPostProcessor",
     "broadcast_from_last_stage",
     "compute_logprobs",
+    "local_sampling_mask",
     "packed_sequence_labels",
     "vocab_parallel_logprobs",
     "sft_loss_func",

@@ -79,8 +79,15 @@ from megatron_fused_ce.losses import GRPOConfig, dpo_loss, grpo_loss, linear_grp
 from megatron_fused_ce.losses.context_parallel import agree_on_inputs, sum_over_cp
 from megatron_fused_ce.ops import reductions
 
-from .output_layer import run_in_output_layer, unwrap_model
-from .postprocess import LogprobsPostProcessor, as_post_processor, check_model_output
+from .output_layer import output_weight, run_in_output_layer, unwrap_model
+from .postprocess import (
+    LogprobsPostProcessor,
+    _ReplayErrors,
+    as_post_processor,
+    check_model_output,
+    labels_in_kept_sets,
+    local_sampling_mask,
+)
 
 LossFunc = Callable[[Tensor], tuple]
 
@@ -121,20 +128,25 @@ def _in_label_layout(mask: Tensor, inputs: dict) -> Tensor:
     return mask.t() if inputs["sequence_parallel"] else mask
 
 
+def _batch_layout(values: Tensor, inputs: dict) -> Tensor:
+    """Values in the fused op's label layout back in `[b, s]`."""
+    return values.t() if inputs["sequence_parallel"] else values
+
+
 class _ContextParallel:
     """One micro-batch's CP group, and how its loss terms reach Megatron (module doc)."""
 
     def __init__(self, fn_name: str, post_processor: LogprobsPostProcessor, model, output_tensor,
-                 labels: Tensor, per_token: Mapping[str, Optional[Tensor]], **packing):
+                 labels: Tensor, per_token: Mapping[str, Optional[Tensor]], sampling_mask=None, **packing):
         check_model_output(output_tensor)  # before anything reads it as a tensor
         self.group = post_processor.context_parallel_group(model)
         self.size = reductions.group_size(self.group)
         self.rank = reductions.group_rank(self.group)
         self.model = model
         if self.group is not None:
-            self._agree(fn_name, post_processor, output_tensor, labels, per_token, packing)
+            self._agree(fn_name, post_processor, output_tensor, labels, per_token, packing, sampling_mask)
 
-    def _agree(self, fn_name, post_processor, output_tensor, labels, per_token, packing):
+    def _agree(self, fn_name, post_processor, output_tensor, labels, per_token, packing, sampling_mask=None):
         """Shapes checked on every rank and the verdict shared over CP and TP, before any
         collective (a rank that raised alone would leave the others waiting in one)."""
 
@@ -157,12 +169,22 @@ class _ContextParallel:
                                      "context parallelism every per-token input is this CP rank's "
                                      "slice, cut like the labels")
             post_processor.scored_labels(labels, self.model, **packing)  # packing offsets
+            if sampling_mask is not None:  # the whole mask, on every rank: a rank's op sees its part
+                vocab = post_processor.vocab_size
+                if vocab is None:
+                    tp = reductions.group_size(post_processor.tensor_parallel_group(self.model))
+                    vocab = output_weight(unwrap_model(self.model)).shape[0] * tp
+                layout = packing.get("cu_seqlens_padded")
+                local_sampling_mask(sampling_mask, tuple(labels.shape), cp_group=self.group,
+                                    cu_seqlens_padded=layout if layout is not None else packing.get("cu_seqlens"),
+                                    vocab_size=vocab)
 
         agree_on_inputs(fn_name, check, cp_group=self.group,
                         other_groups=(post_processor.tensor_parallel_group(self.model),),
                         batch_size=labels.shape[0] if isinstance(labels, Tensor) and labels.dim() else None,
                         device=output_tensor.device,
-                        flags=[(f"{name} given", tensor is not None) for name, tensor in per_token.items()])
+                        flags=[(f"{name} given", tensor is not None) for name, tensor in per_token.items()]
+                        + [("sampling_mask given", sampling_mask is not None)])
 
     def once(self, value: Tensor) -> Tensor:
         """`value` on CP rank 0, zero on the others: a global figure counted once over CP."""
@@ -337,7 +359,7 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
                    old_logprobs: Optional[Tensor] = None,
                    reference_logprobs: Optional[Tensor] = None,
                    sampling_logprobs: Optional[Tensor] = None,
-                   num_microbatches: Optional[int] = None) -> LossFunc:
+                   num_microbatches: Optional[int] = None, sampling_mask=None) -> LossFunc:
     """GRPO-family loss (`megatron_fused_ce.losses.grpo_loss`) on one micro-batch of rollouts.
 
     `loss_mask` is the loss mask × tool mask over the `[B, s]` rollout rows (0 on prompt, padding
@@ -354,6 +376,14 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
     left out of the count. This takes the log-probs path (no gradients in the forward pass).
     `num_microbatches`: the schedule's, for the upstream gradient under
     `calculate_per_token_loss=False` (module doc).
+
+    `sampling_mask` (replay, with a post-processor without sampler settings): the kept sets the
+    engine sampled from (`LogprobsPostProcessor` documents the layout: `[b, s]` like `labels`, the
+    whole sequences under CP). The policy's log-probs are then those of the engine's sampling
+    distribution: fused, `linear_grpo_loss(..., sampling_mask=)` (its recompute path); unfused,
+    the post-processor's. A token outside its set (-inf) is excluded and left out of the count;
+    `reference_logprobs` stay what the caller passes (the plain softmax, normally), and the
+    old-policy pass should replay the same masks (`compute_logprobs(..., sampling_mask=)`).
     """
     if config.needs_reference_logprobs and reference_logprobs is None:
         raise ValueError(f"reference_logprobs are required when beta > 0 (beta={config.beta})")
@@ -363,13 +393,15 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
         cp = _ContextParallel("grpo_loss_func", post_processor, model, output_tensor, labels,
                               {"loss_mask": loss_mask, "advantages": advantages,
                                "old_logprobs": old_logprobs, "reference_logprobs": reference_logprobs,
-                               "sampling_logprobs": sampling_logprobs})
+                               "sampling_logprobs": sampling_logprobs}, sampling_mask=sampling_mask)
         mask = _scored_mask(post_processor, model, loss_mask, labels)
         kwargs = dict(old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs, normalizer=1,
                       reference_logprobs=reference_logprobs if config.needs_reference_logprobs else None,
                       cp_group=cp.group)
+        # (a post-processor that knows no masks is called as before when none is given)
+        replay = {} if sampling_mask is None else {"sampling_mask": sampling_mask}
         inputs = None if post_processor.return_entropy or getattr(post_processor, "filters", False) else \
-            post_processor.fused_inputs(output_tensor, model, labels)
+            post_processor.fused_inputs(output_tensor, model, labels, **replay)
         old = None if config.force_on_policy_ratio else old_logprobs
 
         def megatron_count(policy_logprobs):
@@ -385,13 +417,21 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
             return count, cp.megatron_count(count)
 
         # the loss of the whole sequences on every CP rank (sequence terms summed over CP)
-        if inputs is not None:  # the policy's own log-probs exclude nothing: the count is known now
+        if inputs is not None and sampling_mask is not None:  # replay: linear_grpo_loss' recompute path
+            with _ReplayErrors(inputs["sampling_mask"]):
+                loss, metrics = run_in_output_layer(model, linear_grpo_loss, advantages=advantages, mask=mask,
+                                                    config=config, **inputs, **kwargs)
+            # the tokens whose replayed log-prob is -inf, from the mask (the loss keeps no log-probs)
+            kept = _batch_layout(labels_in_kept_sets(inputs["sampling_mask"], inputs["labels"]), inputs)
+            count, count_for_megatron = megatron_count(
+                torch.where(kept, 0.0, float("-inf")).to(mask.device))
+        elif inputs is not None:  # the policy's own log-probs exclude nothing: the count is known now
             count, count_for_megatron = megatron_count(None)
             loss, metrics = run_in_output_layer(
                 model, linear_grpo_loss, advantages=advantages, mask=mask, config=config, **inputs, **kwargs,
                 expected_upstream_grad=cp.upstream_grad(count_for_megatron, num_microbatches, inputs))
         else:
-            out = post_processor(output_tensor, model, labels)
+            out = post_processor(output_tensor, model, labels, **replay)
             loss, metrics = grpo_loss(out.logprobs, advantages, mask, config, **kwargs,
                                       entropy=out.entropy)
             count, count_for_megatron = megatron_count(out.logprobs)

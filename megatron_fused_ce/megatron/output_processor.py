@@ -19,7 +19,8 @@ GPTModel is called as is, and the result is one of
   run the gradients-in-forward losses on it;
 * `returns="logprobs"`: `LogprobsOutput [b, s]` of the labels GPTModel was given (temperature,
   entropy, sampler settings top_k / top_p / min_p, top-k log-probs, packed sequences from
-  `packed_seq_params`), for a caller with its own loss on log-probs;
+  `packed_seq_params`, the engine's kept sets from `output_processor_context["sampling_mask"]`),
+  for a caller with its own loss on log-probs;
 * `returns="loss"`: the per-token cross-entropy `[b, s]` over the full padded vocab, what
   `model(..., labels=labels)` returns unfused (Megatron-LM's `loss_func` takes it unchanged).
 
@@ -56,7 +57,7 @@ from .postprocess import IGNORE_INDEX, LogprobsPostProcessor
 
 RETURNS = ("hidden_states", "logprobs", "loss")
 # What `output_processor_context` may set for one call (a mapping; None = nothing).
-CONTEXT_KEYS = ("returns", "cu_seqlens", "cu_seqlens_padded")
+CONTEXT_KEYS = ("returns", "cu_seqlens", "cu_seqlens_padded", "sampling_mask")
 
 
 class FusedOutputProcessor:
@@ -77,8 +78,12 @@ class FusedOutputProcessor:
 
     `output_processor_context`: None, or a mapping with any of `returns`, `cu_seqlens`,
     `cu_seqlens_padded` (packed-sequence offsets for "logprobs"; default: GPTModel's
-    `packed_seq_params.cu_seqlens_q` / `cu_seqlens_q_padded`). "logprobs" and "loss" read the
-    `labels` GPTModel is called with.
+    `packed_seq_params.cu_seqlens_q` / `cu_seqlens_q_padded`), `sampling_mask` ("logprobs" only:
+    the engine's kept sets of this call's labels, replayed as `LogprobsPostProcessor(...,
+    sampling_mask=)` does; `[b, s]` layout, the whole sequences under context parallelism; not
+    with this processor's top_k / top_p / min_p / return_topk). "logprobs" and "loss" read the
+    `labels` GPTModel is called with. (With "hidden_states" the mask goes to the loss func:
+    `grpo_loss_func(..., sampling_mask=)`.)
 
     `LogprobsOutput` is a NamedTuple: megatron's Float16Module (bf16 / fp16 models) rebuilds
     tuples in the last stage's output as plain `(logprobs, entropy)` tuples, dropping the top-k
@@ -111,14 +116,14 @@ class FusedOutputProcessor:
                  scale_logits=None, config=None, **_unused):
         """Called by GPTModel on the last stage (keyword arguments only; those it passes and this
         processor does not read, e.g. `loss_mask` or `inference_context`, are accepted)."""
-        returns, packing = self._call_options(context, packed_seq_params)
+        returns, packing, sampling_mask = self._call_options(context, packed_seq_params)
         if returns != "hidden_states" and labels is None:
             raise ValueError(f"FusedOutputProcessor(returns={returns!r}) needs labels: call "
                              f"model(..., labels=labels, output_processor=...)")
         if not self.config.enabled:
             return self._unfused(returns, hidden_states, output_layer, output_weight, labels,
                                  packing, runtime_gather_output, compute_language_model_loss,
-                                 scale_logits)
+                                 scale_logits, sampling_mask)
         if runtime_gather_output:
             raise RuntimeError(
                 "FusedOutputProcessor computes no logits; gathered logits were requested "
@@ -133,10 +138,10 @@ class FusedOutputProcessor:
             return states
         if returns == "loss":
             return states.cross_entropy(labels, self.config)
-        return self.post_processor.logprobs_of(states, labels, **packing)
+        return self.post_processor.logprobs_of(states, labels, **packing, sampling_mask=sampling_mask)
 
     def _call_options(self, context, packed_seq_params):
-        """(returns, packing offsets) of one call, from `output_processor_context`."""
+        """(returns, packing offsets, sampling mask) of one call, from `output_processor_context`."""
         if context is None:
             context = {}
         if not isinstance(context, Mapping):
@@ -153,10 +158,16 @@ class FusedOutputProcessor:
         if "cu_seqlens" in context or "cu_seqlens_padded" in context:
             packing = dict(cu_seqlens=context.get("cu_seqlens"),
                            cu_seqlens_padded=context.get("cu_seqlens_padded"))
-        return returns, packing
+        sampling_mask = context.get("sampling_mask")
+        if sampling_mask is not None and returns != "logprobs":
+            raise ValueError(
+                f"output_processor_context['sampling_mask'] is read with returns='logprobs' only, this "
+                f"call returns {returns!r}: pass the mask to the loss func instead "
+                f"(grpo_loss_func(..., sampling_mask=) on the hidden states)")
+        return returns, packing, sampling_mask
 
     def _unfused(self, returns, hidden_states, output_layer, output_weight, labels, packing,
-                 runtime_gather_output, compute_language_model_loss, scale_logits):
+                 runtime_gather_output, compute_language_model_loss, scale_logits, sampling_mask=None):
         """Fusion off: GPTModel's own post-processing (logits from the output layer)."""
         logits, _ = output_layer(hidden_states, weight=output_weight,
                                  runtime_gather_output=runtime_gather_output)
@@ -170,7 +181,8 @@ class FusedOutputProcessor:
         post = self.post_processor
         labels = post.scored_labels(labels, None, **packing)
         weight = output_weight if output_weight is not None else output_layer.weight
-        return post._from_logits(logits, labels, layer_tp_group(output_layer), weight.shape[0])
+        return post._from_logits(logits, labels, layer_tp_group(output_layer), weight.shape[0],
+                                 sampling_mask, None, packing)
 
 
 def _check_returns(returns) -> None:

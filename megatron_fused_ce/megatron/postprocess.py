@@ -21,6 +21,13 @@ ranks, of `softmax(z[:vocab_size] / temperature)` -- or, with the rollouts' samp
 could not have sampled get -inf; `linear_logprobs` documents the semantics), plus
 `topk_logprobs` / `topk_ids` `[b, s, k]` with `return_topk=k`.
 
+Sampling-distribution replay (`sampling_mask=`, per call): the kept sets the inference engine's
+sampler drew each token from (vLLM's Mask Replay layout, `linear_logprobs`), given in the `[b, s]`
+batch layout of the labels as `ops.replay.build_sampling_mask` makes it; under context parallelism
+for the whole sequences (each CP rank cuts out its own positions). The fused path hands the op the
+mask in its label layout (`[s, b]` under sequence parallelism), the unfused path scores the same
+sets on the logits (`ops.replay.kept_columns`), so both give the same log-probs.
+
 `broadcast_from_last_stage` and `compute_logprobs` carry the result of a forward-only pass
 (reference / old policy log-probs) to every pipeline stage; under context parallelism
 `compute_logprobs` returns each rank's slice (default) or the whole sequences (`layout="gathered"`).
@@ -37,7 +44,7 @@ from torch import Tensor
 
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
 from megatron_fused_ce.losses.context_parallel import agree_on_inputs
-from megatron_fused_ce.ops import reductions, sampling
+from megatron_fused_ce.ops import reductions, replay, sampling
 from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, is_int
 
 from . import compat
@@ -138,6 +145,108 @@ def _checked_cu_seqlens(cu_seqlens, num_tokens: int, name: str = "cu_seqlens") -
     return bounds
 
 
+# ------------------------------------------------------------------------------------------------
+# Sampling-mask replay: the batch's mask in the layout of the op's labels
+# ------------------------------------------------------------------------------------------------
+def local_sampling_mask(sampling_mask, labels_shape, *, sequence_first: bool = False, cp_group=None,
+                        cu_seqlens_padded: Optional[Tensor] = None,
+                        vocab_size: Optional[int] = None) -> replay.SamplingMask:
+    """The part of a batch's sampling mask that goes with this rank's labels, in the op's order.
+
+    `sampling_mask`: CSR over the positions of the whole `[b, S]` sequences in row-major order
+    (`build_sampling_mask(requests, (b, S))`; S = the full sequence length, the packed row's
+    length for THD); `labels_shape`: this rank's `(b, s)` labels, s = S / CP. Returns the kept sets
+    of this CP rank's positions (megatron's layout, `positions_on_cp_rank`; a packed row document
+    by document, `cu_seqlens_padded`), in `[s, b]` order with `sequence_first` (the op's labels
+    under sequence parallelism), as int64 tensors on the mask's device.
+
+    ValueError for a mask that cannot be read so: not `(token_ids, offsets)` of integers, not one
+    set per position of the whole sequences, offsets not from 0, decreasing or not ending at
+    `len(token_ids)`; under CP also ids outside `[0, vocab_size)` (negative ones without
+    `vocab_size`) and an id twice at one position, checked over the whole mask on every rank (each
+    rank's op sees its own positions only)."""
+    cp_size, cp_rank = reductions.group_size(cp_group), reductions.group_rank(cp_group)
+    if len(labels_shape) != 2:
+        raise ValueError(f"sampling_mask goes with [b, s] labels, got labels of shape {tuple(labels_shape)}")
+    batch, local = (int(n) for n in labels_shape)
+    length = local * cp_size
+    check = replay.MaskCheck(sampling_mask, None, None, vocab_size if vocab_size is not None else 1)
+    if check.problem:
+        raise ValueError(check.problem)
+    ids, offsets = check.ids, check.offsets
+    if vocab_size is None:  # no range to check ids against (the op checks them): above the largest
+        check.true_vocab = int(ids.max()) + 1 if ids.numel() else 1
+    if offsets.numel() != batch * length + 1:
+        whole = (f"{batch} rows x {length} positions of the whole sequences ({cp_size} context-parallel "
+                 f"ranks x {local})" if cp_size > 1 else f"{batch} rows x {length} positions")
+        raise ValueError(f"sampling_mask: offsets has {offsets.numel()} entries, but the labels have {whole}: "
+                         f"one kept set per position of the [b, s] labels in row-major order, ignored "
+                         f"positions included (len(offsets) == {batch * length + 1}; "
+                         f"build_sampling_mask(requests, (b, s)) makes it)")
+    if cp_size > 1:  # every check of the op, over the whole mask (nothing is communicated)
+        agreement = Agreement("LogprobsPostProcessor", None, offsets.device, ("sampling_mask",))
+        check.register(agreement, offsets.device)
+        agreement.agree(check.messages)
+    else:  # the offsets' shape, which the reordering reads (the op checks the rest)
+        first, last, decreasing = torch.stack([offsets[0], offsets[-1], (offsets[1:] < offsets[:-1]).sum()]).tolist()
+        if first != 0 or decreasing or last != ids.numel():
+            raise ValueError(f"sampling_mask: offsets must start at 0, never decrease and end at "
+                             f"len(token_ids) = {ids.numel()} (position i keeps "
+                             f"token_ids[offsets[i]:offsets[i + 1]])")
+    seq = (positions_on_cp_rank(length, cp_size, cp_rank, cu_seqlens_padded=cu_seqlens_padded)
+           if cp_size > 1 else torch.arange(length))
+    positions = replay.flat_positions(seq, batch, length)  # [b, s] order
+    if sequence_first:
+        positions = positions.view(batch, local).t().reshape(-1)
+    return replay.slice_sampling_mask((ids, offsets), positions)
+
+
+def _padded_vocab(head: HiddenStates) -> int:
+    """The model's (padded) vocab size behind these hidden states: the output weight's rows x TP."""
+    weight = head.output_weight if head.output_weight is not None else head.output_layer.weight
+    return weight.shape[0] * reductions.group_size(head.tp_group)
+
+
+class _RefusedMask:
+    """Handed to the op in place of a mask this rank could not reorder: the op refuses it in its
+    one agreement, so that every tensor-parallel rank raises before any collective of the
+    computation (the others with "invalid on another rank"); this rank then raises `message`."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class _ReplayErrors:
+    """`with _ReplayErrors(mask):` around an op given a mask from `_mask_for_op`: where it is a
+    `_RefusedMask`, the op's ValueError becomes the mask's own message."""
+
+    def __init__(self, mask):
+        self.refused = mask if isinstance(mask, _RefusedMask) else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if self.refused is not None and (kind is None or issubclass(kind, ValueError)):
+            raise ValueError(self.refused.message) from None
+        return False
+
+
+def labels_in_kept_sets(sampling_mask, labels: Tensor) -> Tensor:
+    """bool, labels' shape: the label is in its position's kept set, or the set is empty (no
+    truncation); `sampling_mask` in the row-major order of `labels`, already checked (the op's).
+    False marks the tokens whose replayed log-prob is -inf."""
+    ids, offsets = replay.as_sampling_mask(sampling_mask)
+    ids, offsets = ids.to(labels.device), offsets.to(labels.device)
+    flat = labels.reshape(-1)
+    sizes = offsets[1:] - offsets[:-1]
+    position = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), sizes,
+                                       output_size=ids.numel())
+    hits = torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device).index_add_(
+        0, position, (ids == flat.index_select(0, position)).long())
+    return ((sizes == 0) | (hits > 0)).view(labels.shape)
+
+
 class LogprobsPostProcessor:
     """Turn a last-stage model output into per-token log-probs (and entropy).
 
@@ -164,6 +273,16 @@ class LogprobsPostProcessor:
     come back in the same layout (`compute_logprobs` can gather them in sequence order). Per-token
     values need nothing from other CP ranks; packed sequences use the group to find where their
     boundaries landed, and the loss funcs to sum sequence-level terms.
+
+    Replay (`sampling_mask=` on a call): the engine's kept sets (`linear_logprobs`), one per
+    position of the `[b, s]` labels in row-major order, of the whole sequences under CP (this rank
+    takes its positions: `local_sampling_mask`); log q = z_y / T - logsumexp over the kept ids,
+    -inf where the label is not kept, the plain softmax where a set is empty. Not with this
+    post-processor's `top_k` / `top_p` / `min_p` / `return_topk` (the mask is what the engine's
+    filters kept; the op refuses the combination on every rank). Replay runs in chunks of rows
+    whatever `config.memory_mode` says (lean tiles do not apply to it). A bad mask raises the
+    same ValueError on every tensor-parallel rank (the op's agreement); under CP every rank checks
+    the whole mask.
     """
 
     def __init__(self, config: FusedCEConfig, *, vocab_size: Optional[int] = None,
@@ -230,17 +349,48 @@ class LogprobsPostProcessor:
 
     def __call__(self, output_tensor, model: torch.nn.Module, labels: Tensor, *,
                  cu_seqlens: Optional[Tensor] = None,
-                 cu_seqlens_padded: Optional[Tensor] = None) -> LogprobsOutput:
+                 cu_seqlens_padded: Optional[Tensor] = None, sampling_mask=None) -> LogprobsOutput:
         gpt = unwrap_model(model)
         if not getattr(gpt, "post_process", False):
             raise RuntimeError("LogprobsPostProcessor runs on the last pipeline stage only")
         check_model_output(output_tensor)
         labels = self.scored_labels(labels, gpt, cu_seqlens=cu_seqlens,
                                     cu_seqlens_padded=cu_seqlens_padded)
+        packing = dict(cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         head = self._hidden_states(output_tensor, gpt)
         if head is not None:
-            return self._from_hidden(head, labels)
-        return self._from_logits(output_tensor, labels, _tp_group(gpt), output_weight(gpt).shape[0])
+            return self._from_hidden(head, labels, sampling_mask, gpt, packing)
+        return self._from_logits(output_tensor, labels, _tp_group(gpt), output_weight(gpt).shape[0],
+                                 sampling_mask, gpt, packing)
+
+    # -- replay ----------------------------------------------------------------------------------
+    def _mask_for_op(self, sampling_mask, labels: Tensor, *, sequence_first: bool, model, packing: dict,
+                     padded_vocab: int):
+        """`sampling_mask` as the op takes it: unchanged where the op's labels are the `[b, s]`
+        labels (the op checks it), else `local_sampling_mask`'s reordering, or a `_RefusedMask`
+        when it cannot be read."""
+        cp_group = self.context_parallel_group(model)
+        if sampling_mask is None or (not sequence_first and cp_group is None):
+            return sampling_mask
+        if self.filters or self.return_topk:  # the op refuses the combination, with its reason
+            return sampling_mask
+        layout = packing.get("cu_seqlens_padded")
+        if layout is None:
+            layout = packing.get("cu_seqlens")
+        try:
+            return local_sampling_mask(
+                sampling_mask, tuple(labels.shape), sequence_first=sequence_first, cp_group=cp_group,
+                cu_seqlens_padded=layout if cp_group is not None else None,
+                vocab_size=self.vocab_size if self.vocab_size is not None else padded_vocab)
+        except ValueError as error:
+            return _RefusedMask(str(error))
+
+    @staticmethod
+    def _replay_kwargs(inputs: dict, mask) -> dict:
+        """The op's arguments with the mask (replay runs in chunks of rows: memory_mode "fast")."""
+        if mask is None:
+            return inputs
+        return dict(inputs, sampling_mask=mask, memory_mode="fast")
 
     # -- fusion on -------------------------------------------------------------------------------
     @staticmethod
@@ -264,7 +414,7 @@ class LogprobsPostProcessor:
 
     def fused_inputs(self, output_tensor, model: torch.nn.Module, labels: Tensor, *,
                      cu_seqlens: Optional[Tensor] = None,
-                     cu_seqlens_padded: Optional[Tensor] = None) -> Optional[dict]:
+                     cu_seqlens_padded: Optional[Tensor] = None, sampling_mask=None) -> Optional[dict]:
         """The fused op's arguments for this output, or None when the model returns logits.
 
         The output is the installed fused layer's `[b, s, h]` or the output processor's
@@ -273,7 +423,9 @@ class LogprobsPostProcessor:
         weight is not among them: ops run as `run_in_output_layer(model, op, **inputs, ...)`,
         which passes it inside a call of the output layer (where sharding engines gather it). The
         loss funcs use this to call the gradients-in-forward losses (`linear_cross_entropy`,
-        `linear_grpo_loss`) on exactly what `linear_logprobs` would see.
+        `linear_grpo_loss`) on exactly what `linear_logprobs` would see. With `sampling_mask`
+        (see the class doc) they include it in the op's label layout, and memory_mode "fast";
+        run the op inside `_ReplayErrors(inputs["sampling_mask"])` for the mask's own error.
         """
         gpt = unwrap_model(model)
         check_model_output(output_tensor)
@@ -282,7 +434,11 @@ class LogprobsPostProcessor:
             return None
         labels = self.scored_labels(labels, gpt, cu_seqlens=cu_seqlens,
                                     cu_seqlens_padded=cu_seqlens_padded)
-        return self._op_inputs(head, labels)
+        inputs = self._op_inputs(head, labels)
+        mask = self._mask_for_op(sampling_mask, labels, sequence_first=inputs["sequence_parallel"], model=gpt,
+                                 packing=dict(cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded),
+                                 padded_vocab=_padded_vocab(head))
+        return self._replay_kwargs(inputs, mask)
 
     def _op_inputs(self, head: HiddenStates, labels: Tensor) -> dict:
         """The op's arguments for hidden states and their (scored) `[b, s]` labels."""
@@ -296,30 +452,44 @@ class LogprobsPostProcessor:
 
     def logprobs_of(self, hidden_states: HiddenStates, labels: Tensor, *,
                     cu_seqlens: Optional[Tensor] = None,
-                    cu_seqlens_padded: Optional[Tensor] = None) -> LogprobsOutput:
+                    cu_seqlens_padded: Optional[Tensor] = None, sampling_mask=None) -> LogprobsOutput:
         """`LogprobsOutput [b, s]` of `HiddenStates` without the model (the output processor's
         `returns="logprobs"`); the CP group is this post-processor's `cp_group` or megatron's."""
         labels = self.scored_labels(labels, None, cu_seqlens=cu_seqlens,
                                     cu_seqlens_padded=cu_seqlens_padded)
-        return self._from_hidden(hidden_states, labels)
+        return self._from_hidden(hidden_states, labels, sampling_mask, None,
+                                 dict(cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded))
 
-    def _from_hidden(self, head: HiddenStates, labels: Tensor) -> LogprobsOutput:
+    def _from_hidden(self, head: HiddenStates, labels: Tensor, sampling_mask=None, model=None,
+                     packing: Optional[dict] = None) -> LogprobsOutput:
         inputs = self._op_inputs(head, labels)
-        out = head.run(linear_logprobs, **inputs, return_entropy=self.return_entropy, **self.sampler)
+        mask = self._mask_for_op(sampling_mask, labels, sequence_first=inputs["sequence_parallel"], model=model,
+                                 packing=packing or {}, padded_vocab=_padded_vocab(head))
+        with _ReplayErrors(mask):
+            out = head.run(linear_logprobs, **self._replay_kwargs(inputs, mask),
+                           return_entropy=self.return_entropy, **self.sampler)
         if inputs["sequence_parallel"]:  # [s, b] -> [b, s]
             out = out.map(lambda t: t.transpose(0, 1))
         return out
 
     # -- fusion off ------------------------------------------------------------------------------
-    def _from_logits(self, logits: Tensor, labels: Tensor, tp_group, v_local: int) -> LogprobsOutput:
-        """`v_local`: the rows of this rank's output-weight shard (tells gathered logits apart)."""
+    def _from_logits(self, logits: Tensor, labels: Tensor, tp_group, v_local: int, sampling_mask=None,
+                     model=None, packing: Optional[dict] = None) -> LogprobsOutput:
+        """`v_local`: the rows of this rank's output-weight shard (tells gathered logits apart).
+        `model`: for its CP group (None: this post-processor's or megatron's)."""
         tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        padded_vocab = v_local * tp_size
         if logits.shape[-1] == v_local * tp_size and tp_size > 1:  # gathered (parallel_output=False)
             tp_group, tp_size, tp_rank, v_local = None, 1, 0, logits.shape[-1]
-        return vocab_parallel_logprobs(
-            logits, labels, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
-            vocab_size=self.vocab_size, temperature=self.temperature,
-            ignore_index=self.ignore_index, return_entropy=self.return_entropy, **self.sampler)
+        # logits are [b, s, V/TP] whatever the parallelism: the mask needs this CP rank's part only
+        mask = self._mask_for_op(sampling_mask, labels, sequence_first=False, model=model, packing=packing or {},
+                                 padded_vocab=padded_vocab)
+        with _ReplayErrors(mask):
+            return vocab_parallel_logprobs(
+                logits, labels, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
+                vocab_size=self.vocab_size, temperature=self.temperature,
+                ignore_index=self.ignore_index, return_entropy=self.return_entropy, **self.sampler,
+                sampling_mask=mask)
 
 
 def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp_rank: int = 0,
@@ -327,7 +497,7 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
                             temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
                             return_entropy: bool = False, top_k: Optional[int] = None,
                             top_p: Optional[float] = None, min_p: Optional[float] = None,
-                            return_topk: int = 0) -> LogprobsOutput:
+                            return_topk: int = 0, sampling_mask=None) -> LogprobsOutput:
     """Log-softmax over materialized vocab-parallel logits `[..., V/TP]` (the unfused path).
 
     The same statistics as the fused op, with autograd through the logits: a max (detached) and
@@ -335,11 +505,13 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
     TP with an identity backward (each rank's partial depends only on its own shard). Bad input
     raises the same ValueError on every rank before the first all-reduce, as in the fused op.
     With sampler settings the sums run over each row's kept set, found by the fused op's own code
-    (`sampling.sample_logits`), so that both paths keep the same tokens.
+    (`sampling.sample_logits`), so that both paths keep the same tokens. With `sampling_mask`
+    (`linear_logprobs`' replay; CSR in the row-major order of `labels`) they run over each
+    position's kept ids (`replay.kept_columns`), checked as the op checks them.
     """
     sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
-    _check_logits_arguments(logits, labels, tp_group if tp_size > 1 else None, vocab_size,
-                            temperature, ignore_index, return_entropy, sampler)
+    mask_check = _check_logits_arguments(logits, labels, tp_group if tp_size > 1 else None, vocab_size,
+                                         temperature, ignore_index, return_entropy, sampler, sampling_mask)
 
     def tp_sum(x):
         if tp_size == 1:
@@ -364,6 +536,11 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
         if sp.filters:  # the sums run over the kept set only
             kept = sampled.kept_columns(flat, num_valid_cols, 1.0 / temperature, start)
             valid_col = valid_col & kept.reshape(logits.shape)
+    restricted = sampled is not None and sampled.z_cut is not None
+    if mask_check.present:  # replay: the sums run over each position's kept ids
+        kept = replay.kept_columns((mask_check.ids, mask_check.offsets), start, v_local)
+        valid_col = valid_col & kept.to(logits.device).reshape(logits.shape)
+        restricted = True
     z = logits.float() / temperature
     z = torch.where(valid_col, z, torch.zeros_like(z))  # padded columns: finite, then excluded
     global_max = z.masked_fill(~valid_col, float("-inf")).amax(-1).detach()
@@ -381,7 +558,7 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
     target = z.gather(-1, local_label.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
     target = tp_sum(torch.where(in_shard, target, torch.zeros_like(target)))
     logprobs = target - lse
-    if sampled is not None and sampled.z_cut is not None:  # a label outside the kept set: -inf
+    if restricted:  # a label outside the kept set: -inf
         local_kept = valid_col.gather(-1, local_label.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
         label_kept = reductions.sum_over_ranks((local_kept & in_shard).to(torch.int32),
                                                tp_group if tp_size > 1 else None)
@@ -403,13 +580,15 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
 
 
 def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, ignore_index,
-                            return_entropy, sampler) -> None:
+                            return_entropy, sampler, sampling_mask=None) -> "replay.MaskCheck":
     """The unfused path's checks, agreed over the TP group in one collective (the fused op's
     machinery, ops/agreement.py): every rank raises the same ValueError, none waits in an
-    all-reduce for a rank that raised."""
+    all-reduce for a rank that raised. Returns the sampling mask's check (its int64 tensors)."""
     device = logits.device if isinstance(logits, Tensor) else torch.device("cpu")
+    mask_names = ("sampling_mask", "sampling_mask_with_filters", "sampling_mask_with_return_topk",
+                  "sampling_mask_memory_mode")
     agreement = Agreement("vocab_parallel_logprobs", tp_group, device,
-                          ("logits", "labels", "vocab_size", "temperature", "ignore_index", *sampler))
+                          ("logits", "labels", "vocab_size", "temperature", "ignore_index", *sampler, *mask_names))
     fail = agreement.fail
     tp_size = reductions.group_size(tp_group)
     if not isinstance(logits, Tensor) or logits.dim() < 1 or not logits.dtype.is_floating_point:
@@ -433,6 +612,14 @@ def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, i
     for name, message in problems.items():
         if message:
             fail(name, message)
+    active = sampling.agreed_values(sampler, problems, true_vocab)
+    labels_ok = isinstance(labels, Tensor) and not agreement.failed("labels")
+    mask_check = replay.MaskCheck(sampling_mask, labels if labels_ok else None, ignore_index, true_vocab)
+    mask_problems = {"sampling_mask": mask_check.problem,
+                     **replay.sampling_mask_problems(sampling_mask, active, "fast")}
+    for name, message in mask_problems.items():
+        if message:
+            fail(name, message)
     bad = torch.zeros((), dtype=torch.int64, device=device)
     ok = not agreement.failed("logits", "labels", "ignore_index")
     if ok and labels.numel() > 0:
@@ -447,11 +634,14 @@ def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, i
     agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
     agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
     agreement.equal("return_entropy", bool(return_entropy))
-    for name, value in sampling.agreed_values(sampler, problems, true_vocab).items():  # they decide the collectives
+    for name, value in active.items():  # they decide the collectives
         agreement.equal(name, value)
-    agreement.agree(lambda agreed: [
+    mask_check.register(agreement, device)  # the mask's entries, on every rank with or without one
+    agreement.agree(lambda agreed: ([
         f"labels: labels outside [0, vocab_size={true_vocab}) that are not ignore_index="
         f"{ignore_index} (on this or another tensor-parallel rank)"] if agreed[bad_key] else [])
+        + mask_check.messages(agreed))
+    return mask_check
 
 
 # ------------------------------------------------------------------------------------------------
@@ -536,9 +726,23 @@ def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_grou
 COMPUTE_LOGPROBS_LAYOUTS = ("sharded", "gathered")
 
 
+def _masks_per_batch(sampling_mask, num_batches: int) -> list:
+    """compute_logprobs' `sampling_mask`: one entry (a mask or None) per micro-batch."""
+    if sampling_mask is None:
+        return [None] * num_batches
+    entries = list(sampling_mask) if isinstance(sampling_mask, (list, tuple)) else None
+    if (entries is None or len(entries) != num_batches or hasattr(sampling_mask, "token_ids")
+            or any(isinstance(entry, Tensor) for entry in entries)):
+        raise ValueError(f"compute_logprobs: sampling_mask must be None or a list with one entry per "
+                         f"micro-batch ({num_batches}), each a mask ((token_ids, offsets) or an object "
+                         f"with .token_ids / .offsets) or None")
+    return entries
+
+
 def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
                      post_processor: LogprobsPostProcessor, *, seq_length: int,
-                     micro_batch_size: int, layout: str = "sharded") -> List[LogprobsOutput]:
+                     micro_batch_size: int, layout: str = "sharded",
+                     sampling_mask: Optional[Sequence] = None) -> List[LogprobsOutput]:
     """A forward-only pass (no autograd graph) returning each micro-batch's log-probs on every stage.
 
     For reference-policy / old-policy log-probs. `forward_fn(model_chunk, batch)` runs the model on
@@ -554,27 +758,35 @@ def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
     func takes on the next forward, and costs no communication; `layout="gathered"` returns the
     whole `[b, s]` sequences in their original order on every CP rank (what an RL trainer stores).
     Without CP both are the same.
+
+    `sampling_mask`: None, or one per micro-batch (a mask or None): the log-probs of the engine's
+    kept sets (replay, see `LogprobsPostProcessor`), e.g. the old policy's; each in the `[b, s]`
+    layout of its batch's labels, for the whole sequences under CP (the batches hold CP slices,
+    the masks do not).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if layout not in COMPUTE_LOGPROBS_LAYOUTS:
         raise ValueError(f"layout must be one of {COMPUTE_LOGPROBS_LAYOUTS}, got {layout!r}")
+    masks = _masks_per_batch(sampling_mask, len(batches))
     post_processor = as_post_processor(post_processor)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
 
-    def loss_func(batch, chunk, output_tensor):
+    def loss_func(index, batch, chunk, output_tensor):
         check_model_output(output_tensor)
         packing = dict(cu_seqlens=batch.get("cu_seqlens"), cu_seqlens_padded=batch.get("cu_seqlens_padded"))
         cp_group = post_processor.context_parallel_group(chunk) if layout == "gathered" else None
         outs = []
         # Under CP a rank that fails must not leave the others waiting in the gather: the error
         # is agreed over the CP group (and TP: the same batch) first.
+        replay = {} if masks[index] is None else {"sampling_mask": masks[index]}
         agree_on_inputs("compute_logprobs", lambda: outs.append(post_processor(
-                            output_tensor, chunk, batch["labels"], **packing)),
+                            output_tensor, chunk, batch["labels"], **packing, **replay)),
                         cp_group=cp_group,
                         other_groups=(post_processor.tensor_parallel_group(chunk),) if cp_group else (),
-                        device=output_tensor.device)
+                        device=output_tensor.device,
+                        flags=[("sampling_mask given", masks[index] is not None)])
         out = outs[0]
         if cp_group is not None:
             layout_offsets = packing["cu_seqlens_padded"] if packing["cu_seqlens_padded"] is not None \
@@ -587,10 +799,10 @@ def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
         return zero, torch.ones((), dtype=torch.int, device=zero.device), {"logprobs": out}
 
     def forward_step(data_iterator, chunk):
-        batch = next(data_iterator)
-        return forward_fn(chunk, batch), partial(loss_func, batch, chunk)
+        index, batch = next(data_iterator)
+        return forward_fn(chunk, batch), partial(loss_func, index, batch, chunk)
 
-    iterators = [iter(batches) for _ in chunks]
+    iterators = [iter(list(enumerate(batches))) for _ in chunks]
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
