@@ -74,6 +74,14 @@ INSTALL_HINT = 'pip install -e ".[megatron]"'
 # Command line: YAML file, then --tp/--pp/--cp/--seq-length/--steps, then `section.key=value` overrides.
 # Any mistake ends here, before torchrun's processes connect: one line, exit status 2.
 # ------------------------------------------------------------------------------------------------
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Option help wrapped at spaces only: argparse's textwrap breaks "log-prob" / "sampler-fidelity"
+    at the hyphen wherever the help column (set by the longest option name) puts it at a line end."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser(example: str, description: str) -> argparse.ArgumentParser:
     default_config = os.path.join(CONFIG_DIR, f"{example}.yaml")
     schema = schema_for(example)
@@ -83,7 +91,7 @@ def build_parser(example: str, description: str) -> argparse.ArgumentParser:
                      for section, section_keys in schema.items())
     parser = argparse.ArgumentParser(
         prog=f"examples/{example}.py", description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
         epilog=f"config keys (any of them can be overridden with section.key=VALUE):\n{keys}")
     parser.add_argument("--config", default=default_config, metavar="YAML",
                         help=f"config file (default: examples/configs/{example}.yaml)")

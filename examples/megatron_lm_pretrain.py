@@ -112,6 +112,11 @@ def parse_args(argv=None, extra_args_provider=None):
     add("--tokenizer-model", default=None, help="HuggingFaceTokenizer: folder with tokenizer.json")
     add("--log-interval", type=int, default=5)
     add("--compare-unfused", action="store_true")
+    # The stand-in reads --data-path only, but the shared dataset builder hands these arguments to
+    # Megatron-LM's blend reader where megatron.training is installed (megatron-core >= 0.19 ships
+    # it), and that reader also reads the per-split sources: they exist here, unset.
+    parser.set_defaults(data_args_path=None, train_data_path=None, valid_data_path=None,
+                        test_data_path=None, per_split_data_args_path=None)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser.parse_args(argv)

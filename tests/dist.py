@@ -7,14 +7,24 @@ returns the list of per-rank results, in rank order.
 The workers are forked from a multiprocessing forkserver: a process that imported torch, megatron-core
 and this package once (_PRELOAD) and never ran anything else, so it is single-threaded when it forks.
 Forking the pytest process itself was cheaper to set up but forked a process with live gloo / OpenMP /
-autograd threads, which occasionally crashed the children inside native code. On a machine with CUDA,
-or with TESTS_SPAWN_WORKERS set, the workers are spawned instead (each imports torch again).
+autograd threads, which occasionally crashed the children inside native code. With TESTS_SPAWN_WORKERS
+set (or where there is no forkserver) the workers are spawned instead (each imports torch again).
+
+These workers are CPU ranks on a machine with GPUs too: the forkserver starts, and every worker runs,
+with CUDA_VISIBLE_DEVICES="" (whatever the test's environment says), so torch sees no CUDA device,
+the server never initializes CUDA before it forks, and megatron-core on CPU (enable_cpu_mode) does
+exactly what it does on a CPU-only machine instead of putting its weights on the GPU. A function that
+needs the GPU asks for it: `run_workers(fn, n, *args, cuda=True)` spawns its workers (a fresh process
+may initialize CUDA; a forked one must not inherit a parent that did) with the test's environment as
+it is, so they see the test's GPUs; the default group is gloo all the same (make NCCL subgroups in
+`fn`). The multi-GPU NCCL suites (tests/test_multigpu*.py) run under torchrun, not here.
 
 What a worker sees of the test process, since it does not inherit its memory:
 - `fn` and `args` are pickled: `fn` must be a module-level function, found by module and name (the
   forkserver also imports the modules of tests/ that the test process had imported when it started
   the server, so a worker finds its test module loaded; tests/conftest.py puts tests/ on sys.path);
-- `os.environ` as it is at the call (not as it was when the forkserver started);
+- `os.environ` as it is at the call (not as it was when the forkserver started), with
+  CUDA_VISIBLE_DEVICES="" unless `cuda=True`;
 - the attributes that a running test's `monkeypatch.setattr` / `delattr` changed on modules and
   module-level classes (tests/conftest.py registers every monkeypatch fixture here); a patched value
   that cannot be pickled is an error at the call, not a silent difference between test and worker;
@@ -23,8 +33,9 @@ What a worker sees of the test process, since it does not inherit its memory:
 Failures: a Python exception in a worker is raised in the test as WorkerError with the worker's
 traceback; a worker killed by a signal (a crash in native code) as WorkerCrash naming the signal, the
 rank and `fn`, with no retry; a worker still running after `timeout` seconds (a hang in a collective)
-is killed and reported as WorkerTimeout. Once one rank has failed, the others get GRACE seconds to
-finish (their peers may now wait forever in a collective), then are killed.
+is killed and reported as WorkerTimeout (spawned workers get SPAWN_IMPORT_S more: they import torch
+and megatron again). Once one rank has failed, the others get GRACE seconds to finish (their peers
+may now wait forever in a collective), then are killed.
 
 `fn` may use the default group (`dist.group.WORLD`), make subgroups, or call
 `init_megatron_parallel(tp, pp)` to set up `megatron.core.parallel_state` on top of it.
@@ -32,6 +43,7 @@ finish (their peers may now wait forever in a collective), then are killed.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import multiprocessing
@@ -50,8 +62,9 @@ import types
 import torch
 import torch.distributed as dist
 
-# Imported once in the forkserver, before it forks any worker. A name that fails to import is skipped
-# by the forkserver (ImportError only), so the list may name optional pieces.
+# Imported once in the forkserver, before it forks any worker (by this module, in the server: see the end
+# of this file). A name that fails to import is skipped there, so the list may name optional pieces; a
+# worker that needs it then fails on its own import, with the error in the test's report.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -68,32 +81,51 @@ _PRELOAD = [
     "megatron_fused_ce",
     "megatron_fused_ce.losses",
     "megatron_fused_ce.megatron",
-    "dist",
 ]
 
 GRACE = 10.0  # seconds the other ranks get to finish once one rank has failed
+SPAWN_IMPORT_S = 60.0  # more seconds for a spawned worker, which imports torch and megatron again
+
+# The environment of the CPU workers and of the forkserver on top of the test's: no CUDA device.
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def _start_method() -> str:
-    # With CUDA, spawn as before: a forked child must not inherit a CUDA-initialized parent, and
-    # whether the preloaded imports initialize CUDA in the forkserver is not checked on CPU machines.
-    if torch.cuda.is_available() or os.environ.get("TESTS_SPAWN_WORKERS"):
+def _cpu_start_method() -> str:
+    if os.environ.get("TESTS_SPAWN_WORKERS") or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    return "forkserver"
 
 
-_CTX = multiprocessing.get_context(_start_method())
+_CTX = multiprocessing.get_context(_cpu_start_method())  # the CPU workers
+_CUDA_CTX = multiprocessing.get_context("spawn")  # run_workers(..., cuda=True)
 if _CTX.get_start_method() == "forkserver":
-    _CTX.set_forkserver_preload(_PRELOAD)
+    # Only this module by name: it imports _PRELOAD in the server itself, where an import that fails
+    # in any way (not only ImportError, as multiprocessing's own preload allows) cannot kill the server.
+    _CTX.set_forkserver_preload(["dist"])
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _PRELOAD_TESTS_ENV = "DIST_FORKSERVER_PRELOAD_TESTS"  # set only while the forkserver starts
 _server_started = False
 
 
+@contextlib.contextmanager
+def _environ(values: dict):
+    """os.environ with `values` set, for the processes started meanwhile; restored afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _start_forkserver() -> None:
-    """Start the forkserver (once), telling it which modules of tests/ this process has imported:
-    it imports them too, so that a worker does not import its test module (and what that imports)
-    anew on every call."""
+    """Start the forkserver (once), with no CUDA device visible to it, telling it which modules of
+    tests/ this process has imported: it imports them too, so that a worker does not import its test
+    module (and what that imports) anew on every call."""
     global _server_started
     if _server_started or _CTX.get_start_method() != "forkserver":
         return
@@ -102,17 +134,9 @@ def _start_forkserver() -> None:
                    and os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == _TESTS_DIR)
     # The server imports its preload list before it takes this process's sys.path (Python 3.11 does
     # not apply the sys_path it is given): PYTHONPATH carries it (tests/ included) while it starts.
-    saved = {key: os.environ.get(key) for key in (_PRELOAD_TESTS_ENV, "PYTHONPATH")}
-    os.environ[_PRELOAD_TESTS_ENV] = ",".join(names)
-    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path and os.path.isdir(path))
-    try:
+    pythonpath = os.pathsep.join(path for path in sys.path if path and os.path.isdir(path))
+    with _environ({_PRELOAD_TESTS_ENV: ",".join(names), "PYTHONPATH": pythonpath, **NO_CUDA}):
         multiprocessing.forkserver.ensure_running()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     _server_started = True
 
 
@@ -242,14 +266,17 @@ def _fn_name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def run_workers(fn, world_size: int, *args, timeout: float = 60.0):
+def run_workers(fn, world_size: int, *args, timeout: float = 60.0, cuda: bool = False):
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return their results in rank order.
+
+    The ranks are CPU processes that see no CUDA device; with `cuda=True` they are spawned with the
+    test's environment (its GPUs visible).
 
     Raises WorkerCrash if a worker died by a signal, WorkerError if one raised (with its traceback),
     WorkerTimeout if one did not finish within `timeout` seconds."""
     name = _fn_name(fn)
-    if _CTX.get_start_method() == "spawn":
-        timeout += 60.0  # each worker imports torch (and megatron) again
+    ctx = _CUDA_CTX if cuda else _CTX
+    spawned = ctx.get_start_method() == "spawn"
     try:
         call = pickle.dumps((fn, args, _patches_for_workers()))
     except WorkerError:
@@ -257,24 +284,28 @@ def run_workers(fn, world_size: int, *args, timeout: float = 60.0):
     except Exception as err:
         raise WorkerError(f"run_workers({name}): the function and its arguments must be picklable "
                           f"(a module-level function, plain data): {err}") from err
-    _start_forkserver()
-    env = dict(os.environ)
+    if not cuda:
+        _start_forkserver()
+    hidden = {} if cuda else NO_CUDA
+    env = dict(os.environ, **hidden)  # a forked worker takes it from here, not from the server
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs, pipes = [], []
         try:
-            for rank in range(world_size):
-                parent_conn, child_conn = _CTX.Pipe(duplex=False)
-                proc = _CTX.Process(target=_worker, name=f"{name}[rank {rank}]",
-                                    args=(rank, world_size, store_path, env, call,
-                                          (_ParentFd(1), _ParentFd(2)), child_conn))
-                proc.start()
-                child_conn.close()
-                procs.append(proc)
-                pipes.append(parent_conn)
-            results, errors, crashed, hung = _collect(procs, pipes, timeout)
+            with _environ(hidden if spawned else {}):  # a spawned worker's CUDA starts with this
+                for rank in range(world_size):
+                    parent_conn, child_conn = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_worker, name=f"{name}[rank {rank}]",
+                                       args=(rank, world_size, store_path, env, call,
+                                             (_ParentFd(1), _ParentFd(2)), child_conn))
+                    proc.start()
+                    child_conn.close()
+                    procs.append(proc)
+                    pipes.append(parent_conn)
+            results, errors, crashed, hung = _collect(procs, pipes,
+                                                      timeout + (SPAWN_IMPORT_S if spawned else 0.0))
             # Ranks that finished get a few seconds to exit on their own (a crash on the way out is
             # still a crash); ranks still running are killed.
             exit_deadline = time.monotonic() + 5.0
@@ -304,7 +335,8 @@ def run_workers(fn, world_size: int, *args, timeout: float = 60.0):
     if errors:
         raise WorkerError(f"run_workers({name}) failed on ranks {sorted(errors)}:\n" + "\n".join(lines))
     if hung:
-        raise WorkerTimeout(f"run_workers({name}): ranks {hung} did not finish within {timeout}s "
+        allowance = f" (+{SPAWN_IMPORT_S:.0f}s to start)" if spawned else ""
+        raise WorkerTimeout(f"run_workers({name}): ranks {hung} did not finish within {timeout}s{allowance} "
                             "(hang in a collective?)")
     return results
 
@@ -376,13 +408,15 @@ def init_nccl_once() -> None:
         dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3))
 
 
-if os.environ.get(_PRELOAD_TESTS_ENV):
-    # Only in the forkserver: the test process's modules of tests/ (see _start_forkserver). The variable
-    # goes first, so that no process forked from here repeats this. One intra-op thread, so that a
-    # tensor op at a module's import starts no thread pool in the server.
+if _PRELOAD_TESTS_ENV in os.environ:
+    # Only in the forkserver (started with no CUDA device visible: see _start_forkserver): _PRELOAD,
+    # then the test process's modules of tests/. The variable goes first, so that no process forked
+    # from here repeats this. One intra-op thread, so that a tensor op at a module's import starts no
+    # thread pool in the server. A module that fails here is imported, and fails, in the worker.
+    _tests = [name for name in os.environ.pop(_PRELOAD_TESTS_ENV).split(",") if name]
     torch.set_num_threads(1)
-    for _name in os.environ.pop(_PRELOAD_TESTS_ENV).split(","):
+    for _name in _PRELOAD + _tests:
         try:
             importlib.import_module(_name)
-        except BaseException:  # noqa: B036  (a module that fails here is imported, and fails, in the worker)
+        except BaseException:  # noqa: B036
             pass

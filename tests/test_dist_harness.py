@@ -4,16 +4,19 @@ see now that they are not forked from it.
 A worker killed by a signal (a crash in native code) must fail the test at once, naming the signal,
 the rank and the function: a retry would hide a real crash. A Python exception comes back with the
 worker's traceback. The workers get the test's environment, its monkeypatched module attributes and
-its captured output, which forked workers used to inherit."""
+its captured output, which forked workers used to inherit. They are CPU ranks, GPUs or not: they see
+no CUDA device unless the test asks for one (`cuda=True`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as torch_dist
 
 import dist
@@ -106,7 +109,8 @@ def test_a_hung_worker_is_reported_as_a_timeout():
     start = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"ranks \[1\] did not finish within 2"):
         run_workers(_sleep_on_rank_1, 2, timeout=2)
-    assert time.monotonic() - start < 60
+    spawned = dist._CTX.get_start_method() == "spawn"  # (TESTS_SPAWN_WORKERS) time to import torch
+    assert time.monotonic() - start < 60 + (dist.SPAWN_IMPORT_S if spawned else 0)
 
 
 def _identify(rank, world_size):
@@ -128,7 +132,7 @@ def _server_threads(rank, world_size):
 
 
 @pytest.mark.skipif(dist._CTX.get_start_method() != "forkserver" or not os.path.exists("/proc/self/status"),
-                    reason="workers are spawned here (CUDA or TESTS_SPAWN_WORKERS), or no /proc")
+                    reason="workers are spawned here (TESTS_SPAWN_WORKERS), or no /proc")
 def test_workers_are_forked_from_a_single_threaded_server():
     """The reason for the forkserver: fork() of a process with other threads running (pytest's, after
     gloo / OpenMP / autograd started theirs) can leave a child's allocator or gloo state broken."""
@@ -168,3 +172,44 @@ def test_a_function_the_workers_cannot_import_is_an_error():
     with pytest.raises(WorkerError, match="must be picklable"):
         run_workers(local, 1)
 
+
+def _cuda_view(rank, world_size):
+    server_env = None
+    if dist._CTX.get_start_method() == "forkserver" and os.path.exists(f"/proc/{os.getppid()}/environ"):
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:  # the server's environment at its start
+            server_env = [entry.decode() for entry in f.read().split(b"\0")
+                          if entry.startswith(b"CUDA_VISIBLE_DEVICES=")]
+    # torch.cuda._initialized: the flag as the forkserver left it (is_initialized() is False in any
+    # forked child, and a CUDA build marks the child "bad fork" once the server merely counted devices)
+    return (os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available(), torch.cuda.device_count(),
+            torch.cuda._initialized, server_env)
+
+
+def test_cpu_workers_see_no_cuda_device_where_the_test_does(monkeypatch):
+    """On a GPU machine the gloo ranks are CPU ranks as in CPU CI (where a device is visible,
+    enable_cpu_mode() changes nothing and megatron-core puts its weights on the GPU). Neither the
+    forkserver nor its workers see one, whatever the test's environment says, and the server never
+    initializes CUDA before it forks."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    for visible, available, count, server_initialized, server_env in run_workers(_cuda_view, 2):
+        assert (visible, available, count, server_initialized) == ("", False, 0, False)
+        assert server_env in (None, ["CUDA_VISIBLE_DEVICES="]), server_env
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the test process's own is left as it was
+
+
+def test_the_cpu_workers_start_method_does_not_depend_on_cuda(monkeypatch):
+    monkeypatch.delenv("TESTS_SPAWN_WORKERS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        assert dist._cpu_start_method() == "forkserver"
+
+
+def _parent_and_devices(rank, world_size):
+    return os.getppid(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_cuda_workers_are_spawned_with_the_tests_devices(monkeypatch):
+    """`cuda=True`: fresh processes (a forked child must not inherit a CUDA-initialized parent), children
+    of the test process, with its CUDA_VISIBLE_DEVICES."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert run_workers(_parent_and_devices, 1, cuda=True) == [(os.getpid(), "0")]
