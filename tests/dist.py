@@ -87,7 +87,9 @@ GRACE = 10.0  # seconds the other ranks get to finish once one rank has failed
 SPAWN_IMPORT_S = 60.0  # more seconds for a spawned worker, which imports torch and megatron again
 
 # The environment of the CPU workers and of the forkserver on top of the test's: no CUDA device.
-NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
+# torch.cuda.is_available() then asks NVML, which reads the empty list and answers 0 without
+# initializing the driver (the driver's own count would start a driver thread in the forkserver).
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 
 def _cpu_start_method() -> str:

@@ -255,7 +255,9 @@ def test_torchrun_run_is_one_clean_screen():
     root = os.path.dirname(EXAMPLES_DIR)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=root, OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
+    # the repository first, and whatever the environment already had (packages installed with --target)
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
             "examples/pretrain_gpt.py", "--tp", "2", "--steps", "2", "--seq-length", "32",
             "model.num_layers=2", "model.hidden_size=32", "--compare-unfused",
