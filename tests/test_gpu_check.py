@@ -77,7 +77,7 @@ def test_dry_run_on_four_gpus(tmp_path):
         gpu = REPO / "examples" / "configs" / f"{name}_gpu.yaml"
         config = f"examples/configs/{name}_gpu.yaml" if gpu.exists() else f"examples/configs/{name}.yaml"
         assert steps[f"examples_{name}"][2] == (f"{torchrun} examples/{name}.py --config {config} --steps 5 "
-                                                "--tp 2 --compare-unfused")
+                                                f"--tp 2 --compare-unfused --log-jsonl {tmp_path}/out/examples_{name}.jsonl")
     assert "--tensor-model-parallel-size 2 " in steps["examples_megatron_lm"][2]
     assert "tools/real_loop_curves.sh tiny" in steps["real_loop"][2]
     assert steps["tools_e2e_seqlen"][2].startswith(f"{torchrun} tools/e2e_seqlen.py --tp 4 ")

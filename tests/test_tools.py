@@ -248,3 +248,29 @@ def test_e2e_seqlen_tp2_sequence_parallel_matches_tp1(tmp_path):
         assert comparisons["fused_vs_unfused"]["max_abs_loss_diff_first_step"] < 1e-4
         padding = math.log(1024 / 1000)
         assert 0.3 * padding < comparisons["fused_vs_megatron"]["max_abs_loss_diff_first_step"] < 3 * padding
+
+
+def test_rl_curves_table_from_log_jsonl(tmp_path):
+    """tools/rl_curves.py (docs/rl.md's GPU tables and curves) reads the examples' --log-jsonl:
+    the first-3 / last-5 reward means, the first step at the target (SFT and DPO log a reward only
+    at their evaluations), and a clear error for a PNG without matplotlib or a missing file."""
+    grpo = tmp_path / "grpo.jsonl"
+    grpo.write_text("\n".join(json.dumps({"step": i, "reward": r, "accuracy": r / 2, "kl": 0.01})
+                              for i, r in enumerate([0.2, 0.4, 0.6, 0.8, 0.95, 0.9, 0.7, 1.0])) + "\n")
+    dpo = tmp_path / "dpo.jsonl"
+    dpo.write_text("\n".join(json.dumps({"step": i, "loss": 1.0, **({"reward": 0.5, "accuracy": 0.25} if i % 5 == 0 else {})})
+                             for i in range(11)) + "\n")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "rl_curves.py"),
+                          f"GRPO run={grpo}", f"DPO run={dpo}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.stdout.splitlines()[2:]}
+    assert rows["GRPO run"] == ["8", "0.400", "0.870", "1.000", "4", "0.500"]
+    assert rows["DPO run"] == ["11", "0.500", "0.500", "0.500", "-", "0.250"]
+    missing = subprocess.run([sys.executable, os.path.join(REPO, "tools", "rl_curves.py"), f"x={tmp_path}/none.jsonl"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    if importlib.util.find_spec("matplotlib") is None:
+        png = subprocess.run([sys.executable, os.path.join(REPO, "tools", "rl_curves.py"), f"GRPO run={grpo}",
+                              "--png", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=60)
+        assert png.returncode != 0 and "needs matplotlib" in png.stderr

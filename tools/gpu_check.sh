@@ -209,8 +209,10 @@ stage_examples() {
   local name
   for name in sft dpo grpo; do
     step "examples_$name" 140 "${TORCHRUN[@]}" --nproc_per_node "$N" "examples/$name.py" --config "$(config $name)" \
-      --steps "$EXAMPLE_STEPS" "${tp[@]}" --compare-unfused
+      --steps "$EXAMPLE_STEPS" "${tp[@]}" --compare-unfused --log-jsonl "$OUT/examples_$name.jsonl"
   done
+  step examples_rl_curves 30 "$PY" tools/rl_curves.py "sft=$OUT/examples_sft.jsonl" \
+    "dpo=$OUT/examples_dpo.jsonl" "grpo=$OUT/examples_grpo.jsonl"
   step examples_megatron_lm 140 "${TORCHRUN[@]}" --nproc_per_node "$N" examples/megatron_lm_pretrain.py \
     --tensor-model-parallel-size "$TP" --bf16 --use-distributed-optimizer --overlap-grad-reduce \
     --overlap-param-gather --mtp-num-layers 1 --use-linear-ce-fusion-loss --train-iters 20 --compare-unfused

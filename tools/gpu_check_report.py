@@ -190,6 +190,12 @@ def sampling_mask_figure(text):
     return "; ".join(parts + ([verdict] if verdict else [])) or None
 
 
+def rl_curves_figure(text):
+    """tools/rl_curves.py: each run's reward over its first 3 and last 5 evaluated steps."""
+    rows = re.findall(r"^\| (\w+) \| \d+ \| ([\d.]+) \| ([\d.]+) \|", text, re.M)
+    return ", ".join(f"{run} reward {first} -> {last}" for run, first, last in rows) or None
+
+
 def dataset_figure(text):
     return first(r"^(\d+ files .*? tokens, vocab \d+)", text)
 
@@ -224,6 +230,7 @@ FIGURES = {  # step name (or its prefix before "_") -> key figure of its log
     "tests": lambda text, folder: pytest_counts(text),
     "multigpu": lambda text, folder: pytest_counts(text),
     "pretrain": lambda text, folder: training_figure(text),
+    "examples_rl_curves": lambda text, folder: rl_curves_figure(text),
     "examples": lambda text, folder: training_figure(text),
     "real_loop": lambda text, folder: real_loop_figure(text),
     "tools_e2e_seqlen": lambda text, folder: e2e_figure(text),

@@ -1,0 +1,100 @@
+"""Reward curves of RL runs from their `--log-jsonl` files: one markdown table, optionally one PNG.
+
+    python tools/rl_curves.py "GRPO fused=runs/grpo_fused.jsonl" "GRPO unfused=runs/grpo_unfused.jsonl" \
+        --png docs/rl_curves.png
+
+Each argument is LABEL=PATH (the PATH of `examples/{sft,grpo,dpo}.py --log-jsonl`). The table gives,
+per run, the steps logged, the mean reward over the first 3 and the last 5 evaluated steps, the first
+step whose reward reached --target, and the last accuracy. The PNG (needs matplotlib) plots reward
+and accuracy against step, and for GRPO runs the KL to the reference and the mean policy ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+
+def read_run(path: str) -> List[dict]:
+    """The JSON lines of one run (blank lines skipped)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(rows: List[dict], target: float) -> Dict[str, object]:
+    """Figures of one run over its steps that carry a reward (SFT and DPO evaluate every few)."""
+    rewarded = [row for row in rows if "reward" in row]
+    rewards = [row["reward"] for row in rewarded]
+    first = [row["step"] for row in rewarded if row["reward"] >= target]
+    return {
+        "steps": len(rows),
+        "first_3": sum(rewards[:3]) / len(rewards[:3]) if rewards else float("nan"),
+        "last_5": sum(rewards[-5:]) / len(rewards[-5:]) if rewards else float("nan"),
+        "best": max(rewards) if rewards else float("nan"),
+        "first_at_target": first[0] if first else None,
+        "last_accuracy": rewarded[-1].get("accuracy", float("nan")) if rewarded else float("nan"),
+    }
+
+
+def table(runs: Dict[str, List[dict]], target: float) -> str:
+    lines = [f"| run | steps | reward, first 3 | reward, last 5 | best | first step ≥ {target:g} | last accuracy |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, rows in runs.items():
+        s = summarize(rows, target)
+        reached = "-" if s["first_at_target"] is None else str(s["first_at_target"])
+        lines.append(f"| {label} | {s['steps']} | {s['first_3']:.3f} | {s['last_5']:.3f} | {s['best']:.3f} "
+                     f"| {reached} | {s['last_accuracy']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: Dict[str, List[dict]], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--png needs matplotlib (pip install matplotlib)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward", "mean reward (0-1)"), ("accuracy", "exact match"),
+              ("kl", "KL to the reference (GRPO)"), ("ratio_mean", "mean policy ratio (GRPO)")]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (key, title) in zip(axes.flat, panels):
+        for label, rows in runs.items():
+            points = [(row["step"], row[key]) for row in rows if key in row]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="." if len(points) < 30 else None, label=label)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="a run's label and its --log-jsonl file")
+    parser.add_argument("--target", type=float, default=0.9, help="the reward whose first step is reported")
+    parser.add_argument("--png", metavar="PATH", help="also write the curves to this PNG (needs matplotlib)")
+    args = parser.parse_args(argv)
+    runs = {}
+    for spec in args.runs:
+        label, sep, path = spec.rpartition("=")
+        if not sep or not label:
+            parser.error(f"{spec!r}: expected LABEL=PATH")
+        if not Path(path).is_file():
+            parser.error(f"{path}: no such file")
+        runs[label] = read_run(path)
+    print(table(runs, args.target))
+    if args.png:
+        plot(runs, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
