@@ -5,6 +5,7 @@ linear_logprobs(...) fwd+bwd, same inputs, same process, bf16.
     python tools/sampling_mask_bench.py                  # GPU: the three shapes x {zipf, random} x K in {50, 512}
     python tools/sampling_mask_bench.py --shapes 8192x4096x128256 --ks 50 --sets zipf
     python tools/sampling_mask_bench.py --pieces sparse   # every tile on its union (--pieces dense: on the shard)
+    python tools/sampling_mask_bench.py --breakdown      # + where each call's time goes (below)
     python tools/sampling_mask_bench.py --device cpu --shapes 256x32x3000 --ks 5,50 --reps 1   # smoke test
     python tools/sampling_mask_bench.py --fidelity       # the drift table of docs/design.md §8.3 (CPU)
 
@@ -21,9 +22,19 @@ fraction of tokens scored on unions (the rest on the whole shard). "lp err" is r
 log-probs against float64 on 64 tokens. Targets: K=50 at most 0.25x plain, K=512 below 1x, every
 row at most 1x. `--pieces sparse` / `dense` overrides the cost model (replay.FORCE_PIECES): run
 both to see whether its choice was the faster one.
+
+`--breakdown` adds, under each row, replay's time per phase: the plan (replay.make_plan), the
+forward (replay._forward) and the backward (replay._backward), each timed from a synchronized
+start to a synchronized end (torch.cuda.synchronize), "host" the time until its Python call
+returned (host time close to the phase's time: the GPU waited for the launches), "ops" the torch
+ops it dispatched (views left out; one more call, counted), "rest" what the call spent outside
+them (argument and mask checks, autograd); the plan's tile size and pieces; and once per shape
+the plain op's forward and backward. The synchronizations cost some overlap: the phases add up to
+a little more than the row's time.
 """
 
 import argparse
+import collections
 import math
 import os
 import statistics
@@ -82,12 +93,129 @@ def time_ms(step, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+PHASES = {"plan": "make_plan", "forward": "_forward", "backward": "_backward"}  # replay.py's functions
+VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias",
+            "as_strided", "detach", "lift_fresh", "permute", "split", "unbind", "reshape"}
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops dispatched (views left out) by phase: `phase[0]` names the current one."""
+
+    def __init__(self, phase):
+        super().__init__()
+        self.phase, self.counts = phase, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in VIEW_OPS:
+            self.counts[self.phase[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def phase_breakdown(step, device, reps: int) -> dict:
+    """{phase: (ms synchronized, host ms, ops)} of replay's phases in `step` (ms: means per call),
+    plus "rest" (the call outside them: the median call's time less the phases') and "total"."""
+    wall, host, phase = collections.defaultdict(list), collections.defaultdict(list), ["rest"]
+    originals = {name: getattr(replay, fn) for name, fn in PHASES.items()}
+
+    def timed(name, fn):
+        def wrapped(*args, **kwargs):
+            _sync(device)
+            before, phase[0] = phase[0], name
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                t1 = time.perf_counter()
+                _sync(device)
+                phase[0] = before
+            host[name].append((t1 - t0) * 1e3)
+            wall[name].append((time.perf_counter() - t0) * 1e3)
+            return out
+        return wrapped
+
+    for name, fn in PHASES.items():
+        setattr(replay, fn, timed(name, originals[name]))
+    try:
+        step()  # warm
+        wall.clear(), host.clear()
+        totals = []
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            totals.append((time.perf_counter() - t0) * 1e3)
+        per_call = {name: sum(times) / reps for name, times in wall.items()}  # (a phase may run twice a call)
+        host_per_call = {name: sum(times) / reps for name, times in host.items()}
+        counter = _OpCounter(phase)
+        with counter:
+            step()
+    finally:
+        for name, fn in PHASES.items():
+            setattr(replay, fn, originals[name])
+    out = {name: (per_call[name], host_per_call[name], counter.counts[name]) for name in PHASES if name in per_call}
+    total = statistics.median(totals)
+    out["rest"] = (total - sum(per_call.values()), None, counter.counts["rest"])
+    out["total"] = (total, None, sum(counter.counts.values()))
+    return out
+
+
+def format_breakdown(parts: dict) -> str:
+    cells = []
+    for name, (ms, host_ms, ops) in parts.items():
+        extra = ([f"host {host_ms:.2f}"] if host_ms is not None else []) + [f"{ops} ops"]
+        cells.append(f"{name} {ms:.2f} ({', '.join(extra)})")
+    return "    breakdown ms: " + "; ".join(cells)
+
+
+def plain_breakdown(h, w, y, chunk, device, reps: int) -> str:
+    """The plain op's forward alone and forward + backward, synchronized."""
+    def forward():
+        return linear_logprobs(h, w, y, chunk_size=chunk).logprobs
+
+    step = make_step(h, w, y, chunk)
+    times = collections.defaultdict(list)
+    for name, fn in (("forward", forward), ("forward+backward", step)):
+        fn()
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            del out
+    fwd, total = statistics.median(times["forward"]), statistics.median(times["forward+backward"])
+    return f"    plain breakdown ms: forward {fwd:.2f}; backward {total - fwd:.2f}; total {total:.2f}"
+
+
 def make_step(h, w, y, chunk, mask=None):
     def step():
         lp = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask).logprobs
         return torch.autograd.grad(-lp.sum() / lp.numel(), (h, w))
     step.device = h.device
     return step
+
+
+def _first_plan_tile_rows(step) -> list:
+    """Run `step` once; [the tile size of the plan it made]."""
+    tile_rows, make_plan = [], replay.make_plan
+
+    def recording(*args, **kwargs):
+        plan = make_plan(*args, **kwargs)
+        tile_rows.append(plan.tile_rows)
+        return plan
+
+    replay.make_plan = recording
+    try:
+        step()
+    finally:
+        replay.make_plan = make_plan
+    return tile_rows or [0]
 
 
 def replay_error(h, w, y, mask, rows=64) -> float:
@@ -119,13 +247,15 @@ def benchmark(args):
         w = (torch.randn(vocab, hdim, device=device, generator=g) * (2 / math.sqrt(hdim))).bfloat16().requires_grad_()
         y_plain = torch.randint(0, vocab, (n,), device=device, generator=g)
         plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size), args.warmup, args.reps)
+        if args.breakdown:
+            print(plain_breakdown(h, w, y_plain, args.chunk_size, device, args.reps), flush=True)
         for kind in args.sets.split(","):
             for k in (int(x) for x in args.ks.split(",")):
                 ids, offsets, labels = kept_sets(kind, n, vocab, k, device, g)
                 mask = (ids, offsets)
                 before = dict(replay.PIECE_COUNTS)
                 step = make_step(h, w, labels, args.chunk_size, mask)
-                step()  # one call to read the plan
+                plan_tile_rows = _first_plan_tile_rows(step)  # one call to read the plan
                 counts = {key: replay.PIECE_COUNTS[key] - before.get(key, 0) for key in replay.PIECE_COUNTS}
                 sparse_rows, pieces = counts.get("sparse_rows", 0), counts.get("sparse_pieces", 0)
                 union = counts.get("sparse_union_cols", 0) / pieces / vocab if pieces else float("nan")
@@ -138,6 +268,12 @@ def benchmark(args):
                 print(f"| {shape} | {kind} | {k} | {union:.3f} | {sparse_rows / n:.2f} | {plain_ms:.2f} | "
                       f"{replay_ms:.2f} | {ratio:.3f} | {'<=' if k <= 50 else '<'} {target:g}x "
                       f"{'ok' if met else 'MISSED'} | {err:.1e} |", flush=True)
+                if args.breakdown:
+                    print(format_breakdown(phase_breakdown(step, device, args.reps)), flush=True)
+                    dense_pieces = counts.get("dense_pieces", 0)
+                    print(f"    plan: tiles of {plan_tile_rows[0]} rows, {pieces} sparse piece(s) (mean union "
+                          f"{counts.get('sparse_union_cols', 0) / max(pieces, 1):.0f} ids), {dense_pieces} dense "
+                          f"piece(s)", flush=True)
                 del ids, offsets, labels, mask, step
     return failed
 
@@ -217,6 +353,9 @@ def main(argv=None):
     p.add_argument("--pieces", choices=("auto", "sparse", "dense"), default="auto",
                    help="auto: the cost model chooses per tile; sparse / dense: every tile so")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--breakdown", action="store_true",
+                   help="under each row, replay's time per phase (plan, forward, backward; synchronized) and "
+                        "its ops, and the plain op's forward / backward")
     p.add_argument("--fidelity", action="store_true", help="print the engine/trainer drift table instead")
     args = p.parse_args(argv)
     if args.fidelity:
