@@ -12,11 +12,14 @@ attends over the all-gathered keys/values in original positions); a CP=1 referen
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 # Import megatron-core once, here in the pytest process: the forked workers inherit it (a worker
 # importing it itself costs ~5 s).
@@ -117,10 +120,119 @@ def mtp_block_spec(config, spec, setup: Setup, vp_stage=None):
     return get_gpt_mtp_block_spec_for_backend(config, spec, Backend(), vp_stage=vp_stage)
 
 
+def megatron_gloo_collectives_in_order() -> None:
+    """Over gloo (this worker only): the collectives of each coalescing block of megatron's DDP and
+    Megatron-FSDP are issued one by one as the block ends, each waited for before the next, so a
+    gloo group never runs two at once. Megatron's hooks, dispatch order, buckets and handles are
+    unchanged (a handle finds its work done). A no-op on any other backend: the NCCL suites keep
+    the overlap."""
+    # Megatron overlaps data-parallel communication with compute by coalescing each bucket group's
+    # collectives and leaving them in flight while it issues more (DDP's overlap_param_gather:
+    # every bucket group's all-gather at once; overlap_grad_reduce; Megatron-FSDP's prefetched
+    # all-gathers beside its reduce-scatters), which is meant for NCCL streams. Over gloo, torch's
+    # coalescing manager runs a block through gloo's coalesced kernels (all-gathers: one
+    # `allgather_coalesced`; reduce-scatters: one all-reduce per tensor, all in flight at once on
+    # the group's two worker threads), and with those a worker dies in native code now and then
+    # (SIGSEGV, SIGABRT "double free or corruption"). The rest of the CPU suite (torch FSDP2
+    # included) issues single collectives and waits for each before the next.
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    c10d = dist.distributed_c10d
+    coalescing = c10d._coalescing_manager
+    issue = {  # a recorded collective (torch's _CollOp), issued alone and waited for
+        c10d.all_gather_single: lambda op, group: c10d.all_gather_single(
+            op.dst_tensor, op.tensor, group=group),
+        c10d.reduce_scatter_single: lambda op, group: c10d.reduce_scatter_single(
+            op.dst_tensor, op.tensor, op=op.redop, group=group),
+        c10d.all_reduce: lambda op, group: c10d.all_reduce(op.tensor, op=op.redop, group=group),
+    }
+
+    @contextlib.contextmanager
+    def one_by_one(group=None, device=None, async_ops=False):
+        if device is not None:  # the per-collective path (not megatron's): just wait
+            with coalescing(group, device, async_ops=False) as cm:
+                yield cm
+            return
+        group = group or c10d._get_default_group()
+        state = c10d._world.pg_coalesce_state
+        if state.get(group):
+            raise ValueError("ProcessGroup has non-empty op list at the start of coalescing")
+        state[group] = []  # the block's collectives are recorded, as torch's manager does
+        try:
+            yield c10d._CoalescingManager()  # no works: waiting on it returns at once
+        finally:
+            ops = state.pop(group)
+        for op in ops:
+            issue[op.op](op, group)
+
+    for module in list(sys.modules.values()):  # megatron's buffers imported it by name
+        if getattr(module, "__name__", "").startswith("megatron") and \
+                getattr(module, "_coalescing_manager", None) is coalescing:
+            module._coalescing_manager = one_by_one
+
+
+# The process groups' collectives (ProcessGroup methods, which torch.distributed's functions call).
+_PG_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+                   "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+                   "_allgather_base", "reduce_scatter", "reduce_scatter_single",
+                   "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+                   "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter", "alltoall",
+                   "alltoall_base", "all_to_all_single", "barrier")
+
+
+class GlooCollectivesInFlight:
+    """The most collectives that one process group had issued and not yet waited for when it issued
+    the next one (0: one at a time), and the first few such overlaps. Records the ProcessGroup
+    methods behind torch.distributed's collectives and `Work.wait`, in this worker (torch's
+    functional collectives, issued and waited for in C++, are not seen)."""
+
+    def __init__(self):
+        process_group, work = dist.ProcessGroup, dist.distributed_c10d.Work
+        self.most, self.pending, self.overlaps = 0, {}, []
+        self.originals = [(process_group, name, getattr(process_group, name))
+                          for name in _PG_COLLECTIVES if hasattr(process_group, name)]
+        self.originals.append((work, "wait", work.wait))
+        for owner, name, original in self.originals[:-1]:
+            setattr(owner, name, self._issue(name, original))
+        wait = work.wait
+
+        def waited(handle, *args, **kwargs):
+            for handles in self.pending.values():
+                handles[:] = [(name, h) for name, h in handles if h is not handle]
+            return wait(handle, *args, **kwargs)
+
+        work.wait = waited
+
+    def _issue(self, name, original):
+        def issued(group, *args, **kwargs):
+            handles = self.pending.setdefault(group.group_name, [])
+            if handles:
+                self.most = max(self.most, len(handles))
+                if len(self.overlaps) < 5:
+                    self.overlaps.append((name, dist.get_process_group_ranks(group),
+                                          [pending for pending, _ in handles]))
+            handle = original(group, *args, **kwargs)
+            handles.append((name, handle))
+            return handle
+
+        return issued
+
+    def restore(self):
+        for owner, name, original in self.originals:
+            setattr(owner, name, original)
+
+    def take(self):
+        """(most, overlaps) since the last take."""
+        taken = self.most, self.overlaps
+        self.most, self.overlaps = 0, []
+        return taken
+
+
 def build(setup: Setup, seed: int = 1234, install_before_wrap=None):
     """parallel_state + a DDP-wrapped GPTModel (list of chunks) with deterministic weights.
 
-    `install_before_wrap`: a FusedCEConfig installed on each GPTModel before the DDP wrapping."""
+    `install_before_wrap`: a FusedCEConfig installed on each GPTModel before the DDP wrapping.
+    Over gloo, megatron's coalesced collectives run one at a time (megatron_gloo_collectives_in_order)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -137,6 +249,7 @@ def build(setup: Setup, seed: int = 1234, install_before_wrap=None):
     enable_cpu_mode()
     init_megatron_parallel(setup.tp, setup.pp, virtual_pipeline_model_parallel_size=setup.vp,
                            context_parallel_size=setup.cp)
+    megatron_gloo_collectives_in_order()
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     dtype = torch.bfloat16 if setup.bf16 else torch.float32

@@ -13,6 +13,9 @@ tests/test_multigpu.py runs it), with the fused output layer installed before or
   grad buffers (reduce-scattered) equal the unfused ones.
 * Megatron-LM's evaluation path (`disable_forward_pre_hook` / `enable_forward_pre_hook`) works
   in both orders, and hooks of any other wrapper on the output layer make install raise.
+* Over gloo the hooks dispatch and wait as above, but megatron's all-gathers and reduce-scatters
+  run one at a time (test_megatron_common.megatron_gloo_collectives_in_order): no collective is in
+  flight when the next one of its group is issued.
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ def overlap_worker(rank, world, setup: Setup, order: str, kind: str):
     weight = output_weight(chunks[0])
     gather = ParamGatherRecorder(ddp, weight)  # (forked worker: its patches die with it)
     ready = GradReadyCounter(ddp)
+    in_flight = common.GlooCollectivesInFlight()
     post = LogprobsPostProcessor(FUSED, vocab_size=TRUE_VOCAB)
     batches = common.make_batches("sft", 2, seed=100 + parallel_state.get_data_parallel_rank())
 
@@ -158,7 +162,7 @@ def overlap_worker(rank, world, setup: Setup, order: str, kind: str):
         ddp.start_param_sync()
         metrics = common.run_step(chunks, batches, make_loss_func, forward=forward)
         steps.append({"mode": mode, "reads": gather.new_step(), "ready": ready.take(),
-                      "grads": grad_buffers(ddp), "metrics": metrics})
+                      "grads": grad_buffers(ddp), "metrics": metrics, "in_flight": in_flight.take()})
     return steps
 
 
@@ -181,6 +185,8 @@ def test_param_gather_and_grad_reduce_overlap(setup, order, kind):
                 # the fused ops read the weight, and only after its all-gather was waited for
                 assert step["reads"] and all(step["reads"]), step["reads"]
             assert step["ready"] == unfused["ready"], (step["mode"], step["ready"])
+            # over gloo, the all-gathers and reduce-scatters (all collectives) run one at a time
+            assert step["in_flight"][0] == 0, (step["mode"], step["in_flight"])
         assert unfused["ready"] and set(unfused["ready"].values()) == {1}
         for a, b in zip(fused["grads"], unfused["grads"]):
             assert common.max_rel_diff(a, b) <= GRAD_RTOL

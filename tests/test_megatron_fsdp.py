@@ -24,7 +24,8 @@ The fused layer is installed before wrapping. Checked per step:
 * collectives: every collective issued by this package is on the tensor-parallel group; the
   data-parallel collectives (FSDP's) are the same sequence on every data-parallel rank, also with
   very unequal numbers of labelled tokens per rank (3 vs 3000, 0 vs 3000: 0 to 375 chunks), with
-  exact gradients and no hang.
+  exact gradients and no hang; over gloo, no collective is in flight when the next one of its
+  group is issued (test_megatron_common.megatron_gloo_collectives_in_order).
 
 Tied embeddings (`test_tied_weights`): fused equals unfused where the tied weight is gathered when
 the loss runs (FSDP2's root unit, Megatron-FSDP); a clear error where it is not.
@@ -144,12 +145,15 @@ class _NoStream:
 def megatron_fsdp_on_cpu():
     """Megatron-FSDP runs its collectives on side CUDA streams and builds its device meshes on
     "cuda": on the CPU (this forked worker only) the streams and events become no-ops, the meshes
-    go to the CPU, the CUDA RNG state is the CPU's. Its hooks, buffers and collectives run
-    unchanged over gloo."""
+    go to the CPU, the CUDA RNG state is the CPU's. Its hooks and buffers run unchanged over gloo,
+    and its collectives too, but one at a time (common.megatron_gloo_collectives_in_order says
+    why)."""
     import contextlib
 
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter
     from torch.distributed.device_mesh import DeviceMesh
+
+    common.megatron_gloo_collectives_in_order()
 
     torch.cuda.Stream = torch.cuda.Event = _NoStream
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
@@ -230,32 +234,43 @@ def plain_name(name: str) -> str:
 
 
 def gathered_grads(model) -> Dict[str, torch.Tensor]:
-    """Every parameter's gradient, gathered from its data-parallel shards (a collective)."""
+    """Every parameter's gradient, gathered from its data-parallel shards (collectives).
+
+    FSDP2's gradients are DTensors sharded on dim 0 over a 1-D mesh: gathered like Megatron-FSDP's,
+    by a blocking `dist.all_gather` of the local shards (`gather_rows`), not by
+    `DTensor.full_tensor()`: that is torch's functional all-gather, which over gloo runs as gloo's
+    `allgather_coalesced`, the kernel that megatron's coalesced all-gathers use and that kills a
+    worker in native code now and then (common.megatron_gloo_collectives_in_order)."""
+    from megatron.core import parallel_state
+    from torch.distributed.tensor import Shard
+
     from megatron_fused_ce.megatron.sharded import is_megatron_fsdp_param
 
     out = {}
     for name, param in model.named_parameters():
         grad = param.grad
         if is_megatron_fsdp_param(param):
-            grad = gather_rows(param, grad)
-        elif grad is not None and hasattr(grad, "full_tensor"):
-            grad = grad.full_tensor()
+            local = param.to_local()
+            grad = gather_rows(local, grad.to_local() if grad is not None else torch.zeros_like(local),
+                               parallel_state.get_data_parallel_group())
+        elif grad is not None and hasattr(grad, "full_tensor"):  # FSDP2
+            # Shard(0) on a 1-D mesh: rank r holds the r-th torch.chunk of the rows
+            assert grad.device_mesh.ndim == 1 and tuple(grad.placements) == (Shard(0),), \
+                (name, grad.device_mesh, grad.placements)
+            grad = gather_rows(grad.to_local(), grad.to_local(), grad.device_mesh.get_group())
+            assert grad.shape == param.shape, (name, grad.shape, param.shape)
         out[plain_name(name)] = None if grad is None else grad.detach().double().cpu()
     return out
 
 
-def gather_rows(param, grad) -> torch.Tensor:
-    """The gradient of a Megatron-FSDP parameter (this TP rank's): each data-parallel rank holds a
-    contiguous block of its rows (possibly none, its gradient then None), in rank order; gathered
-    padded (gloo needs equal sizes)."""
-    local = param.to_local()
-    local_grad = grad.to_local() if grad is not None else torch.zeros_like(local)
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group()
+def gather_rows(local, local_grad, group) -> torch.Tensor:
+    """The whole gradient of a parameter of which each rank of `group` holds a contiguous block of
+    rows (`local`, possibly none; `local_grad` its gradient, any shape of the same numel), in rank
+    order: a parameter of Megatron-FSDP (this TP rank's) or FSDP2. Gathered padded (gloo needs
+    equal sizes), by blocking collectives."""
     rows = [None] * dist.get_world_size(group)
     dist.all_gather_object(rows, local.shape[0] if local.dim() else local.numel(), group=group)
-    shape = (sum(rows),) + tuple(local.shape[1:])  # this tensor-parallel rank's parameter
+    shape = (sum(rows),) + tuple(local.shape[1:])
     row = math.prod(shape[1:])
     padded = torch.zeros(max(rows) * row, dtype=local_grad.dtype, device=local_grad.device)
     padded[:local_grad.numel()] = local_grad.reshape(-1)
@@ -490,10 +505,15 @@ OWN_FSDP2_UNIT = ("fully_shard", "megatron")
 def fsdp_worker(rank, world, tp: int, wrapper: str, kinds, token_counts=None, bf16: bool = False,
                 grad_acc_fusion: bool = False):
     log = CollectiveLog()
+    in_flight = common.GlooCollectivesInFlight() if dist.get_backend() == "gloo" else None
     try:
-        return _fsdp_worker(log, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion)
+        report = _fsdp_worker(log, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion)
+        report["gloo_in_flight"] = in_flight.take() if in_flight is not None else None
+        return report
     finally:
         log.restore()
+        if in_flight is not None:
+            in_flight.restore()
 
 
 def _fsdp_worker(log, tp, wrapper, kinds, token_counts, bf16, grad_acc_fusion):
@@ -641,6 +661,9 @@ def check_reports(reports, *, bf16=False, exact=True):
         if "weight_storage_after_forward_only" in report:
             assert report["weight_storage_after_forward_only"] == 0
             assert report["gathers_forward_only"] == 1
+        # over gloo, no collective is left in flight when the next one of its group is issued
+        if report.get("gloo_in_flight") is not None:
+            assert report["gloo_in_flight"][0] == 0, report["gloo_in_flight"]
     # the data-parallel collectives (FSDP's): the same sequence on every data-parallel rank
     for kind in reports[0]["kinds"]:
         for mode in ("fused", "unfused"):
