@@ -18,8 +18,6 @@ from megatron_fused_ce.losses import (
     GRPOConfig,
     dpo_loss,
     grpo_loss,
-    needs_old_logprobs,
-    needs_reference_logprobs,
     nll_loss,
 )
 
@@ -659,7 +657,7 @@ def test_float32_and_bool_mask():
 def test_reference_logprobs_only_needed_with_kl():
     data = make_batch(seed=4)
     cfg = GRPOConfig(beta=0.0)
-    assert not cfg.needs_reference_logprobs and not needs_reference_logprobs(cfg)
+    assert not cfg.needs_reference_logprobs
     assert GRPOConfig(beta=0.01).needs_reference_logprobs
     # beta == 0: reference log-probs are never read, even when they are garbage
     kw = dict(old_logprobs=data["old"])
@@ -676,7 +674,7 @@ def test_reference_logprobs_only_needed_with_kl():
 def test_force_on_policy_ratio_skips_old_logprobs():
     data = make_batch(seed=4)
     cfg = GRPOConfig(force_on_policy_ratio=True)
-    assert not cfg.needs_old_logprobs and not needs_old_logprobs(cfg)
+    assert not cfg.needs_old_logprobs
     assert GRPOConfig().needs_old_logprobs
     with_old = grad_of(lambda x: grpo_loss(x, data["adv"], data["mask"], cfg, old_logprobs=data["old"])[0],
                        data["lp"])

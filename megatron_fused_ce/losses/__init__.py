@@ -39,16 +39,6 @@ from .linear_grpo import linear_grpo_loss
 from .nll import masked_mean, masked_sum, nll_loss, safe_divide
 
 
-def needs_reference_logprobs(config: GRPOConfig) -> bool:
-    """Whether a trainer must run the reference-model log-prob pass for ``config`` (beta > 0)."""
-    return config.needs_reference_logprobs
-
-
-def needs_old_logprobs(config: GRPOConfig) -> bool:
-    """Whether a trainer should run the old-policy log-prob pass (not with force_on_policy_ratio)."""
-    return config.needs_old_logprobs
-
-
 __all__ = [
     "nll_loss",
     "dpo_loss",
@@ -56,8 +46,6 @@ __all__ = [
     "grpo_loss",
     "linear_grpo_loss",
     "linear_cross_entropy",
-    "needs_reference_logprobs",
-    "needs_old_logprobs",
     "masked_sum",
     "masked_mean",
     "safe_divide",

@@ -349,7 +349,8 @@ def grpo_logprob_passes(config: GRPOConfig) -> Dict[str, bool]:
     """Which forward-only log-prob passes a GRPO step must run before training on a batch.
 
     `reference`: only with a KL penalty (`beta > 0`). `old`: not with `force_on_policy_ratio`
-    (the loss then uses the current log-probs, detached). Everything else is skipped.
+    (the loss then uses the current log-probs, detached). Everything else is skipped. The answer
+    is the config's own (`GRPOConfig.needs_reference_logprobs` / `needs_old_logprobs`), as a dict.
     """
     return {"reference": config.needs_reference_logprobs, "old": config.needs_old_logprobs}
 
