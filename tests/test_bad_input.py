@@ -189,7 +189,7 @@ UNFUSED_CASES = {
 
 
 def _unfused_worker(rank, world, name):
-    from megatron_fused_ce.megatron.postprocess import vocab_parallel_logprobs
+    from megatron_fused_ce.megatron.unfused_logprobs import vocab_parallel_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 10, requires_grad=True)  # this rank's shard of a vocab of 20

@@ -65,14 +65,9 @@ from .output_layer import (
     unwrap_model,
 )
 from .output_processor import FusedOutputProcessor
-from .postprocess import (
-    LogprobsPostProcessor,
-    broadcast_from_last_stage,
-    compute_logprobs,
-    local_sampling_mask,
-    packed_sequence_labels,
-    vocab_parallel_logprobs,
-)
+from .pipeline import broadcast_from_last_stage, compute_logprobs
+from .postprocess import LogprobsPostProcessor, local_sampling_mask, packed_sequence_labels
+from .unfused_logprobs import vocab_parallel_logprobs
 
 __all__ = [
     "FusedCEConfig",

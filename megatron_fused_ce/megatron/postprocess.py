@@ -14,7 +14,8 @@ the model output. Follow one token t of row i:
    logits never exist. Under sequence parallelism `output_tensor` is `[b, s/TP, h]` and the op
    all-gathers it along the sequence.
 3. Fusion off: `output_tensor[i, t]` is the row of logits `[V/TP]`; the same softmax statistics
-   (max, sum-exp, target logit, expected logit) are merged over tensor-parallel ranks here.
+   (max, sum-exp, target logit, expected logit) are merged over tensor-parallel ranks
+   (`unfused_logprobs.vocab_parallel_logprobs`).
 Both give `LogprobsOutput(logprobs [b, s], entropy [b, s] | None)`, fp32, identical on all TP
 ranks, of `softmax(z[:vocab_size] / temperature)` -- or, with the rollouts' sampler settings
 (`top_k` / `top_p` / `min_p`), of the distribution the inference engine sampled from (tokens it
@@ -28,31 +29,27 @@ for the whole sequences (each CP rank cuts out its own positions). The fused pat
 mask in its label layout (`[s, b]` under sequence parallelism), the unfused path scores the same
 sets on the logits (`ops.replay.kept_columns`), so both give the same log-probs.
 
-`broadcast_from_last_stage` and `compute_logprobs` carry the result of a forward-only pass
-(reference / old policy log-probs) to every pipeline stage; under context parallelism
-`compute_logprobs` returns each rank's slice (default) or the whole sequences (`layout="gathered"`).
+`pipeline.py` carries the result of a forward-only pass (reference / old policy log-probs) to
+every pipeline stage (`compute_logprobs`, `broadcast_from_last_stage`).
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
-from megatron_fused_ce.losses.context_parallel import agree_on_inputs
 from megatron_fused_ce.ops import reductions, replay, sampling
 from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, is_int
 
 from . import compat
 from .config import FusedCEConfig
-from .context_parallel import context_parallel_group, gather_from_cp_ranks, positions_on_cp_rank
+from .context_parallel import context_parallel_group, positions_on_cp_rank
 from .output_layer import HiddenStates, is_fused, output_weight, unwrap_model
-
-IGNORE_INDEX = -100
+from .unfused_logprobs import IGNORE_INDEX, vocab_parallel_logprobs
 
 
 def _tp_group(gpt):
@@ -490,325 +487,3 @@ class LogprobsPostProcessor:
                 vocab_size=self.vocab_size, temperature=self.temperature,
                 ignore_index=self.ignore_index, return_entropy=self.return_entropy, **self.sampler,
                 sampling_mask=mask)
-
-
-def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp_rank: int = 0,
-                            tp_size: int = 1, vocab_size: Optional[int] = None,
-                            temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
-                            return_entropy: bool = False, top_k: Optional[int] = None,
-                            top_p: Optional[float] = None, min_p: Optional[float] = None,
-                            return_topk: int = 0, sampling_mask=None) -> LogprobsOutput:
-    """Log-softmax over materialized vocab-parallel logits `[..., V/TP]` (the unfused path).
-
-    The same statistics as the fused op, with autograd through the logits: a max (detached) and
-    sums of `exp(z - max)`, `exp(z - max) * (z - max)` and the target logit, each all-reduced over
-    TP with an identity backward (each rank's partial depends only on its own shard). Bad input
-    raises the same ValueError on every rank before the first all-reduce, as in the fused op.
-    With sampler settings the sums run over each row's kept set, found by the fused op's own code
-    (`sampling.sample_logits`), so that both paths keep the same tokens. With `sampling_mask`
-    (`linear_logprobs`' replay; CSR in the row-major order of `labels`) they run over each
-    position's kept ids (`replay.kept_columns`), checked as the op checks them.
-    """
-    sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
-    mask_check = _check_logits_arguments(logits, labels, tp_group if tp_size > 1 else None, vocab_size,
-                                         temperature, ignore_index, return_entropy, sampler, sampling_mask)
-
-    def tp_sum(x):
-        if tp_size == 1:
-            return x
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        return reduce_from_tensor_model_parallel_region(x, group=tp_group)
-
-    v_local = logits.shape[-1]
-    vocab_size = vocab_size if vocab_size is not None else v_local * tp_size
-    start = tp_rank * v_local
-
-    valid_col = torch.arange(start, start + v_local, device=logits.device) < vocab_size
-    sp = sampling.sampling_spec(**sampler, true_vocab=vocab_size, vocab_start=start)
-    sampled = None
-    if sp is not None:
-        num_valid_cols = min(max(vocab_size - start, 0), v_local)
-        flat = logits.reshape(-1, v_local)
-        sampled = sampling.sample_logits(flat, tp_group=tp_group if tp_size > 1 else None,
-                                         num_valid_cols=num_valid_cols, inv_temperature=1.0 / temperature,
-                                         sp=sp)
-        if sp.filters:  # the sums run over the kept set only
-            kept = sampled.kept_columns(flat, num_valid_cols, 1.0 / temperature, start)
-            valid_col = valid_col & kept.reshape(logits.shape)
-    restricted = sampled is not None and sampled.z_cut is not None
-    if mask_check.present:  # replay: the sums run over each position's kept ids
-        kept = replay.kept_columns((mask_check.ids, mask_check.offsets), start, v_local)
-        valid_col = valid_col & kept.to(logits.device).reshape(logits.shape)
-        restricted = True
-    z = logits.float() / temperature
-    z = torch.where(valid_col, z, torch.zeros_like(z))  # padded columns: finite, then excluded
-    global_max = z.masked_fill(~valid_col, float("-inf")).amax(-1).detach()
-    if tp_size > 1:
-        global_max = reductions.max_over_ranks(global_max, tp_group)
-    shifted = z - global_max.unsqueeze(-1)
-    exp = torch.exp(shifted) * valid_col
-    sum_exp = tp_sum(exp.sum(-1))
-    log_sum_exp = torch.log(sum_exp)
-    lse = global_max + log_sum_exp
-
-    scored = labels != ignore_index
-    local_label = labels - start
-    in_shard = scored & (local_label >= 0) & (local_label < v_local)
-    target = z.gather(-1, local_label.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-    target = tp_sum(torch.where(in_shard, target, torch.zeros_like(target)))
-    logprobs = target - lse
-    if restricted:  # a label outside the kept set: -inf
-        local_kept = valid_col.gather(-1, local_label.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-        label_kept = reductions.sum_over_ranks((local_kept & in_shard).to(torch.int32),
-                                               tp_group if tp_size > 1 else None)
-        logprobs = torch.where(label_kept > 0, logprobs, float("-inf"))
-    logprobs = torch.where(scored, logprobs, torch.zeros_like(lse))
-
-    entropy = None
-    if return_entropy:
-        # H = log S - E[z - M], relative to the max: lse - E[z] would cancel at large |z|
-        mean_shifted = tp_sum((exp * shifted).sum(-1)) / sum_exp
-        entropy = torch.where(scored, log_sum_exp - mean_shifted, torch.zeros_like(lse))
-    if sampled is None or sampled.topk_ids is None:
-        return LogprobsOutput(logprobs, entropy)
-    shape = tuple(labels.shape) + (sp.return_topk,)
-    scored_k = scored.unsqueeze(-1)
-    return LogprobsOutput(logprobs, entropy,
-                          torch.where(scored_k, sampled.topk_logprobs.reshape(shape), 0.0),
-                          torch.where(scored_k, sampled.topk_ids.reshape(shape), -1))
-
-
-def _check_logits_arguments(logits, labels, tp_group, vocab_size, temperature, ignore_index,
-                            return_entropy, sampler, sampling_mask=None) -> "replay.MaskCheck":
-    """The unfused path's checks, agreed over the TP group in one collective (the fused op's
-    machinery, ops/agreement.py): every rank raises the same ValueError, none waits in an
-    all-reduce for a rank that raised. Returns the sampling mask's check (its int64 tensors)."""
-    device = logits.device if isinstance(logits, Tensor) else torch.device("cpu")
-    mask_names = ("sampling_mask", "sampling_mask_with_filters", "sampling_mask_with_return_topk",
-                  "sampling_mask_memory_mode")
-    agreement = Agreement("vocab_parallel_logprobs", tp_group, device,
-                          ("logits", "labels", "vocab_size", "temperature", "ignore_index", *sampler, *mask_names))
-    fail = agreement.fail
-    tp_size = reductions.group_size(tp_group)
-    if not isinstance(logits, Tensor) or logits.dim() < 1 or not logits.dtype.is_floating_point:
-        fail("logits", "logits must be a floating-point tensor [..., V/TP]")
-    if not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32):
-        fail("labels", f"labels must be an int64 (or int32) tensor, got "
-                       f"{labels.dtype if isinstance(labels, Tensor) else type(labels)}")
-    elif not agreement.failed("logits") and tuple(labels.shape) != tuple(logits.shape[:-1]):
-        fail("labels", f"labels shape {tuple(labels.shape)} does not match logits.shape[:-1] = "
-                       f"{tuple(logits.shape[:-1])}")
-    if not finite_real(temperature) or not temperature > 0:
-        fail("temperature", f"temperature must be a finite number > 0, got {temperature!r}")
-    if not fits_int64(ignore_index):
-        fail("ignore_index", f"ignore_index must be an integer (int64), got {ignore_index!r}")
-    v_local = logits.shape[-1] if not agreement.failed("logits") else -1
-    padded = max(v_local, 0) * tp_size
-    if vocab_size is not None and (not is_int(vocab_size) or not 0 < vocab_size <= padded):
-        fail("vocab_size", f"vocab_size must be an integer in [1, {padded}], got {vocab_size!r}")
-    true_vocab = vocab_size if vocab_size is not None and not agreement.failed("vocab_size") else padded
-    problems = sampling.sampler_problems(**sampler, true_vocab=true_vocab)
-    for name, message in problems.items():
-        if message:
-            fail(name, message)
-    active = sampling.agreed_values(sampler, problems, true_vocab)
-    labels_ok = isinstance(labels, Tensor) and not agreement.failed("labels")
-    mask_check = replay.MaskCheck(sampling_mask, labels if labels_ok else None, ignore_index, true_vocab)
-    mask_problems = {"sampling_mask": mask_check.problem,
-                     **replay.sampling_mask_problems(sampling_mask, active, "fast")}
-    for name, message in mask_problems.items():
-        if message:
-            fail(name, message)
-    bad = torch.zeros((), dtype=torch.int64, device=device)
-    ok = not agreement.failed("logits", "labels", "ignore_index")
-    if ok and labels.numel() > 0:
-        bad = (((labels < 0) | (labels >= true_vocab)) & (labels != ignore_index)).sum()
-    agreement.equal("logits", v_local, "logits: vocab shards differ in size across tensor-parallel "
-                    "ranks", show_range=True)
-    agreement.equal_tensor("labels", labels if ok else None,
-                           "labels: differ across tensor-parallel ranks; every rank must pass the "
-                           "same labels")
-    bad_key = agreement.maximum_count("labels", bad)
-    agreement.equal("vocab_size", true_vocab)
-    agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
-    agreement.equal("ignore_index", ignore_index if not agreement.failed("ignore_index") else None)
-    agreement.equal("return_entropy", bool(return_entropy))
-    for name, value in active.items():  # they decide the collectives
-        agreement.equal(name, value)
-    mask_check.register(agreement, device)  # the mask's entries, on every rank with or without one
-    agreement.agree(lambda agreed: ([
-        f"labels: labels outside [0, vocab_size={true_vocab}) that are not ignore_index="
-        f"{ignore_index} (on this or another tensor-parallel rank)"] if agreed[bad_key] else [])
-        + mask_check.messages(agreed))
-    return mask_check
-
-
-# ------------------------------------------------------------------------------------------------
-# Pipeline parallelism: results of the last stage on every stage.
-# ------------------------------------------------------------------------------------------------
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-           torch.bool]
-_MAX_DIMS = 6
-_TENSOR, _LOGPROBS, _LOGPROBS_WITH_ENTROPY = 1, 2, 3
-_WITH_TOPK = 2  # added to a _LOGPROBS kind: topk_logprobs / topk_ids follow (k in the header)
-
-BroadcastValue = Union[Tensor, LogprobsOutput]
-
-
-def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-        torch.device("cpu")
-
-
-def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_group=None,
-                              src: Optional[int] = None) -> BroadcastValue:
-    """Send a tensor or `LogprobsOutput` from the last pipeline stage to every stage.
-
-    The last stage passes its value; the other stages pass None (they need not know the shape or
-    dtype: a small header travels first). Returns the value on every stage. `pp_group`/`src`
-    default to megatron's pipeline group and its last rank.
-    """
-    if pp_group is None:
-        from megatron.core import parallel_state
-
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        src = parallel_state.get_pipeline_model_parallel_last_rank() if src is None else src
-    if src is None:
-        src = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
-    if dist.get_world_size(pp_group) == 1:
-        return value
-    sender = dist.get_rank() == src
-
-    header = torch.zeros(4 + _MAX_DIMS, dtype=torch.int64, device=_comm_device())
-    if sender:
-        if value is None:
-            raise ValueError("broadcast_from_last_stage: the last stage must pass a value")
-        first = value.logprobs if isinstance(value, LogprobsOutput) else value
-        if first.dim() > _MAX_DIMS:
-            raise ValueError(f"at most {_MAX_DIMS} dims, got {first.dim()}")
-        kind = _TENSOR
-        if isinstance(value, LogprobsOutput):
-            kind = _LOGPROBS if value.entropy is None else _LOGPROBS_WITH_ENTROPY
-            if value.topk_ids is not None:
-                kind += _WITH_TOPK
-                header[3] = value.topk_ids.shape[-1]
-        header[:3] = torch.tensor([kind, _DTYPES.index(first.dtype), first.dim()])
-        header[4:4 + first.dim()] = torch.tensor(first.shape)
-        header = header.to(first.device)
-    dist.broadcast(header, src=src, group=pp_group)
-    kind, dtype, ndim, topk = header[:4].tolist()
-    shape = header[4:4 + ndim].tolist()
-
-    def one(tensor: Optional[Tensor], shape=shape, dtype=_DTYPES[dtype]) -> Tensor:
-        if sender:
-            buffer = tensor.detach().contiguous()
-        else:
-            buffer = torch.empty(shape, dtype=dtype, device=header.device)
-        dist.broadcast(buffer, src=src, group=pp_group)
-        return tensor if sender else buffer
-
-    if kind == _TENSOR:
-        return one(value if sender else None)
-    with_topk = kind > _LOGPROBS_WITH_ENTROPY
-    kind -= _WITH_TOPK if with_topk else 0
-    logprobs = one(value.logprobs if sender else None)
-    entropy = None
-    if kind == _LOGPROBS_WITH_ENTROPY:
-        entropy = one(value.entropy if sender else None)
-    if not with_topk:
-        return LogprobsOutput(logprobs, entropy)
-    topk_logprobs = one(value.topk_logprobs if sender else None, shape + [topk], torch.float32)
-    topk_ids = one(value.topk_ids if sender else None, shape + [topk], torch.int64)
-    return LogprobsOutput(logprobs, entropy, topk_logprobs, topk_ids)
-
-
-COMPUTE_LOGPROBS_LAYOUTS = ("sharded", "gathered")
-
-
-def _masks_per_batch(sampling_mask, num_batches: int) -> list:
-    """compute_logprobs' `sampling_mask`: one entry (a mask or None) per micro-batch."""
-    if sampling_mask is None:
-        return [None] * num_batches
-    entries = list(sampling_mask) if isinstance(sampling_mask, (list, tuple)) else None
-    if (entries is None or len(entries) != num_batches or hasattr(sampling_mask, "token_ids")
-            or any(isinstance(entry, Tensor) for entry in entries)):
-        raise ValueError(f"compute_logprobs: sampling_mask must be None or a list with one entry per "
-                         f"micro-batch ({num_batches}), each a mask ((token_ids, offsets) or an object "
-                         f"with .token_ids / .offsets) or None")
-    return entries
-
-
-def compute_logprobs(model, batches: Sequence[Mapping], forward_fn: Callable,
-                     post_processor: LogprobsPostProcessor, *, seq_length: int,
-                     micro_batch_size: int, layout: str = "sharded",
-                     sampling_mask: Optional[Sequence] = None) -> List[LogprobsOutput]:
-    """A forward-only pass (no autograd graph) returning each micro-batch's log-probs on every stage.
-
-    For reference-policy / old-policy log-probs. `forward_fn(model_chunk, batch)` runs the model on
-    one micro-batch (`model_chunk(tokens, position_ids, attention_mask)`, with the fused layer
-    installed or not; or with `output_processor=FusedOutputProcessor(...)` on megatron-core >=
-    0.18), `post_processor` is a `LogprobsPostProcessor` or that processor, `batch["labels"]` holds
-    the shifted labels, `batch.get("cu_seqlens")` / `batch.get("cu_seqlens_padded")` the
-    packed-sequence offsets. `model` is a model chunk or the list of virtual-pipeline chunks.
-    `seq_length` is the full sequence length (megatron divides it by CP for the pipeline buffers).
-
-    Context parallelism (the batches hold this CP rank's slices): `layout="sharded"` (default)
-    returns each CP rank's log-probs in the layout of its batch, which is what that rank's loss
-    func takes on the next forward, and costs no communication; `layout="gathered"` returns the
-    whole `[b, s]` sequences in their original order on every CP rank (what an RL trainer stores).
-    Without CP both are the same.
-
-    `sampling_mask`: None, or one per micro-batch (a mask or None): the log-probs of the engine's
-    kept sets (replay, see `LogprobsPostProcessor`), e.g. the old policy's; each in the `[b, s]`
-    layout of its batch's labels, for the whole sequences under CP (the batches hold CP slices,
-    the masks do not).
-    """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    if layout not in COMPUTE_LOGPROBS_LAYOUTS:
-        raise ValueError(f"layout must be one of {COMPUTE_LOGPROBS_LAYOUTS}, got {layout!r}")
-    masks = _masks_per_batch(sampling_mask, len(batches))
-    post_processor = as_post_processor(post_processor)
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-
-    def loss_func(index, batch, chunk, output_tensor):
-        check_model_output(output_tensor)
-        packing = dict(cu_seqlens=batch.get("cu_seqlens"), cu_seqlens_padded=batch.get("cu_seqlens_padded"))
-        cp_group = post_processor.context_parallel_group(chunk) if layout == "gathered" else None
-        outs = []
-        # Under CP a rank that fails must not leave the others waiting in the gather: the error
-        # is agreed over the CP group (and TP: the same batch) first.
-        replay = {} if masks[index] is None else {"sampling_mask": masks[index]}
-        agree_on_inputs("compute_logprobs", lambda: outs.append(post_processor(
-                            output_tensor, chunk, batch["labels"], **packing, **replay)),
-                        cp_group=cp_group,
-                        other_groups=(post_processor.tensor_parallel_group(chunk),) if cp_group else (),
-                        device=output_tensor.device,
-                        flags=[("sampling_mask given", masks[index] is not None)])
-        out = outs[0]
-        if cp_group is not None:
-            layout_offsets = packing["cu_seqlens_padded"] if packing["cu_seqlens_padded"] is not None \
-                else packing["cu_seqlens"]
-
-            # [b, s/CP, ...] -> [b, s, ...] (entropy, top-k too)
-            out = out.map(lambda values: gather_from_cp_ranks(values, cp_group,
-                                                              cu_seqlens_padded=layout_offsets))
-        zero = torch.zeros((), device=output_tensor.device)  # (a HiddenStates has no new_zeros)
-        return zero, torch.ones((), dtype=torch.int, device=zero.device), {"logprobs": out}
-
-    def forward_step(data_iterator, chunk):
-        index, batch = next(data_iterator)
-        return forward_fn(chunk, batch), partial(loss_func, index, batch, chunk)
-
-    iterators = [iter(list(enumerate(batches))) for _ in chunks]
-    with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks, num_microbatches=len(batches), seq_length=seq_length,
-            micro_batch_size=micro_batch_size, forward_only=True)
-    last = parallel_state.is_pipeline_last_stage()
-    return [broadcast_from_last_stage(outputs[i]["logprobs"] if last else None)
-            for i in range(len(batches))]
