@@ -22,7 +22,8 @@ it is, so they see the test's GPUs; the default group is gloo all the same (make
 What a worker sees of the test process, since it does not inherit its memory:
 - `fn` and `args` are pickled: `fn` must be a module-level function, found by module and name (the
   forkserver also imports the modules of tests/ that the test process had imported when it started
-  the server, so a worker finds its test module loaded; tests/conftest.py puts tests/ on sys.path);
+  the server, test and helper modules alike, so a worker finds its module loaded; tests/conftest.py
+  puts tests/ on sys.path);
 - `os.environ` as it is at the call (not as it was when the forkserver started), with
   CUDA_VISIBLE_DEVICES="" unless `cuda=True`;
 - the attributes that a running test's `monkeypatch.setattr` / `delattr` changed on modules and

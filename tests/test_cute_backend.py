@@ -18,7 +18,7 @@ import reference
 from dist import run_workers
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.ops.backends import cute_backend
-from test_ops import TOL, _reference_ce, make_case
+from op_cases import TOL, make_case, reference_ce
 
 
 def _case(seed, **kwargs):
@@ -62,7 +62,7 @@ def _run_ce(case, *, reduction="mean", upstream=3.5, main_grad=False, retain=Fal
 def _check(case, got, reduction, upstream, what, row=None):
     """Loss, dX, dW against float64; `row`: the summary table's row (only where QuACK's own
     kernels ran: a torch stand-in of them is no QuACK result)."""
-    ref = _reference_ce(case, reduction, 0.0, 0.0, torch.tensor(upstream))
+    ref = reference_ce(case, reduction, 0.0, 0.0, torch.tensor(upstream))
     for name, out, expected in zip(("loss", "dX", "dW"), got, ref):
         err = reference.rel_err(out, expected)
         if row is not None:
@@ -141,12 +141,12 @@ def test_one_pass_under_every_forward_backward_pairing(reference_kernel, target)
     that added into main_grad poisons it and the next call raises, as on the two-pass path."""
     import warnings
 
-    from test_forward_backward_pairing import SCENARIOS
+    from op_cases import SCENARIOS
 
     main_grad = target != "grad"
 
     case = _case(31)
-    ref_loss, ref_dx, ref_dw = _reference_ce(case, "mean", 0.0, 0.0, torch.tensor(1.0))
+    ref_loss, ref_dx, ref_dw = reference_ce(case, "mean", 0.0, 0.0, torch.tensor(1.0))
 
     def leaves():
         h = case["hidden"].clone().requires_grad_()
@@ -470,12 +470,12 @@ def test_quack_gemms_in_the_sampler_filters_backward(reference_gemms):
     """Log-probs under top-k / top-p / min-p (ops/sampling.py) recompute the kept set's dlogits in
     the backward: their dW GEMMs run on QuACK too, the last chunk writing bf16 dW with the fp32 sum
     added; log-probs, entropy, dX and dW against the float64 filtered reference (chunks of 7)."""
-    from test_sampling import _run, check
-    from test_sampling import make_case as sampling_case
+    from sampling_cases import check, run_case
+    from sampling_cases import make_case as sampling_case
 
     case = sampling_case(61, 1, dtype=torch.bfloat16, ints=True)
     params = dict(top_k=12, top_p=0.9, min_p=0.02)
-    check(case, params, [_run(0, 1, case, params, impl="auto")], what="QuACK sampled", record=False)
+    check(case, params, [run_case(0, 1, case, params, impl="auto")], what="QuACK sampled", record=False)
     assert ("add", "add_cast") in reference_gemms and ("write", "write") in reference_gemms
 
 
@@ -506,12 +506,12 @@ def test_quack_gemms_under_every_forward_backward_pairing(reference_gemms, refer
     """The pairings of test_forward_backward_pairing with QuACK's GEMMs and row kernel: the bf16 dW
     written in the forward is scaled by each backward's upstream gradient (or recomputed on a
     second backward) and matches the float64 reference's multiple."""
-    from test_forward_backward_pairing import SCENARIOS
+    from op_cases import SCENARIOS
 
     main_grad = target != "grad"
 
     case = _case(59)
-    ref_loss, ref_dx, ref_dw = _reference_ce(case, "mean", 0.0, 0.0, torch.tensor(1.0))
+    ref_loss, ref_dx, ref_dw = reference_ce(case, "mean", 0.0, 0.0, torch.tensor(1.0))
     for scenario in SCENARIOS:
         h = case["hidden"].clone().requires_grad_()
         w = case["weight"].clone().requires_grad_()
@@ -624,7 +624,7 @@ def test_quack_gemms_under_tensor_parallelism():
     bf16 dW with its fp32 sum added; loss, dX and each rank's dW shard against float64."""
     case = make_case(61, 2, dtype=torch.bfloat16, seq=12, batch=3, hidden=16, vocab=92, extra_pad=2,
                      temperature=1.0)
-    ref_loss, ref_dx, ref_dw = _reference_ce(case, "mean", 0.0, 0.0, torch.tensor(3.5))
+    ref_loss, ref_dx, ref_dw = reference_ce(case, "mean", 0.0, 0.0, torch.tensor(3.5))
     v_local = case["v_local"]
     for rank, (loss, dx, dw, calls) in enumerate(run_workers(_tp2_gemms_worker, 2, case)):
         assert calls.count(True) == 1 and False in calls

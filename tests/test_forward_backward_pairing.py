@@ -25,13 +25,19 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import reference
 from dist import run_workers
 from megatron_fused_ce import linear_cross_entropy
 from megatron_fused_ce.losses import GRPOConfig, grpo_loss, linear_grpo_loss
 from megatron_fused_ce.ops import api, chunked, lean
+from op_cases import (
+    SCENARIOS,
+    changing_loss_scale,
+    checkpoint_non_reentrant,
+    megatron_loss_scaling,
+    plain,
+)
 
 TOL = 1e-5  # fp32 inputs on the torch backend against float64: relative norm of the error
 BATCH, SEQ, HIDDEN, VOCAB, TRUE_VOCAB = 3, 14, 16, 48, 45  # 42 tokens, padded vocab
@@ -108,66 +114,6 @@ def leaves(case, target, h=None):
 
 def weight_grad(w, target):
     return w.grad if target == "grad" else w.main_grad
-
-
-# Each scenario runs forwards and backwards and returns (loss value, multiple of the reference
-# gradient that dX and dW must equal). `loss_fn(h, w, g)`: g is the upstream gradient the first
-# backward through that loss will bring.
-def plain(loss_fn, h, w):
-    loss = loss_fn(h, w, 1.0)
-    loss.backward()
-    return loss.detach(), 1.0
-
-
-def checkpoint_non_reentrant(loss_fn, h, w):
-    """The forward runs twice (again during backward), the backward once."""
-    loss = checkpoint(lambda x: loss_fn(x, w, 1.0), h, use_reentrant=False)
-    loss.backward()
-    return loss.detach(), 1.0
-
-
-def checkpoint_reentrant(loss_fn, h, w):
-    """The first forward runs under no_grad, the second during backward, right before its backward."""
-    loss = checkpoint(lambda x: loss_fn(x, w, 1.0), h, use_reentrant=True)
-    loss.backward()
-    return loss.detach(), 1.0
-
-
-def second_backward(loss_fn, h, w):
-    loss = loss_fn(h, w, 1.0)
-    loss.backward(retain_graph=True)
-    (0.5 * loss).backward()
-    return loss.detach(), 1.5
-
-
-def loss_used_twice(loss_fn, h, w):
-    loss = loss_fn(h, w, 3.0)  # autograd sums both uses' gradients before the op's backward
-    (loss + 2.0 * loss).backward()
-    return loss.detach(), 3.0
-
-
-def changing_loss_scale(loss_fn, h, w):
-    """Two accumulated micro-batches under a loss scale that changes in between."""
-    (loss_fn(h, w, 4.0) * 4.0).backward()
-    loss = loss_fn(h, w, 0.25)
-    (loss * 0.25).backward()
-    return loss.detach(), 4.25
-
-
-def megatron_loss_scaling(loss_fn, h, w):
-    """Megatron's default (calculate_per_token_loss=False): each micro-batch's loss divided by its
-    token count and the number of micro-batches, g ~ 1e-5 at real sizes; tiny and different per
-    micro-batch, negative too (a loss that is maximized)."""
-    total = 0.0
-    for g in (1e-5, 3e-8, -2e-3):
-        loss = loss_fn(h, w, g)
-        (loss * g).backward()
-        total += g
-    return loss.detach(), total
-
-
-SCENARIOS = [plain, checkpoint_non_reentrant, checkpoint_reentrant, second_backward, loss_used_twice,
-             changing_loss_scale, megatron_loss_scaling]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)

@@ -111,7 +111,7 @@ def test_linear_grpo_matches_recompute_composition(name, tp):
 
 
 def test_path_choice_and_gemm_count():
-    from test_ops import _CountMatmuls
+    from op_cases import CountMatmuls
 
     hidden, weight, labels, mask, adv, extra = _inputs(0, 1, False)
     mask[1] = 1.0
@@ -123,7 +123,7 @@ def test_path_choice_and_gemm_count():
               "sampling_logprobs": extra["sampling"] if "sampling" in needs else None}
         assert gradients_in_forward_apply(config, kw["old_logprobs"], kw["sampling_logprobs"]) == expect_fused
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        with _CountMatmuls() as mode:
+        with CountMatmuls() as mode:
             loss, _ = linear_grpo_loss(h, w, labels, adv, mask, config, chunk_size=B * T, **kw)
             loss.backward()
         assert mode.count == (3 if expect_fused else 4), name

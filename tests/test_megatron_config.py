@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import TRUE_VOCAB, Setup
+from megatron_harness import TRUE_VOCAB, Setup
 
 from megatron_fused_ce.megatron import (
     FusedCEConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import test_megatron_common  # noqa: F401  (megatron-core imported before forking)
+import megatron_harness  # noqa: F401  (megatron-core imported before forking)
 from dist import init_megatron_parallel, run_workers
 
 from megatron_fused_ce.megatron import enable_cpu_mode

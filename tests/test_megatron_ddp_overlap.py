@@ -1,6 +1,7 @@
 """Megatron's DDP for the distributed optimizer, `overlap_param_gather=True` and
 `overlap_grad_reduce=True` (CPU, gloo, 2 data-parallel ranks; the optimizer itself needs CUDA:
-tests/test_multigpu.py runs it), with the fused output layer installed before or after wrapping.
+tests/test_multigpu.py runs it, with megatron_workers.py's worker), with the fused output layer
+installed before or after wrapping.
 
 * The output weight is never read before its all-gather finished: DDP's forward pre-hook, which
   waits for the all-gather of a module's parameters (`finish_param_sync` of the bucket group),
@@ -14,24 +15,21 @@ tests/test_multigpu.py runs it), with the fused output layer installed before or
 * Megatron-LM's evaluation path (`disable_forward_pre_hook` / `enable_forward_pre_hook`) works
   in both orders, and hooks of any other wrapper on the output layer make install raise.
 * Over gloo the hooks dispatch and wait as above, but megatron's all-gathers and reduce-scatters
-  run one at a time (test_megatron_common.megatron_gloo_collectives_in_order): no collective is in
+  run one at a time (megatron_harness.megatron_gloo_collectives_in_order): no collective is in
   flight when the next one of its group is issued.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import TRUE_VOCAB, Setup
-from test_megatron_parity import GRAD_RTOL, LOSS_RTOL
+from megatron_harness import GRAD_RTOL, LOSS_RTOL, TRUE_VOCAB, Setup
+from megatron_workers import FUSED, ParamGatherRecorder, grad_buffers
 
 from megatron_fused_ce.megatron import (
-    FusedCEConfig,
     LogprobsPostProcessor,
     install_fused_output_layer,
     output_weight,
@@ -39,53 +37,6 @@ from megatron_fused_ce.megatron import (
     uninstall_fused_output_layer,
     unwrap_model,
 )
-
-FUSED = FusedCEConfig(enabled=True, chunk_size=8)
-FUSED_OPS = {"lazy_logits": ["linear_cross_entropy"],
-             "loss_funcs": ["linear_cross_entropy", "linear_grpo_loss"],
-             "postprocess": ["linear_logprobs"]}
-
-
-class ParamGatherRecorder:
-    """Which bucket groups' `finish_param_sync` (DDP's wait for a param all-gather) ran this step,
-    and, at every fused-op call, whether the output weight's had."""
-
-    def __init__(self, ddp, weight):
-        from megatron_fused_ce.megatron import lazy_logits, loss_funcs, postprocess
-
-        self.finished, self.reads, self.originals = set(), [], []
-        if weight is None:  # not the last pipeline stage: no fused op here
-            return
-        self.weight_group = ddp.param_to_bucket_group[weight]
-        for group in ddp.bucket_groups:
-            original = group.finish_param_sync
-
-            def finish(*args, _group=group, _original=original, **kwargs):
-                self.finished.add(id(_group))
-                return _original(*args, **kwargs)
-
-            group.finish_param_sync = finish
-        modules = {"lazy_logits": lazy_logits, "loss_funcs": loss_funcs, "postprocess": postprocess}
-        for module_name, names in FUSED_OPS.items():
-            module = modules[module_name]
-            for name in names:
-                original = getattr(module, name)
-                self.originals.append((module, name, original))
-
-                def checked(*args, _original=original, **kwargs):
-                    self.reads.append(id(self.weight_group) in self.finished)
-                    return _original(*args, **kwargs)
-
-                setattr(module, name, checked)
-
-    def restore(self):
-        for module, name, original in self.originals:
-            setattr(module, name, original)
-
-    def new_step(self):
-        self.finished.clear()
-        reads, self.reads = self.reads, []
-        return reads
 
 
 class GradReadyCounter:
@@ -107,10 +58,6 @@ class GradReadyCounter:
     def take(self):
         counts, self.counts = self.counts, {}
         return counts
-
-
-def grad_buffers(ddp):
-    return [buffer.grad_data.clone() for buffer in ddp.buffers]
 
 
 def overlap_worker(rank, world, setup: Setup, order: str, kind: str):
@@ -195,78 +142,6 @@ def test_param_gather_and_grad_reduce_overlap(setup, order, kind):
         for later in steps[2:]:  # no optimizer step: every step sees the same weights
             for a, b in zip(later["grads"], steps[int(later["mode"] == "fused")]["grads"]):
                 assert torch.equal(a, b)
-
-
-# ------------------------------------------------------------------------------------------------
-# With megatron's distributed optimizer (CUDA only: run by tests/test_multigpu.py under NCCL).
-# ------------------------------------------------------------------------------------------------
-def megatron_lm_forward(chunk, batch):
-    return chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                 labels=batch["labels"], loss_mask=batch["loss_mask"])
-
-
-def megatron_lm_loss_func(chunk, batch, index):
-    mask = batch["loss_mask"]
-
-    def loss_func(output):
-        loss = torch.sum(output.float() * mask)
-        return loss, mask.sum().to(torch.int), {"lm loss": torch.stack([loss.detach(), mask.sum()])}
-
-    return loss_func
-
-
-def distributed_optimizer_worker(rank, world, setup: Setup, order: Optional[str], steps: int = 3):
-    """`steps` SGD steps of megatron's DistributedOptimizer (overlap_param_gather +
-    overlap_grad_reduce) on a model called Megatron-LM style; `order`: None = unfused, "before" /
-    "after" = fused layer installed before / after the DDP wrap. Returns the per-step losses, whether
-    every fused read of the output weight came after its all-gather, and the final parameters."""
-    from megatron.core import parallel_state
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    chunks = common.build(setup, install_before_wrap=FUSED if order == "before" else None)
-    (ddp,) = chunks
-    if order == "after":
-        install_fused_output_layer(chunks, FUSED)
-    config = unwrap_model(ddp).config
-    config.no_sync_func = ddp.no_sync
-    optimizer = get_megatron_optimizer(
-        # Adam: megatron >= 0.19's distributed optimizer takes Adam only. eps=1 keeps its step
-        # ~lr*g (like SGD), so tiny gradient differences stay tiny in the parameters.
-        OptimizerConfig(optimizer="adam", lr=0.1, adam_eps=1.0, weight_decay=0.0, bf16=setup.bf16,
-                        params_dtype=torch.bfloat16 if setup.bf16 else torch.float32,
-                        use_distributed_optimizer=True), chunks)
-    gather = ParamGatherRecorder(ddp, output_weight(ddp))
-    losses, reads = [], []
-    try:
-        for step in range(steps):
-            batches = common.make_batches("sft", 2, seed=1000 * step + parallel_state.get_data_parallel_rank())
-            optimizer.zero_grad()
-            metrics = common.run_step(chunks, batches, megatron_lm_loss_func, forward=megatron_lm_forward)
-            update_ok, _, _ = optimizer.step()
-            assert update_ok
-            reads += gather.new_step()
-            losses.append([m["lm loss"].detach().cpu() for m in metrics])
-    finally:
-        gather.restore()
-    ddp.disable_forward_pre_hook()  # as Megatron-LM before evaluation: all-gathers every param
-    params = {name: p.detach().float().cpu() for name, p in ddp.named_parameters()}
-    ddp.enable_forward_pre_hook()
-    return {"losses": losses, "reads": reads, "params": params,
-            "last_stage": parallel_state.is_pipeline_last_stage()}
-
-
-def check_distributed_optimizer(unfused, fused, loss_rtol, param_rtol):
-    """Per rank: the fused run read the weight only after its all-gather, and its losses and
-    parameters after the steps match the unfused run."""
-    for u, f in zip(unfused, fused):
-        if f["last_stage"]:
-            assert f["reads"] and all(f["reads"]), f["reads"]
-        for step_u, step_f in zip(u["losses"], f["losses"]):
-            for a, b in zip(step_f, step_u):
-                assert common.max_rel_diff(a, b) <= loss_rtol, (a, b)
-        bad = {n: common.max_rel_diff(f["params"][n], p) for n, p in u["params"].items()}
-        bad = {n: d for n, d in bad.items() if d > param_rtol}
-        assert not bad, bad
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ one real torchrun launch, checked for a clean screen.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,42 +15,9 @@ import sys
 
 import pytest
 
-import test_megatron_common  # noqa: F401  (megatron-core imported before forking)
+import megatron_harness  # noqa: F401  (megatron-core imported before forking)
 from dist import run_workers
-
-EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.append(EXAMPLES_DIR)  # for their `from example_common import ...` (appended: shadows nothing)
-
-
-def _load(name):
-    """Import examples/<name>.py as `megatron_example_<name>` (no generic top-level names)."""
-    spec = importlib.util.spec_from_file_location(f"megatron_example_{name}",
-                                                  os.path.join(EXAMPLES_DIR, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EXAMPLES = {name: _load(name) for name in ("pretrain_gpt", "sft", "dpo", "grpo")}
-FAST = ["--tp", "2", "--pp", "2", "--steps", "2", "--seq-length", "32",
-        "model.num_layers=2", "model.hidden_size=32"]
-
-
-def example_worker(rank, world, name, argv):
-    module = EXAMPLES[name]
-    sys.argv = [f"{name}.py"] + argv
-    calls = {"compute_logprobs": 0, "build_frozen_copy": 0}
-    for fn in calls:
-        if hasattr(module, fn):
-            original = getattr(module, fn)
-
-            def counted(*args, _fn=fn, _original=original, **kwargs):
-                calls[_fn] += 1
-                return _original(*args, **kwargs)
-
-            setattr(module, fn, counted)
-    module.main()
-    return calls
+from example_runner import EXAMPLES, EXAMPLES_DIR, FAST, example_worker
 
 
 # the RL examples: fewer prompts for DPO's pairs and for the evaluations (one at the first step

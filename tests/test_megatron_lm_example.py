@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-import test_megatron_common  # noqa: F401  (megatron-core imported before forking)
+import megatron_harness  # noqa: F401  (megatron-core imported before forking)
 from dist import run_workers
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import Setup
+from megatron_harness import Setup, all_batches, cat_rows, logprob_stand_ins
 
 from megatron_fused_ce.losses import GRPOConfig, dpo_loss, grpo_loss, nll_loss
 from megatron_fused_ce.megatron import (
@@ -39,23 +39,6 @@ GRPO_CONFIGS = {
 }
 
 
-def _all_batches(kind):
-    """Every micro-batch of every DP rank: [(dp_rank, [micro-batches])]."""
-    return [(r, common.make_batches(kind, MICRO, seed=100 + r)) for r in range(DP)]
-
-
-def _extras(batch):
-    """Deterministic stand-ins for old / reference / sampling log-probs (GRPO) and the reference
-    log-probs (DPO): around log(1/100), data-dependent noise."""
-    noise = batch["noise"] * (batch["loss_mask"] != 0)
-    base = torch.full_like(noise, -4.6) * (batch["loss_mask"] != 0)
-    return {"old": base + noise, "reference": base - noise, "sampling": base + 0.5 * noise}
-
-
-def _cat(batches, key):
-    return torch.cat([b[key] for b in batches])
-
-
 def megatron_worker(rank, world, kind, grpo_name):
     """DP=2 through the schedule: the loss funcs' (sum, count) and Megatron's normalization."""
     from megatron.core import parallel_state
@@ -63,7 +46,7 @@ def megatron_worker(rank, world, kind, grpo_name):
     chunks = common.build(Setup(dp=DP))
     install_fused_output_layer(chunks, FUSED)
     post = LogprobsPostProcessor(FUSED, vocab_size=common.TRUE_VOCAB)
-    everything = _all_batches(kind)
+    everything = all_batches(kind, DP, MICRO)
     batches = dict(everything)[parallel_state.get_data_parallel_rank()]
     all_rows = [b for _, bs in everything for b in bs]
     pairs = sum(b["tokens"].shape[0] // 2 for b in all_rows)
@@ -73,7 +56,7 @@ def megatron_worker(rank, world, kind, grpo_name):
         labels, mask = batch["labels"], batch["loss_mask"]
         if kind == "sft":
             return sft_loss_func(post, chunk, labels, mask)
-        extra = _extras(batch)
+        extra = logprob_stand_ins(batch)
         if kind == "dpo":
             return dpo_loss_func(post, chunk, labels, mask, extra["reference"],
                                  global_num_pairs=pairs, global_num_sft_tokens=sft_tokens, **DPO)
@@ -94,9 +77,9 @@ def direct_worker(rank, world, kind, grpo_name):
     (model,) = common.build(Setup())
     install_fused_output_layer(model, FUSED)
     post = LogprobsPostProcessor(FUSED, vocab_size=common.TRUE_VOCAB)
-    rows = [b for _, bs in _all_batches(kind) for b in bs]
-    batch = {k: _cat(rows, k) for k in ("tokens", "labels", "loss_mask")}
-    batch["position_ids"] = _cat(rows, "position_ids")
+    rows = [b for _, bs in all_batches(kind, DP, MICRO) for b in bs]
+    batch = {k: cat_rows(rows, k) for k in ("tokens", "labels", "loss_mask")}
+    batch["position_ids"] = cat_rows(rows, "position_ids")
     batch["attention_mask"] = common.causal_mask()
     model.zero_grad_buffer()
     lp = post(common.forward_fn(model, batch), model, batch["labels"]).logprobs
@@ -104,12 +87,12 @@ def direct_worker(rank, world, kind, grpo_name):
     if kind == "sft":
         loss, _ = nll_loss(lp, mask)
     else:
-        extras = [_extras(b) for b in rows]
+        extras = [logprob_stand_ins(b) for b in rows]
         extra = {k: torch.cat([e[k] for e in extras]) for k in extras[0]}
         if kind == "dpo":
             loss, _ = dpo_loss(lp, extra["reference"], mask, **DPO)
         else:
-            loss, _ = grpo_loss(lp, _cat(rows, "advantages"), mask, GRPO_CONFIGS[grpo_name],
+            loss, _ = grpo_loss(lp, cat_rows(rows, "advantages"), mask, GRPO_CONFIGS[grpo_name],
                                 old_logprobs=extra["old"], reference_logprobs=extra["reference"],
                                 sampling_logprobs=extra["sampling"])
     loss.backward()

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import TRUE_VOCAB, Setup
+from megatron_harness import TRUE_VOCAB, Setup
 
 from megatron_fused_ce.losses import GRPOConfig
 from megatron_fused_ce.megatron import (

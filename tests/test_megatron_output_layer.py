@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import Setup
+from megatron_harness import Setup
 
 from megatron_fused_ce.megatron import (
     FusedCEConfig,

@@ -30,16 +30,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import MBS, SEQ, TRUE_VOCAB, Setup
-from test_megatron_parity import (
+from megatron_harness import (
     DPO,
     GRAD_RTOL,
     GRAD_RTOL_BF16,
     GRPO,
     LOSS_RTOL,
     LOSS_RTOL_BF16,
+    MBS,
+    SEQ,
+    TRUE_VOCAB,
+    Setup,
 )
 
 from megatron_fused_ce.losses import nll_loss
@@ -159,7 +162,7 @@ def _loss_func_maker(kind, post, forward_only, setup: Setup, from_model):
     def make(chunk, batch, index):
         labels, mask = batch["labels"], batch["loss_mask"]
         if kind == "labels":
-            from test_megatron_mtp import megatron_lm_loss_func
+            from megatron_harness import megatron_lm_loss_func
 
             return megatron_lm_loss_func(mask)
         if kind == "logprobs":
@@ -182,7 +185,7 @@ def route_worker(rank, world, setup: Setup, kinds, routes):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     from megatron_fused_ce.megatron import lazy_logits, loss_funcs, output_layer, postprocess
-    from test_megatron_mtp import Counter, MainLogits, logged_mtp_losses
+    from megatron_workers import Counter, MainLogits, logged_mtp_losses
 
     calls = {}
     _count_calls(loss_funcs, ["linear_cross_entropy", "linear_grpo_loss"], calls)
@@ -381,8 +384,8 @@ def test_processor_route_with_multi_token_prediction(setup, kinds, routes, recor
 def packed_worker(rank, world, setup: Setup):
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from megatron_cp_workers import DOCS_PADDED, packed_batch, reduce_metrics
     from megatron_fused_ce.megatron import context_parallel_group
-    from test_megatron_cp import DOCS_PADDED, packed_batch, reduce_metrics
 
     chunks = common.build(setup)
     fused = FusedCEConfig(enabled=True, chunk_size=5)
@@ -437,7 +440,7 @@ def packed_worker(rank, world, setup: Setup):
 
 @needs_hook
 def test_processor_route_packed_sequences_under_context_parallelism():
-    from test_megatron_cp import expected_scored_positions
+    from megatron_cp_workers import expected_scored_positions
 
     setup = Setup(cp=2)
     results = run_workers(packed_worker, setup.world, setup, timeout=240)
@@ -465,7 +468,7 @@ def overlap_worker(rank, world, kind):
     from megatron.core import parallel_state
 
     from megatron_fused_ce.megatron import output_layer
-    from test_megatron_ddp_overlap import ParamGatherRecorder, grad_buffers
+    from megatron_workers import ParamGatherRecorder, grad_buffers
 
     setup = Setup(dp=2, overlap=True)
     chunks = common.build(setup)

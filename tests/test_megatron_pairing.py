@@ -22,11 +22,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import MBS, SEQ, TRUE_VOCAB, Setup
-from test_megatron_mtp import loss_func_maker as mtp_loss_func_maker
-from test_megatron_mtp import model_call as mtp_model_call
+from megatron_harness import MBS, SEQ, TRUE_VOCAB, Setup
+from megatron_workers import mtp_loss_func_maker, mtp_model_call
 
 from megatron_fused_ce.losses import GRPOConfig
 from megatron_fused_ce.megatron import (

@@ -10,6 +10,7 @@ reporting ("grpo_entropy") takes the log-probs path.
 Tolerances (fp32; the fused path sums the softmax over chunks and vocab shards in another order):
 losses and log-probs to 1e-5 relative, each parameter's gradient to 1e-4 of its largest entry
 (measured: <= 4e-6). bf16 with Float16Module: 1e-3 and 2e-2 (measured: ~5e-3 on gradients).
+The worker (`megatron_workers.parity_worker`) is shared with the NCCL suite.
 """
 
 from __future__ import annotations
@@ -17,33 +18,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import SEQ, MBS, TRUE_VOCAB, Setup
+from megatron_harness import GRAD_RTOL, GRAD_RTOL_BF16, LOSS_RTOL, LOSS_RTOL_BF16, MBS, SEQ, Setup
+from megatron_workers import NUM_MICROBATCHES, parity_worker
 
-from megatron_fused_ce.losses import GRPOConfig
-from megatron_fused_ce.megatron import (
-    FusedCEConfig,
-    LogprobsPostProcessor,
-    compute_logprobs,
-    dpo_loss_func,
-    grpo_loss_func,
-    install_fused_output_layer,
-    sft_loss_func,
-    output_weight,
-    uninstall_fused_output_layer,
-    unwrap_model,
-)
+from megatron_fused_ce.megatron import FusedCEConfig, install_fused_output_layer
 
-LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-4
-# bf16 (Float16Module): the two paths round the bf16 logits differently.
-LOSS_RTOL_BF16 = 1e-3
-GRAD_RTOL_BF16 = 2e-2
-NUM_MICROBATCHES = 2
-
-GRPO = GRPOConfig(loss_type="dapo", beta=0.05, is_correction="token_truncate", is_clip_max=1.05)
-DPO = dict(beta=0.5, sft_weight=0.3)
 
 SETUPS = [
     Setup(tp=1, pp=1, dp=2),
@@ -57,103 +38,6 @@ SETUPS = [
     Setup(tp=1, pp=1, dp=2, tied=True, grad_acc_fusion=True),
     Setup(tp=2, pp=2, dp=1, tied=True, bf16=True),
 ]
-
-
-def _loss_func_maker(kind, post, batches, forward_only):
-    """Build the loss func of micro-batch `index` for the given loss kind."""
-
-    def make(chunk, batch, index):
-        labels, mask = batch["labels"], batch["loss_mask"]
-        if kind == "sft":
-            return sft_loss_func(post, chunk, labels, mask)
-        lp = forward_only[index]
-        noise = batch["noise"] * (mask != 0)
-        if kind == "dpo":
-            return dpo_loss_func(post, chunk, labels, mask, lp + noise, **DPO)
-        return grpo_loss_func(post, chunk, labels, mask, batch["advantages"], GRPO,  # grpo*
-                              old_logprobs=lp + noise, reference_logprobs=lp - noise,
-                              sampling_logprobs=lp + 0.5 * noise)
-
-    return make
-
-
-def _count_calls(module, names):
-    """Wrap module-level functions of `module` with call counters (in a forked worker only)."""
-    calls = {name: 0 for name in names}
-    for name in names:
-        original = getattr(module, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        setattr(module, name, counted)
-    return calls
-
-
-def parity_worker(rank, world, setup: Setup, kinds):
-    from megatron.core import parallel_state
-
-    from megatron_fused_ce.megatron import loss_funcs
-
-    calls = _count_calls(loss_funcs, ["linear_cross_entropy", "linear_grpo_loss"])
-    chunks = common.build(setup)
-    fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    last = parallel_state.is_pipeline_last_stage()
-    report = {"last_stage": last, "dp_rank": dp_rank}
-    for kind in kinds:
-        # With entropy requested, GRPO takes the log-probs path instead of gradients-in-forward.
-        post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB,
-                                     return_entropy=kind == "grpo_entropy")
-        batches = common.make_batches(kind.split("_")[0], NUM_MICROBATCHES, seed=100 + dp_rank)
-        before = dict(calls)
-        runs = {}
-        for mode in ("unfused", "fused"):
-            if mode == "fused":
-                install_fused_output_layer(chunks, fused)
-            else:
-                uninstall_fused_output_layer(chunks)
-            # Megatron's layers read gradient_accumulation_fusion when they are built (it needs a
-            # CUDA extension); switched on now, only the post-processor sees it and has the op add
-            # the weight gradient straight into DDP's main_grad.
-            config = unwrap_model(chunks[0]).config
-            config.gradient_accumulation_fusion = setup.grad_acc_fusion and mode == "fused"
-            forward_only = None
-            if kind != "sft":
-                outs = compute_logprobs(chunks, batches, common.forward_fn, post,
-                                        seq_length=SEQ, micro_batch_size=MBS)
-                forward_only = [out.logprobs for out in outs]
-            metrics = common.run_step(chunks, batches,
-                                      _loss_func_maker(kind, post, batches, forward_only))
-            runs[mode] = {"metrics": metrics, "grads": common.grads(chunks),
-                          "forward_only": forward_only}
-            if mode == "fused" and last:
-                weight = output_weight(chunks[-1])
-                report["grad_added_to_main_grad"] = bool(weight.grad_added_to_main_grad)
-        uninstall_fused_output_layer(chunks)
-
-        u, f = runs["unfused"], runs["fused"]
-        loss_diff = 0.0
-        for mu, mf in zip(u["metrics"], f["metrics"]):
-            for name in mu:
-                loss_diff = max(loss_diff, common.max_rel_diff(mf[name], mu[name]))
-        grad_diff = {name: common.max_rel_diff(f["grads"][name], g) for name, g in u["grads"].items()}
-        grad_norm = sum(g.double().norm().item() ** 2 for g in u["grads"].values()) ** 0.5
-        lp_diff = 0.0
-        if u["forward_only"] is not None:
-            lp_diff = max(common.max_rel_diff(a, b) for a, b in zip(f["forward_only"], u["forward_only"]))
-        report[kind] = {
-            "gradients_in_forward_calls": {k: calls[k] - before[k] for k in calls},
-            "num_metrics": len(u["metrics"]),
-            "loss_diff": loss_diff,
-            "grad_diff": grad_diff,
-            "grad_norm": grad_norm,
-            "same_keys": set(u["grads"]) == set(f["grads"]),
-            "forward_only_diff": lp_diff,
-            "forward_only": u["forward_only"],
-        }
-    return report
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=str)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import reference
-import test_megatron_common as common
+import megatron_harness as common
 from dist import init_megatron_parallel, run_workers
-from test_megatron_common import HIDDEN, PADDED_VOCAB, SEQ, TRUE_VOCAB, Setup
+from megatron_harness import HIDDEN, PADDED_VOCAB, SEQ, TRUE_VOCAB, Setup, all_gather_cat
 
 from megatron_fused_ce import LogprobsOutput
 from megatron_fused_ce.megatron import (
@@ -29,14 +29,6 @@ from megatron_fused_ce.megatron import (
 
 ATOL = 1e-5
 FUSED = FusedCEConfig(enabled=True, chunk_size=8)
-
-
-def _gather(tensor, dim, group):
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
 
 
 def dense_reference_worker(rank, world, setup: Setup, temperature: float):
@@ -58,14 +50,14 @@ def dense_reference_worker(rank, world, setup: Setup, temperature: float):
             shapes[mode] = tuple(output.shape)
             out[mode] = post(output, model, labels)
             if mode == "fused":
-                hidden = _gather(output, 1, tp_group) if setup.sp else output
+                hidden = all_gather_cat(output, 1, tp_group) if setup.sp else output
                 # FusedCEConfig.logits_dtype reaches the op (a no-op on this fp32 model)
                 post32 = LogprobsPostProcessor(FusedCEConfig(enabled=True, chunk_size=8, logits_dtype="float32"),
                                                vocab_size=TRUE_VOCAB, temperature=temperature,
                                                return_entropy=True)
                 fp32_inputs = post32.fused_inputs(output, model, labels)["logits_dtype"] is torch.float32
                 fp32_same = torch.equal(post32(output, model, labels).logprobs, out[mode].logprobs)
-        weight = _gather(output_weight(model), 0, tp_group)
+        weight = all_gather_cat(output_weight(model), 0, tp_group)
     lp_ref, ent_ref, _ = reference.dense_stats(hidden, weight, labels, vocab_size=TRUE_VOCAB,
                                                temperature=temperature)
     return {

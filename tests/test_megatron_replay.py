@@ -35,9 +35,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import MBS, SEQ, TRUE_VOCAB, Setup
+from megatron_harness import MBS, SEQ, TRUE_VOCAB, Setup
 
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, grpo_loss
@@ -217,7 +217,7 @@ def test_local_sampling_mask_orders_and_slices():
 def cp_worker(rank, world, setup: Setup):
     from megatron.core import parallel_state as ps
 
-    from test_megatron_cp import packed_batch, packed_forward, reduce_metrics
+    from megatron_cp_workers import packed_batch, packed_forward, reduce_metrics
 
     chunks = common.build(setup)
     fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
@@ -594,7 +594,7 @@ def test_grpo_example_with_replay(layout, capfd):
     """examples/grpo.py sampling.replay=true (top_p 0.8, an old-policy pass of the same masks):
     the policy's log-probs of the sampled tokens, fused and unfused, agree and none is excluded
     (every sampled token is in the set it was drawn from)."""
-    from test_megatron_examples import example_worker
+    from example_runner import example_worker
 
     run_workers(example_worker, 4, "grpo", layout + REPLAY_RUN, timeout=180)
     out = capfd.readouterr()
@@ -615,7 +615,7 @@ def test_rl_chain_with_replay_raises_the_reward(tmp_path):
     seed, replay against recomputed filters)."""
     import json
 
-    from test_megatron_examples import example_worker
+    from example_runner import example_worker
 
     checkpoint = str(tmp_path / "ckpt")
     run_workers(example_worker, 2, "sft", ["--task", "count", "--save", checkpoint], timeout=120)

@@ -10,12 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import megatron_harness as common
 import sampling_reference as sref
-import test_megatron_common as common
 from dist import init_megatron_parallel, run_workers
-from test_megatron_common import TRUE_VOCAB, Setup
-from test_megatron_loss_funcs import _all_batches, _cat, _extras
-from test_megatron_postprocess import _gather
+from megatron_harness import TRUE_VOCAB, Setup, all_batches, all_gather_cat, cat_rows, logprob_stand_ins
 
 from megatron_fused_ce import LogprobsOutput
 from megatron_fused_ce.losses import GRPOConfig, grpo_loss
@@ -54,8 +52,8 @@ def postprocess_worker(rank, world, setup: Setup, temperature: float):
                                              return_entropy=True, **sampler)
                 results[mode, i] = post(output, model, labels)
             if mode == "fused":
-                hidden = _gather(output, 1, tp_group) if setup.sp else output
-        weight = _gather(output_weight(model), 0, tp_group)
+                hidden = all_gather_cat(output, 1, tp_group) if setup.sp else output
+        weight = all_gather_cat(output_weight(model), 0, tp_group)
     z = (hidden.double().reshape(-1, hidden.shape[-1]) @ weight.double().t())[:, :TRUE_VOCAB] / temperature
     report = []
     for i, sampler in enumerate(SAMPLERS):
@@ -124,10 +122,10 @@ def grpo_megatron_worker(rank, world, fused):
     if fused:
         install_fused_output_layer(chunks, FUSED)
     post = LogprobsPostProcessor(FUSED, vocab_size=TRUE_VOCAB, **SAMPLER)
-    batches = dict(_all_batches("grpo"))[parallel_state.get_data_parallel_rank()]
+    batches = dict(all_batches("grpo"))[parallel_state.get_data_parallel_rank()]
 
     def make(chunk, batch, index):
-        extra = _extras(batch)
+        extra = logprob_stand_ins(batch)
         return grpo_loss_func(post, chunk, batch["labels"], batch["loss_mask"], batch["advantages"], CONFIG,
                               old_logprobs=extra["old"], reference_logprobs=extra["reference"],
                               sampling_logprobs=extra["sampling"])
@@ -143,14 +141,14 @@ def grpo_direct_worker(rank, world):
     (model,) = common.build(Setup())
     install_fused_output_layer(model, FUSED)
     post = LogprobsPostProcessor(FUSED, vocab_size=TRUE_VOCAB, **SAMPLER)
-    rows = [b for _, bs in _all_batches("grpo") for b in bs]
-    batch = {k: _cat(rows, k) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    rows = [b for _, bs in all_batches("grpo") for b in bs]
+    batch = {k: cat_rows(rows, k) for k in ("tokens", "labels", "loss_mask", "position_ids")}
     batch["attention_mask"] = common.causal_mask()
     model.zero_grad_buffer()
     lp = post(common.forward_fn(model, batch), model, batch["labels"]).logprobs
-    extras = [_extras(b) for b in rows]
+    extras = [logprob_stand_ins(b) for b in rows]
     extra = {k: torch.cat([e[k] for e in extras]) for k in extras[0]}
-    loss, metrics = grpo_loss(lp, _cat(rows, "advantages"), batch["loss_mask"], CONFIG,
+    loss, metrics = grpo_loss(lp, cat_rows(rows, "advantages"), batch["loss_mask"], CONFIG,
                               old_logprobs=extra["old"], reference_logprobs=extra["reference"],
                               sampling_logprobs=extra["sampling"])
     loss.backward()
@@ -204,7 +202,7 @@ def test_broadcast_carries_topk():
 # examples/grpo.py with the rollouts' sampler settings
 # ------------------------------------------------------------------------------------------------
 def test_grpo_example_with_sampler_overrides(capfd):
-    from test_megatron_examples import FAST, example_worker
+    from example_runner import FAST, example_worker
 
     argv = FAST + ["--compare-unfused", "data.prompt_length=8", "rollout.num_prompts=2",
                    "sampling.top_p=0.9", "sampling.top_k=50"]

@@ -13,19 +13,20 @@ the exact searches forced too) and a large bf16 Triton-vs-torch comparison of th
 Also: a real bf16 GPTModel (Float16Module) trained one step with `get_forward_backward_func`,
 fused vs unfused, for SFT, DPO and GRPO (with and without entropy), comparing every micro-batch's
 loss, the forward-only log-probs and the gradient of every parameter after Megatron's DDP +
-`finalize_model_grads` (the CPU test's `parity_worker`, on CUDA/NCCL; Triton backend). Layouts:
-TP=2 + SP, TP=1 x PP=2, TP=2 x PP=2 (with and without SP), each tied and untied; DP fills the rest
-of the world, and a layout that does not divide the world is skipped (TP=2 x PP=2 needs 4 GPUs):
+`finalize_model_grads` (the CPU test's `megatron_workers.parity_worker`, on CUDA/NCCL; Triton
+backend). Layouts: TP=2 + SP, TP=1 x PP=2, TP=2 x PP=2 (with and without SP), each tied and
+untied; DP fills the rest of the world, and a layout that does not divide the world is skipped
+(TP=2 x PP=2 needs 4 GPUs):
 
     torchrun --nproc_per_node 4 -m pytest tests/test_multigpu.py -m multigpu -q
 
-And context parallelism (tests/test_megatron_cp.py's worker, fp32: CP=2 on 2 GPUs, TP=2 x CP=2 + SP
-and CP=2 x DP=2 on 4, each against CP=1 on the same world; CP=2 with sampler settings; CP=2 with
-torch FSDP2 sharding the weights over DP x CP, fused against unfused), multi-token prediction
-(tests/test_megatron_mtp.py's worker, bf16, with the Triton backend), and megatron's
+And context parallelism (tests/megatron_cp_workers.py's worker, fp32: CP=2 on 2 GPUs, TP=2 x
+CP=2 + SP and CP=2 x DP=2 on 4, each against CP=1 on the same world; CP=2 with sampler settings;
+CP=2 with torch FSDP2 sharding the weights over DP x CP, fused against unfused), multi-token
+prediction (tests/megatron_workers.py's MTP worker, bf16, with the Triton backend), and megatron's
 DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer installed
-before or after the DDP wrap (tests/test_megatron_ddp_overlap.py's worker; the optimizer needs
-CUDA, so this is its only run).
+before or after the DDP wrap (tests/megatron_workers.py's worker; the optimizer needs CUDA, so
+this is its only run).
 """
 
 import os
@@ -65,13 +66,13 @@ def _gather(obj):
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_nccl_logprobs_match_dense_reference(impl, sp, dtype):
-    from test_ops import _logprobs_worker, check_against_reference, make_case
+    from op_cases import check_against_reference, logprobs_worker, make_case
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     # a seed that is the same in every process (str hashes are salted per process)
     case = make_case(zlib.crc32(repr((impl, sp, str(dtype))).encode()) % 1000, tp, dtype=dtype, sp=sp, ignored=0.3)
     cuda_case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
-    out = _logprobs_worker(rank, tp, cuda_case, impl=impl)
+    out = logprobs_worker(rank, tp, cuda_case, impl=impl)
     results = _gather([t.cpu() for t in out])
     check_against_reference(case, results, what_prefix="nccl ")
 
@@ -158,21 +159,22 @@ def test_nccl_arguments_that_differ_raise_on_every_rank(case):
 @pytest.mark.parametrize("dtype,ints", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-ties"])
 @pytest.mark.parametrize("searched", [False, True], ids=["candidates", "searched"])
 def test_nccl_sampled_logprobs_match_dense_reference(impl, dtype, ints, searched, monkeypatch):
-    """test_sampling.py's float64 reference cases on the GPU (searched: every exact search forced)."""
-    import test_sampling
+    """The float64 reference cases of test_sampling.py (sampling_cases.py) on the GPU (searched:
+    every exact search forced)."""
+    import sampling_cases
     from megatron_fused_ce.ops import sampling
 
     if searched:
         monkeypatch.setattr(sampling, "CANDIDATES", 2)
         monkeypatch.setattr(sampling, "MAX_TOP_K_CANDIDATES", 2)
     tp, rank = dist.get_world_size(), dist.get_rank()
-    case = test_sampling.make_case(zlib.crc32(repr((impl, str(dtype), searched)).encode()) % 1000, tp,
+    case = sampling_cases.make_case(zlib.crc32(repr((impl, str(dtype), searched)).encode()) % 1000, tp,
                                    dtype=dtype, ints=ints, sp=True, seq=4 * tp)
     cuda_case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
-    for params in test_sampling.PARAMS:
-        out = test_sampling._run(rank, tp, cuda_case, params, impl=impl)
+    for params in sampling_cases.PARAMS:
+        out = sampling_cases.run_case(rank, tp, cuda_case, params, impl=impl)
         results = _gather({k: None if v is None else v.cpu() for k, v in out.items()})
-        test_sampling.check(case, params, results, what="nccl sampled ")
+        sampling_cases.check(case, params, results, what="nccl sampled ")
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -248,7 +250,7 @@ def _to_cpu(obj):
 
 def gpt_setup(layout: str, tied: bool, world: int):
     """The layout's `Setup` (bf16) for `world` ranks, or None when it does not divide the world."""
-    from test_megatron_common import Setup
+    from megatron_harness import Setup
 
     tp, pp, sp = GPT_LAYOUTS[layout]
     if world % (tp * pp):
@@ -267,14 +269,10 @@ def gpt_parity_body(layout: str, tied: bool, device: str, kinds=GPT_KINDS,
     under NCCL (the test below); `device="cpu"` under gloo after `enable_cpu_mode()` runs the same
     body on CPU. Returns the worst relative difference per loss kind.
     """
-    import test_megatron_common as common
+    import megatron_harness as common
     from megatron.core import parallel_state
-    from test_megatron_parity import (
-        GRAD_RTOL_BF16,
-        LOSS_RTOL_BF16,
-        NUM_MICROBATCHES,
-        parity_worker,
-    )
+    from megatron_harness import GRAD_RTOL_BF16, LOSS_RTOL_BF16
+    from megatron_workers import NUM_MICROBATCHES, parity_worker
 
     from megatron_fused_ce.megatron import loss_funcs
 
@@ -373,7 +371,7 @@ def test_nccl_gpt_fused_matches_unfused_bf16(layout, tied, record_property):
 def _on_every_rank(what: str, worker, *args):
     """`worker(rank, world, *args)` of a CPU test on every rank of the default group, micro-batches
     on the GPU; every rank's (report, error) is all-gathered and a failure raises on all ranks."""
-    import test_megatron_common as common
+    import megatron_harness as common
     from megatron.core import parallel_state
 
     make_batches = common.make_batches
@@ -405,9 +403,8 @@ def test_nccl_mtp_fused_matches_unfused_bf16(layout, record_property):
     """bf16 GPTModel with MTP, fused vs unfused: losses, megatron's MTP logging (argmax acceptance
     counts within 2 % on >= 0.19: bf16 logits tie), every gradient; the CPU test's checks, bf16
     tolerances."""
-    from test_megatron_common import Setup
-    from test_megatron_mtp import check_mtp_reports, mtp_worker
-    from test_megatron_parity import GRAD_RTOL_BF16, LOSS_RTOL_BF16
+    from megatron_harness import GRAD_RTOL_BF16, LOSS_RTOL_BF16, Setup
+    from megatron_workers import check_mtp_reports, mtp_worker
 
     tp, pp, sp, tied, depths = MTP_GPU_LAYOUTS[layout]
     world = dist.get_world_size()
@@ -427,8 +424,8 @@ def test_nccl_distributed_optimizer_overlap_both_install_orders():
     data-parallel over every GPU, MTP: three steps unfused, fused installed before the DDP wrap, and
     after it. Every fused read of the output weight comes after its all-gather; losses of every
     step and the parameters after the steps match unfused (fp32: 1e-5)."""
-    from test_megatron_common import Setup
-    from test_megatron_ddp_overlap import check_distributed_optimizer, distributed_optimizer_worker
+    from megatron_harness import Setup
+    from megatron_workers import check_distributed_optimizer, distributed_optimizer_worker
 
     setup = Setup(dp=dist.get_world_size(), overlap=True, mtp_layers=1)
     runs = {order: _on_every_rank(f"distributed optimizer, install {order}",
@@ -455,8 +452,8 @@ def test_nccl_context_parallel_equals_cp1(layout, record_property):
     data-parallel ranks repeat the CP run's data): logged metrics, every parameter's gradient,
     gathered and sharded forward-only log-probs; the CPU test's tolerances (1e-5 on metrics and
     log-probs, 1e-4 of each gradient's largest entry)."""
-    from test_megatron_common import Setup
-    from test_megatron_cp import KINDS, check_cp_reports, parity_worker
+    from megatron_cp_workers import KINDS, check_cp_reports, parity_worker
+    from megatron_harness import Setup
 
     tp, cp, sp = CP_GPU_LAYOUTS[layout]
     world = dist.get_world_size()
@@ -475,8 +472,8 @@ def test_nccl_context_parallel_with_sampler_settings(record_property):
     """The rollouts' sampler settings (top_k, top_p, return_topk: the Triton sampler kernels on the
     fused path) under CP=2 (CP=2 x DP on more GPUs): SFT and GRPO equal CP=1, labels outside the
     kept set excluded, top-k fields gathered (tests/test_megatron_cp.py's sampler case)."""
-    from test_megatron_common import Setup
-    from test_megatron_cp import check_cp_reports, parity_worker
+    from megatron_cp_workers import check_cp_reports, parity_worker
+    from megatron_harness import Setup
 
     world = dist.get_world_size()
     if world % 2:
@@ -493,10 +490,10 @@ def test_nccl_context_parallel_with_sampler_settings(record_property):
 
 def test_nccl_context_parallel_with_fsdp_sharded_weights():
     """CP=2 (x DP on more GPUs) with torch FSDP2 sharding every weight over the data-parallel x CP
-    group (tests/test_megatron_cp.py's FSDP worker, fp32, Triton backend on the fused path): the
+    group (tests/megatron_cp_workers.py's FSDP worker, fp32, Triton backend on the fused path): the
     fused ops run inside the output layer's call, where FSDP gathers the weight; SFT, DPO and GRPO
     losses, forward-only log-probs (both layouts) and every gradient equal the unfused run's."""
-    from test_megatron_cp import check_fsdp_reports, fsdp_worker
+    from megatron_cp_workers import check_fsdp_reports, fsdp_worker
 
     if dist.get_world_size() % 2:
         pytest.skip("CP=2 needs an even world size")

@@ -1,10 +1,10 @@
 """The fused output layer under torch FSDP2 and Megatron-FSDP over NCCL on CUDA: the workers of
-tests/test_megatron_fsdp.py (GPTModel, megatron's schedule, SFT / GRPO / Megatron-LM labels,
-fused vs unfused vs a float64 reference; all-gather / reduce-scatter counts of the output weight;
-every collective of this package on the TP group; the same data-parallel collectives on every
-rank, also with 3 vs 3000 and 0 vs 3000 labelled tokens), with the Triton backend, in fp32
-(checked against float64) and bf16 (Float16Module, fused vs unfused at the bf16 tolerances); tied
-embeddings (DP=2).
+tests/test_megatron_fsdp.py (in tests/megatron_fsdp_workers.py: GPTModel, megatron's schedule,
+SFT / GRPO / Megatron-LM labels, fused vs unfused vs a float64 reference; all-gather /
+reduce-scatter counts of the output weight; every collective of this package on the TP group; the
+same data-parallel collectives on every rank, also with 3 vs 3000 and 0 vs 3000 labelled tokens),
+with the Triton backend, in fp32 (checked against float64) and bf16 (Float16Module, fused vs
+unfused at the bf16 tolerances); tied embeddings (DP=2).
 
     torchrun --nproc_per_node 2 -m pytest tests/test_multigpu_fsdp.py -m multigpu -q   # DP=2
     torchrun --nproc_per_node 4 -m pytest tests/test_multigpu_fsdp.py -m multigpu -q   # TP=2 x DP=2
@@ -47,7 +47,7 @@ def _gather(obj):
 
 
 def _run(tp, wrapper, kinds, token_counts=None, bf16=False, grad_acc_fusion=False):
-    from test_megatron_fsdp import fsdp_worker
+    from megatron_fsdp_workers import fsdp_worker
 
     if 2 * tp != WORLD:
         pytest.skip(f"TP={tp} x DP=2 needs {2 * tp} GPUs")
@@ -57,7 +57,7 @@ def _run(tp, wrapper, kinds, token_counts=None, bf16=False, grad_acc_fusion=Fals
 def _on_every_rank(worker, wrapper, *args):
     """`worker(rank, world, *args)` here; every rank's report (or every rank's errors, raised)."""
     from megatron.core import parallel_state
-    from test_megatron_fsdp import needs_engine
+    from megatron_fsdp_workers import needs_engine
 
     needs_engine(wrapper)
     report, error = None, None
@@ -81,7 +81,7 @@ KINDS = ("sft", "grpo", "labels")
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_nccl_fsdp_fp32_matches_unfused_and_float64(tp, wrapper):
-    from test_megatron_fsdp import check_reports
+    from megatron_fsdp_workers import check_reports
 
     worst = check_reports(_run(tp, wrapper, KINDS))
     print(f"tp{tp}-dp2-{wrapper} fp32: worst gradient error vs float64 {worst:.2e}")
@@ -90,7 +90,7 @@ def test_nccl_fsdp_fp32_matches_unfused_and_float64(tp, wrapper):
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("wrapper", ["fully_shard", "megatron", "megatron_fsdp", "megatron_fsdp_unit"])
 def test_nccl_fsdp_bf16_matches_unfused(tp, wrapper):
-    from test_megatron_fsdp import check_reports
+    from megatron_fsdp_workers import check_reports
 
     check_reports(_run(tp, wrapper, KINDS, bf16=True), bf16=True, exact=False)
 
@@ -99,20 +99,20 @@ def test_nccl_fsdp_bf16_matches_unfused(tp, wrapper):
     (1, (3, 3000), "fully_shard"), (1, (0, 3000), "megatron_fsdp"),
     (2, (0, 3000), "megatron"), (2, (3000, 3), "megatron_fsdp")])
 def test_nccl_fsdp_unequal_token_counts(tp, token_counts, wrapper):
-    from test_megatron_fsdp import check_reports
+    from megatron_fsdp_workers import check_reports
 
     check_reports(_run(tp, wrapper, ("sft", "grpo"), token_counts))
 
 
 def test_nccl_megatron_fsdp_keeps_its_main_grad():
-    from test_megatron_fsdp import check_reports
+    from megatron_fsdp_workers import check_reports
 
     check_reports(_run(WORLD // 2, "megatron_fsdp", ("sft", "grpo"), grad_acc_fusion=True))
 
 
 @pytest.mark.parametrize("wrapper", ["fully_shard", "root", "megatron_fsdp"])
 def test_nccl_fsdp_tied_weights(wrapper):
-    from test_megatron_fsdp import check_tied, tied_worker
+    from megatron_fsdp_workers import check_tied, tied_worker
 
     if WORLD != 2:
         pytest.skip("DP=2")

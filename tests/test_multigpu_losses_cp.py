@@ -42,17 +42,17 @@ def _cuda(data):
 
 @pytest.mark.parametrize("layout", ["balanced", "arbitrary"])
 def test_nccl_losses_under_context_parallelism_equal_cp1(layout):
-    from test_losses_cp import CASES, _run_case, _slice, make_data, positions
+    from losses_cp_cases import CASES, make_data, positions, run_case, slice_positions
 
     cp, rank = dist.get_world_size(), dist.get_rank()
     if layout == "arbitrary" and cp not in (2, 4):
         pytest.skip("arbitrary layouts are defined for CP = 2, 4")
     data = make_data()
-    local = _cuda(_slice(data, positions(layout, cp, rank)))
-    mine = {name: tuple(_to_cpu(x) for x in _run_case(name, local, dist.group.WORLD)) for name in CASES}
+    local = _cuda(slice_positions(data, positions(layout, cp, rank)))
+    mine = {name: tuple(_to_cpu(x) for x in run_case(name, local, dist.group.WORLD)) for name in CASES}
     everyone = _gather(mine)
     for name in CASES:
-        loss, metrics, grad = _run_case(name, data)
+        loss, metrics, grad = run_case(name, data)
         for r, result in enumerate(everyone):
             got_loss, got_metrics, got_grad = result[name]
             torch.testing.assert_close(got_loss, loss, rtol=1e-12, atol=1e-13)
@@ -71,13 +71,13 @@ def _to_cpu(x):
 
 
 def test_nccl_linear_grpo_under_context_parallelism_equals_cp1():
-    from test_losses_cp import FUSED_CONFIGS, _NAMES, _fused_inputs, _fused_reference, positions
+    from losses_cp_cases import FUSED_CONFIGS, LOGPROB_ARGS, fused_inputs, fused_reference, positions
 
     from megatron_fused_ce.losses import GRPOConfig
     from megatron_fused_ce.losses.linear_grpo import linear_grpo_loss
 
     cp, rank = dist.get_world_size(), dist.get_rank()
-    hidden, weight, labels, mask, adv, others = _fused_inputs(1)
+    hidden, weight, labels, mask, adv, others = fused_inputs(1)
     index = positions("balanced", cp, rank)
     hidden, labels, mask = hidden[:, index].cuda(), labels[:, index].cuda(), mask[:, index].cuda()
     others = {k: v[:, index].cuda() for k, v in others.items()}
@@ -87,12 +87,12 @@ def test_nccl_linear_grpo_under_context_parallelism_equals_cp1():
         loss, metrics = linear_grpo_loss(
             h, w, labels, adv.cuda(), mask, GRPOConfig(**cfg_kwargs), cp_group=dist.group.WORLD,
             vocab_size=weight.shape[0] - 3, temperature=0.9, chunk_size=5, impl="triton",
-            normalizer=29 if "normalizer" in name else None, **{_NAMES[k]: others[k] for k in needs})
+            normalizer=29 if "normalizer" in name else None, **{LOGPROB_ARGS[k]: others[k] for k in needs})
         (2.5 * loss).backward()
         mine[name] = (loss.detach().cpu(), _to_cpu(metrics), h.grad.cpu(), w.grad.cpu())
     everyone = _gather(mine)
     for name in FUSED_CONFIGS:
-        loss, metrics, dx, dw = _fused_reference(name, 1)
+        loss, metrics, dx, dw = fused_reference(name, 1)
         dw_sum = torch.zeros_like(dw)
         for r, result in enumerate(everyone):
             got_loss, got_metrics, got_dx, got_dw = result[name]

@@ -14,86 +14,21 @@ import zlib
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import reference
 from dist import run_workers
-from megatron_fused_ce import LogprobsOutput, linear_cross_entropy, linear_logprobs
-
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-def make_case(seed, tp, *, dtype=torch.float32, seq=20, batch=3, hidden=24, vocab=101,
-              ignored=0.3, temperature=0.7, chunk_size=7, sp=False, extra_pad=3):
-    """Global inputs, identical on every rank (drawn from `seed`)."""
-    g = torch.Generator().manual_seed(seed)
-    v_local = -(-vocab // tp) + extra_pad  # padded like Megatron: equal shards, padding at the end
-    hidden_full = torch.randn(seq, batch, hidden, generator=g).to(dtype)
-    weight_full = (torch.randn(v_local * tp, hidden, generator=g) * 2.0 / hidden**0.5).to(dtype)
-    labels = torch.randint(0, vocab, (seq, batch), generator=g)
-    labels[torch.rand(seq, batch, generator=g) < ignored] = -100
-    grad_lp = torch.randn(seq, batch, generator=g)
-    grad_ent = torch.randn(seq, batch, generator=g)
-    return dict(seed=seed, tp=tp, dtype=dtype, hidden=hidden_full, weight=weight_full, labels=labels,
-                grad_lp=grad_lp, grad_ent=grad_ent, vocab=vocab, v_local=v_local, T=temperature,
-                chunk_size=chunk_size, sp=sp)
-
-
-def _local_inputs(rank, case):
-    tp, v_local = case["tp"], case["v_local"]
-    weight = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
-    hidden = case["hidden"]
-    if case["sp"]:
-        s_local = hidden.shape[0] // tp
-        hidden = hidden[rank * s_local:(rank + 1) * s_local]
-    return hidden.clone().requires_grad_(), weight
-
-
-def _group(world):
-    return dist.group.WORLD if world > 1 else None
-
-
-def _logprobs_worker(rank, world, case, impl="torch"):
-    hidden, weight = _local_inputs(rank, case)
-    out = linear_logprobs(hidden, weight, case["labels"], tp_group=_group(world), vocab_size=case["vocab"],
-                          temperature=case["T"], return_entropy=True, chunk_size=case["chunk_size"],
-                          sequence_parallel=case["sp"], impl=impl)
-    assert isinstance(out, LogprobsOutput) and out.logprobs.dtype == torch.float32
-    ((out.logprobs * case["grad_lp"]).sum() + (out.entropy * case["grad_ent"]).sum()).backward()
-    return out.logprobs.detach(), out.entropy.detach(), hidden.grad, weight.grad
-
-
-def _reference_logprobs(case):
-    h = case["hidden"].double().requires_grad_()
-    w = case["weight"].double().requires_grad_()
-    lp, ent, _ = reference.dense_stats(h, w, case["labels"], vocab_size=case["vocab"], temperature=case["T"])
-    ((lp * case["grad_lp"].double()).sum() + (ent * case["grad_ent"].double()).sum()).backward()
-    return lp.detach(), ent.detach(), h.grad, w.grad
-
-
-def check_against_reference(case, results, what_prefix=""):
-    ref_lp, ref_ent, ref_dx, ref_dw = _reference_logprobs(case)
-    tp, dtype, v_local, tol = case["tp"], case["dtype"], case["v_local"], TOL[case["dtype"]]
-    for rank, (lp, ent, dx, dw) in enumerate(results):
-        if case["sp"]:
-            s_local = ref_dx.shape[0] // tp
-            ref_dx_rank = ref_dx[rank * s_local:(rank + 1) * s_local]
-        else:
-            ref_dx_rank = ref_dx
-        ref_dw_rank = ref_dw[rank * v_local:(rank + 1) * v_local]
-        assert torch.all(lp[case["labels"] == -100] == 0.0)
-        assert torch.isfinite(lp).all() and torch.isfinite(dx.float()).all() and torch.isfinite(dw.float()).all()
-        for name, out, ref in (("logprobs", lp, ref_lp), ("entropy", ent, ref_ent),
-                               ("dX", dx, ref_dx_rank), ("dW", dw, ref_dw_rank)):
-            err = reference.record(what_prefix + name, tp, dtype, reference.rel_err(out, ref))
-            assert err <= tol, f"rank {rank} {name}: rel err {err:.2e} > {tol:.0e}"
-        # the padded vocab rows take no part: exactly zero gradient
-        padded_from = max(case["vocab"] - rank * v_local, 0)
-        assert torch.all(dw[padded_from:] == 0)
-    # identical on every rank
-    for lp, ent, _, _ in results[1:]:
-        assert torch.equal(lp, results[0][0]) and torch.equal(ent, results[0][1])
+from megatron_fused_ce import linear_cross_entropy, linear_logprobs
+from op_cases import (
+    TOL,
+    CountMatmuls,
+    check_against_reference,
+    local_inputs,
+    logprobs_worker,
+    make_case,
+    reference_ce,
+    world_group,
+)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -105,7 +40,7 @@ def test_logprobs_match_dense_reference(tp, sp, dtype, ignored):
         pytest.skip("sequence parallel needs TP > 1")
     seed = zlib.crc32(repr((tp, sp, str(dtype), ignored)).encode()) % 10_000
     case = make_case(seed, tp, dtype=dtype, sp=sp, ignored=ignored)
-    check_against_reference(case, run_workers(_logprobs_worker, tp, case))
+    check_against_reference(case, run_workers(logprobs_worker, tp, case))
 
 
 @pytest.mark.parametrize("tp", [1, 4])
@@ -113,7 +48,7 @@ def test_whole_shard_of_padding_and_large_chunk(tp):
     # vocab 50 over 4 ranks of 20 rows: rank 2 holds 10 padding rows, rank 3 only padding.
     case = make_case(11, tp, vocab=50, extra_pad=20 - 13 if tp == 4 else 3, chunk_size=1000)
     assert tp == 1 or case["v_local"] == 20
-    check_against_reference(case, run_workers(_logprobs_worker, tp, case))
+    check_against_reference(case, run_workers(logprobs_worker, tp, case))
 
 
 def test_float16_and_2d_hidden():
@@ -121,40 +56,23 @@ def test_float16_and_2d_hidden():
     case["hidden"] = case["hidden"].reshape(-1, case["hidden"].shape[-1])
     for key in ("labels", "grad_lp", "grad_ent"):
         case[key] = case[key].reshape(-1)
-    check_against_reference(case, run_workers(_logprobs_worker, 2, case))
+    check_against_reference(case, run_workers(logprobs_worker, 2, case))
 
 
 def test_auto_chunk_size():
     case = make_case(6, 2, chunk_size=None)
-    check_against_reference(case, run_workers(_logprobs_worker, 2, case))
+    check_against_reference(case, run_workers(logprobs_worker, 2, case))
 
 
 # ---------------------------------------------------------------- linear_cross_entropy
 def _ce_worker(rank, world, case, reduction, smoothing, z_loss, upstream):
-    hidden, weight = _local_inputs(rank, case)
-    loss = linear_cross_entropy(hidden, weight, case["labels"], tp_group=_group(world),
+    hidden, weight = local_inputs(rank, case)
+    loss = linear_cross_entropy(hidden, weight, case["labels"], tp_group=world_group(world),
                                 vocab_size=case["vocab"], reduction=reduction, label_smoothing=smoothing,
                                 z_loss_weight=z_loss, temperature=case["T"], chunk_size=case["chunk_size"],
                                 sequence_parallel=case["sp"], impl="torch")
     (loss * upstream).sum().backward()
     return loss.detach(), hidden.grad, weight.grad
-
-
-def _reference_ce(case, reduction, smoothing, z_loss, upstream):
-    h = case["hidden"].double().requires_grad_()
-    w = case["weight"].double().requires_grad_()
-    _, _, z = reference.dense_stats(h, w, case["labels"], vocab_size=case["vocab"], temperature=case["T"])
-    y = case["labels"].reshape(-1)
-    loss = F.cross_entropy(z, y, reduction=reduction, label_smoothing=smoothing)
-    zl = z_loss * torch.logsumexp(z, -1).square() * (y != -100)
-    if reduction == "mean":
-        loss = loss + zl.sum() / max(int((y != -100).sum()), 1)
-    elif reduction == "sum":
-        loss = loss + zl.sum()
-    else:
-        loss = (loss + zl).reshape(case["labels"].shape)
-    (loss * upstream.double()).sum().backward()
-    return loss.detach(), h.grad, w.grad
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -167,7 +85,7 @@ def test_cross_entropy_matches_dense_reference(tp, reduction, dtype):
     # a scaled loss / arbitrary per-token upstream gradients: grad-in-forward must not assume 1
     upstream = torch.randn(case["labels"].shape, generator=g) if reduction == "none" else torch.tensor(3.5)
     results = run_workers(_ce_worker, tp, case, reduction, smoothing, z_loss, upstream)
-    ref_loss, ref_dx, ref_dw = _reference_ce(case, reduction, smoothing, z_loss, upstream)
+    ref_loss, ref_dx, ref_dw = reference_ce(case, reduction, smoothing, z_loss, upstream)
     tol, v_local = TOL[dtype], case["v_local"]
     for rank, (loss, dx, dw) in enumerate(results):
         ref_dx_rank = ref_dx
@@ -182,7 +100,7 @@ def test_cross_entropy_matches_dense_reference(tp, reduction, dtype):
 
 # ---------------------------------------------------------------- degenerate inputs
 def _degenerate_worker(rank, world):
-    group = _group(world)
+    group = world_group(world)
     w = torch.randn(8, 4, requires_grad=True)
     # no tokens at all
     out = linear_logprobs(torch.randn(0, 4, requires_grad=True), w, torch.zeros(0, dtype=torch.long),
@@ -209,8 +127,8 @@ def test_empty_and_all_ignored(tp):
 
 # ---------------------------------------------------------------- determinism, no_grad, memory
 def _twice_worker(rank, world, case):
-    first = _logprobs_worker(rank, world, case)
-    second = _logprobs_worker(rank, world, case)
+    first = logprobs_worker(rank, world, case)
+    second = logprobs_worker(rank, world, case)
     return all(torch.equal(a, b) for a, b in zip(first, second))
 
 
@@ -327,16 +245,6 @@ def test_main_grad_dummy_gradient_follows_megatron(monkeypatch, fn, tied):
 
 
 # ---------------------------------------------------------------- gradients in the forward pass
-class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
-                    torch.ops.aten.addmm_.default, torch.ops.aten.addmm.out):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("reduction,gemms_per_chunk", [("mean", 3), ("sum", 3), ("none", 4)])
@@ -344,7 +252,7 @@ def test_cross_entropy_gradients_in_forward_use_three_gemms(reduction, gemms_per
     h = torch.randn(40, 8, requires_grad=True)
     w = torch.randn(30, 8, requires_grad=True)
     y = torch.randint(0, 30, (40,))
-    with _CountMatmuls() as mode:
+    with CountMatmuls() as mode:
         loss = linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=10)
         loss.sum().backward()
     assert mode.count == 4 * gemms_per_chunk  # 4 chunks; "none" must recompute (arbitrary upstream)

@@ -22,7 +22,7 @@ from dist import run_workers
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 from megatron_fused_ce.ops import api, lean
-from test_ops import TOL, _group, _local_inputs, _reference_ce, check_against_reference, make_case
+from op_cases import TOL, check_against_reference, local_inputs, make_case, reference_ce, world_group
 
 
 @pytest.fixture
@@ -36,8 +36,8 @@ def small_tiles(monkeypatch):
 
 
 def _logprobs_worker(rank, world, case, memory_mode):
-    hidden, weight = _local_inputs(rank, case)
-    out = linear_logprobs(hidden, weight, case["labels"], tp_group=_group(world), vocab_size=case["vocab"],
+    hidden, weight = local_inputs(rank, case)
+    out = linear_logprobs(hidden, weight, case["labels"], tp_group=world_group(world), vocab_size=case["vocab"],
                           temperature=case["T"], return_entropy=True, chunk_size=case["chunk_size"],
                           sequence_parallel=case["sp"], impl="torch", memory_mode=memory_mode)
     ((out.logprobs * case["grad_lp"]).sum() + (out.entropy * case["grad_ent"]).sum()).backward()
@@ -61,11 +61,11 @@ def test_lean_shard_of_padding_only(small_tiles):
 
 
 def _ce_worker(rank, world, case, reduction, smoothing, z_loss, upstream, memory_mode, main_grad):
-    hidden, weight = _local_inputs(rank, case)
+    hidden, weight = local_inputs(rank, case)
     if main_grad:
         weight.main_grad = torch.full(weight.shape, 0.25)
         weight.grad_added_to_main_grad = False
-    loss = linear_cross_entropy(hidden, weight, case["labels"], tp_group=_group(world),
+    loss = linear_cross_entropy(hidden, weight, case["labels"], tp_group=world_group(world),
                                 vocab_size=case["vocab"], reduction=reduction, label_smoothing=smoothing,
                                 z_loss_weight=z_loss, temperature=case["T"], chunk_size=case["chunk_size"],
                                 sequence_parallel=case["sp"], impl="torch", memory_mode=memory_mode,
@@ -78,7 +78,7 @@ def _ce_worker(rank, world, case, reduction, smoothing, z_loss, upstream, memory
 
 
 def check_ce(case, results, reduction, smoothing, z_loss, upstream, what):
-    ref_loss, ref_dx, ref_dw = _reference_ce(case, reduction, smoothing, z_loss, upstream)
+    ref_loss, ref_dx, ref_dw = reference_ce(case, reduction, smoothing, z_loss, upstream)
     tp, tol, v_local = case["tp"], TOL[case["dtype"]], case["v_local"]
     for rank, (loss, dx, dw) in enumerate(results):
         ref_dx_rank = ref_dx
@@ -185,7 +185,7 @@ def test_second_backward_with_retained_graph(small_tiles, memory_mode, main_grad
 
 
 def _grpo_worker(rank, world, case, memory_mode, main_grad):
-    hidden, weight = _local_inputs(rank, case)
+    hidden, weight = local_inputs(rank, case)
     if main_grad:
         weight.main_grad = torch.zeros(weight.shape)
     labels = case["labels"].t()  # [B, T] layout
@@ -194,7 +194,7 @@ def _grpo_worker(rank, world, case, memory_mode, main_grad):
     advantages = torch.randn(labels.shape[0], generator=g)
     old = torch.randn(labels.shape, generator=g) * 0.1 - 3.0
     loss, _ = linear_grpo_loss(hidden.transpose(0, 1), weight, labels, advantages, mask, GRPOConfig(),
-                               old_logprobs=old, tp_group=_group(world), vocab_size=case["vocab"],
+                               old_logprobs=old, tp_group=world_group(world), vocab_size=case["vocab"],
                                temperature=case["T"], chunk_size=case["chunk_size"], impl="torch",
                                memory_mode=memory_mode, accumulate_into_main_grad=main_grad)
     (2.0 * loss).backward()
@@ -276,7 +276,7 @@ def _overflow_worker(rank, world, h, w, y):
     v_local = w.shape[0] // world
     hh = h.clone().requires_grad_()
     ww = w[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
-    loss = linear_cross_entropy(hh, ww, y, tp_group=_group(world), label_smoothing=0.1, memory_mode="lean")
+    loss = linear_cross_entropy(hh, ww, y, tp_group=world_group(world), label_smoothing=0.1, memory_mode="lean")
     loss.backward()
     return loss.detach(), hh.grad, ww.grad
 
@@ -307,7 +307,7 @@ def _bad_mode_worker(rank, world):
     h = torch.randn(6, 4, requires_grad=True)
     w = torch.randn(8, 4, requires_grad=True)
     try:
-        linear_logprobs(h, w, torch.randint(0, 16, (6,)), tp_group=_group(world),
+        linear_logprobs(h, w, torch.randint(0, 16, (6,)), tp_group=world_group(world),
                         memory_mode="lean" if rank == 0 else "tiny")
     except ValueError as exc:
         return str(exc)

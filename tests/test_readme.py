@@ -26,9 +26,9 @@ from functools import partial
 import pytest
 import torch
 
-import test_megatron_common as common
+import megatron_harness as common
 from dist import run_workers
-from test_megatron_common import PADDED_VOCAB, SEQ, TRUE_VOCAB, Setup
+from megatron_harness import PADDED_VOCAB, SEQ, TRUE_VOCAB, Setup
 
 from megatron_fused_ce.megatron import is_fused
 

@@ -16,8 +16,18 @@ from dist import run_workers
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, grpo_loss, linear_grpo_loss
 from megatron_fused_ce.ops import agreement, reductions
-
-BF16_TOL = 2e-2  # the stated bf16 tolerance (relative norm), as in test_ops.py
+from op_cases import (
+    BF16_TOL,
+    autocast_loss,
+    autocast_reference_loss,
+    check_entropy_precision,
+    entropy_case,
+    entropy_worker,
+    local_inputs,
+    make_case,
+    reference_ce,
+    reference_logprobs,
+)
 
 
 def _rel(out, ref):
@@ -118,38 +128,6 @@ def test_gradient_penalty_raises_instead_of_a_wrong_gradient(fn):
 
 
 # ------------------------------------------------------------------ 5. torch.autocast
-def _advantages(y):
-    # not symmetric around 0: with advantages summing to 0 the GRPO loss at ratio 1 is exactly 0
-    # and a relative error against it is 0/0 (the CUDA test read "loss: nan")
-    return torch.linspace(-1, 1, y.shape[0], device=y.device) + 0.25
-
-
-def _autocast_loss(fn, h, w, y, **kw):
-    if fn == "logprobs":
-        out = linear_logprobs(h, w, y, return_entropy=True, chunk_size=37, **kw)
-        return (out.logprobs * 0.5).sum() + (out.entropy * 0.25).sum()
-    if fn == "ce_mean":
-        return linear_cross_entropy(h, w, y, chunk_size=37, label_smoothing=0.1, **kw)
-    if fn == "ce_none":
-        return (linear_cross_entropy(h, w, y, reduction="none", chunk_size=37, **kw) * 0.1).sum()
-    mask = (y != -100).float()
-    return linear_grpo_loss(h, w, y, _advantages(y), mask, GRPOConfig(), chunk_size=37, **kw)[0]
-
-
-def _dense_loss(fn, h, w, y):
-    """The same losses from float64 logits (ignored labels: no term)."""
-    z, flat = h.reshape(-1, h.shape[-1]) @ w.t(), y.reshape(-1)
-    keep = flat != -100
-    logp = F.log_softmax(z, -1)
-    lp = torch.where(keep, logp.gather(1, flat.clamp(min=0)[:, None]).squeeze(1), 0.0)
-    if fn == "logprobs":
-        return (lp * 0.5).sum() - torch.where(keep, (logp.exp() * logp).sum(-1), 0.0).sum() * 0.25
-    if fn == "ce_mean":
-        return F.cross_entropy(z, flat, label_smoothing=0.1)
-    if fn == "ce_none":
-        return (F.cross_entropy(z, flat, reduction="none") * 0.1).sum()
-    mask = keep.reshape(y.shape).to(z.dtype)
-    return grpo_loss(lp.reshape(y.shape), _advantages(y).to(z.dtype), mask, GRPOConfig())[0]
 
 
 @pytest.mark.parametrize("fn", ["logprobs", "ce_mean", "ce_none", "grpo"])
@@ -167,7 +145,7 @@ def test_autocast_bf16_matches_bf16_inputs(fn, backward_inside):
 
     h, w = h32.clone().requires_grad_(), w32.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = _autocast_loss(fn, h, w, y)
+        loss = autocast_loss(fn, h, w, y)
         if backward_inside:
             loss.backward()
     if not backward_inside:
@@ -175,11 +153,11 @@ def test_autocast_bf16_matches_bf16_inputs(fn, backward_inside):
     assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
 
     hb, wb = h32.bfloat16().requires_grad_(), w32.bfloat16().requires_grad_()
-    _autocast_loss(fn, hb, wb, y).backward()
+    autocast_loss(fn, hb, wb, y).backward()
     assert torch.equal(h.grad, hb.grad.float()) and torch.equal(w.grad, wb.grad.float())
 
     hd, wd = h32.bfloat16().double().requires_grad_(), w32.bfloat16().double().requires_grad_()
-    ref_loss = _dense_loss(fn, hd, wd, y)
+    ref_loss = autocast_reference_loss(fn, hd, wd, y)
     ref_loss.backward()
     for name, out, ref in (("loss", loss, ref_loss), ("dX", h.grad, hd.grad), ("dW", w.grad, wd.grad)):
         err = reference.record(f"autocast {name}", 1, torch.bfloat16, _rel(out, ref))
@@ -195,14 +173,14 @@ def test_autocast_main_grad_reaches_the_fp32_parameter():
     expected = []
     for fn in ("ce_mean", "logprobs"):
         hb, wb = h32.bfloat16(), w32.bfloat16().requires_grad_()
-        _autocast_loss(fn, hb, wb, y).backward()
+        autocast_loss(fn, hb, wb, y).backward()
         expected.append(wb.grad.float())
     for fn, exp in zip(("ce_mean", "logprobs"), expected):
         w = w32.clone().requires_grad_()
         w.main_grad = torch.full((24, 16), 0.25)
         w.grad_added_to_main_grad = False
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = _autocast_loss(fn, h32, w, y, accumulate_into_main_grad=True)
+            loss = autocast_loss(fn, h32, w, y, accumulate_into_main_grad=True)
         loss.backward()
         assert w.grad_added_to_main_grad is True and w.grad.shape == w.shape
         assert _rel(w.main_grad - 0.25, exp) < 1e-2
@@ -241,52 +219,6 @@ def test_autocast_tp2_sequence_parallel():
 
 
 # ------------------------------------------------------------------ 8. entropy at large |z|
-def entropy_case(seed, spread, temperature, tp, n=48):
-    """Logits z = h @ W.T / T with a spread of about `spread` (|z| ~ 50 and up), vocab padded."""
-    g = torch.Generator().manual_seed(seed)
-    hidden, vocab, v_local = 32, 250, 128 if tp == 2 else 256
-    h = torch.randn(n, hidden, generator=g)
-    w = torch.randn(v_local * tp, hidden, generator=g) / hidden**0.5 * spread * temperature
-    y = torch.randint(0, vocab, (n,), generator=g)
-    return dict(h=h, w=w, y=y, vocab=vocab, v_local=v_local, T=temperature,
-                g_lp=torch.randn(n, generator=g), g_ent=torch.randn(n, generator=g))
-
-
-def _entropy_outputs(case, h, w, y, lp, ent):
-    ((lp * case["g_lp"].to(lp.dtype)).sum() + (ent * case["g_ent"].to(ent.dtype)).sum()).backward()
-    return lp.detach(), ent.detach(), h.grad, w.grad
-
-
-def _dense_entropy(case, dtype):
-    h, w = case["h"].to(dtype).requires_grad_(), case["w"].to(dtype).requires_grad_()
-    z = (h @ w.t())[:, :case["vocab"]] / case["T"]
-    logp = F.log_softmax(z, -1)
-    return _entropy_outputs(case, h, w, case["y"], logp.gather(1, case["y"][:, None]).squeeze(1),
-                            -(logp.exp() * logp).sum(-1))
-
-
-def _entropy_worker(rank, world, case, impl="torch"):
-    v = case["v_local"]
-    h = case["h"].clone().requires_grad_()
-    w = case["w"][rank * v:(rank + 1) * v].clone().requires_grad_()
-    out = linear_logprobs(h, w, case["y"], tp_group=dist.group.WORLD if world > 1 else None,
-                          vocab_size=case["vocab"], temperature=case["T"], return_entropy=True,
-                          chunk_size=20, impl=impl)
-    return _entropy_outputs(case, h, w, case["y"], out.logprobs, out.entropy)
-
-
-def check_entropy_precision(case, results, what):
-    """Every quantity within 2x (+ a floor at fp32 rounding) of a plain fp32 dense computation's
-    error, both against float64."""
-    ref = _dense_entropy(case, torch.float64)
-    plain = _dense_entropy(case, torch.float32)
-    v = case["v_local"]
-    for rank, ours in enumerate(results):
-        for i, name in enumerate(("logprobs", "entropy", "dX", "dW")):
-            sl = slice(rank * v, (rank + 1) * v) if name == "dW" else slice(None)
-            err, plain_err = _rel(ours[i], ref[i][sl]), _rel(plain[i][sl], ref[i][sl])
-            reference.record_error_ratio(f"{what} {name}", len(results), torch.float32, err / plain_err)
-            assert err <= 2 * plain_err + 1e-7, f"rank {rank} {name}: {err:.2e} vs plain fp32 {plain_err:.2e}"
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -295,14 +227,12 @@ def test_entropy_precision_at_large_logits(tp, spread, temperature):
     """Before: entropy = lse - sum exp(z - m) z / S cancelled at |z| ~ 50 (7x a plain fp32
     computation's error) and its gradient used z - E (8-16x). Now: relative to the max / to lse."""
     case = entropy_case(7 + tp, spread, temperature, tp)
-    check_entropy_precision(case, run_workers(_entropy_worker, tp, case), "large |z|")
+    check_entropy_precision(case, run_workers(entropy_worker, tp, case), "large |z|")
 
 
 # ------------------------------------------------------------------ 9. logits_dtype=float32
 def _logits_dtype_worker(rank, world, case, logits_dtype):
-    from test_ops import _local_inputs
-
-    hidden, weight = _local_inputs(rank, case)
+    hidden, weight = local_inputs(rank, case)
     group = dist.group.WORLD if world > 1 else None
     common = dict(tp_group=group, vocab_size=case["vocab"], temperature=case["T"], chunk_size=case["chunk_size"],
                   sequence_parallel=case["sp"], impl="torch", logits_dtype=logits_dtype)
@@ -320,11 +250,9 @@ def test_fp32_logits_are_closer_to_float64(tp):
     """logits_dtype=torch.float32 on bf16 inputs: log-probs, entropy and the loss at fp32 accuracy
     (1e-5 where bf16 logits give ~1e-3), gradients within the bf16 tolerance. The default (None)
     keeps bf16 logits, as before."""
-    from test_ops import _reference_ce, _reference_logprobs, make_case
-
     case = make_case(40 + tp, tp, dtype=torch.bfloat16, sp=tp > 1)
-    ref_lp, ref_ent, ref_dx, ref_dw = _reference_logprobs(case)
-    ref_loss, ref_ce_dx, ref_ce_dw = _reference_ce(case, "mean", 0.1, 0.0, torch.tensor(3.0))
+    ref_lp, ref_ent, ref_dx, ref_dw = reference_logprobs(case)
+    ref_loss, ref_ce_dx, ref_ce_dw = reference_ce(case, "mean", 0.1, 0.0, torch.tensor(3.0))
     errors = {}
     for logits_dtype in (None, torch.float32):
         for rank, (lp, ent, (dx, dw), loss, (ce_dx, ce_dw)) in enumerate(

@@ -13,7 +13,7 @@ from dist import run_workers
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.ops import replay
 from megatron_fused_ce.ops.replay import make_plan
-from test_sampling_mask import _run, _seed, check, make_case, random_sets
+from sampling_mask_cases import case_seed, check, make_case, random_sets, run_case
 
 VIEWS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias",
          "as_strided", "detach", "lift_fresh", "permute", "split", "unbind", "reshape"}
@@ -143,7 +143,7 @@ def _no_empty_sets(case, seed, labelled_everywhere=False, sizes=(1, 3, 8, 30, 90
 def _sparse_worker(rank, world, cases):
     out = []
     for case in cases:
-        out.append(_run(rank, world, case, "sparse"))
+        out.append(run_case(rank, world, case, "sparse"))
         # the plan: sparse pieces only, dW summed over this shard's kept ids
         v_local = case["v_local"]
         labels = case["labels"].reshape(-1)
@@ -165,9 +165,9 @@ def _sparse_worker(rank, world, cases):
 def test_sparse_pieces_only_sum_dw_over_the_kept_ids(tp):
     """No plain row, no dense piece: dW is summed in fp32 over the kept ids here alone, then
     written into a zero dW (padding rows included); the same values as the float64 reference."""
-    cases = [_no_empty_sets(make_case(_seed("compact", tp), tp), 1),
-             _no_empty_sets(make_case(_seed("compact-bf16", tp), tp, dtype=torch.bfloat16, ints=True), 2),
-             _no_empty_sets(make_case(_seed("compact-all", tp), tp), 3, labelled_everywhere=True, sizes=(1, 2, 4))]
+    cases = [_no_empty_sets(make_case(case_seed("compact", tp), tp), 1),
+             _no_empty_sets(make_case(case_seed("compact-bf16", tp), tp, dtype=torch.bfloat16, ints=True), 2),
+             _no_empty_sets(make_case(case_seed("compact-all", tp), tp), 3, labelled_everywhere=True, sizes=(1, 2, 4))]
     results = run_workers(_sparse_worker, tp, cases)
     for index, case in enumerate(cases):
         check(case, [r[2 * index] for r in results], f"{case['dtype']} sparse only")

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_logprobs  # noqa: E402
 from megatron_fused_ce.ops import replay  # noqa: E402
-from test_sampling_mask import random_sets  # noqa: E402
+from sampling_mask_cases import random_sets  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-import test_megatron_common  # noqa: E402,F401  (megatron-core imported before forking)
+import megatron_harness  # noqa: E402,F401  (megatron-core imported before forking)
 from dist import run_workers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -245,10 +245,10 @@ def test_entropy_precision_at_large_logits(small_blocks, tp):
     relative to lse: within 2x of a plain fp32 dense computation at |z| ~ 50 (test_reliability)."""
     if DEVICE.type == "cuda":
         pytest.skip("the gloo harness runs on CPU tensors")
-    from test_reliability import _entropy_worker, check_entropy_precision, entropy_case
+    from op_cases import check_entropy_precision, entropy_case, entropy_worker
 
     case = entropy_case(31 + tp, 50.0, 1e-3, tp, n=24)
-    check_entropy_precision(case, run_workers(_entropy_worker, tp, case, "triton"), "triton large |z|")
+    check_entropy_precision(case, run_workers(entropy_worker, tp, case, "triton"), "triton large |z|")
 
 
 def _fp32_logits_worker(rank, world, case, impl):
@@ -288,7 +288,7 @@ def test_fp32_logits_match_torch_backend(small_blocks, tp):
 def test_cuda_autocast_bf16(fn):
     """torch.autocast("cuda", bf16) on fp32 inputs == the op on bf16 inputs (Triton backend),
     forward inside and backward outside autocast, within the bf16 tolerance of float64."""
-    from test_reliability import BF16_TOL, _autocast_loss, _dense_loss
+    from op_cases import BF16_TOL, autocast_loss, autocast_reference_loss
 
     g = torch.Generator().manual_seed(8)
     h32 = torch.randn(8, 512, 256, generator=g).cuda()
@@ -297,13 +297,13 @@ def test_cuda_autocast_bf16(fn):
     y[:, ::9] = -100
     h, w = h32.clone().requires_grad_(), w32.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = _autocast_loss(fn, h, w, y)
+        loss = autocast_loss(fn, h, w, y)
     loss.backward()
     hb, wb = h32.bfloat16().requires_grad_(), w32.bfloat16().requires_grad_()
-    _autocast_loss(fn, hb, wb, y).backward()
+    autocast_loss(fn, hb, wb, y).backward()
     assert torch.equal(h.grad, hb.grad.float()) and torch.equal(w.grad, wb.grad.float())
     hd, wd = h32.bfloat16().double().requires_grad_(), w32.bfloat16().double().requires_grad_()
-    ref = _dense_loss(fn, hd, wd, y)
+    ref = autocast_reference_loss(fn, hd, wd, y)
     ref.backward()
     for name, out, r in (("loss", loss, ref), ("dX", h.grad, hd.grad), ("dW", w.grad, wd.grad)):
         err = ((out.double() - r).norm() / r.norm()).item()

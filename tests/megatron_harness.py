@@ -1,4 +1,4 @@
-"""Shared pieces of the Megatron integration tests (no tests in here).
+"""The Megatron CPU test harness, shared by the Megatron test files and the NCCL suites.
 
 A tiny GPTModel (local spec, fp32, no dropout) on CPU/gloo, wrapped in Megatron's DDP, driven by
 `get_forward_backward_func` exactly like a training job: micro-batches, 1F1B or interleaved
@@ -8,6 +8,9 @@ local attention refuses CP, so the layers use `GatheredKVAttention` (exact under
 attends over the all-gathered keys/values in original positions); a CP=1 reference sets
 `gathered_attention=True` to run the very same model. `cp_batches` cuts micro-batches as megatron's
 `get_batch_on_this_cp_rank` does.
+
+Also the tolerances and loss settings of the fused-vs-unfused comparisons, Megatron-LM's loss_func,
+and the data-parallel batches and log-prob stand-ins of the loss-func tests.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import megatron.core.distributed  # noqa: F401
 import megatron.core.models.gpt  # noqa: F401
 import megatron.core.pipeline_parallel  # noqa: F401
 
+from megatron_fused_ce.losses import GRPOConfig
 from megatron_fused_ce.megatron import enable_cpu_mode
 from megatron_fused_ce.testing import with_context_parallel_attention
 
@@ -36,6 +40,17 @@ HIDDEN = 32
 HEADS = 4
 SEQ = 16
 MBS = 2  # micro-batch size (rows)
+
+# Fused vs unfused, fp32 (the fused path sums the softmax over chunks and vocab shards in another
+# order): losses and log-probs relative, each parameter's gradient relative to its largest entry.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+# bf16 (Float16Module): the two paths round the bf16 logits differently.
+LOSS_RTOL_BF16 = 1e-3
+GRAD_RTOL_BF16 = 2e-2
+
+GRPO = GRPOConfig(loss_type="dapo", beta=0.05, is_correction="token_truncate", is_clip_max=1.05)
+DPO = dict(beta=0.5, sft_weight=0.3)
 
 
 @dataclass(frozen=True)
@@ -363,3 +378,38 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = b.abs().max().item()
     diff = (a - b).abs().max().item()
     return diff / scale if scale > 0 else diff
+
+
+def megatron_lm_loss_func(loss_mask):
+    """pretrain_gpt.py's loss_func on the per-token losses the model returns."""
+
+    def loss_func(output_tensor):
+        loss = torch.sum(output_tensor.float() * loss_mask)
+        count = loss_mask.sum().to(torch.int)
+        return loss, count, {"lm loss": torch.stack([loss.detach(), count.float()])}
+
+    return loss_func
+
+
+def all_batches(kind, dp=2, micro=2):
+    """Every micro-batch of every DP rank: [(dp_rank, [micro-batches])]."""
+    return [(r, make_batches(kind, micro, seed=100 + r)) for r in range(dp)]
+
+
+def logprob_stand_ins(batch):
+    """Deterministic stand-ins for old / reference / sampling log-probs (GRPO) and the reference
+    log-probs (DPO): around log(1/100), data-dependent noise."""
+    noise = batch["noise"] * (batch["loss_mask"] != 0)
+    base = torch.full_like(noise, -4.6) * (batch["loss_mask"] != 0)
+    return {"old": base + noise, "reference": base - noise, "sampling": base + 0.5 * noise}
+
+
+def cat_rows(batches, key):
+    return torch.cat([b[key] for b in batches])
+
+
+def all_gather_cat(tensor, dim, group):
+    """`tensor` of every rank of `group`, concatenated along `dim`."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)

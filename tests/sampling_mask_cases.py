@@ -1,0 +1,139 @@
+"""Sampling-mask replay cases (linear_logprobs(sampling_mask=...)) and their float64 check, shared by
+tests/test_sampling_mask*.py.
+
+Tolerances as tests/test_sampling.py: fp32 2e-5, bf16 2e-2 (relative norm vs float64); which labels
+are kept must match exactly.
+"""
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+import reference
+import sampling_reference as sref
+from megatron_fused_ce import linear_logprobs
+from megatron_fused_ce.ops import replay
+from megatron_fused_ce.ops.replay import SamplingMask
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def case_seed(*key):
+    return zlib.crc32(repr(key).encode()) % 10_000
+
+
+def random_sets(g, n, vocab, labels, *, empty=0.2, sizes=(1, 3, 8, 30, 90)):
+    """Kept sets per position: a fifth empty, the others of the given sizes, holding the label
+    two times out of three; ignored positions get sets too (the engine may send them)."""
+    sets = []
+    for i in range(n):
+        if torch.rand((), generator=g) < empty:
+            sets.append(torch.zeros(0, dtype=torch.int64))
+            continue
+        k = sizes[int(torch.randint(0, len(sizes), (), generator=g))]
+        ids = torch.randperm(vocab, generator=g)[:k]
+        y = int(labels[i])
+        if y >= 0 and torch.rand((), generator=g) < 2 / 3 and not bool((ids == y).any()):
+            ids[0] = y
+        sets.append(ids[torch.randperm(ids.numel(), generator=g)])  # any order within a position
+    offsets = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
+    return SamplingMask(torch.cat(sets), offsets)
+
+
+def make_case(seed, tp, *, dtype=torch.float32, ints=False, seq=10, batch=3, hidden=16, vocab=101, extra_pad=3,
+              temperature=0.7, chunk_size=7, sp=False):
+    g = torch.Generator().manual_seed(seed)
+    v_local = -(-vocab // tp) + extra_pad
+    if ints:  # integer logits: exact in bf16, many ties
+        hidden_full = torch.randint(-2, 3, (seq, batch, hidden), generator=g).to(dtype)
+        weight_full = (torch.randint(-2, 3, (v_local * tp, hidden), generator=g) * 0.25).to(dtype)
+    else:
+        hidden_full = torch.randn(seq, batch, hidden, generator=g).to(dtype)
+        weight_full = (torch.randn(v_local * tp, hidden, generator=g) * 2.0 / hidden**0.5).to(dtype)
+    labels = torch.randint(0, vocab, (seq, batch), generator=g)
+    labels[torch.rand(seq, batch, generator=g) < 0.25] = -100
+    mask = random_sets(g, seq * batch, vocab, labels.reshape(-1))
+    return dict(tp=tp, dtype=dtype, hidden=hidden_full, weight=weight_full, labels=labels, mask=mask,
+                grad_lp=torch.randn(seq, batch, generator=g), grad_ent=torch.randn(seq, batch, generator=g),
+                vocab=vocab, v_local=v_local, T=temperature, chunk_size=chunk_size, sp=sp)
+
+
+def keep_matrix(mask, n, vocab):
+    """[n, vocab] bool: each position's kept set, everything where it is empty."""
+    ids, offsets = mask
+    keep = torch.zeros(n, vocab, dtype=torch.bool)
+    sizes = (offsets[1:] - offsets[:-1]).tolist()
+    for i, (start, size) in enumerate(zip(offsets[:-1].tolist(), sizes)):
+        if size:
+            keep[i, ids[start:start + size]] = True
+        else:
+            keep[i] = True
+    return keep
+
+
+def dense_reference(case):
+    h = case["hidden"].double().requires_grad_()
+    w = case["weight"].double().requires_grad_()
+    z = (h.reshape(-1, h.shape[-1]) @ w.t())[:, :case["vocab"]] / case["T"]
+    keep = keep_matrix(case["mask"], z.shape[0], case["vocab"])
+    lp, ent = sref.processed_stats(z, case["labels"].reshape(-1), keep)
+    finite = torch.isfinite(lp)
+    g_lp, g_ent = case["grad_lp"].reshape(-1).double(), case["grad_ent"].reshape(-1).double()
+    ((torch.where(finite, lp, 0.0) * g_lp).sum() + (ent * g_ent).sum()).backward()
+    shape = case["labels"].shape
+    return dict(lp=lp.detach().reshape(shape), ent=ent.detach().reshape(shape), dx=h.grad, dw=w.grad)
+
+
+def local_inputs(rank, case):
+    v_local = case["v_local"]
+    weight = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    hidden = case["hidden"]
+    if case["sp"]:
+        s_local = hidden.shape[0] // case["tp"]
+        hidden = hidden[rank * s_local:(rank + 1) * s_local]
+    return hidden.clone().requires_grad_(), weight
+
+
+def world_group(world):
+    return dist.group.WORLD if world > 1 else None
+
+
+def run_case(rank, world, case, force=None, mask=None, **kwargs):
+    replay.FORCE_PIECES = force
+    try:
+        hidden, weight = local_inputs(rank, case)
+        out = linear_logprobs(hidden, weight, case["labels"], tp_group=world_group(world), vocab_size=case["vocab"],
+                              temperature=case["T"], return_entropy=True, chunk_size=case["chunk_size"],
+                              sequence_parallel=case["sp"], sampling_mask=case["mask"] if mask is None else mask,
+                              **kwargs)
+        finite = torch.isfinite(out.logprobs)
+        ((torch.where(finite, out.logprobs, 0.0) * case["grad_lp"]).sum()
+         + (out.entropy * case["grad_ent"]).sum()).backward()
+    finally:
+        replay.FORCE_PIECES = None
+    return dict(lp=out.logprobs.detach(), ent=out.entropy.detach(), dx=hidden.grad, dw=weight.grad)
+
+
+def check(case, results, what):
+    ref = dense_reference(case)
+    tp, dtype, v_local, tol = case["tp"], case["dtype"], case["v_local"], TOL[case["dtype"]]
+    labelled = case["labels"] != -100
+    ref_finite = torch.isfinite(ref["lp"])
+    assert ref_finite[labelled].any() and not ref_finite[labelled].all()  # labels in and out of sets
+    for rank, got in enumerate(results):
+        assert torch.equal(torch.isfinite(got["lp"]), ref_finite), f"{what} rank {rank}: kept labels differ"
+        assert torch.all(got["lp"][~labelled] == 0) and torch.all(got["ent"][~labelled] == 0)
+        dx_ref = ref["dx"]
+        if case["sp"]:
+            s_local = dx_ref.shape[0] // tp
+            dx_ref = dx_ref[rank * s_local:(rank + 1) * s_local]
+        dw_ref = ref["dw"][rank * v_local:(rank + 1) * v_local]
+        for name, out, want in (("lp", got["lp"][ref_finite], ref["lp"][ref_finite]),
+                                ("entropy", got["ent"], ref["ent"]), ("dX", got["dx"], dx_ref),
+                                ("dW", got["dw"], dw_ref)):
+            err = reference.record(f"replay {name}", tp, dtype, reference.rel_err(out, want))
+            assert err <= tol, f"{what} rank {rank} {name}: rel err {err:.2e} > {tol:.0e}"
+        assert torch.all(got["dw"][max(case["vocab"] - rank * v_local, 0):] == 0)  # padding rows
+    for got in results[1:]:  # identical on every rank
+        assert torch.equal(got["lp"], results[0]["lp"]) and torch.equal(got["ent"], results[0]["ent"])
