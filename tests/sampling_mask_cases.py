@@ -8,10 +8,10 @@ are kept must match exactly.
 import zlib
 
 import torch
-import torch.distributed as dist
 
 import reference
 import sampling_reference as sref
+from sampling_cases import local_inputs, world_group  # the same sharding of hidden and weight
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.ops import replay
 from megatron_fused_ce.ops.replay import SamplingMask
@@ -83,20 +83,6 @@ def dense_reference(case):
     ((torch.where(finite, lp, 0.0) * g_lp).sum() + (ent * g_ent).sum()).backward()
     shape = case["labels"].shape
     return dict(lp=lp.detach().reshape(shape), ent=ent.detach().reshape(shape), dx=h.grad, dw=w.grad)
-
-
-def local_inputs(rank, case):
-    v_local = case["v_local"]
-    weight = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
-    hidden = case["hidden"]
-    if case["sp"]:
-        s_local = hidden.shape[0] // case["tp"]
-        hidden = hidden[rank * s_local:(rank + 1) * s_local]
-    return hidden.clone().requires_grad_(), weight
-
-
-def world_group(world):
-    return dist.group.WORLD if world > 1 else None
 
 
 def run_case(rank, world, case, force=None, mask=None, **kwargs):
