@@ -92,3 +92,19 @@ def dense_stats(hidden, weight_full, labels, *, vocab_size, temperature=1.0, ign
     lp = torch.where(keep, logp.gather(1, y.clamp(0, vocab_size - 1).unsqueeze(1)).squeeze(1), 0.0)
     ent = torch.where(keep, -(logp.exp() * logp).sum(-1), 0.0)
     return lp.reshape(labels.shape), ent.reshape(labels.shape), z
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest tensor (in elements) any aten op creates while active: what the memory claims
+    (a chunk of logits, never [N, V]) are asserted on."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -97,6 +97,28 @@ def sampled_reference(case, params):
     return out
 
 
+def compare_ranks(case, results, ref, tol, recorded, what):
+    """Every rank's log-probs, entropy, dX (its sequence-parallel slice) and dW (its vocab shard)
+    against the float64 reference `ref`: the same -inf positions, 0 at ignored labels, each
+    relative error (passed through `recorded(name, err)`) within `tol`."""
+    tp, v_local = case["tp"], case["v_local"]
+    labelled = case["labels"] != -100
+    ref_finite = torch.isfinite(ref["lp"])
+    for rank, got in enumerate(results):
+        assert torch.equal(torch.isfinite(got["lp"]), ref_finite), f"{what} rank {rank}: kept sets differ"
+        assert torch.all(got["lp"][~labelled] == 0) and torch.all(got["ent"][~labelled] == 0)
+        dx_ref = ref["dx"]
+        if case["sp"]:
+            s_local = dx_ref.shape[0] // tp
+            dx_ref = dx_ref[rank * s_local:(rank + 1) * s_local]
+        dw_ref = ref["dw"][rank * v_local:(rank + 1) * v_local]
+        for name, out, want in (("lp", got["lp"][ref_finite], ref["lp"][ref_finite]),
+                                ("entropy", got["ent"], ref["ent"]), ("dX", got["dx"], dx_ref),
+                                ("dW", got["dw"], dw_ref)):
+            err = recorded(name, reference.rel_err(out, want))
+            assert err <= tol, f"{what} rank {rank} {name}: rel err {err:.2e} > {tol:.0e}"
+
+
 def check(case, params, results, what="sampled", record=True):
     """The results of every rank against the float64 reference; `record`: add the errors to the
     summary table under `what` (not for runs through a stand-in of a backend)."""
@@ -110,19 +132,8 @@ def check(case, params, results, what="sampled", record=True):
     if any(k in params for k in ("top_k", "top_p", "min_p")):
         # the case exercises labels inside and outside the kept set
         assert ref_finite[labelled].any() and not ref_finite[labelled].all(), params
+    compare_ranks(case, results, ref, tol, recorded, what=str(params))
     for rank, got in enumerate(results):
-        assert torch.equal(torch.isfinite(got["lp"]), ref_finite), f"rank {rank} {params}: kept sets differ"
-        assert torch.all(got["lp"][~labelled] == 0) and torch.all(got["ent"][~labelled] == 0)
-        dx_ref = ref["dx"]
-        if case["sp"]:
-            s_local = dx_ref.shape[0] // tp
-            dx_ref = dx_ref[rank * s_local:(rank + 1) * s_local]
-        dw_ref = ref["dw"][rank * v_local:(rank + 1) * v_local]
-        for name, out, want in (("lp", got["lp"][ref_finite], ref["lp"][ref_finite]),
-                                ("entropy", got["ent"], ref["ent"]), ("dX", got["dx"], dx_ref),
-                                ("dW", got["dw"], dw_ref)):
-            err = recorded(name, reference.rel_err(out, want))
-            assert err <= tol, f"rank {rank} {params} {name}: rel err {err:.2e} > {tol:.0e}"
         assert torch.all(got["dw"][max(case["vocab"] - rank * v_local, 0):] == 0)  # padding rows
         if params.get("return_topk"):
             k = params["return_topk"]

@@ -11,7 +11,7 @@ import torch
 
 import reference
 import sampling_reference as sref
-from sampling_cases import local_inputs, world_group  # the same sharding of hidden and weight
+from sampling_cases import compare_ranks, local_inputs, world_group  # the same sharding and comparison
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.ops import replay
 from megatron_fused_ce.ops.replay import SamplingMask
@@ -107,19 +107,9 @@ def check(case, results, what):
     labelled = case["labels"] != -100
     ref_finite = torch.isfinite(ref["lp"])
     assert ref_finite[labelled].any() and not ref_finite[labelled].all()  # labels in and out of sets
+    compare_ranks(case, results, ref, tol,
+                  lambda name, err: reference.record(f"replay {name}", tp, dtype, err), what)
     for rank, got in enumerate(results):
-        assert torch.equal(torch.isfinite(got["lp"]), ref_finite), f"{what} rank {rank}: kept labels differ"
-        assert torch.all(got["lp"][~labelled] == 0) and torch.all(got["ent"][~labelled] == 0)
-        dx_ref = ref["dx"]
-        if case["sp"]:
-            s_local = dx_ref.shape[0] // tp
-            dx_ref = dx_ref[rank * s_local:(rank + 1) * s_local]
-        dw_ref = ref["dw"][rank * v_local:(rank + 1) * v_local]
-        for name, out, want in (("lp", got["lp"][ref_finite], ref["lp"][ref_finite]),
-                                ("entropy", got["ent"], ref["ent"]), ("dX", got["dx"], dx_ref),
-                                ("dW", got["dw"], dw_ref)):
-            err = reference.record(f"replay {name}", tp, dtype, reference.rel_err(out, want))
-            assert err <= tol, f"{what} rank {rank} {name}: rel err {err:.2e} > {tol:.0e}"
         assert torch.all(got["dw"][max(case["vocab"] - rank * v_local, 0):] == 0)  # padding rows
     for got in results[1:]:  # identical on every rank
         assert torch.equal(got["lp"], results[0]["lp"]) and torch.equal(got["ent"], results[0]["ent"])

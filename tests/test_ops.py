@@ -153,21 +153,6 @@ def test_no_grad_saves_nothing():
     assert torch.allclose(ref, linear_logprobs(h, w, y).logprobs)
 
 
-class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the largest tensor any aten op creates while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("fn", ["logprobs", "cross_entropy"])
 def test_largest_intermediate_is_one_chunk(fn):
     n, hidden, v_local, chunk = 2048, 32, 512, 128
@@ -175,7 +160,7 @@ def test_largest_intermediate_is_one_chunk(fn):
     w = torch.randn(v_local, hidden, requires_grad=True)
     y = torch.randint(0, v_local, (n,))
     y[::5] = -100
-    with _LargestTensor() as mode:
+    with reference.LargestTensor() as mode:
         if fn == "logprobs":
             out = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True)
             (out.logprobs.sum() + out.entropy.sum()).backward()

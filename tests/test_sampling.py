@@ -173,19 +173,6 @@ def test_logprobs_output_still_unpacks_as_a_pair():
 
 
 # ---------------------------------------------------------------- memory
-class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("forced_search", [False, True])
 def test_largest_intermediate_is_one_chunk(forced_search, monkeypatch):
     if forced_search:
@@ -197,7 +184,7 @@ def test_largest_intermediate_is_one_chunk(forced_search, monkeypatch):
     w = torch.randn(v_local, hidden).requires_grad_()  # peaked rows: nuclei within the candidates
     y = torch.randint(0, v_local, (n,))
     y[::5] = -100
-    with _LargestTensor() as mode:
+    with reference.LargestTensor() as mode:
         out = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True, top_k=40, top_p=0.9,
                               min_p=0.001, return_topk=20)
         (torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0).sum() + out.entropy.sum()).backward()

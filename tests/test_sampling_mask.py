@@ -256,19 +256,6 @@ def test_bad_masks_raise_on_every_rank():
 
 
 # ---------------------------------------------------------------- memory
-class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("force", FORCES)
 def test_largest_intermediate_is_one_chunk(force, monkeypatch):
     monkeypatch.setattr(replay, "FORCE_PIECES", force)
@@ -279,7 +266,7 @@ def test_largest_intermediate_is_one_chunk(force, monkeypatch):
     y = torch.randint(0, v_local, (n,), generator=g)
     y[::5] = -100
     mask = random_sets(g, n, v_local, y, sizes=(4, 20, 60))
-    with _LargestTensor() as mode:
+    with reference.LargestTensor() as mode:
         out = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True, sampling_mask=mask)
         (torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0).sum() + out.entropy.sum()).backward()
     reference.record_memory(f"linear_logprobs sampling_mask, pieces {force or 'by cost'} (chunk {chunk} of {n} "
@@ -297,7 +284,7 @@ def test_a_few_large_sets_do_not_pad_every_tile():
     w = torch.randn(v_local, hidden, generator=g)
     y = torch.randint(0, v_local, (n,), generator=g)
     mask = random_sets(g, n, v_local, y, sizes=(1, 2, 3, 300))
-    with _LargestTensor() as mode:
+    with reference.LargestTensor() as mode:
         out = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask)
         torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0).sum().backward()
     entries = mask.token_ids.numel()
