@@ -498,10 +498,21 @@ def run_batches(model, batches: List[dict], make_loss_func: Callable,
         seq_length=length * parallel_state.get_context_parallel_world_size())  # the whole sequence
 
 
+def optimizer_step(model, optimizer, progress, batches: List[dict], make_loss_func: Callable,
+                   parallel_state) -> Dict[str, float]:
+    """One optimizer step over a batch of micro-batches (the peak memory of the output layer and
+    the loss measured meanwhile); its metrics reduced over data-parallel ranks."""
+    optimizer.zero_grad()
+    with progress.measure_memory(model):
+        metrics = run_batches(model, batches, make_loss_func)
+    optimizer.step()
+    return reduce_metrics(metrics, parallel_state)
+
+
 def train_sft(args, cfg: dict, model, fused: FusedCEConfig, parallel_state, make_batches: Callable,
               make_loss_func: Callable, name: str) -> None:
-    """The SFT-style loop of pretrain_gpt.py and sft.py: one optimizer step per batch of
-    micro-batches; on the first step, with --compare-unfused, the fused-vs-unfused loss."""
+    """pretrain_gpt.py's loop: one optimizer step per batch of micro-batches; on the first step,
+    with --compare-unfused, the fused-vs-unfused loss. (sft.py adds evaluations and a stop.)"""
     train, seq = cfg["train"], cfg["data"]["seq_length"]
     optimizer = MainGradAdamW(model, lr=train["lr"])
     progress = Progress(train["steps"], name)
@@ -511,11 +522,7 @@ def train_sft(args, cfg: dict, model, fused: FusedCEConfig, parallel_state, make
         if step == 0 and args.compare_unfused:
             progress.write(compare_unfused(model, fused, batches, make_loss_func, parallel_state,
                                            "lm loss"))
-        optimizer.zero_grad()
-        with progress.measure_memory(model):
-            metrics = run_batches(model, batches, make_loss_func)
-        optimizer.step()
-        progress.update(reduce_metrics(metrics, parallel_state),
+        progress.update(optimizer_step(model, optimizer, progress, batches, make_loss_func, parallel_state),
                         tokens=train["global_batch_size"] * seq)
     progress.close()
     shutdown()

@@ -37,10 +37,9 @@ from example_common import (
     init_distributed,
     micro_batches,
     on_this_cp_rank,
+    optimizer_step,
     parse_args,
-    reduce_metrics,
     rows_per_rank,
-    run_batches,
     shutdown,
 )
 from rollout import SEPARATOR, JsonlLog, evaluate, prompts, sampler_of, targets
@@ -174,11 +173,7 @@ def main():
         if step == 0 and args.compare_unfused:
             progress.write(compare_unfused(model, fused, batches, make_loss_func, parallel_state,
                                            "lm loss"))
-        optimizer.zero_grad()
-        with progress.measure_memory(model):
-            metrics = run_batches(model, batches, make_loss_func)
-        optimizer.step()
-        shown = reduce_metrics(metrics, parallel_state)
+        shown = optimizer_step(model, optimizer, progress, batches, make_loss_func, parallel_state)
         record = {"step": step, **({"loss": shown["lm loss"]} if shown else {})}
         if evaluation_due(step, cfg):
             reward, accuracy = evaluate(model, fused, cfg, parallel_state, sampler)
