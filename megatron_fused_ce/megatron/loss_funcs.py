@@ -82,7 +82,7 @@ from megatron_fused_ce.ops import reductions
 from .output_layer import output_weight, run_in_output_layer, unwrap_model
 from .postprocess import (
     LogprobsPostProcessor,
-    _ReplayErrors,
+    ReplayErrors,
     as_post_processor,
     check_model_output,
     labels_in_kept_sets,
@@ -419,7 +419,7 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
 
         # the loss of the whole sequences on every CP rank (sequence terms summed over CP)
         if inputs is not None and sampling_mask is not None:  # replay: linear_grpo_loss' recompute path
-            with _ReplayErrors(inputs["sampling_mask"]):
+            with ReplayErrors(inputs["sampling_mask"]):
                 loss, metrics = run_in_output_layer(model, linear_grpo_loss, advantages=advantages, mask=mask,
                                                     config=config, **inputs, **kwargs)
             # the tokens whose replayed log-prob is -inf, from the mask (the loss keeps no log-probs)

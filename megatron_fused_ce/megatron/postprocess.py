@@ -213,8 +213,8 @@ class _RefusedMask:
         self.message = message
 
 
-class _ReplayErrors:
-    """`with _ReplayErrors(mask):` around an op given a mask from `_mask_for_op`: where it is a
+class ReplayErrors:
+    """`with ReplayErrors(mask):` around an op given a mask from `_mask_for_op`: where it is a
     `_RefusedMask`, the op's ValueError becomes the mask's own message."""
 
     def __init__(self, mask):
@@ -422,7 +422,7 @@ class LogprobsPostProcessor:
         loss funcs use this to call the gradients-in-forward losses (`linear_cross_entropy`,
         `linear_grpo_loss`) on exactly what `linear_logprobs` would see. With `sampling_mask`
         (see the class doc) they include it in the op's label layout, and memory_mode "fast";
-        run the op inside `_ReplayErrors(inputs["sampling_mask"])` for the mask's own error.
+        run the op inside `ReplayErrors(inputs["sampling_mask"])` for the mask's own error.
         """
         gpt = unwrap_model(model)
         check_model_output(output_tensor)
@@ -462,7 +462,7 @@ class LogprobsPostProcessor:
         inputs = self._op_inputs(head, labels)
         mask = self._mask_for_op(sampling_mask, labels, sequence_first=inputs["sequence_parallel"], model=model,
                                  packing=packing or {}, padded_vocab=_padded_vocab(head))
-        with _ReplayErrors(mask):
+        with ReplayErrors(mask):
             out = head.run(linear_logprobs, **self._replay_kwargs(inputs, mask),
                            return_entropy=self.return_entropy, **self.sampler)
         if inputs["sequence_parallel"]:  # [s, b] -> [b, s]
@@ -481,7 +481,7 @@ class LogprobsPostProcessor:
         # logits are [b, s, V/TP] whatever the parallelism: the mask needs this CP rank's part only
         mask = self._mask_for_op(sampling_mask, labels, sequence_first=False, model=model, packing=packing or {},
                                  padded_vocab=padded_vocab)
-        with _ReplayErrors(mask):
+        with ReplayErrors(mask):
             return vocab_parallel_logprobs(
                 logits, labels, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
                 vocab_size=self.vocab_size, temperature=self.temperature,
