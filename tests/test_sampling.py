@@ -145,6 +145,41 @@ def test_no_grad_matches_grad_path():
             assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_logprobs, b.topk_logprobs)
 
 
+@pytest.mark.parametrize("params", [dict(top_p=0.8, top_k=9), dict(return_topk=4)], ids=["filters", "topk-only"])
+def test_sampler_runs_on_the_shared_chunk_loop(params, monkeypatch):
+    """The sampler is a tiling of the one chunk loop: its forward and its recompute backward walk
+    the rows with fast.py's loops (one chunk of logits at a time, the last chunk's dW written in
+    the weight dtype) under the same autograd Function as the plain statistics. A copy of the loop
+    in sampling.py would drift from those guarantees without a test of its own noticing."""
+    from megatron_fused_ce.ops import fast
+    walks = []
+    real_row_chunks = fast.row_chunks
+
+    def counted(num_rows, chunk_size):
+        spans = list(real_row_chunks(num_rows, chunk_size))
+        walks.append(len(spans))
+        return iter(spans)
+
+    monkeypatch.setattr(fast, "row_chunks", counted)
+    case = make_case(_seed("loop", str(params)), 1)
+    h = case["hidden"].clone().requires_grad_()
+    w = case["weight"][:case["v_local"]].clone().requires_grad_()
+    out = linear_logprobs(h, w, case["labels"], vocab_size=case["vocab"], temperature=case["T"], chunk_size=7,
+                          return_entropy=True, **params)
+    labelled = int((case["labels"] != -100).sum())
+    assert walks == [math.ceil(labelled / 7)]  # the forward: one walk over the labelled rows
+    nodes, stack = set(), [out.logprobs.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and type(node).__name__ not in nodes:
+            nodes.add(type(node).__name__)
+            stack.extend(n for n, _ in node.next_functions)
+    assert "LinearSoftmaxStatsBackward" in nodes, nodes
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert walks == [math.ceil(labelled / 7)] * 2  # the backward: the same loop once more
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+
+
 def test_topk_up_to_64_and_whole_vocab():
     case = make_case(9, 4, vocab=70, extra_pad=2)  # 4 shards of 20 columns, the last 10 padding
     params = [dict(return_topk=64), dict(return_topk=70, top_p=0.5)]

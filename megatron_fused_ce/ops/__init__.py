@@ -1,9 +1,10 @@
 """The op: hidden -> (SP gather) -> chunk loop (chunked.py, walking the rows and the vocab as its
-tiling says: fast.py's chunks or lean.py's tiles) -> backend math (backends/: torch, Triton,
-QuACK's capabilities) -> TP merge (reductions.py) -> log-probs / loss (api.py). Losses whose
-gradients are made in the forward: forward_grad.py; Megatron's main_grad: main_grad.py. Sampler
-fidelity (top_k / top_p / min_p / return_topk) and sampling-mask replay (the engine's kept sets):
-their own chunk loops in sampling.py and replay.py, their per-chunk kernels in the backends."""
+tiling says: fast.py's chunks, lean.py's tiles, or sampling.py's kept-set chunks for the sampler
+settings top_k / top_p / min_p / return_topk) -> backend math (backends/: torch, Triton, QuACK's
+capabilities) -> TP merge (reductions.py) -> log-probs / loss (api.py). Losses whose gradients are
+made in the forward: forward_grad.py; Megatron's main_grad: main_grad.py. Sampling-mask replay
+(the engine's kept sets): replay.py, which walks pieces of rows by the ids they keep (its own
+plan), its per-piece kernels in the backends."""
 
 from .api import LogprobsOutput, linear_logprobs
 from .forward_grad import PER_ROW, ForwardGradLoss, TokenGrads

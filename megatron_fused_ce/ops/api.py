@@ -6,7 +6,8 @@ not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this ra
 backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
 (sum of logits, entropy) -> log-prob / entropy / loss here. Ignored rows are dropped before
 the first GEMM: they cost no flops and get exactly zero output and zero gradient.
-With sampler settings (top_k / top_p / min_p / return_topk) the chunk loop is sampling.py's.
+With sampler settings (top_k / top_p / min_p / return_topk) the statistics are those of each row's
+kept set (sampling.py's tiling, on the same chunk loop).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 from . import backends, lean, reductions, replay, sampling
 from .agreement import Agreement, finite_real, fits_int64, is_int
 from .forward_grad import ForwardGradLoss
-from .chunked import ChunkSpec, LinearLossGradInForward, LinearSoftmaxStats, autocast_off, forward_stats
+from .chunked import ChunkSpec, LinearLossGradInForward, autocast_off, softmax_statistics
 from .fast import FAST_CHUNKS
 from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
 
@@ -457,7 +458,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         sequence_parallel=sequence_parallel,
         main_grad_param=main_grad_param,
         logits_dtype=logits_dtype,
-        tiling=lean_tiles if lean_tiles is not None else FAST_CHUNKS,
+        # how the rows and the vocab are walked: lean tiles, the sampler's chunks, or fast chunks
+        tiling=(lean_tiles if lean_tiles is not None
+                else sampling.SamplerChunks(sampling_spec) if sampling_spec is not None else FAST_CHUNKS),
     )
     anchor = None
     if agreed.mask_rows > 0:  # sampling-mask replay (replay.py); a mask of empty sets is today's path
@@ -466,34 +469,26 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                            mask_check.ids, mask_check.offsets, vocab_start, needs_grad)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, tuple(labels.shape), num_rows,
                           None, out.max, out.log_sum_exp, kept=out.kept)
-    if sampling_spec is not None:  # sampler fidelity: its own chunk loop (sampling.py)
-        with autocast_off(hidden.device):
-            out = sampling.sampled_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
-                                              sampling_spec, needs_grad)
-        return TokenStats(out.target, out.lse, None, out.entropy, row_index, tuple(labels.shape), num_rows,
-                          None, out.max, out.log_sum_exp, kept=out.kept, topk_logprobs=out.topk_logprobs,
-                          topk_ids=out.topk_ids)
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
                 hidden2d, weight, row_index, local_target, spec, forward_grad,
                 None if expected_upstream_grad is None else float(expected_upstream_grad))
-        elif needs_grad:
-            target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearSoftmaxStats.apply(
-                hidden2d, weight, row_index, local_target, spec)
-            if forward_grad is not None:  # fp16: the same contract, gradients on the recompute path
-                anchor = _anchor_from_token_grads(forward_grad, target, lse, sum_logits, entropy,
-                                                  row_max, log_sum_exp, row_index)
-                target, lse, sum_logits, entropy = (None if t is None else t.detach()
-                                                    for t in (target, lse, sum_logits, entropy))
-        else:  # reference / old log-prob passes: no autograd Function, nothing saved
-            full_hidden = reductions.gather_sequence(hidden2d, tp_group) if sequence_parallel else hidden2d
-            rows = full_hidden if row_index is None else full_hidden.index_select(0, row_index)
-            merged = forward_stats(rows, weight, local_target, spec)
-            target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
-            row_max, log_sum_exp = merged.max, merged.log_sum_exp
+            return TokenStats(target, lse, sum_logits, entropy, row_index, tuple(labels.shape), num_rows, anchor,
+                              row_max, log_sum_exp)
+        # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
+        merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
+    target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
+    if forward_grad is not None and needs_grad:  # fp16: the same contract, gradients on the recompute path
+        anchor = _anchor_from_token_grads(forward_grad, target, lse, sum_logits, entropy, merged.max,
+                                          merged.log_sum_exp, row_index)
+        target, lse, sum_logits, entropy = (None if t is None else t.detach() for t in (target, lse, sum_logits, entropy))
+    sampler_outputs = {}
+    if isinstance(merged, sampling.KeptStats):  # sampler fidelity: the kept set and the top-k
+        sampler_outputs = dict(kept=merged.label_kept(row_labels), topk_logprobs=merged.topk_logprobs,
+                               topk_ids=merged.topk_ids)
     return TokenStats(target, lse, sum_logits, entropy, row_index, tuple(labels.shape), num_rows, anchor,
-                      row_max, log_sum_exp)
+                      merged.max, merged.log_sum_exp, **sampler_outputs)
 
 
 def linear_logprobs(
@@ -600,7 +595,7 @@ def linear_logprobs(
     mask_check = replay.MaskCheck(sampling_mask, labels, ignore_index, true_vocab)
     problems["sampling_mask"] = mask_check.problem
     problems.update(replay.sampling_mask_problems(sampling_mask, active, memory_mode))
-    # the sampler's statistics have their own chunk loop (sampling.py): no lean tiles there
+    # the sampler's tiling (sampling.SamplerChunks) needs each chunk's whole row of logits: no lean tiles
     problems["memory_mode_with_sampler"] = (
         "memory_mode='lean' cannot be combined with top_k / top_p / min_p / return_topk (the "
         "sampler's statistics run in chunks of logits): use memory_mode='fast'"

@@ -37,8 +37,11 @@ Megatron's `weight.main_grad` when asked). dX is then summed over TP ranks (redu
 parallelism), as Megatron's ColumnParallelLinear does.
 
 How the rows and the vocab are walked is `spec.tiling`'s: fast.FastChunks (chunks of rows, each one
-GEMM over the whole vocab shard; the default) or lean.LeanTiles (memory_mode="lean": tiles within a
-fixed working set). Both offer the same methods, and the loops here call them without knowing which.
+GEMM over the whole vocab shard; the default), lean.LeanTiles (memory_mode="lean": tiles within a
+fixed working set) or sampling.SamplerChunks (the sampler settings: fast chunks with each row's
+kept set decided per chunk; its statistics add the set and the top-k). They offer the same
+methods (merged_statistics, recompute_grads, weight_grad_dtype; fast and lean also the
+gradients-in-forward steps), and the code here calls them without knowing which.
 
 Both autograd Functions are first-order only: a second backward through their gradients (a
 gradient penalty, create_graph=True) raises instead of silently dropping the second-order term.
@@ -128,28 +131,10 @@ def labelled_rows(full_hidden: Tensor, row_index: Optional[Tensor]) -> Tensor:
     return full_hidden if row_index is None else full_hidden.index_select(0, row_index)
 
 
-def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
-                  on_chunk=None):
-    """The forward pass's statistics -> reductions.MergedStats over the rows given.
-    `on_chunk(logits)`, if given, also sees each chunk's logits (sampling.py: top-k candidates), so
-    the chunks of logits are then made even where the statistics could be taken inside the GEMM."""
-    return reductions.merge_shard_stats(shard_partials(hidden_rows, weight, local_target, spec, on_chunk),
-                                        spec.tp_group)
-
-
-def shard_partials(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec,
-                   on_chunk=None) -> ShardStats:
-    """forward_stats before the TP merge: this shard's ShardStats over the rows given (replay.py
-    merges them with the partials of other rows, in one merge)."""
-    backend = spec.backend
-    if on_chunk is None and backend.stats_in_gemm(hidden_rows, weight):
-        return backend.gemm_stats.run(
-            hidden_rows, weight, local_target, spec.num_valid_cols, spec.inv_temperature,
-            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
-            round_logits=spec.logits_dtype is None)
-    if on_chunk is not None:  # the sampler's candidates need each chunk of logits
-        return FAST_CHUNKS.statistics(hidden_rows, weight, local_target, spec, on_chunk)
-    return spec.tiling.statistics(hidden_rows, weight, local_target, spec)
+def forward_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec):
+    """The forward pass's statistics over the rows given, merged over TP ranks:
+    `spec.tiling.statistics_type` (reductions.MergedStats; the sampler's adds its kept set)."""
+    return spec.tiling.merged_statistics(hidden_rows, weight, local_target, spec)
 
 
 def input_grad(dx_rows: Tensor, row_index: Optional[Tensor], full_shape, spec: ChunkSpec) -> Tensor:
@@ -177,53 +162,60 @@ def coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse) -> Optional[di
 
 
 class LinearSoftmaxStats(torch.autograd.Function):
-    """(hidden [n, H], weight [V_local, H]) -> per-token target, lse, sum_logits, entropy, and
-    (not differentiable) lse's two parts, max and log_sum_exp, for precise log-probs.
+    """(hidden [n, H], weight [V_local, H]) -> the fields of `spec.tiling.statistics_type` in the
+    order of its `output_names`: per-token target, lse, sum_logits, entropy (differentiable), then
+    plain values: lse's two parts max and log_sum_exp (for precise log-probs) and, for the
+    sampler's tiling, its kept-set cut and top-k.
 
-    `on_chunk` (optional, not differentiated) is handed each chunk's logits in the forward pass
-    (sampling.py collects top-k candidates there)."""
+    Backward: the upstream gradients become per-token coefficients (`coefficients`), and the
+    tiling's recompute_grads walks the rows again with the offsets the statistics named
+    (`grad_offsets`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, on_chunk=None):
+    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        merged = forward_stats(labelled_rows(full_hidden, row_index), weight, local_target, spec, on_chunk)
+        merged = forward_stats(labelled_rows(full_hidden, row_index), weight, local_target, spec)
         ctx.spec = spec
-        ctx.num_full_rows = full_hidden.shape[0]
         ctx.set_materialize_grads(False)
         saved_entropy = merged.entropy if spec.want_entropy else None
         # Only the local hidden slice is kept under SP: backward all-gathers it again, as
         # Megatron's ColumnParallelLinear does, instead of holding the tp-times larger copy.
         ctx.save_for_backward(hidden, weight, row_index, local_target, merged.lse, saved_entropy,
-                              merged.max, merged.log_sum_exp)
-        ctx.mark_non_differentiable(merged.max, merged.log_sum_exp)
-        return (merged.target, merged.lse, merged.sum_logits, merged.entropy, merged.max,
-                merged.log_sum_exp)
+                              *merged.grad_offsets())
+        outputs = merged.as_outputs()
+        plain = outputs[len(merged.DIFFERENTIABLE):]
+        ctx.mark_non_differentiable(*(t for t in plain if t is not None))
+        return outputs
 
     @staticmethod
     @first_order_only
-    def backward(ctx, g_target, g_lse, g_sum, g_entropy, *unused_parts_of_lse):
-        hidden, weight, row_index, local_target, lse, entropy, row_max, log_sum_exp = ctx.saved_tensors
-        spec: ChunkSpec = ctx.spec
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def backward(ctx, g_target, g_lse, g_sum, g_entropy, *unused_plain_values):
+        hidden, weight, row_index, local_target, lse, entropy, *offsets = ctx.saved_tensors
         coefs = coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse)
-        stats = (row_max, log_sum_exp)
-
-        def write_grads(rows, dx_rows, dw_out, accumulate):
-            return spec.tiling.recompute_grads(rows, weight, local_target, spec, stats, coefs, dx_rows, dw_out,
-                                               accumulate)
-
-        grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, spec, needs_dx, needs_dw,
-                                                   coefs is not None, write_grads)
-        return grad_hidden, grad_weight, None, None, None, None
+        grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, local_target, ctx.spec, tuple(offsets),
+                                                   coefs, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return grad_hidden, grad_weight, None, None, None
 
 
-def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, needs_dw: bool,
-                    has_coefs: bool, write_grads) -> tuple:
-    """The frame of every recompute backward (plain and sampler statistics): gather the SP hidden
-    states again, allocate the dX rows and the dW buffer (or use Megatron's main_grad), let
-    `write_grads(rows, dx_rows, dw_out, accumulate)` fill them (skipped, gradients zero, when
-    nothing depends on the statistics; it may return dW already in the weight dtype instead of
-    filling an fp32 dw_out), and return (grad_hidden, grad_weight) for autograd."""
+def softmax_statistics(hidden: Tensor, weight: Tensor, row_index: Optional[Tensor], local_target: Tensor,
+                       spec: ChunkSpec, differentiable: bool):
+    """The labelled rows' statistics (`spec.tiling.statistics_type`): through LinearSoftmaxStats
+    when they are `differentiable`, else as plain values (reference / old-policy passes: nothing
+    saved)."""
+    if differentiable:
+        outputs = LinearSoftmaxStats.apply(hidden, weight, row_index, local_target, spec)
+        return spec.tiling.statistics_type.from_outputs(outputs)
+    full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
+    return forward_stats(labelled_rows(full_hidden, row_index), weight, local_target, spec)
+
+
+def recompute_grads(hidden, weight, row_index, local_target, spec: ChunkSpec, offsets: tuple,
+                    coefs: Optional[dict], needs_dx: bool, needs_dw: bool) -> tuple:
+    """The recompute backward: gather the SP hidden states again, allocate the dX rows and the dW
+    buffer (or use Megatron's main_grad), let the tiling's recompute_grads fill them (skipped,
+    gradients zero, when nothing depends on the statistics: `coefs` None; it may return dW
+    already in the weight dtype instead of filling an fp32 buffer), and return (grad_hidden,
+    grad_weight) for autograd."""
     with autocast_off(hidden.device):
         full_hidden = (reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
                        else hidden)
@@ -235,13 +227,14 @@ def recompute_grads(hidden, weight, row_index, spec: ChunkSpec, needs_dx: bool, 
             dw_dtype = spec.tiling.weight_grad_dtype(weight, rows.shape[0], spec)
             dw_out = spec.main_grad_param.main_grad if into_main_grad else torch.empty(
                 weight.shape, dtype=dw_dtype, device=weight.device)
-        if not has_coefs or rows.shape[0] == 0:  # nothing to differentiate: zero gradients
+        if coefs is None or rows.shape[0] == 0:  # nothing to differentiate: zero gradients
             if dx_rows is not None:
                 dx_rows.zero_()
             if dw_out is not None and not into_main_grad:
                 dw_out.zero_()
         else:
-            dw_done = write_grads(rows, dx_rows, dw_out, into_main_grad)
+            dw_done = spec.tiling.recompute_grads(rows, weight, local_target, spec, offsets, coefs, dx_rows, dw_out,
+                                                  into_main_grad)
         if needs_dw and not into_main_grad:
             if dw_done is not None:
                 grad_weight = dw_done

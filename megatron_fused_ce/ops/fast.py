@@ -5,7 +5,9 @@ the backend, then overwritten with its dlogits for the dX and dW GEMMs.
 `FastChunks` is what chunked.py's loops call through `spec.tiling` (lean.py's `LeanTiles` has the
 same methods, on tiles):
 
-  statistics(rows, ...)              forward statistics of the rows (ShardStats before the TP merge)
+  merged_statistics(rows, ...)       forward statistics of the rows, merged over TP ranks (here: this
+                                     shard's partials from `shard_partials`, merged once after the loop)
+  statistics(rows, ...)              the tiling's own walk for those partials (ShardStats)
   recompute_grads(rows, ...)         the recompute backward: dX rows and / or dW from the offsets
                                      and coefficients
   weight_grad_dtype(weight, n, spec) the dtype of a dW buffer returned to autograd
@@ -13,6 +15,10 @@ same methods, on tiles):
                                      one step of the gradients-in-forward loop: its statistics,
                                      then (the coefficients known) its dX and dW
   weight_grad_in_forward             whether forward_grads makes dW (fast: yes; lean: in backward)
+
+The sampler's tiling (sampling.SamplerChunks: fast chunks with the kept-set math per chunk) walks
+the rows with the same two loops, `map_chunk_logits` (forward) and `backward_grads` (backward,
+with its own per-chunk dlogits).
 
 The chunk's GEMMs come from gemm.py and the backend's capabilities: dlogits from the logits GEMM's
 epilogue where the backend has it, a one-pass row kernel where a loss's gradient is
@@ -156,18 +162,20 @@ def backward_grads(
     dw_out: Optional[Tensor],
     dw_accumulate: bool,
     cast_dw_to: Optional[torch.dtype] = None,
+    chunk_dlogits=recomputed_dlogits,
 ) -> Optional[Tensor]:
     """Chunk loop of the backward pass: writes dX rows, and dW into `dw_out` (adding to what it
     holds if `dw_accumulate`, e.g. Megatron's main_grad; else the first chunk overwrites).
-    `offsets`: the rows' (max, log_sum_exp) of the merged softmax (see MergedStats). With
-    `cast_dw_to` (dw_out an fp32 sum over chunks), the last chunk may write dW in that dtype
-    (last_weight_grad): returned, else None."""
-    row_max, log_sum_exp = offsets
+    `offsets`: per-row tensors the dlogits need (the merged softmax's (max, log_sum_exp), see
+    MergedStats.grad_offsets), sliced with the chunk. `chunk_dlogits(h, weight, local_target,
+    spec, offsets, coefs)` makes a chunk's dlogits (the softmax's by default; the kept set's for
+    the sampler). With `cast_dw_to` (dw_out an fp32 sum over chunks), the last chunk may write dW
+    in that dtype (last_weight_grad): returned, else None."""
     dw_last = None
     for index, (start, end) in enumerate(row_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = hidden_rows[start:end]
-        dlogits = recomputed_dlogits(h, weight, local_target[start:end], spec,
-                                     (row_max[start:end], log_sum_exp[start:end]), _slice_coefs(coefs, start, end))
+        dlogits = chunk_dlogits(h, weight, local_target[start:end], spec,
+                                tuple(o[start:end] for o in offsets), _slice_coefs(coefs, start, end))
         dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
                              dw_accumulate=dw_accumulate or index > 0,
                              cast_dw_to=last_of_several(cast_dw_to, index, end, hidden_rows.shape[0]))
@@ -204,7 +212,51 @@ def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: T
     return forward_grad.one_hot_scale(rows.shape[0])
 
 
-class FastChunks:
+def map_chunk_logits(hidden_rows: Tensor, weight: Tensor, spec, visit) -> list:
+    """Chunk loop of the forward pass: `visit(start, end, logits)` for each chunk of rows, its
+    results in order. One chunk of logits alive at a time."""
+    results = []
+    for start, end in row_chunks(hidden_rows.shape[0], spec.chunk_size):
+        logits = chunk_logits(hidden_rows[start:end], weight, spec)
+        results.append(visit(start, end, logits))
+        del logits
+    return results
+
+
+def concat_partials(partials: list, hidden_rows: Tensor, spec) -> ShardStats:
+    """The ShardStats of consecutive chunks as one (a rank without labelled rows still takes part
+    in the collectives, with empty partials)."""
+    if not partials:
+        return ShardStats.empty(0, hidden_rows.device, spec.want_sum_logits, spec.want_entropy)
+    return ShardStats(**{
+        name: None if getattr(partials[0], name) is None else torch.cat([getattr(p, name) for p in partials])
+        for name in ShardStats.__dataclass_fields__
+    })
+
+
+def shard_partials(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
+    """This shard's statistics of the rows before the TP merge: from the logits GEMM's epilogue
+    where the backend has it (no logits in memory at all), else from the tiling's walk."""
+    backend = spec.backend
+    if backend.stats_in_gemm(hidden_rows, weight):
+        return backend.gemm_stats.run(
+            hidden_rows, weight, local_target, spec.num_valid_cols, spec.inv_temperature,
+            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
+            round_logits=spec.logits_dtype is None)
+    return spec.tiling.statistics(hidden_rows, weight, local_target, spec)
+
+
+class MergedAfterLoop:
+    """The statistics of fast chunks and lean tiles: this shard's partials over all rows, merged
+    over TP ranks once after the loop (two collectives per call, reductions.py)."""
+
+    statistics_type = reductions.MergedStats
+
+    def merged_statistics(self, hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec):
+        return reductions.merge_shard_stats(shard_partials(hidden_rows, weight, local_target, spec), spec.tp_group)
+
+
+class FastChunks(MergedAfterLoop):
     """Chunks of `spec.chunk_size` rows, each one GEMM over the whole vocab shard (module doc)."""
 
     weight_grad_in_forward = True
@@ -215,38 +267,12 @@ class FastChunks:
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
         return _weight_grad_dtype(weight, num_rows, spec)
 
-    def statistics(self, hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec,
-                   on_chunk=None) -> ShardStats:
-        """This shard's ShardStats over the rows, chunk by chunk; `on_chunk(logits)`, if given, also
-        sees each chunk's logits (sampling.py: top-k candidates)."""
+    def statistics(self, hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
+        """This shard's ShardStats over the rows, chunk by chunk."""
         backend = spec.backend
-        partials = []
-        for start, end in row_chunks(hidden_rows.shape[0], spec.chunk_size):
-            logits = chunk_logits(hidden_rows[start:end], weight, spec)
-            partials.append(
-                backend.shard_stats(
-                    logits,
-                    local_target[start:end],
-                    spec.num_valid_cols,
-                    spec.inv_temperature,
-                    want_sum_logits=spec.want_sum_logits,
-                    want_entropy=spec.want_entropy,
-                )
-            )
-            if on_chunk is not None:
-                on_chunk(logits)
-            del logits
-        if partials:
-            return ShardStats(**{
-                name: None if getattr(partials[0], name) is None
-                else torch.cat([getattr(p, name) for p in partials])
-                for name in ShardStats.__dataclass_fields__
-            })
-        # no labelled row here: still take part in the collectives
-        empty = hidden_rows.new_zeros(0, dtype=torch.float32)
-        return ShardStats(max=empty, sum_exp=empty, target=empty,
-                          sum_logits=empty if spec.want_sum_logits else None,
-                          sum_exp_shifted=empty if spec.want_entropy else None)
+        return concat_partials(map_chunk_logits(hidden_rows, weight, spec, lambda start, end, logits: backend.shard_stats(
+            logits, local_target[start:end], spec.num_valid_cols, spec.inv_temperature,
+            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)), hidden_rows, spec)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from . import reductions
 from .backends import ShardStats
+from .fast import MergedAfterLoop
 from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_into_
 from .reductions import combine_blocks
 
@@ -56,7 +57,7 @@ _MAX_ROWS_B = 16384  # token chunk of sweep B (K of the dW GEMM)
 
 
 @dataclass(frozen=True)
-class LeanTiles:
+class LeanTiles(MergedAfterLoop):
     """memory_mode="lean": the chunk loop's tiling (`spec.tiling`, the methods fast.FastChunks has)
     with these tile sizes."""
 

@@ -41,9 +41,29 @@ class MergedStats:
     max: Optional[Tensor] = None  # M = max_k z_k
     log_sum_exp: Optional[Tensor] = None  # log S = log sum_k exp(z_k - M)
 
+    # the fields an autograd Function differentiates; the others are plain values
+    DIFFERENTIABLE = ("target", "lse", "sum_logits", "entropy")
+
     def logprob(self) -> Tensor:
         """log p_y = (z_y - M) - log S."""
         return (self.target - self.max) - self.log_sum_exp
+
+    def grad_offsets(self) -> tuple:
+        """What a tiling's recompute_grads needs of each row besides its coefficients: the
+        softmax's offsets (M, log S)."""
+        return (self.max, self.log_sum_exp)
+
+    @classmethod
+    def output_names(cls) -> tuple:
+        """The fields in the order of an autograd Function's outputs: differentiable first."""
+        return cls.DIFFERENTIABLE + tuple(f for f in cls.__dataclass_fields__ if f not in cls.DIFFERENTIABLE)
+
+    def as_outputs(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.output_names())
+
+    @classmethod
+    def from_outputs(cls, outputs) -> "MergedStats":
+        return cls(**dict(zip(cls.output_names(), outputs)))
 
 
 def combine_blocks(parts: list) -> ShardStats:

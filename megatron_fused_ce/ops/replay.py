@@ -13,7 +13,7 @@ bit; replay scores exactly the sets the engine sampled from, on the trainer's lo
 
 Per call, on each TP rank (the mask is the same on every rank: checked):
 
-    rows with an empty set   the plain path's partials over the whole shard (chunked.shard_partials)
+    rows with an empty set   the plain path's partials over the whole shard (fast.shard_partials)
     rows with a kept set     in order of their number of kept ids on this shard, split into
                              tiles of R rows; per tile the union U of its kept ids on this shard,
                              and the cheaper of (cost model below)
@@ -63,8 +63,8 @@ from torch import Tensor
 
 from . import reductions
 from .backends import ShardStats
-from .chunked import ChunkSpec, autocast_off, coefficients, first_order_only, input_grad, labelled_rows, shard_partials
-from .fast import backward_grads, chunk_logits, grad_gemms
+from .chunked import ChunkSpec, autocast_off, coefficients, first_order_only, input_grad, labelled_rows
+from .fast import backward_grads, chunk_logits, grad_gemms, shard_partials
 from .main_grad import main_grad_added
 from .gemm import logits_gemm, matmul_fp32
 

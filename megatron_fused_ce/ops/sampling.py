@@ -50,9 +50,12 @@ decided on values identical on every rank, so every rank makes the same collecti
 Backward recomputes each chunk's logits and writes dlogits of the kept-set distribution:
 d log q_y / dz_k = [k == y] - q_k on K, 0 outside (the set itself is piecewise constant).
 
-`return_topk=k` without any filter keeps today's statistics bit for bit (chunked.LinearSoftmaxStats,
-the candidates taken from the same chunks on the way) and adds the top-k log-probs of the full
-softmax(z); with filters they come from the same candidates.
+`return_topk=k` without any filter keeps the plain statistics bit for bit (the candidates taken
+from the same chunks on the way) and adds the top-k log-probs of the full softmax(z); with filters
+they come from the same candidates.
+
+All of it is `SamplerChunks`, a tiling of the chunk loop (chunked.py): fast.py's two loops with
+this per-chunk math, behind the methods fast chunks and lean tiles have.
 """
 
 from __future__ import annotations
@@ -68,9 +71,9 @@ from torch import Tensor
 from . import reductions
 from .backends import sampling_torch
 from .agreement import finite_real, is_int
-from .chunked import (ChunkSpec, LinearSoftmaxStats, coefficients, first_order_only, forward_stats, labelled_rows,
-                      recompute_grads)
-from .fast import chunk_logits, grad_gemms, last_of_several, row_chunks, weight_grad_cast_target
+from .chunked import ChunkSpec
+from .fast import (FAST_CHUNKS, backward_grads, chunk_logits, concat_partials, map_chunk_logits,
+                   weight_grad_cast_target)
 from .gemm import gemm_input
 from .backends.sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
 
@@ -315,23 +318,31 @@ def kept_cut(cz: Tensor, cid: Tensor, cvalid: Tensor, search: _ChunkSearch, sp: 
 
 
 # --------------------------------------------------------------------------------------------
-# Forward: chunk loop
+# The sampler's tiling
 # --------------------------------------------------------------------------------------------
 @dataclass
-class KeptStats:
-    """Per-row results over the labelled rows (fp32 [n] unless noted). Over the kept set K, with
-    M the row max (always in K): lse = M + log_sum_exp, log_sum_exp = log sum_K exp(z - M)."""
+class KeptStats(reductions.MergedStats):
+    """MergedStats over each row's kept set K (the full vocab without filters), plus the set and
+    the top-k. With M the row max (always in K): lse = M + log_sum_exp, log_sum_exp = log sum_K
+    exp(z - M); entropy is that of the renormalized kept-set distribution q."""
 
-    target: Tensor  # z_y
-    lse: Tensor  # logsumexp over the kept set (the full vocab without filters)
-    entropy: Optional[Tensor]  # of the renormalized kept-set distribution q
-    max: Tensor  # M (not differentiable)
-    log_sum_exp: Tensor  # (not differentiable)
-    kept: Optional[Tensor]  # bool: label in the kept set (None without filters)
-    topk_logprobs: Optional[Tensor]  # [n, return_topk] under the full softmax(z)
-    topk_ids: Optional[Tensor]  # [n, return_topk] int64 global ids
-    z_cut: Optional[Tensor] = None
+    z_cut: Optional[Tensor] = None  # the kept set's (z_cut, id_cut) per row (None without filters)
     id_cut: Optional[Tensor] = None
+    topk_logprobs: Optional[Tensor] = None  # [n, return_topk] under the full softmax(z)
+    topk_ids: Optional[Tensor] = None  # [n, return_topk] int64 global ids
+
+    def grad_offsets(self) -> tuple:
+        """The kept set's dlogits need its cut besides the softmax's offsets."""
+        if self.z_cut is None:
+            return super().grad_offsets()
+        return (self.max, self.log_sum_exp, self.z_cut, self.id_cut)
+
+    def label_kept(self, labels: Tensor) -> Optional[Tensor]:
+        """bool per row: the label (global id) is in the kept set (None without filters)."""
+        if self.z_cut is None:
+            return None
+        target = self.target.detach()
+        return (target > self.z_cut) | ((target == self.z_cut) & (labels <= self.id_cut))
 
 
 def _topk(cands: Tensor, row_max: Tensor, log_sum_exp: Tensor, k: int):
@@ -340,8 +351,9 @@ def _topk(cands: Tensor, row_max: Tensor, log_sum_exp: Tensor, k: int):
     return (cz - row_max.unsqueeze(1)) - log_sum_exp.unsqueeze(1), cid
 
 
-def _kept_chunk(logits: Tensor, local_target: Tensor, labels: Tensor, spec: ChunkSpec,
-                sp: SamplingSpec, kernels) -> KeptStats:
+def _kept_chunk(logits: Tensor, local_target: Tensor, spec: ChunkSpec, sp: SamplingSpec) -> KeptStats:
+    """One chunk's statistics over the kept set, merged over TP ranks."""
+    kernels = spec.backend
     keys = kernels.shard_candidates(logits, spec.num_valid_cols, spec.inv_temperature, sp.vocab_start,
                                     sp.num_candidates)
     cands = merge_candidates(keys, spec.tp_group)
@@ -357,128 +369,83 @@ def _kept_chunk(logits: Tensor, local_target: Tensor, labels: Tensor, spec: Chun
     merged = reductions.sum_over_ranks(torch.stack(parts), spec.tp_group)
     kept_sum, target = merged[0], merged[1]
     log_sum_exp = torch.log(kept_sum)
-    kept = (target > z_cut) | ((target == z_cut) & (labels <= id_cut))
     topk_lp = topk_ids = None
     if sp.return_topk:
         topk_lp, topk_ids = _topk(cands, row_max, torch.log(merged[-1]), sp.return_topk)
     return KeptStats(target=target, lse=row_max + log_sum_exp,
-                     # H = log S - E_q[z - M], relative to the max (as chunked.py's entropy)
+                     # H = log S - E_q[z - M], relative to the max (as reductions.merge_shard_stats)
                      entropy=log_sum_exp - merged[2] / kept_sum if spec.want_entropy else None,
-                     max=row_max, log_sum_exp=log_sum_exp, kept=kept, topk_logprobs=topk_lp,
-                     topk_ids=topk_ids, z_cut=z_cut, id_cut=id_cut)
+                     max=row_max, log_sum_exp=log_sum_exp, topk_logprobs=topk_lp, topk_ids=topk_ids,
+                     z_cut=z_cut, id_cut=id_cut)
 
 
-def kept_forward(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, labels: Tensor,
-                 spec: ChunkSpec, sp: SamplingSpec) -> KeptStats:
-    """Chunk loop of the filtered forward pass over the rows given (labelled rows)."""
-    kernels = spec.backend
-    results = []
-    for start, end in row_chunks(hidden_rows.shape[0], spec.chunk_size):
-        logits = chunk_logits(hidden_rows[start:end], weight, spec)
-        results.append(_kept_chunk(logits, local_target[start:end], labels[start:end], spec, sp, kernels))
-        del logits
-    if not results:  # no labelled row (on any rank: the count is agreed)
-        empty = hidden_rows.new_zeros(0, dtype=torch.float32)
+def _concat(parts: list, rows: Tensor, spec: ChunkSpec, sp: SamplingSpec) -> KeptStats:
+    if not parts:  # no labelled row (on any rank: the count is agreed)
+        empty = rows.new_zeros(0, dtype=torch.float32)
         k, ints = sp.return_topk, dict(dtype=torch.int64, device=empty.device)
         return KeptStats(target=empty, lse=empty, entropy=empty if spec.want_entropy else None, max=empty,
-                         log_sum_exp=empty, kept=torch.zeros(0, dtype=torch.bool, device=empty.device),
+                         log_sum_exp=empty, z_cut=empty, id_cut=torch.zeros(0, **ints),
                          topk_logprobs=empty.new_zeros(0, k) if k else None,
-                         topk_ids=torch.zeros(0, k, **ints) if k else None,
-                         z_cut=empty, id_cut=torch.zeros(0, **ints))
+                         topk_ids=torch.zeros(0, k, **ints) if k else None)
     return KeptStats(**{
-        name: None if getattr(results[0], name) is None else torch.cat([getattr(r, name) for r in results])
+        name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
         for name in KeptStats.__dataclass_fields__})
 
 
-class LinearKeptStats(torch.autograd.Function):
-    """(hidden, weight shard) -> z_y, lse and entropy over each row's kept set (differentiable),
-    plus (not differentiable) lse's parts max / log_sum_exp, the kept flag and the top-k.
+@dataclass(frozen=True)
+class SamplerChunks:
+    """`spec.tiling` when a sampler setting is on: fast.py's chunks of rows (each one GEMM over the
+    whole vocab shard) and its two loops, with the kept-set math per chunk. A row's kept set needs
+    the global candidates of its chunk, so with filters the statistics are merged over TP ranks
+    chunk by chunk; `return_topk` alone keeps the plain statistics bit for bit (merged once after
+    the loop, as fast.FastChunks) and takes the candidates from the same chunks of logits."""
 
-    Backward: chunked.coefficients turns the upstream gradients into per-token coefficients (the
-    same formulas with q, the kept-set distribution, in place of p), and kernels.kept_dlogits_
-    writes each recomputed chunk's dlogits, zero outside the kept set."""
+    sp: SamplingSpec
+    statistics_type = KeptStats
 
-    @staticmethod
-    def forward(ctx, hidden, weight, row_index, local_target, labels, spec: ChunkSpec, sp: SamplingSpec):
-        full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        out = kept_forward(labelled_rows(full_hidden, row_index), weight, local_target, labels, spec, sp)
-        ctx.spec, ctx.sp = spec, sp
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, row_index, local_target, out.lse, out.entropy, out.max,
-                              out.log_sum_exp, out.z_cut, out.id_cut)
-        for t in (out.max, out.log_sum_exp, out.kept, out.topk_logprobs, out.topk_ids):
-            if t is not None:
-                ctx.mark_non_differentiable(t)
-        return (out.target, out.lse, out.entropy, out.max, out.log_sum_exp, out.kept, out.topk_logprobs,
-                out.topk_ids)
+    def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
+        return FAST_CHUNKS.weight_grad_dtype(weight, num_rows, spec)
 
-    @staticmethod
-    @first_order_only
-    def backward(ctx, g_target, g_lse, g_entropy, *unused):
-        hidden, weight, row_index, local_target, lse, entropy, row_max, log_sum_exp, z_cut, id_cut = \
-            ctx.saved_tensors
-        spec, sp = ctx.spec, ctx.sp
-        kernels = spec.backend
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        coefs = coefficients(g_target, g_lse, None, g_entropy, entropy, lse)
+    def merged_statistics(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> KeptStats:
+        sp = self.sp
+        if sp.filters:
+            parts = map_chunk_logits(rows, weight, spec, lambda start, end, logits: _kept_chunk(
+                logits, local_target[start:end], spec, sp))
+            return _concat(parts, rows, spec, sp)
+        kernels, keys = spec.backend, []
 
-        def write_grads(rows, dx_rows, dw_out, accumulate):
-            # fast.grad_gemms as in fast.backward_grads: QuACK's dW GEMM where it applies, the last of
-            # several chunks adding the fp32 sum and writing dW in the weight dtype (returned)
-            cast_dw_to = weight_grad_cast_target(dw_out, weight, accumulate)
-            dw_last = None
-            for index, (start, end) in enumerate(row_chunks(rows.shape[0], spec.chunk_size)):
-                h, piece = rows[start:end], slice(start, end)
-                dlogits = kernels.kept_dlogits_(
-                    chunk_logits(h, weight, spec), local_target[piece], spec.num_valid_cols,
-                    spec.inv_temperature, sp.vocab_start, row_max[piece], log_sum_exp[piece],
-                    z_cut[piece], id_cut[piece],
-                    *(None if coefs[c] is None else coefs[c][piece] for c in ("p", "pz", "target")))
-                dlogits = gemm_input(dlogits, h)
-                dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end],
-                                     dw_out, dw_accumulate=accumulate or index > 0,
-                                     cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
-                del dlogits  # one chunk alive at the peak
-            return dw_last
+        def plain_stats_and_candidates(start, end, logits):
+            keys.append(kernels.shard_candidates(logits, spec.num_valid_cols, spec.inv_temperature,
+                                                 sp.vocab_start, sp.num_candidates))
+            return kernels.shard_stats(logits, local_target[start:end], spec.num_valid_cols, spec.inv_temperature,
+                                       want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)
 
-        grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, spec, needs_dx, needs_dw,
-                                                   coefs is not None, write_grads)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        partials = concat_partials(map_chunk_logits(rows, weight, spec, plain_stats_and_candidates), rows, spec)
+        merged = reductions.merge_shard_stats(partials, spec.tp_group)
+        local = torch.cat(keys) if keys else torch.zeros(0, sp.num_candidates, dtype=torch.int64, device=rows.device)
+        topk_lp, topk_ids = _topk(merge_candidates(local, spec.tp_group), merged.max, merged.log_sum_exp,
+                                  sp.return_topk)
+        return KeptStats(**vars(merged), topk_logprobs=topk_lp, topk_ids=topk_ids)
 
+    def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
+                        coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
+                        accumulate: bool) -> Optional[Tensor]:
+        """fast.py's backward loop; with filters each chunk's dlogits are those of the kept-set
+        distribution: d log q_y / dz_k = [k == y] - q_k on K, 0 outside (kernels.kept_dlogits_)."""
+        if not self.sp.filters:
+            return FAST_CHUNKS.recompute_grads(rows, weight, local_target, spec, offsets, coefs, dx_rows, dw_out,
+                                               accumulate)
+        return backward_grads(rows, weight, local_target, spec, offsets, coefs, dx_rows, dw_out,
+                              dw_accumulate=accumulate, cast_dw_to=weight_grad_cast_target(dw_out, weight, accumulate),
+                              chunk_dlogits=self._kept_dlogits)
 
-# --------------------------------------------------------------------------------------------
-# Entry point for api.token_statistics
-# --------------------------------------------------------------------------------------------
-def sampled_statistics(hidden2d: Tensor, weight: Tensor, row_index: Optional[Tensor], local_target: Tensor,
-                       labels: Tensor, spec: ChunkSpec, sp: SamplingSpec, needs_grad: bool) -> KeptStats:
-    """Per labelled row: z_y, lse, entropy (differentiable when `needs_grad`), lse's parts, the
-    kept flag and the top-k log-probs. `labels` are the rows' global ids."""
-    if sp.filters:
-        if needs_grad:
-            return KeptStats(*LinearKeptStats.apply(hidden2d, weight, row_index, local_target, labels, spec, sp))
-        full = reductions.gather_sequence(hidden2d, spec.tp_group) if spec.sequence_parallel else hidden2d
-        return kept_forward(labelled_rows(full, row_index), weight, local_target, labels, spec, sp)
-
-    # return_topk only: today's statistics, candidates collected from the same chunks
-    kernels, keys = spec.backend, []
-
-    def collect(logits):
-        keys.append(kernels.shard_candidates(logits, spec.num_valid_cols, spec.inv_temperature,
-                                             sp.vocab_start, sp.num_candidates))
-
-    if needs_grad:
-        target, lse, _, entropy, row_max, log_sum_exp = LinearSoftmaxStats.apply(
-            hidden2d, weight, row_index, local_target, spec, collect)
-    else:
-        full = reductions.gather_sequence(hidden2d, spec.tp_group) if spec.sequence_parallel else hidden2d
-        merged = forward_stats(labelled_rows(full, row_index), weight, local_target, spec, on_chunk=collect)
-        target, lse, entropy = merged.target, merged.lse, merged.entropy
-        row_max, log_sum_exp = merged.max, merged.log_sum_exp
-    local = torch.cat(keys) if keys else torch.zeros(0, sp.num_candidates, dtype=torch.int64,
-                                                      device=hidden2d.device)
-    topk_lp, topk_ids = _topk(merge_candidates(local, spec.tp_group), row_max, log_sum_exp, sp.return_topk)
-    return KeptStats(target=target, lse=lse, entropy=entropy, max=row_max, log_sum_exp=log_sum_exp,
-                     kept=None, topk_logprobs=topk_lp, topk_ids=topk_ids)
+    def _kept_dlogits(self, h: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
+                      coefs: dict) -> Tensor:
+        row_max, log_sum_exp, z_cut, id_cut = offsets
+        dlogits = spec.backend.kept_dlogits_(
+            chunk_logits(h, weight, spec), local_target, spec.num_valid_cols, spec.inv_temperature,
+            self.sp.vocab_start, row_max, log_sum_exp, z_cut, id_cut, coefs["p"], coefs["pz"], coefs["target"])
+        return gemm_input(dlogits, h)
 
 
 # --------------------------------------------------------------------------------------------
