@@ -272,6 +272,12 @@ def init_distributed(cfg: dict, seed: int):
     from megatron.core import parallel_state, tensor_parallel
 
     if torch.cuda.is_available():
+        local_processes, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+        if local_processes > gpus:  # else ranks past the last GPU die in set_device ("invalid device ordinal")
+            fail(os.path.basename(sys.argv[0]),
+                 f"torchrun started {local_processes} processes on this machine, which has {gpus} GPU(s): "
+                 f"run one process per GPU (--nproc_per_node {gpus}, with --tp / --pp to match), or on the "
+                 f"CPU with CUDA_VISIBLE_DEVICES=\"\" (gloo)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
     else:

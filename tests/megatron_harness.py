@@ -16,6 +16,7 @@ and the data-parallel batches and log-prob stand-ins of the loss-func tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import sys
 from dataclasses import dataclass
@@ -154,13 +155,17 @@ def megatron_gloo_collectives_in_order() -> None:
         return
     c10d = dist.distributed_c10d
     coalescing = c10d._coalescing_manager
-    issue = {  # a recorded collective (torch's _CollOp), issued alone and waited for
-        c10d.all_gather_single: lambda op, group: c10d.all_gather_single(
-            op.dst_tensor, op.tensor, group=group),
-        c10d.reduce_scatter_single: lambda op, group: c10d.reduce_scatter_single(
-            op.dst_tensor, op.tensor, op=op.redop, group=group),
-        c10d.all_reduce: lambda op, group: c10d.all_reduce(op.tensor, op=op.redop, group=group),
-    }
+    # a recorded collective (torch's _CollOp), issued alone and waited for; torch >= 2.13 names the
+    # tensor all-gather / reduce-scatter *_single, older torch *_into_tensor / *_tensor
+    issue = {c10d.all_reduce: lambda op, group: c10d.all_reduce(op.tensor, op=op.redop, group=group)}
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(c10d, name):
+            issue[getattr(c10d, name)] = functools.partial(
+                lambda fn, op, group: fn(op.dst_tensor, op.tensor, group=group), getattr(c10d, name))
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(c10d, name):
+            issue[getattr(c10d, name)] = functools.partial(
+                lambda fn, op, group: fn(op.dst_tensor, op.tensor, op=op.redop, group=group), getattr(c10d, name))
 
     @contextlib.contextmanager
     def one_by_one(group=None, device=None, async_ops=False):

@@ -246,6 +246,29 @@ def test_layouts_that_fit_pass(monkeypatch, capsys, name, world, argv):
     assert (code, err) == (None, "")
 
 
+def test_more_processes_than_gpus_ends_in_one_line(monkeypatch, capsys):
+    """torchrun with more processes on a machine than it has GPUs (the README's 4-process command
+    on a one-GPU machine): one line saying what to do, exit status 2, on every rank, instead of
+    CUDA's "invalid device ordinal" traceback from the ranks past the last GPU."""
+    monkeypatch.setattr(example_common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(example_common.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(example_common.torch.cuda, "set_device", lambda *a: pytest.fail("set_device reached"))
+    monkeypatch.setattr(example_common, "OTHER_RANKS_WAIT_S", 0)
+    monkeypatch.setattr(sys, "argv", ["examples/pretrain_gpt.py"])
+    for rank in (0, 3):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        with pytest.raises(SystemExit) as exit_info:
+            example_common.init_distributed({"megatron_cfg": {}}, seed=0)
+        assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("pretrain_gpt.py: error: torchrun started 4 processes on this machine, which has 1 "
+                           "GPU(s): run one process per GPU (--nproc_per_node 1, with --tp / --pp to match), or "
+                           "on the CPU with CUDA_VISIBLE_DEVICES=\"\" (gloo)"), err
+
+
 def test_torchrun_with_a_world_size_the_layout_does_not_divide():
     """`torchrun --nproc_per_node 3 examples/pretrain_gpt.py --tp 2`: rank 0's one line, once,
     instead of Megatron's `world_size (3) is not divisible by 2` traceback on every rank."""

@@ -224,6 +224,9 @@ def test_torchrun_run_is_one_clean_screen():
     # the repository first, and whatever the environment already had (packages installed with --target)
     env.update(PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
+    import torch
+    if torch.cuda.device_count() < 2:  # one GPU: on the CPU, as the README says (NCCL needs a GPU a process)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
             "examples/pretrain_gpt.py", "--tp", "2", "--steps", "2", "--seq-length", "32",
             "model.num_layers=2", "model.hidden_size=32", "--compare-unfused",
