@@ -216,7 +216,10 @@ def test_entry_slots_stay_under_twice_the_entries():
 def test_host_cost_makes_tiles_larger(monkeypatch):
     """Disjoint sets (a tile's union is its rows' ids): fewer tiles save fixed costs, larger ones
     cost more GEMM work per row. Where a tile's kernels take less time than launching them, the
-    launches decide: the model then takes larger tiles than GPU time alone would."""
+    launches decide: the model then takes larger tiles than GPU time alone would. (On the
+    roofline sum alone, SPARSE_MEASURED_FACTOR 1: with the measured factor, these tiles' GPU time
+    already outweighs their launches.)"""
+    monkeypatch.setattr(replay, "SPARSE_MEASURED_FACTOR", 1.0)
     n, vocab, hidden, k = 8192, 65536, 4096, 8
     sets = (torch.arange(n).unsqueeze(1) * k + torch.arange(k)) % vocab
     offsets = torch.arange(n + 1) * k
@@ -229,6 +232,37 @@ def test_host_cost_makes_tiles_larger(monkeypatch):
     assert with_host.tile_rows > without.tile_rows, (with_host.tile_rows, without.tile_rows)
     tile = with_host.pieces[0]
     assert tile.num_cols == k * (tile.end - tile.start)
+
+
+def _sliding_sets(n: int, k: int, step: int, vocab: int):
+    """Row i keeps k consecutive ids from i * step: a tile of r rows has a union of about r * step
+    + k ids (neighbouring tokens share most of their kept ids, as a trained model's do)."""
+    sets = (torch.arange(n).unsqueeze(1) * step + torch.arange(k)) % vocab
+    return sets.reshape(-1), torch.arange(n + 1) * k, sets[:, 0]
+
+
+@pytest.mark.parametrize("factor,sparse", [(None, False), (1.0, True)], ids=["measured", "roofline-only"])
+def test_tiles_with_a_quarter_of_the_vocab_go_dense(factor, sparse, monkeypatch):
+    """Kept sets of 512 ids whose 512-row tiles span a quarter of a 256000-token vocab at H=2304:
+    sparse tiles there measured slower than the plain op (the roofline sum alone prefers them,
+    which the roofline-only case keeps visible); with the measured factor the plan takes every
+    tile dense, so replay is never slower than the plain op."""
+    if factor is not None:
+        monkeypatch.setattr(replay, "SPARSE_MEASURED_FACTOR", factor)
+    vocab, hidden = 256000, 2304
+    ids, offsets, labels = _sliding_sets(4096, 512, 125, vocab)
+    plan = make_plan(ids, offsets, None, labels, 0, vocab, vocab, hidden, 2, 4096)
+    kinds = {p.cols is not None for p in plan.pieces}
+    assert kinds == {sparse}, kinds
+
+
+def test_overlapping_small_sets_stay_sparse():
+    """A trained model's K = 50 sets (tiles' unions a few percent of the vocab): sparse tiles,
+    the case replay is for."""
+    vocab, hidden = 128256, 4096
+    ids, offsets, labels = _sliding_sets(4096, 50, 16, vocab)
+    plan = make_plan(ids, offsets, None, labels, 0, vocab, vocab, hidden, 2, 4096)
+    assert plan.pieces and all(p.cols is not None for p in plan.pieces)
 
 
 # ---------------------------------------------------------------- the benchmark's per-phase breakdown
