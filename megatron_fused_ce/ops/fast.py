@@ -7,6 +7,8 @@ same methods, on tiles):
 
   merged_statistics(rows, ...)       forward statistics of the rows, merged over TP ranks (here: this
                                      shard's partials from `shard_partials`, merged once after the loop)
+  statistics_type                    what merged_statistics returns (reductions.MergedStats; the
+                                     sampler's tiling: sampling.KeptStats, which adds the kept set)
   statistics(rows, ...)              the tiling's own walk for those partials (ShardStats)
   recompute_grads(rows, ...)         the recompute backward: dX rows and / or dW from the offsets
                                      and coefficients
