@@ -23,9 +23,8 @@ PARAMS = [
 ]
 
 
-def make_case(seed, tp, *, dtype=torch.float32, ints=False, seq=10, batch=3, hidden=16, vocab=101,
-              extra_pad=3, temperature=0.7, chunk_size=7, ignored=0.25, sp=False):
-    g = torch.Generator().manual_seed(seed)
+def random_inputs(g, tp, dtype, ints, seq, batch, hidden, vocab, extra_pad):
+    """(columns per shard, hidden [seq, batch, hidden], the padded full weight) drawn from `g`."""
     v_local = -(-vocab // tp) + extra_pad
     if ints:  # integer logits: exact in bf16, many ties
         hidden_full = torch.randint(-2, 3, (seq, batch, hidden), generator=g).to(dtype)
@@ -33,6 +32,13 @@ def make_case(seed, tp, *, dtype=torch.float32, ints=False, seq=10, batch=3, hid
     else:
         hidden_full = torch.randn(seq, batch, hidden, generator=g).to(dtype)
         weight_full = (torch.randn(v_local * tp, hidden, generator=g) * 2.0 / hidden**0.5).to(dtype)
+    return v_local, hidden_full, weight_full
+
+
+def make_case(seed, tp, *, dtype=torch.float32, ints=False, seq=10, batch=3, hidden=16, vocab=101,
+              extra_pad=3, temperature=0.7, chunk_size=7, ignored=0.25, sp=False):
+    g = torch.Generator().manual_seed(seed)
+    v_local, hidden_full, weight_full = random_inputs(g, tp, dtype, ints, seq, batch, hidden, vocab, extra_pad)
     z = dense_z(hidden_full, weight_full, vocab, temperature)
     # labels: a third random, a third the argmax, a third among the 4 most likely
     labels = torch.randint(0, vocab, (seq * batch,), generator=g)

@@ -11,7 +11,7 @@ import torch
 
 import reference
 import sampling_reference as sref
-from sampling_cases import compare_ranks, local_inputs, world_group  # the same sharding and comparison
+from sampling_cases import compare_ranks, local_inputs, random_inputs, world_group  # the same inputs, sharding and comparison
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.ops import replay
 from megatron_fused_ce.ops.replay import SamplingMask
@@ -44,13 +44,7 @@ def random_sets(g, n, vocab, labels, *, empty=0.2, sizes=(1, 3, 8, 30, 90)):
 def make_case(seed, tp, *, dtype=torch.float32, ints=False, seq=10, batch=3, hidden=16, vocab=101, extra_pad=3,
               temperature=0.7, chunk_size=7, sp=False):
     g = torch.Generator().manual_seed(seed)
-    v_local = -(-vocab // tp) + extra_pad
-    if ints:  # integer logits: exact in bf16, many ties
-        hidden_full = torch.randint(-2, 3, (seq, batch, hidden), generator=g).to(dtype)
-        weight_full = (torch.randint(-2, 3, (v_local * tp, hidden), generator=g) * 0.25).to(dtype)
-    else:
-        hidden_full = torch.randn(seq, batch, hidden, generator=g).to(dtype)
-        weight_full = (torch.randn(v_local * tp, hidden, generator=g) * 2.0 / hidden**0.5).to(dtype)
+    v_local, hidden_full, weight_full = random_inputs(g, tp, dtype, ints, seq, batch, hidden, vocab, extra_pad)
     labels = torch.randint(0, vocab, (seq, batch), generator=g)
     labels[torch.rand(seq, batch, generator=g) < 0.25] = -100
     mask = random_sets(g, seq * batch, vocab, labels.reshape(-1))
