@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from . import reductions
-from .backends import Backend, ShardStats
+from .backends import Backend
 from .forward_grad import ForwardGradLoss
 from . import main_grad
 from .main_grad import MainGradSideEffect, main_grad_added

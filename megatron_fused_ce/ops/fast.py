@@ -60,13 +60,16 @@ def chunk_logits(h: Tensor, weight: Tensor, spec) -> Tensor:
 
 
 
+def logits_partials(logits: Tensor, local_target: Tensor, spec) -> ShardStats:
+    """A chunk of logits reduced by the backend to this shard's partials (before the TP merge)."""
+    return spec.backend.shard_stats(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
+                                    want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)
+
+
 def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec, want_stats: bool):
     """A chunk's logits [rows, V_local] and, if asked, its ShardStats."""
     logits = chunk_logits(h, weight, spec)
-    if not want_stats:
-        return logits, None
-    return logits, spec.backend.shard_stats(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
-                                            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)
+    return logits, logits_partials(logits, local_target, spec) if want_stats else None
 
 
 
@@ -271,10 +274,8 @@ class FastChunks(MergedAfterLoop):
 
     def statistics(self, hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
         """This shard's ShardStats over the rows, chunk by chunk."""
-        backend = spec.backend
-        return concat_partials(map_chunk_logits(hidden_rows, weight, spec, lambda start, end, logits: backend.shard_stats(
-            logits, local_target[start:end], spec.num_valid_cols, spec.inv_temperature,
-            want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)), hidden_rows, spec)
+        return concat_partials(map_chunk_logits(hidden_rows, weight, spec, lambda start, end, logits: logits_partials(
+            logits, local_target[start:end], spec)), hidden_rows, spec)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from . import reductions
 from .backends import ShardStats
-from .fast import MergedAfterLoop
+from .fast import MergedAfterLoop, concat_partials
 from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_into_
 from .reductions import combine_blocks
 
@@ -185,10 +185,7 @@ def tile_stats(rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> Shar
                 want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy, col_start=c0))
             del tile
         out.append(combine_blocks(parts) if parts else _empty_stats(r1 - r0, rows.device, spec))
-    if not out:
-        return _empty_stats(0, rows.device, spec)
-    return ShardStats(**{name: None if getattr(out[0], name) is None else torch.cat([getattr(s, name) for s in out])
-                         for name in ShardStats.__dataclass_fields__})
+    return concat_partials(out, rows, spec)
 
 
 def expected_rows(h: Tensor, blocks, local_target: Tensor, spec, want_acc: bool):

@@ -72,7 +72,7 @@ from . import reductions
 from .backends import sampling_torch
 from .agreement import finite_real, is_int
 from .chunked import ChunkSpec
-from .fast import (FAST_CHUNKS, backward_grads, chunk_logits, concat_partials, map_chunk_logits,
+from .fast import (FAST_CHUNKS, backward_grads, chunk_logits, concat_partials, logits_partials, map_chunk_logits,
                    weight_grad_cast_target)
 from .gemm import gemm_input
 from .backends.sampling_torch import ID_ALL, ID_NONE, decode_keys, float_from_ordered, ordered_int32
@@ -417,8 +417,7 @@ class SamplerChunks:
         def plain_stats_and_candidates(start, end, logits):
             keys.append(kernels.shard_candidates(logits, spec.num_valid_cols, spec.inv_temperature,
                                                  sp.vocab_start, sp.num_candidates))
-            return kernels.shard_stats(logits, local_target[start:end], spec.num_valid_cols, spec.inv_temperature,
-                                       want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)
+            return logits_partials(logits, local_target[start:end], spec)
 
         partials = concat_partials(map_chunk_logits(rows, weight, spec, plain_stats_and_candidates), rows, spec)
         merged = reductions.merge_shard_stats(partials, spec.tp_group)
