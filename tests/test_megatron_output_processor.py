@@ -21,11 +21,18 @@ weight gradient into `main_grad` under gradient-accumulation fusion.
 Tolerances: those of test_megatron_parity.py (fp32: losses 1e-5 relative, gradients 1e-4 of each
 parameter's largest entry; bf16 with Float16Module: 1e-3 and 2e-2).
 
+A MuP model runs the same comparison: GPTModel multiplies its logits by `mup_output_mult` after the
+output layer, the processor folds that into the fused math. What it cannot fold (a model's own
+`_scale_logits`, a caller's `scale_logits`) or does not know (a keyword with a value) is checked
+to raise, naming it.
+
 On megatron-core without the hook (0.16) the route tests skip, and constructing the processor is
 checked to raise the error naming the version.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -180,7 +187,7 @@ def _loss_func_maker(kind, post, forward_only, setup: Setup, from_model):
     return make
 
 
-def route_worker(rank, world, setup: Setup, kinds, routes):
+def route_worker(rank, world, setup: Setup, kinds, routes, mup_output_mult=None):
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -194,6 +201,11 @@ def route_worker(rank, world, setup: Setup, kinds, routes):
     _count_calls(postprocess, ["linear_logprobs"], calls)
     chunks = common.build(setup)
     gpt = unwrap_model(chunks[-1])
+    if mup_output_mult is not None:
+        # MuP as GPTModel's forward sees it: logits (main head and MTP depths) times the
+        # multiplier (MuP's initialisation does not matter to the comparison)
+        config = unwrap_model(chunks[0]).config
+        config.use_mup, config.mup_output_mult = True, mup_output_mult
     counter = Counter(gpt)
     fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -222,6 +234,8 @@ def route_worker(rank, world, setup: Setup, kinds, routes):
             capture = None
             if last and mtp and route == "unfused" and kind != "labels":
                 capture = MainLogits(gpt)
+                if mup_output_mult is not None:  # the layer's output, which GPTModel then scales
+                    capture.take = functools.partial(_scaled, gpt, capture.take)
                 gpt.__dict__["_main_logits"] = capture
             forward = _forward(kind, route, post, mtp)
             MTPLossLoggingHelper.tracker.clear()
@@ -249,6 +263,10 @@ def route_worker(rank, world, setup: Setup, kinds, routes):
     uninstall_fused_output_layer(chunks)
     counter.restore()
     return report
+
+
+def _scaled(gpt, take):
+    return gpt._scale_logits(take())
 
 
 def _diffs(a, b):
@@ -376,6 +394,185 @@ def test_processor_route_with_multi_token_prediction(setup, kinds, routes, recor
     worst = check_routes(reports, setup, kinds, routes)
     record_property("max_rel_diff", worst)
     print(f"{setup}: max relative differences {worst}")
+
+
+# ------------------------------------------------------------------------------------------------
+# MuP's output multiplier: GPTModel scales the logits after its output layer, the processor folds it
+# ------------------------------------------------------------------------------------------------
+MUP_OUTPUT_MULT = 0.37  # not a power of two: the scaled values are rounded, as megatron's are
+MUP_CASES = [
+    (Setup(tp=2, tied=True, sp=True), ("sft", "grpo_entropy", "labels", "logprobs")),
+    (Setup(tp=2, pp=2, tied=True, grad_acc_fusion=True), ("sft", "dpo", "labels")),
+    # the MTP depths: megatron's own layer scales their logits before the hook
+    (Setup(mtp_layers=1), ("labels", "sft")),
+]
+
+
+@needs_hook
+@pytest.mark.parametrize("setup,kinds", MUP_CASES, ids=[str(s) for s, _ in MUP_CASES])
+def test_processor_route_folds_the_mup_output_multiplier(setup, kinds, record_property):
+    """A MuP model (`use_mup`, `mup_output_mult`): the processor's losses, log-probs and every
+    gradient are those of GPTModel's own path, which multiplies its logits by the multiplier."""
+    routes = ("unfused", "processor")
+    reports = run_workers(route_worker, setup.world, setup, kinds, routes, MUP_OUTPUT_MULT, timeout=300)
+    worst = check_routes(reports, setup, kinds, routes)
+    record_property("max_rel_diff", worst)
+    print(f"{setup} with MuP: max relative differences {worst}")
+
+
+def scaling_worker(rank, world):
+    """Logit scaling and the keywords GPTModel passes, TP = 2: direct processor calls on the last
+    stage's hidden states against a float64 reference and megatron's own output layer."""
+    import inspect
+    import types
+
+    from megatron_fused_ce.megatron import output_processor as output_processor_module
+    from megatron_harness import all_gather_cat
+
+    chunks = common.build(Setup(tp=2))
+    (chunk,) = chunks
+    gpt = unwrap_model(chunk)
+    config = gpt.config
+    layer = gpt.output_layer
+    batch = common.make_batches("sft", 1, seed=5)[0]
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    labels = batch["labels"]
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(SEQ, MBS, common.HIDDEN, generator=g)
+    upstream = torch.randn(MBS, SEQ, generator=g)
+    fused = FusedCEConfig(enabled=True, chunk_size=8)
+    on = FusedOutputProcessor(fused, vocab_size=TRUE_VOCAB)
+    off = FusedOutputProcessor(FusedCEConfig(enabled=False), vocab_size=TRUE_VOCAB)
+    report = {}
+
+    # the keywords GPTModel passes: each one a parameter of the processor or a known harmless one
+    passed = {}
+
+    def recorder(**kwargs):
+        passed.update(kwargs)
+        return on(**kwargs)
+
+    with torch.no_grad():
+        chunk(*args, output_processor=recorder)
+    named = set(inspect.signature(FusedOutputProcessor.__call__).parameters) - {"self", "others"}
+    report["passed"] = sorted(passed)
+    report["unread"] = sorted(set(passed) - named - set(output_processor_module.IGNORED_KEYWORDS))
+
+    megatron_scale = gpt._scale_logits  # bound before a test overrides it on the model
+
+    def direct(proc, returns="loss", h=None, **overrides):
+        kwargs = dict(hidden_states=hidden if h is None else h, output_layer=layer, output_weight=None,
+                      labels=labels, loss_mask=batch["loss_mask"], context={"returns": returns},
+                      compute_language_model_loss=gpt.compute_language_model_loss,
+                      scale_logits=megatron_scale, config=config)
+        kwargs.update(overrides)
+        return proc(**kwargs)
+
+    # MuP: the fused per-token loss and its gradients against float64 logits * multiplier
+    config.use_mup, config.mup_output_mult = True, MUP_OUTPUT_MULT
+    h = hidden.clone().requires_grad_()
+    loss = direct(on, h=h)
+    grad_h, grad_w = torch.autograd.grad((loss * upstream).sum(), [h, layer.weight])
+    tp_group = layer.tp_group
+    full_weight = all_gather_cat(layer.weight.detach(), 0, tp_group).double().requires_grad_()
+    h64 = hidden.double().requires_grad_()
+
+    def reference(scale):
+        logits = (h64 @ full_weight.t()) * scale  # [s, b, V]
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.t().flatten(), reduction="none").view(SEQ, MBS).t()
+
+    want = reference(MUP_OUTPUT_MULT)
+    want_h, want_w = torch.autograd.grad((want * upstream).sum(), [h64, full_weight])
+    rows = layer.weight.shape[0]
+    tp_rank = torch.distributed.get_rank(tp_group)
+    shard = slice(tp_rank * rows, (tp_rank + 1) * rows)  # this rank's vocab rows
+    report["mup_vs_float64"] = (common.max_rel_diff(loss.double(), want),
+                                common.max_rel_diff(grad_h.double(), want_h),
+                                common.max_rel_diff(grad_w.double(), want_w[shard]))
+    with torch.no_grad():
+        report["unscaled_vs_float64"] = common.max_rel_diff(reference(1.0), want)
+        # megatron's own output layer, multiplier and cross-entropy on the same hidden states
+        logits, _ = layer(hidden)
+        megatron_loss = gpt.compute_language_model_loss(labels, gpt._scale_logits(logits))
+        report["mup_vs_megatron"] = common.max_rel_diff(direct(on), megatron_loss)
+        report["mup_off_vs_megatron"] = common.max_rel_diff(direct(off), megatron_loss)
+        report["mup_model_vs_megatron"] = common.max_rel_diff(
+            chunk(*args, labels=labels, output_processor=on, output_processor_context={"returns": "loss"}),
+            chunk(*args, labels=labels))
+    config.use_mup, config.mup_output_mult = False, 1.0
+
+    def softcap(logits):  # a model's own logit scaling, e.g. a soft cap
+        return 2.0 * torch.tanh(logits / 2.0)
+
+    last_token = types.SimpleNamespace(config=types.SimpleNamespace(materialize_only_last_token_logits=True))
+    errors = {}
+    attempts = {
+        "callable": lambda: direct(on, scale_logits=lambda logits: logits * 2.0),
+        "overridden": lambda: chunk(*args, labels=labels, output_processor=on,
+                                    output_processor_context={"returns": "loss"}),
+        "mup_without_scale_logits": lambda: direct(on, scale_logits=None, config=types.SimpleNamespace(
+            use_mup=True, mup_output_mult=0.5)),
+        "unknown_keyword": lambda: direct(on, logit_softcapping=30.0),
+        "unknown_keyword_off": lambda: direct(off, logit_softcapping=30.0),
+        "unknown_none": lambda: direct(on, logit_softcapping=None),
+        "last_token_logits": lambda: direct(off, returns="hidden_states", inference_context=last_token),
+        "fp8_output_proj": lambda: direct(on, config=types.SimpleNamespace(fp8_output_proj=True, fp8="e4m3")),
+    }
+    gpt._scale_logits = softcap  # GPTModel passes the model's own `_scale_logits`
+    try:
+        with torch.no_grad():
+            # fusion off applies it, as GPTModel does; the cap changes the loss
+            capped = chunk(*args, labels=labels)
+            report["softcap_off"] = torch.equal(
+                chunk(*args, labels=labels, output_processor=off,
+                      output_processor_context={"returns": "loss"}),
+                capped)
+            report["softcap_matters"] = common.max_rel_diff(capped, megatron_loss) > 1e-2
+            for name, attempt in attempts.items():
+                try:
+                    attempt()
+                    errors[name] = None
+                except (ValueError, TypeError, RuntimeError) as error:
+                    errors[name] = (type(error).__name__, str(error))
+    finally:
+        del gpt._scale_logits
+    report["errors"] = errors
+    return report
+
+
+@needs_hook
+def test_processor_folds_megatron_scale_logits_and_refuses_what_it_cannot():
+    """GPTModel's `scale_logits` (MuP's multiplier, a constant read from the config) is folded into
+    the fused math: float64 `logits * mult` and megatron's own output layer are matched, values and
+    gradients. What cannot be folded or is unknown raises, naming it, rather than be dropped: a
+    model's own `_scale_logits`, a caller's function, MuP without `scale_logits`, an unknown keyword
+    with a value, inference's last-token logits, an MXFP8 output projection."""
+    for r in run_workers(scaling_worker, 2):
+        assert r["unread"] == [], r["passed"]
+        assert {"scale_logits", "config", "inference_context", "loss_mask"} <= set(r["passed"])
+        assert max(r["mup_vs_float64"]) <= LOSS_RTOL, r["mup_vs_float64"]
+        assert r["unscaled_vs_float64"] > 1e-2  # the multiplier matters
+        assert r["mup_vs_megatron"] <= LOSS_RTOL and r["mup_model_vs_megatron"] <= LOSS_RTOL
+        assert r["mup_off_vs_megatron"] == 0.0
+        assert r["softcap_off"] and r["softcap_matters"]
+        errors = r["errors"]
+        for name in ("callable", "overridden"):
+            kind, message = errors[name]
+            assert kind == "ValueError" and "scale_logits=" in message, (name, message)
+            assert "without output_processor" in message and "enabled=False" in message
+        assert "softcap" in errors["overridden"][1]
+        kind, message = errors["mup_without_scale_logits"]
+        assert kind == "ValueError" and "MuP" in message
+        for name in ("unknown_keyword", "unknown_keyword_off"):
+            kind, message = errors[name]
+            assert kind == "TypeError" and "logit_softcapping=30.0" in message, (name, message)
+            assert "without output_processor" in message
+        assert errors["unknown_none"] is None
+        kind, message = errors["last_token_logits"]
+        assert kind == "ValueError" and "materialize_only_last_token_logits" in message
+        kind, message = errors["fp8_output_proj"]
+        assert kind == "ValueError" and "fp8_output_proj" in message
 
 
 # ------------------------------------------------------------------------------------------------

@@ -85,8 +85,9 @@ def mtp_labels_from_input_ids() -> bool:
 # Configuration fields that exist in some versions only
 # ------------------------------------------------------------------------------------------------
 def uses_mup(config) -> bool:
-    """`TransformerConfig.use_mup` (megatron-core >= 0.19): MuP scales the logits after the output
-    layer, which the fused ops never form."""
+    """`TransformerConfig.use_mup` (megatron-core >= 0.18): MuP scales the logits after the output
+    layer, which the fused ops never form (the output processor folds the scale into the hidden
+    states)."""
     return bool(getattr(config, "use_mup", False))
 
 

@@ -349,13 +349,19 @@ def _chunks(model: ModelOrChunks) -> Iterable[torch.nn.Module]:
     return model if isinstance(model, (list, tuple)) else [model]
 
 
-def unsupported_configuration(config, gpt: Optional[torch.nn.Module] = None) -> List[str]:
-    """Why the fused ops cannot stand in for this model's output layer (empty: they can)."""
+def unsupported_configuration(config, gpt: Optional[torch.nn.Module] = None, *,
+                              mup_folded: bool = False) -> List[str]:
+    """Why the fused ops cannot stand in for this model's output layer (empty: they can).
+    `mup_folded`: the caller applies MuP's output multiplier itself (the output processor)."""
     problems = []
     if getattr(config, "defer_embedding_wgrad_compute", False):
         problems.append("defer_embedding_wgrad_compute defers the output-layer GEMM")
-    if compat.uses_mup(config):
+    if compat.uses_mup(config) and not mup_folded:
         problems.append("MuP scales the logits after the output layer")
+    # GPTModel then builds a Transformer Engine LM head that quantizes the GEMM; the fused ops
+    # project in the weight's dtype
+    if getattr(config, "fp8_output_proj", False) and getattr(config, "fp8", None):
+        problems.append("fp8_output_proj runs the output projection in MXFP8")
     if gpt is not None and compat.has_own_fused_linear_ce(gpt):
         problems.append("the model already uses megatron's own fused linear cross-entropy")
     return problems

@@ -37,6 +37,16 @@ not). Install the fused layer too (`install_fused_output_layer`) and the depths 
 the processor then runs the main head through the fused layer. (With gradient-accumulation fusion,
 megatron's own layers must use it too, as they do on GPUs: the op adds dW into `main_grad`.)
 
+What GPTModel does to the logits after its output layer is matched, or refused with an error that
+names it, never dropped. MuP's output multiplier (GPTModel passes `scale_logits=self._scale_logits`,
+`logits * config.mup_output_mult` with `use_mup`) is a known constant c, folded into the hidden
+states: `(c * hidden) @ W^T == c * logits`, gradients included. It is read from megatron's own
+`LanguageModule._scale_logits` and the config of the model it belongs to; any other `scale_logits`
+(a model that overrides `_scale_logits`, a caller's function) cannot be read and raises ValueError.
+Of the other keywords GPTModel passes, those the processor does not read (`IGNORED_KEYWORDS`)
+cannot change its result; any other keyword with a value raises TypeError. Inference's last-token
+logits (an `inference_context` with `materialize_only_last_token_logits`) are refused too.
+
 With `config.enabled` False the processor does what GPTModel does without one (logits, megatron's
 loss), so a `use_linear_ce_fusion_loss` switch needs no second code path. On megatron-core without
 the hook (0.16) constructing a processor raises a RuntimeError naming the version: use
@@ -45,6 +55,7 @@ the hook (0.16) constructing a processor raises a RuntimeError naming the versio
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 import torch
@@ -58,6 +69,10 @@ from .postprocess import IGNORE_INDEX, LogprobsPostProcessor
 RETURNS = ("hidden_states", "logprobs", "loss")
 # What `output_processor_context` may set for one call (a mapping; None = nothing).
 CONTEXT_KEYS = ("returns", "cu_seqlens", "cu_seqlens_padded", "sampling_mask")
+# Keywords GPTModel passes (megatron-core 0.18, 0.19) that the processor does not read, because
+# they cannot change its result: the decoder has consumed the inputs, and the loss mask is applied
+# after the per-token values (by the loss funcs, as by megatron's own loss_func).
+IGNORED_KEYWORDS = ("loss_mask", "input_ids", "position_ids", "attention_mask", "decoder_input")
 
 
 class FusedOutputProcessor:
@@ -113,9 +128,11 @@ class FusedOutputProcessor:
                  output_weight: Optional[Tensor] = None, labels: Optional[Tensor] = None,
                  packed_seq_params=None, runtime_gather_output: Optional[bool] = None,
                  context: Optional[Mapping] = None, compute_language_model_loss=None,
-                 scale_logits=None, config=None, **_unused):
-        """Called by GPTModel on the last stage (keyword arguments only; those it passes and this
-        processor does not read, e.g. `loss_mask` or `inference_context`, are accepted)."""
+                 scale_logits=None, config=None, inference_context=None, **others):
+        """Called by GPTModel on the last stage (keyword arguments only). Of the others it passes,
+        `IGNORED_KEYWORDS` are accepted unread; an unknown keyword raises TypeError unless None."""
+        _check_other_keywords(others)
+        _check_inference_context(inference_context)
         returns, packing, sampling_mask = self._call_options(context, packed_seq_params)
         if returns != "hidden_states" and labels is None:
             raise ValueError(f"FusedOutputProcessor(returns={returns!r}) needs labels: call "
@@ -128,11 +145,14 @@ class FusedOutputProcessor:
             raise RuntimeError(
                 "FusedOutputProcessor computes no logits; gathered logits were requested "
                 "(inference / generation): call the model without output_processor for logits")
+        scale, mup_folded = _logit_scale(scale_logits)
         model_config = config if config is not None else getattr(output_layer, "config", None)
-        problems = unsupported_configuration(model_config)
+        problems = unsupported_configuration(model_config, mup_folded=mup_folded)
         if problems:
             raise ValueError("FusedOutputProcessor: unsupported model configuration: "
-                             + "; ".join(problems))
+                             + "; ".join(problems) + f"; {_NOT_FUSED}")
+        if scale != 1.0:  # logits * c == (c * hidden) @ W^T; the weight's gradient alike
+            hidden_states = hidden_states * scale
         states = HiddenStates(hidden_states, output_layer, output_weight, model_config)
         if returns == "hidden_states":
             return states
@@ -188,3 +208,84 @@ class FusedOutputProcessor:
 def _check_returns(returns) -> None:
     if returns not in RETURNS:
         raise ValueError(f"returns must be one of {RETURNS}, got {returns!r}")
+
+
+_NOT_FUSED = "call the model without output_processor, or with fusion off (FusedCEConfig(enabled=False))"
+# Values of all signs and magnitudes: the multiplier read from the config must be what the
+# function does to them, bit for bit.
+_PROBE = (-3.0, -0.5, 0.0, 1.0, 7.25, 1.0e4)
+
+
+def _logit_scale(scale_logits) -> tuple:
+    """`(c, from_mup)`: the constant c with `scale_logits(logits) == logits * c` (None: 1.0), and
+    whether it is MuP's output multiplier. c is known exactly for megatron's own
+    `LanguageModule._scale_logits` only (not overridden): its model config's `mup_output_mult`
+    with `use_mup`, else 1. Any other callable may do anything to the logits: ValueError."""
+    if scale_logits is None:
+        return 1.0, False
+    model_config = _megatron_scale_owner_config(scale_logits)
+    if model_config is not None:
+        scale = float(model_config.mup_output_mult) if model_config.use_mup else 1.0
+        probe = torch.tensor(_PROBE, dtype=torch.float64)
+        scaled = scale_logits(probe)
+        # a megatron-core whose _scale_logits does more than this multiplication is not read
+        if math.isfinite(scale) and isinstance(scaled, Tensor) and torch.equal(scaled, probe * scale):
+            return scale, True
+    raise ValueError(
+        f"FusedOutputProcessor: scale_logits={_describe(scale_logits)} cannot be folded into the fused "
+        f"ops: only megatron's own LanguageModule._scale_logits (MuP's mup_output_mult, a "
+        f"constant) can be, and a model that overrides it or a caller's function may change the "
+        f"logits in any way; {_NOT_FUSED}")
+
+
+def _megatron_scale_owner_config(scale_logits):
+    """The config megatron's own `_scale_logits`, bound to a model, reads (None: not that)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    megatron_scale = getattr(LanguageModule, "_scale_logits", None)
+    owner = getattr(scale_logits, "__self__", None)
+    if megatron_scale is None or getattr(scale_logits, "__func__", None) is not megatron_scale:
+        return None
+    config = getattr(owner, "config", None)
+    if not (hasattr(config, "use_mup") and hasattr(config, "mup_output_mult")):
+        return None
+    return config
+
+
+def _check_other_keywords(others: Mapping) -> None:
+    """Keywords outside the signature: the known harmless ones, or None. Another value may change
+    the logits in a way this processor cannot know (a newer megatron-core): TypeError."""
+    unknown = {name: value for name, value in others.items()
+               if name not in IGNORED_KEYWORDS and value is not None}
+    if unknown:
+        given = ", ".join(f"{name}={_describe(value)}" for name, value in sorted(unknown.items()))
+        raise TypeError(
+            f"FusedOutputProcessor was called with keyword arguments it does not know: {given}; "
+            f"they may change the logits, which it cannot tell: {_NOT_FUSED}")
+
+
+def _check_inference_context(inference_context) -> None:
+    """GPTModel keeps the logits of the last tokens only where the inference context asks for it;
+    neither the fused ops nor the unfused path here do that: refused."""
+    if inference_context is None:
+        return
+    inference_config = getattr(inference_context, "config", None)
+    if getattr(inference_config, "materialize_only_last_token_logits", False):
+        raise ValueError(
+            f"FusedOutputProcessor: inference_context={_describe(inference_context)} asks for the "
+            f"last tokens' logits only (materialize_only_last_token_logits): call the model "
+            f"without output_processor for inference")
+
+
+def _describe(value) -> str:
+    """A short description of a keyword's value for an error message (a bound method's repr
+    would print its whole model)."""
+    if isinstance(value, Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    owner, func = getattr(value, "__self__", None), getattr(value, "__func__", None)
+    if owner is not None and func is not None:
+        return f"<bound method {getattr(func, '__qualname__', func)} of a {type(owner).__name__}>"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"<function {value.__qualname__}>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
