@@ -73,6 +73,8 @@ class Setup:
     # DDP for the distributed optimizer with overlap_param_gather and overlap_grad_reduce, small
     # buckets (the output weight gets a bucket of its own)
     overlap: bool = False
+    distributed_optimizer: bool = False  # DDP for megatron's distributed optimizer, no overlap
+    overlap_grad_reduce: bool = False  # DDP's grad-reduce overlap alone (small buckets)
     cp: int = 1  # context parallel size
     # GatheredKVAttention (exact under CP, see megatron_fused_ce/testing/cp_attention.py) instead of
     # megatron's local DotProductAttention; always on with cp > 1 (a CP=1 reference sets it)
@@ -90,6 +92,8 @@ class Setup:
                 f"{f'-mtp{self.mtp_layers}' if self.mtp_layers else ''}"
                 f"{'-detachheads' if self.mtp_detach_heads else ''}"
                 f"{'' if self.per_token_loss else '-meanloss'}{'-overlap' if self.overlap else ''}"
+                f"{'-distopt' if self.distributed_optimizer else ''}"
+                f"{'-overlapgradreduce' if self.overlap_grad_reduce else ''}"
                 f"{f'-cp{self.cp}' if self.cp > 1 else ''}{'-gathered' if self.gathered_attention else ''}")
 
 
@@ -283,11 +287,11 @@ def build(setup: Setup, seed: int = 1234, install_before_wrap=None):
         **({"mtp_num_layers": setup.mtp_layers, "mtp_loss_scaling_factor": setup.mtp_scale}
            if setup.mtp_layers else {}),
         **({"mtp_detach_heads": True} if setup.mtp_detach_heads else {}))
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    if setup.overlap:
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_param_gather=True,
-            overlap_grad_reduce=True, bucket_size=1000)
+    overlap_grad_reduce = setup.overlap or setup.overlap_grad_reduce
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=setup.overlap or setup.distributed_optimizer,
+        overlap_param_gather=setup.overlap, overlap_grad_reduce=overlap_grad_reduce,
+        **({"bucket_size": 1000} if overlap_grad_reduce else {}))
     chunks = []
     for vp_stage in range(setup.vp or 1):
         kw = {} if setup.vp is None else {"vp_stage": vp_stage}

@@ -479,3 +479,163 @@ def check_distributed_optimizer(unfused, fused, loss_rtol, param_rtol):
         bad = {n: common.max_rel_diff(f["params"][n], p) for n, p in u["params"].items()}
         bad = {n: d for n, d in bad.items() if d > param_rtol}
         assert not bad, bad
+
+
+# ------------------------------------------------------------------------------------------------
+# An optimizer step while a fused forward is still alive without its backward
+# (tests/test_megatron_pairing.py on CPU with a stand-in optimizer; tests/test_multigpu.py with
+# megatron's optimizers)
+# ------------------------------------------------------------------------------------------------
+class MainGradOptimizerStandIn:
+    """Megatron's optimizer step where its classes cannot run (they allocate CUDA tensors): the
+    fp32 main parameters take each parameter's main_grad as their gradient, a torch optimizer steps
+    them (its step pre-hooks run there, as under megatron's optimizers), the model parameters are
+    copied back. The order of FP32Optimizer / Float16OptimizerWithFloat16Params.step."""
+
+    def __init__(self, chunks, lr: float):
+        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        self.main = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.optimizer = torch.optim.SGD(self.main, lr=lr)
+
+    def zero_grad(self):
+        for main in self.main:
+            main.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for param, main in zip(self.params, self.main):
+            main.grad = param.main_grad.float().clone()
+        self.optimizer.step()
+        for param, main in zip(self.params, self.main):
+            param.copy_(main)
+        return True, None, None
+
+
+def main_grad_optimizer(chunks, setup: Setup, kind: str):
+    if kind == "stand_in":
+        return MainGradOptimizerStandIn(chunks, lr=0.1)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    return get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=0.1, adam_eps=1.0, weight_decay=0.0,
+        use_distributed_optimizer=setup.distributed_optimizer or setup.overlap), chunks)
+
+
+def megatron_recomputed(make):
+    """A loss func run under megatron's reentrant recompute (tensor_parallel.checkpoint), which takes
+    and returns tensors only: its forward runs under no_grad, then again during backward."""
+    from megatron.core import tensor_parallel
+
+    def recomputed(chunk, batch, index):
+        loss_func = make(chunk, batch, index)
+        names = []
+
+        def flat(output):
+            loss, count, metrics = loss_func(output)
+            names[:] = list(metrics)
+            return (loss, count.float(), *metrics.values())
+
+        def run(output):
+            loss, count, *values = tensor_parallel.checkpoint(flat, False, output)
+            return loss, count.to(torch.int), dict(zip(names, (v.detach() for v in values)))
+        return run
+    return recomputed
+
+
+def held_forward_worker(rank, world, setup: Setup, optimizer_kind: str):
+    """Megatron's schedules on a fused GPTModel with gradient-accumulation fusion (the SFT loss func
+    adds dW into main_grad during the forward), then an optimizer step, per scenario:
+
+    - "plain", "recomputed" (the loss func under megatron's recompute): the step runs, and both
+      leave the same main_grad;
+    - "evaluation_held": a forward-only pass under grad mode whose losses are kept (for logging)
+      past the step; "loss_list" (no pipelining): a micro-batch's loss stored in a list without a
+      backward. The step must raise on the ranks that hold the output layer, before updating
+      anything; after the buffer is zeroed, the next step runs.
+    Returns what each scenario did on this rank."""
+    from megatron.core import parallel_state
+
+    chunks = common.build(setup)
+    fused = FusedCEConfig(enabled=True, chunk_size=setup.chunk_size)
+    install_fused_output_layer(chunks, fused)
+    for chunk in chunks:
+        unwrap_model(chunk).config.gradient_accumulation_fusion = True
+    post = LogprobsPostProcessor(fused, vocab_size=TRUE_VOCAB)
+    optimizer = main_grad_optimizer(chunks, setup, optimizer_kind)
+    batches = common.make_batches("sft", NUM_MICROBATCHES, seed=300 + parallel_state.get_data_parallel_rank())
+
+    def make(chunk, batch, index):
+        return sft_loss_func(post, chunk, batch["labels"], batch["loss_mask"])
+
+    def params():
+        return [p.detach().float().clone() for chunk in chunks for p in chunk.parameters()]
+
+    def step():
+        optimizer.step()  # megatron's returns (ok, grad norm, zeros); the stand-in the same
+        return "stepped"
+
+    report = {"last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True)}
+    common.run_step(chunks, batches, make)
+    plain = common.grads(chunks)
+    common.run_step(chunks, batches, megatron_recomputed(make))
+    report["recomputed_diff"] = max(common.max_rel_diff(g, plain[n]) for n, g in common.grads(chunks).items())
+    report["recomputed_step"] = step()
+
+    scenarios = ["evaluation_held"] + (["loss_list"] if setup.pp == 1 else [])
+    for scenario in scenarios:
+        kept = []
+        common.run_step(chunks, batches, make)
+        if scenario == "evaluation_held":
+            def keeping(chunk, batch, index):
+                loss_func = make(chunk, batch, index)
+
+                def run(output):
+                    result = loss_func(output)
+                    kept.append(result[0])
+                    return result
+                return run
+            _forward_only_without_zeroing(chunks, batches, keeping)
+        else:
+            chunk, batch = chunks[0], batches[0]
+            kept.append(make(chunk, batch, 0)(common.forward_fn(chunk, batch))[0])
+        before = params()
+        try:
+            report[scenario] = step()
+        except RuntimeError as error:
+            report[scenario] = str(error)
+        report[f"{scenario}_unchanged"] = all(torch.equal(a, b) for a, b in zip(params(), before))
+        kept.clear()  # the graphs go (main_grad was poisoned once, by the step check)
+        common.run_step(chunks, batches, make)  # zeroes the buffer first
+        report[f"{scenario}_finite_after"] = all(torch.isfinite(g).all().item() for g in common.grads(chunks).values())
+        report[f"{scenario}_next_step"] = step()
+    return report
+
+
+def _forward_only_without_zeroing(chunks, batches, make_loss_func):
+    """A forward-only schedule pass (an evaluation) under grad mode, inside a step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, chunk):
+        index, batch = next(data_iterator)
+        return common.forward_fn(chunk, batch), make_loss_func(chunk, batch, index)
+
+    iterators = [iter(list(enumerate(batches))) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks, num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+
+
+def check_held_forward_reports(reports) -> None:
+    """Every rank: plain and recomputed steps agree and step; on the ranks with the output layer a
+    step with a forward still alive raises before any update; the next step after zeroing runs."""
+    for rank, report in enumerate(reports):
+        assert report["recomputed_diff"] < GRAD_RTOL, (rank, report["recomputed_diff"])
+        assert report["recomputed_step"] == "stepped", (rank, report["recomputed_step"])
+        for scenario in ("evaluation_held", "loss_list"):
+            if scenario not in report:
+                continue
+            if report["last_stage"]:
+                assert "graph alive without a backward" in report[scenario], (rank, scenario, report[scenario])
+                assert report[f"{scenario}_unchanged"], (rank, scenario)
+            assert report[f"{scenario}_finite_after"], (rank, scenario)
+            assert report[f"{scenario}_next_step"] == "stepped", (rank, scenario)

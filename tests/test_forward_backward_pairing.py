@@ -31,6 +31,7 @@ from dist import run_workers
 from megatron_fused_ce import linear_cross_entropy
 from megatron_fused_ce.losses import GRPOConfig, grpo_loss, linear_grpo_loss
 from megatron_fused_ce.ops import api, chunked, lean
+from megatron_fused_ce.ops import main_grad as main_grad_module
 from op_cases import (
     SCENARIOS,
     changing_loss_scale,
@@ -232,6 +233,84 @@ def test_forward_that_raises_midway_poisons_main_grad(monkeypatch):
             fused_loss("ce", case, h, w, "fast", "main_grad_expected")
     assert any("never backpropagated" in str(c.message) for c in caught)
     assert torch.isnan(w.main_grad).all()
+
+
+def _megatron_like_step(optimizer, w):
+    """How Megatron's optimizers step: the parameter's gradient is read from main_grad, then a torch
+    optimizer steps (its step pre-hooks run first)."""
+    w.grad = w.main_grad.detach().clone()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("held", ["evaluation_loss", "loss_list"])
+@pytest.mark.parametrize("entry", ["ce", "grpo"])
+def test_optimizer_step_with_a_forward_still_alive_raises(entry, held):
+    """A fused loss computed under grad mode and kept past the optimizer step without a backward (an
+    evaluation loss held for logging; a micro-batch loss kept in a list). Its forward added dW to
+    main_grad. Before: the step trained on the step's gradient plus that dW (relative error ~1),
+    no NaN, no error. Now: the step raises before the update, the parameter keeps its values and
+    main_grad is NaN; once the buffer is zeroed, the next step is exact and steps."""
+    case = make_case(seed=21)
+    _, _, ref_dw = reference_grads(entry, case)
+    h, w = leaves(case, "main_grad_expected")
+    optimizer = torch.optim.SGD([w], lr=0.5)
+    loss_fn = lambda x, wt, g: fused_loss(entry, case, x, wt, "fast", "main_grad_expected", g=g)  # noqa: E731
+    kept = []
+    if held == "evaluation_loss":
+        plain(loss_fn, h, w)
+        kept.append(fused_loss(entry, case, h.detach(), w, "fast", "main_grad_expected"))
+    else:  # two micro-batches, the second one's loss only stored
+        kept = [loss_fn(h, w, 1.0) for _ in range(2)]
+        kept[0].backward()
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match="graph alive without a backward"):
+        _megatron_like_step(optimizer, w)
+    assert torch.equal(w.detach(), before)
+    assert torch.isnan(w.main_grad).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the error said it: no second warning when the graph goes
+        kept.clear()
+    w.main_grad.zero_()  # zero_grad_buffer at the next step
+    h.grad = None
+    plain(loss_fn, h, w)
+    assert reference.rel_err(w.main_grad, ref_dw) < TOL
+    _megatron_like_step(optimizer, w)
+    assert reference.rel_err(before - w.detach(), 0.5 * ref_dw) < TOL
+
+
+def test_optimizer_step_on_a_poisoned_main_grad_raises():
+    """A forward dropped without a backward inside a step (main_grad already NaN), then the step
+    taken without another fused call: it raises instead of stepping on NaN; after zeroing it steps."""
+    case = make_case(seed=22)
+    h, w = leaves(case, "main_grad_expected")
+    optimizer = torch.optim.SGD([w], lr=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fused_loss("ce", case, h, w, "fast", "main_grad_expected")  # graph freed right here
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match="never backpropagated"):
+        _megatron_like_step(optimizer, w)
+    assert torch.equal(w.detach(), before)
+    w.main_grad.zero_()
+    _megatron_like_step(optimizer, w)  # no fused call in between: the check sees the zeroed buffer
+
+
+def test_correct_loops_step_without_a_check_of_their_own():
+    """Every forward backpropagated, evaluation under no_grad, a loss kept after its backward: no
+    side effect outstanding, nothing poisoned; the steps read nothing (no host sync)."""
+    case = make_case(seed=23)
+    _, _, ref_dw = reference_grads("ce", case)
+    h, w = leaves(case, "main_grad_expected")
+    optimizer = torch.optim.SGD([w], lr=0.5)
+    loss_fn = lambda x, wt, g: fused_loss("ce", case, x, wt, "fast", "main_grad_expected", g=g)  # noqa: E731
+    kept = [loss_fn(h, w, 1.0)]
+    kept[0].backward()
+    with torch.no_grad():
+        kept.append(loss_fn(h, w, 1.0))
+    assert not main_grad_module._OUTSTANDING and not main_grad_module._POISONED
+    before = w.detach().clone()
+    _megatron_like_step(optimizer, w)
+    assert reference.rel_err(before - w.detach(), 0.5 * ref_dw) < TOL
 
 
 # ------------------------------------------------------------- TP=2 with sequence parallelism

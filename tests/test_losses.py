@@ -3,11 +3,15 @@
 The references below are written from the loss formulas token by token, with plain Python control
 flow (if/else instead of clamp/max/where), so they share no code with the vectorized losses.
 Values, gradients w.r.t. the log-probs and metrics are compared; gradcheck covers small cases.
+GRPO's per-token terms and their closed-form derivatives (grpo.token_terms) are also compared with
+torch.autograd of the same formulas on a traced graph, and the compiled evaluation with the eager one.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
+import warnings
 
 import pytest
 import torch
@@ -17,9 +21,12 @@ from megatron_fused_ce.losses import (
     GRPO_LOSS_TYPES,
     GRPOConfig,
     dpo_loss,
+    grpo,
     grpo_loss,
     nll_loss,
 )
+from megatron_fused_ce.losses.grpo import TokenInputs, token_terms
+from megatron_fused_ce.losses.linear_grpo import GRPOGrads, linear_grpo_loss
 
 F64 = torch.float64
 
@@ -1025,3 +1032,426 @@ def test_dpo_minus_inf_tokens_are_masked(kwargs):
     want_metrics.pop("num_excluded_tokens")
     for name, value in want_metrics.items():
         assert_close(metrics[name], value, name)
+
+
+# ---- GRPO per-token terms (grpo.token_terms): the formulas on a traced graph -------------------------
+#
+# token_terms, the one definition of the GRPO per-token math with closed-form derivatives, against
+# torch.autograd of the per-token formulas written with clamp / maximum / where (as grpo.py computed
+# the loss before it had closed-form derivatives), with the policy log-prob and the ratio as
+# independent leaves: their gradients are d/d lp at fixed r and d/d r. Every GRPO_CASES option at
+# token and sequence level, on data with NaN / -inf garbage at masked positions; then bounds hit
+# exactly and r == 1 on-policy, where torch's gradient conventions decide (clamp passes the gradient
+# at its bounds, maximum splits it on ties).
+
+
+def close_all(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14, msg=lambda m: f"{what}: {m}")
+
+
+def traced_terms(cfg: GRPOConfig, lp, ratio, inputs: TokenInputs):
+    """Per-token ``s·m·ℓ·ρ`` and ``s·m·kl`` as autograd sees the formulas, metric flags and the
+    correction. ``lp`` and ``ratio`` are leaves; garbage at masked positions is cut off by where()
+    before any arithmetic, as the loss did."""
+    weights, scale, adv = inputs.weights, inputs.scale, inputs.advantages
+    valid = weights != 0
+    zero = torch.zeros_like(lp)
+    safe_lp = torch.where(valid, lp, zero)
+    flags = {}
+    if cfg.loss_type == "cispo":
+        low = cfg.cispo_lower_bound
+        objective = -adv * ratio.clamp(min=low, max=cfg.cispo_max_ratio).detach() * safe_lp
+        flags = {"clip_low": ratio < low, "clip_high": ratio > cfg.cispo_max_ratio}
+    elif cfg.loss_type == "sapo":
+        tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_temperature_pos),
+                          torch.full_like(adv, cfg.sapo_temperature_neg))
+        objective = -adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    else:
+        low, high = 1 - cfg.epsilon_low, 1 + cfg.epsilon_high
+        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+        objective = torch.maximum(-adv * unclipped, -adv * ratio.clamp(low, high))
+        flags = {"clip_low": (ratio < low) & (adv < 0), "clip_high": (ratio > high) & (adv > 0)}
+        if cfg.dual_clip_c is not None:
+            bound = -adv * cfg.dual_clip_c
+            flags["dual_clip"] = (adv < 0) & (objective > bound)
+            objective = torch.where(flags["dual_clip"], bound, objective)
+    correction = None
+    if inputs.sampling is not None and cfg.is_correction != "none":
+        with torch.no_grad():
+            old = lp.detach() if inputs.old is None else inputs.old
+            if cfg.is_correction.startswith("sequence"):
+                log_rho = inputs.sequence_log_rho.expand_as(lp)
+            else:
+                log_rho = torch.where(valid, old - inputs.sampling, zero)
+            rho_raw = torch.exp(log_rho)
+            lo, hi = cfg.is_clip_min, cfg.is_clip_max
+            if cfg.is_correction.endswith("truncate"):
+                rho = rho_raw.clamp(min=lo, max=hi)
+            else:
+                inside = torch.ones_like(valid)
+                if lo is not None:
+                    inside &= rho_raw >= lo
+                if hi is not None:
+                    inside &= rho_raw <= hi
+                rho = torch.where(inside, rho_raw, zero)
+        objective = objective * rho
+        correction = (rho_raw, rho)
+    pg = torch.where(valid, objective, zero) * weights * scale
+    kl = None
+    if cfg.beta > 0:
+        d = torch.where(valid, inputs.reference - lp, zero)
+        if cfg.kl_input_clamp is not None:
+            d = d.clamp(-cfg.kl_input_clamp, cfg.kl_input_clamp)
+        k = {"k1": lambda: -d, "k2": lambda: 0.5 * d * d, "k3": lambda: torch.exp(d) - 1.0 - d}[cfg.kl_estimator]()
+        if cfg.kl_output_clamp is not None:
+            k = k.clamp(-cfg.kl_output_clamp, cfg.kl_output_clamp)
+        if cfg.use_bias_correction_kl:
+            k = k * ratio
+        kl = torch.where(valid, k, zero) * weights * scale
+    return pg, kl, flags, correction
+
+
+def check_against_traced(cfg: GRPOConfig, lp, inputs: TokenInputs, sequence_log_ratio=None):
+    """token_terms vs the traced formulas: values, d/d lp, d/d r, the full token-level gradient,
+    metric numerators and extremes, and exact zeros at masked positions."""
+    valid = inputs.weights != 0
+    with torch.no_grad():
+        old = torch.where(valid, lp if inputs.old is None else inputs.old, torch.zeros_like(lp))
+        if sequence_log_ratio is None:
+            ratio = torch.exp(torch.where(valid, lp - old, torch.zeros_like(lp)))
+        else:
+            ratio = torch.exp(sequence_log_ratio).expand_as(lp).clone()
+    lp_leaf, ratio_leaf = lp.clone().requires_grad_(), ratio.clone().requires_grad_()
+    pg, kl, flags, correction = traced_terms(cfg, lp_leaf, ratio_leaf, inputs)
+    total = pg if kl is None else pg + cfg.beta * kl
+    d_lp, d_ratio = torch.autograd.grad(total.sum(), (lp_leaf, ratio_leaf), allow_unused=True)
+    d_lp = torch.zeros_like(lp) if d_lp is None else d_lp
+    d_ratio = torch.zeros_like(lp) if d_ratio is None else d_ratio
+
+    terms = token_terms(cfg, lp, inputs.advantages, inputs.weights, inputs.scale, old=inputs.old,
+                        reference=inputs.reference, sampling=inputs.sampling,
+                        sequence_log_rho=inputs.sequence_log_rho, sequence_log_ratio=sequence_log_ratio)
+    close_all(terms.ratio.expand_as(lp)[valid], ratio[valid], "ratio")
+    close_all(terms.pg, pg.detach(), "pg")
+    if cfg.beta > 0:
+        close_all(terms.kl, kl.detach(), "kl")
+    # (the traced graph's own gradients at masked positions may be NaN: 0·NaN garbage, cut off
+    # further down by the where() on lp - old)
+    close_all(terms.grad_logprob[valid], d_lp[valid], "d/d lp at fixed r")
+    close_all(terms.grad_ratio[valid], d_ratio[valid], "d/d r")
+    if sequence_log_ratio is None:  # r = exp(lp - old): the gradient of the loss on lp
+        lp_leaf = lp.clone().requires_grad_()
+        traced_ratio = torch.exp(torch.where(valid, lp_leaf - (lp_leaf.detach() if inputs.old is None else old),
+                                             torch.zeros_like(lp)))
+        pg, kl, _, _ = traced_terms(cfg, lp_leaf, traced_ratio, inputs)
+        total = pg if kl is None else pg + cfg.beta * kl
+        (full,) = torch.autograd.grad(total.sum(), lp_leaf)
+        close_all(terms.grad_logprob + terms.grad_ratio * terms.ratio, full, "d/d lp through r")
+
+    weights = inputs.weights
+    expected = {"ratio_mean": weights * ratio}
+    for name, flag in (("clip_ratio_low", "clip_low"), ("clip_ratio_high", "clip_high")):
+        expected[name] = torch.where(flags[flag], weights, 0.0) if flag in flags else torch.zeros_like(lp)
+    expected["clip_ratio"] = expected["clip_ratio_low"] + expected["clip_ratio_high"]
+    if "dual_clip" in flags:
+        expected["dual_clip_ratio"] = torch.where(flags["dual_clip"], weights, 0.0)
+    if correction is not None:
+        rho_raw, rho = correction
+        expected["is_ratio_mean"] = weights * rho_raw
+        expected["is_clip_ratio"] = torch.where(rho != rho_raw, weights, 0.0)
+    if inputs.sampling is not None:
+        old_value = lp if inputs.old is None else inputs.old
+        expected["token_mult_prob_error"] = weights * torch.exp(
+            torch.where(valid, inputs.sampling - old_value, torch.zeros_like(lp)).abs())
+    assert list(terms.numerators) == list(grpo.metric_sum_names(cfg, inputs.sampling is not None))[
+        1 + (cfg.beta > 0):]
+    assert set(terms.numerators) == set(expected)
+    for name, value in expected.items():
+        close_all(terms.numerators[name].expand_as(lp)[valid], value[valid], name)
+    ratio_values = {"ratio": ratio}
+    if correction is not None:
+        ratio_values["is_ratio"] = correction[0]
+    assert list(terms.extremes) == list(grpo.extreme_names(cfg, inputs.sampling is not None))
+    for name, value in ratio_values.items():
+        close_all(terms.extremes[f"{name}_max"][valid], value[valid], f"{name}_max")
+        close_all(terms.extremes[f"{name}_min"][valid], -value[valid], f"{name}_min")
+
+    # masked and excluded tokens: exactly zero, whatever garbage they hold; finite everywhere
+    per_token = [terms.pg, terms.grad_logprob, terms.grad_ratio, *terms.numerators.values()]
+    per_token += [terms.kl] if terms.kl is not None else []
+    for value in per_token:
+        value = value.expand_as(lp)
+        assert torch.isfinite(value).all() and (value[~valid] == 0).all()
+    for name, value in terms.extremes.items():
+        masked = value.expand_as(lp)[~valid]
+        assert (masked == (0 if name == "any" else -math.inf)).all(), name
+    return terms
+
+
+# ---- GRPO per-token terms: every option, on garbage-laden data -------------------------------------
+
+
+def token_inputs_of(data, cfg: GRPOConfig, flags, seed=0) -> TokenInputs:
+    """TokenInputs of a test_losses case: its optional inputs, a positive normalization weight per
+    sequence, a sequence correction; NaN wherever a token is masked (or its sequence empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    lp, mask = data["lp"], data["mask"]
+    valid = mask != 0
+    weights = torch.where((lp == -math.inf) & valid, torch.zeros_like(mask), mask)  # excluded tokens
+    adv = data["adv"] if data["adv"].dim() == 2 else data["adv"][:, None].expand_as(lp).clone()
+    adv = adv.masked_fill(~valid, math.nan)
+    sequence_log_rho = 0.3 * torch.randn(lp.shape[0], 1, generator=gen, dtype=F64)
+    sequence_log_rho[~valid.any(-1)] = math.nan
+    on_policy = not flags.get("old", True) or cfg.force_on_policy_ratio
+    return TokenInputs(
+        advantages=adv, weights=weights, scale=0.5 + torch.rand(lp.shape[0], 1, generator=gen, dtype=F64),
+        old=None if on_policy else data["old"], reference=data["ref"] if cfg.beta > 0 else None,
+        sampling=data["sampling"] if flags.get("sampling") else None,
+        sequence_log_rho=sequence_log_rho if cfg.is_correction.startswith("sequence") else None)
+
+
+@pytest.mark.parametrize("advantages", ["seq", "token"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_token_terms_match_traced_formulas(case, level, advantages):
+    cfg_kwargs, flags = GRPO_CASES[case]
+    cfg = GRPOConfig(importance_sampling_level=level, **cfg_kwargs)
+    data = make_batch(seed=7, token_advantages=advantages == "token", float_mask=advantages == "token")
+    lp = data["lp"]
+    lp[0, 0] = -math.inf  # an excluded token (a -inf policy log-prob under a mask)
+    inputs = token_inputs_of(data, cfg, flags)
+    sequence_log_ratio = None
+    if level == "sequence":
+        sequence_log_ratio = 0.4 * torch.randn(lp.shape[0], 1, generator=torch.Generator().manual_seed(3), dtype=F64)
+    check_against_traced(cfg, lp, inputs, sequence_log_ratio)
+
+
+# ---- GRPO per-token terms: bounds hit exactly ---------------------------------------------------------
+
+
+def _boundary_data():
+    data = make_batch(seed=23)
+    data["adv"][1] = 0.0  # a sequence without advantage: every PPO branch ties
+    valid = data["mask"] != 0
+    zero = torch.zeros_like(data["lp"])
+    ratio = torch.exp(torch.where(valid, data["lp"] - data["old"], zero))
+    rho = torch.exp(torch.where(valid, data["old"] - data["sampling"], zero))
+    d = torch.where(valid, data["ref"] - data["lp"], zero)
+    adv = data["adv"][:, None].expand_as(ratio)
+    return data, valid, ratio, rho, d, adv
+
+
+def _pick(values, where, largest=False):
+    """A value of `values` at a position where `where` holds: the boundary some token hits."""
+    chosen = values[where]
+    assert chosen.numel() > 0
+    return float(chosen.max() if largest else chosen.min())
+
+
+def boundary_configs():
+    """Configs whose bounds are values the fixture's tokens take exactly (1 + (r - 1) == r in
+    float64 for r in [1, 2], 1 - (1 - r) == r for r in [1/2, 1])."""
+    data, valid, ratio, rho, d, adv = _boundary_data()
+    above = valid & (ratio > 1.05) & (ratio < 1.6)
+    below = valid & (ratio < 0.95) & (ratio > 0.55)
+    high, low = _pick(ratio, above), _pick(ratio, below, largest=True)
+    eps = dict(epsilon_high=high - 1.0, epsilon_low=1.0 - low)
+    dual = _pick(ratio, valid & (adv < 0) & (ratio > 1.0) & (ratio <= high))
+    return {
+        "clip_bounds": dict(**eps),
+        "delta_at_a_ratio": dict(epsilon_high=0.02, delta=_pick(ratio, valid & (ratio > 1.1), largest=True)),
+        "dual_clip_at_the_objective": dict(**eps, dual_clip_c=dual),
+        "cispo_bounds": dict(loss_type="cispo", cispo_min_ratio=low, cispo_max_ratio=high),
+        "is_truncate_bounds": dict(is_correction="token_truncate", is_clip_min=_pick(rho, valid & (rho < 0.95), True),
+                                   is_clip_max=_pick(rho, valid & (rho > 1.05))),
+        "is_mask_bounds": dict(is_correction="token_mask", is_clip_min=_pick(rho, valid & (rho < 0.95), True),
+                               is_clip_max=_pick(rho, valid & (rho > 1.05))),
+        "kl_input_clamp_at_d": dict(beta=0.3, kl_estimator="k3",
+                                    kl_input_clamp=_pick(d.abs(), valid & (d.abs() > 0.2))),
+        "kl_output_clamp_at_k1": dict(beta=0.3, kl_estimator="k1", kl_input_clamp=None,
+                                      kl_output_clamp=_pick(d.abs(), valid & (d.abs() > 0.2))),
+        "kl_bias_corrected_clamps": dict(beta=0.3, kl_estimator="k2", use_bias_correction_kl=True,
+                                         kl_input_clamp=_pick(d.abs(), valid & (d.abs() > 0.3)), kl_output_clamp=0.02),
+    }
+
+
+BOUNDARY = boundary_configs()
+
+
+@pytest.mark.parametrize("on_policy", [False, True], ids=["off_policy", "on_policy_r_is_1"])
+@pytest.mark.parametrize("case", list(BOUNDARY))
+def test_token_terms_at_exact_boundaries(case, on_policy):
+    data, valid, ratio, rho, d, adv = _boundary_data()
+    cfg = GRPOConfig(**BOUNDARY[case])
+    flags = dict(old=not on_policy, sampling=cfg.is_correction != "none")
+    inputs = token_inputs_of(data, cfg, flags)
+    if not on_policy:  # the fixture does hit the bound
+        hits = {"clip_bounds": [ratio == 1 + cfg.epsilon_high, ratio == 1 - cfg.epsilon_low],
+                "delta_at_a_ratio": [ratio == (cfg.delta or 0)], "dual_clip_at_the_objective": [
+                    (ratio == (cfg.dual_clip_c or 0)) & (adv < 0)],
+                "cispo_bounds": [ratio == cfg.cispo_max_ratio, ratio == cfg.cispo_lower_bound],
+                "is_truncate_bounds": [rho == cfg.is_clip_max, rho == cfg.is_clip_min],
+                "is_mask_bounds": [rho == cfg.is_clip_max, rho == cfg.is_clip_min],
+                "kl_input_clamp_at_d": [d.abs() == cfg.kl_input_clamp],
+                "kl_output_clamp_at_k1": [d.abs() == cfg.kl_output_clamp],
+                "kl_bias_corrected_clamps": [d.abs() == cfg.kl_input_clamp]}[case]
+        for hit in hits:
+            assert (hit & valid).any()
+    terms = check_against_traced(cfg, data["lp"], inputs)
+    if on_policy:
+        assert (terms.ratio[valid] == 1).all()
+
+
+def test_on_policy_ties_split_the_gradient_like_torch_maximum():
+    """At r == 1 both PPO branches are -A: torch.maximum gives each half the gradient and the
+    clamp passes its half (1 - eps_low <= 1 <= 1 + eps_high), so d/dr = -A, as without clipping."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64)
+    adv = torch.tensor([[0.7, -1.3, 0.0]], dtype=F64)
+    weights, scale = torch.ones_like(lp), torch.full((), 0.25, dtype=F64)
+    for delta in (None, 1.3):
+        terms = token_terms(GRPOConfig(delta=delta, epsilon_high=0.0, epsilon_low=0.0), lp, adv, weights, scale)
+        close_all(terms.grad_ratio, -adv * scale, f"d/dr on-policy, delta={delta}")
+        close_all(terms.pg, -adv * scale, "value")
+
+
+# ---- GRPO: the loss without a traced graph -------------------------------------------------------
+
+
+def _autograd_nodes(tensor):
+    seen, stack = set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen)
+
+
+@pytest.mark.parametrize("cfg_kwargs", [dict(), dict(loss_type="grpo", beta=0.1, delta=1.5, dual_clip_c=2.0,
+                                                     is_correction="token_truncate", is_clip_max=1.2)], ids=str)
+def test_grpo_loss_backward_is_one_node(cfg_kwargs):
+    """The backward multiplies closed-form per-token derivatives: the loss hangs off the log-probs
+    through one node, not a graph of the elementwise ops (before: 12 nodes for dapo, 32 with KL,
+    delta, dual clip and a correction)."""
+    data = make_batch(seed=7)
+    lp = data["lp"].clone().requires_grad_()
+    loss, _ = grpo_loss(lp, data["adv"], data["mask"], GRPOConfig(**cfg_kwargs), old_logprobs=data["old"],
+                        reference_logprobs=data["ref"], sampling_logprobs=data["sampling"])
+    assert _autograd_nodes(loss) <= 3
+
+
+# ---- GRPO: the compiled evaluation (CUDA; here on CPU through inductor's C++ backend) ------------------
+
+
+EVERY_OPTION = dict(loss_type="dapo", delta=1.5, dual_clip_c=3.0, beta=0.1, kl_estimator="k3",
+                    use_bias_correction_kl=True, is_correction="token_truncate", is_clip_max=1.2)
+
+
+def _fused_and_log_prob_losses(data, cfg_kwargs=EVERY_OPTION):
+    """(grpo_loss, linear_grpo_loss) values, gradients and metrics of one config."""
+    cfg = GRPOConfig(**cfg_kwargs)
+    kw = dict(old_logprobs=data["old"], reference_logprobs=data["ref"], sampling_logprobs=data["sampling"])
+    lp = data["lp"].clone().requires_grad_()
+    loss, metrics = grpo_loss(lp, data["adv"], data["mask"], cfg, **kw)
+    loss.backward()
+    gen = torch.Generator().manual_seed(1)
+    batch, length = data["mask"].shape
+    device = data["mask"].device
+    hidden = torch.randn(batch, length, 8, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(19, 8, generator=gen).to(device)
+    labels = torch.randint(0, 19, (batch, length), generator=gen).to(device)
+    kw32 = {k: v.float() for k, v in kw.items()}  # NaN at masked positions
+    fused, fused_metrics = linear_grpo_loss(hidden, weight, labels, data["adv"].float(), data["mask"].float(), cfg,
+                                            chunk_size=7, **kw32)
+    fused.backward()
+    return [loss.detach(), lp.grad, *metrics.values(), fused.detach(), hidden.grad, *fused_metrics.values()]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_evaluation_equals_eager(monkeypatch):
+    """One kernel per config: two configs that differ only in their numbers must not share one
+    (torch leaves Python floats symbolic by default, and its graph cache then did)."""
+    data = make_batch(seed=7)
+    configs = [EVERY_OPTION, dict(EVERY_OPTION, epsilon_low=0.1, epsilon_high=0.28, delta=1.25, beta=0.3)]
+    monkeypatch.setattr(grpo, "FUSE_ON_CPU", False)
+    eager = [_fused_and_log_prob_losses(data, cfg_kwargs) for cfg_kwargs in configs]
+    monkeypatch.setattr(grpo, "FUSE_ON_CPU", True)
+    monkeypatch.setattr(grpo, "_compiled_functions", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compilation failure would warn
+        compiled = [_fused_and_log_prob_losses(data, cfg_kwargs) for cfg_kwargs in configs]
+    compiled_terms = {k: v for k, v in grpo._compiled_functions.items() if k[0] == "reduce_token_terms"}
+    assert len(compiled_terms) == 2 and all(grpo._compiled_functions.values())
+    assert not torch.equal(eager[0][0], eager[1][0])
+    for compiled_values, eager_values in zip(compiled, eager):
+        for a, b in zip(compiled_values, eager_values):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_failed_compilation_falls_back_to_eager_with_one_warning(monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+        return run
+
+    data = make_batch(seed=7)
+    monkeypatch.setattr(grpo, "FUSE_ON_CPU", False)
+    eager = _fused_and_log_prob_losses(data)
+    monkeypatch.setattr(grpo, "FUSE_ON_CPU", True)
+    monkeypatch.setattr(grpo, "_compiled_functions", {})
+    monkeypatch.setattr(grpo, "_warned_compile_failure", False)
+    monkeypatch.setattr(grpo.torch, "compile", broken_compile)
+    with pytest.warns(RuntimeWarning, match="no compiler here") as caught:
+        fallback = _fused_and_log_prob_losses(data)
+        fallback_again = _fused_and_log_prob_losses(data)
+    assert len([w for w in caught if "grpo: compiling" in str(w.message)]) == 1
+    for a, b, c in zip(fallback, fallback_again, eager):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+        torch.testing.assert_close(b, c, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compiled_terms_equal_eager_and_make_no_host_sync(monkeypatch):
+    data = {name: value.cuda() for name, value in make_batch(seed=7).items()}
+    monkeypatch.setattr(grpo, "FUSE_ON_CUDA", False)
+    eager = _fused_and_log_prob_losses(data)
+    monkeypatch.setattr(grpo, "FUSE_ON_CUDA", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compilation failure would warn
+        _fused_and_log_prob_losses(data)  # compiles
+        token_grads, finish = GRPOGrads.token_grads, GRPOGrads.loss_and_metrics
+
+        def strict(method):
+            def run(*args, **kwargs):
+                torch.cuda.set_sync_debug_mode("error")  # a host sync raises
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            return run
+
+        monkeypatch.setattr(GRPOGrads, "token_grads", strict(token_grads))
+        monkeypatch.setattr(GRPOGrads, "loss_and_metrics", strict(finish))
+        compiled = _fused_and_log_prob_losses(data)
+    assert grpo._compiled_functions and all(grpo._compiled_functions.values())
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", list(GRPO_CASES))
+def test_token_table_names_known_before_the_inputs(name):
+    """linear_grpo_loss's compiled table returns tensors only: the names of its rows are derived
+    from the arguments beforehand, and must be what token_inputs fills."""
+    from megatron_fused_ce.losses import linear_grpo
+    from megatron_fused_ce.losses.grpo import token_inputs
+
+    cfg = GRPOConfig(**GRPO_CASES[name][0])
+    like = torch.zeros(2, 3)
+    for old, reference, sampling in ((like - 1, like - 2, like - 0.5), (None, like - 2, None), (like - 1, None, like)):
+        if cfg.beta > 0 and reference is None:
+            continue
+        inputs, _ = token_inputs(torch.ones(2), torch.ones(2, 3), cfg, like=like, old_logprobs=old,
+                                 reference_logprobs=reference, sampling_logprobs=sampling)
+        assert linear_grpo._input_names(cfg, old, reference, sampling) == inputs.present(), (name, old is None)

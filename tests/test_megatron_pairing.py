@@ -10,6 +10,10 @@ test_megatron_mtp.py tie to the unfused model), every parameter's main_grad afte
 - a forward-only pass under grad mode (an evaluation without torch.no_grad()) between steps:
   harmless, since the next step zeroes the gradient buffer; inside a step (after the buffer was
   zeroed) the next fused call raises on every rank instead of training on a wrong gradient;
+- an optimizer step while a fused forward is alive without its backward (an evaluation loss held
+  past the step, a micro-batch loss kept in a list): it raises before any update, under DDP with
+  and without grad-reduce overlap, DDP for the distributed optimizer with and without overlap,
+  and 1F1B / interleaved pipelining; the recomputed loss func and the plain one step alike;
 - MTP (the fused per-depth losses of `model(..., labels=)` and the package's SFT loss func) with
   the whole model call under a non-reentrant checkpoint, and after a dropped forward.
 """
@@ -25,7 +29,13 @@ from torch.utils.checkpoint import checkpoint
 import megatron_harness as common
 from dist import run_workers
 from megatron_harness import MBS, SEQ, TRUE_VOCAB, Setup
-from megatron_workers import mtp_loss_func_maker, mtp_model_call
+from megatron_workers import (
+    check_held_forward_reports,
+    held_forward_worker,
+    megatron_recomputed,
+    mtp_loss_func_maker,
+    mtp_model_call,
+)
 
 from megatron_fused_ce.losses import GRPOConfig
 from megatron_fused_ce.megatron import (
@@ -58,26 +68,6 @@ def _torch_checkpointed(make):
         loss_func = make(chunk, batch, index)
         return lambda output: checkpoint(loss_func, output, use_reentrant=False)
     return checkpointed
-
-
-def _megatron_recomputed(make):
-    """The loss func under megatron's reentrant recompute, which takes and returns tensors only."""
-    from megatron.core import tensor_parallel
-
-    def recomputed(chunk, batch, index):
-        loss_func = make(chunk, batch, index)
-        names = []
-
-        def flat(output):
-            loss, count, metrics = loss_func(output)
-            names[:] = list(metrics)
-            return (loss, count.float(), *metrics.values())
-
-        def run(output):
-            loss, count, *values = tensor_parallel.checkpoint(flat, False, output)
-            return loss, count.to(torch.int), dict(zip(names, (v.detach() for v in values)))
-        return run
-    return recomputed
 
 
 def _forward_backward(chunks, batches, make_loss_func, forward_only, forward=common.forward_fn):
@@ -118,7 +108,7 @@ def pairing_worker(rank, world, setup: Setup, kind):
     report["plain_norm"] = sum(g.norm() ** 2 for g in plain.values()).item() ** 0.5
     common.run_step(chunks, batches, _torch_checkpointed(make))
     report["torch_checkpoint"] = _grad_diff(common.grads(chunks), plain)
-    common.run_step(chunks, batches, _megatron_recomputed(make))
+    common.run_step(chunks, batches, megatron_recomputed(make))
     report["megatron_recompute"] = _grad_diff(common.grads(chunks), plain)
 
     with warnings.catch_warnings():
@@ -193,3 +183,22 @@ def test_mtp_with_unpaired_forwards(kind):
         assert report["plain_norm"] > 0
         assert report["torch_checkpoint"] < GRAD_RTOL, report["torch_checkpoint"]
         assert report["dropped_then_step"] < GRAD_RTOL, report["dropped_then_step"]
+
+
+HELD_FORWARD_SETUPS = [
+    Setup(tp=2, sp=True, grad_acc_fusion=True),
+    Setup(dp=2, grad_acc_fusion=True, overlap_grad_reduce=True),
+    Setup(dp=2, grad_acc_fusion=True, distributed_optimizer=True),
+    Setup(dp=2, grad_acc_fusion=True, overlap=True),
+    Setup(pp=2, grad_acc_fusion=True),
+    Setup(pp=2, vp=2, layers=4, grad_acc_fusion=True),
+]
+
+
+@pytest.mark.parametrize("setup", HELD_FORWARD_SETUPS, ids=str)
+def test_optimizer_step_with_a_fused_forward_alive_raises(setup):
+    """Before: the eval pass's (or the stored micro-batch's) dW stayed in main_grad and the step
+    trained on it, no NaN, no error (the NaN came only when the graph was freed, after the step).
+    Megatron's optimizers allocate CUDA tensors: on CPU a stand-in with their step order (main_grad
+    into the fp32 main params, a torch optimizer steps); tests/test_multigpu.py runs megatron's own."""
+    check_held_forward_reports(run_workers(held_forward_worker, setup.world, setup, "stand_in", timeout=240))

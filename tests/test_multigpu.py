@@ -26,7 +26,8 @@ CP=2 with torch FSDP2 sharding the weights over DP x CP, fused against unfused),
 prediction (tests/megatron_workers.py's MTP worker, bf16, with the Triton backend), and megatron's
 DistributedOptimizer with overlap_param_gather + overlap_grad_reduce, the fused layer installed
 before or after the DDP wrap (tests/megatron_workers.py's worker; the optimizer needs CUDA, so
-this is its only run).
+this is its only run), and megatron's optimizers stepping while a fused forward is alive without
+its backward (the step raises before any update).
 """
 
 import os
@@ -125,7 +126,13 @@ def test_nccl_large_bf16_cross_entropy_and_logprobs(impl, sp):
 @pytest.mark.parametrize("case", ["labels_swapped", "temperature", "sequence_parallel", "bad_label"])
 def test_nccl_arguments_that_differ_raise_on_every_rank(case):
     """The agreement collective over NCCL: an argument that differs on the last rank (or a bad label
-    there only) raises the same ValueError on every rank; none hangs in a collective."""
+    there only) raises the same ValueError on every rank; none hangs in a collective. (Each case
+    starts from no remembered signature: a rank whose arguments change after the ranks agreed on
+    both signatures is caught by the steady state's rank check, tests/test_steady_state.py; one
+    agreed on the old signature only would skip the agreement its peer runs.)"""
+    from megatron_fused_ce.ops import agreement
+
+    agreement.forget_signatures()
     tp, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(8 * tp, 64, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -150,6 +157,61 @@ def test_nccl_arguments_that_differ_raise_on_every_rank(case):
             "sequence_parallel": "sequence_parallel", "bad_label": "labels"}[case]
     for r, msg in enumerate(_gather(message)):
         assert msg is not None and name in msg, (r, msg)
+
+
+@pytest.mark.parametrize("path", ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo"])
+def test_nccl_second_call_makes_no_host_synchronization(path):
+    """TP over NCCL, bf16, Triton: the second call of a signature runs under
+    torch.cuda.set_sync_debug_mode("error") (no agreement read-back, nothing sized by a count; the
+    rank check rides on the statistics' all-reduce) and gives finite values."""
+    from megatron_fused_ce import check_deferred_errors
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    config = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, use_bias_correction_kl=True,
+                        is_correction="token_truncate", is_clip_max=2.0)
+
+    def inputs(seed):  # made before the call: their copies are not the op's
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        h = torch.randn(4, 256, 512, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+        w_full = torch.randn(4032 * tp, 512, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
+        w = w_full[rank * 4032:(rank + 1) * 4032].clone().requires_grad_()
+        y = torch.randint(0, 4032 * tp, (4, 256), device="cuda", generator=g)
+        y[:, :8] = -100
+        old = -torch.rand(4, 256, device="cuda", generator=g) * 4
+        return h, w, y, old, torch.randn(4, device="cuda", generator=g), y.clamp(min=0), (y != -100).float()
+
+    def call(h, w, y, old, adv, grpo_labels, mask):
+        kw = dict(tp_group=dist.group.WORLD)
+        if path == "forward_only":
+            with torch.no_grad():
+                return linear_logprobs(h, w, y, **kw).logprobs
+        if path.startswith("logprobs"):
+            out = linear_logprobs(h, w, y, **kw, return_entropy=path.endswith("entropy"))
+            (out.logprobs.sum() + (out.entropy.sum() if out.entropy is not None else 0)).backward()
+            return out.logprobs
+        if path == "cross_entropy":
+            loss = linear_cross_entropy(h, w, y, **kw)
+        else:
+            loss, _ = linear_grpo_loss(h, w, grpo_labels, adv, mask, config, old_logprobs=old,
+                                       reference_logprobs=old - 0.1, sampling_logprobs=old + 0.05, **kw)
+        loss.backward()
+        return loss
+
+    call(*inputs(1))
+    second = inputs(2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    error = None
+    try:
+        out = call(*second)
+    except RuntimeError as err:
+        error = str(err)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    gathered = _gather((error, error is None and bool(torch.isfinite(out).all())))
+    assert all(e is None and finite for e, finite in gathered), gathered
+    check_deferred_errors()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,6 +495,26 @@ def test_nccl_distributed_optimizer_overlap_both_install_orders():
             for order in (None, "before", "after")}
     for order in ("before", "after"):
         check_distributed_optimizer(runs[None], runs[order], loss_rtol=1e-5, param_rtol=1e-5)
+
+
+HELD_FORWARD_DDP = {  # DDP / optimizer settings on top of Setup(dp=world, grad_acc_fusion=True)
+    "ddp": {},
+    "ddp-overlap-grad-reduce": {"overlap_grad_reduce": True},
+    "distributed-optimizer": {"distributed_optimizer": True},
+    "distributed-optimizer-overlap": {"overlap": True},
+}
+
+
+@pytest.mark.parametrize("ddp", list(HELD_FORWARD_DDP))
+def test_nccl_optimizer_step_with_a_fused_forward_alive_raises(ddp):
+    """megatron's own optimizers (Adam; the distributed one with and without overlap): a step taken
+    while an evaluation loss (or a stored micro-batch loss) still holds its fused forward's graph
+    raises before any update; plain and recomputed loss funcs step alike (the CPU test's worker)."""
+    from megatron_harness import Setup
+    from megatron_workers import check_held_forward_reports, held_forward_worker
+
+    setup = Setup(dp=dist.get_world_size(), grad_acc_fusion=True, **HELD_FORWARD_DDP[ddp])
+    check_held_forward_reports(_on_every_rank(f"held forward, {ddp}", held_forward_worker, setup, "megatron"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..ops.agreement import flag_argument
 from .context_parallel import agree_on_inputs, sum_over_cp
 from .nll import (Normalizer, as_weights, check_bool, check_normalizer, check_number,
                   exclude_impossible_tokens, masked_sum, safe_divide)
@@ -122,6 +123,7 @@ def dpo_loss(
         (``β(s_c - s_c_ref)``), ``rewards_rejected``, ``reward_margin``, ``accuracy``
         (fraction of pairs with ``rewards_chosen > rewards_rejected``), ``num_excluded_tokens``.
     """
+    average_log_probs = flag_argument(average_log_probs)
     agree_on_inputs(
         "dpo_loss",
         lambda: _validate(policy_logprobs, reference_logprobs, mask, beta, loss_type, label_smoothing,

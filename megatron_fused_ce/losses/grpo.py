@@ -8,16 +8,20 @@ One token on its way to the loss::
     old   = old_logprobs, or lp.detach() (on-policy / force_on_policy_ratio)
     r     = exp(lp - old)                                    importance_sampling_level="token"
           = exp(Σ_t m·(lp - old) / Σ_t m), per sequence      "sequence" (GSPO)
-    ℓ     = policy objective of r and A (PPO clip, CISPO or SAPO; see _policy_objective)
+    ℓ     = policy objective of r and A (PPO clip, CISPO or SAPO; see _ppo_clip_terms ...)
     ρ     = detached train/inference correction exp(old - sampling), truncated or masked
     kl    = k1/k2/k3 estimate of KL(π || π_ref) from d = clamp(ref - lp)   (only if beta > 0)
     x     = ℓ·ρ + beta·kl                                    ρ never touches the KL
-    loss  = reduction of m·x over the batch (depends on loss_type and normalizer)
+    loss  = Σ s·m·x, s the token's normalization weight (depends on loss_type and normalizer)
 
 In code, one call runs: checks (agreed over ``cp_group``) -> per-token inputs (``_Tokens``) ->
-batch totals (``BatchTotals``: per-sequence sums and counts, summed over ``cp_group``) -> per-token
-terms -> sums of the loss and metric terms (summed over ``cp_group``) -> reduction and metrics.
-Without ``cp_group`` the "summed over" steps are plain local sums.
+batch totals (``BatchTotals``: per-sequence sums and counts, summed over ``cp_group``) -> what the
+totals give each token (``TokenInputs``: s, the sequence-level correction) -> ``token_terms``, the
+one definition of the per-token math: each token's loss and metric terms and their closed-form
+derivatives w.r.t. lp and r -> their sums (``term_sums``; one compiled kernel on CUDA), summed over
+``cp_group`` -> loss and metrics. The backward multiplies the per-token derivatives by the upstream
+gradient (GSPO: chained through the sequence sums by autograd). Without ``cp_group`` the "summed
+over" steps are plain local sums. ``linear_grpo_loss`` runs the same ``term_sums`` chunk by chunk.
 
 A trainer can skip whole log-prob passes: ``config.needs_reference_logprobs`` is False when
 ``beta == 0`` and ``config.needs_old_logprobs`` is False with ``force_on_policy_ratio``.
@@ -31,13 +35,18 @@ the reference model is not the sampler, and a ``-inf`` there only saturates the 
 from __future__ import annotations
 
 import numbers
+import types
+import warnings
 import zlib
-from dataclasses import dataclass, fields
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ..ops.agreement import flag_argument, integer_argument, real_argument
 from .context_parallel import agree_on_inputs, max_over_cp, sum_over_cp
 from .nll import (
     Normalizer,
@@ -56,6 +65,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SAPO_REDUCTIONS = ("sequence", "token")
+_FLAG_FIELDS = ("use_bias_correction_kl", "force_on_policy_ratio", "count_empty_sequences")
 
 __all__ = ["GRPOConfig", "BatchTotals", "grpo_loss", "GRPO_LOSS_TYPES", "PPO_CLIP_LOSS_TYPES", "KL_ESTIMATORS",
            "IMPORTANCE_SAMPLING_LEVELS", "IS_CORRECTIONS", "SAPO_REDUCTIONS"]
@@ -172,14 +182,22 @@ class GRPOConfig:
     # -- validation ---------------------------------------------------------------------------------
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the offending field for an inconsistent configuration."""
+        """Raise ``ValueError`` naming the offending field for an inconsistent configuration.
+
+        NumPy scalars and 0-d tensors given for numeric fields and flags become Python floats,
+        ints and bools first (one type for one value: the fingerprint compares reprs)."""
+        for name, value in vars(self).items():
+            normalized = (flag_argument(value) if name in _FLAG_FIELDS else integer_argument(value)
+                          if name == "max_completion_length" else real_argument(value))
+            if normalized is not value:
+                setattr(self, name, normalized)
         _check_choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_choice("importance_sampling_level", self.importance_sampling_level,
                       IMPORTANCE_SAMPLING_LEVELS)
         _check_choice("is_correction", self.is_correction, IS_CORRECTIONS)
         _check_choice("sapo_reduction", self.sapo_reduction, SAPO_REDUCTIONS)
-        for name in ("use_bias_correction_kl", "force_on_policy_ratio", "count_empty_sequences"):
+        for name in _FLAG_FIELDS:
             check_bool(name, getattr(self, name))
         # Every float must be finite: an infinite epsilon, beta or clamp is a typo, not a setting
         # (None already means "no bound" where a bound is optional).
@@ -323,11 +341,11 @@ class _Tokens:
     logprobs: Tensor
     adv: Tensor  # [B, 1] or [B, T]
     weights: Tensor  # the mask, 0 on excluded tokens
-    valid: Tensor  # weights != 0
     excluded: Tensor  # weighted tokens dropped for a -inf log-prob
+    on_policy: bool  # old = lp.detach()
     old: Tensor
-    log_ratio: Tensor  # lp - old on valid tokens (differentiable), 0 elsewhere
-    log_rho: Optional[Tensor]  # old - sampling on valid tokens (detached), when sampling is given
+    log_ratio: Optional[Tensor]  # GSPO: lp - old on valid tokens (differentiable), 0 elsewhere
+    log_rho: Optional[Tensor]  # sequence correction: old - sampling on valid tokens (detached), 0 elsewhere
     reference: Optional[Tensor]  # only with beta > 0
     sampling: Optional[Tensor]
 
@@ -342,12 +360,15 @@ def _tokens(logprobs, advantages, mask, config: GRPOConfig, old_logprobs, refere
     valid = weights != 0
     adv = advantages.detach().to(dtype=logprobs.dtype, device=logprobs.device)
     adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+    # only the sequence sums read these; the per-token terms form their own differences
+    log_ratio = None
+    if config.importance_sampling_level == "sequence":
+        log_ratio = _masked_difference(logprobs, old, valid)
     log_rho = None
-    if sampling is not None:
+    if sampling is not None and config.is_correction.startswith("sequence"):
         log_rho = _masked_difference(old, sampling, valid).detach()
     reference = _constant(reference_logprobs, logprobs) if config.beta > 0 else None
-    return _Tokens(logprobs, adv, weights, valid, excluded, old,
-                   _masked_difference(logprobs, old, valid), log_rho, reference, sampling)
+    return _Tokens(logprobs, adv, weights, excluded, on_policy, old, log_ratio, log_rho, reference, sampling)
 
 
 # ---- step 2: batch totals (the only coupling between tokens) --------------------------------------
@@ -371,9 +392,9 @@ class BatchTotals:
 def _batch_totals(tokens: _Tokens, config: GRPOConfig, cp_group) -> BatchTotals:
     weights = tokens.weights
     parts = {"sequence_weight": weights.sum(-1), "excluded": tokens.excluded.sum().to(weights.dtype)}
-    if config.importance_sampling_level == "sequence":
+    if tokens.log_ratio is not None:
         parts["log_ratio"] = masked_sum(tokens.log_ratio, weights, dim=-1)
-    if tokens.log_rho is not None and config.is_correction.startswith("sequence"):
+    if tokens.log_rho is not None:
         parts["log_rho"] = masked_sum(tokens.log_rho, weights, dim=-1)
     # GSPO's log-ratio sums weigh every rank's tokens, whose partial losses are summed again
     sums = sum_over_cp(parts, cp_group, feeds_partials=True)
@@ -382,181 +403,421 @@ def _batch_totals(tokens: _Tokens, config: GRPOConfig, cp_group) -> BatchTotals:
                        None if "log_rho" not in sums else sums["log_rho"].detach())
 
 
-# ---- step 3: importance ratio r ------------------------------------------------------------------
+# ---- step 3: what the batch totals give each token -------------------------------------------------
 
 
-def _importance_ratio(tokens: _Tokens, totals: BatchTotals, config: GRPOConfig) -> Tensor:
-    """``r`` per token: ``exp(lp - old)``, or GSPO's ``exp(masked mean over the sequence)``.
+def _count(value: Normalizer, like: Tensor) -> Tensor:
+    """A count as a 0-dim tensor of ``like``'s dtype and device. A Python number is written by a
+    fill kernel: copying it from the host would make the host wait for the device."""
+    if isinstance(value, Tensor):
+        return value.detach().to(dtype=like.dtype, device=like.device).reshape(())
+    return torch.full((), float(value), dtype=like.dtype, device=like.device)
 
-    A sequence without valid tokens gets r = 1. Gradients flow through ``lp`` in both cases.
+
+def _normalization_weight(totals: BatchTotals, config: GRPOConfig, normalizer: Optional[Normalizer],
+                          like: Tensor) -> Tensor:
+    """``s``: d loss / d (m·x) of a token, so that ``loss = Σ s·m·x`` (``[B, 1]`` or ``[1, 1]``).
+
+    * ``dapo``, ``bnpo``, ``cispo``, ``sapo`` with ``sapo_reduction="token"``: ``1 / N_tokens``;
+    * ``grpo``, ``sapo`` (per sequence): ``1 / (Σ_t m · N_sequences)`` for the tokens of a sequence,
+      i.e. ``Σ_i (Σ_t m·x / Σ_t m) / N_sequences``; an empty sequence contributes 0, and counts in
+      the default ``N_sequences`` iff ``count_empty_sequences``;
+    * ``dr_grpo``: ``1 / (N_sequences · max_completion_length)``, ``N_sequences = B``.
+
+    ``normalizer`` overrides the default count; a zero count gives 0 (no valid tokens).
     """
-    if config.importance_sampling_level == "token":
-        return torch.exp(tokens.log_ratio)
-    sequence_log_ratio = safe_divide(totals.sequence_log_ratio, totals.sequence_weight)  # [B]
-    return torch.exp(sequence_log_ratio).unsqueeze(-1).expand_as(tokens.log_ratio)
-
-
-# ---- step 4: policy objective ℓ ------------------------------------------------------------------
-
-
-def _ppo_clip_objective(ratio: Tensor, adv: Tensor, config: GRPOConfig):
-    """``ℓ = max(-A·r', -A·clip(r, 1-ε_low, 1+ε_high))`` with ``r' = min(r, delta)``.
-
-    With ``dual_clip_c = c``: ``ℓ = min(ℓ, -A·c)`` where ``A < 0``, bounding the loss of a
-    negative-advantage token whose ratio exploded.
-    """
-    unclipped = ratio if config.delta is None else ratio.clamp(max=config.delta)
-    clipped = ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-    objective = torch.maximum(-adv * unclipped, -adv * clipped)
-    flags = {
-        "clip_low": (ratio < 1.0 - config.epsilon_low) & (adv < 0),
-        "clip_high": (ratio > 1.0 + config.epsilon_high) & (adv > 0),
-    }
-    if config.dual_clip_c is not None:
-        dual_bound = -adv * config.dual_clip_c
-        dual_active = (adv < 0) & (objective > dual_bound)
-        objective = torch.where(dual_active, dual_bound, objective)
-        flags["dual_clip"] = dual_active
-    return objective, flags
-
-
-def _cispo_objective(ratio, adv, logprobs, config: GRPOConfig):
-    """``ℓ = -A · sg(clamp(r, low, cispo_max_ratio)) · lp``: the ratio only weights the gradient
-    of lp; ``low = cispo_min_ratio``, or ``1 - epsilon_low`` when that is None."""
-    low = config.cispo_lower_bound
-    weight = ratio.clamp(min=low, max=config.cispo_max_ratio).detach()
-    return -adv * weight * logprobs, {"clip_low": ratio < low, "clip_high": ratio > config.cispo_max_ratio}
-
-
-def _sapo_objective(ratio, adv, config: GRPOConfig):
-    """``ℓ = -A · σ(τ(r-1)) · 4/τ``, ``τ = sapo_temperature_pos`` if A > 0 else ``_neg``.
-
-    A smooth gate instead of a hard clip (its slope at r = 1 is 1, like the unclipped objective);
-    nothing is clipped, so the clip fractions are 0.
-    """
-    tau = torch.where(adv > 0, torch.full_like(adv, config.sapo_temperature_pos),
-                      torch.full_like(adv, config.sapo_temperature_neg))
-    never = torch.zeros_like(ratio, dtype=torch.bool)
-    objective = -adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    return objective, {"clip_low": never, "clip_high": never}
-
-
-def _policy_objective(ratio, adv, logprobs, config: GRPOConfig):
-    """Per-token ``ℓ`` and bool flags of where each clip is active."""
-    if config.loss_type == "cispo":
-        return _cispo_objective(ratio, adv, logprobs, config)
-    if config.loss_type == "sapo":
-        return _sapo_objective(ratio, adv, config)
-    return _ppo_clip_objective(ratio, adv, config)
-
-
-# ---- step 5: train/inference importance-sampling correction ρ --------------------------------------
-
-
-@torch.no_grad()
-def _is_correction_weight(tokens: _Tokens, totals: BatchTotals, config: GRPOConfig):
-    """``(ρ_raw, ρ)``, both detached: ``ρ_raw = exp(old - sampling)`` per token, or
-    ``exp(Σ_t m·(old - sampling))`` per sequence broadcast to its tokens; ``ρ`` is ``ρ_raw``
-    truncated to ``[is_clip_min, is_clip_max]`` ("*_truncate") or zeroed outside it ("*_mask").
-    """
-    log_rho = tokens.log_rho
-    if config.is_correction.startswith("sequence"):
-        log_rho = totals.sequence_log_rho.unsqueeze(-1).expand_as(log_rho)
-    rho_raw = torch.exp(log_rho)
-    lo, hi = config.is_clip_min, config.is_clip_max
-    if config.is_correction.endswith("_truncate"):
-        rho = rho_raw.clamp(min=lo, max=hi)
-    else:
-        inside = torch.ones_like(tokens.valid)
-        if lo is not None:
-            inside &= rho_raw >= lo
-        if hi is not None:
-            inside &= rho_raw <= hi
-        rho = torch.where(inside, rho_raw, torch.zeros_like(rho_raw))  # not ρ·1[...]: inf·0 = NaN
-    return rho_raw, rho
-
-
-# ---- step 6: KL penalty ----------------------------------------------------------------------------
-
-
-def _kl_penalty(tokens: _Tokens, ratio: Tensor, config: GRPOConfig) -> Tensor:
-    """Per-token estimate of KL(π || π_ref) from ``d = clamp(ref - lp, ±kl_input_clamp)``.
-
-    ``k1 = -d``, ``k2 = d²/2``, ``k3 = exp(d) - 1 - d``; then clamped to ``±kl_output_clamp``;
-    with ``use_bias_correction_kl`` multiplied by the importance ratio r (sampling from π_old,
-    not π). Never multiplied by the train/inference correction ρ.
-    """
-    d = _masked_difference(tokens.reference, tokens.logprobs, tokens.valid)
-    if config.kl_input_clamp is not None:
-        d = d.clamp(-config.kl_input_clamp, config.kl_input_clamp)
-    if config.kl_estimator == "k1":
-        kl = -d
-    elif config.kl_estimator == "k2":
-        kl = 0.5 * d * d
-    else:
-        kl = torch.exp(d) - 1.0 - d
-    if config.kl_output_clamp is not None:
-        kl = kl.clamp(-config.kl_output_clamp, config.kl_output_clamp)
-    if config.use_bias_correction_kl:
-        kl = kl * ratio
-    return kl
+    num_rows = totals.sequence_weight.shape[0]
+    # [1, 1], not 0-dim: torch.compile reads a 0-dim CPU tensor as a number, guarded by its value
+    one = torch.ones((1, 1), dtype=like.dtype, device=like.device)
+    if config.per_sequence_mean:
+        if normalizer is None:
+            normalizer = num_rows if config.count_empty_sequences else (totals.sequence_weight != 0).sum()
+        per_token_of_sequence = safe_divide(one.expand(num_rows, 1), totals.sequence_weight.unsqueeze(-1))
+        return safe_divide(per_token_of_sequence, _count(normalizer, like))
+    if config.loss_type == "dr_grpo":
+        num_sequences = _count(num_rows if normalizer is None else normalizer, like)
+        return safe_divide(one, num_sequences * config.max_completion_length)
+    return safe_divide(one, totals.total_weight if normalizer is None else _count(normalizer, like))
 
 
 @dataclass
-class _Terms:
-    ratio: Tensor
-    policy: Tensor  # ℓ·ρ per token
-    kl: Optional[Tensor]
-    clip_flags: Dict[str, Tensor]
-    correction: Optional[Tuple[Tensor, Tensor]]  # (ρ_raw, ρ)
+class TokenInputs:
+    """What ``token_terms`` reads besides the policy log-probs, each broadcastable to them; all
+    constants. ``old`` None: on-policy (the policy's own log-probs)."""
+
+    advantages: Tensor
+    weights: Tensor  # m: the mask, 0 on excluded tokens
+    scale: Tensor  # s: the normalization weight (_normalization_weight)
+    old: Optional[Tensor] = None
+    reference: Optional[Tensor] = None  # only with beta > 0
+    sampling: Optional[Tensor] = None
+    sequence_log_rho: Optional[Tensor] = None  # Σ_t m·(old - sampling) of the token's sequence
+
+    FIELDS = ("advantages", "weights", "scale", "old", "reference", "sampling", "sequence_log_rho")
+
+    def present(self) -> Tuple[str, ...]:
+        return tuple(name for name in self.FIELDS if getattr(self, name) is not None)
 
 
-def _token_terms(tokens: _Tokens, totals: BatchTotals, config: GRPOConfig) -> _Terms:
-    ratio = _importance_ratio(tokens, totals, config)
-    safe_logprobs = torch.where(tokens.valid, tokens.logprobs, torch.zeros_like(tokens.logprobs))
-    policy, clip_flags = _policy_objective(ratio, tokens.adv, safe_logprobs, config)  # cispo: ·lp
-    correction = None
-    if tokens.sampling is not None and config.is_correction != "none":
-        correction = _is_correction_weight(tokens, totals, config)
-        policy = policy * correction[1]
-    kl = _kl_penalty(tokens, ratio, config) if config.beta > 0 else None
-    return _Terms(ratio, policy, kl, clip_flags, correction)
+def _token_inputs(tokens: _Tokens, totals: BatchTotals, config: GRPOConfig,
+                  normalizer: Optional[Normalizer]) -> TokenInputs:
+    sequence_log_rho = None
+    if tokens.sampling is not None and totals.sequence_log_rho is not None:
+        sequence_log_rho = totals.sequence_log_rho.unsqueeze(-1)
+    return TokenInputs(tokens.adv, tokens.weights,
+                       _normalization_weight(totals, config, normalizer, tokens.logprobs),
+                       None if tokens.on_policy else tokens.old, tokens.reference, tokens.sampling,
+                       sequence_log_rho)
 
 
-# ---- step 7: reduction -----------------------------------------------------------------------------
+def token_inputs(advantages, mask, config: GRPOConfig, *, like: Tensor, old_logprobs=None,
+                 reference_logprobs=None, sampling_logprobs=None, normalizer=None,
+                 cp_group=None) -> Tuple[TokenInputs, BatchTotals]:
+    """The ``TokenInputs`` ([B, T]-broadcastable) and ``BatchTotals`` of a call whose policy
+    log-probs are not known yet (checks not included; the totals' CP all-reduce runs here).
 
-
-def _loss_sums(terms: _Terms, weights: Tensor, config: GRPOConfig) -> Dict[str, Tensor]:
-    """This rank's part of the loss: per-sequence sums ``[B]`` for the per-sequence means, else
-    one sum over all tokens."""
-    dim = -1 if config.per_sequence_mean else None
-    sums = {"pg": masked_sum(terms.policy, weights, dim)}
-    if terms.kl is not None:
-        sums["kl"] = masked_sum(terms.kl, weights, dim)
-    return sums
-
-
-def _reduce(total: Tensor, totals: BatchTotals, config: GRPOConfig,
-            normalizer: Optional[Normalizer]) -> Tensor:
-    """Batch reduction of the summed per-token loss; ``normalizer`` overrides the default count.
-
-    * ``dapo``, ``bnpo``, ``cispo``, ``sapo`` with ``sapo_reduction="token"``: ``Σ m·x / N_tokens``;
-    * ``grpo``, ``sapo`` (per sequence): ``Σ_i (Σ_t m·x / Σ_t m) / N_sequences``; an empty
-      sequence contributes 0, and counts in the default ``N_sequences`` iff
-      ``count_empty_sequences``;
-    * ``dr_grpo``: ``Σ m·x / (N_sequences · max_completion_length)``, ``N_sequences = B``.
+    ``like``: a [B, T] tensor of the policy log-probs' dtype and device, standing in for them. Only
+    for token-level ratios and, on-policy, token-level corrections: nothing here may depend on the
+    policy log-probs (linear_grpo.gradients_in_forward_apply).
     """
-    num_rows = totals.sequence_weight.shape[0]
-    if config.per_sequence_mean:
-        sequence_means = safe_divide(total, totals.sequence_weight)
-        if normalizer is None:
-            normalizer = num_rows if config.count_empty_sequences else (totals.sequence_weight != 0).sum()
-        return safe_divide(sequence_means.sum(), normalizer)
-    if config.loss_type == "dr_grpo":
-        num_sequences = torch.as_tensor(num_rows if normalizer is None else normalizer,
-                                        dtype=total.dtype, device=total.device)
-        return safe_divide(total, num_sequences * config.max_completion_length)
-    return safe_divide(total, totals.total_weight if normalizer is None else normalizer)
+    tokens = _tokens(like, advantages, mask, config, old_logprobs, reference_logprobs, sampling_logprobs)
+    totals = _batch_totals(tokens, config, cp_group)
+    return _token_inputs(tokens, totals, config, normalizer), totals
+
+
+# ---- step 4: the per-token terms (the one definition of the GRPO per-token math) -------------------
+
+
+@dataclass
+class TokenTerms:
+    """Everything the loss and its metrics need of each token (shapes: the broadcast of the inputs).
+
+    Every entry is exactly 0 on a token of zero weight (masked or excluded), whatever its inputs
+    hold there; its extremes are -inf.
+    """
+
+    pg: Tensor  # s·m·ℓ·ρ
+    kl: Optional[Tensor]  # s·m·kl (only with beta > 0)
+    grad_logprob: Tensor  # d(pg + beta·kl)/d lp with the ratio r held fixed
+    grad_ratio: Tensor  # d(pg + beta·kl)/d r (token-level r: the full gradient is grad_logprob + grad_ratio·r)
+    ratio: Tensor  # r
+    numerators: Dict[str, Tensor]  # m·value of each mask-weighted mean metric, by metric name
+    extremes: Dict[str, Tensor]  # values whose maximum is reported ("*_min": of -value); "any": 1 if valid
+
+
+def _ppo_clip_terms(ratio: Tensor, adv: Tensor, config: GRPOConfig):
+    """``ℓ = max(-A·r', -A·clip(r, 1-ε_low, 1+ε_high))`` with ``r' = min(r, delta)``; with
+    ``dual_clip_c = c``, ``ℓ = min(ℓ, -A·c)`` where ``A < 0`` (bounds the loss of a negative-advantage
+    token whose ratio exploded). Returns ``(ℓ, dℓ/dr, flags)``.
+
+    Gradients as torch's autograd gives them: clamp passes it where ``min <= r <= max``
+    (inclusive), maximum to the larger branch and half to each on a tie (both branches equal, as
+    on-policy at r = 1 or at a clip boundary hit exactly).
+    """
+    low, high = 1.0 - config.epsilon_low, 1.0 + config.epsilon_high
+    below, above = ratio < low, ratio > high
+    neg_adv = -adv
+    unclipped = ratio if config.delta is None else ratio.clamp(max=config.delta)
+    unclipped_branch, clipped_branch = neg_adv * unclipped, neg_adv * ratio.clamp(low, high)
+    objective = torch.maximum(unclipped_branch, clipped_branch)
+    share_unclipped = (unclipped_branch > clipped_branch).to(ratio.dtype).masked_fill(
+        unclipped_branch == clipped_branch, 0.5)
+    through_unclipped = share_unclipped
+    if config.delta is not None:
+        through_unclipped = share_unclipped.masked_fill(ratio > config.delta, 0.0)
+    through_clipped = (1.0 - share_unclipped).masked_fill(below | above, 0.0)
+    d_objective = neg_adv * (through_unclipped + through_clipped)
+    flags = {"clip_low": below & (adv < 0), "clip_high": above & (adv > 0)}
+    if config.dual_clip_c is not None:
+        dual_bound = neg_adv * config.dual_clip_c
+        dual_active = (adv < 0) & (objective > dual_bound)
+        objective = torch.where(dual_active, dual_bound, objective)
+        d_objective = d_objective.masked_fill(dual_active, 0.0)
+        flags["dual_clip"] = dual_active
+    return objective, d_objective, flags
+
+
+def _cispo_terms(ratio: Tensor, adv: Tensor, logprobs: Tensor, config: GRPOConfig):
+    """``ℓ = -A · sg(clamp(r, low, cispo_max_ratio)) · lp``: the (detached) ratio only weights the
+    gradient of lp; ``low = cispo_min_ratio``, or ``1 - epsilon_low`` when that is None. Returns
+    ``(ℓ, dℓ/dlp, flags)``."""
+    low = config.cispo_lower_bound
+    coefficient = -adv * ratio.clamp(min=low, max=config.cispo_max_ratio)
+    flags = {"clip_low": ratio < low, "clip_high": ratio > config.cispo_max_ratio}
+    return coefficient * logprobs, coefficient, flags
+
+
+def _sapo_terms(ratio: Tensor, adv: Tensor, config: GRPOConfig):
+    """``ℓ = -A · σ(τ(r-1)) · 4/τ``, ``τ = sapo_temperature_pos`` if A > 0 else ``_neg``.
+
+    A smooth gate instead of a hard clip (its slope at r = 1 is 1, like the unclipped objective);
+    nothing is clipped, so no clip flags. Returns ``(ℓ, dℓ/dr)``.
+    """
+    tau = torch.where(adv > 0, torch.full_like(adv, config.sapo_temperature_pos), config.sapo_temperature_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    four_over_tau = 4.0 / tau
+    objective = -adv * gate * four_over_tau
+    return objective, (four_over_tau * -adv) * ((1.0 - gate) * gate) * tau
+
+
+def _is_correction_terms(log_rho: Tensor, config: GRPOConfig):
+    """``(ρ_raw, ρ)``: ``ρ_raw = exp(old - sampling)`` of the token or ``exp(Σ_t m·(old - sampling))``
+    of its sequence; ``ρ`` is ``ρ_raw`` truncated to ``[is_clip_min, is_clip_max]`` ("*_truncate")
+    or zeroed outside it ("*_mask"). Both are constants (no gradient)."""
+    rho_raw = torch.exp(log_rho)
+    lo, hi = config.is_clip_min, config.is_clip_max
+    if config.is_correction.endswith("_truncate"):
+        return rho_raw, rho_raw.clamp(min=lo, max=hi)
+    inside = None
+    if lo is not None:
+        inside = rho_raw >= lo
+    if hi is not None:
+        inside = rho_raw <= hi if inside is None else inside & (rho_raw <= hi)
+    return rho_raw, torch.where(inside, rho_raw, 0.0)  # not ρ·1[...]: inf·0 = NaN
+
+
+def _kl_terms(reference: Tensor, logprobs: Tensor, config: GRPOConfig):
+    """Per-token estimate of KL(π || π_ref) from ``d = clamp(ref - lp, ±kl_input_clamp)`` and its
+    derivative w.r.t. lp: ``k1 = -d``, ``k2 = d²/2``, ``k3 = exp(d) - 1 - d``, then clamped to
+    ``±kl_output_clamp``. (The bias correction ``kl·r`` is the caller's; the train/inference
+    correction ρ never touches the KL.)"""
+    d = reference - logprobs
+    clamped = None  # where a clamp stops the gradient (its bounds pass it: inclusive)
+    if config.kl_input_clamp is not None:
+        bound = config.kl_input_clamp
+        clamped = (d < -bound) | (d > bound)
+        d = d.clamp(-bound, bound)
+    if config.kl_estimator == "k1":
+        kl, dkl_dlp = -d, torch.ones_like(d)
+    elif config.kl_estimator == "k2":
+        kl, dkl_dlp = 0.5 * d * d, -d
+    else:
+        exp_d = torch.exp(d)
+        kl, dkl_dlp = exp_d - 1.0 - d, 1.0 - exp_d
+    if config.kl_output_clamp is not None:
+        bound = config.kl_output_clamp
+        outside = (kl < -bound) | (kl > bound)
+        clamped = outside if clamped is None else clamped | outside
+        kl = kl.clamp(-bound, bound)
+    # a select, not a product: 1 - exp(d) may be -inf where the output clamp holds
+    return kl, dkl_dlp if clamped is None else dkl_dlp.masked_fill(clamped, 0.0)
+
+
+def applies_correction(config: GRPOConfig, has_sampling: bool) -> bool:
+    """Whether the train/inference correction ρ is applied (it needs sampling log-probs)."""
+    return has_sampling and config.is_correction != "none"
+
+
+def token_terms(config: GRPOConfig, logprobs: Tensor, advantages: Tensor, weights: Tensor, scale: Tensor, *,
+                old: Optional[Tensor] = None, reference: Optional[Tensor] = None,
+                sampling: Optional[Tensor] = None, sequence_log_rho: Optional[Tensor] = None,
+                sequence_log_ratio: Optional[Tensor] = None) -> TokenTerms:
+    """The GRPO per-token math (module doc) and its closed-form derivatives, elementwise.
+
+    ``logprobs`` are the policy's (values: the derivatives are returned, not traced); the other
+    inputs are constants broadcastable to them (``TokenInputs``): ``old`` None = on-policy;
+    ``sequence_log_rho`` for a sequence-level correction; ``sequence_log_ratio``: GSPO's
+    ``Σ_t m·(lp - old) / Σ_t m`` of the token's sequence, which then gives r (the caller chains
+    ``grad_ratio`` through that sequence mean).
+
+    Plain elementwise ops and branches on the config only: no host sync, no data-dependent shape,
+    so the same definition runs eagerly or as one compiled kernel.
+    """
+    invalid = weights == 0
+
+    def known(values: Tensor) -> Tensor:
+        # Masked positions may hold anything (NaN, ±inf): every input is 0 there, so that every
+        # term is finite and its product with the zero weight exactly 0.
+        return values.masked_fill(invalid, 0.0)
+
+    lp, adv = known(logprobs), known(advantages)
+    old_lp = lp if old is None else known(old)
+    ratio = torch.exp(lp - old_lp if sequence_log_ratio is None else known(sequence_log_ratio))
+
+    d_policy_dlp = d_policy_dr = None
+    if config.loss_type == "cispo":
+        policy, d_policy_dlp, flags = _cispo_terms(ratio, adv, lp, config)
+    elif config.loss_type == "sapo":
+        policy, d_policy_dr = _sapo_terms(ratio, adv, config)
+        flags = None
+    else:
+        policy, d_policy_dr, flags = _ppo_clip_terms(ratio, adv, config)
+
+    corrected = applies_correction(config, sampling is not None)
+    if sampling is not None:
+        token_log_rho = old_lp - known(sampling)
+    if corrected:
+        sequence_level = config.is_correction.startswith("sequence")
+        rho_raw, rho = _is_correction_terms(known(sequence_log_rho) if sequence_level else token_log_rho, config)
+        policy = policy * rho
+        d_policy_dlp = None if d_policy_dlp is None else d_policy_dlp * rho
+        d_policy_dr = None if d_policy_dr is None else d_policy_dr * rho
+
+    loss_weight = scale * weights
+    d_dlp, d_dr = d_policy_dlp, d_policy_dr
+    kl = None
+    if config.beta > 0:
+        kl, dkl_dlp = _kl_terms(known(reference), lp, config)
+        if config.use_bias_correction_kl:  # sampled from π_old, not π: kl·r
+            d_dr = config.beta * kl if d_dr is None else d_dr + config.beta * kl
+            kl, dkl_dlp = kl * ratio, dkl_dlp * ratio
+        d_dlp = config.beta * dkl_dlp if d_dlp is None else d_dlp + config.beta * dkl_dlp
+        kl = loss_weight * kl
+    zero = torch.zeros_like(weights)
+
+    def counted(flag: Tensor) -> Tensor:
+        return weights * flag
+
+    def valid_only(values: Tensor) -> Tensor:
+        return values.masked_fill(invalid, float("-inf"))
+
+    numerators = {"ratio_mean": weights * ratio}
+    if flags is None:  # sapo clips nothing
+        numerators.update(clip_ratio_low=zero, clip_ratio_high=zero, clip_ratio=zero)
+    else:
+        numerators.update(clip_ratio_low=counted(flags["clip_low"]), clip_ratio_high=counted(flags["clip_high"]),
+                          clip_ratio=counted(flags["clip_low"] | flags["clip_high"]))
+        if "dual_clip" in flags:
+            numerators["dual_clip_ratio"] = counted(flags["dual_clip"])
+    extremes = {"any": (~invalid).to(lp.dtype), "ratio_max": valid_only(ratio), "ratio_min": valid_only(-ratio)}
+    if corrected:
+        numerators.update(is_ratio_mean=weights * rho_raw, is_clip_ratio=counted(rho != rho_raw))
+        extremes.update(is_ratio_max=valid_only(rho_raw), is_ratio_min=valid_only(-rho_raw))
+    if sampling is not None:
+        numerators["token_mult_prob_error"] = weights * torch.exp(token_log_rho.abs())
+    return TokenTerms(loss_weight * policy, kl, zero if d_dlp is None else loss_weight * d_dlp,
+                      zero if d_dr is None else loss_weight * d_dr, ratio, numerators, extremes)
+
+
+# ---- step 5: sums of the per-token terms, evaluated once per block of tokens -----------------------
+
+
+def metric_sum_names(config: GRPOConfig, has_sampling: bool) -> Tuple[str, ...]:
+    """The entries of ``term_sums``' sum vector: ``"pg"``, ``"kl"`` (beta > 0), then the
+    numerators of ``TokenTerms.numerators`` in their order."""
+    names = ["pg"] + (["kl"] if config.beta > 0 else [])
+    names += ["ratio_mean", "clip_ratio_low", "clip_ratio_high", "clip_ratio"]
+    if config.dual_clip_c is not None:  # (PPO clip only)
+        names.append("dual_clip_ratio")
+    if applies_correction(config, has_sampling):
+        names += ["is_ratio_mean", "is_clip_ratio"]
+    if has_sampling:
+        names.append("token_mult_prob_error")
+    return tuple(names)
+
+
+def extreme_names(config: GRPOConfig, has_sampling: bool) -> Tuple[str, ...]:
+    """The entries of ``term_sums``' maxima vector (those of ``TokenTerms.extremes``)."""
+    names = ("any", "ratio_max", "ratio_min")
+    return names + (("is_ratio_max", "is_ratio_min") if applies_correction(config, has_sampling) else ())
+
+
+def reduce_token_terms(config: GRPOConfig, logprobs, advantages, weights, scale, old, reference, sampling,
+               sequence_log_rho, sequence_log_ratio):
+    """``(grad, sequence_grad, sums, maxima)`` of a block of tokens (see ``term_sums``)."""
+    terms = token_terms(config, logprobs, advantages, weights, scale, old=old, reference=reference,
+                        sampling=sampling, sequence_log_rho=sequence_log_rho,
+                        sequence_log_ratio=sequence_log_ratio)
+    if sequence_log_ratio is None:  # dr/dlp = r
+        grad, sequence_grad = terms.grad_logprob + terms.grad_ratio * terms.ratio, None
+    else:  # GSPO: r = exp(sequence mean), dr/d(mean) = r, summed over the sequence's tokens
+        grad, sequence_grad = terms.grad_logprob, (terms.grad_ratio * terms.ratio).sum(-1)
+    per_token = [terms.pg] + ([terms.kl] if terms.kl is not None else []) + list(terms.numerators.values())
+    count = len(per_token)
+    sums = torch.stack(per_token).reshape(count, -1).sum(1)
+    if logprobs.numel() == 0:
+        maxima = logprobs.new_full((len(terms.extremes),), float("-inf"))
+    else:
+        maxima = torch.stack(list(terms.extremes.values())).reshape(len(terms.extremes), -1).amax(1)
+    return grad, sequence_grad, sums, maxima
+
+
+# On CUDA the per-token terms and their sums run as one compiled kernel (the eager version launches
+# one kernel per elementwise op); elsewhere eagerly, the same definition.
+FUSE_ON_CUDA = True
+FUSE_ON_CPU = False  # for tests of the compiled path where there is no GPU
+_compiled_functions: Dict[tuple, Optional[Callable]] = {}  # None: compilation failed, eager
+_warned_compile_failure = False
+
+
+def _fuses(device: torch.device) -> bool:
+    wanted = (FUSE_ON_CUDA and device.type == "cuda") or (FUSE_ON_CPU and device.type == "cpu")
+    # not while tracing (an enclosing torch.compile fuses the eager definition itself) nor under a
+    # dispatch mode (op counters, debug modes): torch.compile does not run there
+    return wanted and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
+def _compiled(function: Callable, config: GRPOConfig, key: tuple) -> Optional[Callable]:
+    if key not in _compiled_functions:
+        frozen = replace(config)  # the options as they are now (a config object may be mutated later)
+
+        def evaluate(*args):
+            return function(frozen, *args)
+
+        # with a code object of its own: torch.compile keeps compiled graphs (and counts
+        # recompilations against its limit) per code object, and every key is another graph
+        evaluate = types.FunctionType(evaluate.__code__.replace(), evaluate.__globals__, evaluate.__name__,
+                                      None, evaluate.__closure__)
+        compiled = torch.compile(evaluate, dynamic=True, fullgraph=True)
+        # The options are constants of the kernel. Left symbolic (torch's default for Python
+        # floats), inductor's graph cache was seen to hand one config's kernel to another.
+        _compiled_functions[key] = torch._dynamo.config.patch(specialize_float=True)(compiled)
+    return _compiled_functions[key]
+
+
+def fused(function: Callable, config: GRPOConfig, device: torch.device, *args, static: tuple = ()):
+    """`function(config, *args)`, compiled into a few kernels where `_fuses(device)` (once per
+    function, config, `static` values and pattern of None arguments), else eagerly: the same
+    definition. A compiler failure falls back to the eager call, with one warning."""
+    global _warned_compile_failure
+    if _fuses(device):
+        key = (function.__qualname__, tuple(getattr(config, f.name) for f in fields(config)), static,
+               tuple(a is None for a in args))
+        try:
+            compiled = _compiled(function, config, key)
+            if compiled is not None:
+                return compiled(*args)
+        except Exception as error:  # noqa: BLE001 - any compiler failure: the eager definition is the same
+            _compiled_functions[key] = None
+            if not _warned_compile_failure:
+                _warned_compile_failure = True
+                warnings.warn(f"grpo: compiling {function.__name__} failed ({type(error).__name__}: {error}); "
+                              "evaluating it eagerly", RuntimeWarning, stacklevel=3)
+    return function(config, *args)
+
+
+def term_sums(config: GRPOConfig, logprobs: Tensor, inputs: TokenInputs,
+              sequence_log_ratio: Optional[Tensor] = None):
+    """``token_terms`` of a block of tokens, reduced: ``(grad, sequence_grad, sums, maxima)``.
+
+    ``grad``: d(pg + beta·kl)/d lp per token (token-level r; for GSPO the part at fixed r), and
+    ``sequence_grad`` (GSPO only): d(pg + beta·kl)/d(sequence mean log-ratio) summed over each
+    sequence's tokens (last dim). ``sums``: the block's sums named by ``metric_sum_names``;
+    ``maxima``: its maxima named by ``extreme_names`` (-inf for no valid token). On CUDA one
+    compiled kernel (and the reductions'), elsewhere eagerly (`fused`).
+    """
+    return fused(reduce_token_terms, config, logprobs.device, logprobs, inputs.advantages, inputs.weights, inputs.scale,
+                 inputs.old, inputs.reference, inputs.sampling, inputs.sequence_log_rho, sequence_log_ratio)
+
+
+class _LossSums(torch.autograd.Function):
+    """This rank's loss sum ``Σ s·m·(ℓ·ρ + beta·kl)`` with its metric sums and maxima; the backward
+    applies the closed-form derivatives (no autograd graph through the per-token ops)."""
+
+    @staticmethod
+    def forward(ctx, logprobs, mean_log_ratio, config: GRPOConfig, inputs: TokenInputs):
+        sequence_log_ratio = None if mean_log_ratio is None else mean_log_ratio.detach().unsqueeze(-1)
+        grad, sequence_grad, sums, maxima = term_sums(config, logprobs.detach(), inputs, sequence_log_ratio)
+        loss = sums[0] + config.beta * sums[1] if config.beta > 0 else sums[0].clone()
+        ctx.save_for_backward(grad, sequence_grad)
+        ctx.mark_non_differentiable(sums, maxima)
+        return loss, sums, maxima
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_sums, _grad_maxima):
+        grad, sequence_grad = ctx.saved_tensors
+        return grad * grad_loss, None if sequence_grad is None else sequence_grad * grad_loss, None, None
 
 
 # ---- the loss ----------------------------------------------------------------------------------------
@@ -621,116 +882,64 @@ def grpo_loss(
     tokens = _tokens(logprobs, advantages, mask, config, old_logprobs, reference_logprobs,
                      sampling_logprobs)
     totals = _batch_totals(tokens, config, cp_group)
-    terms = _token_terms(tokens, totals, config)
-    # The loss sums (differentiable) and the metric sums (detached) in one CP all-reduce.
-    loss_parts = _loss_sums(terms, tokens.weights, config)
-    metric_parts = _metric_sums(terms, tokens, entropy)
-    sums = sum_over_cp({**loss_parts, **{f"metric:{k}": v for k, v in metric_parts.items()}}, cp_group)
+    inputs = _token_inputs(tokens, totals, config, normalizer)
+    mean_log_ratio = None
+    if totals.sequence_log_ratio is not None:  # GSPO: differentiable, its gradient chained by autograd
+        mean_log_ratio = safe_divide(totals.sequence_log_ratio, totals.sequence_weight)
+    loss_sum, sums, maxima = _LossSums.apply(logprobs, mean_log_ratio, config, inputs)
+    entropy_sum = None
+    if entropy is not None:
+        entropy_sum = masked_sum(entropy.detach().to(tokens.weights.dtype), tokens.weights)
+    return loss_and_metrics(config, tokens.sampling is not None, loss_sum, sums, maxima, totals, cp_group,
+                            entropy_sum)
 
-    pg_loss = _reduce(sums["pg"], totals, config, normalizer)
-    if config.beta > 0:
-        kl_loss = _reduce(sums["kl"], totals, config, normalizer)
-        loss = pg_loss + config.beta * kl_loss
-    else:
-        kl_loss = torch.zeros_like(pg_loss)
-        loss = pg_loss
 
-    metric_sums = {k[len("metric:"):]: v for k, v in sums.items() if k.startswith("metric:")}
-    metrics = _metrics(loss, pg_loss, kl_loss, metric_sums, _extremes(terms, tokens, cp_group), totals)
+def loss_and_metrics(config: GRPOConfig, has_sampling: bool, loss_sum: Tensor, sums: Tensor, maxima: Tensor,
+                     totals: BatchTotals, cp_group, entropy_sum: Optional[Tensor] = None
+                     ) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """The loss and metrics from this rank's sums of the per-token terms (``term_sums``): one CP
+    all-reduce SUM (the loss sum's backward: the identity) and one MAX."""
+    parts = {"loss": loss_sum, "sums": sums}
+    if entropy_sum is not None:
+        parts["entropy"] = entropy_sum
+    summed = sum_over_cp(parts, cp_group)
+    maxima = max_over_cp({"maxima": maxima}, cp_group)["maxima"]
+    loss = summed["loss"]
+    with torch.no_grad():
+        entropy = summed["entropy"].detach() if entropy_sum is not None else None
+        values = metric_vector(config, loss.detach(), summed["sums"].detach(), maxima, totals.total_weight,
+                               totals.num_excluded, has_sampling=has_sampling, entropy_sum=entropy)
+        metrics = dict(zip(metric_names(config, has_sampling, entropy_sum is not None), values.unbind()))
+    metrics["loss"] = loss.detach()
     return loss, metrics
 
 
-def batch_totals(logprobs, advantages, mask, config: GRPOConfig, *, old_logprobs=None,
-                 reference_logprobs=None, sampling_logprobs=None, cp_group=None) -> BatchTotals:
-    """The ``BatchTotals`` of a call with these arguments (checks not included)."""
-    tokens = _tokens(logprobs, advantages, mask, config, old_logprobs, reference_logprobs,
-                     sampling_logprobs)
-    return _batch_totals(tokens, config, cp_group)
+def metric_names(config: GRPOConfig, has_sampling: bool, with_entropy: bool = False) -> Tuple[str, ...]:
+    """The metrics of ``grpo_loss``, in the order of ``metric_vector``'s entries."""
+    sums = metric_sum_names(config, has_sampling)
+    names = ["loss", "pg_loss", "kl", "ratio_mean", "ratio_min", "ratio_max"]
+    names += [name for name in ("clip_ratio_low", "clip_ratio_high", "clip_ratio", "dual_clip_ratio") if name in sums]
+    if "is_ratio_mean" in sums:
+        names += ["is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_clip_ratio"]
+    names += [name for name in ("token_mult_prob_error",) if name in sums] + (["entropy"] if with_entropy else [])
+    return tuple(names) + ("num_excluded_tokens",)
 
 
-def loss_given_totals(logprobs, advantages, mask, config: GRPOConfig, totals: BatchTotals, *,
-                      old_logprobs=None, reference_logprobs=None, sampling_logprobs=None,
-                      normalizer=None) -> Tensor:
-    """The loss of this rank's tokens with the batch totals given (no checks, no collectives).
-
-    Where the loss is a sum of per-token terms once the totals are known (token-level ratio; a
-    sequence-level correction only with given old log-probs), its gradient w.r.t. ``logprobs``
-    is that of ``grpo_loss`` (with ``cp_group``) at this rank's positions: the fused loss reads
-    per-chunk gradients off it.
-    """
-    tokens = _tokens(logprobs, advantages, mask, config, old_logprobs, reference_logprobs,
-                     sampling_logprobs)
-    terms = _token_terms(tokens, totals, config)
-    sums = _loss_sums(terms, tokens.weights, config)
-    loss = _reduce(sums["pg"], totals, config, normalizer)
-    if config.beta > 0:
-        loss = loss + config.beta * _reduce(sums["kl"], totals, config, normalizer)
-    return loss
-
-
-# ---- metrics -----------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def _metric_sums(terms: _Terms, tokens: _Tokens, entropy: Optional[Tensor]) -> Dict[str, Tensor]:
-    """Numerators of the mask-weighted metric means (their denominator is ``Σ m``)."""
-    weights = tokens.weights
-
-    def weighted(values: Tensor) -> Tensor:
-        return masked_sum(values.to(weights.dtype), weights)
-
-    flags = terms.clip_flags
-    sums = {
-        "ratio_mean": weighted(terms.ratio),
-        "clip_ratio_low": weighted(flags["clip_low"]),
-        "clip_ratio_high": weighted(flags["clip_high"]),
-        "clip_ratio": weighted(flags["clip_low"] | flags["clip_high"]),
-    }
-    if "dual_clip" in flags:
-        sums["dual_clip_ratio"] = weighted(flags["dual_clip"])
-    if terms.correction is not None:
-        rho_raw, rho = terms.correction
-        sums.update(is_ratio_mean=weighted(rho_raw), is_clip_ratio=weighted(rho != rho_raw))
-    if tokens.sampling is not None:
-        sums["token_mult_prob_error"] = weighted(
-            torch.exp(_masked_difference(tokens.sampling, tokens.old, tokens.valid).abs()))
-    if entropy is not None:
-        sums["entropy"] = weighted(entropy.detach().to(weights.dtype))
-    return sums
-
-
-@torch.no_grad()
-def _extremes(terms: _Terms, tokens: _Tokens, cp_group) -> Dict[str, Tensor]:
-    """Min and max of r (and ρ_raw) over valid tokens of the whole batch; 0 if there are none."""
-    valid = tokens.valid
-
-    def largest(values: Tensor) -> Tensor:
-        filled = values.masked_fill(~valid, float("-inf"))
-        return filled.max() if filled.numel() else filled.new_full((), float("-inf"))
-
-    parts = {"any": valid.any().to(terms.ratio.dtype).reshape(()),
-             "ratio_max": largest(terms.ratio), "ratio_min": largest(-terms.ratio)}
-    if terms.correction is not None:
-        parts.update(is_ratio_max=largest(terms.correction[0]), is_ratio_min=largest(-terms.correction[0]))
-    parts = max_over_cp(parts, cp_group)  # one all-reduce MAX; a minimum is -max(-x)
-    any_valid = parts.pop("any") > 0
-    zero = torch.zeros_like(parts["ratio_max"])
-    return {name: torch.where(any_valid, -value if name.endswith("_min") else value, zero)
-            for name, value in parts.items()}
-
-
-def _metrics(loss, pg_loss, kl_loss, metric_sums, extremes, totals: BatchTotals) -> Dict[str, Tensor]:
-    with torch.no_grad():
-        metrics = {"loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl": kl_loss.detach()}
-        means = {name: safe_divide(value, totals.total_weight) for name, value in metric_sums.items()}
-        metrics["ratio_mean"] = means.pop("ratio_mean")
-        metrics.update(ratio_min=extremes["ratio_min"], ratio_max=extremes["ratio_max"])
-        for name in ("clip_ratio_low", "clip_ratio_high", "clip_ratio", "dual_clip_ratio"):
-            if name in means:
-                metrics[name] = means.pop(name)
-        if "is_ratio_mean" in means:
-            metrics.update(is_ratio_mean=means.pop("is_ratio_mean"), is_ratio_min=extremes["is_ratio_min"],
-                           is_ratio_max=extremes["is_ratio_max"], is_clip_ratio=means.pop("is_clip_ratio"))
-        metrics.update(means)  # token_mult_prob_error, entropy
-        metrics["num_excluded_tokens"] = totals.num_excluded
-    return metrics
+def metric_vector(config: GRPOConfig, loss: Tensor, sums: Tensor, maxima: Tensor, total_weight: Tensor,
+                  num_excluded: Tensor, *, has_sampling: bool, entropy_sum: Optional[Tensor] = None) -> Tensor:
+    """The metrics (``metric_names`` order) from the summed per-token terms and maxima (over CP):
+    means of the numerators over the mask's total weight, minima as -max(-x) and 0 without a valid
+    token, as one vector (a few vector kernels, one compiled kernel in linear_grpo_loss)."""
+    names = metric_sum_names(config, has_sampling)
+    means = dict(zip(names, safe_divide(sums, total_weight).unbind()))
+    totals = dict(zip(names, sums.unbind()))
+    extremes = dict(zip(extreme_names(config, has_sampling), maxima.unbind()))
+    any_valid = extremes.pop("any") > 0
+    extremes = {name: torch.where(any_valid, -value if name.endswith("_min") else value, 0.0)
+                for name, value in extremes.items()}
+    values = {"loss": loss, "pg_loss": totals["pg"], "kl": totals.get("kl", torch.zeros_like(loss)),
+              **{name: means[name] for name in names if name not in ("pg", "kl")}, **extremes,
+              "num_excluded_tokens": num_excluded.to(loss.dtype)}
+    if entropy_sum is not None:
+        values["entropy"] = safe_divide(entropy_sum, total_weight)
+    return torch.stack([values[name] for name in metric_names(config, has_sampling, entropy_sum is not None)])

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from ..ops import reductions
-from ..ops.agreement import finite_real
-from ..ops.api import token_statistics
-from ..ops.forward_grad import ForwardGradLoss, TokenGrads
+from ..ops.agreement import finite_real, flag_argument, integer_argument
+from ..ops.api import LabelledCount, token_statistics
+from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 
 
 class CrossEntropyGrads(ForwardGradLoss):
@@ -31,22 +31,36 @@ class CrossEntropyGrads(ForwardGradLoss):
         self.mean, self.smoothing, self.z_weight, self.vocab = mean, smoothing, z_weight, vocab
         self.want_sum_logits = smoothing > 0
 
-    def _scale(self, num_labelled: int) -> float:
-        return 1.0 / max(num_labelled, 1) if self.mean else 1.0
+    def _scale(self, num_labelled):
+        """1 / labelled tokens ("mean"; a 0-d tensor where the count is on the device) or 1 ("sum")."""
+        if not self.mean:
+            return 1.0
+        if isinstance(num_labelled, LabelledCount):
+            return num_labelled.inverse
+        return 1.0 / max(num_labelled, 1)
 
-    def token_grads(self, stats, positions: Tensor, num_labelled: int) -> TokenGrads:
+    def token_grads(self, stats, positions, num_labelled) -> TokenGrads:
         scale = self._scale(num_labelled)
         lse = stats.lse
-        g_lse = lse * (2.0 * self.z_weight * scale) + scale if self.z_weight else torch.full_like(lse, scale)
-        return TokenGrads(
-            target=torch.full_like(lse, -(1.0 - self.smoothing) * scale), lse=g_lse,
-            sum_logits=torch.full_like(lse, -self.smoothing * scale / self.vocab) if self.smoothing else None)
 
-    def one_hot_scale(self, num_labelled: int) -> Optional[float]:
-        # without smoothing or z-loss every token's dlogits are c (softmax - one_hot), c the same
+        def constant(c):  # c * scale for every token (a view of one number where it is a tensor)
+            if isinstance(scale, Tensor):
+                if c == -1.0 and isinstance(num_labelled, LabelledCount):
+                    return num_labelled.negative_inverse.expand_as(lse)
+                return (scale if c == 1.0 else scale * c).expand_as(lse)
+            return torch.full_like(lse, c * scale)
+
+        g_lse = lse * (2.0 * self.z_weight * scale) + scale if self.z_weight else constant(1.0)
+        return TokenGrads(
+            target=constant(-(1.0 - self.smoothing)), lse=g_lse,
+            sum_logits=constant(-self.smoothing / self.vocab) if self.smoothing else None)
+
+    def one_hot_scale(self, num_labelled):
+        # without smoothing or z-loss every token's dlogits are c (softmax - one_hot), c the same;
+        # a count on the device (rows of ignored labels included, c = 0 there): c per row
         if self.smoothing or self.z_weight:
             return None
-        return self._scale(num_labelled)
+        return PER_ROW if isinstance(num_labelled, LabelledCount) else self._scale(num_labelled)
 
 
 def linear_cross_entropy(
@@ -77,6 +91,9 @@ def linear_cross_entropy(
     `expected_upstream_grad` (g, known at forward time), goes straight into main_grad times g with
     no buffer; the backward then checks g (see `api.expected_upstream_grad_problem`).
     """
+    vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
+        integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
+    sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
     extra = {"reduction": None, "label_smoothing": None, "z_loss_weight": None}  # None: passed
     if reduction not in ("mean", "sum", "none"):
         extra["reduction"] = f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
@@ -103,14 +120,18 @@ def linear_cross_entropy(
         want_entropy=False, extra_checks=extra,
         must_agree=must_agree, forward_grad=forward_grad, expected_upstream_grad=expected_upstream_grad)
 
-    per_token = -stats.logprob()
+    per_token = stats.negative_logprob()  # (0 in rows of ignored labels)
+    masked = True
     if smoothing > 0.0:
         per_token = (1.0 - smoothing) * per_token + smoothing * (stats.lse - stats.sum_logits / true_vocab)
+        masked = False
     if z_weight:
         per_token = per_token + z_weight * stats.lse.square()
+        masked = False
     if reduction == "none":
-        return stats.to_full(per_token)
-    total = per_token.sum()
+        return stats.to_full(per_token, masked=masked)
+    total = (per_token if masked else stats.only_labelled(per_token)).sum()
     if reduction == "mean":
-        total = total / max(per_token.numel(), 1)
+        total = stats.mean_of_labelled(total)
+    total = stats.poisoned(total)
     return total if stats.anchor is None else total + stats.anchor

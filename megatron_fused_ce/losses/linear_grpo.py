@@ -9,12 +9,16 @@ Why it is exact: once the batch totals are known (per-sequence and batch counts,
 log-probs the sequence-level correction; ``grpo.BatchTotals``), every GRPO variant with token-level
 importance ratios is a weighted sum of per-token terms, so d loss / d lp_t depends on lp_t and
 constants alone. The totals depend on the mask and old / sampling log-probs only, so they are
-computed (and summed over ``cp_group``) before the chunk loop. As soon as a chunk's log-probs are
-known (merged over TP ranks), the loss given those totals is evaluated with autograd on a [B, T]
-buffer holding them and its gradient w.r.t. those tokens is read off (``GRPOGrads``, on the
-forward-gradient contract of ops/forward_grad.py); the chunk's dlogits, dX and dW follow at once. No context-parallel collective runs inside the chunk loop (CP ranks may have
-different numbers of chunks). The loss value and metrics come from one final `grpo_loss` call on
-all log-probs. Reusing `grpo.py` keeps one definition of every option.
+computed (and summed over ``cp_group``) before the chunk loop, together with a table of what each
+token's term reads (``grpo.TokenInputs``: advantage, weight, normalization weight, old / reference /
+sampling log-probs). As soon as a chunk's log-probs are known (merged over TP ranks), its rows of the
+table are gathered and ``grpo.term_sums`` (``grpo.token_terms``, the one definition of the per-token
+math, with its closed-form derivatives; one compiled kernel on CUDA) gives d loss / d lp of each of
+its tokens and the chunk's sums of the loss and metric terms (``GRPOGrads``, on the forward-gradient
+contract of ops/forward_grad.py); the chunk's dlogits, dX and dW follow at once. No context-parallel
+collective runs inside the chunk loop (CP ranks may have different numbers of chunks). The loss
+value and metrics are formed from the chunks' sums after the loop (one all-reduce SUM and one MAX
+over ``cp_group``).
 
 Not decomposable, hence computed with the recompute path (same result, 4 GEMMs): sequence-level
 ratios (GSPO), and sequence-level train/inference correction when the old log-probs are the
@@ -26,6 +30,10 @@ softmax, never ``-inf``. A sampling mask (``sampling_mask``: the engine's kept s
 ``linear_logprobs``) makes some of them ``-inf``, which changes the totals during the loop: with a
 mask the loss takes the recompute path (``grpo_loss`` on ``linear_logprobs(..., sampling_mask=)``).
 The reference model's log-probs stay those of the plain softmax (passed in, never masked here).
+
+A position with a nonzero mask but ``ignore_index`` as its label has log-prob 0, as
+``linear_logprobs`` reports there: its term enters the loss value (without a gradient), evaluated
+with its chunk.
 """
 
 from __future__ import annotations
@@ -35,39 +43,144 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..ops.agreement import fits_int64, flag_argument, integer_argument
 from ..ops.api import linear_logprobs, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
-from .grpo import GRPOConfig, batch_totals, check_grpo_arguments, grpo_loss, loss_given_totals
+from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, fused, grpo_loss, loss_and_metrics,
+                   metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
 from .nll import Normalizer
 
 
+class _TokenTable:
+    """The ``TokenInputs`` of every position, one row per input, in the flat layout of ``labels``
+    (the positions a chunk's tokens come with: a slice of consecutive rows, or their indices), so
+    that a chunk takes its inputs at once; and which positions have a label.
+
+    A position with a mask but no label has log-prob 0, as ``linear_logprobs`` reports there: the
+    chunk's log-prob there (whatever the loop brings for a row without a target) is taken as 0."""
+
+    def __init__(self, names: tuple, rows: Tensor, labelled: Tensor):
+        self.names, self.rows, self.labelled = names, rows, labelled
+
+    def at(self, positions) -> TokenInputs:
+        rows = self.rows[:, positions] if isinstance(positions, slice) else self.rows.index_select(1, positions)
+        return TokenInputs(**dict(zip(self.names, rows.unbind(0))))
+
+
+def _table_rows(inputs: TokenInputs, shape, sequence_first: bool) -> Tensor:
+    """[inputs, positions]: a call's TokenInputs (in `inputs.present()` order) in the flat layout of
+    the labels."""
+    rows = torch.stack([getattr(inputs, name).expand(shape) for name in inputs.present()])
+    if sequence_first:  # [B, T] -> the [T, B] of labels
+        rows = rows.transpose(1, 2)
+    return rows.reshape(rows.shape[0], -1)
+
+
+def _input_names(config: GRPOConfig, old_logprobs, reference_logprobs, sampling_logprobs) -> tuple:
+    """The fields `token_inputs` fills for these arguments (`TokenInputs.present()`), known before it
+    runs (its compiled form returns tensors only)."""
+    given = {"advantages": True, "weights": True, "scale": True,
+             "old": old_logprobs is not None and not config.force_on_policy_ratio,
+             "reference": config.beta > 0, "sampling": sampling_logprobs is not None,
+             "sequence_log_rho": sampling_logprobs is not None and config.is_correction.startswith("sequence")}
+    return tuple(name for name in TokenInputs.FIELDS if given[name])
+
+
+def _token_table(config: GRPOConfig, advantages, mask, old, reference, sampling, normalizer, labels,
+                 ignore_index: int, sequence_first: bool):
+    """The token table's rows, which positions have a label, and the BatchTotals' fields, of a call
+    without context parallelism: `prepare`'s work as one function (compiled on CUDA)."""
+    like = torch.zeros(mask.shape, dtype=torch.float32, device=labels.device)  # stands for the log-probs
+    inputs, totals = token_inputs(advantages, mask, config, like=like, old_logprobs=old, reference_logprobs=reference,
+                                  sampling_logprobs=sampling, normalizer=normalizer)
+    return (_table_rows(inputs, mask.shape, sequence_first), (labels != ignore_index).reshape(-1),
+            totals.sequence_weight, totals.total_weight, totals.num_excluded, totals.sequence_log_ratio,
+            totals.sequence_log_rho)
+
+
 class GRPOGrads(ForwardGradLoss):
-    """d loss / d (target, lse) of each token of a chunk under token-level ratios: the loss given the
-    batch totals (grpo.loss_given_totals) is differentiated w.r.t. the chunk's log-probs, placed in
-    a [B, T] buffer (module doc). `totals` may be None: computed by `totals_of_batch` at the first
-    chunk (while its logits GEMM runs)."""
+    """d loss / d (target, lse) of each token of a chunk under token-level ratios, from
+    ``grpo.term_sums`` on the chunk's log-probs and its rows of the token table; the chunk's sums
+    of the loss and metric terms are kept for the loss value (module doc). `prepare` gives the
+    table and the batch totals: called before the loop, or at the first chunk (while its logits
+    GEMM runs)."""
 
-    def __init__(self, totals, totals_of_batch, batch: int, length: int, sequence_first: bool,
-                 placeholder: Tensor, loss_given):
-        self.totals, self.totals_of_batch = totals, totals_of_batch
-        self.batch, self.length, self.sequence_first = batch, length, sequence_first
-        self.placeholder, self.loss_given = placeholder, loss_given
+    def __init__(self, config: GRPOConfig, prepare):
+        self.config, self.prepare = config, prepare
+        self.table: Optional[_TokenTable] = None
+        self.totals = None
+        self.chunk_sums, self.chunk_maxima = [], []
+        self.num_tokens = 0
 
-    def token_grads(self, stats, positions: Tensor, num_labelled: int) -> TokenGrads:
-        if self.totals is None:
-            self.totals = self.totals_of_batch()
-        if self.sequence_first:  # flat index t * B + b in [T, B] -> b * T + t in [B, T]
-            positions = (positions % self.batch) * self.length + positions // self.batch
-        with torch.enable_grad():
-            chunk_logprobs = stats.logprob().detach().requires_grad_()
-            logprobs = self.placeholder.index_put((positions,), chunk_logprobs).view(self.batch, self.length)
-            (grad,) = torch.autograd.grad(self.loss_given(logprobs, self.totals), chunk_logprobs)
-        return TokenGrads(target=grad, lse=-grad)  # log p = target - lse
+    def prepared(self) -> _TokenTable:
+        if self.table is None:
+            self.table, self.totals = self.prepare()
+        return self.table
 
-    def one_hot_scale(self, num_labelled: int) -> str:
+    masks_unlabelled = True  # token_grads gives 0 in rows without a label
+
+    def token_grads(self, stats, positions, num_labelled) -> TokenGrads:
+        table = self.prepared()
+        inputs = table.at(positions)
+        grad, negative_grad, sums, maxima = fused(
+            _chunk_terms, self.config, stats.target.device, stats.target, stats.max, stats.log_sum_exp,
+            table.labelled[positions], inputs.advantages, inputs.weights, inputs.scale, inputs.old, inputs.reference,
+            inputs.sampling, inputs.sequence_log_rho)
+        self.chunk_sums.append(sums)
+        self.chunk_maxima.append(maxima)
+        self.num_tokens += stats.target.shape[0]
+        return TokenGrads(target=grad, lse=negative_grad)  # log p = target - lse
+
+    def one_hot_scale(self, num_labelled) -> str:
         # each token's dlogits are -grad_i (softmax - one_hot): a row kernel's softmax - one_hot
         # times the per-token factor, applied in the GEMMs
         return PER_ROW
+
+    def metrics(self, num_rows: int, has_sampling: bool, cp_group, poison: Optional[Tensor]) -> Dict[str, Tensor]:
+        """The loss value and metrics (grpo.metric_names) from the chunks' sums and the batch totals
+        (one all-reduce SUM and one MAX over `cp_group`), NaN where the op's device checks found bad
+        contents (`poison`, TokenStats.poison)."""
+        self.prepared()
+        if self.num_tokens != num_rows:  # the loss value is the sum over the chunks: every row once
+            raise RuntimeError(f"linear_grpo_loss: {self.num_tokens} rows reached token_grads, "
+                               f"expected each of the {num_rows} rows of the chunk loop once")
+        if not self.chunk_sums:  # no row at all: the terms of an empty block
+            _, _, sums, maxima = term_sums(self.config, self.table.rows.new_zeros(0), self.table.at(slice(0, 0)))
+            self.chunk_sums, self.chunk_maxima = [sums], [maxima]
+        total = self.chunk_sums[0] if len(self.chunk_sums) == 1 else torch.stack(self.chunk_sums).sum(0)
+        largest = self.chunk_maxima[0] if len(self.chunk_maxima) == 1 else torch.stack(self.chunk_maxima).amax(0)
+        if cp_group is None:  # the metrics as one compiled function on CUDA
+            values = fused(_metrics, self.config, total.device, total, largest, self.totals.total_weight,
+                           self.totals.num_excluded, poison, has_sampling)
+            return dict(zip(metric_names(self.config, has_sampling), values.unbind()))
+        loss, metrics = loss_and_metrics(self.config, has_sampling, _loss_sum(self.config, total), total, largest,
+                                         self.totals, cp_group)
+        return metrics if poison is None else dict(zip(metrics, (torch.stack(list(metrics.values())) + poison).unbind()))
+
+
+def _chunk_terms(config: GRPOConfig, target, row_max, log_sum_exp, labelled, advantages, weights, scale, old,
+                 reference, sampling, sequence_log_rho):
+    """A chunk's (d loss / d lp, its negative, sums, maxima) from its merged statistics: log p =
+    (target - max) - log_sum_exp, 0 in rows without a label (whose gradient is 0), then grpo's
+    term_sums: one compiled function on CUDA."""
+    logprobs = torch.where(labelled, (target - row_max) - log_sum_exp, 0.0)
+    grad, _, sums, maxima = reduce_token_terms(config, logprobs, advantages, weights, scale, old, reference, sampling,
+                                       sequence_log_rho, None)
+    grad = torch.where(labelled, grad, 0.0)
+    return grad, -grad, sums, maxima
+
+
+def _loss_sum(config: GRPOConfig, total: Tensor) -> Tensor:
+    """The loss from term_sums' sum vector: Σ s·m·(ℓ·ρ) + beta Σ s·m·kl."""
+    return total[0] + config.beta * total[1] if config.beta > 0 else total[0]
+
+
+def _metrics(config: GRPOConfig, total, largest, total_weight, num_excluded, poison, has_sampling: bool):
+    """The metric vector (grpo.metric_names order) of a call without context parallelism, NaN where
+    the op's device checks found bad contents (`poison`)."""
+    values = metric_vector(config, _loss_sum(config, total), total, largest, total_weight, num_excluded,
+                           has_sampling=has_sampling)
+    return values if poison is None else values + poison
 
 
 def gradients_in_forward_apply(config: GRPOConfig, old_logprobs, sampling_logprobs) -> bool:
@@ -125,6 +238,9 @@ def linear_grpo_loss(
     engine's sampling distribution, and a sampled token outside its set is excluded. Recompute
     path (module doc).
     """
+    vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
+        integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
+    sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
     sequence_first = bool(sequence_parallel)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (hidden, weight))
@@ -146,9 +262,10 @@ def linear_grpo_loss(
                          extra_flags=[("needs_grad", needs_grad), ("sampling_mask given", sampling_mask is not None)],
                          shape_source="mask")
 
-    # masked tokens never reach the loss: drop their rows before any GEMM
-    keep = (mask.t() if sequence_first else mask) != 0
-    labels = torch.where(keep, labels, torch.full_like(labels, ignore_index))
+    # masked tokens never reach the loss: no label (a bad ignore_index is refused by the op's
+    # agreement, on every rank: meanwhile -100 stands in, so that this rank reaches it)
+    labels = labels.masked_fill((mask.t() if sequence_first else mask) == 0,
+                                ignore_index if fits_int64(ignore_index) else -100)
     op_kwargs = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=temperature,
                      ignore_index=ignore_index, chunk_size=chunk_size,
                      sequence_parallel=sequence_parallel, impl=impl,
@@ -165,22 +282,32 @@ def linear_grpo_loss(
                          cp_group=cp_group)
 
     batch, length = mask.shape
-    placeholder = torch.zeros(batch * length, dtype=torch.float32, device=hidden.device)
 
-    def totals_of_batch():
-        """Everything a token's gradient needs from other tokens (and other CP ranks)."""
-        return batch_totals(placeholder.view(batch, length), advantages, mask, config,
-                            old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs,
-                            reference_logprobs=reference_logprobs, cp_group=cp_group)
+    def prepare():
+        """Everything a token's term needs from other tokens (and other CP ranks), per position."""
+        if cp_group is None:  # one compiled function on CUDA (the totals' CP all-reduce cannot be in one)
+            # a Python-number normalizer as a tensor (a fill kernel): a new count is no new compilation
+            count = normalizer if normalizer is None or isinstance(normalizer, Tensor) else torch.full(
+                (), float(normalizer), dtype=torch.float32, device=hidden.device)
+            names = _input_names(config, old_logprobs, reference_logprobs, sampling_logprobs)
+            rows, labelled, *totals = fused(_token_table, config, hidden.device, advantages, mask, old_logprobs,
+                                            reference_logprobs, sampling_logprobs, count, labels, ignore_index,
+                                            sequence_first)
+            return _TokenTable(names, rows, labelled), BatchTotals(*totals)
+        like = torch.zeros(batch, length, dtype=torch.float32, device=hidden.device)  # the log-probs' dtype
+        inputs, totals = token_inputs(advantages, mask, config, like=like, old_logprobs=old_logprobs,
+                                      reference_logprobs=reference_logprobs,
+                                      sampling_logprobs=sampling_logprobs, normalizer=normalizer,
+                                      cp_group=cp_group)
+        return _TokenTable(inputs.present(), _table_rows(inputs, (batch, length), sequence_first),
+                           (labels != ignore_index).reshape(-1)), totals
 
+    forward_grad = GRPOGrads(config, prepare)
     # With cp_group the totals' collectives run here, on every CP rank (a rank may have no labelled
     # chunk). Without, they are computed at the first chunk's merge, while its logits GEMM runs:
     # ~30 small kernels fewer before the first GEMM, where the GPU would wait for the host.
-    totals = totals_of_batch() if cp_group is not None else None
-
-    forward_grad = GRPOGrads(totals, totals_of_batch, batch, length, sequence_first, placeholder,
-                             lambda logprobs, totals: loss_given_totals(logprobs, advantages, mask, config, totals,
-                                                                        **loss_kwargs))
+    if cp_group is not None:
+        forward_grad.prepared()
 
     # every per-token gradient depends on these: TP ranks that differ would sum unrelated dX parts
     must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)
@@ -188,6 +315,5 @@ def linear_grpo_loss(
                              want_sum_logits=False, want_entropy=False, forward_grad=forward_grad,
                              must_agree=must_agree, expected_upstream_grad=expected_upstream_grad)
     with torch.no_grad():
-        logprobs = to_batch_layout(stats.to_full(stats.logprob()))
-        loss, metrics = grpo_loss(logprobs, advantages, mask, config, **loss_kwargs, cp_group=cp_group)
-    return loss + stats.anchor, metrics
+        metrics = forward_grad.metrics(stats.target.shape[0], sampling_logprobs is not None, cp_group, stats.poison)
+    return metrics["loss"] + stats.anchor, metrics

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..ops.agreement import flag_argument, integer_argument
+
 # (canonical key, NeMo-RL's newer alias) for each field.
 _ENABLED_KEYS = ("use_linear_ce_fusion_loss", "use_fused_linear_logprobs")
 _CHUNK_KEYS = ("linear_ce_fusion_chunk_size", "fused_linear_logprobs_chunk_size")
@@ -47,6 +49,9 @@ class FusedCEConfig:
     max_chunk_bytes: Optional[int] = None
 
     def __post_init__(self):
+        for name, as_type in (("enabled", flag_argument), ("chunk_size", integer_argument),
+                              ("max_chunk_bytes", integer_argument)):
+            object.__setattr__(self, name, as_type(getattr(self, name)))  # one type (frozen dataclass)
         _check_bool("enabled", self.enabled)
         if self.chunk_size is not None:
             _check_chunk_size("chunk_size", self.chunk_size)
@@ -91,11 +96,11 @@ class FusedCEConfig:
             if intended is not None:
                 raise ValueError(f"megatron_cfg key {key!r} is not a megatron_fused_ce key: did you "
                                  f"mean {intended!r}? (valid: {', '.join(OWN_KEYS)})")
-        enabled = _read(cfg, _ENABLED_KEYS, _check_bool)
-        chunk_size = _read(cfg, _CHUNK_KEYS, _check_chunk_size)
+        enabled = _read(cfg, _ENABLED_KEYS, _check_bool, normalize=flag_argument)
+        chunk_size = _read(cfg, _CHUNK_KEYS, _check_chunk_size, normalize=integer_argument)
         memory_mode = _read(cfg, _MEMORY_MODE_KEYS, _check_memory_mode)
         logits_dtype = _read(cfg, _LOGITS_DTYPE_KEYS, _check_logits_dtype, same=_logits_dtype_name)
-        max_chunk_bytes = _read(cfg, _MAX_CHUNK_BYTES_KEYS, _check_chunk_size)
+        max_chunk_bytes = _read(cfg, _MAX_CHUNK_BYTES_KEYS, _check_chunk_size, normalize=integer_argument)
         return cls(
             enabled=False if enabled is None else bool(enabled),
             chunk_size=None if chunk_size is None else int(chunk_size),
@@ -120,8 +125,8 @@ def near_miss(key) -> Optional[str]:
     return close[0] if close else None
 
 
-def _read(cfg: Mapping, keys: tuple, check, same=lambda value: value) -> Any:
-    found = {key: cfg[key] for key in keys if key in cfg and cfg[key] is not None}
+def _read(cfg: Mapping, keys: tuple, check, same=lambda value: value, normalize=lambda value: value) -> Any:
+    found = {key: normalize(cfg[key]) for key in keys if key in cfg and cfg[key] is not None}
     for key, value in found.items():
         check(key, value)
     if len({same(value) for value in found.values()}) > 1:  # `same`: the value a spelling means

@@ -77,7 +77,9 @@ from torch import Tensor
 from megatron_fused_ce import linear_cross_entropy
 from megatron_fused_ce.losses import GRPOConfig, dpo_loss, grpo_loss, linear_grpo_loss, nll_loss
 from megatron_fused_ce.losses.context_parallel import agree_on_inputs, sum_over_cp
+from megatron_fused_ce.losses.nll import check_normalizer
 from megatron_fused_ce.ops import reductions
+from megatron_fused_ce.ops.agreement import integer_argument, is_int
 
 from .output_layer import output_weight, run_in_output_layer, unwrap_model
 from .postprocess import (
@@ -252,6 +254,15 @@ def _per_token_loss(model) -> bool:
 # ------------------------------------------------------------------------------------------------
 # SFT / pretraining
 # ------------------------------------------------------------------------------------------------
+def _count_argument(name: str, value) -> Optional[int]:
+    """A factory's count argument (None, or an integer > 0: NumPy and 0-d tensors read as int);
+    checked when the loss func is made, before any collective."""
+    value = integer_argument(value)
+    if value is not None and not (is_int(value) and value > 0):
+        raise ValueError(f"{name} must be None or an integer > 0, got {value!r}")
+    return value
+
+
 def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module, labels: Tensor,
                   loss_mask: Tensor, *, cu_seqlens: Optional[Tensor] = None,
                   cu_seqlens_padded: Optional[Tensor] = None,
@@ -262,6 +273,7 @@ def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
     post-processor; under CP, the labels and mask are this rank's slice of the packed row.
     `num_microbatches`: the schedule's, for the upstream gradient under
     `calculate_per_token_loss=False` (module doc)."""
+    num_microbatches = _count_argument("num_microbatches", num_microbatches)
     packing = dict(cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
     post_processor = as_post_processor(post_processor)
 
@@ -310,6 +322,8 @@ def dpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
     `global pairs / global chosen tokens`. Pass both global counts for an exact result with
     several micro-batches or data-parallel ranks; without them the micro-batch's own ratio is used.
     """
+    for name, count in (("global_num_pairs", global_num_pairs), ("global_num_sft_tokens", global_num_sft_tokens)):
+        check_normalizer(name, count)  # a count > 0 (a number or a one-element tensor), or None
     for key in ("normalizer", "sft_normalizer"):
         if key in dpo_kwargs:
             raise ValueError(f"dpo_loss_func sets {key} itself (Megatron normalizes by pair count)")
@@ -386,6 +400,7 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
     `reference_logprobs` stay what the caller passes (the plain softmax, normally), and the
     old-policy pass should replay the same masks (`compute_logprobs(..., sampling_mask=)`).
     """
+    num_microbatches = _count_argument("num_microbatches", num_microbatches)
     if config.needs_reference_logprobs and reference_logprobs is None:
         raise ValueError(f"reference_logprobs are required when beta > 0 (beta={config.beta})")
     post_processor = as_post_processor(post_processor)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from megatron_fused_ce import LogprobsOutput, linear_logprobs
 from megatron_fused_ce.ops import reductions, replay, sampling
-from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, is_int
+from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, flag_argument, integer_argument, is_int
 
 from . import compat
 from .config import FusedCEConfig
@@ -287,6 +287,8 @@ class LogprobsPostProcessor:
                  ignore_index: int = IGNORE_INDEX, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, min_p: Optional[float] = None, return_topk: int = 0,
                  cp_group=None):
+        vocab_size, ignore_index, top_k, return_topk = map(integer_argument, (vocab_size, ignore_index, top_k, return_topk))
+        return_entropy = flag_argument(return_entropy)
         if not finite_real(temperature) or not temperature > 0:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
         if vocab_size is not None and (not is_int(vocab_size) or vocab_size <= 0):

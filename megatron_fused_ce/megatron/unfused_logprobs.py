@@ -14,7 +14,8 @@ from torch import Tensor
 
 from megatron_fused_ce import LogprobsOutput
 from megatron_fused_ce.ops import reductions, replay, sampling
-from megatron_fused_ce.ops.agreement import Agreement, finite_real, fits_int64, is_int
+from megatron_fused_ce.ops.agreement import (Agreement, finite_real, fits_int64, flag_argument, integer_argument, is_int,
+                                            real_argument)
 
 IGNORE_INDEX = -100
 
@@ -36,6 +37,10 @@ def vocab_parallel_logprobs(logits: Tensor, labels: Tensor, *, tp_group=None, tp
     (`linear_logprobs`' replay; CSR in the row-major order of `labels`) they run over each
     position's kept ids (`replay.kept_columns`), checked as the op checks them.
     """
+    vocab_size, ignore_index, top_k, return_topk, tp_rank, tp_size = map(
+        integer_argument, (vocab_size, ignore_index, top_k, return_topk, tp_rank, tp_size))
+    return_entropy = flag_argument(return_entropy)
+    temperature = real_argument(temperature)
     sampler = dict(top_k=top_k, top_p=top_p, min_p=min_p, return_topk=return_topk)
     mask_check = _check_logits_arguments(logits, labels, tp_group if tp_size > 1 else None, vocab_size,
                                          temperature, ignore_index, return_entropy, sampler, sampling_mask)

@@ -29,6 +29,7 @@ import math
 import numbers
 import struct
 import zlib
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -48,6 +49,50 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+# Integer and flag arguments arrive as Python ints / bools, NumPy scalars (configs read through
+# NumPy) and 0-d tensors (`.item()` skipped). Every public entry point turns them into Python ints /
+# bools first, so that no later `isinstance(x, int)`, `x is True` or repr-based code sees two
+# types for one value (a NumPy ignore_index once turned the sampling-mask replay off).
+def integer_argument(value):
+    """An integer-like argument as a Python int: NumPy integers and 0-d integer tensors become
+    `int` (a tensor is read on the host once); anything else, bools included, is returned as it
+    is, for the argument's own check to accept or refuse."""
+    if type(value) is int or isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and not _is_numpy_bool(value):
+        return int(value)
+    if (isinstance(value, Tensor) and value.dim() == 0 and not value.is_floating_point()
+            and not value.is_complex() and value.dtype != torch.bool):
+        return int(value.item())
+    return value
+
+
+def flag_argument(value):
+    """A flag as a Python bool: NumPy bools and 0-d bool tensors become `bool`; anything else is
+    returned as it is."""
+    if value is True or value is False:
+        return value
+    if _is_numpy_bool(value) or (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.bool):
+        return bool(value)
+    return value
+
+
+def real_argument(value):
+    """A real-number argument as a Python float: NumPy floats and 0-d floating tensors become
+    `float` (ints and bools are returned as they are, like anything else)."""
+    if type(value) is float or isinstance(value, (bool, numbers.Integral)):
+        return value
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point():
+        return float(value.item())
+    return value
+
+
+def _is_numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
 
 
 def fits_int64(x) -> bool:
@@ -124,6 +169,8 @@ class Agreement:
         self.single_rank = reductions.group_size(group) == 1
         self.checks = tuple(checks)
         self.problems: dict = {}
+        self._signature: list = []  # (name, code) of every plain value: this call's signature
+        self._key = None  # the signature, once `remembered` took it
         self._host: list = []  # int64 entries
         self._dev: list = []  # 0-d / 1-d int64 tensors on `device`
         self._slots: list = []  # (key, kind, name, message, host index or (dev index, width))
@@ -140,9 +187,10 @@ class Agreement:
         """A plain value (number, flag, name, dtype, tuple ...) that must be the same on every
         rank; `show_range` prints the smallest and largest value (ints) in the error."""
         assert not isinstance(value, Tensor), "use equal_count / equal_tensor for tensors"
-        if self.single_rank:  # nothing can differ: no code, no slot (a key that reads None)
-            return None
         code = value_code(value)
+        self._signature.append((name, code))
+        if self.single_rank:  # nothing can differ: no slot (a key that reads None)
+            return None
         return self._add_host("equal", name, message, [code, ~code], show_range)
 
     def equal_count(self, name: str, count, message: Optional[str] = None):
@@ -153,13 +201,22 @@ class Agreement:
     def equal_tensor(self, name: str, tensor, message: Optional[str] = None):
         """A tensor (or None, or a plain value) that must be the same on every rank: its shape and
         dtype by a host code, its values by `tensor_fingerprint`."""
+        self.equal_layout(name, tensor, message)
+        return self.equal_values(name, tensor, message)
+
+    def equal_layout(self, name: str, tensor, message: Optional[str] = None):
+        """equal_tensor's host part, in the signature: the shape and dtype (or the plain value)."""
+        if isinstance(tensor, Tensor):
+            return self.equal(name, (tuple(tensor.shape), str(tensor.dtype)), message)
+        return self.equal(name, ("not a tensor", value_code(tensor)), message)
+
+    def equal_values(self, name: str, tensor, message: Optional[str] = None):
+        """equal_tensor's device part: the values, by fingerprint (not recorded on one rank)."""
         if self.single_rank:
             return None
         if isinstance(tensor, Tensor):
-            self.equal(name, (tuple(tensor.shape), str(tensor.dtype)), message)
             fingerprint = tensor_fingerprint(tensor).to(self.device)
         else:  # the same layout as for a tensor
-            self.equal(name, ("not a tensor", value_code(tensor)), message)
             fingerprint = torch.zeros(2, dtype=torch.int64, device=self.device)
         return self._add_dev("equal", name, message, fingerprint, False)
 
@@ -255,6 +312,61 @@ class Agreement:
         if messages:
             raise ValueError(f"{self.fn_name}: " + "; ".join(messages))
         return agreed
+
+
+    # -- the signature: what the first call of it agreed is remembered -----------------------------
+    def signature(self) -> tuple:
+        """Everything this call's agreement depends on besides the tensors' contents: the function,
+        the group (and this rank in it), the device, every plain value registered so far (shapes,
+        dtypes, options), and the checks that failed here."""
+        group = (id(self.group), reductions.group_size(self.group), reductions.group_rank(self.group))
+        return (self.fn_name, group, str(self.device), self.checks, tuple(sorted(self.problems)),
+                tuple(self._signature))
+
+    def remembered(self) -> bool:
+        """Whether a call of the same signature was agreed before, with no failed check here. The
+        signature is taken here, after the plain values and before the contents are registered:
+        `remember` records that one."""
+        key = self._key = self.signature()
+        if self.problems or key not in _REMEMBERED:
+            return False
+        _REMEMBERED.move_to_end(key)
+        return True
+
+    def remember(self) -> None:
+        """Record this call's signature (as `remembered` took it) as agreed, after `agree` returned."""
+        key = self._key
+        _REMEMBERED[key] = None
+        _REMEMBERED.move_to_end(key)
+        while len(_REMEMBERED) > REMEMBERED_SIGNATURES:
+            _REMEMBERED.popitem(last=False)
+
+    def signature_code(self) -> int:
+        """A process-independent 32-bit code of the signature's values (the part every rank must
+        share: not the rank), for the fingerprint that rides on the statistics' all-reduce."""
+        return zlib.crc32(repr((self.fn_name, self.checks, self._key[-1])).encode())
+
+
+# Signatures agreed by a full agreement (least recently used first). A call whose signature is in
+# here skips the collective and the read-back: steady state makes no host synchronization. Bounded:
+# a run whose shapes keep changing re-agrees an evicted signature, nothing worse.
+REMEMBERED_SIGNATURES = 512
+_REMEMBERED: "OrderedDict[tuple, None]" = OrderedDict()
+MEMOS = [_REMEMBERED]  # every such memo (the losses' input agreement adds its own)
+
+
+def forget_signatures() -> None:
+    """Drop every remembered signature: the next call of each runs the full agreement again."""
+    for memo in MEMOS:
+        memo.clear()
+
+
+def fingerprint_pieces(codes: Tensor) -> Tensor:
+    """int64 codes (any shape; fingerprints, a signature code) -> fp32 pieces of 21 bits each, exact
+    in fp32, for a comparison across ranks by an all-reduce MAX of fp32 values (reductions.RankCheck)."""
+    flat = codes.reshape(-1).to(torch.int64)
+    mask = 2**21 - 1  # (python scalars only: no host-to-device copy, which would synchronize)
+    return torch.cat([flat & mask, (flat >> 21) & mask, (flat >> 42) & mask]).to(torch.float32)
 
 
 class Agreed:

@@ -1,11 +1,15 @@
 """The op's entry: `linear_logprobs`, and `token_statistics`, which every fused entry point runs
 (linear_logprobs here; the gradients-in-forward losses in losses/, on ops/forward_grad.py).
 
-One token's path: its hidden row (all-gathered first under sequence parallelism) -> if its label is
-not `ignore_index`, it joins a chunk of labelled rows -> chunk logits on this rank's vocab shard ->
-backend softmax partials -> merged over TP ranks (reductions.py) -> per-token target logit, lse,
-(sum of logits, entropy) -> log-prob / entropy / loss here. Ignored rows are dropped before
-the first GEMM: they cost no flops and get exactly zero output and zero gradient.
+One token's path: its hidden row (all-gathered first under sequence parallelism) -> a chunk of rows
+-> chunk logits on this rank's vocab shard -> backend softmax partials -> merged over TP ranks
+(reductions.py) -> per-token target logit, lse, (sum of logits, entropy) -> log-prob / entropy /
+loss here. A row whose label is `ignore_index` has no target and gets exactly zero output and zero
+gradient; it still goes through the GEMMs, since dropping it would need its count on the host (a
+sampling mask's replay, which plans the labelled rows, does drop them).
+
+Arguments are checked by one agreement of the TP ranks on the first call of each signature and on
+the device afterwards (agreement.py, deferred_errors.py): a later call makes no host sync.
 With sampler settings (top_k / top_p / min_p / return_topk) the statistics are those of each row's
 kept set (sampling.py's tiling, on the same chunk loop).
 """
@@ -13,13 +17,14 @@ kept set (sampling.py's tiling, on the same chunk loop).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from . import backends, lean, reductions, replay, sampling
-from .agreement import Agreement, finite_real, fits_int64, is_int
+from . import backends, deferred_errors, lean, reductions, replay, sampling
+from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, flag_argument, integer_argument,
+                        is_int, tensor_fingerprint)
 from .forward_grad import ForwardGradLoss
 from .chunked import ChunkSpec, LinearLossGradInForward, autocast_off, softmax_statistics
 from .fast import FAST_CHUNKS
@@ -100,8 +105,16 @@ _LABEL_DTYPES = (torch.int64, torch.int32)
 @dataclass
 class _Agreed:
     true_vocab: int  # the unpadded global vocab size
-    num_labelled: int  # labelled tokens of the call (the same on every rank)
+    # labelled tokens of the call (the same on every rank), read back by the full agreement; None
+    # after a remembered signature (not read: the rows are then not dropped, see token_statistics)
+    num_labelled: Optional[int]
     mask_rows: int = 0  # labelled tokens with a kept set in the sampling mask (replay.py)
+    # a remembered signature: the code every TP rank must share (the rank check's first piece)
+    signature_code: Optional[int] = None
+
+    @property
+    def remembered(self) -> bool:
+        return self.num_labelled is None
 
 
 def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_size, temperature,
@@ -161,9 +174,15 @@ def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_s
 
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, temperature, chunk_size,
                      sequence_parallel, impl, ignore_index, logits_dtype, memory_mode, want_entropy,
-                     grad_path, max_chunk_bytes, extra_checks, must_agree, mask_check=None) -> _Agreed:
+                     grad_path, max_chunk_bytes, extra_checks, must_agree, mask_check=None,
+                     may_remember=True) -> _Agreed:
     """Raise the same ValueError on every TP rank for bad input or arguments that differ across
-    ranks; else return what the ranks agreed on. One all-reduce of a small int64 vector."""
+    ranks; else return what the ranks agreed on. One all-reduce of a small int64 vector and one
+    read-back, on the first call of a signature (`Agreement.signature`: the Python-level
+    arguments, shapes, dtypes, group). A later call of a remembered signature makes neither: what
+    depends on the tensors' contents is then checked on the device (token_statistics).
+    `may_remember`: False where a later call may not skip the agreement (sampler settings and
+    sampling masks, whose collectives the checks guard)."""
     tp_size = reductions.group_size(tp_group)
     device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
     agreement = Agreement(fn_name, tp_group, device, _CHECKS + tuple(k for k in extra_checks if k not in _CHECKS))
@@ -180,6 +199,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     v_local = weight.shape[0] if not agreement.failed("weight") else -1
     true_vocab = (vocab_size if vocab_size is not None and not agreement.failed("vocab_size")
                   else max(v_local, 0) * tp_size)
+    # The signature first (plain values: shapes, dtypes, options), then what depends on contents.
     # Shapes and dtypes first: the more specific message wins for an argument.
     agreement.equal("weight", v_local, "weight: vocab shards differ in size across tensor-parallel "
                     "ranks; Megatron pads the vocab so that they are equal", show_range=True)
@@ -187,23 +207,13 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
                     "hidden: hidden size differs across tensor-parallel ranks", show_range=True)
     agreement.equal("hidden", str(hidden.dtype) if not agreement.failed("hidden") else None,
                     "hidden: dtype differs across tensor-parallel ranks")
+    agreement.equal("hidden", tuple(hidden.shape) if not agreement.failed("hidden") else None,
+                    "hidden: shape differs across tensor-parallel ranks")
     agreement.equal("labels", labels.numel() if not agreement.failed("labels") else -1,
                     "labels: number of tokens differs across tensor-parallel ranks", show_range=True)
-    outside, labelled, bad_labels = None, 0, 0
-    if tensors_ok and not agreement.failed("ignore_index") and labels.numel() > 0:
-        # (few kernels: every launch before the first GEMM leaves the GPU idle)
-        kept = labels != ignore_index
-        outside = (labels.clamp(0, max(true_vocab - 1, 0)) != labels) & kept
-        bad_labels = outside.sum()
-        labelled = kept.sum()
-    labelled_key = agreement.equal_count(
-        "labels", labelled, "labels: number of labelled tokens differs across tensor-parallel ranks; "
-        "every rank of tp_group must pass the same labels")
-    # The labels themselves (ids and positions), by a fingerprint: equal counts are not enough.
-    agreement.equal_tensor("labels", labels if tensors_ok else None,
-                           "labels: differ across tensor-parallel ranks (ids or positions); every "
-                           "rank of tp_group must pass the same labels")
-    bad_key = agreement.maximum_count("labels", bad_labels)
+    labels_message = ("labels: differ across tensor-parallel ranks (ids or positions); every rank of "
+                      "tp_group must pass the same labels")
+    agreement.equal_layout("labels", labels if tensors_ok else None, labels_message)
     # Every option that changes the result or the sequence of collectives.
     agreement.equal("temperature", float(temperature) if not agreement.failed("temperature") else None)
     agreement.equal("vocab_size", true_vocab)
@@ -219,13 +229,35 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     agreement.equal("requires_grad", grad_path,
                     "requires_grad: torch.is_grad_enabled() or hidden/weight.requires_grad differ "
                     "across tensor-parallel ranks (their backward collectives would not match)")
+    tensors_to_agree = {}
     for name, value in must_agree.items():
         if isinstance(value, Tensor):
-            agreement.equal_tensor(name, value)
+            agreement.equal_layout(name, value)
+            tensors_to_agree[name] = value
         else:
             agreement.equal(name, value)
+    if agreement.remembered() and may_remember:
+        return _Agreed(true_vocab, None, signature_code=agreement.signature_code())
+
+    outside, labelled, bad_labels = None, 0, 0
+    if tensors_ok and not agreement.failed("ignore_index") and labels.numel() > 0:
+        # (few kernels: every launch before the first GEMM leaves the GPU idle)
+        kept = labels != ignore_index
+        outside = (labels.clamp(0, max(true_vocab - 1, 0)) != labels) & kept
+        bad_labels = outside.sum()
+        labelled = kept.sum()
+    labelled_key = agreement.equal_count(
+        "labels", labelled, "labels: number of labelled tokens differs across tensor-parallel ranks; "
+        "every rank of tp_group must pass the same labels")
+    # The labels themselves (ids and positions), by a fingerprint: equal counts are not enough.
+    agreement.equal_values("labels", labels if tensors_ok else None, labels_message)
+    bad_key = agreement.maximum_count("labels", bad_labels)
+    for name, value in tensors_to_agree.items():
+        agreement.equal_values(name, value)
     if mask_check is not None:  # linear_logprobs: the sampling mask's entries, on every rank
         mask_check.register(agreement, device)
+    # what calls of remembered signatures found on the device since the last read (deferred_errors.py)
+    deferred_key = agreement.maximum_count("deferred errors", deferred_errors.take(device))
 
     def bad_label_message(agreed):
         if not agreed[bad_key]:
@@ -237,9 +269,14 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
         return [f"labels: labels outside [0, vocab_size={true_vocab}) on another tensor-parallel rank"]
 
     def messages(agreed):
-        return bad_label_message(agreed) + (mask_check.messages(agreed) if mask_check is not None else [])
+        found = deferred_errors.messages_of(agreed[deferred_key])
+        return (bad_label_message(agreed) + (mask_check.messages(agreed) if mask_check is not None else [])
+                + ([f"an earlier call (after the first of its signature) found {'; '.join(found)}, and "
+                    f"returned NaN"] if found else []))
 
     agreed = agreement.agree(messages)
+    if may_remember:
+        agreement.remember()
     return _Agreed(true_vocab, agreed[labelled_key],
                    mask_check.rows_with_set(agreed) if mask_check is not None else 0)
 
@@ -284,22 +321,74 @@ class TokenStats:
     kept: Optional[Tensor] = None  # bool: the label is in the kept set (None: no filter)
     topk_logprobs: Optional[Tensor] = None  # [rows, k]
     topk_ids: Optional[Tensor] = None  # [rows, k]
+    num_labelled: Any = None  # labelled tokens: an int (the agreement's), or a LabelledCount on the device
+    # where the rows were not dropped: which rows are labelled (bool [rows]); after the first call
+    # of a signature, fp32 [1] to add to every result: NaN where the device checks found bad
+    # contents (deferred_errors.py), else 0
+    labelled: Optional[Tensor] = None
+    poison: Optional[Tensor] = None
 
     def logprob(self) -> Tensor:
-        """log p_y of the labelled rows: differentiable as target - lse, valued as
-        (target - max) - log_sum_exp (exact where target - lse would round at lse's scale)."""
-        differentiable = self.target - self.lse
-        precise = (self.target.detach() - self.max) - self.log_sum_exp
-        return differentiable + (precise - differentiable.detach())
+        """log p_y of the labelled rows (0 in rows of ignored labels, with a zero gradient):
+        differentiable as target - lse, valued as (target - max) - log_sum_exp (exact where
+        target - lse would round at lse's scale)."""
+        return _LabelledLogprob.apply(self.target, self.lse, self.max, self.log_sum_exp, self.labelled)
 
-    def to_full(self, values: Tensor, fill=0) -> Tensor:
+    def negative_logprob(self) -> Tensor:
+        """-logprob(): the cross-entropy of each labelled row, (max - target) + log_sum_exp."""
+        return _LabelledLogprob.apply(self.target, self.lse, self.max, self.log_sum_exp, self.labelled, True)
+
+    def to_full(self, values: Tensor, fill=0, masked: bool = False) -> Tensor:
         """[num labelled rows, ...] -> labels.shape + (...) with `fill` at ignored positions
-        (differentiable)."""
+        (differentiable; `masked`: the values hold `fill` there already, as `logprob()`'s do); NaN
+        everywhere if the device checks found bad contents."""
         shape = self.out_shape + tuple(values.shape[1:])
         if self.row_index is None:
-            return values.reshape(shape)
+            return self.poisoned(values if masked else self.only_labelled(values, fill)).reshape(shape)
         full = values.new_full((self.num_rows,) + tuple(values.shape[1:]), fill)
         return full.index_put((self.row_index,), values).reshape(shape)
+
+    def only_labelled(self, values: Tensor, fill=0) -> Tensor:
+        """`fill` in the rows of ignored labels (rows that went through the chunk loop without a
+        label); the gradient there is zero."""
+        if self.labelled is None:
+            return values
+        keep = self.labelled.reshape((-1,) + (1,) * (values.dim() - 1))
+        return torch.where(keep, values, fill)  # (a Python fill: no host-to-device copy)
+
+    def poisoned(self, values: Tensor) -> Tensor:
+        """NaN in place of every value (floating point) if the call's device checks found bad
+        contents: never a silently wrong value (deferred_errors.py)."""
+        if self.poison is None or not values.is_floating_point():
+            return values
+        return values + (self.poison if values.dim() else self.poison[0])  # NaN + x = NaN; 0 + x = x
+
+    def mean_of_labelled(self, total: Tensor) -> Tensor:
+        """total / max(labelled tokens, 1)."""
+        if isinstance(self.num_labelled, LabelledCount):
+            return total * self.num_labelled.inverse
+        return total / max(int(self.num_labelled if self.num_labelled is not None else self.num_rows), 1)
+
+
+class _LabelledLogprob(torch.autograd.Function):
+    """log p_y = (target - max) - log_sum_exp (exact where target - lse would round at lse's
+    scale), 0 in rows whose label is ignored (`labelled` False; None: every row); its gradient is
+    that of target - lse: +g to target, -g to lse. Two kernels each way, where autograd through
+    the same expression takes six."""
+
+    @staticmethod
+    def forward(ctx, target, lse, row_max, log_sum_exp, labelled, negative=False):
+        ctx.labelled, ctx.negative = labelled, negative
+        value = (row_max - target) + log_sum_exp if negative else (target - row_max) - log_sum_exp
+        return value if labelled is None else torch.where(labelled, value, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.labelled is not None:
+            grad = torch.where(ctx.labelled, grad, 0.0)
+        if ctx.negative:
+            return -grad, grad, None, None, None, None
+        return grad, -grad, None, None, None, None
 
 
 def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, logits_element_size: int = 2,
@@ -343,15 +432,15 @@ def expected_upstream_grad_problem(value) -> Optional[str]:
 
 
 def _anchor_from_token_grads(forward_grad: ForwardGradLoss, target, lse, sum_logits, entropy, row_max,
-                             log_sum_exp, row_index) -> Tensor:
+                             log_sum_exp, row_index, num_labelled, labelled) -> Tensor:
     """Recompute path for a loss with known per-token gradients (fp16): a zero scalar whose
     gradient w.r.t. the differentiable statistics is forward_grad's (so backward gets them already
     multiplied by the upstream gradient, in fp32, as the unfused path does)."""
     detached = [None if t is None else t.detach() for t in (target, lse, sum_logits, entropy)]
     merged = reductions.MergedStats(lse=detached[1], target=detached[0], sum_logits=detached[2],
                                     entropy=detached[3], max=row_max, log_sum_exp=log_sum_exp)
-    positions = row_index if row_index is not None else torch.arange(lse.shape[0], device=lse.device)
-    grads = forward_grad.token_grads(merged, positions, lse.shape[0])
+    positions = row_index if row_index is not None else slice(0, lse.shape[0])
+    grads = forward_grad.token_grads(merged, positions, num_labelled).only_rows(labelled)
     terms = [(g * stat).sum() for g, stat in zip((grads.target, grads.lse, grads.sum_logits, grads.entropy),
                                                  (target, lse, sum_logits, entropy))
              if g is not None and stat is not None]
@@ -386,6 +475,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `mask_check`: linear_logprobs' replay.MaskCheck (every rank passes one, with or without a
     mask: its entries join the agreement); a mask that keeps a set at some labelled position
     switches to replay.py's statistics."""
+    vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
+        integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
+    sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
     weight_param = weight
     hidden, weight = _autocast_inputs(hidden, weight)
     if isinstance(labels, Tensor) and labels.dtype == torch.int32:
@@ -405,13 +497,20 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     extra_checks["expected_upstream_grad"] = expected_upstream_grad_problem(expected_upstream_grad)
     if not extra_checks["expected_upstream_grad"] and expected_upstream_grad is not None:
         must_agree = {**(must_agree or {}), "expected_upstream_grad": float(expected_upstream_grad)}
+    # Sampler settings and sampling masks run the full agreement on every call (its checks guard
+    # their collectives); every other call runs it on the first call of its signature only and then
+    # checks the contents on the device. The rows of ignored labels go through the chunk loop (no
+    # count to read back), except for a sampling mask, whose replay plans the labelled rows.
+    rows_kept = not (mask_check is not None and mask_check.present)
+    may_remember = rows_kept and not any(v is not None and v != 0 for v in (sampler or {}).values())
     agreed = _check_arguments(
         fn_name, hidden, weight, labels, tp_group, vocab_size=vocab_size, temperature=temperature,
         chunk_size=chunk_size, sequence_parallel=sequence_parallel, impl=impl,
         ignore_index=ignore_index, logits_dtype=logits_dtype, memory_mode=memory_mode,
         want_entropy=want_entropy, grad_path=(needs_grad, needs_dx, grad_in_forward),
         max_chunk_bytes=max_chunk_bytes,
-        extra_checks=extra_checks, must_agree={**(must_agree or {}), **(sampler or {})}, mask_check=mask_check)
+        extra_checks=extra_checks, must_agree={**(must_agree or {}), **(sampler or {})}, mask_check=mask_check,
+        may_remember=may_remember)
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
@@ -420,19 +519,34 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     num_rows = flat_labels.numel()
     if logits_dtype == hidden.dtype:
         logits_dtype = None
-
-    # the agreed count sizes the index: no second host sync (nonzero would read the count back)
-    row_index = (None if agreed.num_labelled == num_rows
-                 else torch.nonzero_static(flat_labels != ignore_index, size=agreed.num_labelled).squeeze(1))
-    row_labels = flat_labels if row_index is None else flat_labels.index_select(0, row_index)
     vocab_start = tp_rank * v_local
-    if tp_size == 1:  # every label is in [0, true_vocab) (checked above): all on this shard
-        local_target = row_labels
-    else:
-        local_target = row_labels - vocab_start
-        local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
 
     backend = backends.select(impl, hidden.device)
+    rank_check, device_checks = None, None
+    if rows_kept:
+        # Every row goes through the chunk loop, an ignored one without a target and with a zero
+        # gradient: no count sizes anything (nothing to read back, static shapes for CUDA graphs),
+        # and the first call and the later ones of a signature compute alike, bit for bit. A later
+        # call checks the contents on the device instead (deferred_errors.py).
+        row_index, row_labels = None, flat_labels
+        device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
+                                      check=agreed.remembered)
+        local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
+        if tp_size > 1 and agreed.remembered:
+            rank_check = reductions.RankCheck(_rank_check_values(agreed.signature_code, labels, must_agree,
+                                                                 hidden.device))
+    else:
+        num_labelled = agreed.num_labelled
+        # the agreed count sizes the index: no second host sync (nonzero would read the count back)
+        row_index = (None if num_labelled == num_rows
+                     else torch.nonzero_static(flat_labels != ignore_index, size=num_labelled).squeeze(1))
+        row_labels = flat_labels if row_index is None else flat_labels.index_select(0, row_index)
+        if tp_size == 1:  # every label is in [0, true_vocab) (checked above): all on this shard
+            local_target = row_labels
+        else:
+            local_target = row_labels - vocab_start
+            local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
+
     lean_tiles = None
     if memory_mode == "lean":
         element_size = 4 if logits_dtype is not None else weight.element_size()
@@ -461,34 +575,85 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         # how the rows and the vocab are walked: lean tiles, the sampler's chunks, or fast chunks
         tiling=(lean_tiles if lean_tiles is not None
                 else sampling.SamplerChunks(sampling_spec) if sampling_spec is not None else FAST_CHUNKS),
+        rank_check=rank_check,
     )
+    shape = tuple(labels.shape)
+    labelled = device_checks.labelled if device_checks is not None else None
     anchor = None
     if agreed.mask_rows > 0:  # sampling-mask replay (replay.py); a mask of empty sets is today's path
         with autocast_off(hidden.device):
             out = replay.replay_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
                                            mask_check.ids, mask_check.offsets, vocab_start, needs_grad)
-        return TokenStats(out.target, out.lse, None, out.entropy, row_index, tuple(labels.shape), num_rows,
-                          None, out.max, out.log_sum_exp, kept=out.kept)
+        return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,
+                          None, out.max, out.log_sum_exp, kept=out.kept, num_labelled=num_labelled)
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
                 hidden2d, weight, row_index, local_target, spec, forward_grad,
-                None if expected_upstream_grad is None else float(expected_upstream_grad))
-            return TokenStats(target, lse, sum_logits, entropy, row_index, tuple(labels.shape), num_rows, anchor,
-                              row_max, log_sum_exp)
+                None if expected_upstream_grad is None else float(expected_upstream_grad), labelled, num_labelled)
+            return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
+                              row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
+                              poison=_device_poison(device_checks, rank_check))
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
     target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
     if forward_grad is not None and needs_grad:  # fp16: the same contract, gradients on the recompute path
         anchor = _anchor_from_token_grads(forward_grad, target, lse, sum_logits, entropy, merged.max,
-                                          merged.log_sum_exp, row_index)
+                                          merged.log_sum_exp, row_index, num_labelled, labelled)
         target, lse, sum_logits, entropy = (None if t is None else t.detach() for t in (target, lse, sum_logits, entropy))
     sampler_outputs = {}
     if isinstance(merged, sampling.KeptStats):  # sampler fidelity: the kept set and the top-k
         sampler_outputs = dict(kept=merged.label_kept(row_labels), topk_logprobs=merged.topk_logprobs,
                                topk_ids=merged.topk_ids)
-    return TokenStats(target, lse, sum_logits, entropy, row_index, tuple(labels.shape), num_rows, anchor,
-                      merged.max, merged.log_sum_exp, **sampler_outputs)
+    return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
+                      merged.max, merged.log_sum_exp, **sampler_outputs, num_labelled=num_labelled,
+                      labelled=labelled, poison=_device_poison(device_checks, rank_check))
+
+
+class LabelledCount:
+    """The number of labelled rows of a call, on the device (`count`, int64 0-d), with 1 / max(count,
+    1) and its negative (fp32 0-d): a mean's coefficients without a kernel of their own."""
+
+    def __init__(self, count: Tensor, inverse: Tensor, negative_inverse: Tensor):
+        self.count, self.inverse, self.negative_inverse = count, inverse, negative_inverse
+
+
+class _DeviceChecks:
+    """Each row's target on this shard (-1 where the label is ignored, off this shard, or out of
+    range), whether it is labelled, the number of labelled rows and, on a remembered signature
+    (`check`), whether a label lies outside [0, true_vocab) (deferred_errors.py), all on the
+    device: no count is read back."""
+
+    def __init__(self, backend, flat_labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int,
+                 v_local: int, check: bool):
+        # (the full agreement checked the first call of the signature: no flag to record then)
+        flags = deferred_errors.flags(flat_labels.device) if check else None
+        self.local_target, self.labelled, counts, scalars = backend.label_targets(
+            flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags)
+        self.num_labelled = LabelledCount(counts[0], scalars[1], scalars[2])
+        self.poison = scalars[:1] if check else None  # NaN where a label is out of range (recorded), else 0
+
+
+def _rank_check_values(signature_code: int, labels: Tensor, must_agree, device) -> Tensor:
+    """fp32 pieces of what every TP rank must share on a remembered signature: the signature's
+    code (its Python-level arguments), the labels' and each must-agree tensor's fingerprints."""
+    # torch.full: a fill kernel with the code as its argument, no host-to-device copy
+    codes = [torch.full((1,), signature_code, dtype=torch.int64, device=device), tensor_fingerprint(labels)]
+    codes += [tensor_fingerprint(v).to(device) for v in (must_agree or {}).values() if isinstance(v, Tensor)]
+    return fingerprint_pieces(torch.cat(codes))
+
+
+def _device_poison(device_checks: Optional[_DeviceChecks], rank_check) -> Optional[Tensor]:
+    """fp32 [1]: NaN if this call's device checks found bad contents (recorded for the next host
+    synchronization: deferred_errors.py), else 0, for its results; None where the full agreement
+    checked everything."""
+    if device_checks is None or device_checks.poison is None:
+        return None
+    poison = device_checks.poison  # (label_targets recorded what it found)
+    if rank_check is not None and rank_check.differ is not None:
+        deferred_errors.record(rank_check.differ.to(torch.int64) * deferred_errors.RANKS_DIFFER)
+        poison = poison + torch.where(rank_check.differ, float("nan"), 0.0)
+    return poison
 
 
 def linear_logprobs(
@@ -586,6 +751,10 @@ def linear_logprobs(
     x H)); large or scattered sets on the whole shard with 3 GEMMs per chunk (a cost model in
     replay.py chooses per tile).
     """
+    vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk = map(
+        integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk))
+    return_entropy, sequence_parallel, accumulate_into_main_grad = map(
+        flag_argument, (return_entropy, sequence_parallel, accumulate_into_main_grad))
     true_vocab = vocab_size if is_int(vocab_size) and vocab_size > 0 else (
         weight.shape[0] * reductions.group_size(tp_group)
         if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
@@ -612,7 +781,7 @@ def linear_logprobs(
     logprobs = stats.logprob()
     if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
         logprobs = torch.where(stats.kept, logprobs, float("-inf"))
-    logprobs = stats.to_full(logprobs)
+    logprobs = stats.to_full(logprobs, masked=stats.kept is None)
     entropy = stats.to_full(stats.entropy) if return_entropy else None
     if stats.topk_ids is None:
         return LogprobsOutput(logprobs, entropy)

@@ -84,6 +84,9 @@ class ChunkSpec:
     main_grad_param: Optional[Tensor] = None
     logits_dtype: Optional[torch.dtype] = None  # None: the input dtype
     tiling: Any = FAST_CHUNKS  # how rows and vocab are walked: fast.FastChunks or lean.LeanTiles
+    # values every TP rank must share, compared by the first statistics all-reduce of the call
+    # (a call after the first of its signature: reductions.RankCheck); None: nothing to compare
+    rank_check: Any = None
 
 
 def autocast_off(device: torch.device):
@@ -151,12 +154,11 @@ def coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse) -> Optional[di
     """Upstream grads of the four statistics -> per-token dlogits coefficients (see module doc)."""
     if all(g is None for g in (g_target, g_lse, g_sum, g_entropy)):
         return None
-    coef_p = torch.zeros_like(lse)
-    if g_lse is not None:
-        coef_p = coef_p + g_lse
+    # (no copy of g_lse where nothing is added to it: every launch counts at RL shapes)
+    coef_p = g_lse.contiguous() if g_lse is not None else torch.zeros_like(lse)
     coef_pz = None
     if g_entropy is not None:
-        coef_p = coef_p - g_entropy * entropy
+        coef_p = torch.addcmul(coef_p, g_entropy, entropy, value=-1.0)  # coef_p - g_entropy * entropy
         coef_pz = -g_entropy
     return {"p": coef_p, "pz": coef_pz, "target": g_target, "uniform": g_sum}
 
@@ -285,7 +287,7 @@ class LinearLossGradInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, forward_grad: ForwardGradLoss,
-                expected_grad: Optional[float] = None):
+                expected_grad: Optional[float] = None, labelled: Optional[Tensor] = None, num_labelled=None):
         full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
         rows = labelled_rows(full_hidden, row_index)
         needs_dx, needs_dw = hidden.requires_grad, weight.requires_grad
@@ -308,16 +310,17 @@ class LinearLossGradInForward(torch.autograd.Function):
         merged_chunks, coef_chunks, dw_last = _forward_chunks(
             rows, weight, row_index, local_target, spec, forward_grad, dx_rows, dw_out, adds_in_forward,
             cast_dw_to=weight_grad_cast_target(dw_acc, weight, accumulate=into_main_grad),
-            dw_scale=expected_grad if adds_in_forward else 1.0)
+            dw_scale=expected_grad if adds_in_forward else 1.0, labelled=labelled,
+            num_labelled=rows.shape[0] if num_labelled is None else num_labelled)
         if dw_last is not None:  # dW in the weight dtype already: the fp32 sum is not needed any more
             dw_acc = dw_last
 
         def cat(values, wanted=True):
             if not wanted:
                 return None
-            if not values:  # no labelled row
+            if not values:  # no row
                 return rows.new_zeros(0, dtype=torch.float32)
-            return torch.cat(values)
+            return values[0] if len(values) == 1 else torch.cat(values)  # (one chunk: no copy)
 
         ctx.spec = spec
         ctx.into_main_grad = into_main_grad
@@ -355,7 +358,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         dx, dw = ctx.dx_buffer, ctx.dw_buffer
         ctx.dx_buffer = ctx.dw_buffer = None
         if ctx.main_grad_side_effect is not None:
-            ctx.main_grad_side_effect.backward_ran = True
+            ctx.main_grad_side_effect.backpropagated()
         expected = ctx.expected_grad_in_main_grad  # main_grad holds expected·dW of this forward
         ctx.expected_grad_in_main_grad = None
         # dX and a dW made in the weight dtype are scaled by backend.scale_, which reads g on the GPU
@@ -390,29 +393,34 @@ class LinearLossGradInForward(torch.autograd.Function):
         elif ctx.needs_dw:  # lean mode, or a second backward: g·dW from the coefficients
             grad_weight = _weight_grad_from_coefs(
                 spec, ctx.into_main_grad, hidden, weight, row_index, local_target, offsets, coef_list, g_anchor)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forward_grad: ForwardGradLoss, dx_rows,
-                    dw_out, into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0):
+                    dw_out, into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0,
+                    labelled: Optional[Tensor] = None, num_labelled=None):
     """LinearLossGradInForward's loop -> (merged statistics, coefficients per step, dW): per step of
     rows (spec.tiling's: a chunk of logits, or lean sweep A over a token chunk), the statistics
     merged over TP ranks, the per-token coefficients, then dX (and, where the tiling makes it in
     the forward, dW times `dw_scale`) into `dx_rows` / `dw_out` (`into_main_grad`: dw_out is
     main_grad, added to from the first step on). With `cast_dw_to` (dw_out an fp32 sum over
     chunks), the last chunk may add the sum and write dW in that dtype in one GEMM: that dW is
-    returned, else None."""
+    returned, else None. `labelled` (bool [rows]; None: every row is labelled) zeroes the
+    gradients of the rows of ignored labels; `num_labelled` is what the loss divides by."""
     tiling = spec.tiling
-    plan = tiling.forward_plan(rows, weight, spec, forward_grad, needs_dx=dx_rows is not None)
+    plan = tiling.forward_plan(rows, weight, spec, forward_grad, needs_dx=dx_rows is not None,
+                               num_labelled=num_labelled)
     merged_chunks, coef_chunks = [], []
     dw_last = None
     for index, (start, end) in enumerate(row_chunks(rows.shape[0], tiling.forward_rows(spec))):
         h, target = rows[start:end], local_target[start:end]
         merged, pending = tiling.forward_statistics(plan, h, weight, target, spec)
         merged_chunks.append(merged)
-        positions = (row_index[start:end] if row_index is not None
-                     else torch.arange(start, end, device=rows.device))
-        grads = forward_grad.token_grads(merged, positions, rows.shape[0])
+        # the chunk's positions among all rows: indices, or a slice of consecutive rows (no kernel)
+        positions = row_index[start:end] if row_index is not None else slice(start, end)
+        grads = forward_grad.token_grads(merged, positions, num_labelled)
+        if not forward_grad.masks_unlabelled:
+            grads = grads.only_rows(None if labelled is None else labelled[start:end])
         coefs = coefficients(grads.target, grads.lse, grads.sum_logits, grads.entropy, merged.entropy, merged.lse)
         if coefs is None:
             coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)

@@ -198,7 +198,7 @@ def weight_grad_cast_target(dw_out: Optional[Tensor], weight: Tensor, accumulate
 
 
 
-def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor, chunk_rows: int):
+def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor, chunk_rows: int, num_labelled):
     """c where every chunk's dlogits may come from the backend's row kernel as c (softmax - one_hot), in one
     pass over the logits: a float (the same c for every token, the GEMMs' alpha), PER_ROW (c_i read
     from each chunk's coefficients), or None where the statistics and dlogits are taken apart. It
@@ -214,7 +214,7 @@ def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: T
     if not row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
                                 spec.inv_temperature, rows.device):
         return None
-    return forward_grad.one_hot_scale(rows.shape[0])
+    return forward_grad.one_hot_scale(num_labelled)
 
 
 def map_chunk_logits(hidden_rows: Tensor, weight: Tensor, spec, visit) -> list:
@@ -233,6 +233,8 @@ def concat_partials(partials: list, hidden_rows: Tensor, spec) -> ShardStats:
     in the collectives, with empty partials)."""
     if not partials:
         return ShardStats.empty(0, hidden_rows.device, spec.want_sum_logits, spec.want_entropy)
+    if len(partials) == 1:  # (a concatenation of one would copy every field)
+        return partials[0]
     return ShardStats(**{
         name: None if getattr(partials[0], name) is None else torch.cat([getattr(p, name) for p in partials])
         for name in ShardStats.__dataclass_fields__
@@ -258,7 +260,8 @@ class MergedAfterLoop:
     statistics_type = reductions.MergedStats
 
     def merged_statistics(self, hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec):
-        return reductions.merge_shard_stats(shard_partials(hidden_rows, weight, local_target, spec), spec.tp_group)
+        return reductions.merge_shard_stats(shard_partials(hidden_rows, weight, local_target, spec), spec.tp_group,
+                                            spec.rank_check)
 
 
 class FastChunks(MergedAfterLoop):
@@ -283,15 +286,16 @@ class FastChunks(MergedAfterLoop):
         return backward_grads(rows, weight, local_target, spec, offsets, coefs, dx_rows, dw_out,
                               dw_accumulate=accumulate, cast_dw_to=weight_grad_cast_target(dw_out, weight, accumulate))
 
-    def forward_plan(self, rows: Tensor, weight: Tensor, spec, forward_grad: ForwardGradLoss, needs_dx: bool):
+    def forward_plan(self, rows: Tensor, weight: Tensor, spec, forward_grad: ForwardGradLoss, needs_dx: bool,
+                     num_labelled):
         """The one-pass scale of this call (None: statistics and dlogits taken apart)."""
-        return _one_pass_scale(spec, forward_grad, rows, weight, min(spec.chunk_size, rows.shape[0]))
+        return _one_pass_scale(spec, forward_grad, rows, weight, min(spec.chunk_size, rows.shape[0]), num_labelled)
 
     def forward_statistics(self, one_hot_scale, h: Tensor, weight: Tensor, local_target: Tensor, spec):
         """-> (the chunk's statistics merged over TP ranks, its logits)."""
         logits, stats = chunk_forward(h, weight, local_target, spec, want_stats=one_hot_scale is None)
         if one_hot_scale is None:
-            return reductions.merge_shard_stats(stats, spec.tp_group), logits
+            return reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check), logits
         # the logits become softmax - one_hot in the same pass that takes lse
         loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
         target = lse - loss

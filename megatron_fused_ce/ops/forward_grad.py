@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import torch
 from torch import Tensor
 
 PER_ROW = "per_row"  # one_hot_scale: c_i differs per token (the coefficient of lse)
@@ -45,14 +46,28 @@ class TokenGrads:
     sum_logits: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
 
+    def only_rows(self, keep: Optional[Tensor]) -> "TokenGrads":
+        """Zero where `keep` (bool [rows]) is False: rows of ignored labels that went through the
+        chunk loop (a remembered signature does not drop them); None keeps every row."""
+        if keep is None:
+            return self
+        return TokenGrads(*(None if g is None else torch.where(keep, g, 0.0)
+                            for g in (self.target, self.lse, self.sum_logits, self.entropy)))
+
 
 class ForwardGradLoss:
     """Base of the losses whose gradients are made in the forward pass (module doc)."""
 
     want_sum_logits: bool = False
+    masks_unlabelled: bool = False  # token_grads gives 0 in rows of ignored labels itself (else the loop does)
 
-    def token_grads(self, stats, positions: Tensor, num_labelled: int) -> TokenGrads:
+    def token_grads(self, stats, positions: Tensor, num_labelled) -> TokenGrads:
+        """`positions`: the chunk's rows among all rows of the call (flat positions of the
+        labels): a tensor of indices, or a `slice` of consecutive rows; either indexes a tensor.
+        `num_labelled`: the labelled tokens of the call, an int, or an `api.LabelledCount` on the
+        device where no count was read back (the rows then include ignored ones, whose gradients
+        the chunk loop zeroes: they may hold anything here)."""
         raise NotImplementedError
 
-    def one_hot_scale(self, num_labelled: int) -> Union[float, str, None]:
+    def one_hot_scale(self, num_labelled) -> Union[float, str, None]:
         return None

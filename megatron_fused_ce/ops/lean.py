@@ -86,13 +86,14 @@ class LeanTiles(MergedAfterLoop):
         if dw_out is not None:
             weight_grad_sweep(rows, weight, local_target, spec, offsets, coefs, dw_out, accumulate=accumulate)
 
-    def forward_plan(self, rows: Tensor, weight: Tensor, spec, forward_grad, needs_dx: bool) -> "_SweepA":
+    def forward_plan(self, rows: Tensor, weight: Tensor, spec, forward_grad, needs_dx: bool,
+                     num_labelled=None) -> "_SweepA":
         return _SweepA(weight_blocks(weight, spec.num_valid_cols, self.cols_a), needs_dx)
 
     def forward_statistics(self, plan: "_SweepA", h: Tensor, weight: Tensor, local_target: Tensor, spec):
         """Sweep A over a token chunk -> (its statistics merged over TP ranks, (partials, accumulator))."""
         stats, acc = expected_rows(h, plan.blocks, local_target, spec, want_acc=plan.needs_dx)
-        return reductions.merge_shard_stats(stats, spec.tp_group), (stats, acc)
+        return reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check), (stats, acc)
 
     def forward_grads(self, plan: "_SweepA", pending, h: Tensor, weight: Tensor, local_target: Tensor, spec,
                       merged, coefs: dict, dx_chunk: Optional[Tensor], dw_out: Optional[Tensor], **unused) -> None:

@@ -8,20 +8,34 @@ forward runs (chunked.LinearLossGradInForward). That is a side effect, so:
 - `MainGradSideEffect`: a forward whose graph is freed without any backward (an evaluation pass
   outside torch.no_grad(), a micro-batch abandoned after an error) poisons main_grad with NaN
   instead of leaving it silently wrong (`poison_main_grad`);
+- a forward whose graph is still alive, without a backward, when an optimizer steps (an evaluation
+  loss held for logging, a micro-batch loss kept in a list) would have its dW read as part of the
+  step's gradient: a step pre-hook on every torch optimizer (`check_before_optimizer_step`;
+  Megatron's optimizers step a torch optimizer on the fp32 main parameters) poisons main_grad and
+  raises before the update is applied;
 - `check_upstream_grad`: the first backward compares the g it receives with the expected one; a
   different g cannot be corrected exactly, so main_grad is poisoned too;
 - `unpaired_forward_error`: the next fused call on a poisoned parameter raises on every rank (the
-  argument agreement), until the buffer is zeroed (Megatron's zero_grad_buffer).
+  argument agreement), until the buffer is zeroed (Megatron's zero_grad_buffer); the optimizer-step
+  check raises too while a poisoned main_grad still holds NaN.
 Every other path applies g in the backward and has no side effect (docs/design.md §4.5).
+
+Why a check and not a private buffer: keeping each forward's dW out of main_grad until its
+backward arrives is the `expected_upstream_grad=None` path, one fp32 [V_local, H] buffer per
+forward in flight (2 GiB at V_local=128256, H=4096) and 1-4 % slower; the check costs a look at
+an empty set per optimizer step.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from .step_checks import before_optimizer_steps
 
 
 def adds_into_main_grad(weight: Tensor, accumulate_into_main_grad: bool) -> bool:
@@ -42,29 +56,79 @@ UNPAIRED_FORWARD_MESSAGE = (
 
 class MainGradSideEffect:
     """The dW that LinearLossGradInForward (fast mode) added to `param.main_grad` during its forward,
-    owned by the op's autograd node until a backward through it runs.
+    owned by the op's autograd node until a backward through it runs (`backpropagated`).
 
     If the node is freed with no backward ever run (the graph dropped, an exception after the
     forward), main_grad holds a gradient nobody asked for. It cannot be taken back here: that needs
     the chunk GEMMs again (and, under sequence parallelism, a collective on every rank at once),
     and the buffer may have been zeroed since. So main_grad is filled with NaN and the parameter
     marked: the next fused call on it raises on every rank (api.py) unless the buffer was zeroed
-    in between, and an optimizer step without such a call sees NaN, never a wrong gradient."""
+    in between, and the next optimizer step raises while it holds NaN. While the node is alive
+    without a backward, the next optimizer step poisons and raises (check_before_optimizer_step)."""
 
     def __init__(self, param: Tensor):
         self.param = param
         self.backward_ran = False
+        self.poisoned = False
+        _OUTSTANDING.add(self)
+        watch_optimizer_steps()
+
+    def backpropagated(self) -> None:
+        self.backward_ran = True
+        _OUTSTANDING.discard(self)
+
+    def poison(self, message: str) -> None:
+        """main_grad filled with NaN and the parameter marked (once per side effect)."""
+        _OUTSTANDING.discard(self)
+        if self.poisoned or getattr(self.param, "main_grad", None) is None:
+            return
+        self.poisoned = True
+        poison_main_grad(self.param, message)
 
     def __del__(self):
         if self.backward_ran:
             return
-        main_grad = getattr(self.param, "main_grad", None)
-        if main_grad is None:
-            return
         try:
-            poison_main_grad(self.param, UNPAIRED_FORWARD_MESSAGE)
+            self.poison(UNPAIRED_FORWARD_MESSAGE)
         except Exception:  # interpreter shutdown: nothing left to protect
             pass
+
+
+# Side effects whose backward has not run yet (alive, weakly held), and parameters whose main_grad
+# was poisoned: what the optimizer-step check reads. Both are empty in a correct training loop.
+_OUTSTANDING: "weakref.WeakSet[MainGradSideEffect]" = weakref.WeakSet()
+_POISONED: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()  # by id: tensors compare by value
+
+OUTSTANDING_AT_STEP_MESSAGE = (
+    "an optimizer step was taken while a fused loss computed with accumulate_into_main_grad (and "
+    "expected_upstream_grad) in this process still had its autograd graph alive without a backward: "
+    "an evaluation or log-prob loss computed outside torch.no_grad() and held (for logging), or a "
+    "micro-batch loss kept in a list without loss.backward(). That forward added its weight gradient "
+    "to main_grad, so the step would have trained on it; main_grad was filled with NaN and the update "
+    "was not applied. Run forward-only passes under torch.no_grad() (or backpropagate every training "
+    "loss before the step), then zero the gradient buffer (Megatron: model.zero_grad_buffer())")
+
+
+def check_before_optimizer_step() -> None:
+    """Run before every torch optimizer step (step_checks.py): raise (and poison main_grad) where a
+    fused forward's dW sits in main_grad without its backward, or a poisoned main_grad still holds
+    NaN. Nothing to read, no host sync, in a correct loop."""
+    pending = [effect for effect in list(_OUTSTANDING) if not effect.backward_ran]
+    if pending:
+        for effect in pending:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the error below says it
+                effect.poison(OUTSTANDING_AT_STEP_MESSAGE)
+        raise RuntimeError("megatron_fused_ce: " + OUTSTANDING_AT_STEP_MESSAGE)
+    for param in list(_POISONED.values()):
+        message = unpaired_forward_error(param)  # reads main_grad only while the mark is set
+        if message:
+            raise RuntimeError("megatron_fused_ce: an optimizer step was taken on a gradient that "
+                               "holds NaN on purpose: " + message)
+
+
+def watch_optimizer_steps() -> None:
+    before_optimizer_steps(check_before_optimizer_step)
 
 
 def poison_main_grad(param: Tensor, message: str) -> None:
@@ -72,6 +136,8 @@ def poison_main_grad(param: Tensor, message: str) -> None:
     NaN, and the next fused call on it raises `message` on every rank (unpaired_forward_error)."""
     param.main_grad.fill_(float("nan"))
     setattr(param, UNPAIRED_FORWARD_ATTR, message)
+    _POISONED[id(param)] = param
+    watch_optimizer_steps()
     warnings.warn("megatron_fused_ce: " + message, RuntimeWarning, stacklevel=3)
 
 
@@ -108,6 +174,7 @@ def unpaired_forward_error(param: Optional[Tensor]) -> Optional[str]:
     if bool(torch.isnan(param.main_grad).any()):
         return message if isinstance(message, str) else UNPAIRED_FORWARD_MESSAGE
     setattr(param, UNPAIRED_FORWARD_ATTR, None)
+    _POISONED.pop(id(param), None)
     return None
 
 

@@ -90,12 +90,36 @@ def combine_blocks(parts: list) -> ShardStats:
     )
 
 
-def merge_shard_stats(stats: ShardStats, group) -> MergedStats:
+class RankCheck:
+    """Values that must be equal on every rank of the group (fp32 pieces of fingerprints, exact
+    integers), compared on the device by riding on the first all-reduce MAX of a call's statistics:
+    [row maxima | v | -v] reduced at once, and v differs somewhere iff max(v) != -max(-v). Every
+    rank computes the same verdict (`differ`, a 0-d bool tensor) without a collective or a host
+    read of its own (deferred_errors.py)."""
+
+    def __init__(self, values: Tensor):
+        self.values: Optional[Tensor] = values
+        self.differ: Optional[Tensor] = None
+
+    def take(self) -> Optional[Tensor]:
+        values, self.values = self.values, None
+        return values
+
+
+def merge_shard_stats(stats: ShardStats, group, rank_check: Optional[RankCheck] = None) -> MergedStats:
     global_max = stats.max
     sum_exp, sum_exp_shifted = stats.sum_exp, stats.sum_exp_shifted
     if group_size(group) > 1:
-        global_max = stats.max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        check = rank_check.take() if rank_check is not None else None
+        if check is None:
+            global_max = stats.max.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        else:  # the rank check rides on this all-reduce
+            rows, width = stats.max.numel(), check.numel()
+            payload = torch.cat([stats.max, check, -check])
+            dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
+            rank_check.differ = (payload[rows:rows + width] != -payload[rows + width:]).any()
+            global_max = payload[:rows]
         # Rescale each shard's exp-sums to the common max; a shard without valid columns has
         # max = -inf and contributes exp(-inf) = 0.
         rescale = torch.exp(stats.max - global_max)

@@ -62,6 +62,7 @@ import torch
 from torch import Tensor
 
 from . import reductions
+from .agreement import integer_argument, is_int
 from .backends import ShardStats
 from .chunked import ChunkSpec, autocast_off, coefficients, first_order_only, input_grad, labelled_rows
 from .fast import backward_grads, chunk_logits, grad_gemms, shard_partials
@@ -203,7 +204,7 @@ class MaskCheck:
             keys = position * vocab + ids.clamp(0, vocab - 1)
             duplicates = (keys.sort().values.diff() == 0).sum()
         with_set = torch.zeros((), dtype=torch.int64, device=ids.device)
-        if positions > 0 and isinstance(self.labels, Tensor) and isinstance(self.ignore_index, int):
+        if positions > 0 and isinstance(self.labels, Tensor) and is_int(self.ignore_index):
             sizes = offsets[1:] - offsets[:-1]
             with_set = ((sizes > 0) & (self.labels.reshape(-1) != self.ignore_index)).sum()
         return torch.stack([bad_offsets, bad_ids, duplicates, with_set])
@@ -259,6 +260,9 @@ def build_sampling_mask(requests: Sequence, labels_shape, *, sequence_first: boo
             row, start, mask = request
         except (TypeError, ValueError):
             raise ValueError(f"requests[{index}] must be (row, start, mask)") from None
+        row, start = integer_argument(row), integer_argument(start)
+        if not (is_int(row) and is_int(start)):
+            raise ValueError(f"requests[{index}]: row and start must be integers, got {row!r}, {start!r}")
         ids, offsets = as_sampling_mask(mask)
         ids, offsets = ids.cpu(), offsets.cpu()
         generated = offsets.numel() - 1
@@ -290,7 +294,7 @@ def slice_sampling_mask(mask, positions) -> SamplingMask:
     [B, S / CP] of [B, S] labels at sequence positions `seq` (megatron's
     context_parallel.positions_on_cp_rank) passes `flat_positions(seq, B, S)`."""
     ids, offsets = as_sampling_mask(mask)
-    positions = torch.as_tensor(positions, dtype=torch.int64).to(offsets.device).reshape(-1)
+    positions = _integer_positions(positions, "positions").to(offsets.device)
     total = offsets.numel() - 1
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= total):
         raise ValueError(f"positions must lie in [0, {total}) (the mask's positions)")
@@ -301,11 +305,23 @@ def slice_sampling_mask(mask, positions) -> SamplingMask:
 def flat_positions(seq_positions, batch_size: int, length: int, *, sequence_first: bool = False) -> Tensor:
     """Flat row-major positions of labels [B, len(seq)] (or [len(seq), B] with `sequence_first`)
     cut at sequence positions `seq_positions` of full labels [B, length] ([length, B])."""
-    seq = torch.as_tensor(seq_positions, dtype=torch.int64).reshape(-1)
+    seq = _integer_positions(seq_positions, "seq_positions")
+    batch_size, length = integer_argument(batch_size), integer_argument(length)
+    if not (is_int(batch_size) and is_int(length) and batch_size >= 0 and length >= 0):
+        raise ValueError(f"batch_size and length must be integers >= 0, got {batch_size!r}, {length!r}")
     rows = torch.arange(batch_size, dtype=torch.int64)
     if sequence_first:
         return (seq.unsqueeze(1) * batch_size + rows.unsqueeze(0)).reshape(-1)
     return (rows.unsqueeze(1) * length + seq.unsqueeze(0)).reshape(-1)
+
+
+def _integer_positions(positions, name: str) -> Tensor:
+    """Positions as a 1-D int64 tensor; bools and floats refused (a bool tensor would read as the
+    indices 0 and 1, a float be truncated)."""
+    values = torch.as_tensor(positions)
+    if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
+        raise ValueError(f"{name} must be integer indices, got dtype {values.dtype}")
+    return values.to(torch.int64).reshape(-1)
 
 
 def kept_columns(mask, vocab_start: int, v_local: int) -> Tensor:

@@ -6,7 +6,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 
 | capability | what it replaces | who has it |
 |---|---|---|
-| `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
+| `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
 | `entry_stats`, `entry_dlogits`: sampling-mask replay on the kept entries of a block (required) | - | replay_torch.py for both (O(rows x K) next to the GEMMs) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
@@ -102,6 +102,8 @@ class Backend:
     # sampling-mask replay (replay.py): partials and dlogits of each row's kept entries
     entry_stats: Callable
     entry_dlogits: Callable
+    # each row's target on this shard, which rows are labelled, their count and a bad-label flag
+    label_targets: Callable
     # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)
     tile_scratch_bytes: int = 0
     # capabilities (None: not available)

@@ -188,10 +188,31 @@ def exp_tile_(
     return tile
 
 
+def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int, v_local: int,
+                  flags: Optional[Tensor] = None) -> tuple:
+    """Flat labels -> (local_target int64 [n]: the column of the label on this shard, -1 where it is
+    ignore_index, on another shard or outside [0, true_vocab); labelled bool [n]; int64 [2]:
+    the number of labelled rows, and 1 if a labelled row's label lies outside [0, true_vocab)
+    else 0; fp32 [3]: NaN if so else 0 (to add to the call's results), then 1 / max(labelled
+    rows, 1) and its negative (a mean's coefficients)). With `flags` (an int64 [1] word,
+    deferred_errors.py) that 1 is OR-ed into it."""
+    labelled = labels != ignore_index
+    in_range = (labels >= 0) & (labels < true_vocab)
+    local = labels - vocab_start
+    local_target = torch.where(labelled & in_range & (local >= 0) & (local < v_local), local, -1)
+    bad = (labelled & ~in_range).any()
+    counts = torch.stack([labelled.sum(), bad.to(torch.int64)])
+    if flags is not None:
+        flags.bitwise_or_(counts[1:])
+    inverse = counts[0].clamp(min=1).reciprocal().to(torch.float32)
+    scalars = torch.stack([torch.where(bad, float("nan"), 0.0).to(torch.float32), inverse, -inverse])
+    return local_target, labelled, counts, scalars
+
+
 BACKEND = Backend(
     name="torch", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
     exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
     kept_dlogits_=sampling_torch.kept_dlogits_,
-    entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
+    entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits, label_targets=label_targets,
     tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
 )

@@ -377,6 +377,53 @@ def exp_tile_(tile: Tensor, local_target: Tensor, num_valid_cols: int, inv_tempe
     return tile
 
 
+@triton.jit
+def _label_targets_kernel(labels_ptr, target_ptr, labelled_ptr, counts_ptr, scalars_ptr, flags_ptr, n, ignore_index,
+                          true_vocab, vocab_start, v_local, HAS_FLAGS: tl.constexpr, BLOCK: tl.constexpr):
+    # one program walks every row: a launch, not a reduction tree, is what costs at these sizes
+    labelled_rows = tl.zeros([BLOCK], tl.int64)
+    bad_rows = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        in_rows = offsets < n
+        label = tl.load(labels_ptr + offsets, mask=in_rows, other=ignore_index)
+        labelled = (label != ignore_index) & in_rows
+        in_range = (label >= 0) & (label < true_vocab)
+        local = label - vocab_start
+        on_shard = labelled & in_range & (local >= 0) & (local < v_local)
+        tl.store(target_ptr + offsets, tl.where(on_shard, local, -1), mask=in_rows)
+        tl.store(labelled_ptr + offsets, labelled.to(tl.int8), mask=in_rows)
+        labelled_rows += labelled.to(tl.int64)
+        bad_rows = tl.maximum(bad_rows, (labelled & ~in_range).to(tl.int32))
+    bad = tl.max(bad_rows, axis=0).to(tl.int64)
+    tl.store(counts_ptr, tl.sum(labelled_rows, axis=0))
+    tl.store(counts_ptr + 1, bad)
+    tl.store(scalars_ptr, tl.where(bad != 0, float("nan"), 0.0))
+    inverse = 1.0 / tl.maximum(tl.sum(labelled_rows, axis=0), 1).to(tl.float32)
+    tl.store(scalars_ptr + 1, inverse)
+    tl.store(scalars_ptr + 2, -inverse)
+    if HAS_FLAGS:
+        tl.store(flags_ptr, tl.load(flags_ptr) | bad)
+
+
+def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int, v_local: int,
+                  flags: Optional[Tensor] = None) -> tuple:
+    """torch_backend.label_targets in one launch (the dozen elementwise ops and reductions of the
+    torch version each cost a launch before the first GEMM)."""
+    if not labels.is_cuda:
+        return torch_backend.label_targets(labels, ignore_index, true_vocab, vocab_start, v_local, flags)
+    labels = labels.contiguous()
+    n = labels.numel()
+    local_target = torch.empty(n, dtype=torch.int64, device=labels.device)
+    labelled = torch.empty(n, dtype=torch.uint8, device=labels.device)
+    counts = torch.empty(2, dtype=torch.int64, device=labels.device)
+    scalars = torch.empty(3, dtype=torch.float32, device=labels.device)
+    _label_targets_kernel[(1,)](labels, local_target, labelled, counts, scalars, flags if flags is not None else counts,
+                                n, int(ignore_index), int(true_vocab), int(vocab_start), int(v_local),
+                                HAS_FLAGS=flags is not None, BLOCK=1024, num_warps=4)
+    return local_target, labelled.view(torch.bool), counts, scalars
+
+
 from . import sampling_triton  # noqa: E402  (it uses the helpers above)
 
 BACKEND = Backend(
@@ -384,7 +431,7 @@ BACKEND = Backend(
     exp_tile_=exp_tile_, shard_candidates=sampling_triton.shard_candidates, kept_sums=sampling_triton.kept_sums,
     kept_dlogits_=sampling_triton.kept_dlogits_,
     # replay's entries: O(rows x K) next to the GEMMs, the torch math is enough
-    entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
+    entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits, label_targets=label_targets,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
 )

@@ -1,0 +1,80 @@
+"""Errors found on the device, by calls that make no host synchronization, raised at the next one.
+
+The first call of a signature checks everything and reads the verdict back (agreement.py). Later
+calls with the same signature skip that read-back, so what depends on the tensors' contents is
+checked on the device instead:
+
+- labels outside [0, vocab_size) that are not ignore_index (on every rank: the labels are the same);
+- values that differ across tensor-parallel ranks (labels, per-token inputs of the loss, the call's
+  Python-level arguments), compared by fingerprints riding on the statistics' all-reduce MAX
+  (reductions.RankCheck), so every rank computes the same verdict.
+
+A call that finds one returns NaN (never a silently wrong value) and records it here, in one int64
+word of flags per device. The flags are read, and a ValueError naming what was found raised on
+every rank, by the next host synchronization of the package: the next call that runs the full
+agreement (a new signature), the step pre-hook of every torch optimizer (step_checks.py), or
+`check_deferred_errors()` (RL loops that run forward-only passes without a step).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torch import Tensor
+
+LABELS_OUT_OF_RANGE = 1
+RANKS_DIFFER = 2
+MESSAGES = {
+    LABELS_OUT_OF_RANGE: "labels outside [0, vocab_size) that are not ignore_index",
+    RANKS_DIFFER: ("labels, per-token loss inputs or arguments that differ across tensor-parallel ranks "
+                   "(every rank of tp_group must pass the same)"),
+}
+
+_FLAGS: Dict[torch.device, Tensor] = {}  # per device: the OR of the flags recorded since the last read
+
+
+def flags(device: torch.device) -> Tensor:
+    """The int64 [1] word of flags of `device` (made on the first call that records one: the
+    full-agreement call, outside any CUDA graph capture)."""
+    word = _FLAGS.get(device)
+    if word is None:
+        word = _FLAGS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        from .step_checks import before_optimizer_steps
+
+        before_optimizer_steps(check_deferred_errors)
+    return word
+
+
+def record(errors: Tensor) -> None:
+    """OR a call's int64 0-d flags into its device's word (one kernel, no host read)."""
+    flags(errors.device).bitwise_or_(errors.reshape(1))
+
+
+def messages_of(value: int) -> List[str]:
+    return [message for bit, message in MESSAGES.items() if value & bit]
+
+
+def take(device: torch.device) -> Tensor:
+    """The flags of `device` as a device tensor, the word cleared (for the full agreement, which
+    reads it with everything else)."""
+    word = _FLAGS.get(device)
+    if word is None:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    value = word.clone()
+    word.zero_()
+    return value
+
+
+def check_deferred_errors() -> None:
+    """Raise ValueError if a call since the last check found bad contents on the device (module
+    doc); one small read per device that made such calls, none otherwise."""
+    found = 0
+    for device, word in _FLAGS.items():
+        value = int(word.item())
+        if value:
+            word.zero_()
+            found |= value
+    if found:
+        raise ValueError("megatron_fused_ce: a fused call after the first of its signature found "
+                         + "; ".join(messages_of(found)) + " (its results were NaN)")

@@ -1,0 +1,252 @@
+"""Steady state: the second call of a signature makes no host read and only the math's collectives.
+
+The first call of a signature (the Python-level arguments, shapes, dtypes, group) runs the full
+argument agreement: one small all-reduce and one read-back. A later call of the same signature
+skips both (ops/agreement.py): its contents are checked on the device, labels and per-token inputs
+are compared across TP ranks by fingerprints that ride on the statistics' all-reduce MAX, and what
+is found is raised at the next host synchronization (ops/deferred_errors.py), the results being
+NaN until then. The rows of ignored labels go through the chunk loop (with a zero gradient), so no
+count sizes anything.
+
+Counted on the CPU (gloo): host reads (aten's `_local_scalar_dense`, `nonzero`, `Tensor.tolist`)
+and tensors made from host data (`torch.tensor`, `torch.as_tensor`: host-to-device copies on a
+GPU), which is what a CUDA synchronization is on a GPU, where tests/test_cuda_steady_state.py asserts it under
+torch.cuda.set_sync_debug_mode("error")) and collectives of the second call, per path, at TP = 1
+and 2: forward-only log-probs 2 collectives, cross-entropy / log-probs (± entropy) / GRPO forward
++ backward 3 (two for the statistics, one for dX), none of them the agreement. And the deferred
+checks: bad labels, labels or GRPO inputs that differ across ranks, in a steady call, give NaN and
+raise at the next check on every rank.
+"""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dist import run_workers
+from megatron_fused_ce import check_deferred_errors, linear_cross_entropy, linear_logprobs
+from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+from megatron_fused_ce.ops import agreement
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+               "reduce_scatter_single", "all_gather", "broadcast", "reduce_scatter", "all_to_all_single")
+HOST_READS = ("_local_scalar_dense", "nonzero", "is_nonzero")
+GRPO_EVERY_OPTION = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, kl_estimator="k3",
+                               use_bias_correction_kl=True, is_correction="token_truncate", is_clip_max=2.0)
+
+
+class _HostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in HOST_READS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _counting():
+    """(collectives, host reads) made inside, as lists of names."""
+    collectives, originals = [], {}
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            originals[name] = getattr(dist, name)
+
+            def counted(*args, _name=name, **kwargs):
+                collectives.append(_name)
+                return originals[_name](*args, **kwargs)
+
+            setattr(dist, name, counted)
+    tolist = torch.Tensor.tolist
+
+    reads = _HostReads()
+
+    def counted_tolist(self):
+        reads.ops.append("tolist")
+        return tolist(self)
+
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with _HostData(reads.ops), reads:
+            yield collectives, reads.ops
+    finally:
+        torch.Tensor.tolist = tolist
+
+
+class _HostData(TorchFunctionMode):
+    """A tensor made from host data: a host-to-device copy on a GPU (synchronizing, and refused
+    inside a CUDA graph capture)."""
+
+    def __init__(self, found):
+        super().__init__()
+        self.found = found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
+            self.found.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _inputs(seed, rows=24, hidden=16, v_local=40):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(4, rows // 4, hidden, generator=g)
+    w = torch.randn(v_local * 2, hidden, generator=g) * 0.3
+    y = torch.randint(0, 75, (4, rows // 4), generator=g)
+    y[:, 0] = -100
+    return h, w, y
+
+
+def _paths(group, rank, world):
+    """name -> a call (first and second: fresh inputs of the same signature)."""
+    def shard(w):
+        v = w.shape[0] // world
+        return w[rank * v:(rank + 1) * v]
+
+    def leaves(seed):
+        h, w, y = _inputs(seed)
+        return h.requires_grad_(), shard(w).clone().requires_grad_(), y
+
+    common = dict(tp_group=group, vocab_size=75)
+
+    def forward_only(seed):
+        h, w, y = leaves(seed)
+        with torch.no_grad():
+            return linear_logprobs(h, w, y, **common).logprobs
+
+    def logprobs(seed, entropy=False):
+        h, w, y = leaves(seed)
+        out = linear_logprobs(h, w, y, **common, return_entropy=entropy)
+        (out.logprobs.sum() + (out.entropy.sum() if entropy else 0)).backward()
+        return out.logprobs.detach()
+
+    def cross_entropy(seed):
+        h, w, y = leaves(seed)
+        loss = linear_cross_entropy(h, w, y, **common)
+        loss.backward()
+        return loss.detach()
+
+    def grpo(seed):
+        h, w, y = leaves(seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        mask = (y != -100).float()
+        old = -torch.rand(y.shape, generator=g) * 3
+        loss, _ = linear_grpo_loss(h, w, y.clamp(min=0), torch.randn(4, generator=g), mask, GRPO_EVERY_OPTION,
+                                   old_logprobs=old, reference_logprobs=old - 0.1,
+                                   sampling_logprobs=old + 0.05, **common)
+        loss.backward()
+        return loss.detach()
+
+    return {"forward_only": forward_only, "logprobs": logprobs,
+            "logprobs_entropy": lambda seed: logprobs(seed, entropy=True),
+            "cross_entropy": cross_entropy, "grpo": grpo}
+
+
+def _steady_worker(rank, world):
+    group = dist.group.WORLD if world > 1 else None
+    report = {}
+    for name, call in _paths(group, rank, world).items():
+        call(1)  # the first call of the signature: the full agreement
+        with _counting() as (collectives, reads):
+            out = call(2)
+        report[name] = (list(collectives), list(reads), bool(torch.isfinite(out).all()))
+    return report
+
+
+EXPECTED_COLLECTIVES = {"forward_only": 2, "logprobs": 3, "logprobs_entropy": 3, "cross_entropy": 3, "grpo": 3}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_second_call_makes_no_host_read_and_only_the_maths_collectives(tp):
+    """Before: every call made the agreement's all-reduce and read-back (and GRPO its loss inputs'
+    too): 3 / 4 / 4 / 5 collectives at TP = 2 and at least one host read per call."""
+    for rank, report in enumerate(run_workers(_steady_worker, tp)):
+        for name, (collectives, reads, finite) in report.items():
+            assert reads == [], (rank, name, reads)
+            assert finite, (rank, name)
+            expected = EXPECTED_COLLECTIVES[name] if tp > 1 else 0
+            assert len(collectives) == expected, (rank, name, collectives)
+
+
+def _deferred_worker(rank, world, what):
+    group = dist.group.WORLD
+    v = 40
+    h, w, y = _inputs(5)
+    w = w[rank * v:(rank + 1) * v]
+    report = {}
+    linear_logprobs(h, w, y, tp_group=group, vocab_size=75)  # the signature, agreed
+    bad = y.clone()
+    if what == "out_of_range":
+        bad[1, 2] = 75
+    elif rank == 1:  # labels that differ on one rank only
+        bad[1, 2] = (bad[1, 2] + 1) % 75
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = linear_logprobs(h, w, bad, tp_group=group, vocab_size=75).logprobs
+    report["all_nan"] = bool(torch.isnan(out).all())
+    try:
+        check_deferred_errors()
+        report["raised"] = None
+    except ValueError as error:
+        report["raised"] = str(error)
+    # the flags were read: the next checked call is clean, and a new signature agrees as before
+    check_deferred_errors()
+    report["next"] = bool(torch.isfinite(linear_logprobs(h, w, y, tp_group=group, vocab_size=75).logprobs).all())
+    return report
+
+
+@pytest.mark.parametrize("what", ["out_of_range", "ranks_differ"])
+def test_contents_found_bad_on_the_device_give_nan_and_raise_on_every_rank(what):
+    expected = "outside [0, vocab_size)" if what == "out_of_range" else "differ across tensor-parallel ranks"
+    for rank, report in enumerate(run_workers(_deferred_worker, 2, what)):
+        assert report["all_nan"], rank
+        assert report["raised"] is not None and expected in report["raised"], (rank, report["raised"])
+        assert report["next"], rank
+
+
+def _grpo_inputs_differ_worker(rank, world):
+    group = dist.group.WORLD
+    paths = _paths(group, rank, world)
+    paths["grpo"](1)
+    h, w, y = _inputs(7)
+    h, w = h.requires_grad_(), w[rank * 40:(rank + 1) * 40].clone().requires_grad_()  # the same signature
+    g = torch.Generator().manual_seed(8)
+    adv = torch.randn(4, generator=g)
+    if rank == 1:
+        adv[2] += 1.0  # another advantage on one rank only: dX parts of unrelated losses would be summed
+    old = -torch.rand(y.shape, generator=g) * 3
+    loss, _ = linear_grpo_loss(h, w, y.clamp(min=0), adv, (y != -100).float(), GRPO_EVERY_OPTION,
+                               old_logprobs=old, reference_logprobs=old - 0.1, sampling_logprobs=old + 0.05,
+                               tp_group=group, vocab_size=75)
+    try:
+        check_deferred_errors()
+        raised = None
+    except ValueError as error:
+        raised = str(error)
+    return bool(torch.isnan(loss)), raised
+
+
+def test_grpo_inputs_that_differ_across_ranks_are_caught_in_steady_state():
+    for nan, raised in run_workers(_grpo_inputs_differ_worker, 2):
+        assert nan
+        assert raised is not None and "differ across tensor-parallel ranks" in raised
+
+
+def test_forget_signatures_brings_back_the_full_agreement():
+    h, w, y = _inputs(9)
+    linear_logprobs(h, w, y)
+    with _counting() as (_, reads):
+        linear_logprobs(h, w, y)
+    assert reads == []
+    agreement.forget_signatures()
+    with _counting() as (_, reads):
+        linear_logprobs(h, w, y)
+    assert reads  # the agreement read its verdict back
