@@ -4,6 +4,7 @@
     python tools/benchmark.py                       # all shapes and spreads, memory sweep; writes to $OUT or ./bench_out
     python tools/benchmark.py --quick               # tiny shapes (smoke test; runs on CPU too)
     python tools/benchmark.py --shapes 8192x4096x128256 --impls floor,ours_ce,ours_ce_lean --spreads peaked
+    python tools/benchmark.py --grid rl             # the RL shapes: x floor against N (rl_grid.png)
 
 What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
   floor              the 3 GEMMs every fwd+bwd method must do (logits, dX, dW: 6*N*H*V flops),
@@ -15,6 +16,7 @@ What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
   torch_lce          PyTorch >= 2.13 F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())
                      (skipped where that torch is not installed)
   megatron           megatron.core vocab_parallel_cross_entropy on materialized bf16 logits (TP=1)
+  megatron_fused     megatron.core fused_vocab_parallel_cross_entropy on the bf16 logits (TP=1)
   liger              liger_kernel LigerFusedLinearCrossEntropyLoss
   cce                Apple cut_cross_entropy.linear_cross_entropy, default gradient filter (skips
                      vocab blocks whose probabilities are all tiny: its speed depends on the spread)
@@ -27,6 +29,8 @@ What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
   ours_ce_lean       the same with memory_mode="lean"
   ours_logprobs@C    linear_logprobs(...), backward through -sum(lp)/N (recompute path); _lean too
   ours_grpo@C        losses.linear_grpo_loss (DAPO, beta=0); _lean too
+  ours_grpo_every_option@C  the same with old / reference / engine log-probs, delta, dual clip, k3 KL
+                     with bias correction and token IS truncation
   ours_ce_main_grad@C  ours_ce with Megatron's accumulate_into_main_grad (weight.main_grad fp32
                      pre-allocated, as Megatron's DDP buffers are: not counted); _lean too
   ours_fwd           linear_logprobs under torch.no_grad (reference / old-policy log-probs);
@@ -93,9 +97,9 @@ import torch
 from bench import methods
 from bench.kernels import kernel_check_and_breakdown, sampler_kernel_check
 from bench.measure import REPO, log
-from bench.methods import (DEFAULT_IMPLS, QUICK_SHAPES_CPU, QUICK_SHAPES_GPU, SAMPLERS, SHAPES, SPREADS, SWEEP_HV,
-                           SWEEP_IMPLS, SWEEP_N, parse_chunks, parse_shapes)
-from bench.report import environment, markdown, plot, write_json
+from bench.methods import (DEFAULT_IMPLS, QUICK_SHAPES_CPU, QUICK_SHAPES_GPU, RL_GRID, RL_IMPLS, SAMPLERS, SHAPES,
+                           SPREADS, SWEEP_HV, SWEEP_IMPLS, SWEEP_N, parse_chunks, parse_shapes)
+from bench.report import environment, grid_plot, markdown, plot, write_json
 from bench.run import bench_shape, impl_list
 from bench.tp import tp_main
 
@@ -103,7 +107,10 @@ from bench.tp import tp_main
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", help="comma list of NxHxV (default: the 3 design shapes)")
-    p.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma list (default {DEFAULT_IMPLS})")
+    p.add_argument("--grid", choices=("rl",), help="a preset: 'rl' = N in 1024..16384 x V per rank in "
+                   "19008..128256 x H in 2048, 4096, the rows RL runs (--impls, --shapes narrow it), random "
+                   "logits, no memory sweep; adds rl_grid.png (x floor against N)")
+    p.add_argument("--impls", default=None, help=f"comma list (default {DEFAULT_IMPLS}; with --grid rl: {RL_IMPLS})")
     p.add_argument("--chunks", default="auto", help="chunk sizes for ours (rows; 'auto')")
     p.add_argument("--spreads", default=",".join(SPREADS), help="logit spreads: random,peaked (see the doc)")
     p.add_argument("--sweep", default=None, help="memory sweep N list at H=4096, V=128256 ('' = none)")
@@ -132,6 +139,11 @@ def main(argv=None):
     tpg.add_argument("--device", choices=("cuda", "cpu"), help=argparse.SUPPRESS)  # debug: --device cpu
     tpg.add_argument("--backend", choices=("nccl", "gloo"), help=argparse.SUPPRESS)  # debug: --backend gloo
     args = p.parse_args(argv)
+    if args.grid == "rl":
+        args.impls = args.impls or RL_IMPLS
+        args.shapes = args.shapes or ",".join("x".join(map(str, shape)) for shape in RL_GRID)
+        args.spreads, args.sweep = "random", ""
+    args.impls = args.impls or DEFAULT_IMPLS
     methods.SAMPLER_TEMPERATURE = args.sampler_temperature
     if args.report:  # tables and plots again from a results.json (e.g. after a timed-out run)
         with open(args.report) as f:
@@ -200,6 +212,8 @@ def main(argv=None):
     checkpoint()
     md = markdown(results)
     plot(results, args.out)
+    if args.grid:
+        grid_plot(results, args.out)
     log("\n" + md)
     return 0 if results.get("kernel_ok", True) else 1
 

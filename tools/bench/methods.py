@@ -21,6 +21,12 @@ DEFAULT_IMPLS = ("floor,floor_fwd,torch_eager,torch_compile,torch_compile_fwd,to
                  "ours_top_p,ours_top_k,ours_topk20")
 SWEEP_IMPLS = "floor,torch_compile,liger,cce,ours_ce,ours_ce_lean,ours_logprobs_lean,ours_fwd"
 SPREADS = ("random", "peaked")
+# --grid rl: the shapes RL trainers run (micro-batches of 1-16k tokens per rank, the vocab split over
+# 1-8 ranks: 152064 / 8 = 19008 ... 128256 whole) against the floor and the peers that run there
+RL_GRID = [(n, h, v) for h in (2048, 4096) for v in (19008, 32064, 64128, 128256)
+           for n in (1024, 2048, 4096, 8192, 16384)]
+RL_IMPLS = ("floor,floor_fwd,torch_compile,torch_compile_fwd,megatron,megatron_fused,ours_ce,ours_logprobs,ours_grpo,"
+            "ours_grpo_every_option,ours_fwd")
 
 
 def parse_chunks(spec):
@@ -116,6 +122,25 @@ def make_ours_grpo(h, w, y, chunk, memory_mode="fast"):
     return step
 
 
+def make_ours_grpo_every_option(h, w, y, chunk):
+    """linear_grpo_loss with old / reference / engine log-probs and every per-token option on:
+    delta, dual clip, a k3 KL with bias correction, token-level IS truncation."""
+    fn, GRPOConfig = _linear_grpo()
+    batch, adv, mask = _grpo_inputs(h, y)
+    config = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, kl_estimator="k3",
+                        use_bias_correction_kl=True, is_correction="token_truncate", is_clip_max=2.0)
+    hb, yb = h.view(batch, -1, h.shape[-1]), y.view(batch, -1)
+    g = torch.Generator(device=h.device).manual_seed(0)
+    old = -torch.rand(yb.shape, device=h.device, generator=g) * 4
+
+    def step():
+        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=_impl(), old_logprobs=old,
+                     reference_logprobs=old - 0.1, sampling_logprobs=old + 0.05)
+        return _grads(loss, h, w)
+    step.loss_kind = "grpo"
+    return step
+
+
 def _lean(maker):
     return lambda h, w, y, chunk: maker(h, w, y, chunk, memory_mode="lean")
 
@@ -166,6 +191,7 @@ def _makers(namespace):
 
 MAKERS = {**_makers(vars(measure)), **_makers(vars(peers)), **_makers(globals())}
 CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_ce_main_grad_buffer", "ours_grpo",
+           "ours_grpo_every_option",
            "ours_fwd",
            "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits",
            *SAMPLERS}  # lean rows take no chunk size

@@ -75,6 +75,19 @@ def make_megatron(h, w, y, chunk):
     return lambda: _grads(vpce(h @ w.t(), y).mean(), h, w)
 
 
+def make_megatron_fused(h, w, y, chunk):
+    """megatron.core's fused_vocab_parallel_cross_entropy on bf16 logits (TP=1), as its language
+    module calls it with cross_entropy_loss_fusion=True."""
+    _megatron_init()
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy as fvpce
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"megatron fused_vocab_parallel_cross_entropy not importable: {type(exc).__name__}: {exc}")
+    group = parallel_state.get_tensor_model_parallel_group()
+    return lambda: _grads(fvpce(h @ w.t(), y, group).mean(), h, w)
+
+
 def make_liger(h, w, y, chunk):
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

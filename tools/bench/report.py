@@ -268,6 +268,49 @@ def plot(results, out_dir):
     return paths
 
 
+def grid_plot(results, out_dir):
+    """x floor against N (log scale), one panel per (H, V): every method of the run (forward-only
+    rows against the 1-GEMM floor), the targets as dashed lines. None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no plot")
+        return None
+    rows = [r for r in results["rows"] if r["section"] == "shapes" and "x_floor" in r
+            and r["method"] not in ("floor", "floor_fwd")]
+    panels = sorted({(r["H"], r["V"]) for r in rows})
+    if not panels:
+        return None
+    columns = min(4, len(panels))
+    fig, axes = plt.subplots(-(-len(panels) // columns), columns, figsize=(4.2 * columns, 3.4 * -(-len(panels) // columns)),
+                             squeeze=False, sharey=True)
+    methods = sorted({r["impl"] for r in rows})
+    colors = dict(zip(methods, plt.get_cmap("tab10").colors * 2))
+    for ax, (hidden, vocab) in zip(axes.flat, panels):
+        for impl in methods:
+            points = sorted((r["N"], r["x_floor"]) for r in rows if r["impl"] == impl and (r["H"], r["V"]) == (hidden, vocab))
+            if points:
+                ax.plot(*zip(*points), marker="o", ms=3, color=colors[impl], label=impl.replace("@auto", ""))
+        for level in (1.10, 1.40):
+            ax.axhline(level, color="gray", ls="--", lw=0.7)
+        ax.axhline(1.0, color="k", lw=0.7)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"H={hidden} V/rank={vocab}", fontsize=9)
+        ax.set_xlabel("N tokens")
+    axes.flat[0].set_ylabel("time / floor (same run)")
+    axes.flat[0].legend(fontsize=6)
+    fig.suptitle(f"RL shapes on {results['env'].get('device')}: fwd+bwd / 3-GEMM floor, forward-only / 1 GEMM",
+                 fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "rl_grid.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"plot: {path}")
+    return path
+
+
 def environment():
     env = dict(python=platform.python_version(), torch=torch.__version__,
                package=getattr(megatron_fused_ce, "__version__", None))
