@@ -269,3 +269,23 @@ def test_linear_grpo_ops_per_chunk_are_bounded(case, monkeypatch):
     assert len(per_chunk) >= 4 and torch.isfinite(loss)
     # the first chunk also builds the per-position table and the batch totals
     assert max(per_chunk[1:]) <= LOSS_OPS_PER_CHUNK, per_chunk
+
+
+def _bad_ignore_index_on_one_rank(rank, world, bad):
+    hidden, weight, labels, mask, adv, extra = _inputs(0, world, False)
+    shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL]
+    try:
+        linear_grpo_loss(hidden.requires_grad_(), shard.requires_grad_(), labels, adv, mask, GRPOConfig(),
+                         tp_group=dist.group.WORLD, vocab_size=V_LOCAL * world - 3,
+                         ignore_index=bad if rank == 1 else -100)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("bad", [None, "-100", 1.5], ids=repr)
+def test_bad_ignore_index_on_one_tp_rank_raises_on_every_rank(bad):
+    """Before: the masked labels were filled with ignore_index before any check, so a bad one
+    raised a TypeError on that rank alone and its peer waited in the next collective."""
+    for rank, message in enumerate(run_workers(_bad_ignore_index_on_one_rank, 2, bad, timeout=60)):
+        assert message is not None and "ignore_index" in message, (rank, message)
