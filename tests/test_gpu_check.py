@@ -15,7 +15,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tools" / "gpu_check.sh"
-STAGES = ["env", "tests", "multigpu", "pretrain", "examples", "real_loop", "tools", "bench", "summary"]
+STAGES = ["env", "tests", "multigpu", "pretrain", "examples", "real_loop", "tools", "bench", "bench_rl", "summary"]
 
 
 def gpu_check(*args, env=None, timeout=120):

@@ -28,6 +28,7 @@
 #              losses), profile_op, host_sync_cost, main_grad_loss_scale, sampling_mask_bench,
 #              make_text_dataset, benchmark --quick
 #   bench      tools/benchmark.py at 8192x4096x128256 on one GPU, and at TP = N (2 or more GPUs)
+#   bench_rl   tools/benchmark.py --grid rl at two RL shapes (2048 and 8192 tokens, a 32064-id shard)
 #   summary    one table (stage, step, result, time, key figure) from the logs: summary.md
 #
 # Options: --out DIR (or GPU_CHECK_OUT; default ./gpu_check_out): every step writes DIR/<step>.log
@@ -46,7 +47,7 @@ N=${GPU_CHECK_GPUS:-}
 EXAMPLE_STEPS=${GPU_CHECK_STEPS:-5}
 TEST_SHARDS=${GPU_CHECK_TEST_SHARDS:-8}
 DRY=0
-ALL_STAGES=(env tests multigpu pretrain examples real_loop tools bench summary)
+ALL_STAGES=(env tests multigpu pretrain examples real_loop tools bench bench_rl summary)
 stages=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -248,6 +249,13 @@ stage_bench() {
   fi
   step bench_tp 280 "${TORCHRUN[@]}" --nproc_per_node "$N" tools/benchmark.py --tp "$N" --shapes "$shape" \
     --chunks auto --out "$OUT/bench_tp"
+}
+
+stage_bench_rl() {
+  # RL shapes (micro-batches of 2048 and 8192 tokens, a vocab shard of 32064): the host's work per call shows
+  step bench_rl 300 "$PY" tools/benchmark.py --grid rl --shapes 2048x4096x32064,8192x4096x32064 \
+    --impls floor,floor_fwd,torch_compile,torch_compile_fwd,megatron_fused,ours_ce,ours_logprobs,ours_grpo,ours_fwd \
+    --time-limit-s 240 --out "$OUT/bench_rl"
 }
 
 stage_summary() {
