@@ -160,6 +160,11 @@ def test_losses_and_configs_integer_and_flag_arguments():
         for field in ("use_bias_correction_kl", "force_on_policy_ratio", "count_empty_sequences"):
             config = GRPOConfig(**{field: other})
             assert getattr(config, field) is True and config.fingerprint() == GRPOConfig(**{field: True}).fingerprint()
+    # equal configs agree across ranks whatever the spelling of their numbers (the fingerprint
+    # compares reprs: 0 and 0.0, 0.2 and np.float64(0.2) once differed)
+    for spelled in (dict(beta=0, epsilon_low=np.float64(0.2)), dict(beta=torch.tensor(0.0), epsilon_low=np.float32(0.25))):
+        plain = {k: float(v) for k, v in spelled.items()}
+        assert GRPOConfig(**spelled).fingerprint() == GRPOConfig(**plain).fingerprint(), spelled
     for value in _integers(64):
         config = FusedCEConfig(enabled=np.bool_(True), chunk_size=value, max_chunk_bytes=value)
         assert config == FusedCEConfig(enabled=True, chunk_size=64, max_chunk_bytes=64)

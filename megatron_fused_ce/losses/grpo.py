@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..ops.agreement import flag_argument, integer_argument, real_argument
+from ..ops.agreement import flag_argument, integer_argument, is_int, real_argument
 from .context_parallel import agree_on_inputs, max_over_cp, sum_over_cp
 from .nll import (
     Normalizer,
@@ -187,8 +187,14 @@ class GRPOConfig:
         NumPy scalars and 0-d tensors given for numeric fields and flags become Python floats,
         ints and bools first (one type for one value: the fingerprint compares reprs)."""
         for name, value in vars(self).items():
-            normalized = (flag_argument(value) if name in _FLAG_FIELDS else integer_argument(value)
-                          if name == "max_completion_length" else real_argument(value))
+            if name in _FLAG_FIELDS:
+                normalized = flag_argument(value)
+            elif name == "max_completion_length":
+                normalized = integer_argument(value)
+            else:  # a number field: 0 and 0.0 alike (an int of a float field becomes a float)
+                normalized = real_argument(value)
+                if is_int(normalized):
+                    normalized = float(normalized)
             if normalized is not value:
                 setattr(self, name, normalized)
         _check_choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
