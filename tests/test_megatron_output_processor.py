@@ -420,6 +420,18 @@ def test_processor_route_folds_the_mup_output_multiplier(setup, kinds, record_pr
     print(f"{setup} with MuP: max relative differences {worst}")
 
 
+def _errors_of(attempts) -> dict:
+    """{name: None, or (error type, message)} of each attempt (a call that should raise or not)."""
+    errors = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            errors[name] = None
+        except (ValueError, TypeError, RuntimeError) as error:
+            errors[name] = (type(error).__name__, str(error))
+    return errors
+
+
 def scaling_worker(rank, world):
     """Logit scaling and the keywords GPTModel passes, TP = 2: direct processor calls on the last
     stage's hidden states against a float64 reference and megatron's own output layer."""
@@ -529,12 +541,7 @@ def scaling_worker(rank, world):
                       output_processor_context={"returns": "loss"}),
                 capped)
             report["softcap_matters"] = common.max_rel_diff(capped, megatron_loss) > 1e-2
-            for name, attempt in attempts.items():
-                try:
-                    attempt()
-                    errors[name] = None
-                except (ValueError, TypeError, RuntimeError) as error:
-                    errors[name] = (type(error).__name__, str(error))
+            errors.update(_errors_of(attempts))
     finally:
         del gpt._scale_logits
     report["errors"] = errors
@@ -755,12 +762,7 @@ def calls_worker(rank, world):
         "other_model": lambda: on.post_processor(HiddenStates(states.states, torch.nn.Linear(2, 2, bias=False)),
                                                  chunk, labels),
     }
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            errors[name] = None
-        except (ValueError, TypeError, RuntimeError) as error:
-            errors[name] = (type(error).__name__, str(error))
+    errors.update(_errors_of(attempts))
     report["errors"] = errors
     return report
 

@@ -43,6 +43,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..ops import reductions
 from ..ops.agreement import fits_int64, flag_argument, integer_argument
 from ..ops.api import linear_logprobs, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
@@ -163,7 +164,7 @@ def _chunk_terms(config: GRPOConfig, target, row_max, log_sum_exp, labelled, adv
     """A chunk's (d loss / d lp, its negative, sums, maxima) from its merged statistics: log p =
     (target - max) - log_sum_exp, 0 in rows without a label (whose gradient is 0), then grpo's
     term_sums: one compiled function on CUDA."""
-    logprobs = torch.where(labelled, (target - row_max) - log_sum_exp, 0.0)
+    logprobs = torch.where(labelled, reductions.log_prob(target, row_max, log_sum_exp), 0.0)
     grad, _, sums, maxima = reduce_token_terms(config, logprobs, advantages, weights, scale, old, reference, sampling,
                                        sequence_log_rho, None)
     grad = torch.where(labelled, grad, 0.0)

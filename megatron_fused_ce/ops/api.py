@@ -379,7 +379,8 @@ class _LabelledLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, target, lse, row_max, log_sum_exp, labelled, negative=False):
         ctx.labelled, ctx.negative = labelled, negative
-        value = (row_max - target) + log_sum_exp if negative else (target - row_max) - log_sum_exp
+        # (z_y - M) - log S negated term by term: M - z_y is z_y - M negated exactly, one kernel fewer
+        value = (row_max - target) + log_sum_exp if negative else reductions.log_prob(target, row_max, log_sum_exp)
         return value if labelled is None else torch.where(labelled, value, 0.0)
 
     @staticmethod

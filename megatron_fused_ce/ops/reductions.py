@@ -46,7 +46,7 @@ class MergedStats:
 
     def logprob(self) -> Tensor:
         """log p_y = (z_y - M) - log S."""
-        return (self.target - self.max) - self.log_sum_exp
+        return log_prob(self.target, self.max, self.log_sum_exp)
 
     def grad_offsets(self) -> tuple:
         """What a tiling's recompute_grads needs of each row besides its coefficients: the
@@ -64,6 +64,11 @@ class MergedStats:
     @classmethod
     def from_outputs(cls, outputs) -> "MergedStats":
         return cls(**dict(zip(cls.output_names(), outputs)))
+
+
+def log_prob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor) -> Tensor:
+    """log p_y = (z_y - M) - log S: exact where z_y - lse would round at lse's scale (|z| ~ 50)."""
+    return (target - row_max) - log_sum_exp
 
 
 def combine_blocks(parts: list) -> ShardStats:
