@@ -250,3 +250,33 @@ def test_forget_signatures_brings_back_the_full_agreement():
     with _counting() as (_, reads):
         linear_logprobs(h, w, y)
     assert reads  # the agreement read its verdict back
+
+
+def test_a_repeated_call_skips_the_agreement_and_a_changed_argument_is_checked_again(monkeypatch):
+    """From the third call of a signature on, a call whose raw arguments (types, values, tensor
+    layouts) repeat a remembered call's builds no agreement at all (api._REMEMBERED_CALLS); an
+    argument that compares equal but has another type (chunk_size=True after 1) is not that call:
+    it is checked, and refused."""
+    from megatron_fused_ce.ops import api
+
+    h, w, y = _inputs(10)
+    for _ in range(2):
+        linear_logprobs(h, w, y, chunk_size=1)
+    built = []
+    original_init = api.Agreement.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(args[0])
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(api.Agreement, "__init__", counting_init)
+    expected = linear_logprobs(h, w, y, chunk_size=1).logprobs
+    assert built == []
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        linear_logprobs(h, w, y, chunk_size=True)
+    assert built == ["linear_logprobs"]
+    agreement.forget_signatures()  # a forgotten signature is agreed again, not taken from the shortcut
+    with _counting() as (_, reads):
+        again = linear_logprobs(h, w, y, chunk_size=1).logprobs
+    assert reads and built == ["linear_logprobs"] * 2
+    assert torch.equal(again, expected)

@@ -16,13 +16,14 @@ kept set (sampling.py's tiling, on the same chunk loop).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from . import backends, deferred_errors, lean, reductions, replay, sampling
+from . import agreement as agreement_memo, backends, deferred_errors, lean, reductions, replay, sampling
 from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, flag_argument, integer_argument,
                         is_int, tensor_fingerprint)
 from .forward_grad import ForwardGradLoss
@@ -172,6 +173,37 @@ def _local_checks(agreement: Agreement, hidden, weight, labels, tp_size, vocab_s
         fail("memory_mode", f"memory_mode must be 'fast' or 'lean', got {memory_mode!r}")
 
 
+# A call whose arguments repeat those of a remembered call (same types and values, same tensor
+# layouts, the same checks passed) has the same signature and passes the same local checks: it
+# skips building the agreement (~20 plain values registered and compared) and the checks, as long
+# as the agreement still remembers that signature. Keyed by the raw arguments, so a call that
+# differs in anything the checks read (chunk_size=True where 1 passed) misses and is checked.
+_REMEMBERED_CALLS: "OrderedDict[tuple, tuple]" = OrderedDict()  # call key -> (signature, _Agreed)
+agreement_memo.MEMOS.append(_REMEMBERED_CALLS)
+
+
+def _call_key(fn_name, hidden, weight, labels, tp_group, plain: tuple, extra_checks: dict, must_agree: dict,
+              mask_check) -> Optional[tuple]:
+    """The raw arguments of a call as a dict key; None where the call cannot take the shortcut
+    (a failed check, something that is not a tensor, an unhashable value)."""
+    if not (isinstance(hidden, Tensor) and isinstance(weight, Tensor) and isinstance(labels, Tensor)):
+        return None
+    if any(message is not None for message in extra_checks.values()):
+        return None
+    agreed = []
+    for name, value in must_agree.items():
+        agreed.append((name, "tensor", tuple(value.shape), value.dtype) if isinstance(value, Tensor)
+                      else (name, type(value), value))
+    key = (fn_name, id(tp_group), hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
+           weight.device, labels.shape, labels.dtype, labels.device, tuple((type(v), v) for v in plain),
+           tuple(extra_checks), tuple(agreed), None if mask_check is None else mask_check.present)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, temperature, chunk_size,
                      sequence_parallel, impl, ignore_index, logits_dtype, memory_mode, want_entropy,
                      grad_path, max_chunk_bytes, extra_checks, must_agree, mask_check=None,
@@ -183,6 +215,15 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     depends on the tensors' contents is then checked on the device (token_statistics).
     `may_remember`: False where a later call may not skip the agreement (sampler settings and
     sampling masks, whose collectives the checks guard)."""
+    call_key = _call_key(fn_name, hidden, weight, labels, tp_group,
+                         (vocab_size, temperature, chunk_size, sequence_parallel, impl, ignore_index, logits_dtype,
+                          memory_mode, want_entropy, grad_path, max_chunk_bytes),
+                         extra_checks, must_agree, mask_check) if may_remember else None
+    if call_key is not None:
+        hit = _REMEMBERED_CALLS.get(call_key)
+        if hit is not None and hit[0] in agreement_memo._REMEMBERED:
+            agreement_memo._REMEMBERED.move_to_end(hit[0])
+            return hit[1]
     tp_size = reductions.group_size(tp_group)
     device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
     agreement = Agreement(fn_name, tp_group, device, _CHECKS + tuple(k for k in extra_checks if k not in _CHECKS))
@@ -237,7 +278,12 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
         else:
             agreement.equal(name, value)
     if agreement.remembered() and may_remember:
-        return _Agreed(true_vocab, None, signature_code=agreement.signature_code())
+        agreed = _Agreed(true_vocab, None, signature_code=agreement.signature_code())
+        if call_key is not None:
+            _REMEMBERED_CALLS[call_key] = (agreement.signature(), agreed)
+            while len(_REMEMBERED_CALLS) > agreement_memo.REMEMBERED_SIGNATURES:
+                _REMEMBERED_CALLS.popitem(last=False)
+        return agreed
 
     outside, labelled, bad_labels = None, 0, 0
     if tensors_ok and not agreement.failed("ignore_index") and labels.numel() > 0:
@@ -613,10 +659,22 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
 
 class LabelledCount:
     """The number of labelled rows of a call, on the device (`count`, int64 0-d), with 1 / max(count,
-    1) and its negative (fp32 0-d): a mean's coefficients without a kernel of their own."""
+    1) and its negative (fp32 0-d): a mean's coefficients without a kernel of their own. With
+    `labelled` (bool [rows]) and `inverses` ([2] fp32: the two coefficients side by side),
+    `per_row` gives both per row, 0 in the rows of ignored labels, in one kernel."""
 
-    def __init__(self, count: Tensor, inverse: Tensor, negative_inverse: Tensor):
+    def __init__(self, count: Tensor, inverse: Tensor, negative_inverse: Tensor,
+                 labelled: Optional[Tensor] = None, inverses: Optional[Tensor] = None):
         self.count, self.inverse, self.negative_inverse = count, inverse, negative_inverse
+        self.labelled, self.inverses = labelled, inverses
+
+    def per_row(self, positions) -> Optional[tuple]:
+        """(1 / count, -1 / count) at each of `positions` (indices or a slice of the rows) where
+        its label is kept, 0 elsewhere; None without `labelled`."""
+        if self.labelled is None or self.inverses is None:
+            return None
+        both = torch.where(self.labelled[positions], self.inverses[:, None], 0.0)
+        return both[0], both[1]
 
 
 class _DeviceChecks:
@@ -631,7 +689,7 @@ class _DeviceChecks:
         flags = deferred_errors.flags(flat_labels.device) if check else None
         self.local_target, self.labelled, counts, scalars = backend.label_targets(
             flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags)
-        self.num_labelled = LabelledCount(counts[0], scalars[1], scalars[2])
+        self.num_labelled = LabelledCount(counts[0], scalars[1], scalars[2], self.labelled, scalars[1:3])
         self.poison = scalars[:1] if check else None  # NaN where a label is out of range (recorded), else 0
 
 

@@ -343,9 +343,10 @@ class LinearLossGradInForward(torch.autograd.Function):
                    cat([m.sum_logits for m in merged_chunks], spec.want_sum_logits),
                    cat([m.entropy for m in merged_chunks], spec.want_entropy),
                    cat([m.max for m in merged_chunks]), cat([m.log_sum_exp for m in merged_chunks]))
-        for out in outputs:
-            if out is not None:
-                ctx.mark_non_differentiable(out)
+        # one call with every output: each call of mark_non_differentiable replaces the last one's set
+        ctx.mark_non_differentiable(*(out for out in outputs if out is not None))
+        # only the anchor's gradient is read: no zero tensors made for the statistics' (none)
+        ctx.set_materialize_grads(False)
         anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
         return (anchor,) + outputs
 

@@ -45,11 +45,12 @@ class TokenGrads:
     lse: Optional[Tensor] = None
     sum_logits: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
+    masked: bool = False  # 0 in the rows of ignored labels already
 
     def only_rows(self, keep: Optional[Tensor]) -> "TokenGrads":
         """Zero where `keep` (bool [rows]) is False: rows of ignored labels that went through the
         chunk loop (a remembered signature does not drop them); None keeps every row."""
-        if keep is None:
+        if keep is None or self.masked:
             return self
         return TokenGrads(*(None if g is None else torch.where(keep, g, 0.0)
                             for g in (self.target, self.lse, self.sum_logits, self.entropy)))

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import RowKernel, WeightGradGemm
+from .triton_common import compute_capability
 
 ENABLED = os.environ.get("MEGATRON_FUSED_CE_CUTE", "1") not in ("0", "", "false", "False")
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -57,7 +58,7 @@ def _kernel():
 
 def _available(device: torch.device) -> bool:
     """QuACK imports and the device is an SM90 / SM100 GPU."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    return (device.type == "cuda" and compute_capability(device)[0] in (9, 10)
             and _kernel() is not None)
 
 
@@ -123,7 +124,7 @@ def _gemm():
 
 def _gemm_available(device: torch.device) -> bool:
     """QuACK imports and the device is an SM90 GPU (where GEMM_CONFIGS were measured)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and _gemm() is not None
+    return device.type == "cuda" and compute_capability(device)[0] == 9 and _gemm() is not None
 
 
 def _tma_ok(t: Tensor) -> bool:

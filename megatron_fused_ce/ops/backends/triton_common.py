@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 _SM_COUNT: dict = {}
+_CAPABILITY: dict = {}
 
 
 def interpreting() -> bool:
@@ -24,6 +25,15 @@ def sm_count(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def compute_capability(device: torch.device) -> tuple:
+    """(major, minor) of a CUDA device, cached: torch's lookup costs a few microseconds of host time
+    on every call, and the launchers ask on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
 
 
 def f32(t: Tensor) -> Tensor:

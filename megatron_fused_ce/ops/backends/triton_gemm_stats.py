@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ShardStats
-from .triton_common import interpreting as _interpreting, sm_count as _programs
+from .triton_common import compute_capability, interpreting as _interpreting, sm_count as _programs
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
 # benchmark shapes (docs/design.md §10.3). Module-level so that tests can shrink them.
@@ -215,7 +215,7 @@ def descriptor_scratch(device: torch.device) -> None:
 def _use_tma(device: torch.device) -> bool:
     if device.type != "cuda":
         return True  # the interpreter runs tensor descriptors too
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return compute_capability(device)[0] >= 9
 
 
 def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, num_valid_cols: int,
