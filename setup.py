@@ -19,6 +19,8 @@ setup(
         # hypothesis pinned: its derandomized examples (tests/test_fuzz.py) depend on the version
         "test": ["pytest>=7", "hypothesis==6.170.15", "megatron-core>=0.16.1", "triton>=3.0", "pyyaml",
                  "tqdm", "psutil", "einops", "tokenizers"],  # einops: megatron's Megatron-FSDP adapter (tests/test_megatron_fsdp.py)
+        # examples/rollout.py --plot and the tools' PNGs; bench holds it too (its plots)
+        "plot": ["matplotlib"],
         "bench": ["matplotlib", "triton>=3.0"],
         # QuACK's one-pass cross-entropy row kernel on Hopper (ops/cute_backend.py); quack-kernels
         # 0.6.5 imports with nvidia-cutlass-dsl 4.7.1, not 4.8

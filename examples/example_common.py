@@ -82,6 +82,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+class ExampleArgumentParser(argparse.ArgumentParser):
+    """argparse's own mistakes (an unknown flag, a bad choice or number) go through `fail`: usage and
+    one error line from rank 0 only, not once per torchrun process; exit status 2, as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, message, usage=self.format_usage())
+
+
 def build_parser(example: str, description: str) -> argparse.ArgumentParser:
     default_config = os.path.join(CONFIG_DIR, f"{example}.yaml")
     schema = schema_for(example)
@@ -89,7 +97,7 @@ def build_parser(example: str, description: str) -> argparse.ArgumentParser:
                                     initial_indent="  ", subsequent_indent="    ",
                                     break_on_hyphens=False)
                      for section, section_keys in schema.items())
-    parser = argparse.ArgumentParser(
+    parser = ExampleArgumentParser(
         prog=f"examples/{example}.py", description=description,
         formatter_class=_HelpFormatter,
         epilog=f"config keys (any of them can be overridden with section.key=VALUE):\n{keys}")
@@ -229,10 +237,11 @@ def layout_problem(cfg: dict, world: int) -> Optional[str]:
 OTHER_RANKS_WAIT_S = 20.0
 
 
-def fail(prog: str, message: str) -> NoReturn:
-    """Print `prog: error: message` once (rank 0 under torchrun) and exit with status 2."""
+def fail(prog: str, message: str, usage: str = "") -> NoReturn:
+    """Print `prog: error: message` (after `usage`, if given) once (rank 0 under torchrun) and exit
+    with status 2."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        print(f"{usage}{prog}: error: {message}", file=sys.stderr, flush=True)
     elif not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torchrun stops every process as soon as one exits with an error: a rank that exited
         # first could take rank 0 down before it printed. The others wait; rank 0's exit ends them.

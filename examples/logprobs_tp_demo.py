@@ -17,7 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from example_common import fail, require_torchrun  # (it also puts the checkout on sys.path)
+# (example_common also puts the checkout on sys.path)
+from example_common import ExampleArgumentParser, fail, require_torchrun
 
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.testing import PeakTensorMemory
@@ -55,8 +56,8 @@ def dense_vocab_parallel_logprobs(hidden, weight_shard, labels, group):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog="examples/logprobs_tp_demo.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ExampleArgumentParser(prog="examples/logprobs_tp_demo.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens N (default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size H (default: %(default)s)")
     parser.add_argument("--vocab", type=int, default=32000,

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 
 import megatron_harness  # noqa: F401  (megatron-core imported before forking)
 
 EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.append(EXAMPLES_DIR)  # for their `from example_common import ...` (appended: shadows nothing)
+
+
+def without_dependency_syntax_warnings(text: str, root: str) -> str:
+    """`text` less Python's compile-time SyntaxWarnings (and the source line each quotes) about an
+    installed dependency's own source, printed where its bytecode was not written at install (pip
+    --no-compile): they are not the example's output; one about a file under `root` stays."""
+    return re.sub(r"^(?P<path>[^\n]*)\.py:\d+: SyntaxWarning: [^\n]*\n[^\n]*\n",
+                  lambda m: m.group(0) if m.group("path").startswith(root) else "", text, flags=re.M)
 
 
 def _load(name):

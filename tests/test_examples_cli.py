@@ -165,12 +165,15 @@ def _setup_kwargs():
 
 def test_install_requirements():
     """The core install brings numpy (torch's CPU wheel does not, and warns "Failed to initialize
-    NumPy" on every import without it); the megatron extra brings what the examples import."""
+    NumPy" on every import without it); the megatron extra brings what the examples import; the
+    plot extra (docs/rl.md's `examples/rollout.py --plot`) brings matplotlib, and bench holds it."""
     setup = _setup_kwargs()
     names = [re.split(r"[<>=!\[ ]", r)[0] for r in setup["install_requires"]]
     assert "numpy" in names and "torch" in names
     megatron = [re.split(r"[<>=!\[ ]", r)[0] for r in setup["extras_require"]["megatron"]]
     assert {"megatron-core", "pyyaml", "tqdm"} <= set(megatron)
+    plot = set(setup["extras_require"]["plot"])
+    assert "matplotlib" in plot and plot <= set(setup["extras_require"]["bench"])
 
 
 def test_multigpu_suite_on_a_cpu_machine_exits_0():
@@ -286,6 +289,34 @@ def test_torchrun_with_a_world_size_the_layout_does_not_divide():
     assert "not divisible" not in proc.stderr, proc.stderr
     # torchrun's own report may carry one traceback (its ChildFailedError); no rank printed one
     assert proc.stderr.count("Traceback (most recent call last)") <= 1, proc.stderr
+
+
+def test_torchrun_with_a_bad_flag_prints_it_once():
+    """`torchrun --nproc_per_node 2 examples/grpo.py --task nonsense`: argparse's usage and error
+    from rank 0 only (each rank parses the same command line; it printed once per rank). The rank
+    exits with status 2, which torchrun's report names, and torchrun itself exits with 1 (its
+    status for any failed launch, as docs/integration.md says)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "examples/grpo.py", "--task", "nonsense"], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=240)
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "examples/grpo.py: error:" in line]
+    # (how the choices are quoted after it differs between Python versions)
+    assert len(errors) == 1 and errors[0].startswith(
+        "examples/grpo.py: error: argument --task: invalid choice: 'nonsense'"), proc.stderr
+    assert proc.stderr.count("usage: examples/grpo.py") == 1, proc.stderr
+    assert re.search(r"exitcode\s*:\s*2\b", proc.stderr), proc.stderr
+
+
+def test_argparse_errors_are_printed_by_rank_zero_only(monkeypatch, capsys):
+    monkeypatch.setattr(example_common.time, "sleep", lambda s: None)
+    for rank, printed in (("0", True), ("1", False)):
+        code, err = _parse_as_rank(monkeypatch, capsys, "sft", ["--tp", "two"], rank, 2)
+        assert code == 2
+        assert ("examples/sft.py: error: argument --tp: invalid int value: 'two'" in err) == printed, err
+        assert ("usage: examples/sft.py" in err) == printed, err
 
 
 # ---------------------------------------------------------------- the RL chain: --load, --save, --task

@@ -17,7 +17,7 @@ import pytest
 
 import megatron_harness  # noqa: F401  (megatron-core imported before forking)
 from dist import run_workers
-from example_runner import EXAMPLES, EXAMPLES_DIR, FAST, example_worker
+from example_runner import EXAMPLES, EXAMPLES_DIR, FAST, example_worker, without_dependency_syntax_warnings
 
 
 # the RL examples: fewer prompts for DPO's pairs and for the evaluations (one at the first step
@@ -225,7 +225,8 @@ def test_torchrun_run_is_one_clean_screen():
     env.update(PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
     import torch
-    if torch.cuda.device_count() < 2:  # one GPU: on the CPU, as the README says (NCCL needs a GPU a process)
+    on_gpus = torch.cuda.device_count() >= 2  # a GPU a process: CUDA/NCCL, as example_common picks
+    if not on_gpus:  # one GPU or none: on the CPU, as the README says (NCCL needs a GPU a process)
         env["CUDA_VISIBLE_DEVICES"] = ""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
             "examples/pretrain_gpt.py", "--tp", "2", "--steps", "2", "--seq-length", "32",
@@ -237,14 +238,14 @@ def test_torchrun_run_is_one_clean_screen():
     # Python's compile-time SyntaxWarnings about an installed dependency's own source (printed with
     # the offending line when its bytecode was not written at install, e.g. pip --no-compile) are
     # not the example's output; any other warning is
-    text = re.sub(r"^(?P<path>[^\n]*)\.py:\d+: SyntaxWarning: [^\n]*\n[^\n]*\n",
-                  lambda m: m.group(0) if m.group("path").startswith(root) else "", proc.stdout, flags=re.M)
+    text = without_dependency_syntax_warnings(proc.stdout, root)
     lines = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
     noise = [line for line in lines if not (line.startswith("pretrain:") or line.startswith("first batch"))]
     assert noise == [], noise  # nothing but the header, the parity line and the progress bar
     assert not re.search(r"warn|OMP_NUM_THREADS|Traceback", text, re.IGNORECASE), text
     headers = [line for line in lines if "fused linear CE:" in line]
-    assert headers == ["pretrain: world 2 = TP 2 x PP 1 x DP 1 on CPU/gloo; model 2 layers, hidden 32, "
+    backend = "CUDA/NCCL" if on_gpus else "CPU/gloo"
+    assert headers == [f"pretrain: world 2 = TP 2 x PP 1 x DP 1 on {backend}; model 2 layers, hidden 32, "
                        "vocab 1000; fused linear CE: on (chunk 16)"]
     (parity,) = [line for line in lines if line.startswith("first batch")]
     fused, unfused = map(float, re.search(r"memory: fused ([\d.]+) MiB vs unfused ([\d.]+) MiB",
