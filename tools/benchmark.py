@@ -13,6 +13,8 @@ What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
   torch_eager        materialized logits, .float(), F.cross_entropy (what users write)
   torch_compile      torch.compile of the same function
   torch_compile_fwd  torch.compile of log_softmax(logits).gather(label) under no_grad
+  torch_compile_graphed, torch_compile_fwd_graphed   the same with mode="reduce-overhead" (its
+                     CUDA graphs; GPU only)
   torch_lce          PyTorch >= 2.13 F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())
                      (skipped where that torch is not installed)
   megatron           megatron.core vocab_parallel_cross_entropy on materialized bf16 logits (TP=1)
@@ -35,6 +37,10 @@ What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
                      pre-allocated, as Megatron's DDP buffers are: not counted); _lean too
   ours_fwd           linear_logprobs under torch.no_grad (reference / old-policy log-probs);
   ours_fwd_entropy   the same with return_entropy=True
+  ours_ce_graphed, ours_logprobs_graphed, ours_grpo_graphed, ours_fwd_graphed   ours_ce / ours_logprobs /
+                     ours_grpo replayed from torch.cuda.make_graphed_callables' graphs, ours_fwd from a
+                     torch.cuda.graph capture, each captured once per shape (docs/performance.md, "RL
+                     passes"; GPU only; the graphs' memory pool is not measured)
   ours_ce_fp32_logits@C, ours_logprobs_fp32_logits@C  ours_ce / ours_logprobs with
                      logits_dtype=torch.float32 (fp32-output logits GEMM; the cost of the option; not
                      in the default set)

@@ -254,7 +254,7 @@ stage_bench() {
 stage_bench_rl() {
   # RL shapes (micro-batches of 2048 and 8192 tokens, a vocab shard of 32064): the host's work per call shows
   step bench_rl 300 "$PY" tools/benchmark.py --grid rl --shapes 2048x4096x32064,8192x4096x32064 \
-    --impls floor,floor_fwd,torch_compile,torch_compile_fwd,megatron_fused,ours_ce,ours_logprobs,ours_grpo,ours_fwd \
+    --impls floor,floor_fwd,torch_compile,torch_compile_fwd,megatron_fused,ours_ce,ours_logprobs,ours_grpo,ours_fwd,ours_ce_graphed,ours_fwd_graphed \
     --time-limit-s 240 --out "$OUT/bench_rl"
 }
 

@@ -25,8 +25,9 @@ SPREADS = ("random", "peaked")
 # 1-8 ranks: 152064 / 8 = 19008 ... 128256 whole) against the floor and the peers that run there
 RL_GRID = [(n, h, v) for h in (2048, 4096) for v in (19008, 32064, 64128, 128256)
            for n in (1024, 2048, 4096, 8192, 16384)]
-RL_IMPLS = ("floor,floor_fwd,torch_compile,torch_compile_fwd,megatron,megatron_fused,ours_ce,ours_logprobs,ours_grpo,"
-            "ours_grpo_every_option,ours_fwd")
+RL_IMPLS = ("floor,floor_fwd,torch_compile,torch_compile_fwd,torch_compile_graphed,torch_compile_fwd_graphed,megatron,"
+            "megatron_fused,ours_ce,ours_logprobs,ours_grpo,ours_grpo_every_option,ours_fwd,ours_ce_graphed,"
+            "ours_logprobs_graphed,ours_grpo_graphed,ours_fwd_graphed")
 
 
 def parse_chunks(spec):
@@ -161,6 +162,68 @@ def make_ours_fwd_entropy(h, w, y, chunk):
     return make_ours_fwd(h, w, y, chunk, entropy=True)
 
 
+# CUDA-graphed rows: the call replayed from graphs captured once per shape (docs/performance.md's
+# recipe for the RL passes: torch.cuda.make_graphed_callables for forward + backward, torch.cuda.graph
+# for the forward-only pass), inputs copied into the captured ones by each step
+def _graphed(loss_of, args):
+    if not torch.cuda.is_available():
+        raise Skip("CUDA graphs need a GPU")
+    return torch.cuda.make_graphed_callables(loss_of, args)
+
+
+def _graphed_step(step, loss_kind="ce"):
+    step.graphed, step.loss_kind = True, loss_kind
+    return step
+
+
+def make_ours_ce_graphed(h, w, y, chunk):
+    graphed = _graphed(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl()), (h, w, y))
+    return _graphed_step(lambda: _grads(graphed(h, w, y), h, w))
+
+
+def make_ours_logprobs_graphed(h, w, y, chunk):
+    n = h.shape[0]
+    graphed = _graphed(lambda h, w, y: -linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl()).logprobs.sum() / n,
+                       (h, w, y))
+    return _graphed_step(lambda: _grads(graphed(h, w, y), h, w))
+
+
+def make_ours_grpo_graphed(h, w, y, chunk):
+    fn, GRPOConfig = _linear_grpo()
+    batch, adv, mask = _grpo_inputs(h, y)
+    config = GRPOConfig()
+
+    def loss_of(h, w, y, adv, mask):
+        return fn(h.view(batch, -1, h.shape[-1]), w, y.view(batch, -1), adv, mask, config, chunk_size=chunk,
+                  impl=_impl())[0]
+    graphed = _graphed(loss_of, (h, w, y, adv, mask))
+    return _graphed_step(lambda: _grads(graphed(h, w, y, adv, mask), h, w), "grpo")
+
+
+def make_ours_fwd_graphed(h, w, y, chunk):
+    if not torch.cuda.is_available():
+        raise Skip("CUDA graphs need a GPU")
+    static_h, static_y = h.detach().clone(), y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):  # warm-ups: the signature is agreed and remembered before the capture
+            linear_logprobs(static_h, w, static_y, chunk_size=chunk, impl=_impl())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = linear_logprobs(static_h, w, static_y, chunk_size=chunk, impl=_impl()).logprobs
+
+    def replay():
+        static_h.copy_(h)
+        static_y.copy_(y)
+        graph.replay()
+        return static_out.clone()
+    step = _forward_only(replay)
+    step.graphed = True
+    return step
+
+
 SAMPLER_TEMPERATURE = 0.25  # --sampler-temperature
 SAMPLERS = {"ours_top_p": dict(top_p=0.9), "ours_top_k": dict(top_k=50), "ours_topk20": dict(return_topk=20),
             "ours_top_p_flat": dict(top_p=0.9)}
@@ -190,7 +253,8 @@ def _makers(namespace):
 
 
 MAKERS = {**_makers(vars(measure)), **_makers(vars(peers)), **_makers(globals())}
-CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_torch", "ours_ce_main_grad", "ours_ce_main_grad_buffer", "ours_grpo",
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_graphed", "ours_logprobs_graphed", "ours_grpo_graphed",
+           "ours_fwd_graphed", "ours_ce_torch", "ours_ce_main_grad", "ours_ce_main_grad_buffer", "ours_grpo",
            "ours_grpo_every_option",
            "ours_fwd",
            "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits",

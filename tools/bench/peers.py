@@ -40,6 +40,29 @@ def make_torch_compile_fwd(h, w, y, chunk):
     return _forward_only(lambda: fn(h, w, y))
 
 
+def make_torch_compile_graphed(h, w, y, chunk):
+    """torch.compile with CUDA graphs (mode="reduce-overhead"): the peer of our graphed rows."""
+    if not torch.cuda.is_available():
+        raise Skip("CUDA graphs need a GPU")
+    if "graphed" not in _COMPILED:
+        _COMPILED["graphed"] = torch.compile(_eager_loss, mode="reduce-overhead")
+    fn = _COMPILED["graphed"]
+    step = lambda: _grads(fn(h, w, y), h, w)  # noqa: E731
+    step.graphed = True
+    return step
+
+
+def make_torch_compile_fwd_graphed(h, w, y, chunk):
+    if not torch.cuda.is_available():
+        raise Skip("CUDA graphs need a GPU")
+    if "fwd_graphed" not in _COMPILED:
+        _COMPILED["fwd_graphed"] = torch.compile(_eager_logprobs, mode="reduce-overhead")
+    fn = _COMPILED["fwd_graphed"]
+    step = _forward_only(lambda: fn(h, w, y).clone())  # (a graph's output is overwritten by its next replay)
+    step.graphed = True
+    return step
+
+
 def make_torch_lce(h, w, y, chunk):
     options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
     if options is None or not hasattr(F, "linear_cross_entropy"):
