@@ -280,3 +280,29 @@ def test_a_repeated_call_skips_the_agreement_and_a_changed_argument_is_checked_a
         again = linear_logprobs(h, w, y, chunk_size=1).logprobs
     assert reads and built == ["linear_logprobs"] * 2
     assert torch.equal(again, expected)
+
+
+def test_grpo_compiles_what_the_first_call_runs_and_nothing_more_later(monkeypatch):
+    """GRPO's per-token terms and metrics are compiled on CUDA once per pattern of arguments
+    (grpo.fused): the first call of a signature and the later ones must pass the same pattern
+    (the results' poison is a tensor on both), else the second call compiles again, in the steady
+    state (seconds of compilation; a failure there under torch.cuda.set_sync_debug_mode). The keys
+    asked for are recorded here with compilation switched on and stubbed out (eager)."""
+    from megatron_fused_ce.losses import grpo
+
+    asked = []
+    monkeypatch.setattr(grpo, "_fuses", lambda device: True)
+    monkeypatch.setattr(grpo, "_compiled", lambda function, config, key: asked.append(key))
+    h, w, y = _inputs(11)
+    h.requires_grad_()
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(y.shape, generator=g) * 4
+    keys = []
+    for _ in range(3):
+        asked.clear()
+        loss, _ = linear_grpo_loss(h, w, y.clamp(min=0), torch.randn(4, generator=g), (y != -100).float(),
+                                   GRPO_EVERY_OPTION, old_logprobs=old, reference_logprobs=old - 0.1,
+                                   sampling_logprobs=old + 0.05)
+        loss.backward()
+        keys.append(set(asked))
+    assert keys[0] and keys[0] == keys[1] == keys[2]

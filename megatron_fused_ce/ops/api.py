@@ -368,9 +368,8 @@ class TokenStats:
     topk_logprobs: Optional[Tensor] = None  # [rows, k]
     topk_ids: Optional[Tensor] = None  # [rows, k]
     num_labelled: Any = None  # labelled tokens: an int (the agreement's), or a LabelledCount on the device
-    # where the rows were not dropped: which rows are labelled (bool [rows]); after the first call
-    # of a signature, fp32 [1] to add to every result: NaN where the device checks found bad
-    # contents (deferred_errors.py), else 0
+    # where the rows were not dropped: which rows are labelled (bool [rows]), and fp32 [1] to add to
+    # every result: NaN where the device checks found bad contents (deferred_errors.py), else 0
     labelled: Optional[Tensor] = None
     poison: Optional[Tensor] = None
 
@@ -690,7 +689,11 @@ class _DeviceChecks:
         self.local_target, self.labelled, counts, scalars = backend.label_targets(
             flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags)
         self.num_labelled = LabelledCount(counts[0], scalars[1], scalars[2], self.labelled, scalars[1:3])
-        self.poison = scalars[:1] if check else None  # NaN where a label is out of range (recorded), else 0
+        # NaN where a label is out of range (recorded), else 0. On the first call of a signature too
+        # (always 0 there: the full agreement refused bad labels): the first call and the later ones
+        # run the same operations, so that what is compiled for the first (GRPO's per-token terms
+        # and metrics) is not compiled again for the second, in the steady state
+        self.poison = scalars[:1]
 
 
 def _rank_check_values(signature_code: int, labels: Tensor, must_agree, device) -> Tensor:
@@ -704,9 +707,9 @@ def _rank_check_values(signature_code: int, labels: Tensor, must_agree, device) 
 
 def _device_poison(device_checks: Optional[_DeviceChecks], rank_check) -> Optional[Tensor]:
     """fp32 [1]: NaN if this call's device checks found bad contents (recorded for the next host
-    synchronization: deferred_errors.py), else 0, for its results; None where the full agreement
-    checked everything."""
-    if device_checks is None or device_checks.poison is None:
+    synchronization: deferred_errors.py), else 0, for its results; None without device checks (a
+    sampling mask's replay, which the full agreement checks on every call)."""
+    if device_checks is None:
         return None
     poison = device_checks.poison  # (label_targets recorded what it found)
     if rank_check is not None and rank_check.differ is not None:
