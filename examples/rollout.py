@@ -18,14 +18,18 @@ sampled token, as vLLM's mask replay returns it: per request a `SamplingMask(tok
 over its generated tokens only (CSR: token t kept token_ids[offsets[t]:offsets[t + 1]]), an empty
 set where nothing was cut (no filter, or every token of the vocab kept).
 
-Generation is a plain loop over the model (no KV cache): every step runs the whole fixed-length
-sequence through megatron's forward-only schedule, so pipeline and context parallelism work as in
-training (causal attention: the not-yet-generated positions cannot change the logits read). The
-fused output layer is uninstalled for it and reinstalled afterwards (it returns hidden states, not
-logits); the last stage gathers the logits of the position being sampled over the tensor-parallel
-(and context-parallel) ranks, samples with a generator seeded identically on every rank of the
-data-parallel replica, makes the TP / CP ranks agree by a broadcast from their first rank, and
-broadcasts the tokens to the other pipeline stages.
+Generation is a plain loop over the model (no KV cache): every step runs the tokens so far (prompt
+and generated prefix) through megatron's forward-only schedule, so pipeline and context parallelism
+work as in training. Under the causal mask the later positions cannot change the logits read, so
+the prefix gives the logits of the whole sequence. It is padded (with not-yet-generated positions)
+only as far as needed: to a multiple of 2·CP under context parallelism, of TP under sequence
+parallelism, and to at least 16 positions, from which on the CPU's logits are those of the whole
+sequence to the bit (`fed_length`); every rank of a replica feeds the same length, so the pipeline
+stages agree on the shapes they send. The fused output layer is uninstalled meanwhile and
+reinstalled afterwards (it returns hidden states, not logits); the last stage gathers the logits
+of the position being sampled over the tensor-parallel (and context-parallel) ranks, samples with
+a generator seeded identically on every rank of the data-parallel replica, makes the TP / CP ranks
+agree by a broadcast from their first rank, and broadcasts the tokens to the other pipeline stages.
 
 Task (verifiable, digits 0-9 are token ids 0-9, `=` is id 10): a prompt of random digits and `=`;
 the response is
@@ -37,7 +41,8 @@ policy emits few digits), 0 otherwise; the reward is the mean over the response 
 credit: a signal for GRPO), the accuracy its exact match (1 only for a response right throughout).
 
 `python examples/rollout.py --plot OUT.png RUN.jsonl...` draws the reward curves of `--log-jsonl`
-runs (grpo.py, and the evaluations of sft.py and dpo.py).
+runs (grpo.py, and the evaluations of sft.py and dpo.py); it needs matplotlib, in the package's
+`plot` extra (`pip install -e ".[plot]"`).
 """
 
 from __future__ import annotations
@@ -208,11 +213,14 @@ def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: in
     tokens[:, :start] = prompt.to(device())
     recorded = torch.zeros(rows, seq_length, dtype=torch.float32, device=device())
     steps = []
+    multiple = length_multiple(model, parallel_state)
     uninstall_fused_output_layer(model)  # generation needs logits
     try:
         for position in range(start, seq_length + 1):
-            (batch,) = on_this_cp_rank(micro_batches({"tokens": tokens[:, :-1]}, rows))
-            logits = _last_stage_logits(model, batch, position - 1, seq_length, vocab_size)
+            # every rank of the replica feeds the same length: the PP send / recv shapes agree
+            length = fed_length(position, seq_length, multiple)
+            (batch,) = on_this_cp_rank(micro_batches({"tokens": tokens[:, :length]}, rows))
+            logits = _last_stage_logits(model, batch, position - 1, length, vocab_size)
             if logits is not None:
                 new, logq, *kept = sample(logits, sampler, generator, kept_sets=kept_sets)
                 steps += [SamplingMask(k.token_ids.cpu(), k.offsets.cpu()) for k in kept]
@@ -227,6 +235,32 @@ def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: in
     if not kept_sets:
         return tokens, recorded
     return tokens, recorded, (per_request(steps) if steps else None)
+
+
+# The shortest input fed: torch's CPU softmax sums a row shorter than one vector (16 fp32 lanes
+# with AVX-512) in another order than a longer one, so a shorter prefix would change the logits in
+# their last bits; from this length on they are those of the whole sequence, bit for bit.
+MIN_FED_LENGTH = 16
+
+
+def fed_length(position: int, seq_length: int, multiple: int = 1) -> int:
+    """The input length that predicts token `position`: its `position` predecessors, at least
+    `MIN_FED_LENGTH`, padded up to a multiple of `multiple` (at most `seq_length`, itself one)."""
+    length = max(position, MIN_FED_LENGTH)
+    return min(-(-length // multiple) * multiple, seq_length)
+
+
+def length_multiple(model, parallel_state) -> int:
+    """What every input length must divide by: 2·CP (megatron's load-balanced CP split), and under
+    sequence parallelism CP·TP (each CP rank's part is scattered over its TP ranks)."""
+    from megatron.core.utils import get_model_config
+
+    cp = parallel_state.get_context_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    multiple = 2 * cp if cp > 1 else 1
+    if tp > 1 and getattr(get_model_config(model), "sequence_parallel", False):
+        multiple = math.lcm(multiple, cp * tp)
+    return multiple
 
 
 def sampler_of(cfg) -> Sampler:
@@ -290,7 +324,7 @@ def evaluate(model, fused, cfg, parallel_state, sampler: Sampler):
 
 def _last_stage_logits(model, batch, position: int, seq_length: int, vocab_size: int):
     """[B, vocab_size] fp32 logits at `position` on the last stage (gathered over TP and CP);
-    None on the other stages."""
+    None on the other stages. `seq_length`: the whole length of the fed sequence (of every CP rank)."""
     from megatron.core import parallel_state
 
     from megatron_fused_ce.megatron import positions_on_cp_rank
@@ -415,7 +449,10 @@ class JsonlLog:
 
 
 def plot(out: str, paths: Sequence[str], title: str = "") -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit('examples/rollout.py --plot needs matplotlib: pip install -e ".[plot]"') from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,7 +1,8 @@
 """The GRPO example's rollout sampler (examples/rollout.py): its kept set and log-probs against the
 float64 reference of the sampler semantics (tests/sampling_reference.py), its draws against the
 distribution it reports, the log-probs it records against `linear_logprobs(..., top_k, top_p,
-min_p)` on the same weights, and the digit task's targets and reward."""
+min_p)` on the same weights, the digit task's targets and reward, and generation from the prefix
+against generation from the whole sequence (TP, PP, CP over gloo)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import sys
 import pytest
 import torch
 
+from dist import run_workers
 from megatron_fused_ce import linear_logprobs
 from sampling_reference import kept_set, processed_stats
 
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.append(EXAMPLES)
 
 import rollout  # noqa: E402
 from rollout import Sampler, sample, sampler_logprobs  # noqa: E402
@@ -135,3 +138,76 @@ def test_step_log_is_written_by_the_reporter_only(tmp_path):
     log.write({"step": 1, "reward": 0.25, "accuracy": 0.0})
     log.close()
     assert [line for line in path.read_text().splitlines()][1] == '{"step": 1, "reward": 0.25, "accuracy": 0.0}'
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit, match=r'pip install -e "\.\[plot\]"'):
+        rollout.plot(str(tmp_path / "out.png"), [])
+
+
+def test_fed_length():
+    """The prefix that predicts token `position`, padded to the layout's multiple and to at least
+    MIN_FED_LENGTH, never past the sequence."""
+    assert rollout.MIN_FED_LENGTH == 16
+    assert [rollout.fed_length(p, 128) for p in (1, 8, 16, 17, 100, 128)] == [16, 16, 16, 17, 100, 128]
+    assert [rollout.fed_length(p, 128, 4) for p in (8, 17, 20, 125, 128)] == [16, 20, 20, 128, 128]
+    assert rollout.fed_length(5, 12) == 12 and rollout.fed_length(13, 24, 8) == 16
+
+
+# Generation on a tiny random policy: 32-token sequences, 7-token prompts (26 draws per row, from
+# inputs of 16 to 32 positions), under a filter (kept sets to compare).
+GENERATION = ["data.seq_length=32", "data.prompt_length=7", "model.num_layers=2", "model.hidden_size=32",
+              "sampling.top_p=0.9", "rollout.temperature=0.3"]
+LAYOUTS = {"tp1": (1, []),
+           "tp2_pp2": (4, ["megatron_cfg.tensor_model_parallel_size=2",
+                           "megatron_cfg.pipeline_model_parallel_size=2"]),
+           "cp2": (2, ["megatron_cfg.context_parallel_size=2"])}
+
+
+def generation_worker(rank, world, overrides):
+    """(prefix generation, whole-sequence generation, the lengths the prefix one fed) of one policy,
+    the same prompts and the same generator seed."""
+    from example_common import build_model, init_distributed
+    from example_config import load_config
+
+    cfg = load_config("grpo", os.path.join(EXAMPLES, "configs", "grpo.yaml"), (), GENERATION + overrides)
+    parallel_state = init_distributed(cfg, cfg["train"]["seed"])
+    model, _, fused = build_model(cfg, parallel_state)
+    seq, vocab = cfg["data"]["seq_length"], cfg["model"]["vocab_size"]
+    prompt = rollout.prompts(8, cfg["data"]["prompt_length"], torch.Generator().manual_seed(3))
+    prefix_length, fed = rollout.fed_length, []
+
+    def recorded(position, seq_length, multiple=1):
+        fed.append(prefix_length(position, seq_length, multiple))
+        return fed[-1]
+
+    outs = []
+    for length in (recorded, lambda position, seq_length, multiple=1: seq_length):
+        rollout.fed_length = length
+        tokens, logq, kept = rollout.generate(model, fused, prompt, seq, vocab, rollout.sampler_of(cfg),
+                                              torch.Generator().manual_seed(5), kept_sets=True)
+        outs.append((tokens, logq, kept and [(k.token_ids, k.offsets) for k in kept]))
+    rollout.fed_length = prefix_length
+    return outs, fed
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_prefix_generation_equals_whole_sequence(layout):
+    """Generating from the prefix (what `generate` feeds) draws the same tokens with the same
+    sampler log-probs and kept sets as feeding the whole sequence at every step: to the bit under
+    TP and PP; under CP the attention's sums follow the layout of the fed length, so the log-probs
+    agree to rounding."""
+    world, overrides = LAYOUTS[layout]
+    results = run_workers(generation_worker, world, overrides, timeout=120)
+    for (prefix, whole), fed in results:
+        assert min(fed) == 16 and max(fed) == 32 and len(set(fed)) > 4  # really shorter inputs
+        assert torch.equal(prefix[0], whole[0])
+        if layout == "cp2":
+            assert (prefix[1] - whole[1]).abs().max() < 1e-5
+        else:
+            assert torch.equal(prefix[1], whole[1]), (prefix[1] - whole[1]).abs().max()
+        assert (prefix[2] is None) == (whole[2] is None)
+        for a, b in zip(prefix[2] or [], whole[2] or []):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert any(kept is not None and sum(ids.numel() for ids, _ in kept) for (_, (_, _, kept)), _ in results)
