@@ -40,11 +40,15 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 # These messages only, filtered before megatron-core is imported (the library installs no filter):
 # megatron-core warns on import that its optional Apex / Transformer Engine (and, from 0.19, absl)
 # are missing and logs (0.19) that GPTModel is deprecated; its MTP layer gathers with
-# torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates. Nothing a user of this
-# script can act on.
+# torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates. On GPUs, 0.19's optimizer
+# package imports its experimental multimodal config (which warns so at import) and, without
+# Transformer Engine, it warns that TE's MoE experts need TE >= 1.7 (this model has no MoE). Nothing
+# a user of this script can act on.
 for _message in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
                  r"absl\.logging is not installed"):
     warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.")
+for _message in (r"MimoModelConfig is experimental", r"Only transformer-engine>=1\.7\.0 supports MoE experts"):
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning)  # (raised from import frames)
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                         category=FutureWarning)
 logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
