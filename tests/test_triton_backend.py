@@ -580,11 +580,41 @@ def test_label_targets_matches_torch(tb, n):
             counts = torch.empty(2, dtype=torch.int64, device=DEVICE)
             scalars = torch.empty(3, dtype=torch.float32, device=DEVICE)
             kernel[(1,)](y.to(DEVICE), target, labelled, counts, scalars, flags, n, -100, 120, vocab_start, 40,
-                         HAS_FLAGS=True, BLOCK=1024)
+                         0, 0, 0, HAS_FLAGS=True, HAS_CHECK=False, BLOCK=1024)
             assert torch.equal(target.cpu(), want[0]) and torch.equal(labelled.cpu().bool(), want[1])
             torch.testing.assert_close(scalars.cpu(), want[3], equal_nan=True, rtol=0, atol=0)
             assert torch.equal(counts.cpu(), want[2]) and int(want[2][1]) == int(bad and bool(((y < 0) & (y != -100)).any() or (y >= 120).any()))
             assert int(flags) == 4 | int(want[2][1])
+
+
+@pytest.mark.parametrize("n", [1, 1000, 3 * 1024 + 17])
+def test_label_kernel_makes_the_rank_check_of_the_labels(tb, n):
+    """With a signature code, the label kernel also writes what TP ranks compare on a remembered
+    signature: agreement.fingerprint_pieces of [the code, the labels' two fingerprint sums], equal
+    to the torch backend's (agreement's own functions) for ids of every size (negative, ignored,
+    beyond 2^31) and codes of 1 to 2^32 - 1; a changed label changes them."""
+    g = torch.Generator().manual_seed(n)
+    labels = torch.randint(-3, 1 << 20, (n,), generator=g)
+    labels[::5] = -100
+    labels[::7] = (1 << 40) + 3  # ids beyond 2^31 fold their high bits in
+
+    def kernel_pieces(y, code):
+        target = torch.empty(n, dtype=torch.int64, device=DEVICE)
+        labelled = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+        counts = torch.empty(2, dtype=torch.int64, device=DEVICE)
+        scalars = torch.empty(12, dtype=torch.float32, device=DEVICE)
+        tb._label_targets_kernel[(1,)](y.to(DEVICE), target, labelled, counts, scalars, counts, n, -100, 1 << 20, 0,
+                                       1 << 19, *tb._pieces(code), HAS_FLAGS=False, HAS_CHECK=True, BLOCK=1024)
+        return scalars.cpu()
+
+    for code in (1, 16, 0xDEADBEEF, 2**32 - 1):
+        want = torch_backend.label_targets(labels, -100, 1 << 20, 0, 1 << 19, None, code)[3]
+        got = kernel_pieces(labels, code)
+        assert want.shape == (12,) and torch.equal(got[3:], want[3:]), code  # (the first 3: NaN for bad ids)
+        torch.testing.assert_close(got[:3], want[:3], equal_nan=True, rtol=0, atol=0)
+    changed = labels.clone()
+    changed[n // 2] += 1
+    assert not torch.equal(kernel_pieces(changed, 16)[3:], kernel_pieces(labels, 16)[3:])
 
 
 # ------------------------------------------------------------ the upstream gradient g in backward

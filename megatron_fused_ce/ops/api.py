@@ -575,12 +575,13 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         # and the first call and the later ones of a signature compute alike, bit for bit. A later
         # call checks the contents on the device instead (deferred_errors.py).
         row_index, row_labels = None, flat_labels
+        compare_ranks = tp_size > 1 and agreed.remembered
         device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
-                                      check=agreed.remembered)
+                                      check=agreed.remembered,
+                                      signature_code=agreed.signature_code if compare_ranks else None)
         local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
-        if tp_size > 1 and agreed.remembered:
-            rank_check = reductions.RankCheck(_rank_check_values(agreed.signature_code, labels, must_agree,
-                                                                 hidden.device))
+        if compare_ranks:
+            rank_check = reductions.RankCheck(_rank_check_values(device_checks.rank_pieces, must_agree))
     else:
         num_labelled = agreed.num_labelled
         # the agreed count sizes the index: no second host sync (nonzero would read the count back)
@@ -683,11 +684,14 @@ class _DeviceChecks:
     device: no count is read back."""
 
     def __init__(self, backend, flat_labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int,
-                 v_local: int, check: bool):
+                 v_local: int, check: bool, signature_code: Optional[int] = None):
         # (the full agreement checked the first call of the signature: no flag to record then)
         flags = deferred_errors.flags(flat_labels.device) if check else None
         self.local_target, self.labelled, counts, scalars = backend.label_targets(
-            flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags)
+            flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags, signature_code)
+        # with a signature code: the rank check's pieces of it and of the labels' fingerprint, made
+        # by the same launch
+        self.rank_pieces = scalars[3:] if signature_code is not None else None
         self.num_labelled = LabelledCount(counts[0], scalars[1], scalars[2], self.labelled, scalars[1:3])
         # NaN where a label is out of range (recorded), else 0. On the first call of a signature too
         # (always 0 there: the full agreement refused bad labels): the first call and the later ones
@@ -696,13 +700,15 @@ class _DeviceChecks:
         self.poison = scalars[:1]
 
 
-def _rank_check_values(signature_code: int, labels: Tensor, must_agree, device) -> Tensor:
+def _rank_check_values(label_pieces: Tensor, must_agree) -> Tensor:
     """fp32 pieces of what every TP rank must share on a remembered signature: the signature's
-    code (its Python-level arguments), the labels' and each must-agree tensor's fingerprints."""
-    # torch.full: a fill kernel with the code as its argument, no host-to-device copy
-    codes = [torch.full((1,), signature_code, dtype=torch.int64, device=device), tensor_fingerprint(labels)]
-    codes += [tensor_fingerprint(v).to(device) for v in (must_agree or {}).values() if isinstance(v, Tensor)]
-    return fingerprint_pieces(torch.cat(codes))
+    code (its Python-level arguments) and the labels' fingerprint (`label_pieces`, from the label
+    kernel), then each must-agree tensor's fingerprint."""
+    tensors = [v for v in (must_agree or {}).values() if isinstance(v, Tensor)]
+    if not tensors:
+        return label_pieces
+    codes = torch.cat([tensor_fingerprint(v).to(label_pieces.device) for v in tensors])
+    return torch.cat([label_pieces, fingerprint_pieces(codes)])
 
 
 def _device_poison(device_checks: Optional[_DeviceChecks], rank_check) -> Optional[Tensor]:

@@ -189,13 +189,16 @@ def exp_tile_(
 
 
 def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int, v_local: int,
-                  flags: Optional[Tensor] = None) -> tuple:
+                  flags: Optional[Tensor] = None, signature_code: Optional[int] = None) -> tuple:
     """Flat labels -> (local_target int64 [n]: the column of the label on this shard, -1 where it is
     ignore_index, on another shard or outside [0, true_vocab); labelled bool [n]; int64 [2]:
     the number of labelled rows, and 1 if a labelled row's label lies outside [0, true_vocab)
     else 0; fp32 [3]: NaN if so else 0 (to add to the call's results), then 1 / max(labelled
     rows, 1) and its negative (a mean's coefficients)). With `flags` (an int64 [1] word,
-    deferred_errors.py) that 1 is OR-ed into it."""
+    deferred_errors.py) that 1 is OR-ed into it. With `signature_code` (a non-negative int < 2^63)
+    the fp32 vector has 9 more entries: agreement.fingerprint_pieces of [signature_code, the
+    labels' two fingerprint sums (agreement.tensor_fingerprint)], what TP ranks compare on a
+    remembered signature (reductions.RankCheck)."""
     labelled = labels != ignore_index
     in_range = (labels >= 0) & (labels < true_vocab)
     local = labels - vocab_start
@@ -206,6 +209,11 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
         flags.bitwise_or_(counts[1:])
     inverse = counts[0].clamp(min=1).reciprocal().to(torch.float32)
     scalars = torch.stack([torch.where(bad, float("nan"), 0.0).to(torch.float32), inverse, -inverse])
+    if signature_code is not None:
+        from ..agreement import fingerprint_pieces, tensor_fingerprint  # (agreement imports the backends)
+
+        code = torch.full((1,), signature_code, dtype=torch.int64, device=labels.device)
+        scalars = torch.cat([scalars, fingerprint_pieces(torch.cat([code, tensor_fingerprint(labels)]))])
     return local_target, labelled, counts, scalars
 
 

@@ -377,16 +377,33 @@ def exp_tile_(tile: Tensor, local_target: Tensor, num_valid_cols: int, inv_tempe
     return tile
 
 
-@triton.jit
+FINGERPRINT_MASK = tl.constexpr(2**31 - 1)  # agreement._MASK
+PIECE_MASK = tl.constexpr(2**21 - 1)  # agreement.fingerprint_pieces
+
+
+# (the signature code's pieces arrive as plain ints: a value of 1 would otherwise become a constexpr)
+@triton.jit(do_not_specialize=["code0", "code1", "code2"])
 def _label_targets_kernel(labels_ptr, target_ptr, labelled_ptr, counts_ptr, scalars_ptr, flags_ptr, n, ignore_index,
-                          true_vocab, vocab_start, v_local, HAS_FLAGS: tl.constexpr, BLOCK: tl.constexpr):
+                          true_vocab, vocab_start, v_local, code0, code1, code2, HAS_FLAGS: tl.constexpr,
+                          HAS_CHECK: tl.constexpr, BLOCK: tl.constexpr):
     # one program walks every row: a launch, not a reduction tree, is what costs at these sizes
     labelled_rows = tl.zeros([BLOCK], tl.int64)
     bad_rows = tl.zeros([BLOCK], tl.int32)
+    # the labels' fingerprint (agreement.tensor_fingerprint: 31-bit terms v_i * w_i, summed)
+    by_position = tl.zeros([BLOCK], tl.int64)
+    by_hash = tl.zeros([BLOCK], tl.int64)
+    scramble_factor = tl.full([BLOCK], 2654435761, tl.int64)  # agreement._SCRAMBLE
     for start in range(0, n, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         in_rows = offsets < n
         label = tl.load(labels_ptr + offsets, mask=in_rows, other=ignore_index)
+        if HAS_CHECK:
+            index = offsets.to(tl.int64)
+            bits = (label ^ (label >> 31)) & FINGERPRINT_MASK
+            weight = (2 * index + 1) & FINGERPRINT_MASK
+            scramble = ((index * scramble_factor) | 1) & FINGERPRINT_MASK
+            by_position += tl.where(in_rows, (bits * weight) & FINGERPRINT_MASK, 0)
+            by_hash += tl.where(in_rows, (bits * scramble) & FINGERPRINT_MASK, 0)
         labelled = (label != ignore_index) & in_rows
         in_range = (label >= 0) & (label < true_vocab)
         local = label - vocab_start
@@ -404,23 +421,41 @@ def _label_targets_kernel(labels_ptr, target_ptr, labelled_ptr, counts_ptr, scal
     tl.store(scalars_ptr + 2, -inverse)
     if HAS_FLAGS:
         tl.store(flags_ptr, tl.load(flags_ptr) | bad)
+    if HAS_CHECK:  # agreement.fingerprint_pieces of [signature code, by_position, by_hash]: 21 bits each
+        position_sum = tl.sum(by_position, axis=0)
+        hash_sum = tl.sum(by_hash, axis=0)
+        tl.store(scalars_ptr + 3, code0.to(tl.float32))
+        tl.store(scalars_ptr + 6, code1.to(tl.float32))
+        tl.store(scalars_ptr + 9, code2.to(tl.float32))
+        for part in tl.static_range(3):
+            tl.store(scalars_ptr + 4 + 3 * part, ((position_sum >> (21 * part)) & PIECE_MASK).to(tl.float32))
+            tl.store(scalars_ptr + 5 + 3 * part, ((hash_sum >> (21 * part)) & PIECE_MASK).to(tl.float32))
+
+
+
+def _pieces(code: int) -> tuple:
+    """agreement.fingerprint_pieces of one non-negative int, on the host."""
+    return tuple((int(code) >> (21 * part)) & (2**21 - 1) for part in range(3))
 
 
 def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int, v_local: int,
-                  flags: Optional[Tensor] = None) -> tuple:
+                  flags: Optional[Tensor] = None, signature_code: Optional[int] = None) -> tuple:
     """torch_backend.label_targets in one launch (the dozen elementwise ops and reductions of the
-    torch version each cost a launch before the first GEMM)."""
+    torch version each cost a launch before the first GEMM; the rank check's fingerprint a dozen
+    more)."""
     if not labels.is_cuda:
-        return torch_backend.label_targets(labels, ignore_index, true_vocab, vocab_start, v_local, flags)
+        return torch_backend.label_targets(labels, ignore_index, true_vocab, vocab_start, v_local, flags,
+                                           signature_code)
     labels = labels.contiguous()
     n = labels.numel()
     local_target = torch.empty(n, dtype=torch.int64, device=labels.device)
     labelled = torch.empty(n, dtype=torch.uint8, device=labels.device)
     counts = torch.empty(2, dtype=torch.int64, device=labels.device)
-    scalars = torch.empty(3, dtype=torch.float32, device=labels.device)
+    scalars = torch.empty(3 if signature_code is None else 12, dtype=torch.float32, device=labels.device)
     _label_targets_kernel[(1,)](labels, local_target, labelled, counts, scalars, flags if flags is not None else counts,
                                 n, int(ignore_index), int(true_vocab), int(vocab_start), int(v_local),
-                                HAS_FLAGS=flags is not None, BLOCK=1024, num_warps=4)
+                                *_pieces(signature_code or 0), HAS_FLAGS=flags is not None,
+                                HAS_CHECK=signature_code is not None, BLOCK=1024, num_warps=4)
     return local_target, labelled.view(torch.bool), counts, scalars
 
 
