@@ -41,9 +41,8 @@ class CrossEntropyGrads(ForwardGradLoss):
 
     def token_grads(self, stats, positions, num_labelled) -> TokenGrads:
         if self.mean and not self.smoothing and not self.z_weight and isinstance(num_labelled, LabelledCount):
-            per_row = num_labelled.per_row(positions)  # d/d lse = 1 / count, d/d z_y = -1 / count; 0 if ignored
-            if per_row is not None:
-                return TokenGrads(target=per_row[1], lse=per_row[0], masked=True)
+            inverse, negative_inverse = num_labelled.per_row(positions)  # 0 in the rows of ignored labels
+            return TokenGrads(target=negative_inverse, lse=inverse, masked=True)
         scale = self._scale(num_labelled)
         lse = stats.lse
 

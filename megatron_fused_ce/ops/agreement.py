@@ -355,6 +355,15 @@ _REMEMBERED: "OrderedDict[tuple, None]" = OrderedDict()
 MEMOS = [_REMEMBERED]  # every such memo (the losses' input agreement adds its own)
 
 
+def still_remembered(signature: tuple) -> bool:
+    """Whether `signature` (an Agreement.signature() that was remembered) still is; if so it
+    becomes the most recently used."""
+    if signature not in _REMEMBERED:
+        return False
+    _REMEMBERED.move_to_end(signature)
+    return True
+
+
 def forget_signatures() -> None:
     """Drop every remembered signature: the next call of each runs the full agreement again."""
     for memo in MEMOS:

@@ -221,8 +221,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
                          extra_checks, must_agree, mask_check) if may_remember else None
     if call_key is not None:
         hit = _REMEMBERED_CALLS.get(call_key)
-        if hit is not None and hit[0] in agreement_memo._REMEMBERED:
-            agreement_memo._REMEMBERED.move_to_end(hit[0])
+        if hit is not None and agreement_memo.still_remembered(hit[0]):
             return hit[1]
     tp_size = reductions.group_size(tp_group)
     device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
@@ -658,21 +657,24 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
 
 
 class LabelledCount:
-    """The number of labelled rows of a call, on the device (`count`, int64 0-d), with 1 / max(count,
-    1) and its negative (fp32 0-d): a mean's coefficients without a kernel of their own. With
-    `labelled` (bool [rows]) and `inverses` ([2] fp32: the two coefficients side by side),
-    `per_row` gives both per row, 0 in the rows of ignored labels, in one kernel."""
+    """The number of labelled rows of a call, on the device (`count`, int64 0-d), with `inverses`
+    (fp32 [2]: 1 / max(count, 1) and its negative, a mean's coefficients without a kernel of their
+    own) and which rows are labelled (`labelled`, bool [rows])."""
 
-    def __init__(self, count: Tensor, inverse: Tensor, negative_inverse: Tensor,
-                 labelled: Optional[Tensor] = None, inverses: Optional[Tensor] = None):
-        self.count, self.inverse, self.negative_inverse = count, inverse, negative_inverse
-        self.labelled, self.inverses = labelled, inverses
+    def __init__(self, count: Tensor, inverses: Tensor, labelled: Tensor):
+        self.count, self.inverses, self.labelled = count, inverses, labelled
 
-    def per_row(self, positions) -> Optional[tuple]:
+    @property
+    def inverse(self) -> Tensor:
+        return self.inverses[0]
+
+    @property
+    def negative_inverse(self) -> Tensor:
+        return self.inverses[1]
+
+    def per_row(self, positions) -> tuple:
         """(1 / count, -1 / count) at each of `positions` (indices or a slice of the rows) where
-        its label is kept, 0 elsewhere; None without `labelled`."""
-        if self.labelled is None or self.inverses is None:
-            return None
+        its label is kept, 0 elsewhere: one kernel."""
         both = torch.where(self.labelled[positions], self.inverses[:, None], 0.0)
         return both[0], both[1]
 
@@ -692,7 +694,7 @@ class _DeviceChecks:
         # with a signature code: the rank check's pieces of it and of the labels' fingerprint, made
         # by the same launch
         self.rank_pieces = scalars[3:] if signature_code is not None else None
-        self.num_labelled = LabelledCount(counts[0], scalars[1], scalars[2], self.labelled, scalars[1:3])
+        self.num_labelled = LabelledCount(counts[0], scalars[1:3], self.labelled)
         # NaN where a label is out of range (recorded), else 0. On the first call of a signature too
         # (always 0 there: the full agreement refused bad labels): the first call and the later ones
         # run the same operations, so that what is compiled for the first (GRPO's per-token terms
