@@ -250,6 +250,24 @@ def test_e2e_seqlen_tp2_sequence_parallel_matches_tp1(tmp_path):
         assert 0.3 * padding < comparisons["fused_vs_megatron"]["max_abs_loss_diff_first_step"] < 3 * padding
 
 
+def test_rl_curves_seed_groups_give_mean_and_spread_per_window(tmp_path):
+    """GROUP/SEED labels (docs/rl.md's runs over seeds): per group and window of steps, the mean
+    over seeds and the lowest and highest seed, over the steps every run of the groups logged."""
+    paths = {}
+    for name, rewards in {"a1": [0.1, 0.3, 0.5, 0.7, 0.9], "a2": [0.3, 0.5, 0.7, 0.9, 1.0],
+                          "b1": [0.2, 0.2, 0.4, 0.4, 0.6, 0.6, 0.8]}.items():
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("\n".join(json.dumps({"step": i, "reward": r}) for i, r in enumerate(rewards)) + "\n")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "rl_curves.py"), f"A/1={paths['a1']}",
+                          f"A/2={paths['a2']}", f"B/1={paths['b1']}", "--window", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    groups = out.stdout.split("\n\n")[1].splitlines()
+    assert groups[0] == "| group | seeds | steps 0-1 | steps 2-3 |"  # 5 common steps: two whole windows
+    assert groups[2] == "| A | 1, 2 | 0.300 (0.200-0.400) | 0.700 (0.600-0.800) |"
+    assert groups[3] == "| B | 1 | 0.200 (0.200-0.200) | 0.400 (0.400-0.400) |"
+
+
 def test_rl_curves_table_from_log_jsonl(tmp_path):
     """tools/rl_curves.py (docs/rl.md's GPU tables and curves) reads the examples' --log-jsonl:
     the first-3 / last-5 reward means, the first step at the target (SFT and DPO log a reward only
@@ -273,4 +291,4 @@ def test_rl_curves_table_from_log_jsonl(tmp_path):
     if importlib.util.find_spec("matplotlib") is None:
         png = subprocess.run([sys.executable, os.path.join(REPO, "tools", "rl_curves.py"), f"GRPO run={grpo}",
                               "--png", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=60)
-        assert png.returncode != 0 and "needs matplotlib" in png.stderr
+        assert png.returncode != 0 and "needs matplotlib" in png.stderr and ".[plot]" in png.stderr
