@@ -29,9 +29,10 @@ from .run import _search_note, add_x_plain, resolved_auto_chunk, run_one
 TP_IMPLS = ("floor,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,megatron,megatron_fused,liger_tp,"
             "ours_top_p,ours_top_k,ours_topk20")
 # measured on rank 0 alone for the scaling table
-TP1_IMPLS = ("floor", "ours_ce", "ours_ce_lean", "ours_logprobs", "ours_logprobs_lean")
-SCALED = ("floor", "ours_ce", "ours_ce_lean", "ours_logprobs", "ours_logprobs_lean")
-TP_CHUNKED = ("ours_ce", "ours_logprobs")
+TP1_IMPLS = ("floor", "ours_ce", "ours_ce_lean", "ours_logprobs", "ours_logprobs_lean", "ours_ce_graphed",
+             "ours_logprobs_graphed")
+SCALED = TP1_IMPLS
+TP_CHUNKED = ("ours_ce", "ours_logprobs", "ours_ce_graphed", "ours_logprobs_graphed")
 
 
 class _TPCtx:
@@ -61,6 +62,27 @@ def tp_make_ours_logprobs(h, w, y, chunk, ctx, memory_mode="fast"):
     n = h.shape[0]
     return lambda: _grads(-linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk,
                                            impl=_impl(), memory_mode=memory_mode).logprobs.sum() / n, h, w)
+
+
+def _tp_graphed(loss_of, args):
+    """Forward + backward captured once with torch.cuda.make_graphed_callables (the NCCL collectives
+    inside the graphs), replayed per step: what the eager rows pay on the host, removed."""
+    if not torch.cuda.is_available():
+        raise Skip("CUDA graphs need a GPU")
+    return torch.cuda.make_graphed_callables(loss_of, args)
+
+
+def tp_make_ours_ce_graphed(h, w, y, chunk, ctx):
+    graphed = _tp_graphed(lambda h, w, y: linear_cross_entropy(h, w, y, tp_group=ctx.group, chunk_size=chunk,
+                                                               impl=_impl()), (h, w, y))
+    return lambda: _grads(graphed(h, w, y), h, w)
+
+
+def tp_make_ours_logprobs_graphed(h, w, y, chunk, ctx):
+    n = h.shape[0]
+    graphed = _tp_graphed(lambda h, w, y: -linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk,
+                                                           impl=_impl()).logprobs.sum() / n, (h, w, y))
+    return lambda: _grads(graphed(h, w, y), h, w)
 
 
 def tp_make_ours_ce_lean(h, w, y, chunk, ctx):
