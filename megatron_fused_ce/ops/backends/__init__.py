@@ -146,4 +146,14 @@ def select(impl: str, device: torch.device) -> Backend:
             raise ValueError("impl: 'triton' was requested but triton cannot be imported")
         return triton
     base = triton if device.type == "cuda" and triton is not None else torch_backend.BACKEND
-    return replace(base, row_kernel=cute_backend.ROW_KERNEL, weight_grad_gemm=cute_backend.WEIGHT_GRAD_GEMM)
+    parts = (base, cute_backend.ROW_KERNEL, cute_backend.WEIGHT_GRAD_GEMM)
+    # one Backend per combination (a dataclasses.replace on every call is host time in the steady
+    # state); keyed by identity, so a part swapped at run time (tests, QuACK installed) is seen
+    key = tuple(map(id, parts))
+    cached = _AUTO_BACKENDS.get(key)
+    if cached is None or any(a is not b for a, b in zip(cached[0], parts)):
+        cached = _AUTO_BACKENDS[key] = (parts, replace(base, row_kernel=parts[1], weight_grad_gemm=parts[2]))
+    return cached[1]
+
+
+_AUTO_BACKENDS: dict = {}
