@@ -584,8 +584,9 @@ def run_pair(plan, parallel, record, time_left, logs, env, work, gpus=1):
             for i, (_, _, launch) in enumerate(plan):
                 launch["env"] = dict(launch.get("env", {}), CUDA_VISIBLE_DEVICES=str(i % gpus))
         started = [(name, run_one(name, argv, logs, env, work, launch)) for name, argv, launch in plan]
+        end = time.time() + max(time_left(), 0) + 120  # one limit for all: waits do not add up
         for name, (proc, t0, log_path) in started:
-            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120),
+            record(name, wait(name, proc, t0, log_path, timeout=max(end - time.time(), 1)),
                    side_by_side=True)
         return
     for name, argv, launch in plan:
