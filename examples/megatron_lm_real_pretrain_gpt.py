@@ -29,8 +29,12 @@ Megatron-LM's loop: argument validation, the distributed optimizer, checkpointin
 GPT2BPETokenizer --vocab-file DIR/vocab.json --merge-file DIR/merges.txt` reads the same tokenizer
 where the Hugging Face hub is reachable. The `--no-*` flags select the local layer spec's plain
 PyTorch paths where neither Transformer Engine nor Apex is installed; RoPE is what --mtp-num-layers
-needs. Megatron-LM's initialization runs `make` in megatron/core/datasets, which a pip-installed
-wheel lacks a Makefile for: tools/real_loop_curves.sh adds one.) Without `megatron.training`
+needs. Megatron-LM's default stack, `--transformer-impl transformer_engine` with
+gradient-accumulation fusion on, runs too: where Apex's `fused_weight_gradient_mlp_cuda` is absent
+(it is not on PyPI), the script installs the package's pure-torch stand-in for it before the model
+is built and says so in one line; see `install_grad_accum_fusion_standin`. Megatron-LM's
+initialization runs `make` in megatron/core/datasets, which a pip-installed wheel lacks a Makefile
+for: tools/real_loop_curves.sh adds one.) Without `megatron.training`
 (megatron-core < 0.19 or Python < 3.12) the script says so and exits with status 2.
 
 The functions below that need no `megatron.training` (`loss_func`, the dataset config, the fused
@@ -239,6 +243,23 @@ def install_fused_ce(model_chunks):
     return install_fused_output_layer(model_chunks, fused_ce_config_from_args(get_args()))
 
 
+def install_grad_accum_fusion_standin(args, log):
+    """With --gradient-accumulation-fusion (Megatron-LM's default) megatron-core's own linears
+    (the unfused output layer among them, also under --transformer-impl transformer_engine) need
+    Apex's fused_weight_gradient_mlp_cuda, which pip cannot install: where it is absent, the
+    package's pure-torch stand-in (megatron_fused_ce/megatron/grad_accum_fusion.py) takes its place
+    before the model is built. Returns "apex", "standin", or None with the fusion off."""
+    if not getattr(args, "gradient_accumulation_fusion", False):
+        return None
+    from megatron_fused_ce.megatron.grad_accum_fusion import install_wgrad_accumulation_standin
+
+    used = install_wgrad_accumulation_standin()
+    if used == "standin":
+        log("> gradient-accumulation fusion: Apex's fused_weight_gradient_mlp_cuda is not installed, "
+            "using megatron_fused_ce's pure-torch stand-in (one fp32-output GEMM into main_grad)")
+    return used
+
+
 def main():
     error = megatron_training_error()
     if error is not None:
@@ -257,6 +278,7 @@ def main():
     args = parse_and_validate_args(extra_args_provider=add_fused_ce_args,  # fused CE: 1, the flags
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     fused = fused_ce_config_from_args(args, log=print_rank_0)  # checks the flags against megatron's
+    install_grad_accum_fusion_standin(args, print_rank_0)
     model_cfg = gpt_config_from_args(args)
     model_cfg.pre_wrap_hooks.append(install_fused_ce)  # fused CE: 2, the install
     print_rank_0(f"> fused linear cross-entropy: {'on' if fused.enabled else 'off'} ({fused})")

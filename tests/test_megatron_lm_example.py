@@ -156,3 +156,30 @@ def test_fused_flags_do_not_clash_with_megatron_lm_names():
     config = fused_ce_config_from_args(args)
     assert (config.enabled, config.chunk_size, config.memory_mode) == (True, 64, "lean")
     assert [key for key in vars(args) if near_miss(key)] == []
+
+
+def test_real_script_installs_the_grad_accum_fusion_standin(monkeypatch):
+    """With --gradient-accumulation-fusion (Megatron-LM's default) and no Apex, the real script puts
+    the pure-torch stand-in in place before the model is built, in one logged line; with the fusion
+    off it changes nothing."""
+    import importlib.util
+
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_fused_ce.megatron import grad_accum_fusion
+
+    if importlib.util.find_spec(grad_accum_fusion.MODULE_NAME) is not None:
+        pytest.skip("Apex's fused_weight_gradient_mlp_cuda is installed: nothing to stand in for")
+    monkeypatch.delitem(sys.modules, grad_accum_fusion.MODULE_NAME, raising=False)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+    logged = []
+    assert REAL.install_grad_accum_fusion_standin(argparse.Namespace(gradient_accumulation_fusion=False),
+                                                  logged.append) is None
+    assert not logged and not layers._grad_accum_fusion_available
+    try:
+        used = REAL.install_grad_accum_fusion_standin(
+            argparse.Namespace(gradient_accumulation_fusion=True), logged.append)
+        assert used == "standin" and layers._grad_accum_fusion_available
+        assert len(logged) == 1 and "stand-in" in logged[0] and "fused_weight_gradient_mlp_cuda" in logged[0]
+    finally:
+        grad_accum_fusion.uninstall_wgrad_accumulation_standin()

@@ -197,6 +197,87 @@ def test_real_loop_tool_stages_and_megatron_log(tmp_path, monkeypatch):
     assert "| full_fused_to_fused | 4 |" in md
 
 
+def test_real_loop_te_stack_arguments():
+    """--stack te: Megatron-LM's default stack (TE layers, gradient-accumulation fusion on, bf16,
+    the distributed optimizer, no per-token loss), without the local stack's --no-* flags."""
+    tool = _real_loop_tool()
+    p = tool.PRESETS["full"]
+    te = tool.model_args(p, tool.Path("/d"), 10, stack="te")
+    local = tool.model_args(p, tool.Path("/d"), 10)
+    assert te[te.index("--transformer-impl") + 1] == "transformer_engine"
+    assert {"--bf16", "--use-distributed-optimizer"} <= set(te)
+    for flag in ("--no-gradient-accumulation-fusion", "--calculate-per-token-loss", "--ckpt-format",
+                 "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm"):
+        assert flag not in te, flag
+    assert local[local.index("--transformer-impl") + 1] == "local"
+    assert "--no-gradient-accumulation-fusion" in local and "--ckpt-format" in local
+
+
+def test_real_loop_old_code_runs_side_by_side(tmp_path, monkeypatch):
+    """--old-code: the pair run again with an older checkout's package code (this version's
+    example script copied beside it, PYTHONPATH naming it instead of this checkout), all four runs
+    side by side one GPU each, and the summary compares each pair and the two unfused runs."""
+    tool = _real_loop_tool()
+    script = tmp_path / "fake_pretrain.py"
+    script.write_text(FAKE_MEGATRON_LM + "import os\nprint('SCRIPT=' + os.path.abspath(__file__))\n"
+                      "print('PYTHONPATH=' + os.environ.get('PYTHONPATH', ''))\n"
+                      "print('CUDA_VISIBLE_DEVICES=' + os.environ.get('CUDA_VISIBLE_DEVICES', '-'))\n")
+    monkeypatch.setattr(tool, "SCRIPT", script)
+    monkeypatch.setattr(tool, "missing_requirements", lambda: [])
+    monkeypatch.setattr(tool, "add_datasets_makefile", lambda: None)
+    monkeypatch.setitem(tool.PRESETS, "test", dict(tool.PRESETS["tiny"], iters=40))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/site", REPO]))
+    old = tmp_path / "old_checkout"
+    (old / "megatron_fused_ce" / "megatron").mkdir(parents=True)
+    (old / "megatron_fused_ce" / "__init__.py").write_text("")
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "dataset.json").write_text(json.dumps({"files": 1, "tokens": 10, "vocab_size": 300}))
+    assert tool.main(["--preset", "test", "--work", str(work), "--out", str(out), "--stages", "main",
+                      "--stack", "te", "--old-code", str(old), "--parallel", "--gpus", "4",
+                      "--no-save"]) == 0
+    logs = {name: (work / "logs" / f"{name}.log").read_text()
+            for name in ("fused", "unfused", "old_fused", "old_unfused")}
+    tree = work / "old_code"
+    assert (tree / "megatron_fused_ce" / "megatron" / "grad_accum_fusion.py").exists()
+    for i, (name, log) in enumerate(logs.items()):
+        command = log.splitlines()[0]
+        assert "--transformer-impl transformer_engine" in command
+        assert "--no-gradient-accumulation-fusion" not in command and "--save " not in command
+        assert ("--use-linear-ce-fusion-loss" in command) == (name.split("_")[-1] == "fused")
+        assert f"CUDA_VISIBLE_DEVICES={i}" in log
+        paths = log.split("PYTHONPATH=")[1].splitlines()[0].split(os.pathsep)
+        if name.startswith("old_"):
+            assert f"SCRIPT={tree / 'examples' / script.name}" in log
+            assert paths[0] == str(tree) and REPO not in paths and "/tmp/site" in paths
+        else:
+            assert f"SCRIPT={script}" in log and paths[0] == REPO
+    summary = json.loads((out / "real_loop_summary.json").read_text())
+    assert summary["stack"] == "te" and summary["old_code"]["tree"] == str(tree)
+    comparisons = summary["comparisons"]
+    for pair in ("fused vs unfused", "old_fused vs old_unfused"):
+        c = comparisons[f"{pair} (lm loss)"]
+        assert c["steps"] == 40 and abs(c["max_abs_diff"] - 2e-5) < 1e-9
+        assert abs(c["max_abs_diff_steps_1_30"] - 2e-5) < 1e-9 and abs(c["mean_abs_diff"] - 2e-5) < 1e-9
+        assert abs(c["mean_last_50_diff"] - 2e-5) < 1e-9
+    assert comparisons["unfused vs old_unfused (lm loss)"]["max_abs_diff"] == 0.0
+    md = (out / "real_loop.md").read_text()
+    assert "te stack" in md and "| old_fused vs old_unfused (lm loss) | 40 |" in md
+
+
+def test_real_loop_old_code_from_a_git_revision(tmp_path, monkeypatch):
+    """--old-code REV: the package files of that revision (git archive), the stand-in and the
+    example script of this version beside them."""
+    if subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    tool = _real_loop_tool()
+    tree, label = tool.prepare_old_code("HEAD", tmp_path)
+    assert label and (tree / "megatron_fused_ce" / "megatron" / "output_layer.py").exists()
+    assert (tree / "examples" / tool.SCRIPT.name).read_text() == tool.SCRIPT.read_text()
+    launch = tool.old_code_launch(tree, {"PYTHONPATH": os.pathsep.join([REPO, "/x"])})
+    assert launch["env"]["PYTHONPATH"] == os.pathsep.join([str(tree), "/x"])
+
+
 # ------------------------------------------------------------------------------------------------
 # tools/e2e_seqlen.py: its main() on forked gloo ranks, as torchrun would start it
 # ------------------------------------------------------------------------------------------------

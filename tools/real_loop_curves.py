@@ -18,8 +18,18 @@ matplotlib (tools/real_loop_curves.sh runs it with its folders from the environm
      then the same three resumes with weights, optimizer state and RNG (`full_fused_to_unfused` ...)
   6. `mtp_fused` / `mtp_unfused`: --mtp-num-layers 1
 
+`--stack te`: Megatron-LM's default stack instead of the local layer spec (Transformer Engine
+layers, gradient-accumulation fusion on through the example's stand-in for Apex's extension where
+Apex is absent, bf16, distributed optimizer). `--old-code REV_OR_DIR` adds to the main stage the
+pair `old_fused` / `old_unfused` with the package code of an older revision (git archive into
+--work, or an older checkout's folder) and this version's example script; with `--parallel
+--gpus 4` the four runs go side by side, one GPU each. The summary compares each pair and the two
+unfused runs (how far two runs of the same layer drift apart): largest and mean per-step
+difference, over steps 1-30 and all, and the last-50-step means.
+
 Writes under --out: real_loop_summary.json (per-step losses, tokens/s, peak memory, checkpoint
-interchange), real_loop.md (the same as tables), megatron_lm_curves.png, real_loop_logs.txt.
+interchange), real_loop.md (the same as tables), megatron_lm_curves.png (`_te` before .png with
+--stack te), real_loop_logs.txt.
 Stops starting new runs once --deadline seconds have passed (the summary then lists what ran).
 `--stages main,resume`, `--stages resume_full` and `--stages mtp` (another --out each) split the
 work over commands with a time limit; each stage needs only the dataset (main's checkpoints stay
@@ -32,6 +42,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -90,7 +101,17 @@ def add_datasets_makefile():
         makefile.write_text('all:\n\t@python3 -c "import megatron.core.datasets.helpers_cpp"\n')
 
 
-def model_args(p, data_dir, iters, distributed_optimizer=True):
+# Megatron-LM's stack as its users run it: Transformer Engine layers, gradient-accumulation fusion
+# (Megatron's default: megatron-core's own linears need Apex's fused_weight_gradient_mlp_cuda, which
+# the example replaces by the package's pure-torch stand-in where Apex is absent), TE's fused RoPE
+# and attention. Megatron's masked-softmax and persistent-layer-norm kernels are the local spec's.
+LOCAL_STACK = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+               "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-rope-fusion"]
+TE_STACK = ["--transformer-impl", "transformer_engine"]
+STACKS = {"local": LOCAL_STACK, "te": TE_STACK}
+
+
+def model_args(p, data_dir, iters, distributed_optimizer=True, stack="local"):
     return [
         "--num-layers", str(p["layers"]), "--hidden-size", str(p["hidden"]),
         "--num-attention-heads", str(p["heads"]), "--seq-length", str(p["seq"]),
@@ -100,27 +121,30 @@ def model_args(p, data_dir, iters, distributed_optimizer=True):
         "--lr-warmup-iters", str(p["warmup"]), "--lr-decay-iters", str(p["iters"]),
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95",
         "--init-method-std", "0.02", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--position-embedding-type", "rope", "--no-rope-fusion",
+        "--position-embedding-type", "rope",
         "--bf16", *(["--use-distributed-optimizer"] if distributed_optimizer else []),
-        "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-        "--no-masked-softmax-fusion",
+        *STACKS[stack],
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(data_dir),
         "--data-path", str(data_dir / "text_document"), "--split", "100,0,0",
         "--eval-iters", "0", "--eval-interval", "1000000", "--log-interval", "1",
         "--seed", "1234", "--num-workers", "1", "--distributed-timeout-minutes", "10",
         # megatron-core 0.19's torch_dist loader asks the distributed optimizer for its state_dict
         # before allocating it, which fails with the torch Adam it falls back to without Apex/TE
-        "--ckpt-format", "torch",
+        # (TE's Adam has no such trouble: the te stack keeps Megatron's default format)
+        *(["--ckpt-format", "torch"] if stack == "local" else []),
     ]
 
 
 _PORTS = iter(range(29500, 29900))
 
 
-def run_one(name, argv, logs, env, work):
-    """Start one training process (its own rendezvous port and dataset-index cache)."""
+def run_one(name, argv, logs, env, work, launch=None):
+    """Start one training process (its own rendezvous port and dataset-index cache). `launch`:
+    another `script` and environment entries (`env`) for this run (old code, its GPU)."""
+    launch = launch or {}
+    env = dict(env, **launch.get("env", {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-           "--master_port", str(next(_PORTS)), str(SCRIPT)] + argv + [
+           "--master_port", str(next(_PORTS)), str(launch.get("script", SCRIPT))] + argv + [
                "--data-cache-path", str(work / f"cache_{name}")]
     start = time.time()
     log_path = logs / f"{name}.log"
@@ -186,19 +210,38 @@ def loss_at(result, step, key="lm_loss"):
     return None
 
 
-def compare(a, b, key="lm_loss"):
-    """Per-step |a - b| over the steps both logged."""
+def _mean(values):
+    return sum(values) / len(values) if values else None
+
+
+def compare(a, b, key="lm_loss", early=30, last=50):
+    """Per-step |a - b| over the steps both logged: the largest and the mean, over all of them and
+    over steps 1..`early`, and each run's mean over the `last` of them."""
     if not a or not b:
         return None
     bs = dict(zip(b["steps"], b[key]))
-    diffs = [(s, abs(x - bs[s])) for s, x in zip(a["steps"], a[key])
+    pairs = [(s, x, bs[s]) for s, x in zip(a["steps"], a[key])
              if s in bs and x is not None and bs[s] is not None]
-    if not diffs:
+    if not pairs:
         return None
+    diffs = [(s, abs(x - y)) for s, x, y in pairs]
     worst = max(diffs, key=lambda d: d[1])
+    first = [d for s, d in diffs if s <= early]
+    tail = pairs[-last:]
+    mean_a, mean_b = _mean([x for _, x, _ in tail]), _mean([y for _, _, y in tail])
     return {"steps": len(diffs), "max_abs_diff": worst[1], "at_step": worst[0],
             "first_step_abs_diff": diffs[0][1],
-            "mean_abs_diff_last_50": sum(d for _, d in diffs[-50:]) / len(diffs[-50:])}
+            "mean_abs_diff_last_50": sum(d for _, d in diffs[-50:]) / len(diffs[-50:]),
+            "mean_abs_diff": _mean([d for _, d in diffs]),
+            f"max_abs_diff_steps_1_{early}": max(first) if first else None,
+            f"mean_abs_diff_steps_1_{early}": _mean(first),
+            f"mean_last_{last}": [mean_a, mean_b], f"mean_last_{last}_diff": abs(mean_a - mean_b)}
+
+
+# (a, b, colour): the differences drawn; old_* ran the package code of --old-code, and the two
+# unfused runs show how far two runs of the same layer drift apart
+PAIRS = (("fused", "unfused", "tab:red"), ("old_fused", "old_unfused", "tab:purple"),
+         ("unfused", "old_unfused", "tab:gray"), ("mtp_fused", "mtp_unfused", "tab:orange"))
 
 
 def plot(results, path, title):
@@ -209,6 +252,7 @@ def plot(results, path, title):
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     styles = {"fused": ("tab:red", "-"), "unfused": ("tab:blue", "--"),
+              "old_fused": ("tab:purple", "-"), "old_unfused": ("tab:cyan", ":"),
               "mtp_fused": ("tab:orange", "-"), "mtp_unfused": ("tab:green", "--")}
     for name, (color, ls) in styles.items():
         r = results.get(name)
@@ -218,7 +262,7 @@ def plot(results, path, title):
     axes[0].set_ylabel("lm loss")
     axes[0].set_title(title)
     axes[0].legend()
-    for a, b, color in (("fused", "unfused", "tab:red"), ("mtp_fused", "mtp_unfused", "tab:orange")):
+    for a, b, color in PAIRS:
         ra, rb = results.get(a), results.get(b)
         if ra and rb:
             bs = dict(zip(rb["steps"], rb["lm_loss"]))
@@ -228,7 +272,7 @@ def plot(results, path, title):
     axes[1].axhline(0, color="k", lw=0.5)
     axes[1].set_xlabel("iteration")
     axes[1].set_ylabel("lm loss difference")
-    axes[1].set_title("fused minus unfused, same step")
+    axes[1].set_title("difference of two runs, same step")
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -238,8 +282,13 @@ def _fmt(value):
     return "-" if value is None else f"{value:.3g}"
 
 
+def _fmt4(value):
+    return "-" if value is None else f"{value:.4f}"
+
+
 def markdown(summary):
-    lines = [f"# Megatron-LM loop, fused vs unfused output layer ({summary['preset']})", "",
+    lines = [f"# Megatron-LM loop, fused vs unfused output layer ({summary['preset']}, "
+             f"{summary.get('stack', 'local')} stack)", "",
              f"device: {summary['device']}; torch {summary['torch']}; megatron-core "
              f"{summary['megatron_core']}; Python {summary['python']}", "",
              f"dataset: {summary['dataset'].get('files')} stdlib files, "
@@ -253,12 +302,21 @@ def markdown(summary):
                                          if r.get("side_by_side") else None)
         lines.append(f"| {name} | {r['rc']} | {len(r['steps'])} | {first} | {last} | "
                      f"{rate} | {r['peak_gib']} | {r['wall_s']} |")
-    lines += ["", "| comparison | steps | max abs diff | at step | step-1 diff | mean abs diff (last 50) |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    if summary.get("old_code"):
+        lines += ["", f"old_fused / old_unfused: the package code of {summary['old_code']['rev']} "
+                      "(the example script and the stand-in for Apex's extension of this version)"]
+    lines += ["", "| comparison | steps | max abs diff | at step | step-1 diff | max abs diff, steps 1-30 | "
+                  "mean abs diff, steps 1-30 | mean abs diff | mean abs diff (last 50) | "
+                  "last-50 means | their diff |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, c in summary["comparisons"].items():
         if c:
+            means = c.get("mean_last_50") or [None, None]
             lines.append(f"| {name} | {c['steps']} | {c['max_abs_diff']:.3g} | {c['at_step']} | "
-                         f"{c['first_step_abs_diff']:.3g} | {c['mean_abs_diff_last_50']:.3g} |")
+                         f"{c['first_step_abs_diff']:.3g} | {_fmt(c.get('max_abs_diff_steps_1_30'))} | "
+                         f"{_fmt(c.get('mean_abs_diff_steps_1_30'))} | {_fmt(c.get('mean_abs_diff'))} | "
+                         f"{c['mean_abs_diff_last_50']:.3g} | {_fmt4(means[0])} / {_fmt4(means[1])} | "
+                         f"{_fmt(c.get('mean_last_50_diff'))} |")
     lines += ["", f"main runs' resume: {summary.get('resume_mode', 'not run')}", "",
               "| checkpoint interchange | step | resumed | uninterrupted fused | "
               "uninterrupted unfused | step+1 resumed | step+1 fused | step+1 unfused | "
@@ -291,6 +349,20 @@ def main(argv=None):
     parser.add_argument("--parallel", action="store_true",
                         help="start the fused and unfused runs side by side (a quick check: "
                              "their tokens/s are then not comparable)")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="with --parallel, run the i-th of the runs started together on GPU "
+                             "i mod GPUS (CUDA_VISIBLE_DEVICES), one GPU each")
+    parser.add_argument("--stack", choices=sorted(STACKS), default="local",
+                        help="local: the local layer spec, no Apex/TE kernels, no gradient-"
+                             "accumulation fusion; te: Megatron-LM's default stack, Transformer "
+                             "Engine layers with gradient-accumulation fusion (the example puts "
+                             "a pure-torch stand-in where Apex's extension is absent)")
+    parser.add_argument("--old-code", metavar="REV_OR_DIR",
+                        help="main stage: also run the pair (old_fused, old_unfused) with the "
+                             "package code of this git revision, or of the older checkout in this "
+                             "folder (the example script stays this version's)")
+    parser.add_argument("--no-save", action="store_true",
+                        help="the main runs write no checkpoints (nothing for a resume stage)")
     args = parser.parse_args(argv)
     missing = missing_requirements()
     if missing:
@@ -345,21 +417,30 @@ def main(argv=None):
     def time_left():
         return args.deadline - (time.time() - start)
 
-    base = model_args(p, data_dir, args.main_iters or p["iters"])
+    summary["stack"] = args.stack
+    base = model_args(p, data_dir, args.main_iters or p["iters"], stack=args.stack)
     fused = ["--use-linear-ce-fusion-loss"]
 
     def save(run, interval):
         return ["--save", str(work / f"ckpt_{run}"), "--save-interval", str(interval)]
 
+    def main_save(run, interval):
+        return [] if args.no_save else save(run, interval)
+
     def load(run, step):
         return ["--load", str(work / f"ckpt_{run}"), "--ckpt-step", str(step)]
 
-    plan = [("fused", base + fused + save("fused", K)), ("unfused", base + save("unfused", K))]
+    plan = [("fused", base + fused + main_save("fused", K)), ("unfused", base + main_save("unfused", K))]
     stages = set(args.stages.split(","))
+    if args.old_code and "main" in stages:
+        tree, label = prepare_old_code(args.old_code, work)
+        summary["old_code"] = {"rev": label, "tree": str(tree)}
+        old = old_code_launch(tree, env)
+        plan += [("old_fused", base + fused, old), ("old_unfused", base, old)]
     if "main" in stages:
-        run_pair(plan, args.parallel, record, time_left, logs, env, work)
-    broken = [name for name, _ in plan if name in results and (results[name]["rc"] != 0
-                                                                 or not results[name]["steps"])]
+        run_pair(plan, args.parallel, record, time_left, logs, env, work, args.gpus)
+    broken = [name for name, *_ in plan
+              if name in results and (results[name]["rc"] != 0 or not results[name]["steps"])]
     if broken:  # fail fast: the rest would fail alike
         print(f"stopping: {', '.join(broken)} failed (see real_loop_logs.txt)", flush=True)
         finish(summary, out, logs, final=True)
@@ -393,7 +474,7 @@ def main(argv=None):
     # KeyError 'step'), whichever output layer wrote it: the weights alone are loaded there (the
     # next step's loss depends on nothing else); resume_full shows the whole state.
     if "resume" in stages:
-        resume = model_args(p, data_dir, K + 2)
+        resume = model_args(p, data_dir, K + 2, stack=args.stack)
         if not full_optimizer_resume_possible():
             resume += ["--no-load-optim", "--no-load-rng"]
             summary["resume_mode"] = "weights only (no Apex/TE: optimizer state not loadable)"
@@ -409,19 +490,20 @@ def main(argv=None):
     # the three resumes to step 2k
     if "resume_full" in stages:
         k = p["full_resume_interval"]
-        short = model_args(p, data_dir, 2 * k, distributed_optimizer=False)
+        short = model_args(p, data_dir, 2 * k, distributed_optimizer=False, stack=args.stack)
         run_pair([("full_fused", short + fused + save("full_fused", k)),
-                  ("full_unfused", short + save("full_unfused", k))], True, record, time_left, logs, env, work)
+                  ("full_unfused", short + save("full_unfused", k))], True, record, time_left, logs, env,
+                 work, args.gpus)
         resumes([("full_fused_to_unfused", short + load("full_fused", k), "full_fused"),
                  ("full_unfused_to_fused", short + fused + load("full_unfused", k), "full_unfused"),
                  ("full_fused_to_fused", short + fused + load("full_fused", k), "full_fused")],
                 ("full_fused", "full_unfused"), k)
 
-    mtp = model_args(p, data_dir, p["mtp_iters"]) + ["--mtp-num-layers", "1"]
+    mtp = model_args(p, data_dir, p["mtp_iters"], stack=args.stack) + ["--mtp-num-layers", "1"]
     # side by side unless --serial-mtp: their losses are compared, the throughput pair is above
     if "mtp" in stages:
         run_pair([("mtp_fused", mtp + fused), ("mtp_unfused", mtp)], not args.serial_mtp, record,
-                 time_left, logs, env, work)
+                 time_left, logs, env, work, args.gpus)
     finish(summary, out, logs, final=True)
     print(f"done in {time.time() - start:.0f}s", flush=True)
     return 0
@@ -442,6 +524,43 @@ def interchange_entry(resumed, fused_run, unfused_run, writer_run, k):
     return entry
 
 
+def prepare_old_code(spec, work):
+    """(folder, label): the package code of `spec` (a git revision of this checkout, or a folder
+    holding an older checkout's megatron_fused_ce/) under work/old_code, with this version's
+    example script and stand-in for Apex's extension copied in, so that only the package code is
+    old. The example imports the package from its own checkout, so the old runs start the copy."""
+    tree = work / "old_code"
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    source = Path(spec)
+    if source.is_dir():
+        shutil.copytree(source / "megatron_fused_ce", tree / "megatron_fused_ce")
+        label = str(source.resolve())
+    else:
+        git = ["git", "-C", str(REPO)]
+        archive = subprocess.run(git + ["archive", spec, "megatron_fused_ce"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        label = subprocess.run(git + ["rev-parse", "--short", spec], check=True, capture_output=True,
+                               text=True).stdout.strip()
+    (tree / "examples").mkdir(exist_ok=True)
+    shutil.copy2(SCRIPT, tree / "examples" / SCRIPT.name)
+    standin = tree / "megatron_fused_ce" / "megatron" / "grad_accum_fusion.py"
+    if not standin.exists():  # it stands for Apex's extension, not for the code under comparison
+        shutil.copy2(REPO / "megatron_fused_ce" / "megatron" / "grad_accum_fusion.py", standin)
+    return tree, label
+
+
+def old_code_launch(tree, env):
+    """run_one's `launch` for the old code: its copy of the example, and PYTHONPATH with the old
+    tree in place of this checkout."""
+    rest = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep)
+            if entry and Path(entry).resolve() != REPO]
+    return {"script": tree / "examples" / SCRIPT.name,
+            "env": {"PYTHONPATH": os.pathsep.join([str(tree)] + rest)}}
+
+
 def full_optimizer_resume_possible():
     """megatron-core 0.19's distributed optimizer reloads its state only with Apex's or
     Transformer Engine's Adam (see the resume stage)."""
@@ -454,31 +573,43 @@ def full_optimizer_resume_possible():
     return False
 
 
-def run_pair(plan, parallel, record, time_left, logs, env, work):
-    """The runs of `plan` one after the other (timed), or side by side with `parallel`."""
+def run_pair(plan, parallel, record, time_left, logs, env, work, gpus=1):
+    """The runs of `plan` ((name, argv) or (name, argv, launch): see run_one) one after the
+    other (timed), or side by side with `parallel`, the i-th on GPU i mod `gpus` where gpus > 1."""
+    plan = [(entry[0], entry[1], dict(entry[2]) if len(entry) > 2 else {}) for entry in plan]
     if parallel:
         if time_left() <= 0:
             return
-        started = [(name, run_one(name, argv, logs, env, work)) for name, argv in plan]
+        if gpus > 1:
+            for i, (_, _, launch) in enumerate(plan):
+                launch["env"] = dict(launch.get("env", {}), CUDA_VISIBLE_DEVICES=str(i % gpus))
+        started = [(name, run_one(name, argv, logs, env, work, launch)) for name, argv, launch in plan]
+        end = time.time() + max(time_left(), 0) + 120  # one limit for all: waits do not add up
         for name, (proc, t0, log_path) in started:
-            record(name, wait(name, proc, t0, log_path, timeout=max(time_left(), 0) + 120),
+            record(name, wait(name, proc, t0, log_path, timeout=max(end - time.time(), 1)),
                    side_by_side=True)
         return
-    for name, argv in plan:
+    for name, argv, launch in plan:
         if time_left() <= 0:
             print(f"[{name}] skipped: deadline", flush=True)
             continue
-        result = wait(name, *run_one(name, argv, logs, env, work),
+        result = wait(name, *run_one(name, argv, logs, env, work, launch),
                       timeout=max(time_left(), 0) + 120)
         record(name, result)
         if result["rc"] != 0 or not result["steps"]:
             return
 
 
+def plot_name(stack):
+    return "megatron_lm_curves.png" if stack == "local" else f"megatron_lm_curves_{stack}.png"
+
+
 def finish(summary, out, logs, final=False):
     runs = summary["runs"]
     summary["comparisons"] = {
         "fused vs unfused (lm loss)": compare(runs.get("fused"), runs.get("unfused")),
+        "old_fused vs old_unfused (lm loss)": compare(runs.get("old_fused"), runs.get("old_unfused")),
+        "unfused vs old_unfused (lm loss)": compare(runs.get("unfused"), runs.get("old_unfused")),
         "mtp_fused vs mtp_unfused (lm loss)": compare(runs.get("mtp_fused"), runs.get("mtp_unfused")),
         "mtp_fused vs mtp_unfused (mtp_1 loss)": compare(runs.get("mtp_fused"),
                                                          runs.get("mtp_unfused"), "mtp_1_loss"),
@@ -495,8 +626,9 @@ def finish(summary, out, logs, final=False):
             f.write("\n".join(keep[:2000]) + "\n----- tail\n" + "\n".join(lines[-60:]) + "\n")
     if final or runs.get("unfused"):
         try:
-            plot(runs, out / "megatron_lm_curves.png",
-                 f"Megatron-LM loop, {summary['device']}, {summary['preset']}")
+            plot(runs, out / plot_name(summary.get("stack", "local")),
+                 f"Megatron-LM loop, {summary['device']}, {summary['preset']}, "
+                 f"{summary.get('stack', 'local')} stack")
         except Exception as error:  # the numbers matter more than the picture
             print(f"plot failed: {error!r}", flush=True)
 

@@ -36,7 +36,8 @@ like the labels, whole sequences under CP; `local_sampling_mask` cuts a rank's p
 Modules: config.py (the switches), output_layer.py (hidden states out of the last stage),
 output_processor.py (the same through megatron-core's `output_processor` hook), lazy_logits.py
 (what the output layer returns instead of logits), mtp.py (multi-token prediction), compat.py
-(every difference between megatron-core versions),
+(every difference between megatron-core versions), grad_accum_fusion.py (a pure-torch stand-in
+for Apex's `fused_weight_gradient_mlp_cuda`, for gradient-accumulation fusion without Apex),
 megatron_lm.py (the argparse flags for Megatron-LM scripts),
 postprocess.py (log-probs from hidden states or logits; pipeline broadcast), loss_funcs.py
 (Megatron loss funcs for SFT / DPO / GRPO), context_parallel.py (CP layouts). The harness the tests
@@ -52,6 +53,7 @@ from .context_parallel import (
     gather_from_cp_ranks,
     positions_on_cp_rank,
 )
+from .grad_accum_fusion import install_wgrad_accumulation_standin
 from .lazy_logits import LazyLogits
 from .loss_funcs import dpo_loss_func, grpo_logprob_passes, grpo_loss_func, sft_loss_func
 from .megatron_lm import add_fused_ce_args
@@ -85,6 +87,7 @@ __all__ = [
     "HiddenStates",
     "LazyLogits",
     "add_fused_ce_args",
+    "install_wgrad_accumulation_standin",
     "is_fused",
     "output_weight",
     "unwrap_model",
