@@ -17,7 +17,7 @@ kept set (sampling.py's tiling, on the same chunk loop).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -626,10 +626,12 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     shape = tuple(labels.shape)
     labelled = device_checks.labelled if device_checks is not None else None
     anchor = None
-    if agreed.mask_rows > 0:  # sampling-mask replay (replay.py); a mask of empty sets is today's path
+    if agreed.mask_rows > 0:  # sampling-mask replay (replay.py's tiling); a mask of empty sets is today's path
+        spec = replace(spec, tiling=replay.replay_tiling(
+            mask_check.ids, mask_check.offsets, row_index, flat_labels, vocab_start, spec.num_valid_cols,
+            row_labels.numel(), agreed.mask_rows, agreed.true_vocab, needs_grad))
         with autocast_off(hidden.device):
-            out = replay.replay_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
-                                           mask_check.ids, mask_check.offsets, vocab_start, needs_grad)
+            out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,
                           None, out.max, out.log_sum_exp, kept=out.kept, num_labelled=num_labelled)
     with autocast_off(hidden.device):
