@@ -6,7 +6,7 @@ One token's path: its hidden row (all-gathered first under sequence parallelism)
 (reductions.py) -> per-token target logit, lse, (sum of logits, entropy) -> log-prob / entropy /
 loss here. A row whose label is `ignore_index` has no target and gets exactly zero output and zero
 gradient; it still goes through the GEMMs, since dropping it would need its count on the host (a
-sampling mask's replay, which plans the labelled rows, does drop them).
+sampling mask's replay, which lays out the labelled rows' kept entries, does drop them).
 
 Arguments are checked by one agreement of the TP ranks on the first call of each signature and on
 the device afterwards (agreement.py, deferred_errors.py): a later call makes no host sync.
@@ -545,7 +545,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # Sampler settings and sampling masks run the full agreement on every call (its checks guard
     # their collectives); every other call runs it on the first call of its signature only and then
     # checks the contents on the device. The rows of ignored labels go through the chunk loop (no
-    # count to read back), except for a sampling mask, whose replay plans the labelled rows.
+    # count to read back), except for a sampling mask, whose replay lays out the labelled rows' kept entries.
     rows_kept = not (mask_check is not None and mask_check.present)
     may_remember = rows_kept and not any(v is not None and v != 0 for v in (sampler or {}).values())
     agreed = _check_arguments(
@@ -818,10 +818,10 @@ def linear_logprobs(
     masks that differ across TP ranks, raise the same ValueError on every rank. Not with
     top_k / top_p / min_p (the engine's filters already chose the sets), `return_topk` or
     memory_mode="lean". replay.build_sampling_mask makes a batch's mask from per-request masks,
-    replay.slice_sampling_mask a context-parallel rank's part. Cost: sets of K << V_local ids
-    are scored on the union of each tile's kept ids (one gathered GEMM per tile, O(rows x union
-    x H)); large or scattered sets on the whole shard with 3 GEMMs per chunk (a cost model in
-    replay.py chooses per tile).
+    replay.slice_sampling_mask a context-parallel rank's part. Cost: sets of K <= V / 128 ids
+    are scored on the W rows of their kept ids alone (O(rows x K x H): the backend's kept-set
+    kernels, no logits block); larger sets on the whole shard with 3 GEMMs per chunk (chosen from
+    sizes, replay.sparse_is_cheaper).
     """
     vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk))
