@@ -224,5 +224,5 @@ def test_sampling_mask_bench_smoke_mode():
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 256x32x3000")]
     assert len(rows) == 4, out.stdout
     sparse = {float(row[5]) for row in rows}
-    assert sparse == {0.0, 1.0}, out.stdout  # K=5 on gathered rows, K=50 (of 3000 ids) dense
+    assert sparse == {0.0, 1.0}, out.stdout  # K=4 on gathered rows, K=50 (of 3000 ids) dense
     assert all(math.isfinite(float(row[8])) and float(row[10].strip()) < 1e-2 for row in rows), out.stdout

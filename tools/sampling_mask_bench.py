@@ -352,7 +352,7 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="a CPU run of one small shape, both kinds of rows")
     args = p.parse_args(argv)
     if args.smoke:
-        args.device, args.shapes, args.ks, args.reps, args.warmup = "cpu", "256x32x3000", "5,50", 1, 1
+        args.device, args.shapes, args.ks, args.reps, args.warmup = "cpu", "256x32x3000", "4,50", 1, 1
         args.chunk_size = args.chunk_size or 128
     if args.fidelity:
         fidelity()

@@ -818,7 +818,7 @@ def linear_logprobs(
     masks that differ across TP ranks, raise the same ValueError on every rank. Not with
     top_k / top_p / min_p (the engine's filters already chose the sets), `return_topk` or
     memory_mode="lean". replay.build_sampling_mask makes a batch's mask from per-request masks,
-    replay.slice_sampling_mask a context-parallel rank's part. Cost: sets of K <= V / 128 ids
+    replay.slice_sampling_mask a context-parallel rank's part. Cost: sets of K <= V / 640 ids
     are scored on the W rows of their kept ids alone (O(rows x K x H): the backend's kept-set
     kernels, no logits block); larger sets on the whole shard with 3 GEMMs per chunk (chosen from
     sizes, replay.sparse_is_cheaper).

@@ -35,9 +35,11 @@ per id and block, into the fp32 dW or Megatron's main_grad) or dense: each chunk
 plain recompute backward.
 
 Sparse or dense is decided from sizes the host already knows (no sync): sparse while the kept
-entries are at most SPARSE_MAX_SHARE of the set rows x the vocab (mean K <= V / 128). A sparse
-entry costs ~3 gathered rows of H (W twice, h once) against 3 GEMM columns per row for dense:
-at an H200's ~150 bf16 flops per byte of HBM, sparse wins below about V / 150 kept ids per row.
+entries are at most SPARSE_MAX_SHARE of the set rows x the vocab (mean K <= V / 640). Measured on
+an H200 (tools/sampling_mask_bench.py --pieces sparse, three shapes, Zipf and random sets), a call
+of sparse rows costs about 0.07 + 410 x K / V of plain log-probs (the backward's fp32 dW adds
+dominate), the dense route about 0.75 (3 GEMMs per chunk against plain's 4): they cross near
+K = V / 600.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from .backends import ShardStats, replay_torch
 from .fast import FAST_CHUNKS, backward_grads, chunk_logits, grad_gemms, row_chunks, shard_partials
 
 # Sparse while entries <= SPARSE_MAX_SHARE x set rows x vocab (module doc).
-SPARSE_MAX_SHARE = 1 / 128
+SPARSE_MAX_SHARE = 1 / 640
 # Tests and the benchmark force one kind: None (by sizes), "sparse" or "dense".
 FORCE_PIECES: Optional[str] = None
 # Rows of each kind since import (read by tools/sampling_mask_bench.py).
