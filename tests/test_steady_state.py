@@ -13,9 +13,11 @@ and tensors made from host data (`torch.tensor`, `torch.as_tensor`: host-to-devi
 GPU), which is what a CUDA synchronization is on a GPU, where tests/test_cuda_steady_state.py asserts it under
 torch.cuda.set_sync_debug_mode("error")) and collectives of the second call, per path, at TP = 1
 and 2: forward-only log-probs 2 collectives, cross-entropy / log-probs (± entropy) / GRPO forward
-+ backward 3 (two for the statistics, one for dX), none of them the agreement. And the deferred
-checks: bad labels, labels or GRPO inputs that differ across ranks, in a steady call, give NaN and
-raise at the next check on every rank.
++ backward 3 (two for the statistics, one for dX), none of them the agreement; the same with a
+sampling mask (replay, sparse and dense, and GRPO with one), whose steady values equal those of
+the full check's call. And the deferred checks: bad labels, labels or GRPO inputs that differ
+across ranks, a sampling mask with an id twice in a set, an id out of range or that differs
+across ranks, in a steady call, give NaN and raise at the next check on every rank.
 """
 
 import contextlib
@@ -30,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dist import run_workers
 from megatron_fused_ce import check_deferred_errors, linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
-from megatron_fused_ce.ops import agreement
+from megatron_fused_ce.ops import agreement, replay
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                "reduce_scatter_single", "all_gather", "broadcast", "reduce_scatter", "all_to_all_single")
@@ -78,6 +80,8 @@ def _counting():
             yield collectives, reads.ops
     finally:
         torch.Tensor.tolist = tolist
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 class _HostData(TorchFunctionMode):
@@ -92,8 +96,6 @@ class _HostData(TorchFunctionMode):
         if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
             self.found.append(func.__name__)
         return func(*args, **(kwargs or {}))
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def _inputs(seed, rows=24, hidden=16, v_local=40):
@@ -103,6 +105,18 @@ def _inputs(seed, rows=24, hidden=16, v_local=40):
     y = torch.randint(0, 75, (4, rows // 4), generator=g)
     y[:, 0] = -100
     return h, w, y
+
+
+def _sampling_mask(y, seed, k=3):
+    """Kept sets of k ids (the label among them, ids label + j * step mod 75) at positions 2-5 of
+    each row; column 0 (ignored) and column 1 (labelled) keep none. Made by tensor ops alone
+    (nothing read on the host): the same sizes for every seed."""
+    g = torch.Generator().manual_seed(seed + 100)
+    step = torch.randint(1, 20, (y.shape[0], 1, 1), generator=g)
+    ids = ((y[:, 2:, None] + torch.arange(k) * step) % 75).reshape(-1)
+    sizes = torch.zeros(y.shape, dtype=torch.int64)
+    sizes[:, 2:] = k
+    return ids, torch.cat([torch.zeros(1, dtype=torch.int64), sizes.reshape(-1).cumsum(0)])
 
 
 def _paths(group, rank, world):
@@ -145,9 +159,36 @@ def _paths(group, rank, world):
         loss.backward()
         return loss.detach()
 
+    def replay_forward_only(seed):
+        h, w, y = leaves(seed)
+        with torch.no_grad():
+            return linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, seed)).logprobs
+
+    def replay_logprobs(seed, pieces):
+        h, w, y = leaves(seed)
+        replay.FORCE_PIECES = pieces
+        try:
+            out = linear_logprobs(h, w, y, **common, return_entropy=True, sampling_mask=_sampling_mask(y, seed))
+            (out.logprobs.sum() + out.entropy.sum()).backward()
+        finally:
+            replay.FORCE_PIECES = None
+        return torch.cat([out.logprobs.detach().reshape(-1), h.grad.reshape(-1), w.grad.reshape(-1)])
+
+    def replay_grpo(seed):
+        h, w, y = leaves(seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        old = -torch.rand(y.shape, generator=g) * 3
+        loss, _ = linear_grpo_loss(h, w, y.clamp(min=0), torch.randn(4, generator=g), (y != -100).float(),
+                                   GRPO_EVERY_OPTION, old_logprobs=old, reference_logprobs=old - 0.1,
+                                   sampling_logprobs=old + 0.05, sampling_mask=_sampling_mask(y, seed), **common)
+        loss.backward()
+        return torch.cat([loss.detach().reshape(1), h.grad.reshape(-1)])
+
     return {"forward_only": forward_only, "logprobs": logprobs,
             "logprobs_entropy": lambda seed: logprobs(seed, entropy=True),
-            "cross_entropy": cross_entropy, "grpo": grpo}
+            "cross_entropy": cross_entropy, "grpo": grpo, "replay_forward_only": replay_forward_only,
+            "replay_logprobs_sparse": lambda seed: replay_logprobs(seed, "sparse"),
+            "replay_logprobs_dense": lambda seed: replay_logprobs(seed, "dense"), "replay_grpo": replay_grpo}
 
 
 def _steady_worker(rank, world):
@@ -158,10 +199,15 @@ def _steady_worker(rank, world):
         with _counting() as (collectives, reads):
             out = call(2)
         report[name] = (list(collectives), list(reads), bool(torch.isfinite(out).all()))
+        if name.startswith("replay"):  # sized from the host's counts, the same values as the full check's layout
+            agreement.forget_signatures()
+            report[name] += (bool(torch.allclose(out, call(2), rtol=1e-5, atol=1e-6)),)
     return report
 
 
-EXPECTED_COLLECTIVES = {"forward_only": 2, "logprobs": 3, "logprobs_entropy": 3, "cross_entropy": 3, "grpo": 3}
+EXPECTED_COLLECTIVES = {"forward_only": 2, "logprobs": 3, "logprobs_entropy": 3, "cross_entropy": 3, "grpo": 3,
+                        "replay_forward_only": 2, "replay_logprobs_sparse": 3, "replay_logprobs_dense": 3,
+                        "replay_grpo": 3}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -169,9 +215,9 @@ def test_second_call_makes_no_host_read_and_only_the_maths_collectives(tp):
     """Before: every call made the agreement's all-reduce and read-back (and GRPO its loss inputs'
     too): 3 / 4 / 4 / 5 collectives at TP = 2 and at least one host read per call."""
     for rank, report in enumerate(run_workers(_steady_worker, tp)):
-        for name, (collectives, reads, finite) in report.items():
+        for name, (collectives, reads, finite, *same) in report.items():
             assert reads == [], (rank, name, reads)
-            assert finite, (rank, name)
+            assert finite and all(same), (rank, name, same)
             expected = EXPECTED_COLLECTIVES[name] if tp > 1 else 0
             assert len(collectives) == expected, (rank, name, collectives)
 
@@ -207,6 +253,46 @@ def _deferred_worker(rank, world, what):
 def test_contents_found_bad_on_the_device_give_nan_and_raise_on_every_rank(what):
     expected = "outside [0, vocab_size)" if what == "out_of_range" else "differ across tensor-parallel ranks"
     for rank, report in enumerate(run_workers(_deferred_worker, 2, what)):
+        assert report["all_nan"], rank
+        assert report["raised"] is not None and expected in report["raised"], (rank, report["raised"])
+        assert report["next"], rank
+
+
+def _bad_mask_worker(rank, world, what):
+    group = dist.group.WORLD
+    h, w, y = _inputs(12)
+    w = w[rank * 40:(rank + 1) * 40]
+    common = dict(tp_group=group, vocab_size=75)
+    linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, 12))  # the signature, agreed
+    ids, offsets = _sampling_mask(y, 13)
+    ids = ids.clone()
+    if what == "duplicate":
+        ids[1] = ids[0]  # an id twice in the first set
+    elif what == "out_of_range":
+        ids[4] = 75
+    elif rank == 1:  # a mask that differs on one rank only (still a valid mask there)
+        ids[2] = (ids[2] + 1) % 75
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = linear_logprobs(h, w, y, **common, sampling_mask=(ids, offsets)).logprobs
+    report = {"all_nan": bool(torch.isnan(out).all())}
+    try:
+        check_deferred_errors()
+        report["raised"] = None
+    except ValueError as error:
+        report["raised"] = str(error)
+    check_deferred_errors()  # read: the next call is clean
+    out = linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, 14)).logprobs
+    report["next"] = bool(torch.isfinite(out[:, 1:]).all())
+    return report
+
+
+@pytest.mark.parametrize("what", ["duplicate", "out_of_range", "ranks_differ"])
+def test_a_bad_sampling_mask_in_a_steady_call_gives_nan_and_raises_on_every_rank(what):
+    """Before: a call with a mask ran the full agreement on every call (its host read and
+    all-reduce); now a steady call checks the mask on the device."""
+    expected = "differ across tensor-parallel ranks" if what == "ranks_differ" else "a bad sampling_mask"
+    for rank, report in enumerate(run_workers(_bad_mask_worker, 2, what)):
         assert report["all_nan"], rank
         assert report["raised"] is not None and expected in report["raised"], (rank, report["raised"])
         assert report["next"], rank

@@ -15,9 +15,23 @@ What is particular to kept sets lives here: reading and checking a mask, buildin
 context-parallel rank's mask, the layout of a call's kept entries on this shard (`KeptEntries`,
 made on the device: no host sync), and `ReplayChunks`, the tiling of the one chunk loop
 (chunked.py; the methods fast.FastChunks, lean.LeanTiles and sampling.SamplerChunks have) that
-scores them. Per call, on each TP rank (the mask is the same on every rank: checked):
+scores them.
 
-    rows with an empty set   the plain path's partials over the whole shard (fast.py's chunks)
+Checks, as for the other paths (api.py, agreement.py): the mask's sizes and presence are part of
+the call's signature, its contents are not. The first call of a signature checks everything in the
+one agreement (`MaskCheck.register`: a clear ValueError on every rank) and reads back how many
+labelled rows have a set and how many have none. A later call reads nothing: `deferred_poison`
+checks the offsets, ids and duplicates on the device (NaN results, the error raised at the next
+host synchronization, deferred_errors.py) and the mask's fingerprint rides on the statistics'
+all-reduce MAX (reductions.RankCheck); its layout is sized from what the host knows (at most
+min(rows, E) rows with a set; `layout_offsets` keeps a bad mask's indexing in range).
+
+Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
+
+    rows with an empty set   the plain path's partials over the whole shard (fast.py's chunks):
+                             every row's on a later call (how many is not known on the host; a set
+                             row's are replaced by its set's), on the first call only where a
+                             labelled row has no set
     rows with a kept set     sparse: the backend's `kept_stats` (Triton: one kernel, a program per
                              row gathering the W rows of its kept ids and taking their dots, the
                              online max / sum-exp / entropy sums and the label's z; torch: the
@@ -51,13 +65,15 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import reductions
-from .agreement import integer_argument, is_int
+from . import deferred_errors, reductions
+from .agreement import integer_argument, is_int, tensor_fingerprint
 from .backends import ShardStats, replay_torch
 from .fast import FAST_CHUNKS, backward_grads, chunk_logits, grad_gemms, row_chunks, shard_partials
 
 # Sparse while entries <= SPARSE_MAX_SHARE x set rows x vocab (module doc).
 SPARSE_MAX_SHARE = 1 / 640
+# The plain backward's row offset in rows with a set (ReplayChunks.recompute_grads): exp(z - it) = 0.
+_ABOVE_EVERY_LOGIT = 3.0e38
 # Tests and the benchmark force one kind: None (by sizes), "sparse" or "dense".
 FORCE_PIECES: Optional[str] = None
 # Rows of each kind since import (read by tools/sampling_mask_bench.py).
@@ -112,11 +128,17 @@ def as_sampling_mask(mask) -> SamplingMask:
     return SamplingMask(ids, offsets)
 
 
+_DIFFER = ("sampling_mask: differs across tensor-parallel ranks (token ids or offsets, or a rank passed "
+           "none); every rank of tp_group must pass the same mask")
+
+
 class MaskCheck:
     """linear_logprobs' checks of `sampling_mask`. Host checks are read at construction
-    (`problem`); the ones on the device (offsets, ids, duplicates) and the mask's fingerprint join
-    the one agreement through `register`, the same entries on every rank whether or not it holds
-    a mask, so that a rank without a mask raises with its peers instead of hanging."""
+    (`problem`); the mask's sizes join the signature (`register_layout`); the ones on the device
+    (offsets, ids, duplicates) and the mask's fingerprint join the one agreement of a signature's
+    first call (`register_contents`), the same entries on every rank whether or not it holds a
+    mask, so that a rank without a mask raises with its peers instead of hanging. A later call
+    checks them on the device (`deferred_poison`, `fingerprint`)."""
 
     def __init__(self, mask, labels, ignore_index, true_vocab: int):
         self.present = mask is not None
@@ -148,20 +170,45 @@ class MaskCheck:
             ids, offsets = ids.to(labels.device), offsets.to(labels.device)
         self.ids, self.offsets = ids, offsets
 
+    @property
+    def usable(self) -> bool:
+        return self.ids is not None and self.problem is None
+
     def register(self, agreement, device) -> None:
         """Add the mask's entries to the agreement (call at the same point on every rank)."""
-        usable = self.ids is not None and self.problem is None
-        compared = usable and not getattr(agreement, "single_rank", False)  # (one rank: no copy of the mask)
-        agreement.equal_tensor("sampling_mask", torch.cat([self.offsets, self.ids]) if compared else None,
-                               "sampling_mask: differs across tensor-parallel ranks (token ids or offsets, "
-                               "or a rank passed none); every rank of tp_group must pass the same mask")
-        counts = torch.zeros(4, dtype=torch.int64, device=device)
-        if usable:
-            counts = self._device_counts()
+        self.register_layout(agreement)
+        self.register_contents(agreement, device)
+
+    def register_layout(self, agreement) -> None:
+        """The mask's sizes (or its absence): plain values, part of the call's signature."""
+        agreement.equal("sampling_mask", (tuple(self.ids.shape), tuple(self.offsets.shape), str(self.ids.device))
+                        if self.usable else ("no mask", self.present), _DIFFER)
+
+    def register_contents(self, agreement, device) -> None:
+        """The mask's values (fingerprint) and the counts of its bad entries, computed on the
+        device: read back by the full agreement only."""
+        usable = self.usable
+        agreement.equal_values("sampling_mask", torch.cat([self.offsets, self.ids]) if usable else None, _DIFFER)
+        counts = (torch.cat([self._device_counts(), self._row_counts()]) if usable
+                  else torch.zeros(5, dtype=torch.int64, device=device))
         self._key = agreement.maximum_counts("sampling_mask", counts)
 
+    def _row_counts(self) -> Tensor:
+        """[labelled positions with a kept set, labelled positions without one]: the sizes the
+        first call of a signature lays its rows out with (replay_tiling)."""
+        zero = torch.zeros(2, dtype=torch.int64, device=self.ids.device)
+        if self.offsets.numel() < 2 or not isinstance(self.labels, Tensor) or not is_int(self.ignore_index):
+            return zero
+        has_set = (self.offsets[1:] - self.offsets[:-1]) > 0
+        labelled = self.labels.reshape(-1) != self.ignore_index
+        return torch.stack([(has_set & labelled).sum(), (~has_set & labelled).sum()])
+
+    def row_counts(self, agreed) -> Optional[tuple]:
+        """(labelled rows with a set, without one), as the full agreement read them back."""
+        return tuple(agreed[self._key][3:]) if self._key is not None else None
+
     def _device_counts(self) -> Tensor:
-        """[bad offsets, ids out of range, duplicated ids, labelled positions with a kept set]."""
+        """[bad offsets, ids out of range, duplicated ids] (no host read)."""
         ids, offsets, vocab = self.ids, self.offsets, self.true_vocab
         e, positions = ids.numel(), offsets.numel() - 1
         bad_offsets = ((offsets[0] != 0).long() + (offsets[1:] < offsets[:-1]).sum()
@@ -173,20 +220,31 @@ class MaskCheck:
                         ).clamp(0, positions - 1)
             keys = position * vocab + ids.clamp(0, vocab - 1)
             duplicates = (keys.sort().values.diff() == 0).sum()
-        with_set = torch.zeros((), dtype=torch.int64, device=ids.device)
-        if positions > 0 and isinstance(self.labels, Tensor) and is_int(self.ignore_index):
-            sizes = offsets[1:] - offsets[:-1]
-            with_set = ((sizes > 0) & (self.labels.reshape(-1) != self.ignore_index)).sum()
-        return torch.stack([bad_offsets, bad_ids, duplicates, with_set])
+        return torch.stack([bad_offsets, bad_ids, duplicates])
 
-    def rows_with_set(self, agreed) -> int:
-        """Labelled positions that keep a set (agreed; 0 without a mask)."""
-        return int(agreed[self._key][3]) if self._key is not None else 0
+    def deferred_poison(self) -> Tensor:
+        """A remembered signature's check of the contents (deferred_errors.py): fp32 [1], NaN if
+        the offsets, ids or sets are bad (recorded for the next host synchronization), else 0."""
+        bad = (self._device_counts() > 0).any()
+        deferred_errors.record(bad.to(torch.int64) * deferred_errors.SAMPLING_MASK_BAD)
+        return torch.where(bad, float("nan"), 0.0).reshape(1).to(torch.float32)
+
+    def fingerprint(self) -> Tensor:
+        """int64 [2]: what TP ranks compare on a remembered signature (reductions.RankCheck)."""
+        return tensor_fingerprint(torch.cat([self.offsets, self.ids]))
+
+    def layout_offsets(self) -> Tensor:
+        """The offsets the layout reads: the mask's own where they are valid; else clamped into
+        [0, E], made non-decreasing, from 0 to E, so that a bad mask in a call that checks it on
+        the device indexes nothing out of range (its results are NaN)."""
+        offsets, e = self.offsets, self.ids.numel()
+        inner = torch.cummax(offsets[1:-1].clamp(0, e), 0).values
+        return torch.cat([offsets.new_zeros(1), inner, offsets.new_full((1,), e)])
 
     def messages(self, agreed) -> list:
         if self._key is None:
             return []
-        bad_offsets, bad_ids, duplicates, _ = agreed[self._key]
+        bad_offsets, bad_ids, duplicates = agreed[self._key][:3]
         if bad_offsets:
             return ["sampling_mask: offsets must start at 0, never decrease and end at len(token_ids)"
                     + (f" = {self.ids.numel()}" if self.ids is not None else "")
@@ -333,58 +391,73 @@ def sparse_is_cheaper(num_entries: int, num_set_rows: int, vocab: int) -> bool:
 
 
 class KeptEntries:
-    """The kept entries of a call on this shard, all on the device (sizes from the host's counts:
-    no sync). Rows are the labelled rows of the call (`positions`: their flat positions, None =
-    every position); `labels` are the global labels of every position.
+    """The kept entries of a call on this shard, all on the device, sized from what the host knows
+    (no sync): the call's rows are the positions of the mask (every row of labels, ignored ones
+    included); `labels` their global labels, `labelled` whether each is labelled.
 
-    Per row with a set (`set_rows`, in row order): its position, its CSR range [starts, ends)
-    and label. Per entry e of the CSR: `position`, `slot` (its row's index in set_rows, -1 where
-    the position has no labelled row), `col` (id - vocab_start), `valid` (a labelled row's entry
-    on this shard's valid columns), `is_label` (valid and the row's label). Per row: `kept`, the
-    label is in its set (every shard sees the whole set: no collective)."""
+    A row has a set (`has_set`) where it is labelled and its set is not empty. The rows with a set,
+    in row order, take the first slots of `max_set_rows` (min(rows, E): each holds an entry); the
+    slots past them are padding: `set_rows` (the rows gathered: a row without a set there, whose
+    gradients they add zeros to), `set_dest` (where a slot's statistics go: the row, or `num_rows`
+    for padding, one spare place past the rows), `starts` / `ends` (the CSR range; empty for
+    padding) and `set_labels`. Per entry e of the CSR: `position`, `slot` (its row's slot, -1
+    where the row has no set), `col` (id - vocab_start), `valid` (in a set on this shard's valid
+    columns), `is_label` (valid and the row's label). Per row: `kept`, the label is in its set
+    (every shard sees the whole set: no collective)."""
 
-    def __init__(self, ids: Tensor, offsets: Tensor, positions: Optional[Tensor], labels: Tensor, vocab_start: int,
-                 num_valid_cols: int, num_rows: int, num_set_rows: int):
+    def __init__(self, ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
+                 num_valid_cols: int, max_set_rows: int):
         device = ids.device
-        total, num_positions = ids.numel(), offsets.numel() - 1
-        self.ids, self.offsets = ids.contiguous(), offsets.contiguous()
+        total, num_rows = ids.numel(), offsets.numel() - 1
+        self.ids = ids.contiguous()
+        # one spare position past the rows, with an empty set: the one padding slots read
+        self.offsets = torch.cat([offsets, offsets[-1:]]).contiguous()
         self.vocab_start, self.num_valid_cols = int(vocab_start), int(num_valid_cols)
-        row_position = torch.arange(num_rows, device=device) if positions is None else positions
-        sizes = offsets[1:] - offsets[:-1]
-        has_set = sizes.index_select(0, row_position) > 0
-        self.set_rows = torch.nonzero_static(has_set, size=num_set_rows).squeeze(1)
-        self.plain_rows = torch.nonzero_static(~has_set, size=num_rows - num_set_rows).squeeze(1)
-        self.set_positions = row_position.index_select(0, self.set_rows)
-        self.starts = offsets.index_select(0, self.set_positions)
-        self.ends = offsets.index_select(0, self.set_positions + 1)
-        self.set_labels = labels.reshape(-1).index_select(0, self.set_positions)
-        slot_of_position = torch.full((num_positions,), -1, dtype=torch.int64, device=device).index_copy_(
-            0, self.set_positions, torch.arange(num_set_rows, device=device))
-        self.position = torch.repeat_interleave(torch.arange(num_positions, device=device), sizes, output_size=total)
+        sizes = self.offsets[1:] - self.offsets[:-1]
+        self.has_set = (sizes[:num_rows] > 0) & labelled
+        found = torch.nonzero_static(self.has_set, size=max_set_rows, fill_value=-1).squeeze(1)
+        padding = found < 0
+        self.set_dest = torch.where(padding, num_rows, found)
+        self.set_positions = self.set_dest  # (rows are positions)
+        # a padding slot gathers a row without a set (one exists wherever there is padding)
+        first_plain = torch.nonzero_static(~self.has_set, size=1, fill_value=0).reshape(())
+        self.set_rows = torch.where(padding, first_plain, found)
+        self.starts = self.offsets.index_select(0, self.set_dest)
+        self.ends = self.offsets.index_select(0, self.set_dest + 1)
+        self.set_labels = torch.cat([labels.reshape(-1), labels.new_full((1,), -1)]).index_select(0, self.set_dest)
+        # each row's slot: the rows with a set before it (a prefix sum, no scatter)
+        slot_of_position = torch.where(self.has_set, torch.cumsum(self.has_set, 0) - 1, -1)
+        slot_of_position = torch.cat([slot_of_position, slot_of_position.new_full((1,), -1)])
+        self.position = torch.repeat_interleave(torch.arange(num_rows + 1, device=device), sizes, output_size=total)
         self.slot = slot_of_position.index_select(0, self.position)
         self.col = ids - vocab_start
-        labelled = self.slot >= 0
-        self.valid = labelled & (self.col >= 0) & (self.col < num_valid_cols)
-        hit = labelled & (ids == self.set_labels.index_select(0, self.slot.clamp(min=0)))
+        in_set = self.slot >= 0
+        self.valid = in_set & (self.col >= 0) & (self.col < num_valid_cols)
+        hit = in_set & (ids == self.set_labels.index_select(0, self.slot.clamp(min=0)))
         self.is_label = hit & self.valid
         # the label among the row's ids (on any shard): prefix sums, not atomic adds
         prefix = torch.zeros(total + 1, dtype=torch.int64, device=device)
         torch.cumsum(hit, 0, out=prefix[1:])
-        found = prefix.index_select(0, self.ends) > prefix.index_select(0, self.starts)
-        self.kept = torch.ones(num_rows, dtype=torch.bool, device=device).index_copy_(0, self.set_rows, found)
+        found_label = prefix.index_select(0, self.offsets[1:num_rows + 1]) > prefix.index_select(0, offsets[:-1])
+        self.kept = ~self.has_set | found_label
         self._row_of_entry = None
 
     def row_of_entry(self) -> Tensor:
-        """[E] each entry's row (an index into the call's rows; 0 where it has none)."""
+        """[E] each entry's row (an index into the call's rows; a gathered row where it has none)."""
         if self._row_of_entry is None:
             self._row_of_entry = self.set_rows.index_select(0, self.slot.clamp(min=0))
         return self._row_of_entry
 
     def chunk_places(self, start: int, end: int, cols: int) -> tuple:
-        """Entries of set rows [start, end): (in the chunk, their place in its [rows, cols] block
+        """Entries of slots [start, end): (in the chunk, their place in its [rows, cols] block
         of logits; the block's size past the others)."""
         inside = self.valid & (self.slot >= start) & (self.slot < end)
         return inside, torch.where(inside, (self.slot - start) * cols + self.col, (end - start) * cols)
+
+    def in_rows(self, values: Tensor, per_slot: Tensor) -> Tensor:
+        """[rows] `values` with each set row's value from `per_slot` (padding lands on the spare place)."""
+        out = torch.cat([values, values[:1]]).index_copy_(0, self.set_dest, per_slot)
+        return out[:-1]
 
 
 @dataclass
@@ -403,28 +476,16 @@ def _pick(coefs: dict, index: Tensor) -> dict:
     return {k: None if c is None else c.index_select(0, index) for k, c in coefs.items()}
 
 
-def _in_row_order(parts: list, n: int, device) -> ShardStats:
-    """ShardStats of [n] rows from (row indices, ShardStats) parts covering them."""
-    def field(name):
-        if getattr(parts[0][1], name) is None:
-            return None
-        out = torch.empty(n, dtype=torch.float32, device=device)
-        for index, stats in parts:
-            out.index_copy_(0, index, getattr(stats, name))
-        return out
-
-    return ShardStats(max=field("max"), sum_exp=field("sum_exp"), target=field("target"),
-                      sum_exp_shifted=field("sum_exp_shifted"))
-
-
 @dataclass(eq=False)
 class ReplayChunks:
-    """`spec.tiling` of a call with kept sets: plain rows in fast chunks, rows with a set sparse
-    (the backend's kept-set kernels) or dense (chunk GEMMs over the whole shard); module doc."""
+    """`spec.tiling` of a call with kept sets: every row's plain partials in fast chunks, the rows
+    with a set scored again over their sets, sparse (the backend's kept-set kernels) or dense
+    (chunk GEMMs over the whole shard); module doc."""
 
     entries: KeptEntries
     sparse: bool
     want_z: bool  # the backward will need the entries' z
+    plain_pass: bool = True  # False where no labelled row lacks a set (known on the first call only)
     statistics_type = ReplayStats
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
@@ -439,17 +500,28 @@ class ReplayChunks:
         return spec.chunk_size * weight.shape[0]  # the torch path's gathers: at most a chunk of logits
 
     def merged_statistics(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ReplayStats:
-        entries, n = self.entries, rows.shape[0]
-        plain = entries.plain_rows
-        parts = []
-        PIECE_COUNTS["plain_rows"] += plain.numel()
-        if plain.numel():
-            parts.append((plain, shard_partials(rows.index_select(0, plain), weight, local_target.index_select(0, plain),
-                                                spec)))
-        parts.append((entries.set_rows, self._kept_partials(rows, weight, spec)))
+        entries = self.entries
+        # every row's plain partials (how many rows have a set is not known on the host), the set
+        # rows' replaced by their kept sets'; without a labelled row that needs them, placeholders
+        # (finite: an ignored row's results are zeros)
+        if self.plain_pass:
+            PIECE_COUNTS["plain_rows"] += rows.shape[0]
+            plain = shard_partials(rows, weight, local_target, spec)
+        else:
+            zeros = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
+            plain = ShardStats(max=zeros, sum_exp=zeros + 1.0, target=zeros,
+                               sum_exp_shifted=zeros if spec.want_entropy else None)
+        kept = self._kept_partials(rows, weight, spec)
         z = self._z
         self._z = None
-        merged = reductions.merge_shard_stats(_in_row_order(parts, n, rows.device), spec.tp_group, spec.rank_check)
+
+        def field(name):
+            values = getattr(plain, name)
+            return None if values is None else entries.in_rows(values, getattr(kept, name))
+
+        stats = ShardStats(max=field("max"), sum_exp=field("sum_exp"), target=field("target"),
+                           sum_exp_shifted=field("sum_exp_shifted"))
+        merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check)
         return ReplayStats(**vars(merged), kept=entries.kept, entry_z=z)
 
     def _kept_partials(self, rows: Tensor, weight: Tensor, spec) -> ShardStats:
@@ -472,22 +544,27 @@ class ReplayChunks:
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor], accumulate: bool) -> None:
-        """dX rows and fp32 dW: the plain rows' recompute backward (writing dW first), then the
-        kept entries' dlogits into the sparse kernels or the dense chunks' GEMMs (adding)."""
+        """dX rows and fp32 dW: every row's plain recompute backward, with zero coefficients in
+        the rows with a set (writing dX, and dW first), then the kept entries' dlogits into the
+        sparse kernels or the dense chunks' GEMMs (adding)."""
         entries = self.entries
         row_max, log_sum_exp, z = offsets
-        plain = entries.plain_rows
-        if plain.numel():
-            dx_plain = None if dx_rows is None else rows.new_empty((plain.numel(), rows.shape[1]))
-            backward_grads(rows.index_select(0, plain), weight, local_target.index_select(0, plain), spec,
-                           (row_max.index_select(0, plain), log_sum_exp.index_select(0, plain)), _pick(coefs, plain),
-                           dx_plain, dw_out, dw_accumulate=accumulate)
-            if dx_plain is not None:
-                dx_rows.index_copy_(0, plain, dx_plain)
-        elif dw_out is not None and not accumulate:
-            dw_out.zero_()
+        plain_coefs = {k: None if c is None else torch.where(entries.has_set, 0.0, c) for k, c in coefs.items()}
+        # a set row's offsets are its set's: a logit off the set may exceed them by any amount, and
+        # exp of that times a zero coefficient would be NaN; an offset above every logit gives 0
+        plain_max = torch.where(entries.has_set, _ABOVE_EVERY_LOGIT, row_max)
+        plain_lse = torch.where(entries.has_set, 0.0, log_sum_exp)
+        if self.plain_pass:
+            backward_grads(rows, weight, local_target, spec, (plain_max, plain_lse), plain_coefs, dx_rows, dw_out,
+                           dw_accumulate=accumulate)
+        else:  # what the plain pass would write: zero dX, and dW where it is not added into
+            if dx_rows is not None:
+                dx_rows.zero_()
+            if dw_out is not None and not accumulate:
+                dw_out.zero_()
         set_rows = entries.set_rows
         c = _pick(coefs, set_rows)
+        # (a padding slot reads a row without a set: it has no entry, its dlogits are none)
         d = replay_torch.entry_dlogits(z, entries, spec.inv_temperature, row_max.index_select(0, set_rows),
                                        log_sum_exp.index_select(0, set_rows), c["p"], c["pz"], c["target"])
         if self.sparse:
@@ -505,19 +582,27 @@ class ReplayChunks:
             grad_gemms(dlogits[:-1].view(r, cols), rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
                        dw_out, dw_accumulate=True)
             del dlogits
-            if dx_chunk is not None:
-                dx_rows.index_copy_(0, set_rows[start:end], dx_chunk)
+            if dx_chunk is not None:  # added: the plain pass wrote zeros there (padding adds zeros)
+                dx_rows.index_add_(0, set_rows[start:end], dx_chunk)
         return None
 
 
-
-def replay_tiling(ids: Tensor, offsets: Tensor, positions: Optional[Tensor], labels: Tensor, vocab_start: int,
-                  num_valid_cols: int, num_rows: int, num_set_rows: int, true_vocab: int,
-                  needs_grad: bool) -> ReplayChunks:
-    """api.token_statistics' tiling for a call whose mask keeps a set at `num_set_rows` (> 0) of
-    its `num_rows` labelled rows (the agreement's counts)."""
-    entries = KeptEntries(ids, offsets, positions, labels, vocab_start, num_valid_cols, num_rows, num_set_rows)
-    return ReplayChunks(entries, sparse_is_cheaper(ids.numel(), num_set_rows, true_vocab), want_z=needs_grad)
+def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
+                  true_vocab: int, needs_grad: bool, row_counts: Optional[tuple]) -> ReplayChunks:
+    """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
+    (every position of labels). `row_counts`: (labelled rows with a set, without one) where the
+    full agreement read them (the first call of a signature), else None: sizes from what the
+    host knows, at most min(rows, E) rows with a set (each holds an entry) and a plain pass over
+    every row."""
+    ids = mask_check.ids
+    offsets = mask_check.layout_offsets()
+    if row_counts is None:
+        max_set_rows, plain_pass = min(offsets.numel() - 1, ids.numel()), True
+    else:
+        max_set_rows, plain_pass = int(row_counts[0]), row_counts[1] > 0
+    entries = KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
+    return ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), true_vocab), want_z=needs_grad,
+                        plain_pass=plain_pass)
 
 
 def sampling_mask_problems(sampling_mask, active_sampler: dict, memory_mode: str) -> dict:

@@ -18,7 +18,7 @@ dtype first, as the chunk GEMM's logits are, unless logits_dtype is fp32):
 
   (log q_k = (z_k - M) - log S with the merged row offsets; times 1/T, the chain rule through
   z = logit / T), 0 at invalid entries; both backends take these (O(entries) elementwise);
-- `kept_grads` -> dX of the set rows (written) and dW of their kept ids (added, fp32).
+- `kept_grads` -> dX of the set rows and dW of their kept ids (both added; dW in fp32).
 
 Statistics are segment reductions over the CSR (`torch.segment_reduce`: no atomics, the same sums
 whatever the device). The gather-dots and the gradient sums run on blocks of entries, so that no
@@ -101,8 +101,8 @@ def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, l
 
 def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
                max_elements: int) -> None:
-    """dX of the set rows into dx_rows (written: zero where no entry is here) and their entries'
-    dW rows added into the fp32 dw_out, by blocks of entries (fp32 sums)."""
+    """dX of the set rows added into dx_rows (a padding slot adds zeros to the row it gathers) and
+    their entries' dW rows added into the fp32 dw_out, by blocks of entries (fp32 sums)."""
     row_of, col = entries.row_of_entry(), entries.col.clamp(0, max(weight.shape[0] - 1, 0))
     slot = entries.slot.clamp(min=0)
     dx_set = None
@@ -114,5 +114,5 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
             dx_set.index_add_(0, slot[a:b], coef * weight.index_select(0, col[a:b]).float())
         if dw_out is not None:
             dw_out.index_add_(0, col[a:b], coef * rows.index_select(0, row_of[a:b]).float())
-    if dx_set is not None:
-        dx_rows.index_copy_(0, entries.set_rows, dx_set.to(dx_rows.dtype))
+    if dx_set is not None:  # added: a set row's dX from the plain pass is zero, and so is a padding slot's
+        dx_rows.index_add_(0, entries.set_rows, dx_set.to(dx_rows.dtype))

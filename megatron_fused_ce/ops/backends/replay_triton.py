@@ -149,7 +149,10 @@ def _kept_input_grad_kernel(
         w = tl.load(w_ptr + col[:, None] * stride_w + hh[None, :], mask=valid[:, None] & h_ok[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(w * d[:, None], axis=0)
-    tl.store(dx_ptr + row * stride_dx + hh, acc.to(dx_ptr.dtype.element_ty), mask=h_ok)
+    # added: the plain pass left zeros in a set row; padding slots add zeros to a row without a set
+    at = dx_ptr + row * stride_dx + hh
+    old = tl.load(at, mask=h_ok, other=0.0).to(tl.float32)
+    tl.store(at, (old + acc).to(dx_ptr.dtype.element_ty), mask=h_ok)
 
 
 @triton.jit
@@ -184,7 +187,7 @@ def _kept_weight_grad_kernel(
 
 def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
                max_elements: int) -> None:
-    """replay_torch.kept_grads: dX rows of the set rows written, dW rows added into the fp32
+    """replay_torch.kept_grads: dX rows of the set rows added, dW rows added into the fp32
     dw_out (max_elements: unused)."""
     count, hidden = entries.set_rows.numel(), rows.shape[1]
     d = d.contiguous()
