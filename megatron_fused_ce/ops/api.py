@@ -113,6 +113,9 @@ class _Agreed:
     signature_code: Optional[int] = None
     # a sampling mask's (labelled rows with a set, without one), read by the full agreement only
     mask_rows: Optional[tuple] = None
+    # the signature's first call had a kept set at every labelled row (and one at least): every call
+    # of it then replays without the plain pass, a later one checking on the device that this holds
+    mask_sets_everywhere: bool = False
 
     @property
     def remembered(self) -> bool:
@@ -289,7 +292,9 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     if mask_check is not None:  # linear_logprobs: the sampling mask's sizes, on every rank
         mask_check.register_layout(agreement)
     if agreement.remembered() and may_remember:
-        agreed = _Agreed(true_vocab, None, signature_code=agreement.signature_code())
+        facts = agreement.remembered_facts() or {}
+        agreed = _Agreed(true_vocab, None, signature_code=agreement.signature_code(),
+                         mask_sets_everywhere=facts.get("mask_sets_everywhere", False))
         if call_key is not None:
             _REMEMBERED_CALLS[call_key] = (agreement.signature(), agreed)
             while len(_REMEMBERED_CALLS) > agreement_memo.REMEMBERED_SIGNATURES:
@@ -332,10 +337,13 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
                     f"returned NaN"] if found else []))
 
     agreed = agreement.agree(messages)
+    mask_rows = mask_check.row_counts(agreed) if mask_check is not None else None
+    sets_everywhere = mask_rows is not None and mask_rows[0] > 0 and mask_rows[1] == 0
     if may_remember:
-        agreement.remember()
-    return _Agreed(true_vocab, agreed[labelled_key],
-                   mask_rows=mask_check.row_counts(agreed) if mask_check is not None else None)
+        agreement.remember({"mask_sets_everywhere": sets_everywhere})
+        if call_key is not None:  # a shortcut kept from before the signature was evicted holds old facts
+            _REMEMBERED_CALLS.pop(call_key, None)
+    return _Agreed(true_vocab, agreed[labelled_key], mask_rows=mask_rows, mask_sets_everywhere=sets_everywhere)
 
 
 def _autocast_inputs(hidden, weight):
@@ -632,9 +640,13 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     labelled = device_checks.labelled if device_checks is not None else None
     anchor = None
     if replaying:  # sampling-mask replay (replay.py's tiling)
-        spec = replace(spec, tiling=replay.replay_tiling(
-            mask_check, flat_labels, labelled, vocab_start, spec.num_valid_cols, agreed.true_vocab, needs_grad,
-            agreed.mask_rows))
+        # the plain pass only where the signature's first call had a labelled row without a set
+        tiling = replay.replay_tiling(mask_check, flat_labels, labelled, vocab_start, spec.num_valid_cols,
+                                      agreed.true_vocab, needs_grad, plain_pass=not agreed.mask_sets_everywhere)
+        if agreed.remembered and not tiling.plain_pass:  # such a row now would be wrong: NaN and an error
+            missing = tiling.missing_set_poison()
+            mask_poison = missing if mask_poison is None else mask_poison + missing
+        spec = replace(spec, tiling=tiling)
         with autocast_off(hidden.device):
             out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,

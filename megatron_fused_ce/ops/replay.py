@@ -20,18 +20,23 @@ scores them.
 Checks, as for the other paths (api.py, agreement.py): the mask's sizes and presence are part of
 the call's signature, its contents are not. The first call of a signature checks everything in the
 one agreement (`MaskCheck.register`: a clear ValueError on every rank) and reads back how many
-labelled rows have a set and how many have none. A later call reads nothing: `deferred_poison`
-checks the offsets, ids and duplicates on the device (NaN results, the error raised at the next
-host synchronization, deferred_errors.py) and the mask's fingerprint rides on the statistics'
-all-reduce MAX (reductions.RankCheck); its layout is sized from what the host knows (at most
-min(rows, E) rows with a set; `layout_offsets` keeps a bad mask's indexing in range).
+labelled rows have a set and how many have none; the signature remembers whether none lacked one
+(api.py). A later call reads nothing: `deferred_poison` checks the offsets, ids and duplicates on
+the device (NaN results, the error raised at the next host synchronization, deferred_errors.py)
+and the mask's fingerprint rides on the statistics' all-reduce MAX (reductions.RankCheck). Every
+call of a signature, the first included, is sized from what the host knows (at most min(rows, E)
+rows with a set; `layout_offsets` keeps a bad mask's indexing in range), so that they compute
+alike, bit for bit.
 
 Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
 
     rows with an empty set   the plain path's partials over the whole shard (fast.py's chunks):
-                             every row's on a later call (how many is not known on the host; a set
-                             row's are replaced by its set's), on the first call only where a
-                             labelled row has no set
+                             every row's (how many is not known on the host; a set row's are
+                             replaced by its set's), on every call of a signature whose first call
+                             had a labelled row without a set, on none otherwise (RL: every
+                             generated token has its set), where a later call checks on the device
+                             that no labelled row lacks one (`missing_set_poison`: NaN, and an
+                             error at the next host synchronization naming forget_signatures)
     rows with a kept set     sparse: the backend's `kept_stats` (Triton: one kernel, a program per
                              row gathering the W rows of its kept ids and taking their dots, the
                              online max / sum-exp / entropy sums and the label's z; torch: the
@@ -195,7 +200,7 @@ class MaskCheck:
 
     def _row_counts(self) -> Tensor:
         """[labelled positions with a kept set, labelled positions without one]: the sizes the
-        first call of a signature lays its rows out with (replay_tiling)."""
+        first call of a signature reads (whether it needs the plain pass: api.py)."""
         zero = torch.zeros(2, dtype=torch.int64, device=self.ids.device)
         if self.offsets.numel() < 2 or not isinstance(self.labels, Tensor) or not is_int(self.ignore_index):
             return zero
@@ -414,6 +419,7 @@ class KeptEntries:
         self.offsets = torch.cat([offsets, offsets[-1:]]).contiguous()
         self.vocab_start, self.num_valid_cols = int(vocab_start), int(num_valid_cols)
         sizes = self.offsets[1:] - self.offsets[:-1]
+        self.labelled = labelled
         self.has_set = (sizes[:num_rows] > 0) & labelled
         found = torch.nonzero_static(self.has_set, size=max_set_rows, fill_value=-1).squeeze(1)
         padding = found < 0
@@ -485,7 +491,8 @@ class ReplayChunks:
     entries: KeptEntries
     sparse: bool
     want_z: bool  # the backward will need the entries' z
-    plain_pass: bool = True  # False where no labelled row lacks a set (known on the first call only)
+    # False where the signature's first call found no labelled row without a set (api.py remembers it)
+    plain_pass: bool = True
     statistics_type = ReplayStats
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
@@ -498,6 +505,17 @@ class ReplayChunks:
 
     def _max_elements(self, weight: Tensor, spec) -> int:
         return spec.chunk_size * weight.shape[0]  # the torch path's gathers: at most a chunk of logits
+
+    def missing_set_poison(self) -> Tensor:
+        """Without the plain pass, a labelled row without a set would get placeholder statistics:
+        fp32 [1], NaN if one exists (recorded for the next host synchronization, deferred_errors.py),
+        else 0. The labels and the mask are the same on every rank (else the rank check flags it),
+        so every rank finds the same."""
+        entries = self.entries
+        labelled = entries.labelled
+        bad = (labelled & ~entries.has_set).any()
+        deferred_errors.record(bad.to(torch.int64) * deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET)
+        return torch.where(bad, float("nan"), 0.0).reshape(1).to(torch.float32)
 
     def merged_statistics(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ReplayStats:
         entries = self.entries
@@ -588,18 +606,15 @@ class ReplayChunks:
 
 
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
-                  true_vocab: int, needs_grad: bool, row_counts: Optional[tuple]) -> ReplayChunks:
+                  true_vocab: int, needs_grad: bool, plain_pass: bool) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
-    (every position of labels). `row_counts`: (labelled rows with a set, without one) where the
-    full agreement read them (the first call of a signature), else None: sizes from what the
-    host knows, at most min(rows, E) rows with a set (each holds an entry) and a plain pass over
-    every row."""
+    (every position of labels), sized from what the host knows on every call of a signature, the
+    first included, so that they all compute alike: at most min(rows, E) rows with a set (each
+    holds an entry). `plain_pass`: False where the signature's first call found a set at every
+    labelled row (the caller then checks that on the device: `missing_set_poison`)."""
     ids = mask_check.ids
     offsets = mask_check.layout_offsets()
-    if row_counts is None:
-        max_set_rows, plain_pass = min(offsets.numel() - 1, ids.numel()), True
-    else:
-        max_set_rows, plain_pass = int(row_counts[0]), row_counts[1] > 0
+    max_set_rows = min(offsets.numel() - 1, ids.numel())
     entries = KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
     return ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), true_vocab), want_z=needs_grad,
                         plain_pass=plain_pass)
