@@ -3,10 +3,12 @@ and capturable in a CUDA graph (tests/test_steady_state.py says why and checks t
 CPU; tests/test_multigpu.py at TP = 2 over NCCL).
 
 - Each path (cross-entropy, log-probs with and without entropy, forward-only log-probs, GRPO with
-  every option on) runs its second call under torch.cuda.set_sync_debug_mode("error").
+  every option on, forward-only and forward + backward log-probs with a sampling mask) runs its
+  second call under torch.cuda.set_sync_debug_mode("error").
 - CUDA kernels per call, from the profiler: at most 30 for cross-entropy, log-probs and
   forward-only, at most 40 for GRPO whatever its options (the counts are printed).
-- torch.cuda.graph captures the forward-only log-probs and cross-entropy forward + backward at
+- torch.cuda.graph captures the forward-only log-probs (with and without a sampling mask) and
+  cross-entropy forward + backward at
   static shapes; replayed on new inputs copied into the captured ones, they give eager's values and
   gradients, bit for bit. torch.cuda.make_graphed_callables (a graph for the forward and one for
   the backward, autograd between them: how docs/performance.md runs the RL passes) does the same
@@ -77,16 +79,42 @@ def _paths():
     return paths
 
 
+def _sampling_mask(y, seed, k=8):
+    """On the GPU, sizes fixed: k ids (the label among them) at every labelled position, none in the prompt."""
+    g = torch.Generator().manual_seed(seed + 100)
+    step = torch.randint(1, V // k, (y.shape[0], 1, 1), generator=g).cuda()
+    ids = ((y[:, 16:, None] + torch.arange(k, device="cuda") * step) % V).reshape(-1)
+    sizes = torch.zeros(y.shape, dtype=torch.int64, device="cuda")
+    sizes[:, 16:] = k
+    return ids, torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"), sizes.reshape(-1).cumsum(0)])
+
+
+def _replay_paths():
+    """name -> call(inputs) of log-probs with a sampling mask (in the inputs' rollout)."""
+    def forward_only(inputs):
+        h, w, y, r = inputs
+        with torch.no_grad():
+            return linear_logprobs(h, w, y, sampling_mask=r["sampling_mask"]).logprobs
+
+    def logprobs(inputs):
+        h, w, y, r = inputs
+        out = linear_logprobs(h, w, y, return_entropy=True, sampling_mask=r["sampling_mask"])
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        return out.logprobs
+
+    return {"replay_forward_only": forward_only, "replay_logprobs": logprobs}
+
+
 def _leaves(seed):
     h, w, y, rollout = _inputs(seed)
     rollout.update(labels=y.clamp(min=0), mask=(y != -100).float(), reference=rollout["old"] - 0.1,
-                   sampling=rollout["old"] + 0.05)
+                   sampling=rollout["old"] + 0.05, sampling_mask=_sampling_mask(y, seed))
     return h.requires_grad_(), w.requires_grad_(), y, rollout
 
 
-@pytest.mark.parametrize("name", list(_paths()))
+@pytest.mark.parametrize("name", list(_paths()) + list(_replay_paths()))
 def test_second_call_makes_no_host_synchronization(name):
-    call = _paths()[name]
+    call = {**_paths(), **_replay_paths()}[name]
     call(_leaves(1))
     inputs = _leaves(2)
     torch.cuda.synchronize()
@@ -142,6 +170,25 @@ def test_forward_only_logprobs_replay_in_a_cuda_graph():
         h.copy_(h2), w.copy_(w2), y.copy_(y2)
         graph.replay()
         eager = forward(h2, w2, y2)
+        assert torch.equal(out.logprobs, eager.logprobs) and torch.equal(out.entropy, eager.entropy), seed
+    check_deferred_errors()
+
+
+def test_forward_only_logprobs_with_a_sampling_mask_replay_in_a_cuda_graph():
+    h, w, y, _ = _inputs(4)
+    ids, offsets = _sampling_mask(y, 4)
+
+    def forward(h, w, y, ids, offsets):
+        with torch.no_grad():
+            return linear_logprobs(h, w, y, return_entropy=True, sampling_mask=(ids, offsets))
+
+    graph, out = _capture(forward, (h, w, y, ids, offsets))
+    for seed in (5, 6):
+        h2, w2, y2, _ = _inputs(seed)
+        ids2, offsets2 = _sampling_mask(y2, seed)
+        h.copy_(h2), w.copy_(w2), y.copy_(y2), ids.copy_(ids2), offsets.copy_(offsets2)
+        graph.replay()
+        eager = forward(h2, w2, y2, ids2, offsets2)
         assert torch.equal(out.logprobs, eager.logprobs) and torch.equal(out.entropy, eager.entropy), seed
     check_deferred_errors()
 

@@ -13,9 +13,14 @@ and tensors made from host data (`torch.tensor`, `torch.as_tensor`: host-to-devi
 GPU), which is what a CUDA synchronization is on a GPU, where tests/test_cuda_steady_state.py asserts it under
 torch.cuda.set_sync_debug_mode("error")) and collectives of the second call, per path, at TP = 1
 and 2: forward-only log-probs 2 collectives, cross-entropy / log-probs (± entropy) / GRPO forward
-+ backward 3 (two for the statistics, one for dX), none of them the agreement. And the deferred
-checks: bad labels, labels or GRPO inputs that differ across ranks, in a steady call, give NaN and
-raise at the next check on every rank.
++ backward 3 (two for the statistics, one for dX), none of them the agreement; the same with a
+sampling mask (replay, sparse and dense, and GRPO with one, with and without a set at every
+labelled position), whose steady calls make the full check's call's GEMMs (no plain pass where
+every labelled row has a set) and its values, bit for bit. And the deferred checks: bad labels,
+labels or GRPO inputs that differ across ranks, a sampling mask with an id twice in a set, an id
+out of range or that differs across ranks, or a labelled position without a set where the
+signature's first call had none, in a steady call, give NaN and raise at the next check on every
+rank; a first call with such positions keeps the plain pass, exact in later calls.
 """
 
 import contextlib
@@ -28,9 +33,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist import run_workers
+from sampling_mask_cases import keep_matrix
 from megatron_fused_ce import check_deferred_errors, linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
-from megatron_fused_ce.ops import agreement
+from megatron_fused_ce.ops import agreement, replay
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                "reduce_scatter_single", "all_gather", "broadcast", "reduce_scatter", "all_to_all_single")
@@ -78,6 +84,8 @@ def _counting():
             yield collectives, reads.ops
     finally:
         torch.Tensor.tolist = tolist
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 class _HostData(TorchFunctionMode):
@@ -92,8 +100,6 @@ class _HostData(TorchFunctionMode):
         if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
             self.found.append(func.__name__)
         return func(*args, **(kwargs or {}))
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def _inputs(seed, rows=24, hidden=16, v_local=40):
@@ -103,6 +109,20 @@ def _inputs(seed, rows=24, hidden=16, v_local=40):
     y = torch.randint(0, 75, (4, rows // 4), generator=g)
     y[:, 0] = -100
     return h, w, y
+
+
+def _sampling_mask(y, seed, k=3, every=False):
+    """Kept sets of k ids (the label among them, ids label + j * step mod 75) at positions 2-5 of
+    each row; column 0 (ignored) and column 1 (labelled) keep none. `every`: at every labelled
+    position (1-5; RL's case: each generated token comes with the sampler's set). Made by tensor
+    ops alone (nothing read on the host): the same sizes for every seed."""
+    g = torch.Generator().manual_seed(seed + 100)
+    step = torch.randint(1, 20, (y.shape[0], 1, 1), generator=g)
+    first = 1 if every else 2
+    ids = ((y[:, first:, None] + torch.arange(k) * step) % 75).reshape(-1)
+    sizes = torch.zeros(y.shape, dtype=torch.int64)
+    sizes[:, first:] = k
+    return ids, torch.cat([torch.zeros(1, dtype=torch.int64), sizes.reshape(-1).cumsum(0)])
 
 
 def _paths(group, rank, world):
@@ -145,9 +165,56 @@ def _paths(group, rank, world):
         loss.backward()
         return loss.detach()
 
+    def replay_forward_only(seed, every=False):
+        h, w, y = leaves(seed)
+        with torch.no_grad():
+            return linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, seed, every=every)).logprobs
+
+    def replay_logprobs(seed, pieces, every=False):
+        h, w, y = leaves(seed)
+        replay.FORCE_PIECES = pieces
+        try:
+            out = linear_logprobs(h, w, y, **common, return_entropy=True,
+                                  sampling_mask=_sampling_mask(y, seed, every=every))
+            (out.logprobs.sum() + out.entropy.sum()).backward()
+        finally:
+            replay.FORCE_PIECES = None
+        return torch.cat([out.logprobs.detach().reshape(-1), h.grad.reshape(-1), w.grad.reshape(-1)])
+
+    def replay_grpo(seed):
+        h, w, y = leaves(seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        old = -torch.rand(y.shape, generator=g) * 3
+        loss, _ = linear_grpo_loss(h, w, y.clamp(min=0), torch.randn(4, generator=g), (y != -100).float(),
+                                   GRPO_EVERY_OPTION, old_logprobs=old, reference_logprobs=old - 0.1,
+                                   sampling_logprobs=old + 0.05, sampling_mask=_sampling_mask(y, seed), **common)
+        loss.backward()
+        return torch.cat([loss.detach().reshape(1), h.grad.reshape(-1)])
+
     return {"forward_only": forward_only, "logprobs": logprobs,
             "logprobs_entropy": lambda seed: logprobs(seed, entropy=True),
-            "cross_entropy": cross_entropy, "grpo": grpo}
+            "cross_entropy": cross_entropy, "grpo": grpo, "replay_forward_only": replay_forward_only,
+            "replay_logprobs_sparse": lambda seed: replay_logprobs(seed, "sparse"),
+            "replay_logprobs_dense": lambda seed: replay_logprobs(seed, "dense"), "replay_grpo": replay_grpo,
+            "replay_every_forward_only": lambda seed: replay_forward_only(seed, every=True),
+            "replay_every_logprobs_sparse": lambda seed: replay_logprobs(seed, "sparse", every=True),
+            "replay_every_logprobs_dense": lambda seed: replay_logprobs(seed, "dense", every=True)}
+
+
+GEMMS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "mv", "dot")
+
+
+class _Gemms(TorchDispatchMode):
+    """Counts the matrix products made inside (a plain log-prob pass adds its chunk GEMMs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in GEMMS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _steady_worker(rank, world):
@@ -155,13 +222,23 @@ def _steady_worker(rank, world):
     report = {}
     for name, call in _paths(group, rank, world).items():
         call(1)  # the first call of the signature: the full agreement
-        with _counting() as (collectives, reads):
+        later = _Gemms()
+        with _counting() as (collectives, reads), later:
             out = call(2)
         report[name] = (list(collectives), list(reads), bool(torch.isfinite(out).all()))
+        if name.startswith("replay"):  # laid out from the host's sizes on every call: the first's ops and values
+            agreement.forget_signatures()
+            first = _Gemms()
+            with first:
+                out_first = call(2)
+            report[name] += (bool(torch.equal(out, out_first)), (later.count, first.count))
     return report
 
 
-EXPECTED_COLLECTIVES = {"forward_only": 2, "logprobs": 3, "logprobs_entropy": 3, "cross_entropy": 3, "grpo": 3}
+EXPECTED_COLLECTIVES = {"forward_only": 2, "logprobs": 3, "logprobs_entropy": 3, "cross_entropy": 3, "grpo": 3,
+                        "replay_forward_only": 2, "replay_logprobs_sparse": 3, "replay_logprobs_dense": 3,
+                        "replay_grpo": 3, "replay_every_forward_only": 2, "replay_every_logprobs_sparse": 3,
+                        "replay_every_logprobs_dense": 3}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -169,9 +246,15 @@ def test_second_call_makes_no_host_read_and_only_the_maths_collectives(tp):
     """Before: every call made the agreement's all-reduce and read-back (and GRPO its loss inputs'
     too): 3 / 4 / 4 / 5 collectives at TP = 2 and at least one host read per call."""
     for rank, report in enumerate(run_workers(_steady_worker, tp)):
-        for name, (collectives, reads, finite) in report.items():
+        for name, (collectives, reads, finite, *replayed) in report.items():
             assert reads == [], (rank, name, reads)
             assert finite, (rank, name)
+            if replayed:
+                # a later call makes the first call's GEMMs (no plain pass where every labelled
+                # row has a set) and its values, bit for bit
+                same_values, (later_gemms, first_gemms) = replayed
+                assert same_values, (rank, name)
+                assert later_gemms == first_gemms, (rank, name, later_gemms, first_gemms)
             expected = EXPECTED_COLLECTIVES[name] if tp > 1 else 0
             assert len(collectives) == expected, (rank, name, collectives)
 
@@ -210,6 +293,134 @@ def test_contents_found_bad_on_the_device_give_nan_and_raise_on_every_rank(what)
         assert report["all_nan"], rank
         assert report["raised"] is not None and expected in report["raised"], (rank, report["raised"])
         assert report["next"], rank
+
+
+def _bad_mask_worker(rank, world, what):
+    group = dist.group.WORLD
+    h, w, y = _inputs(12)
+    w = w[rank * 40:(rank + 1) * 40]
+    common = dict(tp_group=group, vocab_size=75)
+    linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, 12))  # the signature, agreed
+    ids, offsets = _sampling_mask(y, 13)
+    ids = ids.clone()
+    if what == "duplicate":
+        ids[1] = ids[0]  # an id twice in the first set
+    elif what == "out_of_range":
+        ids[4] = 75
+    elif rank == 1:  # a mask that differs on one rank only (still a valid mask there)
+        ids[2] = (ids[2] + 1) % 75
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = linear_logprobs(h, w, y, **common, sampling_mask=(ids, offsets)).logprobs
+    report = {"all_nan": bool(torch.isnan(out).all())}
+    try:
+        check_deferred_errors()
+        report["raised"] = None
+    except ValueError as error:
+        report["raised"] = str(error)
+    check_deferred_errors()  # read: the next call is clean
+    out = linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, 14)).logprobs
+    report["next"] = bool(torch.isfinite(out[:, 1:]).all())
+    return report
+
+
+@pytest.mark.parametrize("what", ["duplicate", "out_of_range", "ranks_differ"])
+def test_a_bad_sampling_mask_in_a_steady_call_gives_nan_and_raises_on_every_rank(what):
+    """Before: a call with a mask ran the full agreement on every call (its host read and
+    all-reduce); now a steady call checks the mask on the device."""
+    expected = "differ across tensor-parallel ranks" if what == "ranks_differ" else "a bad sampling_mask"
+    for rank, report in enumerate(run_workers(_bad_mask_worker, 2, what)):
+        assert report["all_nan"], rank
+        assert report["raised"] is not None and expected in report["raised"], (rank, report["raised"])
+        assert report["next"], rank
+
+
+def _reference_logprobs(h, w, y, mask):
+    """float64 log-probs over each position's kept set (the whole vocab where it is empty), 0.0
+    where the label is ignored."""
+    z = (h.reshape(-1, h.shape[-1]).double() @ w.double().t())[:, :75]
+    keep = keep_matrix(mask, z.shape[0], 75)
+    labels = y.reshape(-1)
+    lse = torch.logsumexp(z.masked_fill(~keep, float("-inf")), 1)
+    safe = labels.clamp(min=0)
+    lp = torch.where(keep.gather(1, safe[:, None])[:, 0], z.gather(1, safe[:, None])[:, 0] - lse, float("-inf"))
+    return torch.where(labels == -100, 0.0, lp).reshape(y.shape)
+
+
+def _moved_set(mask, row, width=6):
+    """The same sizes (E, positions): position (row, 1), labelled, hands its set to (row, 0), ignored."""
+    ids, offsets = mask
+    offsets = offsets.clone()
+    offsets[row * width + 1] = offsets[row * width + 2]
+    return ids, offsets
+
+
+def _missing_set_worker(rank, world):
+    group = dist.group.WORLD if world > 1 else None
+    h, w_full, y = _inputs(21)
+    w = w_full[rank * 40:(rank + 1) * 40] if world > 1 else w_full
+    common = dict(tp_group=group, vocab_size=75)
+    # the signature's first call: a set at every labelled position (no plain pass, then or later)
+    linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, 21, every=True))
+    mask = _moved_set(_sampling_mask(y, 22, every=True), row=1)  # the same sizes, (1, 1) now without a set
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = linear_logprobs(h, w, y, **common, sampling_mask=mask).logprobs
+    report = {"all_nan": bool(torch.isnan(out).all())}
+    try:
+        check_deferred_errors()
+        report["raised"] = None
+    except ValueError as error:
+        report["raised"] = str(error)
+    check_deferred_errors()  # read: the next call is clean
+    agreement.forget_signatures()  # this call is the signature's first: it has the plain pass
+    out = linear_logprobs(h, w, y, **common, sampling_mask=mask).logprobs
+    report["after_forgetting"] = (out.double() - _reference_logprobs(h, w_full, y, mask)).abs().nan_to_num().max().item()
+    report["finite"] = bool(torch.isfinite(out).all())
+    return report
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_labelled_row_without_a_set_after_a_first_call_with_none_gives_nan_and_raises(tp):
+    """Before: every later call of a mask's signature ran the plain pass over every row besides
+    the kept sets (plain + replay in the steady state); now only where the first call needed it,
+    and a later call that would need it where the first did not is caught, not silently wrong."""
+    for rank, report in enumerate(run_workers(_missing_set_worker, tp)):
+        assert report["all_nan"], rank
+        assert report["raised"] is not None and "labelled position without a kept set" in report["raised"], (
+            rank, report["raised"])
+        assert "forget_signatures()" in report["raised"], report["raised"]
+        assert report["finite"] and report["after_forgetting"] < 1e-5, (rank, report)
+
+
+def _empty_set_first_worker(rank, world):
+    group = dist.group.WORLD if world > 1 else None
+    common = dict(tp_group=group, vocab_size=75)
+    report = []
+    for seed, moved in ((31, None), (32, None), (33, 2)):  # first call, later calls (another partition)
+        h, w_full, y = _inputs(seed)
+        w = w_full[rank * 40:(rank + 1) * 40] if world > 1 else w_full
+        mask = _sampling_mask(y, seed)  # column 1 labelled, without a set
+        if moved is not None:  # the same sizes: (2, 1) without a set, (2, 2) too
+            ids, offsets = mask
+            offsets = offsets.clone()
+            offsets[moved * 6 + 2] = offsets[moved * 6 + 3]
+            mask = (ids, offsets)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = linear_logprobs(h, w, y, **common, sampling_mask=mask).logprobs
+        ref = _reference_logprobs(h, w_full, y, mask)
+        report.append((bool(torch.equal(torch.isinf(out), torch.isinf(ref))),
+                       (out.double() - ref).nan_to_num(posinf=0.0, neginf=0.0).abs().max().item()))
+    check_deferred_errors()  # nothing was found
+    return report
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_first_call_with_rows_without_a_set_keeps_the_plain_pass_in_later_calls(tp):
+    for rank, report in enumerate(run_workers(_empty_set_first_worker, tp)):
+        for call, (same_infinities, error) in enumerate(report):
+            assert same_infinities and error < 1e-5, (rank, call, error)
 
 
 def _grpo_inputs_differ_worker(rank, world):

@@ -333,13 +333,19 @@ class Agreement:
         _REMEMBERED.move_to_end(key)
         return True
 
-    def remember(self) -> None:
-        """Record this call's signature (as `remembered` took it) as agreed, after `agree` returned."""
+    def remember(self, facts=None) -> None:
+        """Record this call's signature (as `remembered` took it) as agreed, after `agree` returned,
+        with `facts`: what its later calls must know of this first one (api.py: whether a sampling
+        mask had a set at every labelled row), read back by `remembered_facts`."""
         key = self._key
-        _REMEMBERED[key] = None
+        _REMEMBERED[key] = facts
         _REMEMBERED.move_to_end(key)
         while len(_REMEMBERED) > REMEMBERED_SIGNATURES:
             _REMEMBERED.popitem(last=False)
+
+    def remembered_facts(self):
+        """The facts `remember` stored with the signature `remembered` found (None if none)."""
+        return _REMEMBERED.get(self._key)
 
     def signature_code(self) -> int:
         """A process-independent 32-bit code of the signature's values (the part every rank must
@@ -351,7 +357,7 @@ class Agreement:
 # here skips the collective and the read-back: steady state makes no host synchronization. Bounded:
 # a run whose shapes keep changing re-agrees an evicted signature, nothing worse.
 REMEMBERED_SIGNATURES = 512
-_REMEMBERED: "OrderedDict[tuple, None]" = OrderedDict()
+_REMEMBERED: "OrderedDict[tuple, object]" = OrderedDict()  # signature -> its first call's facts
 MEMOS = [_REMEMBERED]  # every such memo (the losses' input agreement adds its own)
 
 

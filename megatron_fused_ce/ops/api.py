@@ -6,7 +6,7 @@ One token's path: its hidden row (all-gathered first under sequence parallelism)
 (reductions.py) -> per-token target logit, lse, (sum of logits, entropy) -> log-prob / entropy /
 loss here. A row whose label is `ignore_index` has no target and gets exactly zero output and zero
 gradient; it still goes through the GEMMs, since dropping it would need its count on the host (a
-sampling mask's replay, which plans the labelled rows, does drop them).
+sampling mask's replay as well: its layout is sized from what the host knows, replay.py).
 
 Arguments are checked by one agreement of the TP ranks on the first call of each signature and on
 the device afterwards (agreement.py, deferred_errors.py): a later call makes no host sync.
@@ -17,7 +17,7 @@ kept set (sampling.py's tiling, on the same chunk loop).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -109,9 +109,13 @@ class _Agreed:
     # labelled tokens of the call (the same on every rank), read back by the full agreement; None
     # after a remembered signature (not read: the rows are then not dropped, see token_statistics)
     num_labelled: Optional[int]
-    mask_rows: int = 0  # labelled tokens with a kept set in the sampling mask (replay.py)
     # a remembered signature: the code every TP rank must share (the rank check's first piece)
     signature_code: Optional[int] = None
+    # a sampling mask's (labelled rows with a set, without one), read by the full agreement only
+    mask_rows: Optional[tuple] = None
+    # the signature's first call had a kept set at every labelled row (and one at least): every call
+    # of it then replays without the plain pass, a later one checking on the device that this holds
+    mask_sets_everywhere: bool = False
 
     @property
     def remembered(self) -> bool:
@@ -196,12 +200,21 @@ def _call_key(fn_name, hidden, weight, labels, tp_group, plain: tuple, extra_che
                       else (name, type(value), value))
     key = (fn_name, id(tp_group), hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
            weight.device, labels.shape, labels.dtype, labels.device, tuple((type(v), v) for v in plain),
-           tuple(extra_checks), tuple(agreed), None if mask_check is None else mask_check.present)
+           tuple(extra_checks), tuple(agreed), _mask_layout(mask_check))
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _mask_layout(mask_check) -> Optional[tuple]:
+    """A sampling mask's part of a call key: its presence and sizes (its contents are not in it)."""
+    if mask_check is None:
+        return None
+    if not mask_check.usable:
+        return (mask_check.present,)
+    return (True, tuple(mask_check.ids.shape), tuple(mask_check.offsets.shape), mask_check.ids.device)
 
 
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, temperature, chunk_size,
@@ -213,8 +226,8 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     read-back, on the first call of a signature (`Agreement.signature`: the Python-level
     arguments, shapes, dtypes, group). A later call of a remembered signature makes neither: what
     depends on the tensors' contents is then checked on the device (token_statistics).
-    `may_remember`: False where a later call may not skip the agreement (sampler settings and
-    sampling masks, whose collectives the checks guard)."""
+    `may_remember`: False where a later call may not skip the agreement (sampler settings, whose
+    collectives the checks guard)."""
     call_key = _call_key(fn_name, hidden, weight, labels, tp_group,
                          (vocab_size, temperature, chunk_size, sequence_parallel, impl, ignore_index, logits_dtype,
                           memory_mode, want_entropy, grad_path, max_chunk_bytes),
@@ -276,8 +289,12 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
             tensors_to_agree[name] = value
         else:
             agreement.equal(name, value)
+    if mask_check is not None:  # linear_logprobs: the sampling mask's sizes, on every rank
+        mask_check.register_layout(agreement)
     if agreement.remembered() and may_remember:
-        agreed = _Agreed(true_vocab, None, signature_code=agreement.signature_code())
+        facts = agreement.remembered_facts() or {}
+        agreed = _Agreed(true_vocab, None, signature_code=agreement.signature_code(),
+                         mask_sets_everywhere=facts.get("mask_sets_everywhere", False))
         if call_key is not None:
             _REMEMBERED_CALLS[call_key] = (agreement.signature(), agreed)
             while len(_REMEMBERED_CALLS) > agreement_memo.REMEMBERED_SIGNATURES:
@@ -299,8 +316,8 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     bad_key = agreement.maximum_count("labels", bad_labels)
     for name, value in tensors_to_agree.items():
         agreement.equal_values(name, value)
-    if mask_check is not None:  # linear_logprobs: the sampling mask's entries, on every rank
-        mask_check.register(agreement, device)
+    if mask_check is not None:  # the sampling mask's values and bad entries, on every rank
+        mask_check.register_contents(agreement, device)
     # what calls of remembered signatures found on the device since the last read (deferred_errors.py)
     deferred_key = agreement.maximum_count("deferred errors", deferred_errors.take(device))
 
@@ -320,10 +337,13 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
                     f"returned NaN"] if found else []))
 
     agreed = agreement.agree(messages)
+    mask_rows = mask_check.row_counts(agreed) if mask_check is not None else None
+    sets_everywhere = mask_rows is not None and mask_rows[0] > 0 and mask_rows[1] == 0
     if may_remember:
-        agreement.remember()
-    return _Agreed(true_vocab, agreed[labelled_key],
-                   mask_check.rows_with_set(agreed) if mask_check is not None else 0)
+        agreement.remember({"mask_sets_everywhere": sets_everywhere})
+        if call_key is not None:  # a shortcut kept from before the signature was evicted holds old facts
+            _REMEMBERED_CALLS.pop(call_key, None)
+    return _Agreed(true_vocab, agreed[labelled_key], mask_rows=mask_rows, mask_sets_everywhere=sets_everywhere)
 
 
 def _autocast_inputs(hidden, weight):
@@ -518,8 +538,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `sampler`: linear_logprobs' {top_k, top_p, min_p, return_topk} (sampling.py; they join
     `must_agree`: they decide the collectives made).
     `mask_check`: linear_logprobs' replay.MaskCheck (every rank passes one, with or without a
-    mask: its entries join the agreement); a mask that keeps a set at some labelled position
-    switches to replay.py's statistics."""
+    mask: its sizes join the signature, its entries the agreement, or the device checks on a
+    remembered signature); a mask with entries switches to replay.py's statistics."""
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
     sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
@@ -542,12 +562,11 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     extra_checks["expected_upstream_grad"] = expected_upstream_grad_problem(expected_upstream_grad)
     if not extra_checks["expected_upstream_grad"] and expected_upstream_grad is not None:
         must_agree = {**(must_agree or {}), "expected_upstream_grad": float(expected_upstream_grad)}
-    # Sampler settings and sampling masks run the full agreement on every call (its checks guard
-    # their collectives); every other call runs it on the first call of its signature only and then
-    # checks the contents on the device. The rows of ignored labels go through the chunk loop (no
-    # count to read back), except for a sampling mask, whose replay plans the labelled rows.
-    rows_kept = not (mask_check is not None and mask_check.present)
-    may_remember = rows_kept and not any(v is not None and v != 0 for v in (sampler or {}).values())
+    # Sampler settings run the full agreement on every call (its checks guard their collectives);
+    # every other call, a sampling mask's included, runs it on the first call of its signature only
+    # and then checks the contents on the device. The rows of ignored labels go through the chunk
+    # loop: no count to read back.
+    may_remember = not any(v is not None and v != 0 for v in (sampler or {}).values())
     agreed = _check_arguments(
         fn_name, hidden, weight, labels, tp_group, vocab_size=vocab_size, temperature=temperature,
         chunk_size=chunk_size, sequence_parallel=sequence_parallel, impl=impl,
@@ -567,31 +586,25 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     vocab_start = tp_rank * v_local
 
     backend = backends.select(impl, hidden.device)
-    rank_check, device_checks = None, None
-    if rows_kept:
-        # Every row goes through the chunk loop, an ignored one without a target and with a zero
-        # gradient: no count sizes anything (nothing to read back, static shapes for CUDA graphs),
-        # and the first call and the later ones of a signature compute alike, bit for bit. A later
-        # call checks the contents on the device instead (deferred_errors.py).
-        row_index, row_labels = None, flat_labels
-        compare_ranks = tp_size > 1 and agreed.remembered
-        device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
-                                      check=agreed.remembered,
-                                      signature_code=agreed.signature_code if compare_ranks else None)
-        local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
-        if compare_ranks:
-            rank_check = reductions.RankCheck(_rank_check_values(device_checks.rank_pieces, must_agree))
-    else:
-        num_labelled = agreed.num_labelled
-        # the agreed count sizes the index: no second host sync (nonzero would read the count back)
-        row_index = (None if num_labelled == num_rows
-                     else torch.nonzero_static(flat_labels != ignore_index, size=num_labelled).squeeze(1))
-        row_labels = flat_labels if row_index is None else flat_labels.index_select(0, row_index)
-        if tp_size == 1:  # every label is in [0, true_vocab) (checked above): all on this shard
-            local_target = row_labels
-        else:
-            local_target = row_labels - vocab_start
-            local_target = torch.where((local_target >= 0) & (local_target < v_local), local_target, -1)
+    # Every row goes through the chunk loop, an ignored one without a target and with a zero
+    # gradient: no count sizes anything (nothing to read back, static shapes for CUDA graphs), and
+    # the first call and the later ones of a signature compute alike, bit for bit. A later call
+    # checks the contents on the device instead (deferred_errors.py).
+    row_index, row_labels = None, flat_labels
+    compare_ranks = tp_size > 1 and agreed.remembered
+    device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
+                                  check=agreed.remembered,
+                                  signature_code=agreed.signature_code if compare_ranks else None)
+    local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
+    # a sampling mask with entries: replay (replay.py); one without entries, or (where the full
+    # agreement counted them) without a set at a labelled position, is today's path
+    replaying = (mask_check is not None and mask_check.usable and mask_check.ids.numel() > 0 and num_rows > 0
+                 and (agreed.mask_rows is None or agreed.mask_rows[0] > 0))
+    mask_poison = mask_check.deferred_poison() if replaying and agreed.remembered else None
+    rank_check = None
+    if compare_ranks:
+        rank_check = reductions.RankCheck(_rank_check_values(
+            device_checks.rank_pieces, must_agree, mask_check.fingerprint() if replaying else None))
 
     lean_tiles = None
     if memory_mode == "lean":
@@ -626,12 +639,19 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     shape = tuple(labels.shape)
     labelled = device_checks.labelled if device_checks is not None else None
     anchor = None
-    if agreed.mask_rows > 0:  # sampling-mask replay (replay.py); a mask of empty sets is today's path
+    if replaying:  # sampling-mask replay (replay.py's tiling)
+        # the plain pass only where the signature's first call had a labelled row without a set
+        tiling = replay.replay_tiling(mask_check, flat_labels, labelled, vocab_start, spec.num_valid_cols,
+                                      agreed.true_vocab, needs_grad, plain_pass=not agreed.mask_sets_everywhere)
+        if agreed.remembered and not tiling.plain_pass:  # such a row now would be wrong: NaN and an error
+            missing = tiling.missing_set_poison()
+            mask_poison = missing if mask_poison is None else mask_poison + missing
+        spec = replace(spec, tiling=tiling)
         with autocast_off(hidden.device):
-            out = replay.replay_statistics(hidden2d, weight, row_index, local_target, row_labels, spec,
-                                           mask_check.ids, mask_check.offsets, vocab_start, needs_grad)
+            out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,
-                          None, out.max, out.log_sum_exp, kept=out.kept, num_labelled=num_labelled)
+                          None, out.max, out.log_sum_exp, kept=out.kept, num_labelled=num_labelled,
+                          labelled=labelled, poison=_device_poison(device_checks, rank_check, mask_poison))
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
@@ -702,24 +722,29 @@ class _DeviceChecks:
         self.poison = scalars[:1]
 
 
-def _rank_check_values(label_pieces: Tensor, must_agree) -> Tensor:
+def _rank_check_values(label_pieces: Tensor, must_agree, mask_fingerprint: Optional[Tensor] = None) -> Tensor:
     """fp32 pieces of what every TP rank must share on a remembered signature: the signature's
     code (its Python-level arguments) and the labels' fingerprint (`label_pieces`, from the label
-    kernel), then each must-agree tensor's fingerprint."""
-    tensors = [v for v in (must_agree or {}).values() if isinstance(v, Tensor)]
-    if not tensors:
+    kernel), then each must-agree tensor's fingerprint and the sampling mask's."""
+    fingerprints = [tensor_fingerprint(v) for v in (must_agree or {}).values() if isinstance(v, Tensor)]
+    if mask_fingerprint is not None:
+        fingerprints.append(mask_fingerprint)
+    if not fingerprints:
         return label_pieces
-    codes = torch.cat([tensor_fingerprint(v).to(label_pieces.device) for v in tensors])
+    codes = torch.cat([f.to(label_pieces.device) for f in fingerprints])
     return torch.cat([label_pieces, fingerprint_pieces(codes)])
 
 
-def _device_poison(device_checks: Optional[_DeviceChecks], rank_check) -> Optional[Tensor]:
+def _device_poison(device_checks: Optional[_DeviceChecks], rank_check,
+                   mask_poison: Optional[Tensor] = None) -> Optional[Tensor]:
     """fp32 [1]: NaN if this call's device checks found bad contents (recorded for the next host
-    synchronization: deferred_errors.py), else 0, for its results; None without device checks (a
-    sampling mask's replay, which the full agreement checks on every call)."""
+    synchronization: deferred_errors.py), else 0, for its results; None without device checks.
+    `mask_poison`: the sampling mask's own check (replay.MaskCheck.deferred_poison)."""
     if device_checks is None:
         return None
     poison = device_checks.poison  # (label_targets recorded what it found)
+    if mask_poison is not None:
+        poison = poison + mask_poison
     if rank_check is not None and rank_check.differ is not None:
         deferred_errors.record(rank_check.differ.to(torch.int64) * deferred_errors.RANKS_DIFFER)
         poison = poison + torch.where(rank_check.differ, float("nan"), 0.0)
@@ -813,13 +838,15 @@ def linear_logprobs(
     logprobs = z_y - logsumexp over the kept ids of z (z = logits / T), -inf with no gradient
     where y is not kept, the plain log-prob where the set is empty (no truncation), 0.0 at
     ignored positions; `return_entropy` gives the entropy of that distribution. Bad masks, or
-    masks that differ across TP ranks, raise the same ValueError on every rank. Not with
+    masks that differ across TP ranks, raise the same ValueError on every rank: at once on the
+    first call of a signature (the mask's sizes are part of it, its contents are not), at the
+    next host synchronization on a later one, whose results are then NaN (deferred_errors.py). Not with
     top_k / top_p / min_p (the engine's filters already chose the sets), `return_topk` or
     memory_mode="lean". replay.build_sampling_mask makes a batch's mask from per-request masks,
-    replay.slice_sampling_mask a context-parallel rank's part. Cost: sets of K << V_local ids
-    are scored on the union of each tile's kept ids (one gathered GEMM per tile, O(rows x union
-    x H)); large or scattered sets on the whole shard with 3 GEMMs per chunk (a cost model in
-    replay.py chooses per tile).
+    replay.slice_sampling_mask a context-parallel rank's part. Cost: sets of K <= V / 640 ids
+    are scored on the W rows of their kept ids alone (O(rows x K x H): the backend's kept-set
+    kernels, no logits block); larger sets on the whole shard with 3 GEMMs per chunk (chosen from
+    sizes, replay.sparse_is_cheaper).
     """
     vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk))

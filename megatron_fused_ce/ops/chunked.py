@@ -38,8 +38,10 @@ parallelism), as Megatron's ColumnParallelLinear does.
 
 How the rows and the vocab are walked is `spec.tiling`'s: fast.FastChunks (chunks of rows, each one
 GEMM over the whole vocab shard; the default), lean.LeanTiles (memory_mode="lean": tiles within a
-fixed working set) or sampling.SamplerChunks (the sampler settings: fast chunks with each row's
-kept set decided per chunk; its statistics add the set and the top-k). They offer the same
+fixed working set), sampling.SamplerChunks (the sampler settings: fast chunks with each row's
+kept set decided per chunk; its statistics add the set and the top-k) or replay.ReplayChunks (a
+sampling mask: each row's kept entries, scored on their gathered W rows or on chunks of logits;
+its statistics add whether the label is kept). They offer the same
 methods (merged_statistics, recompute_grads, weight_grad_dtype; fast and lean also the
 gradients-in-forward steps), and the code here calls them without knowing which.
 
@@ -83,7 +85,7 @@ class ChunkSpec:
     # (under autocast, the fp32 parameter of which `weight` is a cast copy); None = autograd.
     main_grad_param: Optional[Tensor] = None
     logits_dtype: Optional[torch.dtype] = None  # None: the input dtype
-    tiling: Any = FAST_CHUNKS  # how rows and vocab are walked: fast.FastChunks or lean.LeanTiles
+    tiling: Any = FAST_CHUNKS  # how rows and vocab are walked: fast.FastChunks, lean.LeanTiles, ... (module doc)
     # values every TP rank must share, compared by the first statistics all-reduce of the call
     # (a call after the first of its signature: reductions.RankCheck); None: nothing to compare
     rank_check: Any = None

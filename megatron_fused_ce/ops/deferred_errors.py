@@ -5,9 +5,13 @@ calls with the same signature skip that read-back, so what depends on the tensor
 checked on the device instead:
 
 - labels outside [0, vocab_size) that are not ignore_index (on every rank: the labels are the same);
-- values that differ across tensor-parallel ranks (labels, per-token inputs of the loss, the call's
-  Python-level arguments), compared by fingerprints riding on the statistics' all-reduce MAX
-  (reductions.RankCheck), so every rank computes the same verdict.
+- a sampling mask's offsets, ids and duplicates (replay.MaskCheck.deferred_poison; on every rank
+  too: the mask is the same), and a labelled position without a kept set where the signature's
+  first call had a set at every labelled position (its later calls skip the plain pass such a
+  position needs: replay.ReplayChunks.missing_set_poison);
+- values that differ across tensor-parallel ranks (labels, a sampling mask, per-token inputs of the
+  loss, the call's Python-level arguments), compared by fingerprints riding on the statistics'
+  all-reduce MAX (reductions.RankCheck), so every rank computes the same verdict.
 
 A call that finds one returns NaN (never a silently wrong value) and records it here, in one int64
 word of flags per device. The flags are read, and a ValueError naming what was found raised on
@@ -25,10 +29,20 @@ from torch import Tensor
 
 LABELS_OUT_OF_RANGE = 1
 RANKS_DIFFER = 2
+SAMPLING_MASK_BAD = 4
+SAMPLING_MASK_NEW_EMPTY_SET = 8
 MESSAGES = {
     LABELS_OUT_OF_RANGE: "labels outside [0, vocab_size) that are not ignore_index",
-    RANKS_DIFFER: ("labels, per-token loss inputs or arguments that differ across tensor-parallel ranks "
-                   "(every rank of tp_group must pass the same)"),
+    RANKS_DIFFER: ("labels, sampling masks, per-token loss inputs or arguments that differ across "
+                   "tensor-parallel ranks (every rank of tp_group must pass the same)"),
+    SAMPLING_MASK_BAD: ("a bad sampling_mask: offsets that do not start at 0, decrease or do not end at "
+                        "len(token_ids), token ids outside [0, vocab_size), or an id twice in one kept set"),
+    SAMPLING_MASK_NEW_EMPTY_SET: (
+        "a labelled position without a kept set (an empty set: the plain softmax) in a sampling_mask "
+        "whose signature's first call had a kept set at every labelled position, so that its later "
+        "calls skip the plain log-prob pass such a position needs; pass masks with such positions from "
+        "a signature's first call on, or call megatron_fused_ce.ops.agreement.forget_signatures() "
+        "before the call that has them"),
 }
 
 _FLAGS: Dict[torch.device, Tensor] = {}  # per device: the OR of the flags recorded since the last read

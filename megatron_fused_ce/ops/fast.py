@@ -20,7 +20,8 @@ same methods, on tiles):
 
 The sampler's tiling (sampling.SamplerChunks: fast chunks with the kept-set math per chunk) walks
 the rows with the same two loops, `map_chunk_logits` (forward) and `backward_grads` (backward,
-with its own per-chunk dlogits).
+with its own per-chunk dlogits); replay's (replay.ReplayChunks) takes its rows without a kept set
+through them, and its dense route through `chunk_logits` and `grad_gemms`.
 
 The chunk's GEMMs come from gemm.py and the backend's capabilities: dlogits from the logits GEMM's
 epilogue where the backend has it, a one-pass row kernel where a loss's gradient is

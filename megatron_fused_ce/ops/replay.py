@@ -11,45 +11,54 @@ An empty K_i means no truncation (plain softmax). Recomputing the filters from t
 logits (sampling.py) gives the same sets only where engine and trainer logits agree to the last
 bit; replay scores exactly the sets the engine sampled from, on the trainer's logits.
 
-Per call, on each TP rank (the mask is the same on every rank: checked):
+What is particular to kept sets lives here: reading and checking a mask, building a batch's or a
+context-parallel rank's mask, the layout of a call's kept entries on this shard (`KeptEntries`,
+made on the device: no host sync), and `ReplayChunks`, the tiling of the one chunk loop
+(chunked.py; the methods fast.FastChunks, lean.LeanTiles and sampling.SamplerChunks have) that
+scores them.
 
-    rows with an empty set   the plain path's partials over the whole shard (fast.shard_partials)
-    rows with a kept set     in order of their number of kept ids on this shard, split into
-                             tiles of R rows; per tile the union U of its kept ids on this shard,
-                             and the cheaper of (cost model below)
-                               sparse: gather W[U], one GEMM [R, H] x [H, |U|]
-                               dense:  the logits over the whole shard (runs of dense tiles
-                                       grouped into chunks)
-                             each piece's kept entries read off its block of logits into one
-                             padded array of slots (rows in blocks of one width), whose statistics
-                             are then taken a block at a time (backends/replay_torch.py): a
-                             piece launches its GEMMs and a few gathers, not the entry math
-    one TP merge             the partials of every row (entries on other shards count there)
-                             merged by reductions.merge_shard_stats: max, then one sum
+Checks, as for the other paths (api.py, agreement.py): the mask's sizes and presence are part of
+the call's signature, its contents are not. The first call of a signature checks everything in the
+one agreement (`MaskCheck.register`: a clear ValueError on every rank) and reads back how many
+labelled rows have a set and how many have none; the signature remembers whether none lacked one
+(api.py). A later call reads nothing: `deferred_poison` checks the offsets, ids and duplicates on
+the device (NaN results, the error raised at the next host synchronization, deferred_errors.py)
+and the mask's fingerprint rides on the statistics' all-reduce MAX (reductions.RankCheck). Every
+call of a signature, the first included, is sized from what the host knows (at most min(rows, E)
+rows with a set; `layout_offsets` keeps a bad mask's indexing in range), so that they compute
+alike, bit for bit.
 
-The backward makes every slot's d/dz of q at once (from the slots' z saved by the forward: no
-recompute of the logits; O(rows x K) floats), writes each piece's into its block of dlogits, then
-dX = dlogits @ W[U] and dW[U] += dlogits.T @ h (sparse; W[U] gathered again) or the two GEMMs over
-the whole shard (dense). Rows with an empty set take the plain recompute backward. dW: the
-whole-shard GEMMs first, the first writing the buffer and the last (where no sparse piece
-follows) adding the others' fp32 sum and writing the weight's dtype, as the plain path does; with
-sparse pieces only, dW is summed in fp32 over the distinct kept ids alone and written into a zero
-dW. A call whose tiles are all dense is so 3 GEMMs per chunk (the plain path's recompute
-backward has 4) and a plan, with no sparse bookkeeping.
+Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
 
-Cost model (`_sparse_cost` / `_dense_cost` / `_sparse_plan_cost`, seconds on a nominal GPU; only
-ratios matter): a GEMM [m, k] x [k, n] costs max(2mnk / GEMM_FLOPS, (mk + kn + mn) b / BANDWIDTH)
-+ KERNEL_S (the roofline, b bytes per element). A sparse tile of r rows and union u: its 3 GEMMs
-(logits, dX, dW of [r, u]) + gathering W[U] twice (4 u H b bytes) + adding its fp32 dW[U] (12 u H
-bytes) + zero filling its dlogits (r u b) + KERNELS_PER_TILE small kernels, times
-SPARSE_MEASURED_FACTOR (what a GPU measured over that sum), or, where longer, the host time of launching its OPS_PER_TILE ops (HOST_OP_S each: eager PyTorch's cost per op, which
-many small tiles would otherwise pay while the GPU idles). Dense rows: 3 GEMMs of a chunk over the
-whole shard, per row, + writing their dlogits. A plan with sparse tiles also pays for its fp32 dW.
-Each tile takes the cheaper; R is the candidate (the chunk size, halved down to MIN_TILE_ROWS) with
-the least total, unless all dense costs less. Overlapping sets (a trained model: the kept ids of
-different tokens are mostly the same frequent tokens) make u small and large tiles sparse;
-independent random sets make u ~ R K, so small tiles are sparse when K is small and everything is
-dense when K is large.
+    rows with an empty set   the plain path's partials over the whole shard (fast.py's chunks):
+                             every row's (how many is not known on the host; a set row's are
+                             replaced by its set's), on every call of a signature whose first call
+                             had a labelled row without a set, on none otherwise (RL: every
+                             generated token has its set), where a later call checks on the device
+                             that no labelled row lacks one (`missing_set_poison`: NaN, and an
+                             error at the next host synchronization naming forget_signatures)
+    rows with a kept set     sparse: the backend's `kept_stats` (Triton: one kernel, a program per
+                             row gathering the W rows of its kept ids and taking their dots, the
+                             online max / sum-exp / entropy sums and the label's z; torch: the
+                             same by blocks of entries and segment reductions), or
+                             dense: fast.py's chunk GEMM over the whole shard, the kept entries
+                             read off each chunk of logits
+    one TP merge             the partials of every row merged by reductions.merge_shard_stats
+
+Backward (the chunk loop's recompute_grads): every entry's dlogits from the z the forward saved
+(O(entries) floats, no recompute of the logits; backends/replay_torch.entry_dlogits, both
+backends), then sparse: the backend's `kept_grads` (Triton: dX per row from the gathered W rows;
+dW from the entries sorted by id on the device, a segmented sum per block and one fp32 atomic add
+per id and block, into the fp32 dW or Megatron's main_grad) or dense: each chunk's dlogits block
+(zeros, the entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the
+plain recompute backward.
+
+Sparse or dense is decided from sizes the host already knows (no sync): sparse while the kept
+entries are at most SPARSE_MAX_SHARE of the set rows x the vocab (mean K <= V / 640). Measured on
+an H200 (tools/sampling_mask_bench.py --pieces sparse, three shapes, Zipf and random sets), a call
+of sparse rows costs about 0.07 + 410 x K / V of plain log-probs (the backward's fp32 dW adds
+dominate), the dense route about 0.75 (3 GEMMs per chunk against plain's 4): they cross near
+K = V / 600.
 """
 
 from __future__ import annotations
@@ -61,36 +70,18 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import reductions
-from .agreement import integer_argument, is_int
-from .backends import ShardStats
-from .chunked import ChunkSpec, autocast_off, coefficients, first_order_only, input_grad, labelled_rows
-from .fast import backward_grads, chunk_logits, grad_gemms, shard_partials
-from .main_grad import main_grad_added
-from .gemm import logits_gemm, matmul_fp32
+from . import deferred_errors, reductions
+from .agreement import integer_argument, is_int, tensor_fingerprint
+from .backends import ShardStats, replay_torch
+from .fast import FAST_CHUNKS, backward_grads, chunk_logits, grad_gemms, row_chunks, shard_partials
 
-# Cost model (module doc). Nominal H100 figures: bf16 GEMMs reach ~600 of the 989 TFLOP/s peak,
-# HBM3 ~2.8 of 3.35 TB/s; a small kernel keeps the GPU ~4 us however little it does.
-GEMM_FLOPS = 600e12
-BANDWIDTH = 2.8e12
-KERNEL_S = 4e-6
-# Host time of one op launched from Python in eager mode (argument parsing, dispatcher, allocator,
-# the launch; index ops with out= or index_put_ sit at the high end of ~5-20 us) with the views and
-# slices around it: while a tile's kernels take less than its launches, the GPU waits for the host.
-HOST_OP_S = 15e-6
-# A sparse tile's small kernels: W[U] gathered twice, its entries read off, its dlogits block
-# zeroed and written, dW[U] added; the ops it launches are those and its 3 GEMMs (tests count them).
-KERNELS_PER_TILE = 6
-OPS_PER_TILE = 9
-# A sparse tile's GPU time over the sum above, as measured (docs/benchmarks.md, "Sampling-mask
-# replay": the gathers, the scatter-add and GEMMs of any width run below the roofline that sum
-# assumes, dense rows at it). Without it, tiles whose union is a quarter of the shard were taken
-# sparse and the call ran slower than the plain op.
-SPARSE_MEASURED_FACTOR = 2.8
-MIN_TILE_ROWS = 128  # smaller tiles make GEMMs too thin to pay for their fixed costs
-# Tests force one kind of piece: None (the cost model decides), "sparse" or "dense".
+# Sparse while entries <= SPARSE_MAX_SHARE x set rows x vocab (module doc).
+SPARSE_MAX_SHARE = 1 / 640
+# The plain backward's row offset in rows with a set (ReplayChunks.recompute_grads): exp(z - it) = 0.
+_ABOVE_EVERY_LOGIT = 3.0e38
+# Tests and the benchmark force one kind: None (by sizes), "sparse" or "dense".
 FORCE_PIECES: Optional[str] = None
-# Rows and pieces of each kind since import (read by tools/sampling_mask_bench.py).
+# Rows of each kind since import (read by tools/sampling_mask_bench.py).
 PIECE_COUNTS = Counter()
 
 
@@ -142,11 +133,17 @@ def as_sampling_mask(mask) -> SamplingMask:
     return SamplingMask(ids, offsets)
 
 
+_DIFFER = ("sampling_mask: differs across tensor-parallel ranks (token ids or offsets, or a rank passed "
+           "none); every rank of tp_group must pass the same mask")
+
+
 class MaskCheck:
     """linear_logprobs' checks of `sampling_mask`. Host checks are read at construction
-    (`problem`); the ones on the device (offsets, ids, duplicates) and the mask's fingerprint join
-    the one agreement through `register`, the same entries on every rank whether or not it holds
-    a mask, so that a rank without a mask raises with its peers instead of hanging."""
+    (`problem`); the mask's sizes join the signature (`register_layout`); the ones on the device
+    (offsets, ids, duplicates) and the mask's fingerprint join the one agreement of a signature's
+    first call (`register_contents`), the same entries on every rank whether or not it holds a
+    mask, so that a rank without a mask raises with its peers instead of hanging. A later call
+    checks them on the device (`deferred_poison`, `fingerprint`)."""
 
     def __init__(self, mask, labels, ignore_index, true_vocab: int):
         self.present = mask is not None
@@ -178,20 +175,45 @@ class MaskCheck:
             ids, offsets = ids.to(labels.device), offsets.to(labels.device)
         self.ids, self.offsets = ids, offsets
 
+    @property
+    def usable(self) -> bool:
+        return self.ids is not None and self.problem is None
+
     def register(self, agreement, device) -> None:
         """Add the mask's entries to the agreement (call at the same point on every rank)."""
-        usable = self.ids is not None and self.problem is None
-        compared = usable and not getattr(agreement, "single_rank", False)  # (one rank: no copy of the mask)
-        agreement.equal_tensor("sampling_mask", torch.cat([self.offsets, self.ids]) if compared else None,
-                               "sampling_mask: differs across tensor-parallel ranks (token ids or offsets, "
-                               "or a rank passed none); every rank of tp_group must pass the same mask")
-        counts = torch.zeros(4, dtype=torch.int64, device=device)
-        if usable:
-            counts = self._device_counts()
+        self.register_layout(agreement)
+        self.register_contents(agreement, device)
+
+    def register_layout(self, agreement) -> None:
+        """The mask's sizes (or its absence): plain values, part of the call's signature."""
+        agreement.equal("sampling_mask", (tuple(self.ids.shape), tuple(self.offsets.shape), str(self.ids.device))
+                        if self.usable else ("no mask", self.present), _DIFFER)
+
+    def register_contents(self, agreement, device) -> None:
+        """The mask's values (fingerprint) and the counts of its bad entries, computed on the
+        device: read back by the full agreement only."""
+        usable = self.usable
+        agreement.equal_values("sampling_mask", torch.cat([self.offsets, self.ids]) if usable else None, _DIFFER)
+        counts = (torch.cat([self._device_counts(), self._row_counts()]) if usable
+                  else torch.zeros(5, dtype=torch.int64, device=device))
         self._key = agreement.maximum_counts("sampling_mask", counts)
 
+    def _row_counts(self) -> Tensor:
+        """[labelled positions with a kept set, labelled positions without one]: the sizes the
+        first call of a signature reads (whether it needs the plain pass: api.py)."""
+        zero = torch.zeros(2, dtype=torch.int64, device=self.ids.device)
+        if self.offsets.numel() < 2 or not isinstance(self.labels, Tensor) or not is_int(self.ignore_index):
+            return zero
+        has_set = (self.offsets[1:] - self.offsets[:-1]) > 0
+        labelled = self.labels.reshape(-1) != self.ignore_index
+        return torch.stack([(has_set & labelled).sum(), (~has_set & labelled).sum()])
+
+    def row_counts(self, agreed) -> Optional[tuple]:
+        """(labelled rows with a set, without one), as the full agreement read them back."""
+        return tuple(agreed[self._key][3:]) if self._key is not None else None
+
     def _device_counts(self) -> Tensor:
-        """[bad offsets, ids out of range, duplicated ids, labelled positions with a kept set]."""
+        """[bad offsets, ids out of range, duplicated ids] (no host read)."""
         ids, offsets, vocab = self.ids, self.offsets, self.true_vocab
         e, positions = ids.numel(), offsets.numel() - 1
         bad_offsets = ((offsets[0] != 0).long() + (offsets[1:] < offsets[:-1]).sum()
@@ -203,20 +225,31 @@ class MaskCheck:
                         ).clamp(0, positions - 1)
             keys = position * vocab + ids.clamp(0, vocab - 1)
             duplicates = (keys.sort().values.diff() == 0).sum()
-        with_set = torch.zeros((), dtype=torch.int64, device=ids.device)
-        if positions > 0 and isinstance(self.labels, Tensor) and is_int(self.ignore_index):
-            sizes = offsets[1:] - offsets[:-1]
-            with_set = ((sizes > 0) & (self.labels.reshape(-1) != self.ignore_index)).sum()
-        return torch.stack([bad_offsets, bad_ids, duplicates, with_set])
+        return torch.stack([bad_offsets, bad_ids, duplicates])
 
-    def rows_with_set(self, agreed) -> int:
-        """Labelled positions that keep a set (agreed; 0 without a mask)."""
-        return int(agreed[self._key][3]) if self._key is not None else 0
+    def deferred_poison(self) -> Tensor:
+        """A remembered signature's check of the contents (deferred_errors.py): fp32 [1], NaN if
+        the offsets, ids or sets are bad (recorded for the next host synchronization), else 0."""
+        bad = (self._device_counts() > 0).any()
+        deferred_errors.record(bad.to(torch.int64) * deferred_errors.SAMPLING_MASK_BAD)
+        return torch.where(bad, float("nan"), 0.0).reshape(1).to(torch.float32)
+
+    def fingerprint(self) -> Tensor:
+        """int64 [2]: what TP ranks compare on a remembered signature (reductions.RankCheck)."""
+        return tensor_fingerprint(torch.cat([self.offsets, self.ids]))
+
+    def layout_offsets(self) -> Tensor:
+        """The offsets the layout reads: the mask's own where they are valid; else clamped into
+        [0, E], made non-decreasing, from 0 to E, so that a bad mask in a call that checks it on
+        the device indexes nothing out of range (its results are NaN)."""
+        offsets, e = self.offsets, self.ids.numel()
+        inner = torch.cummax(offsets[1:-1].clamp(0, e), 0).values
+        return torch.cat([offsets.new_zeros(1), inner, offsets.new_full((1,), e)])
 
     def messages(self, agreed) -> list:
         if self._key is None:
             return []
-        bad_offsets, bad_ids, duplicates, _ = agreed[self._key]
+        bad_offsets, bad_ids, duplicates = agreed[self._key][:3]
         if bad_offsets:
             return ["sampling_mask: offsets must start at 0, never decrease and end at len(token_ids)"
                     + (f" = {self.ids.numel()}" if self.ids is not None else "")
@@ -351,519 +384,240 @@ def _gather_sets(ids: Tensor, sizes: Tensor, source_start: Tensor) -> SamplingMa
     return SamplingMask(ids.index_select(0, (source_start.index_select(0, position) + within).to(ids.device)), offsets)
 
 
+
 # --------------------------------------------------------------------------------------------
-# The plan of a call: which rows are plain, which tiles are sparse or dense
+# A call's kept entries, and the tiling that scores them
 # --------------------------------------------------------------------------------------------
-def _gemm_s(m: int, n: int, k: int, b: int) -> float:
-    return max(2.0 * m * n * k / GEMM_FLOPS, (m * k + k * n + m * n) * b / BANDWIDTH) + KERNEL_S
+def sparse_is_cheaper(num_entries: int, num_set_rows: int, vocab: int) -> bool:
+    """Sparse (gathered rows) or dense (whole-shard GEMMs), from sizes the host knows."""
+    if FORCE_PIECES is not None:
+        return FORCE_PIECES == "sparse"
+    return num_entries <= SPARSE_MAX_SHARE * num_set_rows * vocab
 
 
-def _sparse_cost(rows: int, union: int, hidden: int, b: int) -> float:
-    """A sparse tile: its GPU time, or its host time where that is longer (the GPU then waits for
-    the launches)."""
-    if union == 0:
-        return 0.0
-    device = SPARSE_MEASURED_FACTOR * (
-        3 * _gemm_s(rows, union, hidden, b) + (4 * b + 12) * union * hidden / BANDWIDTH
-        + rows * union * b / BANDWIDTH + KERNELS_PER_TILE * KERNEL_S)
-    return max(device, OPS_PER_TILE * HOST_OP_S)
+class KeptEntries:
+    """The kept entries of a call on this shard, all on the device, sized from what the host knows
+    (no sync): the call's rows are the positions of the mask (every row of labels, ignored ones
+    included); `labels` their global labels, `labelled` whether each is labelled.
 
+    A row has a set (`has_set`) where it is labelled and its set is not empty. The rows with a set,
+    in row order, take the first slots of `max_set_rows` (min(rows, E): each holds an entry); the
+    slots past them are padding: `set_rows` (the rows gathered: a row without a set there, whose
+    gradients they add zeros to), `set_dest` (where a slot's statistics go: the row, or `num_rows`
+    for padding, one spare place past the rows), `starts` / `ends` (the CSR range; empty for
+    padding) and `set_labels`. Per entry e of the CSR: `position`, `slot` (its row's slot, -1
+    where the row has no set), `col` (id - vocab_start), `valid` (in a set on this shard's valid
+    columns), `is_label` (valid and the row's label). Per row: `kept`, the label is in its set
+    (every shard sees the whole set: no collective)."""
 
-def _dense_cost(rows: int, cols: int, hidden: int, b: int, chunk: int) -> float:
-    return rows * (3 * _gemm_s(chunk, cols, hidden, b) / chunk + cols * b / BANDWIDTH)
+    def __init__(self, ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
+                 num_valid_cols: int, max_set_rows: int):
+        device = ids.device
+        total, num_rows = ids.numel(), offsets.numel() - 1
+        self.ids = ids.contiguous()
+        # one spare position past the rows, with an empty set: the one padding slots read
+        self.offsets = torch.cat([offsets, offsets[-1:]]).contiguous()
+        self.vocab_start, self.num_valid_cols = int(vocab_start), int(num_valid_cols)
+        sizes = self.offsets[1:] - self.offsets[:-1]
+        self.labelled = labelled
+        self.has_set = (sizes[:num_rows] > 0) & labelled
+        found = torch.nonzero_static(self.has_set, size=max_set_rows, fill_value=-1).squeeze(1)
+        padding = found < 0
+        self.set_dest = torch.where(padding, num_rows, found)
+        self.set_positions = self.set_dest  # (rows are positions)
+        # a padding slot gathers a row without a set (one exists wherever there is padding)
+        first_plain = torch.nonzero_static(~self.has_set, size=1, fill_value=0).reshape(())
+        self.set_rows = torch.where(padding, first_plain, found)
+        self.starts = self.offsets.index_select(0, self.set_dest)
+        self.ends = self.offsets.index_select(0, self.set_dest + 1)
+        self.set_labels = torch.cat([labels.reshape(-1), labels.new_full((1,), -1)]).index_select(0, self.set_dest)
+        # each row's slot: the rows with a set before it (a prefix sum, no scatter)
+        slot_of_position = torch.where(self.has_set, torch.cumsum(self.has_set, 0) - 1, -1)
+        slot_of_position = torch.cat([slot_of_position, slot_of_position.new_full((1,), -1)])
+        self.position = torch.repeat_interleave(torch.arange(num_rows + 1, device=device), sizes, output_size=total)
+        self.slot = slot_of_position.index_select(0, self.position)
+        self.col = ids - vocab_start
+        in_set = self.slot >= 0
+        self.valid = in_set & (self.col >= 0) & (self.col < num_valid_cols)
+        hit = in_set & (ids == self.set_labels.index_select(0, self.slot.clamp(min=0)))
+        self.is_label = hit & self.valid
+        # the label among the row's ids (on any shard): prefix sums, not atomic adds
+        prefix = torch.zeros(total + 1, dtype=torch.int64, device=device)
+        torch.cumsum(hit, 0, out=prefix[1:])
+        found_label = prefix.index_select(0, self.offsets[1:num_rows + 1]) > prefix.index_select(0, offsets[:-1])
+        self.kept = ~self.has_set | found_label
+        self._row_of_entry = None
 
+    def row_of_entry(self) -> Tensor:
+        """[E] each entry's row (an index into the call's rows; a gathered row where it has none)."""
+        if self._row_of_entry is None:
+            self._row_of_entry = self.set_rows.index_select(0, self.slot.clamp(min=0))
+        return self._row_of_entry
 
-def _sparse_plan_cost(cols: int, hidden: int, only_sparse: bool, distinct: int) -> float:
-    """Once per plan with sparse tiles, for dW. Beside whole-shard GEMMs: the shard's dW summed in
-    fp32 and cast at the end (read 4, write 2 bytes per element). Sparse tiles only: the rows of the
-    `distinct` kept ids summed in fp32 (zero fill, cast: 4 + 4 + 2 bytes), written into the zero
-    filled dW (2 + 2 bytes), the other rows' zero fill (2 bytes)."""
-    if only_sparse:
-        return (14 * distinct + 2 * cols) * hidden / BANDWIDTH
-    return 6 * cols * hidden / BANDWIDTH
+    def chunk_places(self, start: int, end: int, cols: int) -> tuple:
+        """Entries of slots [start, end): (in the chunk, their place in its [rows, cols] block
+        of logits; the block's size past the others)."""
+        inside = self.valid & (self.slot >= start) & (self.slot < end)
+        return inside, torch.where(inside, (self.slot - start) * cols + self.col, (end - start) * cols)
 
-
-def tile_candidates(chunk_size: int, mask_rows: int) -> list:
-    """Tile sizes tried: the chunk size (at most the rows), halved down to MIN_TILE_ROWS."""
-    first = max(1, min(chunk_size, mask_rows))
-    out, size = [first], first // 2
-    while size >= MIN_TILE_ROWS:
-        out.append(size)
-        size //= 2
-    return out
+    def in_rows(self, values: Tensor, per_slot: Tensor) -> Tensor:
+        """[rows] `values` with each set row's value from `per_slot` (padding lands on the spare place)."""
+        out = torch.cat([values, values[:1]]).index_copy_(0, self.set_dest, per_slot)
+        return out[:-1]
 
 
 @dataclass
-class Piece:
-    """Consecutive rows of the plan's order scored on one block of logits: the whole shard (`cols`
-    None) or the gathered columns `cols` (sorted local ids, the rows' union)."""
+class ReplayStats(reductions.MergedStats):
+    """MergedStats over each row's kept set (the whole vocab where it is empty), plus whether the
+    label is kept and the entries' z (what the backward's dlogits need)."""
 
-    rows: Tensor  # [r] indices into the labelled rows (a view of Plan.set_rows)
-    start: int  # the rows are Plan.set_rows[start:end]
-    end: int
-    cols: Optional[Tensor]
-    num_cols: int
-    union_rows: Optional[Tensor]  # sparse, with Plan.union_cols: the places of `cols` in it
-    slot_start: int  # their entries are the slots [slot_start, slot_end) of the plan's slot arrays
-    slot_end: int
-    empty: bool  # none of the rows keeps an id on this shard (their slots are padding)
+    kept: Optional[Tensor] = None  # bool [n]
+    entry_z: Optional[Tensor] = None  # fp32 [E], temperature applied (None without gradients)
+
+    def grad_offsets(self) -> tuple:
+        return (self.max, self.log_sum_exp, self.entry_z)
 
 
-@dataclass
-class Plan:
-    plain_rows: Tensor  # labelled rows without truncation (empty set)
-    pieces: list
-    kept: Tensor  # [n] bool: the label is in its row's kept set (True where the set is empty)
-    tile_rows: int
-    set_rows: Tensor  # [S] the labelled rows with a set, in order of their number of kept ids here
-    order: Tensor  # cat(plain_rows, set_rows): the labelled row of each statistic as computed
-    # The kept entries here, padded: rows set_rows[start:end] hold `width` slots each, the slots
-    # [base, base + (end - start) * width) of the arrays below, per block (start, end, width, base).
-    blocks: list
-    src: Tensor  # [slots] int64: the slot's place in its piece's block of logits (row * cols + col; 0 if empty)
-    dst: Tensor  # [slots] int64: src, or for an empty slot the piece's spare element (rows * cols)
-    valid: Tensor  # [slots] bool: the slot holds an entry
-    is_target: Tensor  # [slots] bool: the entry is the row's label
-    # Only sparse pieces (no plain row, no dense piece): the sorted kept ids here, the rows of dW
-    # that the backward sums in fp32 (the others are 0).
-    union_cols: Optional[Tensor] = None
+def _pick(coefs: dict, index: Tensor) -> dict:
+    return {k: None if c is None else c.index_select(0, index) for k, c in coefs.items()}
 
 
-def _width_blocks(class_end: list, class_width: list, num_rows: int) -> list:
-    """(start, end, width, base) of the rows in entry-count octaves [1, 2), [2, 4), ... (count 0
-    with 1): rows sorted by count, so a block's width (its last row's count) is less than twice any
-    of its rows' count and the padded slots stay under 2 x (entries + rows)."""
-    blocks, start, base = [], 0, 0
-    for end, width in zip(class_end, class_width):
-        if end > start:
-            blocks.append((start, end, width, base))
-            base += (end - start) * width
-            start = end
-    assert start == num_rows, (start, num_rows)
-    return blocks
+@dataclass(eq=False)
+class ReplayChunks:
+    """`spec.tiling` of a call with kept sets: every row's plain partials in fast chunks, the rows
+    with a set scored again over their sets, sparse (the backend's kept-set kernels) or dense
+    (chunk GEMMs over the whole shard); module doc."""
 
+    entries: KeptEntries
+    sparse: bool
+    want_z: bool  # the backward will need the entries' z
+    # False where the signature's first call found no labelled row without a set (api.py remembers it)
+    plain_pass: bool = True
+    statistics_type = ReplayStats
+    _z = None  # the entries' z between _kept_partials and merged_statistics
 
-def _slot_of_row(blocks: list, row: int) -> int:
-    """The first slot of row `row` of the plan's order (the total past the last row)."""
-    for start, end, width, base in blocks:
-        if row < end:
-            return base + (row - start) * width
-    return blocks[-1][3] + (blocks[-1][1] - blocks[-1][0]) * blocks[-1][2] if blocks else 0
+    def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
+        return torch.float32  # sparse rows add into dW, dense chunks sum over chunks
 
+    def statistics(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
+        """The plain rows' walk (fast.shard_partials asks the tiling)."""
+        return FAST_CHUNKS.statistics(rows, weight, local_target, spec)
 
-ENTRY_COUNT_OCTAVES = 40  # entry-count classes [1, 2), ..., [2^39, 2^40): more than any shard holds
+    def _max_elements(self, weight: Tensor, spec) -> int:
+        return spec.chunk_size * weight.shape[0]  # the torch path's gathers: at most a chunk of logits
 
+    def missing_set_poison(self) -> Tensor:
+        """Without the plain pass, a labelled row without a set would get placeholder statistics:
+        fp32 [1], NaN if one exists (recorded for the next host synchronization, deferred_errors.py),
+        else 0. The labels and the mask are the same on every rank (else the rank check flags it),
+        so every rank finds the same."""
+        entries = self.entries
+        labelled = entries.labelled
+        bad = (labelled & ~entries.has_set).any()
+        deferred_errors.record(bad.to(torch.int64) * deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET)
+        return torch.where(bad, float("nan"), 0.0).reshape(1).to(torch.float32)
 
-def make_plan(ids: Tensor, offsets: Tensor, positions: Optional[Tensor], labels: Tensor, vocab_start: int,
-              num_valid_cols: int, shard_cols: int, hidden_size: int, element_size: int, chunk_size: int) -> Plan:
-    """The rows of a call sorted into plain rows and pieces (module doc): `positions` are the flat
-    positions of the labelled rows (None: every position, in order). Two host syncs. Counting
-    is by prefix sums, not index_add_: an index_add_ of many entries into few counters serializes
-    on the GPU's atomics."""
-    device = ids.device
-    total, e = offsets.numel() - 1, ids.numel()
-    n = total if positions is None else positions.numel()
-
-    def table(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    position_of = torch.repeat_interleave(torch.arange(total, device=device), offsets[1:] - offsets[:-1],
-                                          output_size=e)
-    local = ids - vocab_start
-    here = (local >= 0) & (local < num_valid_cols)
-    if positions is None:  # every position labelled, row i at position i
-        hit = ids == labels.index_select(0, position_of)
-        starts, ends = offsets[:-1], offsets[1:]
-    else:
-        row_of_position = torch.full((total,), -1, dtype=torch.int64, device=device)
-        row_of_position[positions] = torch.arange(n, device=device)
-        row_of = row_of_position.index_select(0, position_of)  # each entry's labelled row, -1 at ignored positions
-        labelled = row_of >= 0
-        hit = (labelled & (ids == labels.index_select(0, row_of.clamp(min=0)))) if n else torch.zeros_like(labelled)
-        here &= labelled
-        starts, ends = offsets.index_select(0, positions), offsets.index_select(0, positions + 1)
-    # per labelled row: its entries that are the label, its entries on this shard, and how many
-    # entries on this shard come before its first
-    counts = []
-    for flags in (hit, here):
-        prefix = torch.zeros(e + 1, dtype=torch.int64, device=device)
-        torch.cumsum(flags, 0, out=prefix[1:])
-        counts.append((prefix.index_select(0, ends), prefix.index_select(0, starts)))
-    hits = counts[0][0] - counts[0][1]
-    here_before = counts[1][1]
-    per_row_here = counts[1][0] - here_before
-    has_set = ends > starts
-    kept = ~has_set | (hits > 0)
-    num_set_rows, num_here = torch.stack([has_set.sum(), per_row_here.sum()]).tolist()  # host sync 1
-
-    plain_rows = torch.nonzero_static(~has_set, size=n - num_set_rows).squeeze(1)
-    if num_set_rows == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return Plan(plain_rows, [], kept, 0, empty, plain_rows, [], empty, empty, empty.bool(), empty.bool())
-    mask_rows = torch.nonzero_static(has_set, size=num_set_rows).squeeze(1)
-    # Rows in order of their number of kept ids here: a row's entries are padded to its block's
-    # width, which is then never twice its own count.
-    per_row, order = torch.sort(per_row_here.index_select(0, mask_rows), stable=True)
-    set_rows = mask_rows.index_select(0, order)
-    # the entries here, row after row in that order: (row, slot in the row, column, is the label)
-    row_entry_start = torch.zeros(num_set_rows + 1, dtype=torch.int64, device=device)
-    torch.cumsum(per_row, 0, out=row_entry_start[1:])
-    entry_row = torch.repeat_interleave(torch.arange(num_set_rows, device=device), per_row, output_size=num_here)
-    entry_slot = torch.arange(num_here, device=device) - row_entry_start.index_select(0, entry_row)
-    chosen = torch.nonzero_static(here, size=num_here).squeeze(1)  # CSR order: a row's entries together
-    entry = chosen.index_select(0, here_before.index_select(0, set_rows).index_select(0, entry_row) + entry_slot)
-    entry_col = local.index_select(0, entry)
-    entry_target = hit.index_select(0, entry)
-
-    # Union of each tile, for every candidate tile size: an entry is new to its tile where the
-    # previous row holding its column (-1: none) lies before the tile; one sort for all sizes.
-    candidates = tile_candidates(chunk_size, num_set_rows)
-    col_major = torch.argsort(entry_col * max(num_set_rows, 1) + entry_row)
-    sorted_col, sorted_row = entry_col.index_select(0, col_major), entry_row.index_select(0, col_major)
-    previous = torch.full((num_here,), -1, dtype=torch.int64, device=device)
-    if num_here > 1:
-        previous[1:] = torch.where(sorted_col[1:] == sorted_col[:-1], sorted_row[:-1], -1)
-    previous_row = torch.empty_like(previous).index_copy_(0, col_major, previous)
-    boundaries = [[min(t * size, num_set_rows) for t in range(-(-num_set_rows // size) + 1)] for size in candidates]
-    summaries = []
-    # candidates in groups of at most a chunk of logits' elements ([sizes, entries] tensors)
-    group = max(1, chunk_size * shard_cols // (num_here + 1))
-    for first in range(0, len(candidates), group):
-        sizes = candidates[first:first + group]
-        tile_start = entry_row - torch.remainder(entry_row, table(sizes).unsqueeze(1))
-        new_in_tile = torch.zeros(len(sizes), num_here + 1, dtype=torch.int64, device=device)
-        torch.cumsum(previous_row < tile_start, 1, out=new_in_tile[:, 1:])
-        edges = [(i, row) for i, size in enumerate(sizes) for row in boundaries[first + i]]
-        at = row_entry_start.index_select(0, table([row for _, row in edges])) + table([i * (num_here + 1)
-                                                                                         for i, _ in edges])
-        summaries.append(new_in_tile.view(-1).index_select(0, at))
-    first_of_col = previous < 0
-    summaries.append(first_of_col.sum().view(1))  # the distinct kept ids here
-    # entry-count octaves: where each ends in the sorted counts, and its widest row
-    class_end = torch.searchsorted(per_row, 2 ** torch.arange(1, ENTRY_COUNT_OCTAVES + 1, device=device))
-    summaries += [class_end, per_row.index_select(0, (class_end - 1).clamp(min=0))]
-    values = torch.cat(summaries).tolist()  # host sync 2
-
-    unions, distinct = [], values.pop(-2 * ENTRY_COUNT_OCTAVES - 1)
-    for edges in boundaries:
-        at, values = values[:len(edges)], values[len(edges):]
-        unions.append([b - a for a, b in zip(at[:-1], at[1:])])
-    # Each tile takes the cheaper kind; a plan with sparse tiles also pays for dW in an fp32 buffer
-    # (written in the weight's dtype by the last chunk GEMM otherwise); all dense is always an option.
-    dense_chunk = min(chunk_size, num_set_rows)
-    rows_of = [[b - a for a, b in zip(edges[:-1], edges[1:])] for edges in boundaries]
-    all_dense = (sum(_dense_cost(r, num_valid_cols, hidden_size, element_size, dense_chunk) for r in rows_of[0]),
-                 0, [False] * len(rows_of[0]))
-    best = None if FORCE_PIECES == "sparse" else all_dense
-    for index, (rows, union) in enumerate(zip(rows_of, unions)):
-        if FORCE_PIECES is not None:
-            break
-        sparse = [_sparse_cost(r, u, hidden_size, element_size)
-                  <= _dense_cost(r, num_valid_cols, hidden_size, element_size, dense_chunk)
-                  for r, u in zip(rows, union)]
-        if not any(sparse):
-            continue
-        cost = (sum(_sparse_cost(r, u, hidden_size, element_size) if s
-                    else _dense_cost(r, num_valid_cols, hidden_size, element_size, dense_chunk)
-                    for r, u, s in zip(rows, union, sparse))
-                + _sparse_plan_cost(shard_cols, hidden_size, all(sparse) and plain_rows.numel() == 0, distinct))
-        if cost < best[0]:
-            best = (cost, index, sparse)
-    if best is None:  # every tile sparse, at the largest size
-        best = (0.0, 0, [True] * len(rows_of[0]))
-    blocks = _width_blocks(values[:ENTRY_COUNT_OCTAVES], values[ENTRY_COUNT_OCTAVES:], num_set_rows)
-    _, index, sparse = best
-    union_cols = None
-    if all(sparse) and plain_rows.numel() == 0:
-        union_cols = sorted_col.index_select(0, torch.nonzero_static(first_of_col, size=distinct).squeeze(1))
-    return _layout(candidates[index], boundaries[index], unions[index], sparse, blocks, plain_rows, set_rows, kept,
-                   entry_row, entry_slot, entry_col, entry_target, num_valid_cols, shard_cols, chunk_size, union_cols)
-
-
-def _layout(size, edges, union, sparse, blocks, plain_rows, set_rows, kept, entry_row, entry_slot, entry_col,
-            entry_target, num_valid_cols, shard_cols, chunk_size, union_cols) -> Plan:
-    """The pieces of the chosen tiling (each sparse tile alone, runs of dense tiles grouped into
-    chunks) and the slot arrays of every entry, made for all pieces at once."""
-    device = set_rows.device
-
-    def table(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    tiles = len(edges) - 1
-    group = max(1, chunk_size // size)
-    runs, t = [], 0  # (first tile, end tile, sparse)
-    while t < tiles:
-        end = t + 1
-        if not sparse[t]:
-            while end < tiles and not sparse[end] and end - t < group:
-                end += 1
-        runs.append((t, end, sparse[t]))
-        t = end
-    sparse_tiles = [t for t in range(tiles) if sparse[t]]
-    union_start, running = [0] * tiles, 0
-    for t in sparse_tiles:
-        union_start[t] = running
-        running += union[t]
-    num_slots = _slot_of_row(blocks, edges[-1])
-
-    # per tile: the first row of its piece and the piece's block width
-    piece_row, piece_cols = [0] * tiles, [0] * tiles
-    for first, end, is_sparse in runs:
-        for t in range(first, end):
-            piece_row[t] = edges[first]
-            piece_cols[t] = union[t] if is_sparse else shard_cols
-    entry_tile = torch.div(entry_row, size, rounding_mode="floor")
-    col_in_piece = entry_col
-    if sparse_tiles:  # each sparse tile's union, sorted: keys tile * V + column, unique
-        keys = entry_tile * num_valid_cols + entry_col
-        if len(sparse_tiles) < tiles:
-            is_sparse = table([int(s) for s in sparse]).index_select(0, entry_tile).bool()
-            # entries of dense tiles sort last, as one key that is never kept (no host sync to drop them)
-            sorted_keys = torch.where(is_sparse, keys, torch.iinfo(torch.int64).max).sort().values
+    def merged_statistics(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ReplayStats:
+        entries = self.entries
+        # every row's plain partials (how many rows have a set is not known on the host), the set
+        # rows' replaced by their kept sets'; without a labelled row that needs them, placeholders
+        # (finite: an ignored row's results are zeros)
+        if self.plain_pass:
+            PIECE_COUNTS["plain_rows"] += rows.shape[0]
+            plain = shard_partials(rows, weight, local_target, spec)
         else:
-            sorted_keys = keys.sort().values
-        fresh = torch.ones_like(sorted_keys, dtype=torch.bool)
-        fresh[1:] = sorted_keys[1:] != sorted_keys[:-1]
-        if len(sparse_tiles) < tiles:
-            fresh &= sorted_keys != torch.iinfo(torch.int64).max
-        unique_keys = sorted_keys.index_select(0, torch.nonzero_static(fresh, size=running).squeeze(1))
-        rank = torch.searchsorted(unique_keys, keys) - table(union_start).index_select(0, entry_tile)
-        col_in_piece = rank if len(sparse_tiles) == tiles else torch.where(is_sparse, rank, entry_col)
-        all_cols = torch.remainder(unique_keys, num_valid_cols)
-        if union_cols is not None:
-            all_union_rows = torch.searchsorted(union_cols, all_cols)
-    src_entry = ((entry_row - table(piece_row).index_select(0, entry_tile))
-                 * table(piece_cols).index_select(0, entry_tile) + col_in_piece)
-    # each row's first slot: its block's base + its place in the block x the block's width
-    lengths = table([end - start for start, end, _, _ in blocks])
-    row_slot = (torch.repeat_interleave(table([base - start * w for start, _, w, base in blocks]), lengths,
-                                        output_size=set_rows.numel())
-                + torch.arange(set_rows.numel(), device=device)
-                * torch.repeat_interleave(table([w for _, _, w, _ in blocks]), lengths, output_size=set_rows.numel()))
-    slot = row_slot.index_select(0, entry_row) + entry_slot
-    valid = torch.zeros(num_slots, dtype=torch.bool, device=device).index_fill_(0, slot, True)
-    is_target = torch.zeros(num_slots, dtype=torch.bool, device=device).index_put_((slot,), entry_target)
-    src = torch.zeros(num_slots, dtype=torch.int64, device=device).index_copy_(0, slot, src_entry)
-    # dst: an empty slot's write in the backward goes to its piece's spare element (rows x cols)
-    slot_edges = [_slot_of_row(blocks, edges[first]) for first, _, _ in runs] + [num_slots]
-    spare = [(edges[end] - edges[first]) * piece_cols[first] for first, end, _ in runs]
-    dst = torch.repeat_interleave(table(spare), table([b - a for a, b in zip(slot_edges[:-1], slot_edges[1:])]),
-                                  output_size=num_slots).index_copy_(0, slot, src_entry)
+            zeros = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
+            plain = ShardStats(max=zeros, sum_exp=zeros + 1.0, target=zeros,
+                               sum_exp_shifted=zeros if spec.want_entropy else None)
+        kept = self._kept_partials(rows, weight, spec)
+        z = self._z
+        self._z = None
 
-    pieces = []
-    for first, end, is_sparse in runs:
-        start, stop = edges[first], edges[end]
-        span = slice(union_start[first], union_start[first] + union[first])
-        piece = Piece(rows=set_rows[start:stop], start=start, end=stop, cols=all_cols[span] if is_sparse else None,
-                      num_cols=union[first] if is_sparse else shard_cols,
-                      union_rows=all_union_rows[span] if union_cols is not None else None,
-                      slot_start=slot_edges[len(pieces)], slot_end=slot_edges[len(pieces) + 1],
-                      empty=sum(union[first:end]) == 0)
-        pieces.append(piece)
-        PIECE_COUNTS["sparse_pieces" if is_sparse else "dense_pieces"] += 1
-        PIECE_COUNTS["sparse_rows" if is_sparse else "dense_rows"] += stop - start
-        if is_sparse:
-            PIECE_COUNTS["sparse_union_cols"] += piece.num_cols
-    return Plan(plain_rows, pieces, kept, size, set_rows, torch.cat([plain_rows, set_rows]), blocks, src, dst, valid,
-                is_target, union_cols)
+        def field(name):
+            values = getattr(plain, name)
+            return None if values is None else entries.in_rows(values, getattr(kept, name))
 
+        stats = ShardStats(max=field("max"), sum_exp=field("sum_exp"), target=field("target"),
+                           sum_exp_shifted=field("sum_exp_shifted"))
+        merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check)
+        return ReplayStats(**vars(merged), kept=entries.kept, entry_z=z)
 
-# --------------------------------------------------------------------------------------------
-# Forward and backward
-# --------------------------------------------------------------------------------------------
-@dataclass
-class ReplayStats:
-    """Per labelled row (fp32 [n] unless noted), over its kept set (the whole vocab where the set
-    is empty): lse = max + log_sum_exp."""
-
-    target: Tensor  # z_y (0 where y is not kept)
-    lse: Tensor
-    entropy: Optional[Tensor]  # of q
-    max: Tensor  # not differentiable
-    log_sum_exp: Tensor  # not differentiable
-    kept: Tensor  # bool
-
-
-def _piece_logits(h: Tensor, weight: Tensor, piece: Piece, spec: ChunkSpec) -> Tensor:
-    if piece.cols is None:
-        return chunk_logits(h, weight, spec)
-    return logits_gemm(h, weight.index_select(0, piece.cols), spec.logits_dtype)
-
-
-def _forward(rows: Tensor, weight: Tensor, local_target: Tensor, spec: ChunkSpec, plan: Plan):
-    """(MergedStats of every labelled row, the fp32 z of the entry slots, None without a set)."""
-    plain = plan.plain_rows
-    PIECE_COUNTS["plain_rows"] += plain.numel()
-    parts, z = [], None
-    if plain.numel() or not plan.set_rows.numel():
-        parts.append(shard_partials(rows.index_select(0, plain), weight, local_target.index_select(0, plain), spec))
-    if plan.set_rows.numel():
-        h_sorted = rows.index_select(0, plan.set_rows)
-        raw = torch.zeros(plan.src.numel(), dtype=spec.logits_dtype or rows.dtype, device=rows.device)
-        for piece in plan.pieces:
-            if piece.empty:  # no kept id of these rows on this shard
-                continue
-            logits = _piece_logits(h_sorted[piece.start:piece.end], weight, piece, spec)
-            span = slice(piece.slot_start, piece.slot_end)
-            torch.index_select(logits.view(-1), 0, plan.src[span], out=raw[span])
+    def _kept_partials(self, rows: Tensor, weight: Tensor, spec) -> ShardStats:
+        entries = self.entries
+        PIECE_COUNTS["sparse_rows" if self.sparse else "dense_rows"] += entries.set_rows.numel()
+        if self.sparse:
+            round_to = None if spec.logits_dtype is not None or rows.dtype == torch.float32 else rows.dtype
+            stats, self._z = spec.backend.kept_stats(rows, weight, entries, spec.inv_temperature, round_to,
+                                                     spec.want_entropy, self.want_z, self._max_elements(weight, spec))
+            return stats
+        z = torch.zeros(entries.ids.numel(), dtype=torch.float32, device=rows.device)
+        for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
+            logits = chunk_logits(rows.index_select(0, entries.set_rows[start:end]), weight, spec)
+            inside, at = entries.chunk_places(start, end, logits.shape[1])
+            values = logits.reshape(-1).index_select(0, at.clamp(max=logits.numel() - 1)).float()
+            z = torch.where(inside, values * spec.inv_temperature, z)
             del logits
-        z = raw.float()
-        if spec.inv_temperature != 1.0:
-            z = z * spec.inv_temperature
-        parts.append(spec.backend.entry_stats(z, plan.valid, plan.is_target, plan.blocks, spec.want_entropy))
-    n = rows.shape[0]
+        self._z = z if self.want_z else None
+        return replay_torch.entry_stats(z, entries, spec.want_entropy)
 
-    def in_row_order(name):
-        if getattr(parts[0], name) is None:
+    def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
+                        coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor], accumulate: bool) -> None:
+        """dX rows and fp32 dW: every row's plain recompute backward, with zero coefficients in
+        the rows with a set (writing dX, and dW first), then the kept entries' dlogits into the
+        sparse kernels or the dense chunks' GEMMs (adding)."""
+        entries = self.entries
+        row_max, log_sum_exp, z = offsets
+        plain_coefs = {k: None if c is None else torch.where(entries.has_set, 0.0, c) for k, c in coefs.items()}
+        # a set row's offsets are its set's: a logit off the set may exceed them by any amount, and
+        # exp of that times a zero coefficient would be NaN; an offset above every logit gives 0
+        plain_max = torch.where(entries.has_set, _ABOVE_EVERY_LOGIT, row_max)
+        plain_lse = torch.where(entries.has_set, 0.0, log_sum_exp)
+        if self.plain_pass:
+            backward_grads(rows, weight, local_target, spec, (plain_max, plain_lse), plain_coefs, dx_rows, dw_out,
+                           dw_accumulate=accumulate)
+        else:  # what the plain pass would write: zero dX, and dW where it is not added into
+            if dx_rows is not None:
+                dx_rows.zero_()
+            if dw_out is not None and not accumulate:
+                dw_out.zero_()
+        set_rows = entries.set_rows
+        c = _pick(coefs, set_rows)
+        # (a padding slot reads a row without a set: it has no entry, its dlogits are none)
+        d = replay_torch.entry_dlogits(z, entries, spec.inv_temperature, row_max.index_select(0, set_rows),
+                                       log_sum_exp.index_select(0, set_rows), c["p"], c["pz"], c["target"])
+        if self.sparse:
+            spec.backend.kept_grads(rows, weight, entries, d, dx_rows, dw_out, self._max_elements(weight, spec))
             return None
-        values = torch.cat([getattr(p, name) for p in parts]) if len(parts) > 1 else getattr(parts[0], name)
-        return torch.empty(n, dtype=values.dtype, device=values.device).index_copy_(0, plan.order, values)
-
-    stats = ShardStats(max=in_row_order("max"), sum_exp=in_row_order("sum_exp"), target=in_row_order("target"),
-                       sum_exp_shifted=in_row_order("sum_exp_shifted"))
-    return reductions.merge_shard_stats(stats, spec.tp_group), z
-
-
-class LinearReplayStats(torch.autograd.Function):
-    """(hidden, weight shard) -> z_y, lse and entropy over each labelled row's kept set
-    (differentiable), plus lse's parts (max, log_sum_exp) for precise log-probs."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, row_index, local_target, spec: ChunkSpec, plan: Plan):
-        full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        merged, z = _forward(labelled_rows(full_hidden, row_index), weight, local_target, spec, plan)
-        ctx.spec, ctx.plan, ctx.full_shape = spec, plan, full_hidden.shape
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, row_index, local_target, merged.lse, merged.entropy, merged.max,
-                              merged.log_sum_exp, z)
-        ctx.mark_non_differentiable(merged.max, merged.log_sum_exp)
-        return merged.target, merged.lse, merged.entropy, merged.max, merged.log_sum_exp
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, g_target, g_lse, g_entropy, *unused):
-        hidden, weight, row_index, local_target, lse, entropy, row_max, log_sum_exp, z = ctx.saved_tensors
-        spec, plan = ctx.spec, ctx.plan
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        coefs = coefficients(g_target, g_lse, None, g_entropy, entropy, lse)
-        into_main_grad = needs_dw and spec.main_grad_param is not None
-        with autocast_off(hidden.device):
-            full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-            rows = labelled_rows(full_hidden, row_index)
-            if coefs is not None and rows.shape[0] > 0:
-                dx_rows, dw = _backward(rows, weight, local_target, spec, plan, coefs, row_max, log_sum_exp, z,
-                                        needs_dx, needs_dw)
-            else:  # nothing depends on the statistics: zero gradients
-                dx_rows = rows.new_zeros(rows.shape) if needs_dx else None
-                dw = torch.zeros_like(weight) if needs_dw and not into_main_grad else None
-            grad_hidden = input_grad(dx_rows, row_index, ctx.full_shape, spec) if needs_dx else None
-        grad_weight = main_grad_added(spec.main_grad_param, weight) if into_main_grad else dw
-        return grad_hidden, grad_weight, None, None, None, None
-
-
-def _backward(rows, weight, local_target, spec: ChunkSpec, plan: Plan, coefs: dict, row_max, log_sum_exp, z,
-              needs_dx: bool, needs_dw: bool):
-    """(dX of the labelled rows or None, dW in the weight's dtype, or None where it went into
-    main_grad or is not needed).
-
-    dW: the GEMMs over the whole shard (plain chunks, dense pieces) run first, the first of them
-    writing the buffer (no zero fill), the last adding the fp32 sum of the others and writing the
-    weight's dtype where nothing follows (fast.last_weight_grad); sparse pieces add their rows into
-    the fp32 sum after them."""
-    into_main_grad = needs_dw and spec.main_grad_param is not None
-
-    def pick(index):
-        return {k: None if c is None else c.index_select(0, index) for k, c in coefs.items()}
-
-    plain, set_rows = plan.plain_rows, plan.set_rows
-    pieces = [p for p in plan.pieces if not p.empty]
-    dense = [p for p in pieces if p.cols is None]
-    sparse = [p for p in pieces if p.cols is not None]
-    plain_chunks = -(-plain.numel() // spec.chunk_size)
-    full_writes = plain_chunks + len(dense)
-    dw = None
-    compact = needs_dw and not into_main_grad and plan.union_cols is not None
-    if needs_dw:
-        if into_main_grad:
-            dw = spec.main_grad_param.main_grad
-        elif compact:  # only sparse pieces: dW's rows of the kept ids, in fp32
-            dw = torch.zeros((plan.union_cols.numel(), weight.shape[1]), dtype=torch.float32, device=weight.device)
-        elif full_writes == 1 and not sparse:  # one GEMM writes dW in the weight's dtype (fp32 inside)
-            dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-        else:
-            dw = (torch.empty if full_writes else torch.zeros)(weight.shape, dtype=torch.float32, device=weight.device)
-    cast_last = (weight.dtype if dw is not None and not into_main_grad and not sparse and dw.dtype != weight.dtype
-                 else None)
-    dw_done = None  # dW in the weight's dtype, written by the last full-shard GEMM
-    dx_rows = rows.new_empty(rows.shape) if needs_dx else None
-    if plain.numel():  # the plain recompute backward on these rows, into the same dX / dW
-        dx_plain = None if dx_rows is None else rows.new_empty((plain.numel(), rows.shape[1]))
-        dw_done = backward_grads(rows.index_select(0, plain), weight, local_target.index_select(0, plain), spec,
-                                 (row_max.index_select(0, plain), log_sum_exp.index_select(0, plain)), pick(plain),
-                                 dx_plain, dw, dw_accumulate=into_main_grad, cast_dw_to=None if dense else cast_last)
-        if dx_plain is not None:
-            dx_rows.index_copy_(0, plain, dx_plain)
-    if set_rows.numel():
-        c = pick(set_rows)
-        # the entries' dlogits, every slot of every piece at once (0 in empty slots)
-        grads = spec.backend.entry_dlogits(z, plan.valid, plan.is_target, plan.blocks, spec.inv_temperature,
-                                           row_max.index_select(0, set_rows), log_sum_exp.index_select(0, set_rows),
-                                           c["p"], c["pz"], c["target"], rows.dtype)
-        h_sorted = rows.index_select(0, set_rows)
-        dx_sorted = rows.new_zeros((set_rows.numel(), rows.shape[1])) if dx_rows is not None else None
-        written = plain_chunks
-        for piece in dense + sparse:
-            span = slice(piece.slot_start, piece.slot_end)
-            r = piece.end - piece.start
-            # the piece's block of dlogits: zeros, the entries written in (one spare element past
-            # the block takes the empty slots' writes; every entry's place is unique)
-            dlogits = torch.zeros(r * piece.num_cols + 1, dtype=rows.dtype, device=rows.device)
-            dlogits.index_put_((plan.dst[span],), grads[span])
-            dlogits = dlogits[:-1].view(r, piece.num_cols)
-            h = h_sorted[piece.start:piece.end]
-            dx_out = None if dx_sorted is None else dx_sorted[piece.start:piece.end]
-            if piece.cols is None:
-                last = written == full_writes - 1
-                done = grad_gemms(dlogits, h, weight, spec, dx_out, dw, dw_accumulate=into_main_grad or written > 0,
-                                  cast_dw_to=cast_last if last and written > 0 else None)
-                written += 1
-                dw_done = done if done is not None else dw_done
-            else:
-                block = weight.index_select(0, piece.cols)
-                if dx_out is not None:
-                    torch.mm(dlogits, block, out=dx_out)
-                if dw is not None:
-                    dw.index_add_(0, piece.union_rows if compact else piece.cols, matmul_fp32(dlogits.t(), h))
-                del block
+        d = d.to(rows.dtype)  # the GEMMs' input dtype
+        cols = weight.shape[0]
+        for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
+            r = end - start
+            _, at = entries.chunk_places(start, end, cols)
+            # the chunk's block of dlogits: zeros, its entries written in (the others' writes land
+            # on one spare element past the block)
+            dlogits = torch.zeros(r * cols + 1, dtype=rows.dtype, device=rows.device).index_put_((at,), d)
+            dx_chunk = None if dx_rows is None else rows.new_empty((r, rows.shape[1]))
+            grad_gemms(dlogits[:-1].view(r, cols), rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
+                       dw_out, dw_accumulate=True)
             del dlogits
-        if dx_sorted is not None:
-            dx_rows.index_copy_(0, set_rows, dx_sorted)
-    if dw is None or into_main_grad:
-        return dx_rows, None
-    if compact:
-        return dx_rows, torch.zeros_like(weight).index_copy_(0, plan.union_cols, dw.to(weight.dtype))
-    if dw_done is not None:
-        return dx_rows, dw_done
-    return dx_rows, dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+            if dx_chunk is not None:  # added: the plain pass wrote zeros there (padding adds zeros)
+                dx_rows.index_add_(0, set_rows[start:end], dx_chunk)
+        return None
 
 
-def replay_statistics(hidden2d: Tensor, weight: Tensor, row_index: Optional[Tensor], local_target: Tensor,
-                      labels: Tensor, spec: ChunkSpec, ids: Tensor, offsets: Tensor, vocab_start: int,
-                      needs_grad: bool) -> ReplayStats:
-    """api.token_statistics' replay path: per labelled row (`labels` its global ids, `row_index`
-    their flat positions, None = all), the statistics over its kept set."""
-    plan = make_plan(ids, offsets, row_index, labels, vocab_start, spec.num_valid_cols, weight.shape[0],
-                     weight.shape[1], weight.element_size() if spec.logits_dtype is None else 4, spec.chunk_size)
-    if needs_grad:
-        target, lse, entropy, row_max, log_sum_exp = LinearReplayStats.apply(
-            hidden2d, weight, row_index, local_target, spec, plan)
-    else:  # reference / old log-prob passes: nothing saved
-        full = reductions.gather_sequence(hidden2d, spec.tp_group) if spec.sequence_parallel else hidden2d
-        merged, _ = _forward(labelled_rows(full, row_index), weight, local_target, spec, plan)
-        target, lse, entropy = merged.target, merged.lse, merged.entropy
-        row_max, log_sum_exp = merged.max, merged.log_sum_exp
-    return ReplayStats(target=target, lse=lse, entropy=entropy, max=row_max, log_sum_exp=log_sum_exp,
-                       kept=plan.kept)
+def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
+                  true_vocab: int, needs_grad: bool, plain_pass: bool) -> ReplayChunks:
+    """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
+    (every position of labels), sized from what the host knows on every call of a signature, the
+    first included, so that they all compute alike: at most min(rows, E) rows with a set (each
+    holds an entry). `plain_pass`: False where the signature's first call found a set at every
+    labelled row (the caller then checks that on the device: `missing_set_poison`)."""
+    ids = mask_check.ids
+    offsets = mask_check.layout_offsets()
+    max_set_rows = min(offsets.numel() - 1, ids.numel())
+    entries = KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
+    return ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), true_vocab), want_z=needs_grad,
+                        plain_pass=plain_pass)
 
 
 def sampling_mask_problems(sampling_mask, active_sampler: dict, memory_mode: str) -> dict:

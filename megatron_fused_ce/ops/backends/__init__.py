@@ -7,7 +7,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 | capability | what it replaces | who has it |
 |---|---|---|
 | `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
-| `entry_stats`, `entry_dlogits`: sampling-mask replay on the kept entries of a block (required) | - | replay_torch.py for both (O(rows x K) next to the GEMMs) |
+| `kept_stats`, `kept_grads`: sampling-mask replay's kept entries (gathered W rows, their dots, statistics, dX, dW) (required) | - | torch (replay_torch.py), Triton (replay_triton.py) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
 | `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
@@ -99,9 +99,10 @@ class Backend:
     shard_candidates: Callable
     kept_sums: Callable
     kept_dlogits_: Callable
-    # sampling-mask replay (replay.py): partials and dlogits of each row's kept entries
-    entry_stats: Callable
-    entry_dlogits: Callable
+    # sampling-mask replay (replay.py): each row's partials over its kept entries, and their
+    # gradients (dX written, dW added in fp32)
+    kept_stats: Callable
+    kept_grads: Callable
     # each row's target on this shard, which rows are labelled, their count and a bad-label flag
     label_targets: Callable
     # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)

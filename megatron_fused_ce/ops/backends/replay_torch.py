@@ -1,28 +1,28 @@
-"""Entry math of sampling-distribution replay (replay.py), in plain torch: every backend's.
+"""Kept-set math of sampling-distribution replay (replay.py), in plain torch: the reference of every
+backend's, the CPU path, and the pieces the GPU path shares.
 
-The kept entries of the rows with a set (the engine's sampling mask) on this rank's shard are laid
-out in slots (replay.Plan): rows in order of their number of entries, in blocks of rows of one
-width, a block `(start, end, width, base)` holding rows [start, end) as `[end - start, width]` at
-slots [base, base + (end - start) * width) of the flat slot arrays; `valid` marks the slots that
-hold an entry, `is_target` the entry whose id is the row's label. With z = fp32(logit) / T of the
-slots (read off the pieces' blocks of logits by replay.py):
+The kept entries come as replay.KeptEntries: the mask's CSR (`offsets` over positions, `ids`)
+with, per entry e, `slot[e]` (the labelled row with a set it belongs to, an index into
+`set_rows`; -1 at positions without one), `col[e]` (its local column on this shard), `valid[e]`
+(a labelled row's entry on this shard's valid columns), `is_label[e]` (valid and its id is the
+row's label) and `position[e]`. With z_e = fp32(h_row . W_col) / T (the dot rounded to the input
+dtype first, as the chunk GEMM's logits are, unless logits_dtype is fp32):
 
-- `entry_stats` -> ShardStats of every row over its kept entries on this shard: max, sum
-  exp(z - max), the label's z (0 where the label is not among the entries), and sum exp(z - max)
-  (z - max) for the entropy; a row without an entry here has max -inf and zero sums, which the TP
-  merge (reductions.merge_shard_stats) weighs by exp(-inf) = 0.
-- `entry_dlogits` -> d(loss)/d(logits) at every slot for the kept-set distribution q:
+- `kept_stats` -> the ShardStats of each set row over its valid entries (max, sum exp(z - max),
+  the label's z (0 where it is not among them), sum exp(z - max)(z - max) for the entropy; a row
+  without an entry here has max -inf and zero sums, which the TP merge weighs by exp(-inf) = 0),
+  and the entries' z when the backward will need them;
+- `entry_dlogits` -> d(loss)/d(logit) of every entry for the kept-set distribution q:
 
       dL/dz_k = q_k (coef_p + coef_pz log q_k) + coef_target [k == y]   for the kept k
 
-  (log q_k = (z_k - M) - log S with M, log S the merged row offsets; the chain rule through
-  z = logit / T included), 0 in empty slots; replay.py writes them into each piece's block of
-  dlogits for its GEMM pair (dX and dW).
+  (log q_k = (z_k - M) - log S with the merged row offsets; times 1/T, the chain rule through
+  z = logit / T), 0 at invalid entries; both backends take these (O(entries) elementwise);
+- `kept_grads` -> dX of the set rows and dW of their kept ids (both added; dW in fp32).
 
-The work is O(rows x K) next to the pieces' O(rows x cols x H) GEMMs: a few elementwise kernels
-per block (not per piece: a call has few blocks), no Triton kernel of its own (it would not pay).
-Entries are padded rows, not a flat list with scatter-adds, so that the sums are deterministic
-(row reductions).
+Statistics are segment reductions over the CSR (`torch.segment_reduce`: no atomics, the same sums
+whatever the device). The gather-dots and the gradient sums run on blocks of entries, so that no
+intermediate exceeds a chunk of logits.
 """
 
 from __future__ import annotations
@@ -35,61 +35,84 @@ from torch import Tensor
 from . import ShardStats
 
 
-def _views(flat: Tensor, start: int, end: int, width: int, base: int) -> Tensor:
-    return flat[base:base + (end - start) * width].view(end - start, width)
+def _entry_blocks(entries, hidden_size: int, max_elements: int):
+    """(start, end) of blocks of entries whose [entries, H] gathers hold at most max_elements."""
+    total = entries.ids.numel()
+    block = max(1, max_elements // max(hidden_size, 1))
+    return [(a, min(a + block, total)) for a in range(0, total, block)]
 
 
-def _block_stats(z: Tensor, valid: Tensor, is_target: Tensor, want_entropy: bool) -> ShardStats:
-    row_max = torch.where(valid, z, float("-inf")).amax(dim=1)
-    safe_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # rows without an entry here
-    shifted = torch.where(valid, z - safe_max.unsqueeze(1), 0.0)
+def entry_logits(rows: Tensor, weight: Tensor, entries, inv_temperature: float, round_to: Optional[torch.dtype],
+                 max_elements: int) -> Tensor:
+    """fp32 [E]: z of every valid entry (0 elsewhere), by blocks of gathered rows."""
+    z = torch.zeros(entries.ids.numel(), dtype=torch.float32, device=rows.device)
+    row_of, col = entries.row_of_entry(), entries.col.clamp(0, max(weight.shape[0] - 1, 0))
+    for a, b in _entry_blocks(entries, rows.shape[1], max_elements):
+        dots = (rows.index_select(0, row_of[a:b]).float() * weight.index_select(0, col[a:b]).float()).sum(1)
+        if round_to is not None:
+            dots = dots.to(round_to).float()
+        z[a:b] = torch.where(entries.valid[a:b], dots * inv_temperature, 0.0)
+    return z
+
+
+def entry_stats(z: Tensor, entries, want_entropy: bool) -> ShardStats:
+    """ShardStats of the set rows (in set_rows order) over their valid entries, from the entries' z."""
+    valid, offsets = entries.valid, entries.offsets
+    per_position_max = torch.segment_reduce(torch.where(valid, z, float("-inf")), "max", offsets=offsets)
+    safe = torch.where(torch.isfinite(per_position_max), per_position_max, 0.0)
+    shifted = torch.where(valid, z - safe.index_select(0, entries.position), 0.0)
     e = torch.where(valid, torch.exp(shifted), 0.0)
-    return ShardStats(
-        max=row_max,
-        sum_exp=e.sum(dim=1),
-        target=torch.where(is_target, z, 0.0).sum(dim=1),
-        sum_exp_shifted=(e * shifted).sum(dim=1) if want_entropy else None,
-    )
+    at = entries.set_positions
+
+    def row_sums(values):
+        return torch.segment_reduce(values, "sum", offsets=offsets).index_select(0, at)
+
+    return ShardStats(max=per_position_max.index_select(0, at), sum_exp=row_sums(e),
+                      target=row_sums(torch.where(entries.is_label, z, 0.0)),
+                      sum_exp_shifted=row_sums(e * shifted) if want_entropy else None)
 
 
-def entry_stats(z: Tensor, valid: Tensor, is_target: Tensor, blocks: list, want_entropy: bool) -> ShardStats:
-    """This shard's partials of the rows of `blocks` (in their order) over their kept entries; `z`
-    fp32 [slots], temperature applied."""
-    parts = []
-    for start, end, width, base in blocks:
-        if width == 0:
-            parts.append(ShardStats.empty(end - start, z.device, want_entropy=want_entropy))
-            continue
-        block = (start, end, width, base)
-        parts.append(_block_stats(_views(z, *block), _views(valid, *block), _views(is_target, *block), want_entropy))
-    if len(parts) == 1:
-        return parts[0]
-    return ShardStats(max=torch.cat([p.max for p in parts]), sum_exp=torch.cat([p.sum_exp for p in parts]),
-                      target=torch.cat([p.target for p in parts]),
-                      sum_exp_shifted=torch.cat([p.sum_exp_shifted for p in parts]) if want_entropy else None)
+def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, round_to: Optional[torch.dtype],
+               want_entropy: bool, want_z: bool, max_elements: int):
+    """(ShardStats of the set rows over their kept entries here, the entries' z or None)."""
+    z = entry_logits(rows, weight, entries, inv_temperature, round_to, max_elements)
+    return entry_stats(z, entries, want_entropy), z if want_z else None
 
 
-def entry_dlogits(z: Tensor, valid: Tensor, is_target: Tensor, blocks: list, inv_temperature: float,
-                  row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor, coef_pz: Optional[Tensor],
-                  coef_target: Optional[Tensor], dtype: torch.dtype) -> Tensor:
-    """[slots] dlogits of every slot in `dtype` (the GEMMs' input dtype), 0 in empty slots; the
-    per-row tensors in the blocks' row order."""
-    parts = []
-    for start, end, width, base in blocks:
-        if width == 0:
-            continue
-        block = (start, end, width, base)
-        zb, vb = _views(z, *block), _views(valid, *block)
-        log_q = (zb - row_max[start:end].unsqueeze(1)) - log_sum_exp[start:end].unsqueeze(1)
-        coef = coef_p[start:end].unsqueeze(1)
-        if coef_pz is not None:
-            coef = coef + coef_pz[start:end].unsqueeze(1) * log_q
-        grad = torch.where(vb, torch.exp(log_q) * coef, 0.0)
-        if coef_target is not None:
-            grad = grad + torch.where(_views(is_target, *block), coef_target[start:end].unsqueeze(1), 0.0)
-        if inv_temperature != 1.0:
-            grad = grad * inv_temperature
-        parts.append(grad.reshape(-1).to(dtype))
-    if not parts:
-        return torch.zeros(z.numel(), dtype=dtype, device=z.device)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor,
+                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor]) -> Tensor:
+    """fp32 [E] dlogits of every entry (0 at invalid ones); the per-row tensors in set_rows order."""
+    slot = entries.slot.clamp(min=0)
+
+    def per_entry(t):
+        return t.index_select(0, slot)
+
+    log_q = (z - per_entry(row_max)) - per_entry(log_sum_exp)
+    coef = per_entry(coef_p)
+    if coef_pz is not None:
+        coef = coef + per_entry(coef_pz) * log_q
+    grad = torch.where(entries.valid, torch.exp(log_q) * coef, 0.0)
+    if coef_target is not None:
+        grad = grad + torch.where(entries.is_label, per_entry(coef_target), 0.0)
+    if inv_temperature != 1.0:
+        grad = grad * inv_temperature
+    return grad
+
+
+def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
+               max_elements: int) -> None:
+    """dX of the set rows added into dx_rows (a padding slot adds zeros to the row it gathers) and
+    their entries' dW rows added into the fp32 dw_out, by blocks of entries (fp32 sums)."""
+    row_of, col = entries.row_of_entry(), entries.col.clamp(0, max(weight.shape[0] - 1, 0))
+    slot = entries.slot.clamp(min=0)
+    dx_set = None
+    if dx_rows is not None:
+        dx_set = torch.zeros(entries.set_rows.numel(), rows.shape[1], dtype=torch.float32, device=rows.device)
+    for a, b in _entry_blocks(entries, rows.shape[1], max_elements):
+        coef = d[a:b].unsqueeze(1)
+        if dx_set is not None:
+            dx_set.index_add_(0, slot[a:b], coef * weight.index_select(0, col[a:b]).float())
+        if dw_out is not None:
+            dw_out.index_add_(0, col[a:b], coef * rows.index_select(0, row_of[a:b]).float())
+    if dx_set is not None:  # added: a set row's dX from the plain pass is zero, and so is a padding slot's
+        dx_rows.index_add_(0, entries.set_rows, dx_set.to(dx_rows.dtype))

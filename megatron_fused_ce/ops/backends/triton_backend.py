@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import Backend, FusedGemm, ShardStats, replay_torch, torch_backend, triton_gemm_dlogits, triton_gemm_stats
+from . import Backend, FusedGemm, ShardStats, torch_backend, triton_gemm_dlogits, triton_gemm_stats
 from .triton_common import f32 as _f32, interpreting as _interpreting, sm_count as _sm_count
 from .triton_gemm_stats import round_bf16_by_hand
 
@@ -459,14 +459,13 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
     return local_target, labelled.view(torch.bool), counts, scalars
 
 
-from . import sampling_triton  # noqa: E402  (it uses the helpers above)
+from . import replay_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
 
 BACKEND = Backend(
     name="triton", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
     exp_tile_=exp_tile_, shard_candidates=sampling_triton.shard_candidates, kept_sums=sampling_triton.kept_sums,
     kept_dlogits_=sampling_triton.kept_dlogits_,
-    # replay's entries: O(rows x K) next to the GEMMs, the torch math is enough
-    entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits, label_targets=label_targets,
+    kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
 )
