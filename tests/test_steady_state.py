@@ -295,6 +295,22 @@ def test_contents_found_bad_on_the_device_give_nan_and_raise_on_every_rank(what)
         assert report["next"], rank
 
 
+def _steady_call_report(call):
+    """Run a steady call (no warning allowed): whether its results are all NaN and what the next
+    check raised (None: nothing); the check after that is clean."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = call()
+    report = {"all_nan": bool(torch.isnan(out).all())}
+    try:
+        check_deferred_errors()
+        report["raised"] = None
+    except ValueError as error:
+        report["raised"] = str(error)
+    check_deferred_errors()  # read: the next call is clean
+    return report
+
+
 def _bad_mask_worker(rank, world, what):
     group = dist.group.WORLD
     h, w, y = _inputs(12)
@@ -309,16 +325,7 @@ def _bad_mask_worker(rank, world, what):
         ids[4] = 75
     elif rank == 1:  # a mask that differs on one rank only (still a valid mask there)
         ids[2] = (ids[2] + 1) % 75
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out = linear_logprobs(h, w, y, **common, sampling_mask=(ids, offsets)).logprobs
-    report = {"all_nan": bool(torch.isnan(out).all())}
-    try:
-        check_deferred_errors()
-        report["raised"] = None
-    except ValueError as error:
-        report["raised"] = str(error)
-    check_deferred_errors()  # read: the next call is clean
+    report = _steady_call_report(lambda: linear_logprobs(h, w, y, **common, sampling_mask=(ids, offsets)).logprobs)
     out = linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, 14)).logprobs
     report["next"] = bool(torch.isfinite(out[:, 1:]).all())
     return report
@@ -363,16 +370,7 @@ def _missing_set_worker(rank, world):
     # the signature's first call: a set at every labelled position (no plain pass, then or later)
     linear_logprobs(h, w, y, **common, sampling_mask=_sampling_mask(y, 21, every=True))
     mask = _moved_set(_sampling_mask(y, 22, every=True), row=1)  # the same sizes, (1, 1) now without a set
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out = linear_logprobs(h, w, y, **common, sampling_mask=mask).logprobs
-    report = {"all_nan": bool(torch.isnan(out).all())}
-    try:
-        check_deferred_errors()
-        report["raised"] = None
-    except ValueError as error:
-        report["raised"] = str(error)
-    check_deferred_errors()  # read: the next call is clean
+    report = _steady_call_report(lambda: linear_logprobs(h, w, y, **common, sampling_mask=mask).logprobs)
     agreement.forget_signatures()  # this call is the signature's first: it has the plain pass
     out = linear_logprobs(h, w, y, **common, sampling_mask=mask).logprobs
     report["after_forgetting"] = (out.double() - _reference_logprobs(h, w_full, y, mask)).abs().nan_to_num().max().item()
