@@ -13,6 +13,7 @@ import math
 import shutil
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -775,6 +776,36 @@ def test_grpo_validates_at_call_time():
         grpo_loss(data["lp"], data["adv"][:3], data["mask"], GRPOConfig())
     with pytest.raises(ValueError, match="old_logprobs"):
         grpo_loss(data["lp"], data["adv"], data["mask"], GRPOConfig(), old_logprobs=data["old"][:, :2])
+
+
+@pytest.mark.parametrize("field, bad", [("epsilon_low", 1.5), ("loss_type", "dr_grpo"), ("beta", math.nan),
+                                        ("is_clip_max", -1.0), ("force_on_policy_ratio", 1),
+                                        ("delta", np.float64(0.5))])
+def test_grpo_config_mutated_between_calls_is_checked_again(field, bad):
+    """validate() remembers configs that passed: a field mutated after a call that passed must
+    raise as a fresh config with that value does, on either loss, and pass again once restored."""
+    data = make_batch(seed=4)
+    h = torch.randn(8, 6, 5, requires_grad=True)
+    w = torch.randn(11, 5, requires_grad=True)
+    labels = torch.randint(0, 11, (8, 6))
+    cfg = GRPOConfig()
+    calls = (lambda: grpo_loss(data["lp"], data["adv"], data["mask"], cfg),
+             lambda: linear_grpo_loss(h, w, labels, data["adv"], data["mask"], cfg))
+    first = [call()[0] for call in calls]
+    with pytest.raises(ValueError) as fresh:
+        GRPOConfig(**{field: bad})
+    good = getattr(cfg, field)
+    setattr(cfg, field, bad)
+    for call in calls:
+        with pytest.raises(ValueError) as later:
+            call()
+        assert str(later.value) == str(fresh.value)
+    setattr(cfg, field, good)
+    assert all(torch.equal(call()[0], value) for call, value in zip(calls, first))
+    # a NumPy number equal to a remembered value is still made a Python float
+    cfg.epsilon_high = np.float64(0.2)
+    grpo_loss(data["lp"], data["adv"], data["mask"], cfg)
+    assert type(cfg.epsilon_high) is float and cfg.fingerprint() == GRPOConfig().fingerprint()
 
 
 @pytest.mark.parametrize("kwargs, field", [

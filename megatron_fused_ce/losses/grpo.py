@@ -35,6 +35,7 @@ the reference model is not the sampler, and a ``-inf`` there only saturates the 
 from __future__ import annotations
 
 import numbers
+import operator
 import types
 import warnings
 import zlib
@@ -185,7 +186,12 @@ class GRPOConfig:
         """Raise ``ValueError`` naming the offending field for an inconsistent configuration.
 
         NumPy scalars and 0-d tensors given for numeric fields and flags become Python floats,
-        ints and bools first (one type for one value: the fingerprint compares reprs)."""
+        ints and bools first (one type for one value: the fingerprint compares reprs).
+
+        Values that passed before (same types and values) are not checked again: every loss call
+        validates its config, which may have been mutated since, or be a new one each call."""
+        if _validated_key(self) in _VALIDATED:
+            return
         for name, value in vars(self).items():
             if name in _FLAG_FIELDS:
                 normalized = flag_argument(value)
@@ -244,6 +250,11 @@ class GRPOConfig:
             if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length <= 0:
                 raise ValueError("max_completion_length must be a positive int (required for "
                                  f"loss_type='dr_grpo'), got {length!r}")
+        key = _validated_key(self)
+        if key is not None:
+            _VALIDATED[key] = None
+            if len(_VALIDATED) > _VALIDATED_LIMIT:
+                del _VALIDATED[next(iter(_VALIDATED))]
 
     def _validate_is_bounds(self) -> None:
         lo, hi = self.is_clip_min, self.is_clip_max
@@ -260,8 +271,33 @@ class GRPOConfig:
 
     def fingerprint(self) -> int:
         """A number that differs between configs (context-parallel ranks must agree on it)."""
-        text = repr(tuple(getattr(self, f.name) for f in fields(self)))
-        return zlib.crc32(text.encode())
+        return zlib.crc32(repr(field_values(self)).encode())
+
+
+def field_values(config: GRPOConfig) -> tuple:
+    """The values of the config's dataclass fields, in their order (one getter per class, built
+    once: fields() and a generator on every call were host time in the steady state)."""
+    getter = _FIELD_GETTERS.get(type(config))
+    if getter is None:
+        getter = _FIELD_GETTERS[type(config)] = operator.attrgetter(*(f.name for f in fields(config)))
+    return getter(config)
+
+
+_FIELD_GETTERS: Dict[type, Callable] = {}
+
+# Configs whose values passed validate(), keyed by their types and values: only plain Python
+# values (exactly str, float, int, bool or None), whose equality is that of the value itself.
+_PLAIN_TYPES = frozenset((str, float, int, bool, type(None)))
+_VALIDATED: Dict[tuple, None] = {}
+_VALIDATED_LIMIT = 64
+
+
+def _validated_key(config: GRPOConfig) -> Optional[tuple]:
+    state = vars(config)
+    kinds = tuple(map(type, state.values()))
+    if not _PLAIN_TYPES.issuperset(kinds):
+        return None
+    return type(config), tuple(state), kinds, tuple(state.values())
 
 
 def _check_choice(name: str, value: str, choices: Tuple[str, ...]) -> None:
@@ -777,7 +813,7 @@ def fused(function: Callable, config: GRPOConfig, device: torch.device, *args, s
     definition. A compiler failure falls back to the eager call, with one warning."""
     global _warned_compile_failure
     if _fuses(device):
-        key = (function.__qualname__, tuple(getattr(config, f.name) for f in fields(config)), static,
+        key = (function.__qualname__, field_values(config), static,
                tuple(a is None for a in args))
         try:
             compiled = _compiled(function, config, key)
