@@ -226,3 +226,30 @@ def test_sampling_mask_bench_smoke_mode():
     sparse = {float(row[5]) for row in rows}
     assert sparse == {0.0, 1.0}, out.stdout  # K=4 on gathered rows, K=50 (of 3000 ids) dense
     assert all(math.isfinite(float(row[8])) and float(row[10].strip()) < 1e-2 for row in rows), out.stdout
+
+
+def test_sampling_mask_bench_tp2_on_cpu():
+    """--tp 2 under torchrun (gloo): V is each rank's shard, the sets drawn over the global vocab;
+    rank 0 alone prints the table, rows on both routes, replay's log-probs near float64."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # two ranks on a small machine
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(repo, "tools", "sampling_mask_bench.py"), "--tp", "2", "--device", "cpu", "--smoke"],
+        capture_output=True, text=True, timeout=300, cwd=repo, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("device: cpu, ") and line.endswith(", tp 2") for line in lines) == 1, out.stdout
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| 256x32x3000")]
+    assert [(row[1], row[2]) for row in rows] == [("zipf", "4"), ("zipf", "50"), ("random", "4"), ("random", "50")]
+    for row in rows:
+        assert row[3] == f"{int(row[2]) / 6000:.4f}", row  # K over the global vocab, 3000 x 2
+        assert math.isfinite(float(row[7])) and float(row[9]) < 1e-2, row
+    assert {float(row[4]) for row in rows} == {0.0, 1.0}, out.stdout  # K=4 on gathered rows, K=50 dense
+    assert sum(bool(re.fullmatch(r"every row met its target|\d row\(s\) missed their target", line))
+               for line in lines) == 1, out.stdout

@@ -8,6 +8,7 @@ linear_logprobs(...) fwd+bwd, same inputs, same process, bf16.
     python tools/sampling_mask_bench.py --breakdown      # + where each call's time goes (below)
     python tools/sampling_mask_bench.py --smoke           # CPU smoke test (one small shape)
     python tools/sampling_mask_bench.py --fidelity       # the drift table of docs/design.md §8.3 (CPU)
+    torchrun --nproc_per_node 4 tools/sampling_mask_bench.py --tp 4 --shapes 8192x4096x32064  # V: per rank
 
 Kept sets (K ids per token, the sampled label one of them):
   zipf    a trained model's sets overlap: every token keeps K distinct ids drawn without
@@ -34,6 +35,14 @@ autograd); how many rows each kind scored; and once per shape the plain op's for
 The synchronizations cost some overlap: the phases add up to a little more than the row's time.
 
 `--smoke`: a CPU run of one small shape (the CI's check that the tool and the path run).
+
+`--tp N` (under `torchrun --nproc_per_node N`, one process per GPU; NCCL, or gloo with `--device
+cpu`): both ops at tensor parallelism N, `tp_group` the N ranks. V in `--shapes` is then each rank's
+vocab shard: the global vocab is V x N, and "K / V" the kept share of it. The hidden states, the
+labels and the kept sets (global ids, drawn as above over the global vocab) are rank 0's on every
+rank; each rank's weight is its own shard. A rep's time is the slowest rank's (every rank starts it
+from a barrier); "lp err" compares against the float64 logits gathered from every shard. Rank 0
+prints. `--breakdown` and `--fidelity` run at TP 1 only.
 """
 
 import argparse
@@ -45,6 +54,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_fused_ce import linear_logprobs  # noqa: E402
@@ -75,14 +85,19 @@ def kept_sets(kind: str, n: int, vocab: int, k: int, device, generator) -> tuple
     return ids.reshape(-1), offsets, labels
 
 
-def time_ms(step, warmup: int, reps: int) -> float:
+def time_ms(step, warmup: int, reps: int, group=None) -> float:
+    """Median over `reps` of a rep's time; with a TP `group`, of the slowest rank's time of each rep."""
     for _ in range(warmup):
         step()
     cuda = torch.cuda.is_available() and step.device.type == "cuda"
     times = []
     for _ in range(reps):
+        _sync(step.device)
+        if group is not None:
+            # every rank starts the rep together: no rank's time includes waiting for a late peer
+            dist.barrier(group=group)
+            _sync(step.device)
         if cuda:
-            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             step()
@@ -93,6 +108,10 @@ def time_ms(step, warmup: int, reps: int) -> float:
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
+    if group is not None:
+        slowest = torch.tensor(times, dtype=torch.float64, device=step.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        times = slowest.tolist()
     return statistics.median(times)
 
 
@@ -198,22 +217,27 @@ def plain_breakdown(h, w, y, chunk, device, reps: int) -> str:
     return f"    plain breakdown ms: forward {fwd:.2f}; backward {total - fwd:.2f}; total {total:.2f}"
 
 
-def make_step(h, w, y, chunk, mask=None):
+def make_step(h, w, y, chunk, mask=None, group=None):
     def step():
-        lp = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask).logprobs
+        lp = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask, tp_group=group).logprobs
         return torch.autograd.grad(-lp.sum() / lp.numel(), (h, w))
     step.device = h.device
     return step
 
 
-def replay_error(h, w, y, mask, rows=64) -> float:
-    """Replay's log-probs of the first `rows` tokens against float64 over their kept sets."""
+def replay_error(h, w, y, mask, rows=64, group=None) -> float:
+    """Replay's log-probs of the first `rows` tokens against float64 over their kept sets (with a
+    TP `group`: `w` this rank's shard, the logits gathered from every shard in rank order)."""
     ids, offsets = mask
     with torch.no_grad():
         sub_offsets = offsets[:rows + 1]
         sub = (ids[:int(sub_offsets[-1])], sub_offsets)
-        got = linear_logprobs(h[:rows], w, y[:rows], sampling_mask=sub).logprobs.double()
+        got = linear_logprobs(h[:rows], w, y[:rows], sampling_mask=sub, tp_group=group).logprobs.double()
         z = h[:rows].double() @ w.double().t()
+        if group is not None:
+            shards = [torch.empty_like(z) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(shards, z, group=group)
+            z = torch.cat(shards, dim=1)
         k = int(offsets[1] - offsets[0])
         kept = ids[:rows * k].view(rows, k)
         want = z.gather(1, y[:rows].unsqueeze(1)).squeeze(1) - torch.logsumexp(z.gather(1, kept), dim=1)
@@ -227,47 +251,77 @@ def target_ratio(kind: str, k: int) -> float:
     return 0.8
 
 
+def tp_setup(tp: int, device: torch.device):
+    """(device, group, rank): at TP 1 the device, no group; else this torchrun rank's device and the
+    group of all `tp` ranks (NCCL on CUDA, gloo on the CPU)."""
+    if tp == 1:
+        return device, None, 0
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world != tp:
+        raise SystemExit(f"--tp {tp}: launch with torchrun --nproc_per_node {tp} (WORLD_SIZE is {world})")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return device, dist.group.WORLD, dist.get_rank()
+
+
+def from_rank0(tensor, group):
+    """Rank 0's `tensor` on every rank of `group` (in place; as is without one)."""
+    if group is not None:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+    return tensor
+
+
 def benchmark(args):
-    device = torch.device(args.device)
+    device, group, rank = tp_setup(args.tp, torch.device(args.device))
+    say = print if rank == 0 else (lambda *a, **k: None)
     replay.FORCE_PIECES = None if args.pieces == "auto" else args.pieces
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}")
-    print("| shape NxHxV | sets | K | K / V | sparse | plain ms | replay ms | replay / plain | target | lp err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}, tp {args.tp}")
+    say("| shape NxHxV | sets | K | K / V | sparse | plain ms | replay ms | replay / plain | target | lp err |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     failed = 0
     for shape in args.shapes.split(","):
         n, hdim, vocab = (int(x) for x in shape.split("x"))
-        g = torch.Generator(device=device).manual_seed(0)
-        h = torch.randn(n, hdim, device=device, generator=g).bfloat16().requires_grad_()
+        full_vocab = vocab * args.tp  # V is the shard
+        # seeded by rank: each rank's weight its own shard (rank 0's draws are TP 1's); the hidden
+        # states, labels and sets are broadcast from rank 0 (the hidden ones before the bf16 cast)
+        g = torch.Generator(device=device).manual_seed(rank)
+        h = from_rank0(torch.randn(n, hdim, device=device, generator=g), group).bfloat16().requires_grad_()
         w = (torch.randn(vocab, hdim, device=device, generator=g) * (2 / math.sqrt(hdim))).bfloat16().requires_grad_()
-        y_plain = torch.randint(0, vocab, (n,), device=device, generator=g)
-        plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size), args.warmup, args.reps)
+        y_plain = from_rank0(torch.randint(0, full_vocab, (n,), device=device, generator=g), group)
+        plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size, group=group), args.warmup, args.reps, group)
         if args.breakdown:
-            print(plain_breakdown(h, w, y_plain, args.chunk_size, device, args.reps), flush=True)
+            say(plain_breakdown(h, w, y_plain, args.chunk_size, device, args.reps), flush=True)
         for kind in args.sets.split(","):
             for k in (int(x) for x in args.ks.split(",")):
-                ids, offsets, labels = kept_sets(kind, n, vocab, k, device, g)
+                ids, offsets, labels = (from_rank0(t, group) for t in kept_sets(kind, n, full_vocab, k, device, g))
                 mask = (ids, offsets)
                 before = dict(replay.PIECE_COUNTS)
-                step = make_step(h, w, labels, args.chunk_size, mask)
+                step = make_step(h, w, labels, args.chunk_size, mask, group)
                 step()  # one call to read which kind scored the rows
                 counts = {key: replay.PIECE_COUNTS[key] - before.get(key, 0) for key in replay.PIECE_COUNTS}
                 sparse_rows = counts.get("sparse_rows", 0)
-                replay_ms = time_ms(step, args.warmup, args.reps)
+                replay_ms = time_ms(step, args.warmup, args.reps, group)
                 ratio = replay_ms / plain_ms
                 target = target_ratio(kind, k)
                 met = ratio <= target
                 failed += not met
-                err = replay_error(h, w, labels, mask)
-                print(f"| {shape} | {kind} | {k} | {k / vocab:.4f} | {sparse_rows / n:.2f} | {plain_ms:.2f} | "
+                err = replay_error(h, w, labels, mask, group=group)
+                say(f"| {shape} | {kind} | {k} | {k / full_vocab:.4f} | {sparse_rows / n:.2f} | {plain_ms:.2f} | "
                       f"{replay_ms:.2f} | {ratio:.3f} | <= {target:g}x {'ok' if met else 'MISSED'} | {err:.1e} |",
                       flush=True)
                 if args.breakdown:
-                    print(format_breakdown(phase_breakdown(step, device, args.reps)), flush=True)
-                    print(f"    kept rows: {sparse_rows} sparse, {counts.get('dense_rows', 0)} dense, "
+                    say(format_breakdown(phase_breakdown(step, device, args.reps)), flush=True)
+                    say(f"    kept rows: {sparse_rows} sparse, {counts.get('dense_rows', 0)} dense, "
                           f"{counts.get('plain_rows', 0)} plain (empty set)", flush=True)
                 del ids, offsets, labels, mask, step
-    return failed
+    if group is not None:
+        dist.destroy_process_group()
+    return failed if rank == 0 else None
 
 
 def _float64_reference():
@@ -336,7 +390,8 @@ def fidelity():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--shapes", default=SHAPES,
+                   help="NxHxV,...: tokens x hidden x vocab; with --tp, V is each rank's shard (global vocab V x TP)")
     p.add_argument("--sets", default="zipf,random")
     p.add_argument("--ks", default="50,512")
     p.add_argument("--chunk-size", type=int, default=None, help="default: the op's automatic chunk")
@@ -350,7 +405,14 @@ def main(argv=None):
                         "its ops, and the plain op's forward / backward")
     p.add_argument("--fidelity", action="store_true", help="print the engine/trainer drift table instead")
     p.add_argument("--smoke", action="store_true", help="a CPU run of one small shape, both kinds of rows")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism: launch with torchrun --nproc_per_node TP (one process per GPU; "
+                        "gloo with --device cpu); V in --shapes is then the per-rank shard")
     args = p.parse_args(argv)
+    if args.tp < 1:
+        p.error("--tp must be at least 1")
+    if args.tp > 1 and (args.breakdown or args.fidelity):
+        p.error("--breakdown and --fidelity run at --tp 1 only")
     if args.smoke:
         args.device, args.shapes, args.ks, args.reps, args.warmup = "cpu", "256x32x3000", "4,50", 1, 1
         args.chunk_size = args.chunk_size or 128
@@ -358,7 +420,8 @@ def main(argv=None):
         fidelity()
         return 0
     failed = benchmark(args)
-    print(f"{failed} row(s) missed their target" if failed else "every row met its target")
+    if failed is not None:  # rank 0 reports
+        print(f"{failed} row(s) missed their target" if failed else "every row met its target")
     return 0
 
 
