@@ -22,10 +22,16 @@ def make_torch_eager(h, w, y, chunk):
 _COMPILED = {}
 
 
+def _compiled(fn, mode=None):
+    """One torch.compile of `fn` per mode for the whole run (shapes recompile inside it)."""
+    key = (fn, mode)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn) if mode is None else torch.compile(fn, mode=mode)
+    return _COMPILED[key]
+
+
 def make_torch_compile(h, w, y, chunk):
-    if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(_eager_loss)
-    fn = _COMPILED["fn"]
+    fn = _compiled(_eager_loss)
     return lambda: _grads(fn(h, w, y), h, w)
 
 
@@ -34,9 +40,7 @@ def _eager_logprobs(h, w, y):
 
 
 def make_torch_compile_fwd(h, w, y, chunk):
-    if "fwd" not in _COMPILED:
-        _COMPILED["fwd"] = torch.compile(_eager_logprobs)
-    fn = _COMPILED["fwd"]
+    fn = _compiled(_eager_logprobs)
     return _forward_only(lambda: fn(h, w, y))
 
 
@@ -44,9 +48,7 @@ def make_torch_compile_graphed(h, w, y, chunk):
     """torch.compile with CUDA graphs (mode="reduce-overhead"): the peer of our graphed rows."""
     if not torch.cuda.is_available():
         raise Skip("CUDA graphs need a GPU")
-    if "graphed" not in _COMPILED:
-        _COMPILED["graphed"] = torch.compile(_eager_loss, mode="reduce-overhead")
-    fn = _COMPILED["graphed"]
+    fn = _compiled(_eager_loss, mode="reduce-overhead")
     step = lambda: _grads(fn(h, w, y), h, w)  # noqa: E731
     step.graphed = True
     return step
@@ -55,9 +57,7 @@ def make_torch_compile_graphed(h, w, y, chunk):
 def make_torch_compile_fwd_graphed(h, w, y, chunk):
     if not torch.cuda.is_available():
         raise Skip("CUDA graphs need a GPU")
-    if "fwd_graphed" not in _COMPILED:
-        _COMPILED["fwd_graphed"] = torch.compile(_eager_logprobs, mode="reduce-overhead")
-    fn = _COMPILED["fwd_graphed"]
+    fn = _compiled(_eager_logprobs, mode="reduce-overhead")
     step = _forward_only(lambda: fn(h, w, y).clone())  # (a graph's output is overwritten by its next replay)
     step.graphed = True
     return step

@@ -18,8 +18,10 @@ from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 
 from . import measure
 from .measure import GIB, REPO, Skip, _grads, free, log, make_floor, make_inputs, measure_memory, rel_err, sync
-from .methods import (DEFAULT_IMPLS, QUICK_SHAPES_CPU, QUICK_SHAPES_GPU, SAMPLERS, SHAPES, _impl,
-                      _sampled_logprobs_loss, parse_chunks, parse_shapes)
+# (graphed rows: forward + backward captured once with make_graphed_callables, the NCCL collectives
+# inside the graphs; their memory lives in the graphs' pool, taken at capture: not measured per call)
+from .methods import (DEFAULT_IMPLS, QUICK_SHAPES_CPU, QUICK_SHAPES_GPU, SAMPLERS, SHAPES, _graphed, _graphed_step,
+                      _impl, _sampled_logprobs_loss, parse_chunks, parse_shapes)
 from .report import environment, tp_markdown, write_json
 from .run import _search_note, add_x_plain, resolved_auto_chunk, run_one
 
@@ -64,30 +66,18 @@ def tp_make_ours_logprobs(h, w, y, chunk, ctx, memory_mode="fast"):
                                            impl=_impl(), memory_mode=memory_mode).logprobs.sum() / n, h, w)
 
 
-def _tp_graphed(loss_of, args):
-    """Forward + backward captured once with torch.cuda.make_graphed_callables (the NCCL collectives
-    inside the graphs), replayed per step: what the eager rows pay on the host, removed."""
-    if not torch.cuda.is_available():
-        raise Skip("CUDA graphs need a GPU")
-    return torch.cuda.make_graphed_callables(loss_of, args)
-
-
 def tp_make_ours_ce_graphed(h, w, y, chunk, ctx):
-    graphed = _tp_graphed(lambda h, w, y: linear_cross_entropy(h, w, y, tp_group=ctx.group, chunk_size=chunk,
-                                                               impl=_impl()), (h, w, y))
+    graphed = _graphed(lambda h, w, y: linear_cross_entropy(h, w, y, tp_group=ctx.group, chunk_size=chunk,
+                                                           impl=_impl()), (h, w, y))
     return _graphed_step(lambda: _grads(graphed(h, w, y), h, w))
 
 
 def tp_make_ours_logprobs_graphed(h, w, y, chunk, ctx):
     n = h.shape[0]
-    graphed = _tp_graphed(lambda h, w, y: -linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk,
-                                                           impl=_impl()).logprobs.sum() / n, (h, w, y))
+    graphed = _graphed(lambda h, w, y: -linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk,
+                                                       impl=_impl()).logprobs.sum() / n, (h, w, y))
     return _graphed_step(lambda: _grads(graphed(h, w, y), h, w))
 
-
-def _graphed_step(step):
-    step.graphed = True  # its memory lives in the graphs' pool, allocated at capture: not measured per call
-    return step
 
 
 def tp_make_ours_ce_lean(h, w, y, chunk, ctx):
