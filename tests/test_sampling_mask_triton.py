@@ -126,3 +126,92 @@ def test_kept_kernels_match_the_torch_math(triton_kernels, dtype, pool, monkeypa
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(dx[set_rows].float(), dx_ref[set_rows].float(), rtol=tol, atol=tol)
     assert bool((dx[~entries.has_set] == 7.0).all())  # rows without a set: padding slots add zeros
+
+
+# ---------------------------------------------------------------- the layout and checks kernels against the torch definitions
+_LAYOUT_FIELDS = ("offsets", "has_set", "set_dest", "set_rows", "starts", "ends", "set_labels", "kept", "slot", "col",
+                  "position", "valid", "is_label", "set_positions")
+
+
+def _layouts(replay_triton, ids, offsets, labels, labelled, vocab, vocab_start, num_valid, max_set_rows,
+             flags=None, check_missing=False):
+    """(torch KeptEntries, kernel KeptEntries, torch counts [5], missing) of one mask."""
+    from functools import partial
+
+    check = replay.MaskCheck((ids, offsets), labels, -100, vocab)
+    torch_entries = replay.KeptEntries(ids, check.layout_offsets(), labels, labelled, vocab_start, num_valid,
+                                       max_set_rows)
+    kernel = partial(replay_triton.kept_layout, vocab=vocab, flags=flags, check_missing=check_missing)
+    kernel_entries = replay.KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid, max_set_rows,
+                                        kernel=kernel)
+    counts = torch.cat([check._device_counts(), check._row_counts()])
+    missing = int((labelled & ~torch_entries.has_set).sum())
+    return torch_entries, kernel_entries, counts, missing
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch):
+    """replay_triton.kept_layout gives KeptEntries' torch fields exactly (rows without a set,
+    unlabelled rows, padding slots, ids off this shard, labels in and out of their sets, several
+    blocks of rows and of entries) and MaskCheck's device counts."""
+    replay_triton = triton_kernels["replay_triton"]
+    monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK", 16)
+    monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)
+    g = torch.Generator().manual_seed(seed)
+    vocab, positions = 97, 60
+    sizes = torch.randint(1, 12, (positions,), generator=g)
+    sizes[torch.rand(positions, generator=g) < 0.2] = 0
+    ids = torch.cat([torch.randperm(vocab, generator=g)[:int(k)] for k in sizes])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    labels = torch.randint(0, vocab, (positions,), generator=g)
+    hit = (torch.rand(positions, generator=g) < 0.6) & (sizes > 0)
+    labels[hit] = ids[offsets[:-1][hit]]
+    labelled = torch.rand(positions, generator=g) > 0.2
+    labels[~labelled] = -100
+    max_set_rows = int(((sizes > 0) & labelled).sum()) + 3
+    ref, got, counts, missing = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 49, 48, max_set_rows)
+    for name in _LAYOUT_FIELDS:
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert torch.equal(got.row_of_entry(), ref.row_of_entry())
+    assert torch.equal(got.counts[:5], counts) and int(got.counts[6]) == missing, (got.counts, counts, missing)
+    assert got.poison is None
+
+
+@pytest.mark.parametrize("bad", ["none", "offsets", "ids", "duplicate", "missing"])
+def test_layout_kernels_check_the_mask(triton_kernels, bad):
+    """The kernels' verdict (deferred_errors' flags, NaN poison) is MaskCheck.deferred_poison's and
+    missing_set_poison's, and the layout of a bad mask stays in range."""
+    from megatron_fused_ce.ops import deferred_errors
+
+    replay_triton = triton_kernels["replay_triton"]
+    g = torch.Generator().manual_seed(5)
+    vocab, positions, k = 50, 12, 4
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(positions)]).reshape(-1)
+    offsets = torch.arange(positions + 1) * k
+    labels = ids[offsets[:-1]].clone()
+    labelled = torch.ones(positions, dtype=torch.bool)
+    if bad == "offsets":
+        offsets[5] = offsets[7] + 2
+    elif bad == "ids":
+        ids[9] = vocab + 3
+    elif bad == "duplicate":
+        ids[13] = ids[12]
+    elif bad == "missing":
+        offsets[3:] -= k
+        ids = ids[k:]
+    flags = torch.zeros(1, dtype=torch.int64)
+    ref, got, counts, missing = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 0, vocab,
+                                         min(positions, ids.numel()), flags=flags, check_missing=True)
+    want = ((deferred_errors.SAMPLING_MASK_BAD if bool((counts[:3] > 0).any()) else 0)
+            | (deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET if missing else 0))
+    # (the torch definitions find what was broken; a bad offset also empties a row's layout range)
+    assert bool(want & deferred_errors.SAMPLING_MASK_BAD) == (bad in ("offsets", "ids", "duplicate")), want
+    assert bool(want & deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET) == (bad in ("offsets", "missing")), want
+    assert int(flags) == want
+    assert bool(torch.isnan(got.poison).all()) == bool(want) and (want or float(got.poison) == 0.0)
+    assert torch.equal(got.counts[3:5], counts[3:5]) and int(got.counts[6]) == missing
+    assert bool((got.counts[:3] > 0).any()) == bool((counts[:3] > 0).any())
+    if bad != "offsets":  # (valid offsets: the counts are MaskCheck's)
+        assert torch.equal(got.counts[:3], counts[:3])
+    for name in _LAYOUT_FIELDS:
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name

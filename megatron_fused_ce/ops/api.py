@@ -600,7 +600,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # agreement counted them) without a set at a labelled position, is today's path
     replaying = (mask_check is not None and mask_check.usable and mask_check.ids.numel() > 0 and num_rows > 0
                  and (agreed.mask_rows is None or agreed.mask_rows[0] > 0))
-    mask_poison = mask_check.deferred_poison() if replaying and agreed.remembered else None
+    mask_poison = None  # (replay's device checks: its tiling's)
     rank_check = None
     if compare_ranks:
         rank_check = reductions.RankCheck(_rank_check_values(
@@ -641,11 +641,12 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     anchor = None
     if replaying:  # sampling-mask replay (replay.py's tiling)
         # the plain pass only where the signature's first call had a labelled row without a set
+        # (a remembered signature checks the mask on the device, and without the plain pass that
+        # every labelled row still has a set: NaN and an error at the next host synchronization)
         tiling = replay.replay_tiling(mask_check, flat_labels, labelled, vocab_start, spec.num_valid_cols,
-                                      agreed.true_vocab, needs_grad, plain_pass=not agreed.mask_sets_everywhere)
-        if agreed.remembered and not tiling.plain_pass:  # such a row now would be wrong: NaN and an error
-            missing = tiling.missing_set_poison()
-            mask_poison = missing if mask_poison is None else mask_poison + missing
+                                      agreed.true_vocab, needs_grad, plain_pass=not agreed.mask_sets_everywhere,
+                                      backend=backend, check=agreed.remembered)
+        mask_poison = tiling.poison
         spec = replace(spec, tiling=tiling)
         with autocast_off(hidden.device):
             out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)

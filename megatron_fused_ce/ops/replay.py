@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -73,6 +74,7 @@ from torch import Tensor
 from . import deferred_errors, reductions
 from .agreement import integer_argument, is_int, tensor_fingerprint
 from .backends import ShardStats, replay_torch
+from .backends.triton_common import interpreting as _interpreting
 from .fast import FAST_CHUNKS, backward_grads, chunk_logits, grad_gemms, row_chunks, shard_partials
 
 # Sparse while entries <= SPARSE_MAX_SHARE x set rows x vocab (module doc).
@@ -411,15 +413,27 @@ class KeptEntries:
     (every shard sees the whole set: no collective)."""
 
     def __init__(self, ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
-                 num_valid_cols: int, max_set_rows: int):
+                 num_valid_cols: int, max_set_rows: int, kernel=None):
+        """`offsets`: the layout offsets (MaskCheck.layout_offsets); with `kernel` (a backend's
+        kept_layout, partially applied), the mask's own offsets, and the kernel makes the fields
+        (and the device checks' `counts` and `poison`) that the code below defines."""
+        self.ids = ids.contiguous()
+        self.vocab_start, self.num_valid_cols = int(vocab_start), int(num_valid_cols)
+        self.labelled = labelled
+        self._row_of_entry = None
+        self.counts = self.poison = None
+        if kernel is not None:
+            fields = kernel(self.ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
+            self._row_of_entry = fields.pop("row_of_entry")
+            for name, value in fields.items():
+                setattr(self, name, value)
+            self.set_positions = self.set_dest
+            return
         device = ids.device
         total, num_rows = ids.numel(), offsets.numel() - 1
-        self.ids = ids.contiguous()
         # one spare position past the rows, with an empty set: the one padding slots read
         self.offsets = torch.cat([offsets, offsets[-1:]]).contiguous()
-        self.vocab_start, self.num_valid_cols = int(vocab_start), int(num_valid_cols)
         sizes = self.offsets[1:] - self.offsets[:-1]
-        self.labelled = labelled
         self.has_set = (sizes[:num_rows] > 0) & labelled
         found = torch.nonzero_static(self.has_set, size=max_set_rows, fill_value=-1).squeeze(1)
         padding = found < 0
@@ -446,7 +460,6 @@ class KeptEntries:
         torch.cumsum(hit, 0, out=prefix[1:])
         found_label = prefix.index_select(0, self.offsets[1:num_rows + 1]) > prefix.index_select(0, offsets[:-1])
         self.kept = ~self.has_set | found_label
-        self._row_of_entry = None
 
     def row_of_entry(self) -> Tensor:
         """[E] each entry's row (an index into the call's rows; a gathered row where it has none)."""
@@ -493,6 +506,8 @@ class ReplayChunks:
     want_z: bool  # the backward will need the entries' z
     # False where the signature's first call found no labelled row without a set (api.py remembers it)
     plain_pass: bool = True
+    # fp32 [1] NaN where the device checks of a remembered signature's call found a bad mask (replay_tiling)
+    poison: Optional[Tensor] = None
     statistics_type = ReplayStats
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
@@ -606,18 +621,35 @@ class ReplayChunks:
 
 
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
-                  true_vocab: int, needs_grad: bool, plain_pass: bool) -> ReplayChunks:
+                  true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
     (every position of labels), sized from what the host knows on every call of a signature, the
     first included, so that they all compute alike: at most min(rows, E) rows with a set (each
     holds an entry). `plain_pass`: False where the signature's first call found a set at every
-    labelled row (the caller then checks that on the device: `missing_set_poison`)."""
+    labelled row. `check` (a remembered signature): the tiling's `poison` is the mask's device
+    check (MaskCheck.deferred_poison) and, without the plain pass, `missing_set_poison`'s.
+    `backend`: its `kept_layout` kernels make the layout and the checks where it has them."""
     ids = mask_check.ids
-    offsets = mask_check.layout_offsets()
-    max_set_rows = min(offsets.numel() - 1, ids.numel())
-    entries = KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
-    return ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), true_vocab), want_z=needs_grad,
-                        plain_pass=plain_pass)
+    max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
+    layout = getattr(backend, "kept_layout", None)
+    if layout is not None and (ids.is_cuda or _interpreting()):
+        kernel = partial(layout, vocab=true_vocab, flags=deferred_errors.flags(ids.device) if check else None,
+                         check_missing=not plain_pass)
+        entries = KeptEntries(ids, mask_check.offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows,
+                              kernel=kernel)
+        poison = entries.poison
+    else:
+        entries = KeptEntries(ids, mask_check.layout_offsets(), labels, labelled, vocab_start, num_valid_cols,
+                              max_set_rows)
+        poison = None
+    tiling = ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), true_vocab),
+                          want_z=needs_grad, plain_pass=plain_pass)
+    if check and poison is None:
+        poison = mask_check.deferred_poison()
+        if not plain_pass:
+            poison = poison + tiling.missing_set_poison()
+    tiling.poison = poison
+    return tiling
 
 
 def sampling_mask_problems(sampling_mask, active_sampler: dict, memory_mode: str) -> dict:

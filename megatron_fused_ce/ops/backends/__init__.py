@@ -112,6 +112,9 @@ class Backend:
     gemm_dlogits: Optional[FusedGemm] = None
     row_kernel: Optional[RowKernel] = None
     weight_grad_gemm: Optional[WeightGradGemm] = None
+    # sampling-mask replay's layout of the kept entries and the mask's device checks in kernels
+    # (replay.KeptEntries; None: its torch definition)
+    kept_layout: Optional[Callable] = None
 
     def stats_in_gemm(self, h, weight) -> bool:
         return self.gemm_stats is not None and h.shape[0] > 0 and self.gemm_stats.supported(h, weight)

@@ -204,3 +204,188 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
             rows, rows.stride(0), cols, entries.row_of_entry().index_select(0, order), d.index_select(0, order),
             dw_out, dw_out.stride(0), total, hidden, num_cols,
             BLOCK_E=GRAD_BLOCK_E, BLOCK_H=GRAD_BLOCK_H, num_warps=WARPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask's layout and checks (replay.KeptEntries, replay.MaskCheck: the torch definitions are
+# the reference): four launches and a sort instead of some eighty elementwise ops.
+# ---------------------------------------------------------------------------------------------
+LAYOUT_BLOCK = 1024
+LAYOUT_BLOCK_E = 64
+# counts: bad offsets, bad ids, duplicates, labelled rows with a (raw) set, without one, rows with a
+# (layout) set, labelled rows without one, the first row without a set, set_rows[0]
+_COUNTS = 9
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_ptr, counts_ptr, rows, total,
+                      BLOCK: tl.constexpr):
+    """One program over the positions in blocks (a scan: the layout offsets are a running max)."""
+    first = tl.load(offsets_ptr)
+    bad = (first != 0).to(tl.int64)
+    tl.store(layout_ptr, first * 0)
+    carry = first * 0  # the layout offsets' running max (the first is 0)
+    count = first * 0
+    with_set = first * 0
+    without_set = first * 0
+    missing = first * 0
+    first_plain = first * 0 + rows
+    first_set = first * 0 + rows
+    for b in range(1, rows + 1, BLOCK):
+        j = b + tl.arange(0, BLOCK)
+        inside = j <= rows
+        raw = tl.load(offsets_ptr + j, mask=inside, other=0)
+        before = tl.load(offsets_ptr + j - 1, mask=inside, other=0)
+        bad += tl.sum((inside & (raw < before)).to(tl.int64), axis=0)
+        # clamped into [0, E], the last one E; L[j] its running max, L[j - 1] the one before
+        clamped = tl.where(j == rows, total, tl.minimum(tl.maximum(raw, 0), total))
+        clamped_before = tl.where(j == 1, 0, tl.minimum(tl.maximum(before, 0), total))
+        end = tl.maximum(tl.associative_scan(tl.where(inside, clamped, 0), 0, _maximum), carry)
+        start = tl.maximum(tl.associative_scan(tl.where(inside, clamped_before, 0), 0, _maximum), carry)
+        r = j - 1
+        labelled = inside & (tl.load(labelled_ptr + r, mask=inside, other=0) != 0)
+        has = labelled & (end > start)
+        has64 = has.to(tl.int64)
+        tl.store(layout_ptr + j, end, mask=inside)
+        tl.store(has_set_ptr + r, has.to(tl.uint8), mask=inside)
+        tl.store(rank_ptr + r, count + tl.cumsum(has64, 0) - has64, mask=inside)
+        with_set += tl.sum((labelled & (raw > before)).to(tl.int64), axis=0)
+        without_set += tl.sum((labelled & (raw <= before)).to(tl.int64), axis=0)
+        missing += tl.sum((labelled & (end <= start)).to(tl.int64), axis=0)
+        first_plain = tl.minimum(first_plain, tl.min(tl.where(inside & ~has, r, rows), axis=0))
+        first_set = tl.minimum(first_set, tl.min(tl.where(has, r, rows), axis=0))
+        count += tl.sum(has64, axis=0)
+        carry = tl.maximum(carry, tl.max(tl.where(inside, clamped, 0), axis=0))
+    bad += (tl.load(offsets_ptr + rows) != total).to(tl.int64)
+    tl.store(layout_ptr + rows + 1, first * 0 + total)  # the spare position's (empty) set
+    first_plain = tl.where(first_plain == rows, 0, first_plain)  # (none: padding needs none)
+    tl.store(counts_ptr + 0, bad)
+    tl.store(counts_ptr + 1, first * 0)
+    tl.store(counts_ptr + 2, first * 0)
+    tl.store(counts_ptr + 3, with_set)
+    tl.store(counts_ptr + 4, without_set)
+    tl.store(counts_ptr + 5, count)
+    tl.store(counts_ptr + 6, missing)
+    tl.store(counts_ptr + 7, first_plain)
+    tl.store(counts_ptr + 8, tl.where(count > 0, first_set, first_plain))
+
+
+@triton.jit
+def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr, counts_ptr,
+                         set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
+                         slot_ptr, col_ptr, position_ptr, row_of_ptr, keys_ptr, valid_ptr, is_label_ptr,
+                         rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, BLOCK_E: tl.constexpr):
+    """One program per row: its slot (or a padding slot), and its entries over its layout range."""
+    r = tl.program_id(0).to(tl.int64)
+    lo = tl.load(layout_ptr + r)
+    hi = tl.load(layout_ptr + r + 1)
+    has = tl.load(has_set_ptr + r) != 0
+    rank = tl.load(rank_ptr + r)
+    label = tl.load(labels_ptr + r)
+    count = tl.load(counts_ptr + 5)
+    row0 = tl.load(counts_ptr + 8)
+    tl.store(set_dest_ptr + rank, r, mask=has)
+    tl.store(set_rows_ptr + rank, r, mask=has)
+    tl.store(starts_ptr + rank, lo, mask=has)
+    tl.store(ends_ptr + rank, hi, mask=has)
+    tl.store(set_labels_ptr + rank, label, mask=has)
+    # the slots past the set rows, one per row without a set while they last: padding
+    pad = count + (r - rank)
+    is_pad = (~has) & (pad < max_set_rows)
+    tl.store(set_dest_ptr + pad, r * 0 + rows, mask=is_pad)
+    tl.store(set_rows_ptr + pad, tl.load(counts_ptr + 7), mask=is_pad)
+    tl.store(starts_ptr + pad, r * 0 + total, mask=is_pad)
+    tl.store(ends_ptr + pad, r * 0 + total, mask=is_pad)
+    tl.store(set_labels_ptr + pad, r * 0 - 1, mask=is_pad)
+    slot = tl.where(has, rank, -1)
+    row_of = tl.where(has, r, row0)
+    found = r * 0
+    bad_ids = r * 0
+    for e0 in range(lo, hi, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        inside = e < hi
+        ids = tl.load(ids_ptr + e, mask=inside, other=0)
+        col = ids - vocab_start
+        valid = has & (col >= 0) & (col < num_valid_cols)
+        hit = inside & has & (ids == label)
+        tl.store(slot_ptr + e, slot + e * 0, mask=inside)
+        tl.store(col_ptr + e, col, mask=inside)
+        tl.store(position_ptr + e, r + e * 0, mask=inside)
+        tl.store(row_of_ptr + e, row_of + e * 0, mask=inside)
+        tl.store(keys_ptr + e, r * vocab + tl.minimum(tl.maximum(ids, 0), vocab - 1), mask=inside)
+        tl.store(valid_ptr + e, valid.to(tl.uint8), mask=inside)
+        tl.store(is_label_ptr + e, (hit & valid).to(tl.uint8), mask=inside)
+        found += tl.sum(hit.to(tl.int64), axis=0)
+        bad_ids += tl.sum((inside & ((ids < 0) | (ids >= vocab))).to(tl.int64), axis=0)
+    tl.store(kept_ptr + r, ((~has) | (found > 0)).to(tl.uint8))
+    tl.atomic_add(counts_ptr + 1, bad_ids, mask=bad_ids > 0)
+
+
+@triton.jit
+def _mask_duplicates_kernel(keys_ptr, counts_ptr, total, BLOCK: tl.constexpr):
+    """Equal neighbours among the sorted (row, id) keys: an id twice in one set."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    pair = e + 1 < total
+    key = tl.load(keys_ptr + e, mask=pair, other=0)
+    following = tl.load(keys_ptr + e + 1, mask=pair, other=1)
+    found = tl.sum((pair & (key == following)).to(tl.int64), axis=0)
+    tl.atomic_add(counts_ptr + 2, found, mask=found > 0)
+
+
+@triton.jit
+def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, BAD_FLAG: tl.constexpr, MISSING_FLAG: tl.constexpr,
+                         CHECK_MISSING: tl.constexpr):
+    """deferred_errors' flags and the call's fp32 poison from the counts."""
+    bad = (tl.load(counts_ptr + 0) + tl.load(counts_ptr + 1) + tl.load(counts_ptr + 2)) > 0
+    flags = tl.where(bad, BAD_FLAG, 0).to(tl.int64)
+    if CHECK_MISSING:
+        missing = tl.load(counts_ptr + 6) > 0
+        flags = flags | tl.where(missing, MISSING_FLAG, 0).to(tl.int64)
+    tl.store(flags_ptr, tl.load(flags_ptr) | flags)
+    tl.store(poison_ptr, tl.where(flags != 0, float("nan"), 0.0))
+
+
+def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
+                num_valid_cols: int, max_set_rows: int, vocab: int, flags: Optional[Tensor],
+                check_missing: bool) -> dict:
+    """replay.KeptEntries' fields from the mask's raw offsets (the layout offsets made here, as
+    MaskCheck.layout_offsets makes them), the counts of MaskCheck's device checks, and with
+    `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison."""
+    device = ids.device
+    total, rows = ids.numel(), offsets.numel() - 1
+    ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
+    m = max_set_rows
+    per_row = torch.empty(2 * rows + 2 + 5 * m, dtype=torch.int64, device=device)
+    layout, rank = per_row[:rows + 2], per_row[rows + 2:2 * rows + 2]
+    set_dest, set_rows, starts, ends, set_labels = per_row[2 * rows + 2:].view(5, m).unbind(0)
+    flags_row = torch.empty(2 * rows, dtype=torch.uint8, device=device)
+    has_set, kept = flags_row[:rows], flags_row[rows:]
+    per_entry = torch.empty(5 * total, dtype=torch.int64, device=device).view(5, total)
+    slot, col, position, row_of, keys = per_entry.unbind(0)
+    bits = torch.empty(2 * total, dtype=torch.uint8, device=device).view(2, total)
+    counts = torch.empty(_COUNTS, dtype=torch.int64, device=device)
+    _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
+                            BLOCK=LAYOUT_BLOCK, num_warps=4)
+    _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
+                                  set_labels, kept, slot, col, position, row_of, keys, bits[0], bits[1], rows,
+                                  total, m, int(vocab), int(vocab_start), int(num_valid_cols),
+                                  BLOCK_E=LAYOUT_BLOCK_E, num_warps=2)
+    if total > 1:
+        _mask_duplicates_kernel[(triton.cdiv(total, LAYOUT_BLOCK),)](torch.sort(keys).values, counts, total,
+                                                                     BLOCK=LAYOUT_BLOCK, num_warps=4)
+    poison = None
+    if flags is not None:
+        from ..deferred_errors import SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
+
+        poison = torch.empty(1, dtype=torch.float32, device=device)
+        _mask_verdict_kernel[(1,)](counts, flags, poison, BAD_FLAG=SAMPLING_MASK_BAD,
+                                   MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing)
+    return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
+                starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
+                position=position, row_of_entry=row_of, valid=bits[0].view(torch.bool),
+                is_label=bits[1].view(torch.bool), counts=counts, poison=poison)
