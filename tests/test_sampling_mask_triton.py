@@ -141,7 +141,8 @@ def _layouts(replay_triton, ids, offsets, labels, labelled, vocab, vocab_start, 
     check = replay.MaskCheck((ids, offsets), labels, -100, vocab)
     torch_entries = replay.KeptEntries(ids, check.layout_offsets(), labels, labelled, vocab_start, num_valid,
                                        max_set_rows)
-    kernel = partial(replay_triton.kept_layout, vocab=vocab, flags=flags, check_missing=check_missing)
+    kernel = partial(replay_triton.kept_layout, vocab=vocab, num_cols=num_valid + 2, flags=flags,
+                     check_missing=check_missing)
     kernel_entries = replay.KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid, max_set_rows,
                                         kernel=kernel)
     counts = torch.cat([check._device_counts(), check._row_counts()])
@@ -169,10 +170,13 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     labelled = torch.rand(positions, generator=g) > 0.2
     labels[~labelled] = -100
     max_set_rows = int(((sizes > 0) & labelled).sum()) + 3
-    ref, got, counts, missing = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 49, 48, max_set_rows)
+    num_valid = 48
+    ref, got, counts, missing = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 49, num_valid,
+                                         max_set_rows)
     for name in _LAYOUT_FIELDS:
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     assert torch.equal(got.row_of_entry(), ref.row_of_entry())
+    assert torch.equal(got.dw_key, torch.where(ref.valid, ref.col, num_valid + 2))
     assert torch.equal(got.counts[:5], counts) and int(got.counts[6]) == missing, (got.counts, counts, missing)
     assert got.poison is None
 

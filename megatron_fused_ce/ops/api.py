@@ -645,7 +645,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         # every labelled row still has a set: NaN and an error at the next host synchronization)
         tiling = replay.replay_tiling(mask_check, flat_labels, labelled, vocab_start, spec.num_valid_cols,
                                       agreed.true_vocab, needs_grad, plain_pass=not agreed.mask_sets_everywhere,
-                                      backend=backend, check=agreed.remembered)
+                                      backend=backend, check=agreed.remembered, num_cols=v_local)
         mask_poison = tiling.poison
         spec = replace(spec, tiling=tiling)
         with autocast_off(hidden.device):

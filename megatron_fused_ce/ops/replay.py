@@ -422,6 +422,8 @@ class KeptEntries:
         self.labelled = labelled
         self._row_of_entry = None
         self.counts = self.poison = None
+        # the dense route's (cols, places) and (gather, scatter) kernels (None: torch, made here)
+        self.chunk_place = self.chunk_kernels = None
         if kernel is not None:
             fields = kernel(self.ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
             self._row_of_entry = fields.pop("row_of_entry")
@@ -467,16 +469,36 @@ class KeptEntries:
             self._row_of_entry = self.set_rows.index_select(0, self.slot.clamp(min=0))
         return self._row_of_entry
 
-    def chunk_places(self, start: int, end: int, cols: int) -> tuple:
-        """Entries of slots [start, end): (in the chunk, their place in its [rows, cols] block
-        of logits; the block's size past the others)."""
-        inside = self.valid & (self.slot >= start) & (self.slot < end)
-        return inside, torch.where(inside, (self.slot - start) * cols + self.col, (end - start) * cols)
+    def _place(self, cols: int) -> Tensor:
+        """[E] each entry's place in the [slots, cols] logits of the set rows (-1 where not valid)."""
+        if self.chunk_place is None or self.chunk_place[0] != cols:
+            self.chunk_place = (cols, torch.where(self.valid, self.slot * cols + self.col, -1))
+        return self.chunk_place[1]
 
-    def in_rows(self, values: Tensor, per_slot: Tensor) -> Tensor:
-        """[rows] `values` with each set row's value from `per_slot` (padding lands on the spare place)."""
-        out = torch.cat([values, values[:1]]).index_copy_(0, self.set_dest, per_slot)
-        return out[:-1]
+    def gather_chunk(self, z: Tensor, logits: Tensor, start: int, inv_temperature: float) -> None:
+        """The dense route's forward: z of the entries of slots [start, start + rows of `logits`),
+        read off their [rows, cols] block (fp32, times 1/T); the others' z are left."""
+        cols = logits.shape[1]
+        place, lo, hi = self._place(cols), start * cols, start * cols + logits.numel()
+        if self.chunk_kernels is not None:
+            return self.chunk_kernels[0](place, logits, z, lo, hi, inv_temperature)
+        inside = (place >= lo) & (place < hi)
+        values = logits.reshape(-1).index_select(0, (place - lo).clamp(0, logits.numel() - 1)).float()
+        torch.where(inside, values * inv_temperature, z, out=z)
+
+    def scatter_chunk(self, d: Tensor, start: int, end: int, cols: int) -> Tensor:
+        """The dense route's backward: the [end - start, cols] block of dlogits of slots
+        [start, end): zeros, the entries' `d` (in the block's dtype) written in."""
+        place, lo, hi = self._place(cols), start * cols, end * cols
+        block = torch.zeros(end - start, cols, dtype=d.dtype, device=d.device)
+        if self.chunk_kernels is not None:
+            self.chunk_kernels[1](place, d, block, lo, hi)
+            return block
+        inside = (place >= lo) & (place < hi)
+        # (the others' writes land on one spare element past the block)
+        spare = torch.cat([block.reshape(-1), block.new_zeros(1)])
+        spare.index_put_((torch.where(inside, place - lo, hi - lo),), d)
+        return spare[:-1].view(end - start, cols)
 
 
 @dataclass
@@ -489,10 +511,6 @@ class ReplayStats(reductions.MergedStats):
 
     def grad_offsets(self) -> tuple:
         return (self.max, self.log_sum_exp, self.entry_z)
-
-
-def _pick(coefs: dict, index: Tensor) -> dict:
-    return {k: None if c is None else c.index_select(0, index) for k, c in coefs.items()}
 
 
 @dataclass(eq=False)
@@ -537,23 +555,22 @@ class ReplayChunks:
         # every row's plain partials (how many rows have a set is not known on the host), the set
         # rows' replaced by their kept sets'; without a labelled row that needs them, placeholders
         # (finite: an ignored row's results are zeros)
+        names = ("max", "sum_exp", "target") + (("sum_exp_shifted",) if spec.want_entropy else ())
+        num_rows = rows.shape[0]
         if self.plain_pass:
-            PIECE_COUNTS["plain_rows"] += rows.shape[0]
+            PIECE_COUNTS["plain_rows"] += num_rows
             plain = shard_partials(rows, weight, local_target, spec)
+            per_row = torch.stack([getattr(plain, name) for name in names])
+            per_row = torch.cat([per_row, per_row[:, :1]], 1)  # (the spare place padding slots land on)
         else:
-            zeros = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
-            plain = ShardStats(max=zeros, sum_exp=zeros + 1.0, target=zeros,
-                               sum_exp_shifted=zeros if spec.want_entropy else None)
+            per_row = torch.zeros(len(names), num_rows + 1, dtype=torch.float32, device=rows.device)
+            per_row[1].fill_(1.0)
         kept = self._kept_partials(rows, weight, spec)
         z = self._z
         self._z = None
-
-        def field(name):
-            values = getattr(plain, name)
-            return None if values is None else entries.in_rows(values, getattr(kept, name))
-
-        stats = ShardStats(max=field("max"), sum_exp=field("sum_exp"), target=field("target"),
-                           sum_exp_shifted=field("sum_exp_shifted"))
+        # the set rows' partials replace their plain ones: one copy for every field
+        per_row.index_copy_(1, entries.set_dest, torch.stack([getattr(kept, name) for name in names]))
+        stats = ShardStats(**{name: per_row[i, :num_rows] for i, name in enumerate(names)})
         merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check)
         return ReplayStats(**vars(merged), kept=entries.kept, entry_z=z)
 
@@ -568,9 +585,7 @@ class ReplayChunks:
         z = torch.zeros(entries.ids.numel(), dtype=torch.float32, device=rows.device)
         for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
             logits = chunk_logits(rows.index_select(0, entries.set_rows[start:end]), weight, spec)
-            inside, at = entries.chunk_places(start, end, logits.shape[1])
-            values = logits.reshape(-1).index_select(0, at.clamp(max=logits.numel() - 1)).float()
-            z = torch.where(inside, values * spec.inv_temperature, z)
+            entries.gather_chunk(z, logits, start, spec.inv_temperature)
             del logits
         self._z = z if self.want_z else None
         return replay_torch.entry_stats(z, entries, spec.want_entropy)
@@ -582,12 +597,12 @@ class ReplayChunks:
         sparse kernels or the dense chunks' GEMMs (adding)."""
         entries = self.entries
         row_max, log_sum_exp, z = offsets
-        plain_coefs = {k: None if c is None else torch.where(entries.has_set, 0.0, c) for k, c in coefs.items()}
-        # a set row's offsets are its set's: a logit off the set may exceed them by any amount, and
-        # exp of that times a zero coefficient would be NaN; an offset above every logit gives 0
-        plain_max = torch.where(entries.has_set, _ABOVE_EVERY_LOGIT, row_max)
-        plain_lse = torch.where(entries.has_set, 0.0, log_sum_exp)
         if self.plain_pass:
+            plain_coefs = {k: None if c is None else torch.where(entries.has_set, 0.0, c) for k, c in coefs.items()}
+            # a set row's offsets are its set's: a logit off the set may exceed them by any amount, and
+            # exp of that times a zero coefficient would be NaN; an offset above every logit gives 0
+            plain_max = torch.where(entries.has_set, _ABOVE_EVERY_LOGIT, row_max)
+            plain_lse = torch.where(entries.has_set, 0.0, log_sum_exp)
             backward_grads(rows, weight, local_target, spec, (plain_max, plain_lse), plain_coefs, dx_rows, dw_out,
                            dw_accumulate=accumulate)
         else:  # what the plain pass would write: zero dX, and dW where it is not added into
@@ -596,10 +611,8 @@ class ReplayChunks:
             if dw_out is not None and not accumulate:
                 dw_out.zero_()
         set_rows = entries.set_rows
-        c = _pick(coefs, set_rows)
-        # (a padding slot reads a row without a set: it has no entry, its dlogits are none)
-        d = replay_torch.entry_dlogits(z, entries, spec.inv_temperature, row_max.index_select(0, set_rows),
-                                       log_sum_exp.index_select(0, set_rows), c["p"], c["pz"], c["target"])
+        d = replay_torch.entry_dlogits(z, entries, spec.inv_temperature, row_max, log_sum_exp, coefs["p"],
+                                       coefs.get("pz"), coefs.get("target"))
         if self.sparse:
             spec.backend.kept_grads(rows, weight, entries, d, dx_rows, dw_out, self._max_elements(weight, spec))
             return None
@@ -607,12 +620,9 @@ class ReplayChunks:
         cols = weight.shape[0]
         for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
             r = end - start
-            _, at = entries.chunk_places(start, end, cols)
-            # the chunk's block of dlogits: zeros, its entries written in (the others' writes land
-            # on one spare element past the block)
-            dlogits = torch.zeros(r * cols + 1, dtype=rows.dtype, device=rows.device).index_put_((at,), d)
+            dlogits = entries.scatter_chunk(d, start, end, cols)  # the chunk's block of dlogits
             dx_chunk = None if dx_rows is None else rows.new_empty((r, rows.shape[1]))
-            grad_gemms(dlogits[:-1].view(r, cols), rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
+            grad_gemms(dlogits, rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
                        dw_out, dw_accumulate=True)
             del dlogits
             if dx_chunk is not None:  # added: the plain pass wrote zeros there (padding adds zeros)
@@ -621,19 +631,21 @@ class ReplayChunks:
 
 
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
-                  true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False) -> ReplayChunks:
+                  true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False,
+                  num_cols: Optional[int] = None) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
     (every position of labels), sized from what the host knows on every call of a signature, the
     first included, so that they all compute alike: at most min(rows, E) rows with a set (each
     holds an entry). `plain_pass`: False where the signature's first call found a set at every
     labelled row. `check` (a remembered signature): the tiling's `poison` is the mask's device
     check (MaskCheck.deferred_poison) and, without the plain pass, `missing_set_poison`'s.
-    `backend`: its `kept_layout` kernels make the layout and the checks where it has them."""
+    `backend`: its `kept_layout` kernels make the layout and the checks where it has them
+    (`num_cols`: the shard's columns, valid and padding)."""
     ids = mask_check.ids
     max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
     layout = getattr(backend, "kept_layout", None)
     if layout is not None and (ids.is_cuda or _interpreting()):
-        kernel = partial(layout, vocab=true_vocab, flags=deferred_errors.flags(ids.device) if check else None,
+        kernel = partial(layout, vocab=true_vocab, num_cols=num_cols, flags=deferred_errors.flags(ids.device) if check else None,
                          check_missing=not plain_pass)
         entries = KeptEntries(ids, mask_check.offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows,
                               kernel=kernel)

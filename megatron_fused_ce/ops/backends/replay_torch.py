@@ -81,11 +81,11 @@ def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, ro
 
 def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor,
                   coef_pz: Optional[Tensor], coef_target: Optional[Tensor]) -> Tensor:
-    """fp32 [E] dlogits of every entry (0 at invalid ones); the per-row tensors in set_rows order."""
-    slot = entries.slot.clamp(min=0)
+    """fp32 [E] dlogits of every entry (0 at invalid ones); the per-row tensors over the call's rows."""
+    row_of = entries.row_of_entry()  # (an entry outside a set reads a row: it is not valid)
 
-    def per_entry(t):
-        return t.index_select(0, slot)
+    def per_entry(t):  # (one [E] gather each: no [fields, E] block past a chunk of logits)
+        return t.index_select(0, row_of)
 
     log_q = (z - per_entry(row_max)) - per_entry(log_sum_exp)
     coef = per_entry(coef_p)

@@ -111,11 +111,11 @@ def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, ro
     """replay_torch.kept_stats in one launch (max_elements: unused, nothing is gathered)."""
     count = entries.set_rows.numel()
     f32 = dict(dtype=torch.float32, device=rows.device)
-    row_max, sum_exp, target = torch.empty(count, **f32), torch.empty(count, **f32), torch.empty(count, **f32)
-    shifted = torch.empty(count, **f32) if want_entropy else row_max
-    z = torch.empty(entries.ids.numel(), **f32) if want_z else row_max
-    if want_z:  # entries of positions without a labelled row are never visited
-        z.zero_()
+    row_max, sum_exp, target, shifted = torch.empty(4 if want_entropy else 3, count, **f32).unbind(0) + (
+        (None,) if not want_entropy else ())
+    shifted = row_max if shifted is None else shifted
+    # (entries of positions without a labelled row are never visited)
+    z = torch.zeros(entries.ids.numel(), **f32) if want_z else row_max
     if count:
         by_hand = _interpreting() and round_to is torch.bfloat16
         _kept_stats_kernel[(count,)](
@@ -163,7 +163,7 @@ def _segmented_sum(a_value, a_start, b_value, b_start):
 
 @triton.jit
 def _kept_weight_grad_kernel(
-    h_ptr, stride_h, cols_ptr, rows_ptr, d_ptr, dw_ptr, stride_dw, num_entries, H, num_cols,
+    h_ptr, stride_h, cols_ptr, order_ptr, rows_ptr, d_ptr, dw_ptr, stride_dw, num_entries, H, num_cols,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -175,8 +175,9 @@ def _kept_weight_grad_kernel(
     following = tl.load(cols_ptr + e + 1, mask=(e + 1 < num_entries) & (tl.arange(0, BLOCK_E) + 1 < BLOCK_E),
                         other=-1)
     used = inside & (col < num_cols)
-    row = tl.load(rows_ptr + e, mask=used, other=0)
-    d = tl.load(d_ptr + e, mask=used, other=0.0)
+    entry = tl.load(order_ptr + e, mask=used, other=0)  # (rows and d in entry order: no permuted copies)
+    row = tl.load(rows_ptr + entry, mask=used, other=0)
+    d = tl.load(d_ptr + entry, mask=used, other=0.0)
     x = tl.load(h_ptr + row[:, None] * stride_h + hh[None, :], mask=used[:, None] & h_ok[None, :],
                 other=0.0).to(tl.float32)
     starts = tl.broadcast_to((col != previous).to(tl.int32)[:, None], (BLOCK_E, BLOCK_H))
@@ -199,10 +200,13 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
     total = entries.ids.numel()
     if dw_out is not None and count and total:
         num_cols = weight.shape[0]
-        cols, order = torch.sort(torch.where(entries.valid, entries.col, num_cols))
+        # the layout kernel's key where it made one for this shard's width, else the same here
+        key = (entries.dw_key if getattr(entries, "dw_key_cols", None) == num_cols
+               else torch.where(entries.valid, entries.col, num_cols))
+        cols, order = torch.sort(key)
         _kept_weight_grad_kernel[(triton.cdiv(total, GRAD_BLOCK_E), triton.cdiv(hidden, GRAD_BLOCK_H))](
-            rows, rows.stride(0), cols, entries.row_of_entry().index_select(0, order), d.index_select(0, order),
-            dw_out, dw_out.stride(0), total, hidden, num_cols,
+            rows, rows.stride(0), cols, order, entries.row_of_entry(), d, dw_out, dw_out.stride(0), total, hidden,
+            num_cols,
             BLOCK_E=GRAD_BLOCK_E, BLOCK_H=GRAD_BLOCK_H, num_warps=WARPS)
 
 
@@ -278,8 +282,10 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
 @triton.jit
 def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr, counts_ptr,
                          set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
-                         slot_ptr, col_ptr, position_ptr, row_of_ptr, keys_ptr, valid_ptr, is_label_ptr,
-                         rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, BLOCK_E: tl.constexpr):
+                         slot_ptr, col_ptr, position_ptr, row_of_ptr, keys_ptr, dw_key_ptr, place_ptr, valid_ptr,
+                         is_label_ptr,
+                         rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols,
+                         BLOCK_E: tl.constexpr):
     """One program per row: its slot (or a padding slot), and its entries over its layout range."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.load(layout_ptr + r)
@@ -318,6 +324,8 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         tl.store(position_ptr + e, r + e * 0, mask=inside)
         tl.store(row_of_ptr + e, row_of + e * 0, mask=inside)
         tl.store(keys_ptr + e, r * vocab + tl.minimum(tl.maximum(ids, 0), vocab - 1), mask=inside)
+        tl.store(dw_key_ptr + e, tl.where(valid, col, num_cols), mask=inside)
+        tl.store(place_ptr + e, tl.where(valid, slot * num_cols + col, -1), mask=inside)
         tl.store(valid_ptr + e, valid.to(tl.uint8), mask=inside)
         tl.store(is_label_ptr + e, (hit & valid).to(tl.uint8), mask=inside)
         found += tl.sum(hit.to(tl.int64), axis=0)
@@ -351,29 +359,34 @@ def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, BAD_FLAG: tl.constex
 
 
 def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
-                num_valid_cols: int, max_set_rows: int, vocab: int, flags: Optional[Tensor],
+                num_valid_cols: int, max_set_rows: int, vocab: int, num_cols: int, flags: Optional[Tensor],
                 check_missing: bool) -> dict:
     """replay.KeptEntries' fields from the mask's raw offsets (the layout offsets made here, as
     MaskCheck.layout_offsets makes them), the counts of MaskCheck's device checks, and with
-    `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison."""
+    `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison; `dw_key`,
+    kept_grads' sort key of the entries over a shard of `num_cols` columns; `chunk_place`, the
+    dense route's place of each entry in the [slots, num_cols] logits, and its kernels."""
     device = ids.device
     total, rows = ids.numel(), offsets.numel() - 1
     ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
     m = max_set_rows
-    per_row = torch.empty(2 * rows + 2 + 5 * m, dtype=torch.int64, device=device)
-    layout, rank = per_row[:rows + 2], per_row[rows + 2:2 * rows + 2]
-    set_dest, set_rows, starts, ends, set_labels = per_row[2 * rows + 2:].view(5, m).unbind(0)
-    flags_row = torch.empty(2 * rows, dtype=torch.uint8, device=device)
-    has_set, kept = flags_row[:rows], flags_row[rows:]
-    per_entry = torch.empty(5 * total, dtype=torch.int64, device=device).view(5, total)
-    slot, col, position, row_of, keys = per_entry.unbind(0)
-    bits = torch.empty(2 * total, dtype=torch.uint8, device=device).view(2, total)
-    counts = torch.empty(_COUNTS, dtype=torch.int64, device=device)
+    # three allocations: the int64 fields, the bool ones, the poison
+    words = torch.empty(_COUNTS + 2 * rows + 2 + 5 * m + 7 * total, dtype=torch.int64, device=device)
+    counts, layout = words[:_COUNTS], words[_COUNTS:_COUNTS + rows + 2]
+    rank = words[_COUNTS + rows + 2:_COUNTS + 2 * rows + 2]
+    set_dest, set_rows, starts, ends, set_labels = words[_COUNTS + 2 * rows + 2:_COUNTS + 2 * rows + 2 + 5 * m].view(
+        5, m).unbind(0)
+    slot, col, position, row_of, keys, dw_key, place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
+        7, total).unbind(0)
+    bits = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device)
+    has_set, kept = bits[:rows], bits[rows:2 * rows]
+    valid, is_label = bits[2 * rows:].view(2, total).unbind(0)
     _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
                             BLOCK=LAYOUT_BLOCK, num_warps=4)
     _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
-                                  set_labels, kept, slot, col, position, row_of, keys, bits[0], bits[1], rows,
-                                  total, m, int(vocab), int(vocab_start), int(num_valid_cols),
+                                  set_labels, kept, slot, col, position, row_of, keys, dw_key, place, valid, is_label,
+                                  rows,
+                                  total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
                                   BLOCK_E=LAYOUT_BLOCK_E, num_warps=2)
     if total > 1:
         _mask_duplicates_kernel[(triton.cdiv(total, LAYOUT_BLOCK),)](torch.sort(keys).values, counts, total,
@@ -387,5 +400,42 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                                    MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing)
     return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
                 starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
-                position=position, row_of_entry=row_of, valid=bits[0].view(torch.bool),
-                is_label=bits[1].view(torch.bool), counts=counts, poison=poison)
+                position=position, row_of_entry=row_of, valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
+                dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place), counts=counts,
+                poison=poison, chunk_kernels=(gather_chunk, scatter_chunk))
+
+
+# The dense route's entries of one chunk of slots: their places in its block of logits, one launch
+# (replay.KeptEntries.gather_chunk / scatter_chunk define them in torch).
+CHUNK_BLOCK = 1024
+
+
+@triton.jit
+def _gather_chunk_kernel(place_ptr, logits_ptr, z_ptr, total, lo, hi, inv_temperature, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    place = tl.load(place_ptr + e, mask=e < total, other=-1)
+    inside = (place >= lo) & (place < hi)
+    value = tl.load(logits_ptr + (place - lo), mask=inside, other=0.0).to(tl.float32)
+    tl.store(z_ptr + e, value * inv_temperature, mask=inside)
+
+
+@triton.jit
+def _scatter_chunk_kernel(place_ptr, d_ptr, block_ptr, total, lo, hi, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    place = tl.load(place_ptr + e, mask=e < total, other=-1)
+    inside = (place >= lo) & (place < hi)
+    tl.store(block_ptr + (place - lo), tl.load(d_ptr + e, mask=inside), mask=inside)
+
+
+def gather_chunk(place: Tensor, logits: Tensor, z: Tensor, lo: int, hi: int, inv_temperature: float) -> None:
+    """z[e] = fp32(logits.flat[place[e] - lo]) * inv_temperature where lo <= place[e] < hi."""
+    total = place.numel()
+    _gather_chunk_kernel[(triton.cdiv(total, CHUNK_BLOCK),)](place, logits.contiguous(), z, total, lo, hi,
+                                                             float(inv_temperature), BLOCK=CHUNK_BLOCK, num_warps=4)
+
+
+def scatter_chunk(place: Tensor, d: Tensor, block: Tensor, lo: int, hi: int) -> None:
+    """block.flat[place[e] - lo] = d[e] where lo <= place[e] < hi (d in the block's dtype)."""
+    total = place.numel()
+    _scatter_chunk_kernel[(triton.cdiv(total, CHUNK_BLOCK),)](place, d, block, total, lo, hi, BLOCK=CHUNK_BLOCK,
+                                                              num_warps=4)
