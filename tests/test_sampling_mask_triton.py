@@ -179,6 +179,16 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     assert torch.equal(got.dw_key, torch.where(ref.valid, ref.col, num_valid + 2))
     assert torch.equal(got.counts[:5], counts) and int(got.counts[6]) == missing, (got.counts, counts, missing)
     assert got.poison is None
+    # the dense route's chunks: the kernels read and write the places torch does
+    cols = num_valid + 2
+    logits = torch.randn(max_set_rows, cols, generator=g).to(torch.bfloat16)
+    d = torch.randn(ids.numel(), generator=g).to(torch.bfloat16)
+    for start, end in ((0, 7), (7, max_set_rows)):
+        z_ref, z_got = torch.full((ids.numel(),), 5.0), torch.full((ids.numel(),), 5.0)
+        ref.gather_chunk(z_ref, logits[start:end], start, 0.7)
+        got.gather_chunk(z_got, logits[start:end], start, 0.7)
+        assert torch.equal(z_got, z_ref)
+        assert torch.equal(got.scatter_chunk(d, start, end, cols), ref.scatter_chunk(d, start, end, cols))
 
 
 @pytest.mark.parametrize("bad", ["none", "offsets", "ids", "duplicate", "missing"])
@@ -219,3 +229,96 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad):
         assert torch.equal(got.counts[:3], counts[:3])
     for name in _LAYOUT_FIELDS:
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+# ---------------------------------------------------------------- what a call dispatches on the Triton backend
+class _Dispatched:
+    """Ops dispatched per replay phase (views left out), a Triton launch counting as one op (the
+    interpreter's own torch ops inside a launch are not the GPU path's)."""
+
+    VIEWS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias",
+             "as_strided", "detach", "lift_fresh", "permute", "split", "unbind", "reshape"}
+
+    def __init__(self, monkeypatch):
+        import collections
+        import sys
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.ops = collections.defaultdict(list)
+        phase, launching, outer = ["other"], [False], self
+        for name, (owner, method) in {"entries": (replay.KeptEntries, "__init__"),
+                                      "forward": (replay.ReplayChunks, "merged_statistics"),
+                                      "backward": (replay.ReplayChunks, "recompute_grads")}.items():
+            def wrapped(*args, _original=getattr(owner, method), _name=name, **kwargs):
+                before, phase[0] = phase[0], _name
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    phase[0] = before
+
+            monkeypatch.setattr(owner, method, wrapped)
+        interpreter = sys.modules.get("triton.runtime.interpreter")
+        if DEVICE.type != "cuda" and interpreter is not None:
+            launch = interpreter.GridExecutor.__call__
+
+            def counted(executor, *args, **kwargs):
+                outer.ops[phase[0]].append("triton")
+                launching[0] = True
+                try:
+                    return launch(executor, *args, **kwargs)
+                finally:
+                    launching[0] = False
+
+            monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name not in _Dispatched.VIEWS and not launching[0]:
+                    outer.ops[phase[0]].append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def replay_ops(self) -> int:
+        return sum(len(self.ops[phase]) for phase in ("entries", "forward", "backward"))
+
+
+def _dispatched_call(monkeypatch, force, chunk, n=32, k=3):
+    monkeypatch.setattr(replay, "FORCE_PIECES", force)
+    g = torch.Generator().manual_seed(3)
+    hidden, vocab = 64, 64
+    h = torch.randn(n, hidden, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(n)])
+    y = ids[:, 0].contiguous().to(DEVICE)
+    mask = (ids.reshape(-1).to(DEVICE), (torch.arange(n + 1) * k).to(DEVICE))
+
+    def call():
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        linear_logprobs(hh, ww, y, chunk_size=chunk, impl="triton", sampling_mask=mask).logprobs.sum().backward()
+
+    for _ in range(2):  # the signature's first call, then a remembered one
+        call()
+    counter = _Dispatched(monkeypatch)
+    with counter.mode:
+        call()
+    monkeypatch.undo()
+    return counter
+
+
+def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
+    """What one replay call (a remembered signature, every row with a set: RL) dispatches in its
+    layout, forward and backward on the Triton backend, each launch one op: the sparse route 35
+    (the layout and checks 8: three allocations, four launches and a sort), at most 40; the dense
+    route 11 more per chunk of rows (its row gathers, GEMMs, entry gathers and scatters), at most
+    12, and 54 besides (its statistics over the entries in torch), at most 60. Protects the
+    per-call host cost of replay: every op costs a launch and its Python while the GPU idles
+    (about 100 ops in these phases before the layout and checks were kernels)."""
+    sparse = _dispatched_call(monkeypatch, "sparse", 32)
+    assert sparse.replay_ops() <= 40, dict(sparse.ops)
+    assert len(sparse.ops["entries"]) <= 8, sparse.ops["entries"]
+    dense = {chunks: _dispatched_call(monkeypatch, "dense", 32 // chunks).replay_ops() for chunks in (1, 4)}
+    per_chunk = (dense[4] - dense[1]) / 3
+    assert per_chunk <= 12 and dense[1] - per_chunk <= 60, dense
