@@ -28,6 +28,16 @@ call of a signature, the first included, is sized from what the host knows (at m
 rows with a set; `layout_offsets` keeps a bad mask's indexing in range), so that they compute
 alike, bit for bit.
 
+The layout (`KeptEntries`) and the later calls' checks are defined here in torch: the CPU path and
+the reference. A backend with `kept_layout` (Triton: backends/replay_triton.py) makes the same
+fields, counts and verdict in a few launches, since each torch op costs a launch and its Python
+on every call (some eighty of them): one program scanning the rows (the layout offsets, which rows
+have a set, their slots, the row counts and the missing-set count), one program per row (its slot
+or a padding slot, its entries' slot / column / valid / is-label, its label-kept flag, its ids'
+range check and (row, id) keys), a sort of the keys and a kernel counting equal neighbours (an id
+twice in a set), and on a remembered signature one that ORs the verdict into deferred_errors'
+flags and makes the NaN poison (`ReplayChunks.poison`). Tests compare them field by field.
+
 Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
 
     rows with an empty set   the plain path's partials over the whole shard (fast.py's chunks):
@@ -51,7 +61,9 @@ backends), then sparse: the backend's `kept_grads` (Triton: dX per row from the 
 dW from the entries sorted by id on the device, a segmented sum per block and one fp32 atomic add
 per id and block, into the fp32 dW or Megatron's main_grad) or dense: each chunk's dlogits block
 (zeros, the entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the
-plain recompute backward.
+plain recompute backward. The dense route finds each chunk's entries by their place in the set
+rows' [slots, V_local] logits (`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk
+with the layout kernels), so that a chunk adds only its GEMMs, its rows' gather and that launch.
 
 Sparse or dense is decided from sizes the host already knows (no sync): sparse while the kept
 entries are at most SPARSE_MAX_SHARE of the set rows x the vocab (mean K <= V / 640). Measured on

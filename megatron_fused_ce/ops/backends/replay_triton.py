@@ -15,6 +15,10 @@ mask's CSR and gathers the weight rows itself.
   that sums the entries of one column, one fp32 atomic add per column and block into dW (the
   op's fp32 buffer or Megatron's main_grad). A frequent id (in most sets: Zipf) costs one add per
   block of its entries, not one per entry.
+- `kept_layout`: replay.KeptEntries' fields and MaskCheck's device checks (replay.py's module doc)
+  in four launches and a sort; `gather_chunk` / `scatter_chunk`: the dense route's entries of one
+  chunk of logits in one launch each. These move values only (no arithmetic but z = fp32(logit)
+  / T's one multiply, as torch's), so they give torch's results bit for bit.
 """
 
 from __future__ import annotations
