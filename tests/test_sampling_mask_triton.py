@@ -142,11 +142,12 @@ def _layouts(replay_triton, ids, offsets, labels, labelled, vocab, vocab_start, 
     torch_entries = replay.KeptEntries(ids, check.layout_offsets(), labels, labelled, vocab_start, num_valid,
                                        max_set_rows)
     kernel = partial(replay_triton.kept_layout, vocab=vocab, num_cols=num_valid + 2, flags=flags,
-                     check_missing=check_missing)
+                     check_missing=check_missing, fingerprint=True)
     kernel_entries = replay.KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid, max_set_rows,
                                         kernel=kernel)
     counts = torch.cat([check._device_counts(), check._row_counts()])
     missing = int((labelled & ~torch_entries.has_set).sum())
+    assert torch.equal(kernel_entries.fingerprint, check.fingerprint())  # (the TP rank check's)
     return torch_entries, kernel_entries, counts, missing
 
 
@@ -154,7 +155,7 @@ def _layouts(replay_triton, ids, offsets, labels, labelled, vocab, vocab_start, 
 def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch):
     """replay_triton.kept_layout gives KeptEntries' torch fields exactly (rows without a set,
     unlabelled rows, padding slots, ids off this shard, labels in and out of their sets, several
-    blocks of rows and of entries) and MaskCheck's device counts."""
+    blocks of rows and of entries), MaskCheck's device counts and the mask's fingerprint."""
     replay_triton = triton_kernels["replay_triton"]
     monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK", 16)
     monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)

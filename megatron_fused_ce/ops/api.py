@@ -600,11 +600,20 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # agreement counted them) without a set at a labelled position, is today's path
     replaying = (mask_check is not None and mask_check.usable and mask_check.ids.numel() > 0 and num_rows > 0
                  and (agreed.mask_rows is None or agreed.mask_rows[0] > 0))
-    mask_poison = None  # (replay's device checks: its tiling's)
+    mask_poison = tiling = None
+    if replaying:  # sampling-mask replay (replay.py's tiling; before the rank check: it fingerprints the mask)
+        # the plain pass only where the signature's first call had a labelled row without a set
+        # (a remembered signature checks the mask on the device, and without the plain pass that
+        # every labelled row still has a set: NaN and an error at the next host synchronization)
+        tiling = replay.replay_tiling(mask_check, flat_labels, device_checks.labelled, vocab_start,
+                                      min(max(agreed.true_vocab - vocab_start, 0), v_local), agreed.true_vocab,
+                                      needs_grad, plain_pass=not agreed.mask_sets_everywhere, backend=backend,
+                                      check=agreed.remembered, num_cols=v_local, fingerprint=compare_ranks)
+        mask_poison = tiling.poison
     rank_check = None
     if compare_ranks:
         rank_check = reductions.RankCheck(_rank_check_values(
-            device_checks.rank_pieces, must_agree, mask_check.fingerprint() if replaying else None))
+            device_checks.rank_pieces, must_agree, tiling.fingerprint if replaying else None))
 
     lean_tiles = None
     if memory_mode == "lean":
@@ -639,14 +648,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     shape = tuple(labels.shape)
     labelled = device_checks.labelled if device_checks is not None else None
     anchor = None
-    if replaying:  # sampling-mask replay (replay.py's tiling)
-        # the plain pass only where the signature's first call had a labelled row without a set
-        # (a remembered signature checks the mask on the device, and without the plain pass that
-        # every labelled row still has a set: NaN and an error at the next host synchronization)
-        tiling = replay.replay_tiling(mask_check, flat_labels, labelled, vocab_start, spec.num_valid_cols,
-                                      agreed.true_vocab, needs_grad, plain_pass=not agreed.mask_sets_everywhere,
-                                      backend=backend, check=agreed.remembered, num_cols=v_local)
-        mask_poison = tiling.poison
+    if replaying:
         spec = replace(spec, tiling=tiling)
         with autocast_off(hidden.device):
             out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)

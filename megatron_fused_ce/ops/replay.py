@@ -433,7 +433,7 @@ class KeptEntries:
         self.vocab_start, self.num_valid_cols = int(vocab_start), int(num_valid_cols)
         self.labelled = labelled
         self._row_of_entry = None
-        self.counts = self.poison = None
+        self.counts = self.poison = self.fingerprint = None
         # the dense route's (cols, places) and (gather, scatter) kernels (None: torch, made here)
         self.chunk_place = self.chunk_kernels = None
         if kernel is not None:
@@ -536,8 +536,10 @@ class ReplayChunks:
     want_z: bool  # the backward will need the entries' z
     # False where the signature's first call found no labelled row without a set (api.py remembers it)
     plain_pass: bool = True
-    # fp32 [1] NaN where the device checks of a remembered signature's call found a bad mask (replay_tiling)
+    # fp32 [1] NaN where the device checks of a remembered signature's call found a bad mask, and
+    # int64 [2] the mask's fingerprint for the TP rank check (replay_tiling)
     poison: Optional[Tensor] = None
+    fingerprint: Optional[Tensor] = None
     statistics_type = ReplayStats
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
@@ -644,7 +646,7 @@ class ReplayChunks:
 
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
                   true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False,
-                  num_cols: Optional[int] = None) -> ReplayChunks:
+                  num_cols: Optional[int] = None, fingerprint: bool = False) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
     (every position of labels), sized from what the host knows on every call of a signature, the
     first included, so that they all compute alike: at most min(rows, E) rows with a set (each
@@ -652,13 +654,15 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
     labelled row. `check` (a remembered signature): the tiling's `poison` is the mask's device
     check (MaskCheck.deferred_poison) and, without the plain pass, `missing_set_poison`'s.
     `backend`: its `kept_layout` kernels make the layout and the checks where it has them
-    (`num_cols`: the shard's columns, valid and padding)."""
+    (`num_cols`: the shard's columns, valid and padding). With `fingerprint` (a TP rank check), the
+    tiling's `fingerprint` is MaskCheck.fingerprint()'s value."""
     ids = mask_check.ids
     max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
     layout = getattr(backend, "kept_layout", None)
     if layout is not None and (ids.is_cuda or _interpreting()):
-        kernel = partial(layout, vocab=true_vocab, num_cols=num_cols, flags=deferred_errors.flags(ids.device) if check else None,
-                         check_missing=not plain_pass)
+        kernel = partial(layout, vocab=true_vocab, num_cols=num_cols,
+                         flags=deferred_errors.flags(ids.device) if check else None, check_missing=not plain_pass,
+                         fingerprint=fingerprint)
         entries = KeptEntries(ids, mask_check.offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows,
                               kernel=kernel)
         poison = entries.poison
@@ -673,6 +677,8 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
         if not plain_pass:
             poison = poison + tiling.missing_set_poison()
     tiling.poison = poison
+    tiling.fingerprint = entries.fingerprint if entries.fingerprint is not None or not fingerprint \
+        else mask_check.fingerprint()
     return tiling
 
 

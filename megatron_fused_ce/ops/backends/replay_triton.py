@@ -221,8 +221,21 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
 LAYOUT_BLOCK = 1024
 LAYOUT_BLOCK_E = 64
 # counts: bad offsets, bad ids, duplicates, labelled rows with a (raw) set, without one, rows with a
-# (layout) set, labelled rows without one, the first row without a set, set_rows[0]
-_COUNTS = 9
+# (layout) set, labelled rows without one, the first row without a set, set_rows[0], and the
+# mask's fingerprint (agreement.tensor_fingerprint of cat([offsets, ids])), two sums
+_COUNTS = 11
+
+
+@triton.jit
+def _fingerprint_terms(values, index, inside):
+    """agreement.tensor_fingerprint's two terms of int64 values at flat positions `index`, summed
+    (2^31 - 1: its _MASK; 2654435761: its _SCRAMBLE)."""
+    bits = (values ^ (values >> 31)) & 2147483647
+    weight = (2 * index + 1) & 2147483647
+    scramble = ((index * tl.full(index.shape, 2654435761, tl.int64)) | 1) & 2147483647
+    by_position = tl.sum(tl.where(inside, (bits * weight) & 2147483647, 0), axis=0)
+    by_hash = tl.sum(tl.where(inside, (bits * scramble) & 2147483647, 0), axis=0)
+    return by_position, by_hash
 
 
 @triton.jit
@@ -232,7 +245,7 @@ def _maximum(a, b):
 
 @triton.jit
 def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_ptr, counts_ptr, rows, total,
-                      BLOCK: tl.constexpr):
+                      FINGERPRINT: tl.constexpr, BLOCK: tl.constexpr):
     """One program over the positions in blocks (a scan: the layout offsets are a running max)."""
     first = tl.load(offsets_ptr)
     bad = (first != 0).to(tl.int64)
@@ -244,6 +257,15 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
     missing = first * 0
     first_plain = first * 0 + rows
     first_set = first * 0 + rows
+    by_position = first * 0
+    by_hash = first * 0
+    if FINGERPRINT:  # the offsets' fingerprint terms
+        for b in range(0, rows + 1, BLOCK):
+            j = b + tl.arange(0, BLOCK).to(tl.int64)
+            inside = j <= rows
+            terms = _fingerprint_terms(tl.load(offsets_ptr + j, mask=inside, other=0), j, inside)
+            by_position += terms[0]
+            by_hash += terms[1]
     for b in range(1, rows + 1, BLOCK):
         j = b + tl.arange(0, BLOCK)
         inside = j <= rows
@@ -281,6 +303,8 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
     tl.store(counts_ptr + 6, missing)
     tl.store(counts_ptr + 7, first_plain)
     tl.store(counts_ptr + 8, tl.where(count > 0, first_set, first_plain))
+    tl.store(counts_ptr + 9, by_position)  # (the entries kernel adds the ids')
+    tl.store(counts_ptr + 10, by_hash)
 
 
 @triton.jit
@@ -289,7 +313,7 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
                          slot_ptr, col_ptr, position_ptr, row_of_ptr, keys_ptr, dw_key_ptr, place_ptr, valid_ptr,
                          is_label_ptr,
                          rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols,
-                         BLOCK_E: tl.constexpr):
+                         FINGERPRINT: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program per row: its slot (or a padding slot), and its entries over its layout range."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.load(layout_ptr + r)
@@ -316,6 +340,8 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
     row_of = tl.where(has, r, row0)
     found = r * 0
     bad_ids = r * 0
+    by_position = r * 0
+    by_hash = r * 0
     for e0 in range(lo, hi, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         inside = e < hi
@@ -334,8 +360,15 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         tl.store(is_label_ptr + e, (hit & valid).to(tl.uint8), mask=inside)
         found += tl.sum(hit.to(tl.int64), axis=0)
         bad_ids += tl.sum((inside & ((ids < 0) | (ids >= vocab))).to(tl.int64), axis=0)
+        if FINGERPRINT:  # the ids follow the offsets in the fingerprinted vector
+            terms = _fingerprint_terms(ids, rows + 1 + e, inside)
+            by_position += terms[0]
+            by_hash += terms[1]
     tl.store(kept_ptr + r, ((~has) | (found > 0)).to(tl.uint8))
     tl.atomic_add(counts_ptr + 1, bad_ids, mask=bad_ids > 0)
+    if FINGERPRINT:
+        tl.atomic_add(counts_ptr + 9, by_position, mask=hi > lo)
+        tl.atomic_add(counts_ptr + 10, by_hash, mask=hi > lo)
 
 
 @triton.jit
@@ -364,12 +397,13 @@ def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, BAD_FLAG: tl.constex
 
 def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
                 num_valid_cols: int, max_set_rows: int, vocab: int, num_cols: int, flags: Optional[Tensor],
-                check_missing: bool) -> dict:
+                check_missing: bool, fingerprint: bool = False) -> dict:
     """replay.KeptEntries' fields from the mask's raw offsets (the layout offsets made here, as
     MaskCheck.layout_offsets makes them), the counts of MaskCheck's device checks, and with
     `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison; `dw_key`,
     kept_grads' sort key of the entries over a shard of `num_cols` columns; `chunk_place`, the
-    dense route's place of each entry in the [slots, num_cols] logits, and its kernels."""
+    dense route's place of each entry in the [slots, num_cols] logits, and its kernels; with
+    `fingerprint`, counts[9:11] are MaskCheck.fingerprint()'s."""
     device = ids.device
     total, rows = ids.numel(), offsets.numel() - 1
     ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
@@ -386,12 +420,12 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     has_set, kept = bits[:rows], bits[rows:2 * rows]
     valid, is_label = bits[2 * rows:].view(2, total).unbind(0)
     _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
-                            BLOCK=LAYOUT_BLOCK, num_warps=4)
+                            FINGERPRINT=fingerprint, BLOCK=LAYOUT_BLOCK, num_warps=4)
     _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
                                   set_labels, kept, slot, col, position, row_of, keys, dw_key, place, valid, is_label,
                                   rows,
                                   total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
-                                  BLOCK_E=LAYOUT_BLOCK_E, num_warps=2)
+                                  FINGERPRINT=fingerprint, BLOCK_E=LAYOUT_BLOCK_E, num_warps=2)
     if total > 1:
         _mask_duplicates_kernel[(triton.cdiv(total, LAYOUT_BLOCK),)](torch.sort(keys).values, counts, total,
                                                                      BLOCK=LAYOUT_BLOCK, num_warps=4)
@@ -404,7 +438,7 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                                    MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing)
     return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
                 starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
-                position=position, row_of_entry=row_of, valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
+                position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None, valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
                 dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place), counts=counts,
                 poison=poison, chunk_kernels=(gather_chunk, scatter_chunk))
 
