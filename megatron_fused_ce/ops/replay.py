@@ -579,30 +579,31 @@ class ReplayChunks:
         else:
             per_row = torch.zeros(len(names), num_rows + 1, dtype=torch.float32, device=rows.device)
             per_row[1].fill_(1.0)
-        kept = self._kept_partials(rows, weight, spec)
+        # the set rows' partials replace their plain ones (columns set_dest; padding: the spare one)
+        self._kept_partials(rows, weight, spec, per_row)
         z = self._z
         self._z = None
-        # the set rows' partials replace their plain ones: one copy for every field
-        per_row.index_copy_(1, entries.set_dest, torch.stack([getattr(kept, name) for name in names]))
         stats = ShardStats(**{name: per_row[i, :num_rows] for i, name in enumerate(names)})
         merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check)
         return ReplayStats(**vars(merged), kept=entries.kept, entry_z=z)
 
-    def _kept_partials(self, rows: Tensor, weight: Tensor, spec) -> ShardStats:
+    def _kept_partials(self, rows: Tensor, weight: Tensor, spec, into: Tensor) -> None:
+        """The set rows' partials written into `into` [fields, rows + 1] at columns set_dest."""
         entries = self.entries
         PIECE_COUNTS["sparse_rows" if self.sparse else "dense_rows"] += entries.set_rows.numel()
         if self.sparse:
             round_to = None if spec.logits_dtype is not None or rows.dtype == torch.float32 else rows.dtype
-            stats, self._z = spec.backend.kept_stats(rows, weight, entries, spec.inv_temperature, round_to,
-                                                     spec.want_entropy, self.want_z, self._max_elements(weight, spec))
-            return stats
+            _, self._z = spec.backend.kept_stats(rows, weight, entries, spec.inv_temperature, round_to,
+                                                 spec.want_entropy, self.want_z, self._max_elements(weight, spec),
+                                                 into=into)
+            return
         z = torch.zeros(entries.ids.numel(), dtype=torch.float32, device=rows.device)
         for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
             logits = chunk_logits(rows.index_select(0, entries.set_rows[start:end]), weight, spec)
             entries.gather_chunk(z, logits, start, spec.inv_temperature)
             del logits
         self._z = z if self.want_z else None
-        return replay_torch.entry_stats(z, entries, spec.want_entropy)
+        replay_torch.into_columns(replay_torch.entry_stats(z, entries, spec.want_entropy), entries, into)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor], accumulate: bool) -> None:

@@ -72,11 +72,23 @@ def entry_stats(z: Tensor, entries, want_entropy: bool) -> ShardStats:
                       sum_exp_shifted=row_sums(e * shifted) if want_entropy else None)
 
 
+def into_columns(stats: ShardStats, entries, into: Tensor) -> None:
+    """Each set row's fields (max, sum_exp, target, sum_exp_shifted: `into`'s rows) written into
+    `into` at its column set_dest (padding slots: the spare last column)."""
+    names = ("max", "sum_exp", "target", "sum_exp_shifted")[:into.shape[0]]
+    into.index_copy_(1, entries.set_dest, torch.stack([getattr(stats, name) for name in names]))
+
+
 def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, round_to: Optional[torch.dtype],
-               want_entropy: bool, want_z: bool, max_elements: int):
-    """(ShardStats of the set rows over their kept entries here, the entries' z or None)."""
+               want_entropy: bool, want_z: bool, max_elements: int, into: Optional[Tensor] = None):
+    """(ShardStats of the set rows over their kept entries here, the entries' z or None); with
+    `into`, the statistics are written there instead (`into_columns`) and None returned for them."""
     z = entry_logits(rows, weight, entries, inv_temperature, round_to, max_elements)
-    return entry_stats(z, entries, want_entropy), z if want_z else None
+    stats = entry_stats(z, entries, want_entropy)
+    if into is not None:
+        into_columns(stats, entries, into)
+        stats = None
+    return stats, z if want_z else None
 
 
 def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor,

@@ -61,12 +61,15 @@ def _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E: tl.cons
 @triton.jit
 def _kept_stats_kernel(
     h_ptr, stride_h, w_ptr, stride_w, ids_ptr, set_rows_ptr, starts_ptr, ends_ptr, labels_ptr,
-    z_ptr, max_ptr, sum_ptr, target_ptr, shifted_ptr,
+    z_ptr, max_ptr, sum_ptr, target_ptr, shifted_ptr, dest_ptr,
     H, vocab_start, num_valid_cols, inv_temperature,
     ROUND: tl.constexpr, BF16_BY_HAND: tl.constexpr, WANT_ENTROPY: tl.constexpr, STORE_Z: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    TO_DEST: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     i = tl.program_id(0)
+    at = i
+    if TO_DEST:  # the statistics go to the slot's row (replay_torch.into_columns)
+        at = tl.load(dest_ptr + i)
     row = tl.load(set_rows_ptr + i)
     start = tl.load(starts_ptr + i)
     end = tl.load(ends_ptr + i)
@@ -103,32 +106,35 @@ def _kept_stats_kernel(
         s = s * rescale + tl.sum(p, axis=0)
         t += tl.sum(tl.where(valid & (ids == label), z, 0.0), axis=0)
         m = new_m
-    tl.store(max_ptr + i, m)
-    tl.store(sum_ptr + i, s)
-    tl.store(target_ptr + i, t)
+    tl.store(max_ptr + at, m)
+    tl.store(sum_ptr + at, s)
+    tl.store(target_ptr + at, t)
     if WANT_ENTROPY:
-        tl.store(shifted_ptr + i, se)
+        tl.store(shifted_ptr + at, se)
 
 
 def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, round_to: Optional[torch.dtype],
-               want_entropy: bool, want_z: bool, max_elements: int):
-    """replay_torch.kept_stats in one launch (max_elements: unused, nothing is gathered)."""
+               want_entropy: bool, want_z: bool, max_elements: int, into: Optional[Tensor] = None):
+    """replay_torch.kept_stats in one launch (max_elements: unused, nothing is gathered); with
+    `into`, the kernel writes each slot's statistics at its column set_dest there."""
     count = entries.set_rows.numel()
     f32 = dict(dtype=torch.float32, device=rows.device)
-    row_max, sum_exp, target, shifted = torch.empty(4 if want_entropy else 3, count, **f32).unbind(0) + (
-        (None,) if not want_entropy else ())
-    shifted = row_max if shifted is None else shifted
+    fields = 4 if want_entropy else 3
+    out = into if into is not None else torch.empty(fields, count, **f32)
+    row_max, sum_exp, target = out[0], out[1], out[2]
+    shifted = out[3] if want_entropy else row_max
     # (entries of positions without a labelled row are never visited)
     z = torch.zeros(entries.ids.numel(), **f32) if want_z else row_max
     if count:
         by_hand = _interpreting() and round_to is torch.bfloat16
         _kept_stats_kernel[(count,)](
             rows, rows.stride(0), weight, weight.stride(0), entries.ids, entries.set_rows, entries.starts,
-            entries.ends, entries.set_labels, z, row_max, sum_exp, target, shifted,
+            entries.ends, entries.set_labels, z, row_max, sum_exp, target, shifted, entries.set_dest,
             rows.shape[1], entries.vocab_start, entries.num_valid_cols, float(inv_temperature),
             ROUND=_ROUND.get(round_to, 0), BF16_BY_HAND=by_hand, WANT_ENTROPY=want_entropy, STORE_Z=want_z,
-            BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
-    stats = ShardStats(max=row_max, sum_exp=sum_exp, target=target, sum_exp_shifted=shifted if want_entropy else None)
+            TO_DEST=into is not None, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
+    stats = None if into is not None else ShardStats(max=row_max, sum_exp=sum_exp, target=target,
+                                                     sum_exp_shifted=shifted if want_entropy else None)
     return stats, z if want_z else None
 
 
