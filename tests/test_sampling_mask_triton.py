@@ -134,7 +134,7 @@ def test_kept_kernels_match_the_torch_math(triton_kernels, dtype, pool, monkeypa
     assert bool((dx[~entries.has_set] == 7.0).all())  # rows without a set: padding slots add zeros
 
 
-# ---------------------------------------------------------------- the layout and checks kernels against the torch definitions
+# ---------------------------------------------------------------- the layout and checks kernels against torch's
 _LAYOUT_FIELDS = ("offsets", "has_set", "set_dest", "set_rows", "starts", "ends", "set_labels", "kept", "slot", "col",
                   "position", "valid", "is_label", "set_positions")
 

@@ -269,9 +269,10 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
         for b in range(0, rows + 1, BLOCK):
             j = b + tl.arange(0, BLOCK).to(tl.int64)
             inside = j <= rows
-            terms = _fingerprint_terms(tl.load(offsets_ptr + j, mask=inside, other=0), j, inside)
-            by_position += terms[0]
-            by_hash += terms[1]
+            position_terms, hash_terms = _fingerprint_terms(tl.load(offsets_ptr + j, mask=inside, other=0), j,
+                                                            inside)
+            by_position += position_terms
+            by_hash += hash_terms
     for b in range(1, rows + 1, BLOCK):
         j = b + tl.arange(0, BLOCK)
         inside = j <= rows
@@ -367,9 +368,9 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         found += tl.sum(hit.to(tl.int64), axis=0)
         bad_ids += tl.sum((inside & ((ids < 0) | (ids >= vocab))).to(tl.int64), axis=0)
         if FINGERPRINT:  # the ids follow the offsets in the fingerprinted vector
-            terms = _fingerprint_terms(ids, rows + 1 + e, inside)
-            by_position += terms[0]
-            by_hash += terms[1]
+            position_terms, hash_terms = _fingerprint_terms(ids, rows + 1 + e, inside)
+            by_position += position_terms
+            by_hash += hash_terms
     tl.store(kept_ptr + r, ((~has) | (found > 0)).to(tl.uint8))
     tl.atomic_add(counts_ptr + 1, bad_ids, mask=bad_ids > 0)
     if FINGERPRINT:
@@ -444,7 +445,8 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                                    MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing)
     return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
                 starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
-                position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None, valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
+                position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None,
+                valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
                 dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place), counts=counts,
                 poison=poison, chunk_kernels=(gather_chunk, scatter_chunk))
 
