@@ -85,7 +85,7 @@ from torch import Tensor
 
 from . import deferred_errors, reductions
 from .agreement import integer_argument, is_int, tensor_fingerprint
-from .backends import ShardStats, replay_torch
+from .backends import ShardStats
 from .backends.triton_common import interpreting as _interpreting
 from .fast import FAST_CHUNKS, backward_grads, chunk_logits, grad_gemms, row_chunks, shard_partials
 
@@ -603,7 +603,7 @@ class ReplayChunks:
             entries.gather_chunk(z, logits, start, spec.inv_temperature)
             del logits
         self._z = z if self.want_z else None
-        replay_torch.into_columns(replay_torch.entry_stats(z, entries, spec.want_entropy), entries, into)
+        spec.backend.entry_stats(z, entries, spec.want_entropy, into)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor], accumulate: bool) -> None:
@@ -626,12 +626,13 @@ class ReplayChunks:
             if dw_out is not None and not accumulate:
                 dw_out.zero_()
         set_rows = entries.set_rows
-        d = replay_torch.entry_dlogits(z, entries, spec.inv_temperature, row_max, log_sum_exp, coefs["p"],
-                                       coefs.get("pz"), coefs.get("target"))
+        # (dense: in the GEMMs' input dtype)
+        d = spec.backend.entry_dlogits(z, entries, spec.inv_temperature, row_max, log_sum_exp, coefs["p"],
+                                       coefs.get("pz"), coefs.get("target"),
+                                       torch.float32 if self.sparse else rows.dtype)
         if self.sparse:
             spec.backend.kept_grads(rows, weight, entries, d, dx_rows, dw_out, self._max_elements(weight, spec))
             return None
-        d = d.to(rows.dtype)  # the GEMMs' input dtype
         cols = weight.shape[0]
         for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
             r = end - start

@@ -64,7 +64,7 @@ def _kept_stats_kernel(
     z_ptr, max_ptr, sum_ptr, target_ptr, shifted_ptr, dest_ptr,
     H, vocab_start, num_valid_cols, inv_temperature,
     ROUND: tl.constexpr, BF16_BY_HAND: tl.constexpr, WANT_ENTROPY: tl.constexpr, STORE_Z: tl.constexpr,
-    TO_DEST: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    TO_DEST: tl.constexpr, FROM_Z: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     i = tl.program_id(0)
     at = i
@@ -84,16 +84,19 @@ def _kept_stats_kernel(
         ids = tl.load(ids_ptr + e, mask=inside, other=-1)
         col = ids - vocab_start
         valid = inside & (col >= 0) & (col < num_valid_cols)
-        acc = _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E, BLOCK_H)
-        if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates
-            acc = round_bf16_by_hand(acc)
-        elif ROUND == 1:
-            acc = acc.to(tl.bfloat16).to(tl.float32)
-        elif ROUND == 2:
-            acc = acc.to(tl.float16).to(tl.float32)
-        z = acc * inv_temperature
-        if STORE_Z:
-            tl.store(z_ptr + e, tl.where(valid, z, 0.0), mask=inside)
+        if FROM_Z:  # the dense route's z, read off its chunks of logits (entry_stats)
+            z = tl.load(z_ptr + e, mask=valid, other=0.0)
+        else:
+            acc = _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E, BLOCK_H)
+            if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates
+                acc = round_bf16_by_hand(acc)
+            elif ROUND == 1:
+                acc = acc.to(tl.bfloat16).to(tl.float32)
+            elif ROUND == 2:
+                acc = acc.to(tl.float16).to(tl.float32)
+            z = acc * inv_temperature
+            if STORE_Z:
+                tl.store(z_ptr + e, tl.where(valid, z, 0.0), mask=inside)
         new_m = tl.maximum(m, tl.max(tl.where(valid, z, float("-inf")), axis=0))
         safe = tl.where(new_m == float("-inf"), 0.0, new_m)
         rescale = tl.exp(m - safe)  # 0 while m is -inf
@@ -132,10 +135,78 @@ def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, ro
             entries.ends, entries.set_labels, z, row_max, sum_exp, target, shifted, entries.set_dest,
             rows.shape[1], entries.vocab_start, entries.num_valid_cols, float(inv_temperature),
             ROUND=_ROUND.get(round_to, 0), BF16_BY_HAND=by_hand, WANT_ENTROPY=want_entropy, STORE_Z=want_z,
-            TO_DEST=into is not None, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
+            TO_DEST=into is not None, FROM_Z=False, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
     stats = None if into is not None else ShardStats(max=row_max, sum_exp=sum_exp, target=target,
                                                      sum_exp_shifted=shifted if want_entropy else None)
     return stats, z if want_z else None
+
+
+def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None) -> Optional[ShardStats]:
+    """replay_torch.entry_stats (the dense route's statistics from the entries' z) in one launch:
+    the kept-stats kernel reading z instead of taking dots; with `into`, written at set_dest."""
+    count = entries.set_rows.numel()
+    out = into if into is not None else torch.empty(4 if want_entropy else 3, count, dtype=torch.float32,
+                                                    device=z.device)
+    row_max, sum_exp, target = out[0], out[1], out[2]
+    shifted = out[3] if want_entropy else row_max
+    if count:
+        _kept_stats_kernel[(count,)](
+            z, 0, z, 0, entries.ids, entries.set_rows, entries.starts, entries.ends, entries.set_labels, z, row_max,
+            sum_exp, target, shifted, entries.set_dest, 0, entries.vocab_start, entries.num_valid_cols, 1.0,
+            ROUND=0, BF16_BY_HAND=False, WANT_ENTROPY=want_entropy, STORE_Z=False, TO_DEST=into is not None,
+            FROM_Z=True, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
+    if into is not None:
+        return None
+    return ShardStats(max=row_max, sum_exp=sum_exp, target=target, sum_exp_shifted=shifted if want_entropy else None)
+
+
+# The backward's dlogits of every entry from the forward's z (replay_torch.entry_dlogits).
+DLOGITS_BLOCK = 1024
+
+
+@triton.jit
+def _entry_dlogits_kernel(z_ptr, row_of_ptr, valid_ptr, is_label_ptr, max_ptr, lse_ptr, p_ptr, pz_ptr, target_ptr,
+                          d_ptr, total, stride_max, stride_lse, stride_p, stride_pz, stride_target, inv_temperature,
+                          HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, SCALE: tl.constexpr,
+                          BF16_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = e < total
+    row = tl.load(row_of_ptr + e, mask=inside, other=0)
+    valid = inside & (tl.load(valid_ptr + e, mask=inside, other=0) != 0)
+    z = tl.load(z_ptr + e, mask=valid, other=0.0)
+    # (the same operations in the same order as the torch definition)
+    log_q = (z - tl.load(max_ptr + row * stride_max, mask=valid, other=0.0)) - tl.load(
+        lse_ptr + row * stride_lse, mask=valid, other=0.0)
+    coef = tl.load(p_ptr + row * stride_p, mask=valid, other=0.0).to(tl.float32)
+    if HAS_PZ:
+        coef = coef + tl.load(pz_ptr + row * stride_pz, mask=valid, other=0.0).to(tl.float32) * log_q
+    grad = tl.where(valid, tl.exp(log_q) * coef, 0.0)
+    if HAS_TARGET:
+        hit = valid & (tl.load(is_label_ptr + e, mask=inside, other=0) != 0)
+        grad = grad + tl.where(hit, tl.load(target_ptr + row * stride_target, mask=hit, other=0.0).to(tl.float32),
+                               0.0)
+    if SCALE:
+        grad = grad * inv_temperature
+    if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates
+        grad = round_bf16_by_hand(grad)
+    tl.store(d_ptr + e, grad.to(d_ptr.dtype.element_ty), mask=inside)
+
+
+def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor,
+                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor],
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """replay_torch.entry_dlogits in one launch (`dtype`: the result's, rounded from fp32)."""
+    total = entries.ids.numel()
+    d = torch.empty(total, dtype=dtype, device=z.device)
+    if total:
+        # (a coefficient may be an expanded scalar: its stride is 0)
+        per_row = [t if t is not None else coef_p for t in (row_max, log_sum_exp, coef_p, coef_pz, coef_target)]
+        _entry_dlogits_kernel[(triton.cdiv(total, DLOGITS_BLOCK),)](
+            z, entries.row_of_entry(), entries.valid.view(torch.uint8), entries.is_label.view(torch.uint8), *per_row,
+            d, total, *(t.stride(0) for t in per_row), float(inv_temperature),
+            HAS_PZ=coef_pz is not None, HAS_TARGET=coef_target is not None, SCALE=inv_temperature != 1.0,
+            BF16_BY_HAND=_interpreting() and dtype == torch.bfloat16, BLOCK=DLOGITS_BLOCK, num_warps=4)
+    return d
 
 
 @triton.jit
