@@ -51,13 +51,16 @@ Per call, on each TP rank (every row of labels, ignored ones included, as in the
                              row gathering the W rows of its kept ids and taking their dots, the
                              online max / sum-exp / entropy sums and the label's z; torch: the
                              same by blocks of entries and segment reductions), or
-                             dense: fast.py's chunk GEMM over the whole shard, the kept entries
-                             read off each chunk of logits
+                             dense: fast.py's chunk GEMM over the whole shard, the kept entries'
+                             z read off each chunk of logits, then the backend's `entry_stats`
+                             over them (Triton: the kept_stats kernel reading z instead of taking
+                             dots, one launch; torch: segment reductions)
     one TP merge             the partials of every row merged by reductions.merge_shard_stats
 
 Backward (the chunk loop's recompute_grads): every entry's dlogits from the z the forward saved
-(O(entries) floats, no recompute of the logits; backends/replay_torch.entry_dlogits, both
-backends), then sparse: the backend's `kept_grads` (Triton: dX per row from the gathered W rows;
+(O(entries) floats, no recompute of the logits), the backend's `entry_dlogits` (Triton: one
+launch over the entries, each reading its row's offsets and coefficients; torch: a dozen
+elementwise ops and gathers, replay_torch.entry_dlogits, the reference), then sparse: the backend's `kept_grads` (Triton: dX per row from the gathered W rows;
 dW from the entries sorted by id on the device, a segmented sum per block and one fp32 atomic add
 per id and block, into the fp32 dW or Megatron's main_grad) or dense: each chunk's dlogits block
 (zeros, the entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the

@@ -1,6 +1,7 @@
-"""Replay's kept-set math in Triton: replay_torch.py's `kept_stats` and `kept_grads` (same
-arguments, same results up to the order of fp32 sums; tests/test_sampling_mask_triton.py checks
-them against it, on CPU under TRITON_INTERPRET=1).
+"""Replay's kept-set math in Triton: replay_torch.py's `kept_stats`, `entry_stats`,
+`entry_dlogits` and `kept_grads` (same arguments, same results up to the order of fp32 sums and
+exp's last bit; tests/test_sampling_mask_triton.py checks them against it, on CPU under
+TRITON_INTERPRET=1).
 
 No W[U] copy, no logits block, no per-tile host work: each kernel reads the kept ids from the
 mask's CSR and gathers the weight rows itself.
@@ -8,7 +9,11 @@ mask's CSR and gathers the weight rows itself.
 - `_kept_stats_kernel`, one program per row with a set: its entries in blocks of BLOCK_E, each
   entry's dot h_row . W_id over H in blocks of BLOCK_H (fp32), rounded to the input dtype as the
   chunk GEMM's logits are, then an online max / sum exp / entropy sum over the blocks and the
-  label's z; it writes each entry's z for the backward.
+  label's z; it writes each entry's z for the backward. With FROM_Z it reads the entries' z
+  instead (`entry_stats`: the dense route, whose z come off its chunks of logits).
+- `_entry_dlogits_kernel`, one program per block of entries: each entry's dlogit from its z, its
+  row's merged max and log-sum-exp and the upstream coefficients (`entry_dlogits`), in fp32 or
+  rounded to the dense route's GEMM dtype.
 - `_kept_input_grad_kernel`, one program per (row with a set, block of H): dX = sum_e d_e W_id.
 - `_kept_weight_grad_kernel`: the entries sorted by column (one device sort, no host sync), one
   program per (block of sorted entries, block of H): d_e h_row for each entry, a segmented scan
