@@ -277,6 +277,13 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad):
     assert bool((got.counts[:3] > 0).any()) == bool((counts[:3] > 0).any())
     if bad != "offsets":  # (valid offsets: the counts are MaskCheck's)
         assert torch.equal(got.counts[:3], counts[:3])
+    # the labels' poison added in (the call's one poison): NaN stays NaN, 0 gives the verdict's
+    for base in (0.0, float("nan")):
+        fields = replay_triton.kept_layout(ids, offsets, labels, labelled, 0, vocab, min(positions, ids.numel()),
+                                           vocab=vocab, num_cols=vocab, flags=torch.zeros(1, dtype=torch.int64),
+                                           check_missing=True, base_poison=torch.full((1,), base))
+        assert bool(torch.isnan(fields["poison"]).all()) == (bool(want) or base != base)
+        assert bool(want) or base != base or float(fields["poison"]) == 0.0
     for name in _LAYOUT_FIELDS:
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
 
@@ -372,6 +379,9 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     assert sparse.replay_ops() <= 24, dict(sparse.ops)
     assert len(sparse.ops["entries"]) <= 8, sparse.ops["entries"]
     assert len(sparse.ops["backward"]) <= 8, sparse.ops["backward"]
+    # the rest of the call (45 here, the label checks in torch off CUDA): the log-probs' kept flag
+    # and the poison take no ops of their own beyond one where and one add
+    assert len(sparse.ops["other"]) <= 48, sparse.ops["other"]
     dense = {chunks: _dispatched_call(monkeypatch, "dense", 32 // chunks).replay_ops() for chunks in (1, 4)}
     per_chunk = (dense[4] - dense[1]) / 3
     assert per_chunk <= 12 and dense[1] - per_chunk <= 21, (dense, sparse.replay_ops())

@@ -36,7 +36,8 @@ have a set, their slots, the row counts and the missing-set count), one program 
 or a padding slot, its entries' slot / column / valid / is-label, its label-kept flag, its ids'
 range check and (row, id) keys), a sort of the keys and a kernel counting equal neighbours (an id
 twice in a set), and on a remembered signature one that ORs the verdict into deferred_errors'
-flags and makes the NaN poison (`ReplayChunks.poison`). Tests compare them field by field.
+flags and makes the NaN poison (`ReplayChunks.poison`, the label checks' added in: the call's one
+poison). Tests compare them field by field.
 
 Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
 
@@ -651,7 +652,8 @@ class ReplayChunks:
 
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
                   true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False,
-                  num_cols: Optional[int] = None, fingerprint: bool = False) -> ReplayChunks:
+                  num_cols: Optional[int] = None, fingerprint: bool = False,
+                  label_poison: Optional[Tensor] = None) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
     (every position of labels), sized from what the host knows on every call of a signature, the
     first included, so that they all compute alike: at most min(rows, E) rows with a set (each
@@ -660,14 +662,15 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
     check (MaskCheck.deferred_poison) and, without the plain pass, `missing_set_poison`'s.
     `backend`: its `kept_layout` kernels make the layout and the checks where it has them
     (`num_cols`: the shard's columns, valid and padding). With `fingerprint` (a TP rank check), the
-    tiling's `fingerprint` is MaskCheck.fingerprint()'s value."""
+    tiling's `fingerprint` is MaskCheck.fingerprint()'s value. `label_poison` (fp32 [1], the label
+    checks'): added into `poison`, so that the call's poison is this one (the kernel adds it)."""
     ids = mask_check.ids
     max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
     layout = getattr(backend, "kept_layout", None)
     if layout is not None and (ids.is_cuda or _interpreting()):
         kernel = partial(layout, vocab=true_vocab, num_cols=num_cols,
                          flags=deferred_errors.flags(ids.device) if check else None, check_missing=not plain_pass,
-                         fingerprint=fingerprint)
+                         fingerprint=fingerprint, base_poison=label_poison)
         entries = KeptEntries(ids, mask_check.offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows,
                               kernel=kernel)
         poison = entries.poison
@@ -681,6 +684,8 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
         poison = mask_check.deferred_poison()
         if not plain_pass:
             poison = poison + tiling.missing_set_poison()
+        if label_poison is not None:
+            poison = label_poison + poison
     tiling.poison = poison
     tiling.fingerprint = entries.fingerprint if entries.fingerprint is not None or not fingerprint \
         else mask_check.fingerprint()

@@ -466,27 +466,31 @@ def _mask_duplicates_kernel(keys_ptr, counts_ptr, total, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, BAD_FLAG: tl.constexpr, MISSING_FLAG: tl.constexpr,
-                         CHECK_MISSING: tl.constexpr):
-    """deferred_errors' flags and the call's fp32 poison from the counts."""
+def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr,
+                         MISSING_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
+    """deferred_errors' flags and the call's fp32 poison from the counts (plus the labels' poison)."""
     bad = (tl.load(counts_ptr + 0) + tl.load(counts_ptr + 1) + tl.load(counts_ptr + 2)) > 0
     flags = tl.where(bad, BAD_FLAG, 0).to(tl.int64)
     if CHECK_MISSING:
         missing = tl.load(counts_ptr + 6) > 0
         flags = flags | tl.where(missing, MISSING_FLAG, 0).to(tl.int64)
     tl.store(flags_ptr, tl.load(flags_ptr) | flags)
-    tl.store(poison_ptr, tl.where(flags != 0, float("nan"), 0.0))
+    poison = tl.where(flags != 0, float("nan"), 0.0)
+    if HAS_BASE:  # (base + 0 is base, base + NaN is NaN: torch's sum)
+        poison = tl.load(base_ptr) + poison
+    tl.store(poison_ptr, poison)
 
 
 def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
                 num_valid_cols: int, max_set_rows: int, vocab: int, num_cols: int, flags: Optional[Tensor],
-                check_missing: bool, fingerprint: bool = False) -> dict:
+                check_missing: bool, fingerprint: bool = False, base_poison: Optional[Tensor] = None) -> dict:
     """replay.KeptEntries' fields from the mask's raw offsets (the layout offsets made here, as
     MaskCheck.layout_offsets makes them), the counts of MaskCheck's device checks, and with
     `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison; `dw_key`,
     kept_grads' sort key of the entries over a shard of `num_cols` columns; `chunk_place`, the
     dense route's place of each entry in the [slots, num_cols] logits, and its kernels; with
-    `fingerprint`, counts[9:11] are MaskCheck.fingerprint()'s."""
+    `fingerprint`, counts[9:11] are MaskCheck.fingerprint()'s; `base_poison` (fp32 [1]) is added
+    into the poison."""
     device = ids.device
     total, rows = ids.numel(), offsets.numel() - 1
     ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
@@ -517,8 +521,9 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
         from ..deferred_errors import SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
 
         poison = torch.empty(1, dtype=torch.float32, device=device)
-        _mask_verdict_kernel[(1,)](counts, flags, poison, BAD_FLAG=SAMPLING_MASK_BAD,
-                                   MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing)
+        _mask_verdict_kernel[(1,)](counts, flags, poison, poison if base_poison is None else base_poison,
+                                   BAD_FLAG=SAMPLING_MASK_BAD, MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET,
+                                   CHECK_MISSING=check_missing, HAS_BASE=base_poison is not None)
     return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
                 starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
                 position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None,
