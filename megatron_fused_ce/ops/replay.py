@@ -581,8 +581,8 @@ class ReplayChunks:
             per_row = torch.stack([getattr(plain, name) for name in names])
             per_row = torch.cat([per_row, per_row[:, :1]], 1)  # (the spare place padding slots land on)
         else:
-            per_row = torch.zeros(len(names), num_rows + 1, dtype=torch.float32, device=rows.device)
-            per_row[1].fill_(1.0)
+            # (max 1, sum_exp 1, target 1: finite, and one op where zeros and a fill are two)
+            per_row = torch.ones(len(names), num_rows + 1, dtype=torch.float32, device=rows.device)
         # the set rows' partials replace their plain ones (columns set_dest; padding: the spare one)
         self._kept_partials(rows, weight, spec, per_row)
         z = self._z
