@@ -370,12 +370,11 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     layout, forward and backward on the Triton backend, each launch one op: the sparse route 20
     (the layout and checks 8: three allocations, four launches and a sort; the backward 7: the
     dlogits kernel and its output, the dX and dW kernels and the sort, and the zeros of dX and dW
-    that stand in for the plain pass), at
-    most 24; the dense route 11 more per chunk of rows (its row gathers, GEMMs, entry gathers and
-    scatters), at most 12, and 17 besides, at most 21. Protects the per-call host cost of replay:
-    every op costs a launch and its Python while the GPU idles (about 100 ops in these phases
-    with the layout and checks in torch; 32, and 54 fixed, with the entries' dlogits and the
-    dense statistics in torch)."""
+    that stand in for the plain pass), at most 24; the dense route 11 more per chunk of rows (its
+    row gathers, GEMMs, entry gathers and scatters), at most 12, and 17 besides, at most 21.
+    Protects the per-call host cost of replay: every op costs a launch and its Python while the
+    GPU idles (about 100 ops in these phases with the layout and checks in torch; 32, and 54
+    fixed, with the entries' dlogits and the dense statistics in torch)."""
     sparse = _dispatched_call(monkeypatch, "sparse", 32)
     assert sparse.replay_ops() <= 24, dict(sparse.ops)
     assert len(sparse.ops["entries"]) <= 8, sparse.ops["entries"]
