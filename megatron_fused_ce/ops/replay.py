@@ -59,15 +59,16 @@ Per call, on each TP rank (every row of labels, ignored ones included, as in the
     one TP merge             the partials of every row merged by reductions.merge_shard_stats
 
 Backward (the chunk loop's recompute_grads): every entry's dlogits from the z the forward saved
-(O(entries) floats, no recompute of the logits), the backend's `entry_dlogits` (Triton: one
-launch over the entries, each reading its row's offsets and coefficients; torch: a dozen
-elementwise ops and gathers, replay_torch.entry_dlogits, the reference), then sparse: the backend's `kept_grads` (Triton: dX per row from the gathered W rows;
-dW from the entries sorted by id on the device, a segmented sum per block and one fp32 atomic add
-per id and block, into the fp32 dW or Megatron's main_grad) or dense: each chunk's dlogits block
-(zeros, the entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the
-plain recompute backward. The dense route finds each chunk's entries by their place in the set
-rows' [slots, V_local] logits (`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk
-with the layout kernels), so that a chunk adds only its GEMMs, its rows' gather and that launch.
+(O(entries) floats, no recompute of the logits), the backend's `entry_dlogits` (Triton: one launch
+over the entries, each reading its row's offsets and coefficients; torch: a dozen elementwise ops
+and gathers, replay_torch.entry_dlogits, the reference), then sparse: the backend's `kept_grads`
+(Triton: dX per row from the gathered W rows; dW from the entries sorted by id on the device, a
+segmented sum per block and one fp32 atomic add per id and block, into the fp32 dW or Megatron's
+main_grad) or dense: each chunk's dlogits block (zeros, the entries written in) times W and h,
+fast.py's GEMMs. Rows with an empty set take the plain recompute backward. The dense route finds
+each chunk's entries by their place in the set rows' [slots, V_local] logits
+(`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk with the layout kernels), so
+that a chunk adds only its GEMMs, its rows' gather and that launch.
 
 Sparse or dense is decided from sizes the host already knows (no sync): sparse while the kept
 entries are at most SPARSE_MAX_SHARE of the set rows x the vocab (mean K <= V / 640). Measured on
