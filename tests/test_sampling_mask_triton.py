@@ -112,6 +112,12 @@ def test_kept_kernels_match_the_torch_math(triton_kernels, dtype, pool, monkeypa
     torch.testing.assert_close(z, z_ref, rtol=1e-6, atol=1e-6)
     for field in ("max", "sum_exp", "target", "sum_exp_shifted"):
         torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-5, atol=1e-6)
+    # written into the rows' columns instead (replay's forward): the same values at set_dest
+    rows = entries.labelled.numel()
+    into, into_ref = torch.full((4, rows + 1), 3.0).to(DEVICE), torch.full((4, rows + 1), 3.0).to(DEVICE)
+    assert replay_triton.kept_stats(h, w, entries, 0.7, round_to, True, False, 0, into=into)[0] is None
+    replay_torch.into_columns(got, entries, into_ref)
+    assert torch.equal(into[:, :rows], into_ref[:, :rows])
     d = torch.where(entries.valid, torch.randn(entries.ids.numel(), generator=g).to(DEVICE), 0.0)
     start = torch.randn(w.shape, generator=g).to(DEVICE)
     results = []
@@ -126,3 +132,256 @@ def test_kept_kernels_match_the_torch_math(triton_kernels, dtype, pool, monkeypa
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(dx[set_rows].float(), dx_ref[set_rows].float(), rtol=tol, atol=tol)
     assert bool((dx[~entries.has_set] == 7.0).all())  # rows without a set: padding slots add zeros
+
+
+@pytest.mark.parametrize("terms", ["p", "all"])
+def test_entry_kernels_match_the_torch_math(triton_kernels, terms, monkeypatch):
+    """replay_triton's entry_stats (the dense route's statistics from z) and entry_dlogits (the
+    backward's) give replay_torch's: rows spanning several entry blocks, rows without an entry on
+    this shard, padding slots, labels in and out of their sets, an expanded (stride 0) coefficient,
+    with and without the entropy and target terms and a temperature, fp32 and bf16 results. Only
+    exp and the order of fp32 sums differ: fp32 to 1e-5 relative (1e-6 absolute), bf16 to one of
+    its units in the last place."""
+    from megatron_fused_ce.ops.backends import replay_torch
+
+    replay_triton = triton_kernels["replay_triton"]
+    monkeypatch.setattr(replay_triton, "STATS_BLOCK_E", 4)
+    monkeypatch.setattr(replay_triton, "DLOGITS_BLOCK", 64)
+    entries, h, w, g = _kept_entries(13, dtype=torch.float32, pool=97)
+    z = replay_torch.entry_logits(h, w, entries, 0.7, None, 1 << 20)
+    rows = entries.labelled.numel()
+    for want_entropy in (True, False):
+        got, want = (math.entry_stats(z, entries, want_entropy) for math in (replay_triton, replay_torch))
+        assert torch.equal(torch.isfinite(got.max), torch.isfinite(want.max)) and not torch.isfinite(got.max).all()
+        for field in ("max", "sum_exp", "target") + (("sum_exp_shifted",) if want_entropy else ()):
+            torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-5, atol=1e-6)
+        fields = 4 if want_entropy else 3
+        into, into_ref = torch.full((fields, rows + 1), 3.0).to(DEVICE), torch.full((fields, rows + 1), 3.0).to(DEVICE)
+        assert replay_triton.entry_stats(z, entries, want_entropy, into) is None
+        replay_torch.entry_stats(z, entries, want_entropy, into_ref)
+        torch.testing.assert_close(into[:, :rows], into_ref[:, :rows], rtol=1e-5, atol=1e-6)
+    # each row's offsets as the merge gives them: its set's statistics (placeholders elsewhere)
+    stats = torch.zeros(4, rows + 1).to(DEVICE)
+    stats[1] = 1.0
+    replay_torch.entry_stats(z, entries, True, stats)
+    row_max, log_sum_exp = stats[0, :rows], stats[1, :rows].log()
+    coef_p = torch.randn(rows, generator=g).to(DEVICE)
+    coef_pz = torch.randn(rows, generator=g).to(DEVICE) if terms == "all" else None
+    coef_target = torch.full((1,), -0.5).to(DEVICE).expand(rows) if terms == "all" else None
+    inv_temperature = 1 / 0.7 if terms == "all" else 1.0
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+        got, want = (math.entry_dlogits(z, entries, inv_temperature, row_max, log_sum_exp, coef_p, coef_pz,
+                                        coef_target, dtype) for math in (replay_triton, replay_torch))
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=1e-6)
+        assert bool((got[~entries.valid] == 0).all()) and bool((got[entries.valid] != 0).any())
+
+
+# ---------------------------------------------------------------- the layout and checks kernels against torch's
+_LAYOUT_FIELDS = ("offsets", "has_set", "set_dest", "set_rows", "starts", "ends", "set_labels", "kept", "slot", "col",
+                  "position", "valid", "is_label", "set_positions")
+
+
+def _layouts(replay_triton, ids, offsets, labels, labelled, vocab, vocab_start, num_valid, max_set_rows,
+             flags=None, check_missing=False):
+    """(torch KeptEntries, kernel KeptEntries, torch counts [5], missing) of one mask."""
+    from functools import partial
+
+    check = replay.MaskCheck((ids, offsets), labels, -100, vocab)
+    torch_entries = replay.KeptEntries(ids, check.layout_offsets(), labels, labelled, vocab_start, num_valid,
+                                       max_set_rows)
+    kernel = partial(replay_triton.kept_layout, vocab=vocab, num_cols=num_valid + 2, flags=flags,
+                     check_missing=check_missing, fingerprint=True)
+    kernel_entries = replay.KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid, max_set_rows,
+                                        kernel=kernel)
+    counts = torch.cat([check._device_counts(), check._row_counts()])
+    missing = int((labelled & ~torch_entries.has_set).sum())
+    assert torch.equal(kernel_entries.fingerprint, check.fingerprint())  # (the TP rank check's)
+    return torch_entries, kernel_entries, counts, missing
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch):
+    """replay_triton.kept_layout gives KeptEntries' torch fields exactly (rows without a set,
+    unlabelled rows, padding slots, ids off this shard, labels in and out of their sets, several
+    blocks of rows and of entries), MaskCheck's device counts and the mask's fingerprint."""
+    replay_triton = triton_kernels["replay_triton"]
+    monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK", 16)
+    monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)
+    g = torch.Generator().manual_seed(seed)
+    vocab, positions = 97, 60
+    sizes = torch.randint(1, 12, (positions,), generator=g)
+    sizes[torch.rand(positions, generator=g) < 0.2] = 0
+    ids = torch.cat([torch.randperm(vocab, generator=g)[:int(k)] for k in sizes])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    labels = torch.randint(0, vocab, (positions,), generator=g)
+    hit = (torch.rand(positions, generator=g) < 0.6) & (sizes > 0)
+    labels[hit] = ids[offsets[:-1][hit]]
+    labelled = torch.rand(positions, generator=g) > 0.2
+    labels[~labelled] = -100
+    max_set_rows = int(((sizes > 0) & labelled).sum()) + 3
+    num_valid = 48
+    ref, got, counts, missing = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 49, num_valid,
+                                         max_set_rows)
+    for name in _LAYOUT_FIELDS:
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert torch.equal(got.row_of_entry(), ref.row_of_entry())
+    assert torch.equal(got.dw_key, torch.where(ref.valid, ref.col, num_valid + 2))
+    assert torch.equal(got.counts[:5], counts) and int(got.counts[6]) == missing, (got.counts, counts, missing)
+    assert got.poison is None
+    # the dense route's chunks: the kernels read and write the places torch does
+    cols = num_valid + 2
+    logits = torch.randn(max_set_rows, cols, generator=g).to(torch.bfloat16)
+    d = torch.randn(ids.numel(), generator=g).to(torch.bfloat16)
+    for start, end in ((0, 7), (7, max_set_rows)):
+        z_ref, z_got = torch.full((ids.numel(),), 5.0), torch.full((ids.numel(),), 5.0)
+        ref.gather_chunk(z_ref, logits[start:end], start, 0.7)
+        got.gather_chunk(z_got, logits[start:end], start, 0.7)
+        assert torch.equal(z_got, z_ref)
+        assert torch.equal(got.scatter_chunk(d, start, end, cols), ref.scatter_chunk(d, start, end, cols))
+
+
+@pytest.mark.parametrize("bad", ["none", "offsets", "ids", "duplicate", "missing"])
+def test_layout_kernels_check_the_mask(triton_kernels, bad):
+    """The kernels' verdict (deferred_errors' flags, NaN poison) is MaskCheck.deferred_poison's and
+    missing_set_poison's, and the layout of a bad mask stays in range."""
+    from megatron_fused_ce.ops import deferred_errors
+
+    replay_triton = triton_kernels["replay_triton"]
+    g = torch.Generator().manual_seed(5)
+    vocab, positions, k = 50, 12, 4
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(positions)]).reshape(-1)
+    offsets = torch.arange(positions + 1) * k
+    labels = ids[offsets[:-1]].clone()
+    labelled = torch.ones(positions, dtype=torch.bool)
+    if bad == "offsets":
+        offsets[5] = offsets[7] + 2
+    elif bad == "ids":
+        ids[9] = vocab + 3
+    elif bad == "duplicate":
+        ids[13] = ids[12]
+    elif bad == "missing":
+        offsets[3:] -= k
+        ids = ids[k:]
+    flags = torch.zeros(1, dtype=torch.int64)
+    ref, got, counts, missing = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 0, vocab,
+                                         min(positions, ids.numel()), flags=flags, check_missing=True)
+    want = ((deferred_errors.SAMPLING_MASK_BAD if bool((counts[:3] > 0).any()) else 0)
+            | (deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET if missing else 0))
+    # (the torch definitions find what was broken; a bad offset also empties a row's layout range)
+    assert bool(want & deferred_errors.SAMPLING_MASK_BAD) == (bad in ("offsets", "ids", "duplicate")), want
+    assert bool(want & deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET) == (bad in ("offsets", "missing")), want
+    assert int(flags) == want
+    assert bool(torch.isnan(got.poison).all()) == bool(want) and (want or float(got.poison) == 0.0)
+    assert torch.equal(got.counts[3:5], counts[3:5]) and int(got.counts[6]) == missing
+    assert bool((got.counts[:3] > 0).any()) == bool((counts[:3] > 0).any())
+    if bad != "offsets":  # (valid offsets: the counts are MaskCheck's)
+        assert torch.equal(got.counts[:3], counts[:3])
+    # the labels' poison added in (the call's one poison): NaN stays NaN, 0 gives the verdict's
+    for base in (0.0, float("nan")):
+        fields = replay_triton.kept_layout(ids, offsets, labels, labelled, 0, vocab, min(positions, ids.numel()),
+                                           vocab=vocab, num_cols=vocab, flags=torch.zeros(1, dtype=torch.int64),
+                                           check_missing=True, base_poison=torch.full((1,), base))
+        assert bool(torch.isnan(fields["poison"]).all()) == (bool(want) or base != base)
+        assert bool(want) or base != base or float(fields["poison"]) == 0.0
+    for name in _LAYOUT_FIELDS:
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+# ---------------------------------------------------------------- what a call dispatches on the Triton backend
+class _Dispatched:
+    """Ops dispatched per replay phase (views left out), a Triton launch counting as one op (the
+    interpreter's own torch ops inside a launch are not the GPU path's)."""
+
+    VIEWS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias",
+             "as_strided", "detach", "lift_fresh", "permute", "split", "unbind", "reshape"}
+
+    def __init__(self, monkeypatch):
+        import collections
+        import sys
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.ops = collections.defaultdict(list)
+        phase, launching, outer = ["other"], [False], self
+        for name, (owner, method) in {"entries": (replay.KeptEntries, "__init__"),
+                                      "forward": (replay.ReplayChunks, "merged_statistics"),
+                                      "backward": (replay.ReplayChunks, "recompute_grads")}.items():
+            def wrapped(*args, _original=getattr(owner, method), _name=name, **kwargs):
+                before, phase[0] = phase[0], _name
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    phase[0] = before
+
+            monkeypatch.setattr(owner, method, wrapped)
+        interpreter = sys.modules.get("triton.runtime.interpreter")
+        if DEVICE.type != "cuda" and interpreter is not None:
+            launch = interpreter.GridExecutor.__call__
+
+            def counted(executor, *args, **kwargs):
+                outer.ops[phase[0]].append("triton")
+                launching[0] = True
+                try:
+                    return launch(executor, *args, **kwargs)
+                finally:
+                    launching[0] = False
+
+            monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name not in _Dispatched.VIEWS and not launching[0]:
+                    outer.ops[phase[0]].append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def replay_ops(self) -> int:
+        return sum(len(self.ops[phase]) for phase in ("entries", "forward", "backward"))
+
+
+def _dispatched_call(monkeypatch, force, chunk, n=32, k=3):
+    monkeypatch.setattr(replay, "FORCE_PIECES", force)
+    g = torch.Generator().manual_seed(3)
+    hidden, vocab = 64, 64
+    h = torch.randn(n, hidden, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(n)])
+    y = ids[:, 0].contiguous().to(DEVICE)
+    mask = (ids.reshape(-1).to(DEVICE), (torch.arange(n + 1) * k).to(DEVICE))
+
+    def call():
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        linear_logprobs(hh, ww, y, chunk_size=chunk, impl="triton", sampling_mask=mask).logprobs.sum().backward()
+
+    for _ in range(2):  # the signature's first call, then a remembered one
+        call()
+    counter = _Dispatched(monkeypatch)
+    with counter.mode:
+        call()
+    monkeypatch.undo()
+    return counter
+
+
+def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
+    """What one replay call (a remembered signature, every row with a set: RL) dispatches in its
+    layout, forward and backward on the Triton backend, each launch one op: the sparse route 20
+    (the layout and checks 8: three allocations, four launches and a sort; the backward 7: the
+    dlogits kernel and its output, the dX and dW kernels and the sort, and the zeros of dX and dW
+    that stand in for the plain pass), at most 24; the dense route 11 more per chunk of rows (its
+    row gathers, GEMMs, entry gathers and scatters), at most 12, and 17 besides, at most 21.
+    Protects the per-call host cost of replay: every op costs a launch and its Python while the
+    GPU idles (about 100 ops in these phases with the layout and checks in torch; 32, and 54
+    fixed, with the entries' dlogits and the dense statistics in torch)."""
+    sparse = _dispatched_call(monkeypatch, "sparse", 32)
+    assert sparse.replay_ops() <= 24, dict(sparse.ops)
+    assert len(sparse.ops["entries"]) <= 8, sparse.ops["entries"]
+    assert len(sparse.ops["backward"]) <= 8, sparse.ops["backward"]
+    # the rest of the call (45 here, the label checks in torch off CUDA): the log-probs' kept flag
+    # and the poison take no ops of their own beyond one where and one add
+    assert len(sparse.ops["other"]) <= 48, sparse.ops["other"]
+    dense = {chunks: _dispatched_call(monkeypatch, "dense", 32 // chunks).replay_ops() for chunks in (1, 4)}
+    per_chunk = (dense[4] - dense[1]) / 3
+    assert per_chunk <= 12 and dense[1] - per_chunk <= 21, (dense, sparse.replay_ops())

@@ -384,6 +384,8 @@ class TokenStats:
     log_sum_exp: Optional[Tensor] = None
     # sampler fidelity (sampling.py), on the labelled rows
     kept: Optional[Tensor] = None  # bool: the label is in the kept set (None: no filter)
+    # kept is True at ignored rows (replay's): where(kept, logprob(), -inf) keeps logprob()'s zeros
+    kept_at_ignored: bool = False
     topk_logprobs: Optional[Tensor] = None  # [rows, k]
     topk_ids: Optional[Tensor] = None  # [rows, k]
     num_labelled: Any = None  # labelled tokens: an int (the agreement's), or a LabelledCount on the device
@@ -600,11 +602,21 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # agreement counted them) without a set at a labelled position, is today's path
     replaying = (mask_check is not None and mask_check.usable and mask_check.ids.numel() > 0 and num_rows > 0
                  and (agreed.mask_rows is None or agreed.mask_rows[0] > 0))
-    mask_poison = mask_check.deferred_poison() if replaying and agreed.remembered else None
+    mask_poison = tiling = None
+    if replaying:  # sampling-mask replay (replay.py's tiling; before the rank check: it fingerprints the mask)
+        # the plain pass only where the signature's first call had a labelled row without a set
+        # (a remembered signature checks the mask on the device, and without the plain pass that
+        # every labelled row still has a set: NaN and an error at the next host synchronization)
+        tiling = replay.replay_tiling(mask_check, flat_labels, device_checks.labelled, vocab_start,
+                                      min(max(agreed.true_vocab - vocab_start, 0), v_local), agreed.true_vocab,
+                                      needs_grad, plain_pass=not agreed.mask_sets_everywhere, backend=backend,
+                                      check=agreed.remembered, num_cols=v_local, fingerprint=compare_ranks,
+                                      label_poison=device_checks.poison)
+        mask_poison = tiling.poison
     rank_check = None
     if compare_ranks:
         rank_check = reductions.RankCheck(_rank_check_values(
-            device_checks.rank_pieces, must_agree, mask_check.fingerprint() if replaying else None))
+            device_checks.rank_pieces, must_agree, tiling.fingerprint if replaying else None))
 
     lean_tiles = None
     if memory_mode == "lean":
@@ -639,18 +651,13 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     shape = tuple(labels.shape)
     labelled = device_checks.labelled if device_checks is not None else None
     anchor = None
-    if replaying:  # sampling-mask replay (replay.py's tiling)
-        # the plain pass only where the signature's first call had a labelled row without a set
-        tiling = replay.replay_tiling(mask_check, flat_labels, labelled, vocab_start, spec.num_valid_cols,
-                                      agreed.true_vocab, needs_grad, plain_pass=not agreed.mask_sets_everywhere)
-        if agreed.remembered and not tiling.plain_pass:  # such a row now would be wrong: NaN and an error
-            missing = tiling.missing_set_poison()
-            mask_poison = missing if mask_poison is None else mask_poison + missing
+    if replaying:
         spec = replace(spec, tiling=tiling)
         with autocast_off(hidden.device):
             out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,
-                          None, out.max, out.log_sum_exp, kept=out.kept, num_labelled=num_labelled,
+                          None, out.max, out.log_sum_exp, kept=out.kept, kept_at_ignored=True,
+                          num_labelled=num_labelled,
                           labelled=labelled, poison=_device_poison(device_checks, rank_check, mask_poison))
     with autocast_off(hidden.device):
         if grad_in_forward:
@@ -739,12 +746,11 @@ def _device_poison(device_checks: Optional[_DeviceChecks], rank_check,
                    mask_poison: Optional[Tensor] = None) -> Optional[Tensor]:
     """fp32 [1]: NaN if this call's device checks found bad contents (recorded for the next host
     synchronization: deferred_errors.py), else 0, for its results; None without device checks.
-    `mask_poison`: the sampling mask's own check (replay.MaskCheck.deferred_poison)."""
+    `mask_poison`: the sampling mask's check with the labels' already in it (replay_tiling's)."""
     if device_checks is None:
         return None
-    poison = device_checks.poison  # (label_targets recorded what it found)
-    if mask_poison is not None:
-        poison = poison + mask_poison
+    # (label_targets recorded what it found)
+    poison = device_checks.poison if mask_poison is None else mask_poison
     if rank_check is not None and rank_check.differ is not None:
         deferred_errors.record(rank_check.differ.to(torch.int64) * deferred_errors.RANKS_DIFFER)
         poison = poison + torch.where(rank_check.differ, float("nan"), 0.0)
@@ -878,7 +884,7 @@ def linear_logprobs(
     logprobs = stats.logprob()
     if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
         logprobs = torch.where(stats.kept, logprobs, float("-inf"))
-    logprobs = stats.to_full(logprobs, masked=stats.kept is None)
+    logprobs = stats.to_full(logprobs, masked=stats.kept is None or stats.kept_at_ignored)
     entropy = stats.to_full(stats.entropy) if return_entropy else None
     if stats.topk_ids is None:
         return LogprobsOutput(logprobs, entropy)

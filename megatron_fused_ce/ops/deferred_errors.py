@@ -8,7 +8,8 @@ checked on the device instead:
 - a sampling mask's offsets, ids and duplicates (replay.MaskCheck.deferred_poison; on every rank
   too: the mask is the same), and a labelled position without a kept set where the signature's
   first call had a set at every labelled position (its later calls skip the plain pass such a
-  position needs: replay.ReplayChunks.missing_set_poison);
+  position needs: replay.ReplayChunks.missing_set_poison); on the Triton backend one kernel
+  records both (backends/replay_triton.kept_layout);
 - values that differ across tensor-parallel ranks (labels, a sampling mask, per-token inputs of the
   loss, the call's Python-level arguments), compared by fingerprints riding on the statistics'
   all-reduce MAX (reductions.RankCheck), so every rank computes the same verdict.

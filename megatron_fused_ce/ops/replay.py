@@ -28,6 +28,17 @@ call of a signature, the first included, is sized from what the host knows (at m
 rows with a set; `layout_offsets` keeps a bad mask's indexing in range), so that they compute
 alike, bit for bit.
 
+The layout (`KeptEntries`) and the later calls' checks are defined here in torch: the CPU path and
+the reference. A backend with `kept_layout` (Triton: backends/replay_triton.py) makes the same
+fields, counts and verdict in a few launches, since each torch op costs a launch and its Python
+on every call (some eighty of them): one program scanning the rows (the layout offsets, which rows
+have a set, their slots, the row counts and the missing-set count), one program per row (its slot
+or a padding slot, its entries' slot / column / valid / is-label, its label-kept flag, its ids'
+range check and (row, id) keys), a sort of the keys and a kernel counting equal neighbours (an id
+twice in a set), and on a remembered signature one that ORs the verdict into deferred_errors'
+flags and makes the NaN poison (`ReplayChunks.poison`, the label checks' added in: the call's one
+poison). Tests compare them field by field.
+
 Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
 
     rows with an empty set   the plain path's partials over the whole shard (fast.py's chunks):
@@ -41,17 +52,23 @@ Per call, on each TP rank (every row of labels, ignored ones included, as in the
                              row gathering the W rows of its kept ids and taking their dots, the
                              online max / sum-exp / entropy sums and the label's z; torch: the
                              same by blocks of entries and segment reductions), or
-                             dense: fast.py's chunk GEMM over the whole shard, the kept entries
-                             read off each chunk of logits
+                             dense: fast.py's chunk GEMM over the whole shard, the kept entries'
+                             z read off each chunk of logits, then the backend's `entry_stats`
+                             over them (Triton: the kept_stats kernel reading z instead of taking
+                             dots, one launch; torch: segment reductions)
     one TP merge             the partials of every row merged by reductions.merge_shard_stats
 
 Backward (the chunk loop's recompute_grads): every entry's dlogits from the z the forward saved
-(O(entries) floats, no recompute of the logits; backends/replay_torch.entry_dlogits, both
-backends), then sparse: the backend's `kept_grads` (Triton: dX per row from the gathered W rows;
-dW from the entries sorted by id on the device, a segmented sum per block and one fp32 atomic add
-per id and block, into the fp32 dW or Megatron's main_grad) or dense: each chunk's dlogits block
-(zeros, the entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the
-plain recompute backward.
+(O(entries) floats, no recompute of the logits), the backend's `entry_dlogits` (Triton: one launch
+over the entries, each reading its row's offsets and coefficients; torch: a dozen elementwise ops
+and gathers, replay_torch.entry_dlogits, the reference), then sparse: the backend's `kept_grads`
+(Triton: dX per row from the gathered W rows; dW from the entries sorted by id on the device, a
+segmented sum per block and one fp32 atomic add per id and block, into the fp32 dW or Megatron's
+main_grad) or dense: each chunk's dlogits block (zeros, the entries written in) times W and h,
+fast.py's GEMMs. Rows with an empty set take the plain recompute backward. The dense route finds
+each chunk's entries by their place in the set rows' [slots, V_local] logits
+(`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk with the layout kernels), so
+that a chunk adds only its GEMMs, its rows' gather and that launch.
 
 Sparse or dense is decided from sizes the host already knows (no sync): sparse while the kept
 entries are at most SPARSE_MAX_SHARE of the set rows x the vocab (mean K <= V / 640). Measured on
@@ -65,6 +82,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -72,7 +90,8 @@ from torch import Tensor
 
 from . import deferred_errors, reductions
 from .agreement import integer_argument, is_int, tensor_fingerprint
-from .backends import ShardStats, replay_torch
+from .backends import ShardStats
+from .backends.triton_common import interpreting as _interpreting
 from .fast import FAST_CHUNKS, backward_grads, chunk_logits, grad_gemms, row_chunks, shard_partials
 
 # Sparse while entries <= SPARSE_MAX_SHARE x set rows x vocab (module doc).
@@ -411,15 +430,29 @@ class KeptEntries:
     (every shard sees the whole set: no collective)."""
 
     def __init__(self, ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
-                 num_valid_cols: int, max_set_rows: int):
+                 num_valid_cols: int, max_set_rows: int, kernel=None):
+        """`offsets`: the layout offsets (MaskCheck.layout_offsets); with `kernel` (a backend's
+        kept_layout, partially applied), the mask's own offsets, and the kernel makes the fields
+        (and the device checks' `counts` and `poison`) that the code below defines."""
+        self.ids = ids.contiguous()
+        self.vocab_start, self.num_valid_cols = int(vocab_start), int(num_valid_cols)
+        self.labelled = labelled
+        self._row_of_entry = None
+        self.counts = self.poison = self.fingerprint = None
+        # the dense route's (cols, places) and (gather, scatter) kernels (None: torch, made here)
+        self.chunk_place = self.chunk_kernels = None
+        if kernel is not None:
+            fields = kernel(self.ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
+            self._row_of_entry = fields.pop("row_of_entry")
+            for name, value in fields.items():
+                setattr(self, name, value)
+            self.set_positions = self.set_dest
+            return
         device = ids.device
         total, num_rows = ids.numel(), offsets.numel() - 1
-        self.ids = ids.contiguous()
         # one spare position past the rows, with an empty set: the one padding slots read
         self.offsets = torch.cat([offsets, offsets[-1:]]).contiguous()
-        self.vocab_start, self.num_valid_cols = int(vocab_start), int(num_valid_cols)
         sizes = self.offsets[1:] - self.offsets[:-1]
-        self.labelled = labelled
         self.has_set = (sizes[:num_rows] > 0) & labelled
         found = torch.nonzero_static(self.has_set, size=max_set_rows, fill_value=-1).squeeze(1)
         padding = found < 0
@@ -446,7 +479,6 @@ class KeptEntries:
         torch.cumsum(hit, 0, out=prefix[1:])
         found_label = prefix.index_select(0, self.offsets[1:num_rows + 1]) > prefix.index_select(0, offsets[:-1])
         self.kept = ~self.has_set | found_label
-        self._row_of_entry = None
 
     def row_of_entry(self) -> Tensor:
         """[E] each entry's row (an index into the call's rows; a gathered row where it has none)."""
@@ -454,16 +486,36 @@ class KeptEntries:
             self._row_of_entry = self.set_rows.index_select(0, self.slot.clamp(min=0))
         return self._row_of_entry
 
-    def chunk_places(self, start: int, end: int, cols: int) -> tuple:
-        """Entries of slots [start, end): (in the chunk, their place in its [rows, cols] block
-        of logits; the block's size past the others)."""
-        inside = self.valid & (self.slot >= start) & (self.slot < end)
-        return inside, torch.where(inside, (self.slot - start) * cols + self.col, (end - start) * cols)
+    def _place(self, cols: int) -> Tensor:
+        """[E] each entry's place in the [slots, cols] logits of the set rows (-1 where not valid)."""
+        if self.chunk_place is None or self.chunk_place[0] != cols:
+            self.chunk_place = (cols, torch.where(self.valid, self.slot * cols + self.col, -1))
+        return self.chunk_place[1]
 
-    def in_rows(self, values: Tensor, per_slot: Tensor) -> Tensor:
-        """[rows] `values` with each set row's value from `per_slot` (padding lands on the spare place)."""
-        out = torch.cat([values, values[:1]]).index_copy_(0, self.set_dest, per_slot)
-        return out[:-1]
+    def gather_chunk(self, z: Tensor, logits: Tensor, start: int, inv_temperature: float) -> None:
+        """The dense route's forward: z of the entries of slots [start, start + rows of `logits`),
+        read off their [rows, cols] block (fp32, times 1/T); the others' z are left."""
+        cols = logits.shape[1]
+        place, lo, hi = self._place(cols), start * cols, start * cols + logits.numel()
+        if self.chunk_kernels is not None:
+            return self.chunk_kernels[0](place, logits, z, lo, hi, inv_temperature)
+        inside = (place >= lo) & (place < hi)
+        values = logits.reshape(-1).index_select(0, (place - lo).clamp(0, logits.numel() - 1)).float()
+        torch.where(inside, values * inv_temperature, z, out=z)
+
+    def scatter_chunk(self, d: Tensor, start: int, end: int, cols: int) -> Tensor:
+        """The dense route's backward: the [end - start, cols] block of dlogits of slots
+        [start, end): zeros, the entries' `d` (in the block's dtype) written in."""
+        place, lo, hi = self._place(cols), start * cols, end * cols
+        block = torch.zeros(end - start, cols, dtype=d.dtype, device=d.device)
+        if self.chunk_kernels is not None:
+            self.chunk_kernels[1](place, d, block, lo, hi)
+            return block
+        inside = (place >= lo) & (place < hi)
+        # (the others' writes land on one spare element past the block)
+        spare = torch.cat([block.reshape(-1), block.new_zeros(1)])
+        spare.index_put_((torch.where(inside, place - lo, hi - lo),), d)
+        return spare[:-1].view(end - start, cols)
 
 
 @dataclass
@@ -478,10 +530,6 @@ class ReplayStats(reductions.MergedStats):
         return (self.max, self.log_sum_exp, self.entry_z)
 
 
-def _pick(coefs: dict, index: Tensor) -> dict:
-    return {k: None if c is None else c.index_select(0, index) for k, c in coefs.items()}
-
-
 @dataclass(eq=False)
 class ReplayChunks:
     """`spec.tiling` of a call with kept sets: every row's plain partials in fast chunks, the rows
@@ -493,6 +541,10 @@ class ReplayChunks:
     want_z: bool  # the backward will need the entries' z
     # False where the signature's first call found no labelled row without a set (api.py remembers it)
     plain_pass: bool = True
+    # fp32 [1] NaN where the device checks of a remembered signature's call found a bad mask, and
+    # int64 [2] the mask's fingerprint for the TP rank check (replay_tiling)
+    poison: Optional[Tensor] = None
+    fingerprint: Optional[Tensor] = None
     statistics_type = ReplayStats
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
@@ -522,43 +574,41 @@ class ReplayChunks:
         # every row's plain partials (how many rows have a set is not known on the host), the set
         # rows' replaced by their kept sets'; without a labelled row that needs them, placeholders
         # (finite: an ignored row's results are zeros)
+        names = ("max", "sum_exp", "target") + (("sum_exp_shifted",) if spec.want_entropy else ())
+        num_rows = rows.shape[0]
         if self.plain_pass:
-            PIECE_COUNTS["plain_rows"] += rows.shape[0]
+            PIECE_COUNTS["plain_rows"] += num_rows
             plain = shard_partials(rows, weight, local_target, spec)
+            per_row = torch.stack([getattr(plain, name) for name in names])
+            per_row = torch.cat([per_row, per_row[:, :1]], 1)  # (the spare place padding slots land on)
         else:
-            zeros = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
-            plain = ShardStats(max=zeros, sum_exp=zeros + 1.0, target=zeros,
-                               sum_exp_shifted=zeros if spec.want_entropy else None)
-        kept = self._kept_partials(rows, weight, spec)
+            # (max 1, sum_exp 1, target 1: finite, and one op where zeros and a fill are two)
+            per_row = torch.ones(len(names), num_rows + 1, dtype=torch.float32, device=rows.device)
+        # the set rows' partials replace their plain ones (columns set_dest; padding: the spare one)
+        self._kept_partials(rows, weight, spec, per_row)
         z = self._z
         self._z = None
-
-        def field(name):
-            values = getattr(plain, name)
-            return None if values is None else entries.in_rows(values, getattr(kept, name))
-
-        stats = ShardStats(max=field("max"), sum_exp=field("sum_exp"), target=field("target"),
-                           sum_exp_shifted=field("sum_exp_shifted"))
+        stats = ShardStats(**{name: per_row[i, :num_rows] for i, name in enumerate(names)})
         merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check)
         return ReplayStats(**vars(merged), kept=entries.kept, entry_z=z)
 
-    def _kept_partials(self, rows: Tensor, weight: Tensor, spec) -> ShardStats:
+    def _kept_partials(self, rows: Tensor, weight: Tensor, spec, into: Tensor) -> None:
+        """The set rows' partials written into `into` [fields, rows + 1] at columns set_dest."""
         entries = self.entries
         PIECE_COUNTS["sparse_rows" if self.sparse else "dense_rows"] += entries.set_rows.numel()
         if self.sparse:
             round_to = None if spec.logits_dtype is not None or rows.dtype == torch.float32 else rows.dtype
-            stats, self._z = spec.backend.kept_stats(rows, weight, entries, spec.inv_temperature, round_to,
-                                                     spec.want_entropy, self.want_z, self._max_elements(weight, spec))
-            return stats
+            _, self._z = spec.backend.kept_stats(rows, weight, entries, spec.inv_temperature, round_to,
+                                                 spec.want_entropy, self.want_z, self._max_elements(weight, spec),
+                                                 into=into)
+            return
         z = torch.zeros(entries.ids.numel(), dtype=torch.float32, device=rows.device)
         for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
             logits = chunk_logits(rows.index_select(0, entries.set_rows[start:end]), weight, spec)
-            inside, at = entries.chunk_places(start, end, logits.shape[1])
-            values = logits.reshape(-1).index_select(0, at.clamp(max=logits.numel() - 1)).float()
-            z = torch.where(inside, values * spec.inv_temperature, z)
+            entries.gather_chunk(z, logits, start, spec.inv_temperature)
             del logits
         self._z = z if self.want_z else None
-        return replay_torch.entry_stats(z, entries, spec.want_entropy)
+        spec.backend.entry_stats(z, entries, spec.want_entropy, into)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor], accumulate: bool) -> None:
@@ -567,12 +617,12 @@ class ReplayChunks:
         sparse kernels or the dense chunks' GEMMs (adding)."""
         entries = self.entries
         row_max, log_sum_exp, z = offsets
-        plain_coefs = {k: None if c is None else torch.where(entries.has_set, 0.0, c) for k, c in coefs.items()}
-        # a set row's offsets are its set's: a logit off the set may exceed them by any amount, and
-        # exp of that times a zero coefficient would be NaN; an offset above every logit gives 0
-        plain_max = torch.where(entries.has_set, _ABOVE_EVERY_LOGIT, row_max)
-        plain_lse = torch.where(entries.has_set, 0.0, log_sum_exp)
         if self.plain_pass:
+            plain_coefs = {k: None if c is None else torch.where(entries.has_set, 0.0, c) for k, c in coefs.items()}
+            # a set row's offsets are its set's: a logit off the set may exceed them by any amount, and
+            # exp of that times a zero coefficient would be NaN; an offset above every logit gives 0
+            plain_max = torch.where(entries.has_set, _ABOVE_EVERY_LOGIT, row_max)
+            plain_lse = torch.where(entries.has_set, 0.0, log_sum_exp)
             backward_grads(rows, weight, local_target, spec, (plain_max, plain_lse), plain_coefs, dx_rows, dw_out,
                            dw_accumulate=accumulate)
         else:  # what the plain pass would write: zero dX, and dW where it is not added into
@@ -581,23 +631,19 @@ class ReplayChunks:
             if dw_out is not None and not accumulate:
                 dw_out.zero_()
         set_rows = entries.set_rows
-        c = _pick(coefs, set_rows)
-        # (a padding slot reads a row without a set: it has no entry, its dlogits are none)
-        d = replay_torch.entry_dlogits(z, entries, spec.inv_temperature, row_max.index_select(0, set_rows),
-                                       log_sum_exp.index_select(0, set_rows), c["p"], c["pz"], c["target"])
+        # (dense: in the GEMMs' input dtype)
+        d = spec.backend.entry_dlogits(z, entries, spec.inv_temperature, row_max, log_sum_exp, coefs["p"],
+                                       coefs.get("pz"), coefs.get("target"),
+                                       torch.float32 if self.sparse else rows.dtype)
         if self.sparse:
             spec.backend.kept_grads(rows, weight, entries, d, dx_rows, dw_out, self._max_elements(weight, spec))
             return None
-        d = d.to(rows.dtype)  # the GEMMs' input dtype
         cols = weight.shape[0]
         for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
             r = end - start
-            _, at = entries.chunk_places(start, end, cols)
-            # the chunk's block of dlogits: zeros, its entries written in (the others' writes land
-            # on one spare element past the block)
-            dlogits = torch.zeros(r * cols + 1, dtype=rows.dtype, device=rows.device).index_put_((at,), d)
+            dlogits = entries.scatter_chunk(d, start, end, cols)  # the chunk's block of dlogits
             dx_chunk = None if dx_rows is None else rows.new_empty((r, rows.shape[1]))
-            grad_gemms(dlogits[:-1].view(r, cols), rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
+            grad_gemms(dlogits, rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
                        dw_out, dw_accumulate=True)
             del dlogits
             if dx_chunk is not None:  # added: the plain pass wrote zeros there (padding adds zeros)
@@ -606,18 +652,45 @@ class ReplayChunks:
 
 
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
-                  true_vocab: int, needs_grad: bool, plain_pass: bool) -> ReplayChunks:
+                  true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False,
+                  num_cols: Optional[int] = None, fingerprint: bool = False,
+                  label_poison: Optional[Tensor] = None) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
     (every position of labels), sized from what the host knows on every call of a signature, the
     first included, so that they all compute alike: at most min(rows, E) rows with a set (each
     holds an entry). `plain_pass`: False where the signature's first call found a set at every
-    labelled row (the caller then checks that on the device: `missing_set_poison`)."""
+    labelled row. `check` (a remembered signature): the tiling's `poison` is the mask's device
+    check (MaskCheck.deferred_poison) and, without the plain pass, `missing_set_poison`'s.
+    `backend`: its `kept_layout` kernels make the layout and the checks where it has them
+    (`num_cols`: the shard's columns, valid and padding). With `fingerprint` (a TP rank check), the
+    tiling's `fingerprint` is MaskCheck.fingerprint()'s value. `label_poison` (fp32 [1], the label
+    checks'): added into `poison`, so that the call's poison is this one (the kernel adds it)."""
     ids = mask_check.ids
-    offsets = mask_check.layout_offsets()
-    max_set_rows = min(offsets.numel() - 1, ids.numel())
-    entries = KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
-    return ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), true_vocab), want_z=needs_grad,
-                        plain_pass=plain_pass)
+    max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
+    layout = getattr(backend, "kept_layout", None)
+    if layout is not None and (ids.is_cuda or _interpreting()):
+        kernel = partial(layout, vocab=true_vocab, num_cols=num_cols,
+                         flags=deferred_errors.flags(ids.device) if check else None, check_missing=not plain_pass,
+                         fingerprint=fingerprint, base_poison=label_poison)
+        entries = KeptEntries(ids, mask_check.offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows,
+                              kernel=kernel)
+        poison = entries.poison
+    else:
+        entries = KeptEntries(ids, mask_check.layout_offsets(), labels, labelled, vocab_start, num_valid_cols,
+                              max_set_rows)
+        poison = None
+    tiling = ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), true_vocab),
+                          want_z=needs_grad, plain_pass=plain_pass)
+    if check and poison is None:
+        poison = mask_check.deferred_poison()
+        if not plain_pass:
+            poison = poison + tiling.missing_set_poison()
+        if label_poison is not None:
+            poison = label_poison + poison
+    tiling.poison = poison
+    tiling.fingerprint = entries.fingerprint if entries.fingerprint is not None or not fingerprint \
+        else mask_check.fingerprint()
+    return tiling
 
 
 def sampling_mask_problems(sampling_mask, active_sampler: dict, memory_mode: str) -> dict:

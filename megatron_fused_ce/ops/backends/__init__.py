@@ -7,7 +7,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 | capability | what it replaces | who has it |
 |---|---|---|
 | `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
-| `kept_stats`, `kept_grads`: sampling-mask replay's kept entries (gathered W rows, their dots, statistics, dX, dW) (required) | - | torch (replay_torch.py), Triton (replay_triton.py) |
+| `kept_stats`, `kept_grads`, `entry_stats`, `entry_dlogits`: sampling-mask replay's kept entries (gathered W rows, their dots, statistics, dlogits, dX, dW) (required) | - | torch (replay_torch.py), Triton (replay_triton.py) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
 | `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
@@ -103,6 +103,9 @@ class Backend:
     # gradients (dX written, dW added in fp32)
     kept_stats: Callable
     kept_grads: Callable
+    # the statistics from the entries' z (the dense route), and each entry's dlogits (backward)
+    entry_stats: Callable
+    entry_dlogits: Callable
     # each row's target on this shard, which rows are labelled, their count and a bad-label flag
     label_targets: Callable
     # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)
@@ -112,6 +115,9 @@ class Backend:
     gemm_dlogits: Optional[FusedGemm] = None
     row_kernel: Optional[RowKernel] = None
     weight_grad_gemm: Optional[WeightGradGemm] = None
+    # sampling-mask replay's layout of the kept entries and the mask's device checks in kernels
+    # (replay.KeptEntries; None: its torch definition)
+    kept_layout: Optional[Callable] = None
 
     def stats_in_gemm(self, h, weight) -> bool:
         return self.gemm_stats is not None and h.shape[0] > 0 and self.gemm_stats.supported(h, weight)

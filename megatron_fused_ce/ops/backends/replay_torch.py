@@ -12,12 +12,14 @@ dtype first, as the chunk GEMM's logits are, unless logits_dtype is fp32):
   the label's z (0 where it is not among them), sum exp(z - max)(z - max) for the entropy; a row
   without an entry here has max -inf and zero sums, which the TP merge weighs by exp(-inf) = 0),
   and the entries' z when the backward will need them;
+- `entry_stats` -> the same statistics from the entries' z (the dense route reads z off its chunks
+  of logits);
 - `entry_dlogits` -> d(loss)/d(logit) of every entry for the kept-set distribution q:
 
       dL/dz_k = q_k (coef_p + coef_pz log q_k) + coef_target [k == y]   for the kept k
 
   (log q_k = (z_k - M) - log S with the merged row offsets; times 1/T, the chain rule through
-  z = logit / T), 0 at invalid entries; both backends take these (O(entries) elementwise);
+  z = logit / T), 0 at invalid entries (O(entries) elementwise);
 - `kept_grads` -> dX of the set rows and dW of their kept ids (both added; dW in fp32).
 
 Statistics are segment reductions over the CSR (`torch.segment_reduce`: no atomics, the same sums
@@ -55,8 +57,9 @@ def entry_logits(rows: Tensor, weight: Tensor, entries, inv_temperature: float, 
     return z
 
 
-def entry_stats(z: Tensor, entries, want_entropy: bool) -> ShardStats:
-    """ShardStats of the set rows (in set_rows order) over their valid entries, from the entries' z."""
+def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None) -> Optional[ShardStats]:
+    """ShardStats of the set rows (in set_rows order) over their valid entries, from the entries' z;
+    with `into`, written there instead (`into_columns`) and None returned."""
     valid, offsets = entries.valid, entries.offsets
     per_position_max = torch.segment_reduce(torch.where(valid, z, float("-inf")), "max", offsets=offsets)
     safe = torch.where(torch.isfinite(per_position_max), per_position_max, 0.0)
@@ -67,25 +70,39 @@ def entry_stats(z: Tensor, entries, want_entropy: bool) -> ShardStats:
     def row_sums(values):
         return torch.segment_reduce(values, "sum", offsets=offsets).index_select(0, at)
 
-    return ShardStats(max=per_position_max.index_select(0, at), sum_exp=row_sums(e),
-                      target=row_sums(torch.where(entries.is_label, z, 0.0)),
-                      sum_exp_shifted=row_sums(e * shifted) if want_entropy else None)
+    stats = ShardStats(max=per_position_max.index_select(0, at), sum_exp=row_sums(e),
+                       target=row_sums(torch.where(entries.is_label, z, 0.0)),
+                       sum_exp_shifted=row_sums(e * shifted) if want_entropy else None)
+    if into is None:
+        return stats
+    into_columns(stats, entries, into)
+    return None
+
+
+def into_columns(stats: ShardStats, entries, into: Tensor) -> None:
+    """Each set row's fields (max, sum_exp, target, sum_exp_shifted: `into`'s rows) written into
+    `into` at its column set_dest (padding slots: the spare last column)."""
+    names = ("max", "sum_exp", "target", "sum_exp_shifted")[:into.shape[0]]
+    into.index_copy_(1, entries.set_dest, torch.stack([getattr(stats, name) for name in names]))
 
 
 def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, round_to: Optional[torch.dtype],
-               want_entropy: bool, want_z: bool, max_elements: int):
-    """(ShardStats of the set rows over their kept entries here, the entries' z or None)."""
+               want_entropy: bool, want_z: bool, max_elements: int, into: Optional[Tensor] = None):
+    """(ShardStats of the set rows over their kept entries here, the entries' z or None); with
+    `into`, the statistics are written there instead (`into_columns`) and None returned for them."""
     z = entry_logits(rows, weight, entries, inv_temperature, round_to, max_elements)
-    return entry_stats(z, entries, want_entropy), z if want_z else None
+    return entry_stats(z, entries, want_entropy, into), z if want_z else None
 
 
 def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor,
-                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor]) -> Tensor:
-    """fp32 [E] dlogits of every entry (0 at invalid ones); the per-row tensors in set_rows order."""
-    slot = entries.slot.clamp(min=0)
+                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor],
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """[E] dlogits of every entry (0 at invalid ones; computed in fp32, returned in `dtype`); the
+    per-row tensors over the call's rows."""
+    row_of = entries.row_of_entry()  # (an entry outside a set reads a row: it is not valid)
 
-    def per_entry(t):
-        return t.index_select(0, slot)
+    def per_entry(t):  # (one [E] gather each: no [fields, E] block past a chunk of logits)
+        return t.index_select(0, row_of)
 
     log_q = (z - per_entry(row_max)) - per_entry(log_sum_exp)
     coef = per_entry(coef_p)
@@ -96,7 +113,7 @@ def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, l
         grad = grad + torch.where(entries.is_label, per_entry(coef_target), 0.0)
     if inv_temperature != 1.0:
         grad = grad * inv_temperature
-    return grad
+    return grad.to(dtype)
 
 
 def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],

@@ -1,6 +1,7 @@
-"""Replay's kept-set math in Triton: replay_torch.py's `kept_stats` and `kept_grads` (same
-arguments, same results up to the order of fp32 sums; tests/test_sampling_mask_triton.py checks
-them against it, on CPU under TRITON_INTERPRET=1).
+"""Replay's kept-set math in Triton: replay_torch.py's `kept_stats`, `entry_stats`,
+`entry_dlogits` and `kept_grads` (same arguments, same results up to the order of fp32 sums and
+exp's last bit; tests/test_sampling_mask_triton.py checks them against it, on CPU under
+TRITON_INTERPRET=1).
 
 No W[U] copy, no logits block, no per-tile host work: each kernel reads the kept ids from the
 mask's CSR and gathers the weight rows itself.
@@ -8,13 +9,21 @@ mask's CSR and gathers the weight rows itself.
 - `_kept_stats_kernel`, one program per row with a set: its entries in blocks of BLOCK_E, each
   entry's dot h_row . W_id over H in blocks of BLOCK_H (fp32), rounded to the input dtype as the
   chunk GEMM's logits are, then an online max / sum exp / entropy sum over the blocks and the
-  label's z; it writes each entry's z for the backward.
+  label's z; it writes each entry's z for the backward. With FROM_Z it reads the entries' z
+  instead (`entry_stats`: the dense route, whose z come off its chunks of logits).
+- `_entry_dlogits_kernel`, one program per block of entries: each entry's dlogit from its z, its
+  row's merged max and log-sum-exp and the upstream coefficients (`entry_dlogits`), in fp32 or
+  rounded to the dense route's GEMM dtype.
 - `_kept_input_grad_kernel`, one program per (row with a set, block of H): dX = sum_e d_e W_id.
 - `_kept_weight_grad_kernel`: the entries sorted by column (one device sort, no host sync), one
   program per (block of sorted entries, block of H): d_e h_row for each entry, a segmented scan
   that sums the entries of one column, one fp32 atomic add per column and block into dW (the
   op's fp32 buffer or Megatron's main_grad). A frequent id (in most sets: Zipf) costs one add per
   block of its entries, not one per entry.
+- `kept_layout`: replay.KeptEntries' fields and MaskCheck's device checks (replay.py's module doc)
+  in four launches and a sort; `gather_chunk` / `scatter_chunk`: the dense route's entries of one
+  chunk of logits in one launch each. These move values only (no arithmetic but z = fp32(logit)
+  / T's one multiply, as torch's), so they give torch's results bit for bit.
 """
 
 from __future__ import annotations
@@ -57,12 +66,15 @@ def _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E: tl.cons
 @triton.jit
 def _kept_stats_kernel(
     h_ptr, stride_h, w_ptr, stride_w, ids_ptr, set_rows_ptr, starts_ptr, ends_ptr, labels_ptr,
-    z_ptr, max_ptr, sum_ptr, target_ptr, shifted_ptr,
+    z_ptr, max_ptr, sum_ptr, target_ptr, shifted_ptr, dest_ptr,
     H, vocab_start, num_valid_cols, inv_temperature,
     ROUND: tl.constexpr, BF16_BY_HAND: tl.constexpr, WANT_ENTROPY: tl.constexpr, STORE_Z: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    TO_DEST: tl.constexpr, FROM_Z: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     i = tl.program_id(0)
+    at = i
+    if TO_DEST:  # the statistics go to the slot's row (replay_torch.into_columns)
+        at = tl.load(dest_ptr + i)
     row = tl.load(set_rows_ptr + i)
     start = tl.load(starts_ptr + i)
     end = tl.load(ends_ptr + i)
@@ -77,16 +89,19 @@ def _kept_stats_kernel(
         ids = tl.load(ids_ptr + e, mask=inside, other=-1)
         col = ids - vocab_start
         valid = inside & (col >= 0) & (col < num_valid_cols)
-        acc = _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E, BLOCK_H)
-        if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates
-            acc = round_bf16_by_hand(acc)
-        elif ROUND == 1:
-            acc = acc.to(tl.bfloat16).to(tl.float32)
-        elif ROUND == 2:
-            acc = acc.to(tl.float16).to(tl.float32)
-        z = acc * inv_temperature
-        if STORE_Z:
-            tl.store(z_ptr + e, tl.where(valid, z, 0.0), mask=inside)
+        if FROM_Z:  # the dense route's z, read off its chunks of logits (entry_stats)
+            z = tl.load(z_ptr + e, mask=valid, other=0.0)
+        else:
+            acc = _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E, BLOCK_H)
+            if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates
+                acc = round_bf16_by_hand(acc)
+            elif ROUND == 1:
+                acc = acc.to(tl.bfloat16).to(tl.float32)
+            elif ROUND == 2:
+                acc = acc.to(tl.float16).to(tl.float32)
+            z = acc * inv_temperature
+            if STORE_Z:
+                tl.store(z_ptr + e, tl.where(valid, z, 0.0), mask=inside)
         new_m = tl.maximum(m, tl.max(tl.where(valid, z, float("-inf")), axis=0))
         safe = tl.where(new_m == float("-inf"), 0.0, new_m)
         rescale = tl.exp(m - safe)  # 0 while m is -inf
@@ -99,33 +114,104 @@ def _kept_stats_kernel(
         s = s * rescale + tl.sum(p, axis=0)
         t += tl.sum(tl.where(valid & (ids == label), z, 0.0), axis=0)
         m = new_m
-    tl.store(max_ptr + i, m)
-    tl.store(sum_ptr + i, s)
-    tl.store(target_ptr + i, t)
+    tl.store(max_ptr + at, m)
+    tl.store(sum_ptr + at, s)
+    tl.store(target_ptr + at, t)
     if WANT_ENTROPY:
-        tl.store(shifted_ptr + i, se)
+        tl.store(shifted_ptr + at, se)
 
 
 def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, round_to: Optional[torch.dtype],
-               want_entropy: bool, want_z: bool, max_elements: int):
-    """replay_torch.kept_stats in one launch (max_elements: unused, nothing is gathered)."""
+               want_entropy: bool, want_z: bool, max_elements: int, into: Optional[Tensor] = None):
+    """replay_torch.kept_stats in one launch (max_elements: unused, nothing is gathered); with
+    `into`, the kernel writes each slot's statistics at its column set_dest there."""
     count = entries.set_rows.numel()
     f32 = dict(dtype=torch.float32, device=rows.device)
-    row_max, sum_exp, target = torch.empty(count, **f32), torch.empty(count, **f32), torch.empty(count, **f32)
-    shifted = torch.empty(count, **f32) if want_entropy else row_max
-    z = torch.empty(entries.ids.numel(), **f32) if want_z else row_max
-    if want_z:  # entries of positions without a labelled row are never visited
-        z.zero_()
+    fields = 4 if want_entropy else 3
+    out = into if into is not None else torch.empty(fields, count, **f32)
+    row_max, sum_exp, target = out[0], out[1], out[2]
+    shifted = out[3] if want_entropy else row_max
+    # (entries of positions without a labelled row are never visited)
+    z = torch.zeros(entries.ids.numel(), **f32) if want_z else row_max
     if count:
         by_hand = _interpreting() and round_to is torch.bfloat16
         _kept_stats_kernel[(count,)](
             rows, rows.stride(0), weight, weight.stride(0), entries.ids, entries.set_rows, entries.starts,
-            entries.ends, entries.set_labels, z, row_max, sum_exp, target, shifted,
+            entries.ends, entries.set_labels, z, row_max, sum_exp, target, shifted, entries.set_dest,
             rows.shape[1], entries.vocab_start, entries.num_valid_cols, float(inv_temperature),
             ROUND=_ROUND.get(round_to, 0), BF16_BY_HAND=by_hand, WANT_ENTROPY=want_entropy, STORE_Z=want_z,
-            BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
-    stats = ShardStats(max=row_max, sum_exp=sum_exp, target=target, sum_exp_shifted=shifted if want_entropy else None)
+            TO_DEST=into is not None, FROM_Z=False, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
+    stats = None if into is not None else ShardStats(max=row_max, sum_exp=sum_exp, target=target,
+                                                     sum_exp_shifted=shifted if want_entropy else None)
     return stats, z if want_z else None
+
+
+def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None) -> Optional[ShardStats]:
+    """replay_torch.entry_stats (the dense route's statistics from the entries' z) in one launch:
+    the kept-stats kernel reading z instead of taking dots; with `into`, written at set_dest."""
+    count = entries.set_rows.numel()
+    out = into if into is not None else torch.empty(4 if want_entropy else 3, count, dtype=torch.float32,
+                                                    device=z.device)
+    row_max, sum_exp, target = out[0], out[1], out[2]
+    shifted = out[3] if want_entropy else row_max
+    if count:
+        _kept_stats_kernel[(count,)](
+            z, 0, z, 0, entries.ids, entries.set_rows, entries.starts, entries.ends, entries.set_labels, z, row_max,
+            sum_exp, target, shifted, entries.set_dest, 0, entries.vocab_start, entries.num_valid_cols, 1.0,
+            ROUND=0, BF16_BY_HAND=False, WANT_ENTROPY=want_entropy, STORE_Z=False, TO_DEST=into is not None,
+            FROM_Z=True, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
+    if into is not None:
+        return None
+    return ShardStats(max=row_max, sum_exp=sum_exp, target=target, sum_exp_shifted=shifted if want_entropy else None)
+
+
+# The backward's dlogits of every entry from the forward's z (replay_torch.entry_dlogits).
+DLOGITS_BLOCK = 1024
+
+
+@triton.jit
+def _entry_dlogits_kernel(z_ptr, row_of_ptr, valid_ptr, is_label_ptr, max_ptr, lse_ptr, p_ptr, pz_ptr, target_ptr,
+                          d_ptr, total, stride_max, stride_lse, stride_p, stride_pz, stride_target, inv_temperature,
+                          HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, SCALE: tl.constexpr,
+                          BF16_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = e < total
+    row = tl.load(row_of_ptr + e, mask=inside, other=0)
+    valid = inside & (tl.load(valid_ptr + e, mask=inside, other=0) != 0)
+    z = tl.load(z_ptr + e, mask=valid, other=0.0)
+    # (the same operations in the same order as the torch definition)
+    log_q = (z - tl.load(max_ptr + row * stride_max, mask=valid, other=0.0)) - tl.load(
+        lse_ptr + row * stride_lse, mask=valid, other=0.0)
+    coef = tl.load(p_ptr + row * stride_p, mask=valid, other=0.0).to(tl.float32)
+    if HAS_PZ:
+        coef = coef + tl.load(pz_ptr + row * stride_pz, mask=valid, other=0.0).to(tl.float32) * log_q
+    grad = tl.where(valid, tl.exp(log_q) * coef, 0.0)
+    if HAS_TARGET:
+        hit = valid & (tl.load(is_label_ptr + e, mask=inside, other=0) != 0)
+        grad = grad + tl.where(hit, tl.load(target_ptr + row * stride_target, mask=hit, other=0.0).to(tl.float32),
+                               0.0)
+    if SCALE:
+        grad = grad * inv_temperature
+    if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates
+        grad = round_bf16_by_hand(grad)
+    tl.store(d_ptr + e, grad.to(d_ptr.dtype.element_ty), mask=inside)
+
+
+def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor,
+                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor],
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """replay_torch.entry_dlogits in one launch (`dtype`: the result's, rounded from fp32)."""
+    total = entries.ids.numel()
+    d = torch.empty(total, dtype=dtype, device=z.device)
+    if total:
+        # (a coefficient may be an expanded scalar: its stride is 0)
+        per_row = [t if t is not None else coef_p for t in (row_max, log_sum_exp, coef_p, coef_pz, coef_target)]
+        _entry_dlogits_kernel[(triton.cdiv(total, DLOGITS_BLOCK),)](
+            z, entries.row_of_entry(), entries.valid.view(torch.uint8), entries.is_label.view(torch.uint8), *per_row,
+            d, total, *(t.stride(0) for t in per_row), float(inv_temperature),
+            HAS_PZ=coef_pz is not None, HAS_TARGET=coef_target is not None, SCALE=inv_temperature != 1.0,
+            BF16_BY_HAND=_interpreting() and dtype == torch.bfloat16, BLOCK=DLOGITS_BLOCK, num_warps=4)
+    return d
 
 
 @triton.jit
@@ -163,7 +249,7 @@ def _segmented_sum(a_value, a_start, b_value, b_start):
 
 @triton.jit
 def _kept_weight_grad_kernel(
-    h_ptr, stride_h, cols_ptr, rows_ptr, d_ptr, dw_ptr, stride_dw, num_entries, H, num_cols,
+    h_ptr, stride_h, cols_ptr, order_ptr, rows_ptr, d_ptr, dw_ptr, stride_dw, num_entries, H, num_cols,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -175,8 +261,9 @@ def _kept_weight_grad_kernel(
     following = tl.load(cols_ptr + e + 1, mask=(e + 1 < num_entries) & (tl.arange(0, BLOCK_E) + 1 < BLOCK_E),
                         other=-1)
     used = inside & (col < num_cols)
-    row = tl.load(rows_ptr + e, mask=used, other=0)
-    d = tl.load(d_ptr + e, mask=used, other=0.0)
+    entry = tl.load(order_ptr + e, mask=used, other=0)  # (rows and d in entry order: no permuted copies)
+    row = tl.load(rows_ptr + entry, mask=used, other=0)
+    d = tl.load(d_ptr + entry, mask=used, other=0.0)
     x = tl.load(h_ptr + row[:, None] * stride_h + hh[None, :], mask=used[:, None] & h_ok[None, :],
                 other=0.0).to(tl.float32)
     starts = tl.broadcast_to((col != previous).to(tl.int32)[:, None], (BLOCK_E, BLOCK_H))
@@ -199,8 +286,283 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
     total = entries.ids.numel()
     if dw_out is not None and count and total:
         num_cols = weight.shape[0]
-        cols, order = torch.sort(torch.where(entries.valid, entries.col, num_cols))
+        # the layout kernel's key where it made one for this shard's width, else the same here
+        key = (entries.dw_key if getattr(entries, "dw_key_cols", None) == num_cols
+               else torch.where(entries.valid, entries.col, num_cols))
+        cols, order = torch.sort(key)
         _kept_weight_grad_kernel[(triton.cdiv(total, GRAD_BLOCK_E), triton.cdiv(hidden, GRAD_BLOCK_H))](
-            rows, rows.stride(0), cols, entries.row_of_entry().index_select(0, order), d.index_select(0, order),
-            dw_out, dw_out.stride(0), total, hidden, num_cols,
+            rows, rows.stride(0), cols, order, entries.row_of_entry(), d, dw_out, dw_out.stride(0), total, hidden,
+            num_cols,
             BLOCK_E=GRAD_BLOCK_E, BLOCK_H=GRAD_BLOCK_H, num_warps=WARPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask's layout and checks (replay.KeptEntries, replay.MaskCheck: the torch definitions are
+# the reference): four launches and a sort instead of some eighty elementwise ops.
+# ---------------------------------------------------------------------------------------------
+LAYOUT_BLOCK = 1024
+LAYOUT_BLOCK_E = 64
+# counts: bad offsets, bad ids, duplicates, labelled rows with a (raw) set, without one, rows with a
+# (layout) set, labelled rows without one, the first row without a set, set_rows[0], and the
+# mask's fingerprint (agreement.tensor_fingerprint of cat([offsets, ids])), two sums
+_COUNTS = 11
+
+
+@triton.jit
+def _fingerprint_terms(values, index, inside):
+    """agreement.tensor_fingerprint's two terms of int64 values at flat positions `index`, summed
+    (2^31 - 1: its _MASK; 2654435761: its _SCRAMBLE)."""
+    bits = (values ^ (values >> 31)) & 2147483647
+    weight = (2 * index + 1) & 2147483647
+    scramble = ((index * tl.full(index.shape, 2654435761, tl.int64)) | 1) & 2147483647
+    by_position = tl.sum(tl.where(inside, (bits * weight) & 2147483647, 0), axis=0)
+    by_hash = tl.sum(tl.where(inside, (bits * scramble) & 2147483647, 0), axis=0)
+    return by_position, by_hash
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_ptr, counts_ptr, rows, total,
+                      FINGERPRINT: tl.constexpr, BLOCK: tl.constexpr):
+    """One program over the positions in blocks (a scan: the layout offsets are a running max)."""
+    first = tl.load(offsets_ptr)
+    bad = (first != 0).to(tl.int64)
+    tl.store(layout_ptr, first * 0)
+    carry = first * 0  # the layout offsets' running max (the first is 0)
+    count = first * 0
+    with_set = first * 0
+    without_set = first * 0
+    missing = first * 0
+    first_plain = first * 0 + rows
+    first_set = first * 0 + rows
+    by_position = first * 0
+    by_hash = first * 0
+    if FINGERPRINT:  # the offsets' fingerprint terms
+        for b in range(0, rows + 1, BLOCK):
+            j = b + tl.arange(0, BLOCK).to(tl.int64)
+            inside = j <= rows
+            position_terms, hash_terms = _fingerprint_terms(tl.load(offsets_ptr + j, mask=inside, other=0), j,
+                                                            inside)
+            by_position += position_terms
+            by_hash += hash_terms
+    for b in range(1, rows + 1, BLOCK):
+        j = b + tl.arange(0, BLOCK)
+        inside = j <= rows
+        raw = tl.load(offsets_ptr + j, mask=inside, other=0)
+        before = tl.load(offsets_ptr + j - 1, mask=inside, other=0)
+        bad += tl.sum((inside & (raw < before)).to(tl.int64), axis=0)
+        # clamped into [0, E], the last one E; L[j] its running max, L[j - 1] the one before
+        clamped = tl.where(j == rows, total, tl.minimum(tl.maximum(raw, 0), total))
+        clamped_before = tl.where(j == 1, 0, tl.minimum(tl.maximum(before, 0), total))
+        end = tl.maximum(tl.associative_scan(tl.where(inside, clamped, 0), 0, _maximum), carry)
+        start = tl.maximum(tl.associative_scan(tl.where(inside, clamped_before, 0), 0, _maximum), carry)
+        r = j - 1
+        labelled = inside & (tl.load(labelled_ptr + r, mask=inside, other=0) != 0)
+        has = labelled & (end > start)
+        has64 = has.to(tl.int64)
+        tl.store(layout_ptr + j, end, mask=inside)
+        tl.store(has_set_ptr + r, has.to(tl.uint8), mask=inside)
+        tl.store(rank_ptr + r, count + tl.cumsum(has64, 0) - has64, mask=inside)
+        with_set += tl.sum((labelled & (raw > before)).to(tl.int64), axis=0)
+        without_set += tl.sum((labelled & (raw <= before)).to(tl.int64), axis=0)
+        missing += tl.sum((labelled & (end <= start)).to(tl.int64), axis=0)
+        first_plain = tl.minimum(first_plain, tl.min(tl.where(inside & ~has, r, rows), axis=0))
+        first_set = tl.minimum(first_set, tl.min(tl.where(has, r, rows), axis=0))
+        count += tl.sum(has64, axis=0)
+        carry = tl.maximum(carry, tl.max(tl.where(inside, clamped, 0), axis=0))
+    bad += (tl.load(offsets_ptr + rows) != total).to(tl.int64)
+    tl.store(layout_ptr + rows + 1, first * 0 + total)  # the spare position's (empty) set
+    first_plain = tl.where(first_plain == rows, 0, first_plain)  # (none: padding needs none)
+    tl.store(counts_ptr + 0, bad)
+    tl.store(counts_ptr + 1, first * 0)
+    tl.store(counts_ptr + 2, first * 0)
+    tl.store(counts_ptr + 3, with_set)
+    tl.store(counts_ptr + 4, without_set)
+    tl.store(counts_ptr + 5, count)
+    tl.store(counts_ptr + 6, missing)
+    tl.store(counts_ptr + 7, first_plain)
+    tl.store(counts_ptr + 8, tl.where(count > 0, first_set, first_plain))
+    tl.store(counts_ptr + 9, by_position)  # (the entries kernel adds the ids')
+    tl.store(counts_ptr + 10, by_hash)
+
+
+@triton.jit
+def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr, counts_ptr,
+                         set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
+                         slot_ptr, col_ptr, position_ptr, row_of_ptr, keys_ptr, dw_key_ptr, place_ptr, valid_ptr,
+                         is_label_ptr,
+                         rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols,
+                         FINGERPRINT: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program per row: its slot (or a padding slot), and its entries over its layout range."""
+    r = tl.program_id(0).to(tl.int64)
+    lo = tl.load(layout_ptr + r)
+    hi = tl.load(layout_ptr + r + 1)
+    has = tl.load(has_set_ptr + r) != 0
+    rank = tl.load(rank_ptr + r)
+    label = tl.load(labels_ptr + r)
+    count = tl.load(counts_ptr + 5)
+    row0 = tl.load(counts_ptr + 8)
+    tl.store(set_dest_ptr + rank, r, mask=has)
+    tl.store(set_rows_ptr + rank, r, mask=has)
+    tl.store(starts_ptr + rank, lo, mask=has)
+    tl.store(ends_ptr + rank, hi, mask=has)
+    tl.store(set_labels_ptr + rank, label, mask=has)
+    # the slots past the set rows, one per row without a set while they last: padding
+    pad = count + (r - rank)
+    is_pad = (~has) & (pad < max_set_rows)
+    tl.store(set_dest_ptr + pad, r * 0 + rows, mask=is_pad)
+    tl.store(set_rows_ptr + pad, tl.load(counts_ptr + 7), mask=is_pad)
+    tl.store(starts_ptr + pad, r * 0 + total, mask=is_pad)
+    tl.store(ends_ptr + pad, r * 0 + total, mask=is_pad)
+    tl.store(set_labels_ptr + pad, r * 0 - 1, mask=is_pad)
+    slot = tl.where(has, rank, -1)
+    row_of = tl.where(has, r, row0)
+    found = r * 0
+    bad_ids = r * 0
+    by_position = r * 0
+    by_hash = r * 0
+    for e0 in range(lo, hi, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        inside = e < hi
+        ids = tl.load(ids_ptr + e, mask=inside, other=0)
+        col = ids - vocab_start
+        valid = has & (col >= 0) & (col < num_valid_cols)
+        hit = inside & has & (ids == label)
+        tl.store(slot_ptr + e, slot + e * 0, mask=inside)
+        tl.store(col_ptr + e, col, mask=inside)
+        tl.store(position_ptr + e, r + e * 0, mask=inside)
+        tl.store(row_of_ptr + e, row_of + e * 0, mask=inside)
+        tl.store(keys_ptr + e, r * vocab + tl.minimum(tl.maximum(ids, 0), vocab - 1), mask=inside)
+        tl.store(dw_key_ptr + e, tl.where(valid, col, num_cols), mask=inside)
+        tl.store(place_ptr + e, tl.where(valid, slot * num_cols + col, -1), mask=inside)
+        tl.store(valid_ptr + e, valid.to(tl.uint8), mask=inside)
+        tl.store(is_label_ptr + e, (hit & valid).to(tl.uint8), mask=inside)
+        found += tl.sum(hit.to(tl.int64), axis=0)
+        bad_ids += tl.sum((inside & ((ids < 0) | (ids >= vocab))).to(tl.int64), axis=0)
+        if FINGERPRINT:  # the ids follow the offsets in the fingerprinted vector
+            position_terms, hash_terms = _fingerprint_terms(ids, rows + 1 + e, inside)
+            by_position += position_terms
+            by_hash += hash_terms
+    tl.store(kept_ptr + r, ((~has) | (found > 0)).to(tl.uint8))
+    tl.atomic_add(counts_ptr + 1, bad_ids, mask=bad_ids > 0)
+    if FINGERPRINT:
+        tl.atomic_add(counts_ptr + 9, by_position, mask=hi > lo)
+        tl.atomic_add(counts_ptr + 10, by_hash, mask=hi > lo)
+
+
+@triton.jit
+def _mask_duplicates_kernel(keys_ptr, counts_ptr, total, BLOCK: tl.constexpr):
+    """Equal neighbours among the sorted (row, id) keys: an id twice in one set."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    pair = e + 1 < total
+    key = tl.load(keys_ptr + e, mask=pair, other=0)
+    following = tl.load(keys_ptr + e + 1, mask=pair, other=1)
+    found = tl.sum((pair & (key == following)).to(tl.int64), axis=0)
+    tl.atomic_add(counts_ptr + 2, found, mask=found > 0)
+
+
+@triton.jit
+def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr,
+                         MISSING_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
+    """deferred_errors' flags and the call's fp32 poison from the counts (plus the labels' poison)."""
+    bad = (tl.load(counts_ptr + 0) + tl.load(counts_ptr + 1) + tl.load(counts_ptr + 2)) > 0
+    flags = tl.where(bad, BAD_FLAG, 0).to(tl.int64)
+    if CHECK_MISSING:
+        missing = tl.load(counts_ptr + 6) > 0
+        flags = flags | tl.where(missing, MISSING_FLAG, 0).to(tl.int64)
+    tl.store(flags_ptr, tl.load(flags_ptr) | flags)
+    poison = tl.where(flags != 0, float("nan"), 0.0)
+    if HAS_BASE:  # (base + 0 is base, base + NaN is NaN: torch's sum)
+        poison = tl.load(base_ptr) + poison
+    tl.store(poison_ptr, poison)
+
+
+def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
+                num_valid_cols: int, max_set_rows: int, vocab: int, num_cols: int, flags: Optional[Tensor],
+                check_missing: bool, fingerprint: bool = False, base_poison: Optional[Tensor] = None) -> dict:
+    """replay.KeptEntries' fields from the mask's raw offsets (the layout offsets made here, as
+    MaskCheck.layout_offsets makes them), the counts of MaskCheck's device checks, and with
+    `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison; `dw_key`,
+    kept_grads' sort key of the entries over a shard of `num_cols` columns; `chunk_place`, the
+    dense route's place of each entry in the [slots, num_cols] logits, and its kernels; with
+    `fingerprint`, counts[9:11] are MaskCheck.fingerprint()'s; `base_poison` (fp32 [1]) is added
+    into the poison."""
+    device = ids.device
+    total, rows = ids.numel(), offsets.numel() - 1
+    ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
+    m = max_set_rows
+    # three allocations: the int64 fields, the bool ones, the poison
+    words = torch.empty(_COUNTS + 2 * rows + 2 + 5 * m + 7 * total, dtype=torch.int64, device=device)
+    counts, layout = words[:_COUNTS], words[_COUNTS:_COUNTS + rows + 2]
+    rank = words[_COUNTS + rows + 2:_COUNTS + 2 * rows + 2]
+    set_dest, set_rows, starts, ends, set_labels = words[_COUNTS + 2 * rows + 2:_COUNTS + 2 * rows + 2 + 5 * m].view(
+        5, m).unbind(0)
+    slot, col, position, row_of, keys, dw_key, place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
+        7, total).unbind(0)
+    bits = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device)
+    has_set, kept = bits[:rows], bits[rows:2 * rows]
+    valid, is_label = bits[2 * rows:].view(2, total).unbind(0)
+    _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
+                            FINGERPRINT=fingerprint, BLOCK=LAYOUT_BLOCK, num_warps=4)
+    _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
+                                  set_labels, kept, slot, col, position, row_of, keys, dw_key, place, valid, is_label,
+                                  rows,
+                                  total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
+                                  FINGERPRINT=fingerprint, BLOCK_E=LAYOUT_BLOCK_E, num_warps=2)
+    if total > 1:
+        _mask_duplicates_kernel[(triton.cdiv(total, LAYOUT_BLOCK),)](torch.sort(keys).values, counts, total,
+                                                                     BLOCK=LAYOUT_BLOCK, num_warps=4)
+    poison = None
+    if flags is not None:
+        from ..deferred_errors import SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
+
+        poison = torch.empty(1, dtype=torch.float32, device=device)
+        _mask_verdict_kernel[(1,)](counts, flags, poison, poison if base_poison is None else base_poison,
+                                   BAD_FLAG=SAMPLING_MASK_BAD, MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET,
+                                   CHECK_MISSING=check_missing, HAS_BASE=base_poison is not None)
+    return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
+                starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
+                position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None,
+                valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
+                dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place), counts=counts,
+                poison=poison, chunk_kernels=(gather_chunk, scatter_chunk))
+
+
+# The dense route's entries of one chunk of slots: their places in its block of logits, one launch
+# (replay.KeptEntries.gather_chunk / scatter_chunk define them in torch).
+CHUNK_BLOCK = 1024
+
+
+@triton.jit
+def _gather_chunk_kernel(place_ptr, logits_ptr, z_ptr, total, lo, hi, inv_temperature, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    place = tl.load(place_ptr + e, mask=e < total, other=-1)
+    inside = (place >= lo) & (place < hi)
+    value = tl.load(logits_ptr + (place - lo), mask=inside, other=0.0).to(tl.float32)
+    tl.store(z_ptr + e, value * inv_temperature, mask=inside)
+
+
+@triton.jit
+def _scatter_chunk_kernel(place_ptr, d_ptr, block_ptr, total, lo, hi, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    place = tl.load(place_ptr + e, mask=e < total, other=-1)
+    inside = (place >= lo) & (place < hi)
+    tl.store(block_ptr + (place - lo), tl.load(d_ptr + e, mask=inside), mask=inside)
+
+
+def gather_chunk(place: Tensor, logits: Tensor, z: Tensor, lo: int, hi: int, inv_temperature: float) -> None:
+    """z[e] = fp32(logits.flat[place[e] - lo]) * inv_temperature where lo <= place[e] < hi."""
+    total = place.numel()
+    _gather_chunk_kernel[(triton.cdiv(total, CHUNK_BLOCK),)](place, logits.contiguous(), z, total, lo, hi,
+                                                             float(inv_temperature), BLOCK=CHUNK_BLOCK, num_warps=4)
+
+
+def scatter_chunk(place: Tensor, d: Tensor, block: Tensor, lo: int, hi: int) -> None:
+    """block.flat[place[e] - lo] = d[e] where lo <= place[e] < hi (d in the block's dtype)."""
+    total = place.numel()
+    _scatter_chunk_kernel[(triton.cdiv(total, CHUNK_BLOCK),)](place, d, block, total, lo, hi, BLOCK=CHUNK_BLOCK,
+                                                              num_warps=4)

@@ -222,5 +222,6 @@ BACKEND = Backend(
     exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
     kept_dlogits_=sampling_torch.kept_dlogits_,
     kept_stats=replay_torch.kept_stats, kept_grads=replay_torch.kept_grads, label_targets=label_targets,
+    entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
     tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
 )

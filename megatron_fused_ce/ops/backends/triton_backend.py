@@ -466,6 +466,8 @@ BACKEND = Backend(
     exp_tile_=exp_tile_, shard_candidates=sampling_triton.shard_candidates, kept_sums=sampling_triton.kept_sums,
     kept_dlogits_=sampling_triton.kept_dlogits_,
     kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,
+    entry_stats=replay_triton.entry_stats, entry_dlogits=replay_triton.entry_dlogits,
+    kept_layout=replay_triton.kept_layout,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
 )
