@@ -159,7 +159,7 @@ def test_nccl_arguments_that_differ_raise_on_every_rank(case):
         assert msg is not None and name in msg, (r, msg)
 
 
-@pytest.mark.parametrize("path", ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo"])
+@pytest.mark.parametrize("path", ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo", "replay"])
 def test_nccl_second_call_makes_no_host_synchronization(path):
     """TP over NCCL, bf16, Triton: the second call of a signature runs under
     torch.cuda.set_sync_debug_mode("error") (no agreement read-back, nothing sized by a count; the
@@ -179,10 +179,19 @@ def test_nccl_second_call_makes_no_host_synchronization(path):
         y = torch.randint(0, 4032 * tp, (4, 256), device="cuda", generator=g)
         y[:, :8] = -100
         old = -torch.rand(4, 256, device="cuda", generator=g) * 4
-        return h, w, y, old, torch.randn(4, device="cuda", generator=g), y.clamp(min=0), (y != -100).float()
+        # replay's kept sets: 20 global ids per position, its label among them (the same on every rank)
+        scores = torch.rand(4 * 256, 4032 * tp, device="cuda", generator=g)
+        scores.scatter_(1, y.reshape(-1, 1).clamp(min=0), 2.0)
+        kept = (scores.topk(20, dim=1).indices.reshape(-1), torch.arange(4 * 256 + 1, device="cuda") * 20)
+        return (h, w, y, old, torch.randn(4, device="cuda", generator=g), y.clamp(min=0), (y != -100).float(),
+                kept)
 
-    def call(h, w, y, old, adv, grpo_labels, mask):
+    def call(h, w, y, old, adv, grpo_labels, mask, kept):
         kw = dict(tp_group=dist.group.WORLD)
+        if path == "replay":
+            out = linear_logprobs(h, w, y, **kw, sampling_mask=kept)
+            out.logprobs.sum().backward()
+            return out.logprobs
         if path == "forward_only":
             with torch.no_grad():
                 return linear_logprobs(h, w, y, **kw).logprobs
@@ -212,6 +221,28 @@ def test_nccl_second_call_makes_no_host_synchronization(path):
     gathered = _gather((error, error is None and bool(torch.isfinite(out).all())))
     assert all(e is None and finite for e, finite in gathered), gathered
     check_deferred_errors()
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling-mask replay over NCCL
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("force", [None, "sparse", "dense"])
+@pytest.mark.parametrize("dtype,ints", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16"])
+def test_nccl_replay_matches_dense_reference(force, dtype, ints):
+    """Replay's float64 cases of test_sampling_mask.py (sampling_mask_cases.py: ignored labels,
+    empty sets, padded vocab, temperature, SP) on the GPUs with the Triton kernels, both routes: the
+    mask's agreement across ranks compares what every rank's mask can equal (its sizes and device
+    type, not each rank's own device index)."""
+    import sampling_mask_cases
+
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    case = sampling_mask_cases.make_case(sampling_mask_cases.case_seed("nccl", tp, str(dtype)), tp, dtype=dtype,
+                                         ints=ints, sp=True, seq=4 * tp)
+    cuda_case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    cuda_case["mask"] = type(case["mask"])(*(t.cuda() for t in case["mask"]))
+    out = sampling_mask_cases.run_case(rank, tp, cuda_case, force)
+    results = _gather({k: v.cpu() for k, v in out.items()})
+    sampling_mask_cases.check(case, results, f"nccl {dtype} pieces={force}")
 
 
 # ------------------------------------------------------------------------------------------------

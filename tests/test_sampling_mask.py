@@ -304,6 +304,27 @@ def test_sparse_for_small_sets_dense_for_large_ones():
     assert not replay.sparse_is_cheaper(10 * 5, 10, 101)  # tiny vocabularies: dense
 
 
+def test_sparse_or_dense_is_decided_on_the_ranks_shard():
+    """Under TP the choice compares K with the rank's shard, not the global vocabulary: every
+    rank's kept-set kernels walk every entry (those off its shard masked) while the dense GEMMs
+    shrink with the shard. K = 4 over a 4000-id vocabulary split in two shards of 2000 is dense
+    (4 / 2000 > 1 / 640), though 4 / 4000 would be sparse; on one rank of 4000 it is sparse."""
+    g = torch.Generator().manual_seed(3)
+    rows, k = 64, 4
+    ids = torch.stack([torch.randperm(4000, generator=g)[:k] for _ in range(rows)]).reshape(-1)
+    offsets = torch.arange(rows + 1) * k
+    labels = ids[offsets[:-1]].clone()
+    labelled = torch.ones(rows, dtype=torch.bool)
+
+    def tiling(vocab_start, num_valid_cols):
+        check = replay.MaskCheck((ids, offsets), labels, -100, 4000)
+        return replay.replay_tiling(check, labels, labelled, vocab_start, num_valid_cols, 4000, needs_grad=True,
+                                    plain_pass=True)
+
+    assert not tiling(2000, 2000).sparse and not tiling(0, 2000).sparse
+    assert tiling(0, 4000).sparse
+
+
 # ---------------------------------------------------------------- why replay: engine and trainer drift
 def _bench_tool():
     spec = importlib.util.spec_from_file_location("sampling_mask_bench",

@@ -102,7 +102,8 @@ def test_kept_kernels_match_the_torch_math(triton_kernels, dtype, pool, monkeypa
     from megatron_fused_ce.ops.backends import replay_torch
 
     replay_triton = triton_kernels["replay_triton"]
-    for name, value in (("STATS_BLOCK_E", 4), ("STATS_BLOCK_H", 16), ("GRAD_BLOCK_E", 4), ("GRAD_BLOCK_H", 16)):
+    for name, value in (("STATS_BLOCK_E", 4), ("STATS_BLOCK_H", 16), ("DX_BLOCK_E", 4), ("DX_BLOCK_H", 16),
+                        ("DW_BLOCK_E", 4), ("DW_BLOCK_H", 16)):
         monkeypatch.setattr(replay_triton, name, value)
     entries, h, w, g = _kept_entries(11, dtype=dtype, pool=pool, max_k=4 if pool < 97 else 11)
     round_to = None if dtype == torch.float32 else dtype
@@ -221,6 +222,7 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     labels[~labelled] = -100
     max_set_rows = int(((sizes > 0) & labelled).sum()) + 3
     num_valid = 48
+    ids, offsets, labels, labelled = (t.to(DEVICE) for t in (ids, offsets, labels, labelled))
     ref, got, counts, missing = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 49, num_valid,
                                          max_set_rows)
     for name in _LAYOUT_FIELDS:
@@ -231,10 +233,10 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     assert got.poison is None
     # the dense route's chunks: the kernels read and write the places torch does
     cols = num_valid + 2
-    logits = torch.randn(max_set_rows, cols, generator=g).to(torch.bfloat16)
-    d = torch.randn(ids.numel(), generator=g).to(torch.bfloat16)
+    logits = torch.randn(max_set_rows, cols, generator=g).to(torch.bfloat16).to(DEVICE)
+    d = torch.randn(ids.numel(), generator=g).to(torch.bfloat16).to(DEVICE)
     for start, end in ((0, 7), (7, max_set_rows)):
-        z_ref, z_got = torch.full((ids.numel(),), 5.0), torch.full((ids.numel(),), 5.0)
+        z_ref, z_got = torch.full((ids.numel(),), 5.0, device=DEVICE), torch.full((ids.numel(),), 5.0, device=DEVICE)
         ref.gather_chunk(z_ref, logits[start:end], start, 0.7)
         got.gather_chunk(z_got, logits[start:end], start, 0.7)
         assert torch.equal(z_got, z_ref)
@@ -263,7 +265,8 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad):
     elif bad == "missing":
         offsets[3:] -= k
         ids = ids[k:]
-    flags = torch.zeros(1, dtype=torch.int64)
+    ids, offsets, labels, labelled = (t.to(DEVICE) for t in (ids, offsets, labels, labelled))
+    flags = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     ref, got, counts, missing = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 0, vocab,
                                          min(positions, ids.numel()), flags=flags, check_missing=True)
     want = ((deferred_errors.SAMPLING_MASK_BAD if bool((counts[:3] > 0).any()) else 0)
@@ -280,8 +283,8 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad):
     # the labels' poison added in (the call's one poison): NaN stays NaN, 0 gives the verdict's
     for base in (0.0, float("nan")):
         fields = replay_triton.kept_layout(ids, offsets, labels, labelled, 0, vocab, min(positions, ids.numel()),
-                                           vocab=vocab, num_cols=vocab, flags=torch.zeros(1, dtype=torch.int64),
-                                           check_missing=True, base_poison=torch.full((1,), base))
+                                           vocab=vocab, num_cols=vocab, flags=torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                                           check_missing=True, base_poison=torch.full((1,), base, device=DEVICE))
         assert bool(torch.isnan(fields["poison"]).all()) == (bool(want) or base != base)
         assert bool(want) or base != base or float(fields["poison"]) == 0.0
     for name in _LAYOUT_FIELDS:

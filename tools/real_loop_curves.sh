@@ -9,9 +9,9 @@
 #   OUT=/tmp/out tools/real_loop_curves.sh full --stages mtp --serial-mtp
 #   OUT=/tmp/out tools/real_loop_curves.sh tiny --parallel                  # a quick check
 # Megatron-LM's default stack (TE layers, gradient-accumulation fusion, distributed optimizer), the
-# pair with today's package code and with that of an older revision, four runs on four GPUs:
+# pair with today's package code and with that of an older revision, four runs on two GPUs:
 #   OUT=/tmp/out tools/real_loop_curves.sh full --stages main --stack te --old-code 3990de5 \
-#       --parallel --gpus 4 --no-save --iters 400 --deadline 330
+#       --parallel --gpus 2 --no-save --iters 500 --deadline 250
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-full}

@@ -8,6 +8,7 @@ linear_logprobs(...) fwd+bwd, same inputs, same process, bf16.
     python tools/sampling_mask_bench.py --breakdown      # + where each call's time goes (below)
     python tools/sampling_mask_bench.py --smoke           # CPU smoke test (one small shape)
     python tools/sampling_mask_bench.py --fidelity       # the drift table of docs/design.md §8.3 (CPU)
+    python tools/sampling_mask_bench.py --graphed        # both ops replayed from CUDA graphs (GPU)
     torchrun --nproc_per_node 4 tools/sampling_mask_bench.py --tp 4 --shapes 8192x4096x32064  # V: per rank
 
 Kept sets (K ids per token, the sampled label one of them):
@@ -39,8 +40,8 @@ The synchronizations cost some overlap: the phases add up to a little more than 
 `--tp N` (under `torchrun --nproc_per_node N`, one process per GPU; NCCL, or gloo with `--device
 cpu`): both ops at tensor parallelism N, `tp_group` the N ranks. V in `--shapes` is then each rank's
 vocab shard: the global vocab is V x N, and "K / V" the kept share of it. The hidden states, the
-labels and the kept sets (global ids, drawn as above over the global vocab) are rank 0's on every
-rank; each rank's weight is its own shard. A rep's time is the slowest rank's (every rank starts it
+labels and the kept sets (global ids, drawn as above over the global vocab) are the same draws on
+every rank (one seed); each rank's weight is its own shard. A rep's time is the slowest rank's (every rank starts it
 from a barrier); "lp err" compares against the float64 logits gathered from every shard. Rank 0
 prints. `--breakdown` and `--fidelity` run at TP 1 only.
 """
@@ -217,10 +218,21 @@ def plain_breakdown(h, w, y, chunk, device, reps: int) -> str:
     return f"    plain breakdown ms: forward {fwd:.2f}; backward {total - fwd:.2f}; total {total:.2f}"
 
 
-def make_step(h, w, y, chunk, mask=None, group=None):
+def make_step(h, w, y, chunk, mask=None, group=None, graphed=False):
+    """One forward + backward of the op (replay where `mask` is given); with `graphed`, replayed
+    from CUDA graphs captured once (torch.cuda.make_graphed_callables, the mask's tensors among the
+    captured inputs)."""
+    def loss_of(h, w, y, *mask):
+        lp = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask or None, tp_group=group).logprobs
+        return -lp.sum() / lp.numel()
+
+    if graphed:  # leaves of its own: no autograd node of an earlier step's graph on them
+        h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    inputs = (h, w, y) + tuple(mask or ())
+    loss = torch.cuda.make_graphed_callables(loss_of, inputs) if graphed else loss_of
+
     def step():
-        lp = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask, tp_group=group).logprobs
-        return torch.autograd.grad(-lp.sum() / lp.numel(), (h, w))
+        return torch.autograd.grad(loss(*inputs), (h, w))
     step.device = h.device
     return step
 
@@ -268,13 +280,6 @@ def tp_setup(tp: int, device: torch.device):
     return device, dist.group.WORLD, dist.get_rank()
 
 
-def from_rank0(tensor, group):
-    """Rank 0's `tensor` on every rank of `group` (in place; as is without one)."""
-    if group is not None:
-        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-    return tensor
-
-
 def benchmark(args):
     device, group, rank = tp_setup(args.tp, torch.device(args.device))
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -287,23 +292,26 @@ def benchmark(args):
     for shape in args.shapes.split(","):
         n, hdim, vocab = (int(x) for x in shape.split("x"))
         full_vocab = vocab * args.tp  # V is the shard
-        # seeded by rank: each rank's weight its own shard (rank 0's draws are TP 1's); the hidden
-        # states, labels and sets are broadcast from rank 0 (the hidden ones before the bf16 cast)
-        g = torch.Generator(device=device).manual_seed(rank)
-        h = from_rank0(torch.randn(n, hdim, device=device, generator=g), group).bfloat16().requires_grad_()
-        w = (torch.randn(vocab, hdim, device=device, generator=g) * (2 / math.sqrt(hdim))).bfloat16().requires_grad_()
-        y_plain = from_rank0(torch.randint(0, full_vocab, (n,), device=device, generator=g), group)
-        plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size, group=group), args.warmup, args.reps, group)
+        # the hidden states, labels and kept sets from one seed on every rank (the same draws: Zipf
+        # sets differ in size from draw to draw, so a broadcast could not carry them); each rank's
+        # weight its own shard, seeded by rank
+        g = torch.Generator(device=device).manual_seed(0)
+        h = torch.randn(n, hdim, device=device, generator=g).bfloat16().requires_grad_()
+        own = torch.Generator(device=device).manual_seed(1 + rank)
+        w = (torch.randn(vocab, hdim, device=device, generator=own) * (2 / math.sqrt(hdim))).bfloat16().requires_grad_()
+        y_plain = torch.randint(0, full_vocab, (n,), device=device, generator=g)
+        plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size, group=group, graphed=args.graphed), args.warmup,
+                           args.reps, group)
         if args.breakdown:
             say(plain_breakdown(h, w, y_plain, args.chunk_size, device, args.reps), flush=True)
         for kind in args.sets.split(","):
             for k in (int(x) for x in args.ks.split(",")):
-                ids, offsets, labels = (from_rank0(t, group) for t in kept_sets(kind, n, full_vocab, k, device, g))
+                ids, offsets, labels = kept_sets(kind, n, full_vocab, k, device, g)
                 mask = (ids, offsets)
                 before = dict(replay.PIECE_COUNTS)
-                step = make_step(h, w, labels, args.chunk_size, mask, group)
-                step()  # one call to read which kind scored the rows
+                make_step(h, w, labels, args.chunk_size, mask, group)()  # one eager call: which kind scored the rows
                 counts = {key: replay.PIECE_COUNTS[key] - before.get(key, 0) for key in replay.PIECE_COUNTS}
+                step = make_step(h, w, labels, args.chunk_size, mask, group, args.graphed)
                 sparse_rows = counts.get("sparse_rows", 0)
                 replay_ms = time_ms(step, args.warmup, args.reps, group)
                 ratio = replay_ms / plain_ms
@@ -403,6 +411,8 @@ def main(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="under each row, replay's time per phase (entries, forward, backward; synchronized) and "
                         "its ops, and the plain op's forward / backward")
+    p.add_argument("--graphed", action="store_true",
+                   help="both ops replayed from CUDA graphs (make_graphed_callables): the GPU's cost without the host's")
     p.add_argument("--fidelity", action="store_true", help="print the engine/trainer drift table instead")
     p.add_argument("--smoke", action="store_true", help="a CPU run of one small shape, both kinds of rows")
     p.add_argument("--tp", type=int, default=1,
@@ -413,6 +423,8 @@ def main(argv=None):
         p.error("--tp must be at least 1")
     if args.tp > 1 and (args.breakdown or args.fidelity):
         p.error("--breakdown and --fidelity run at --tp 1 only")
+    if args.graphed and (args.breakdown or args.device != "cuda"):
+        p.error("--graphed needs --device cuda and times whole calls (no --breakdown)")
     if args.smoke:
         args.device, args.shapes, args.ks, args.reps, args.warmup = "cpu", "256x32x3000", "4,50", 1, 1
         args.chunk_size = args.chunk_size or 128

@@ -71,11 +71,12 @@ each chunk's entries by their place in the set rows' [slots, V_local] logits
 that a chunk adds only its GEMMs, its rows' gather and that launch.
 
 Sparse or dense is decided from sizes the host already knows (no sync): sparse while the kept
-entries are at most SPARSE_MAX_SHARE of the set rows x the vocab (mean K <= V / 640). Measured on
-an H200 (tools/sampling_mask_bench.py --pieces sparse, three shapes, Zipf and random sets), a call
-of sparse rows costs about 0.07 + 410 x K / V of plain log-probs (the backward's fp32 dW adds
-dominate), the dense route about 0.75 (3 GEMMs per chunk against plain's 4): they cross near
-K = V / 600.
+entries are at most SPARSE_MAX_SHARE of the set rows x the shard's vocab (mean K <= V / 640, V the
+rank's columns: the set kernels walk every entry on every rank, the GEMMs shrink with the shard). Measured on
+an H200 (tools/sampling_mask_bench.py, Zipf and random sets, K / V from 1/5120 to 1/641), a call
+of sparse rows costs about 0.03 + 380 x K / V of plain log-probs (the backward's gathers and fp32
+dW adds dominate), the dense route 0.70-0.88 (3 GEMMs per chunk against plain's 4): they cross
+near K = V / 530.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class MaskCheck:
 
     def register_layout(self, agreement) -> None:
         """The mask's sizes (or its absence): plain values, part of the call's signature."""
-        agreement.equal("sampling_mask", (tuple(self.ids.shape), tuple(self.offsets.shape), str(self.ids.device))
+        agreement.equal("sampling_mask", (tuple(self.ids.shape), tuple(self.offsets.shape), self.ids.device.type)
                         if self.usable else ("no mask", self.present), _DIFFER)
 
     def register_contents(self, agreement, device) -> None:
@@ -408,7 +409,8 @@ def _gather_sets(ids: Tensor, sizes: Tensor, source_start: Tensor) -> SamplingMa
 # A call's kept entries, and the tiling that scores them
 # --------------------------------------------------------------------------------------------
 def sparse_is_cheaper(num_entries: int, num_set_rows: int, vocab: int) -> bool:
-    """Sparse (gathered rows) or dense (whole-shard GEMMs), from sizes the host knows."""
+    """Sparse (gathered rows) or dense (whole-shard GEMMs), from sizes the host knows (`vocab`:
+    the columns of this rank's shard)."""
     if FORCE_PIECES is not None:
         return FORCE_PIECES == "sparse"
     return num_entries <= SPARSE_MAX_SHARE * num_set_rows * vocab
@@ -679,7 +681,9 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
         entries = KeptEntries(ids, mask_check.layout_offsets(), labels, labelled, vocab_start, num_valid_cols,
                               max_set_rows)
         poison = None
-    tiling = ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), true_vocab),
+    # against the rank's own shard: every rank's set kernels walk every entry (the ids off its shard
+    # masked), while the dense route's GEMMs shrink with the shard
+    tiling = ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), num_valid_cols),
                           want_z=needs_grad, plain_pass=plain_pass)
     if check and poison is None:
         poison = mask_check.deferred_poison()

@@ -42,8 +42,14 @@ from .triton_gemm_stats import round_bf16_by_hand
 # Launch settings (module-level so that tests can shrink them; not a public API).
 STATS_BLOCK_E = 32
 STATS_BLOCK_H = 128
-GRAD_BLOCK_E = 32
-GRAD_BLOCK_H = 128
+# dX (one program per set row and H block): wide entry blocks, fewer loop trips over a row's set;
+# dW (a segmented sum and one atomic add per column and block): narrow blocks, a short scan and
+# more programs. Swept on an H200 at 4096 x 4096 x 32064, K = 50: dX 1.35 -> 0.79 ms, dW 3.9 -> 1.8 ms
+# against 32 x 128 for both.
+DX_BLOCK_E = 64
+DX_BLOCK_H = 128
+DW_BLOCK_E = 16
+DW_BLOCK_H = 64
 WARPS = 4
 
 _ROUND = {None: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -279,10 +285,10 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
     count, hidden = entries.set_rows.numel(), rows.shape[1]
     d = d.contiguous()
     if dx_rows is not None and count:
-        _kept_input_grad_kernel[(count, triton.cdiv(hidden, GRAD_BLOCK_H))](
+        _kept_input_grad_kernel[(count, triton.cdiv(hidden, DX_BLOCK_H))](
             weight, weight.stride(0), entries.ids, entries.set_rows, entries.starts, entries.ends, d, dx_rows,
             dx_rows.stride(0), hidden, entries.vocab_start, entries.num_valid_cols,
-            BLOCK_E=GRAD_BLOCK_E, BLOCK_H=GRAD_BLOCK_H, num_warps=WARPS)
+            BLOCK_E=DX_BLOCK_E, BLOCK_H=DX_BLOCK_H, num_warps=WARPS)
     total = entries.ids.numel()
     if dw_out is not None and count and total:
         num_cols = weight.shape[0]
@@ -290,10 +296,10 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
         key = (entries.dw_key if getattr(entries, "dw_key_cols", None) == num_cols
                else torch.where(entries.valid, entries.col, num_cols))
         cols, order = torch.sort(key)
-        _kept_weight_grad_kernel[(triton.cdiv(total, GRAD_BLOCK_E), triton.cdiv(hidden, GRAD_BLOCK_H))](
+        _kept_weight_grad_kernel[(triton.cdiv(total, DW_BLOCK_E), triton.cdiv(hidden, DW_BLOCK_H))](
             rows, rows.stride(0), cols, order, entries.row_of_entry(), d, dw_out, dw_out.stride(0), total, hidden,
             num_cols,
-            BLOCK_E=GRAD_BLOCK_E, BLOCK_H=GRAD_BLOCK_H, num_warps=WARPS)
+            BLOCK_E=DW_BLOCK_E, BLOCK_H=DW_BLOCK_H, num_warps=WARPS)
 
 
 # ---------------------------------------------------------------------------------------------
