@@ -107,3 +107,25 @@ def check(case, results, what):
         assert torch.all(got["dw"][max(case["vocab"] - rank * v_local, 0):] == 0)  # padding rows
     for got in results[1:]:  # identical on every rank
         assert torch.equal(got["lp"], results[0]["lp"]) and torch.equal(got["ent"], results[0]["ent"])
+
+
+# ops that only view their input: left out of the op-count tests' counts
+VIEWS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias",
+         "as_strided", "detach", "lift_fresh", "permute", "split", "unbind", "reshape"}
+# replay's phases, (owner, method): what a call does in each, for the op-count tests
+PHASES = {"entries": (replay.KeptEntries, "__init__"), "forward": (replay.ReplayChunks, "merged_statistics"),
+          "backward": (replay.ReplayChunks, "recompute_grads")}
+
+
+def label_phases(monkeypatch, phase: list) -> None:
+    """While a call runs, phase[0] names the replay phase it is in ("other" outside them)."""
+    phase[0] = "other"
+    for name, (owner, method) in PHASES.items():
+        def wrapped(*args, _original=getattr(owner, method), _name=name, **kwargs):
+            before, phase[0] = phase[0], _name
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                phase[0] = before
+
+        monkeypatch.setattr(owner, method, wrapped)

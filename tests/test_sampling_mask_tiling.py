@@ -13,13 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dist import run_workers
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.ops import replay
-from sampling_mask_cases import case_seed, check, make_case, random_sets, run_case
+from sampling_mask_cases import PHASES, VIEWS, case_seed, check, label_phases, make_case, random_sets, run_case
 
-VIEWS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias",
-         "as_strided", "detach", "lift_fresh", "permute", "split", "unbind", "reshape"}
-# replay's phases: (owner, method)
-PHASES = {"entries": (replay.KeptEntries, "__init__"), "forward": (replay.ReplayChunks, "merged_statistics"),
-          "backward": (replay.ReplayChunks, "recompute_grads")}
 GEMMS = {"mm", "addmm", "matmul", "bmm"}
 # what reads a device value back to the host
 SYNCS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "unique", "_unique2", "masked_select"}
@@ -43,17 +38,7 @@ class _Ops(TorchDispatchMode):
 def _traced(monkeypatch, fn):
     """Run fn() with replay's phases labelled: {phase: [op]} ("other": outside them)."""
     phase = ["other"]
-    for name, (owner, method) in PHASES.items():
-        original = getattr(owner, method)
-
-        def wrapped(*args, _original=original, _name=name, **kwargs):
-            before, phase[0] = phase[0], _name
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                phase[0] = before
-
-        monkeypatch.setattr(owner, method, wrapped)
+    label_phases(monkeypatch, phase)
     mode = _Ops(phase)
     with mode:
         fn()

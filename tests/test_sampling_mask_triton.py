@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_logprobs  # noqa: E402
 from megatron_fused_ce.ops import replay  # noqa: E402
-from sampling_mask_cases import random_sets  # noqa: E402
+from sampling_mask_cases import VIEWS, label_phases, random_sets  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -296,9 +296,6 @@ class _Dispatched:
     """Ops dispatched per replay phase (views left out), a Triton launch counting as one op (the
     interpreter's own torch ops inside a launch are not the GPU path's)."""
 
-    VIEWS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias",
-             "as_strided", "detach", "lift_fresh", "permute", "split", "unbind", "reshape"}
-
     def __init__(self, monkeypatch):
         import collections
         import sys
@@ -307,17 +304,7 @@ class _Dispatched:
 
         self.ops = collections.defaultdict(list)
         phase, launching, outer = ["other"], [False], self
-        for name, (owner, method) in {"entries": (replay.KeptEntries, "__init__"),
-                                      "forward": (replay.ReplayChunks, "merged_statistics"),
-                                      "backward": (replay.ReplayChunks, "recompute_grads")}.items():
-            def wrapped(*args, _original=getattr(owner, method), _name=name, **kwargs):
-                before, phase[0] = phase[0], _name
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    phase[0] = before
-
-            monkeypatch.setattr(owner, method, wrapped)
+        label_phases(monkeypatch, phase)
         interpreter = sys.modules.get("triton.runtime.interpreter")
         if DEVICE.type != "cuda" and interpreter is not None:
             launch = interpreter.GridExecutor.__call__
@@ -335,7 +322,7 @@ class _Dispatched:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 name = func.overloadpacket.__name__
-                if name not in _Dispatched.VIEWS and not launching[0]:
+                if name not in VIEWS and not launching[0]:
                     outer.ops[phase[0]].append(name)
                 return func(*args, **(kwargs or {}))
 
