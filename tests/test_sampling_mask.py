@@ -53,6 +53,40 @@ def test_matches_dense_reference(tp):
             check(case, [per_rank[f] for per_rank in per_force], f"{case['dtype']} pieces={force}")
 
 
+def _every_row_worker(rank, world, cases):
+    from unittest import mock
+
+    calls = []
+    original = replay.ReplayChunks._one_dense_gemm
+
+    def spy(self, spec):
+        calls.append(original(self, spec))
+        return calls[-1]
+
+    with mock.patch.object(replay.ReplayChunks, "_one_dense_gemm", spy):
+        out = [[run_case(rank, world, case, force) for force in FORCES] for case in cases]
+    return out, any(calls)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_labelled_row_with_a_set(tp):
+    """No plain pass (every position has a set): the kept sets alone give the values and dX / dW,
+    on both routes, one chunk of set rows (the dense route's dW then its one GEMM, written in the
+    weight's dtype) and several."""
+    cases = []
+    for dtype, chunk in ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 7)):
+        case = make_case(case_seed("every-row", tp, str(dtype), chunk), tp, dtype=dtype,
+                         ints=dtype == torch.bfloat16, chunk_size=chunk)
+        g = torch.Generator().manual_seed(case_seed("every-row-sets", tp, str(dtype), chunk))
+        case["mask"] = random_sets(g, case["labels"].numel(), case["vocab"], case["labels"].reshape(-1), empty=0.0)
+        cases.append(case)
+    results = run_workers(_every_row_worker, tp, cases)
+    assert all(one_gemm for _, one_gemm in results)  # the one-GEMM dW ran
+    for c, case in enumerate(cases):
+        for f, force in enumerate(FORCES):
+            check(case, [out[c][f] for out, _ in results], f"{case['dtype']} chunk={case['chunk_size']} pieces={force}")
+
+
 def _options_worker(rank, world, case):
     out = [run_case(rank, world, case, force) for force in FORCES]
     # Megatron's main_grad: the same dW lands there

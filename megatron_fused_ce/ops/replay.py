@@ -551,7 +551,14 @@ class ReplayChunks:
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
-        return torch.float32  # sparse rows add into dW, dense chunks sum over chunks
+        # sparse rows add into dW and dense chunks sum over chunks, in fp32; one dense chunk without
+        # the plain pass is dW's only GEMM, which writes the weight's dtype (no fp32 buffer to zero
+        # and copy: at RL sizes that costs about what the dense route's saved GEMM saves)
+        return weight.dtype if self._one_dense_gemm(spec) else torch.float32
+
+    def _one_dense_gemm(self, spec) -> bool:
+        return (not self.sparse and not self.plain_pass
+                and 0 < self.entries.set_rows.numel() <= spec.chunk_size)
 
     def statistics(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
         """The plain rows' walk (fast.shard_partials asks the tiling)."""
@@ -630,7 +637,7 @@ class ReplayChunks:
         else:  # what the plain pass would write: zero dX, and dW where it is not added into
             if dx_rows is not None:
                 dx_rows.zero_()
-            if dw_out is not None and not accumulate:
+            if dw_out is not None and not accumulate and not self._one_dense_gemm(spec):
                 dw_out.zero_()
         set_rows = entries.set_rows
         # (dense: in the GEMMs' input dtype)
@@ -646,7 +653,7 @@ class ReplayChunks:
             dlogits = entries.scatter_chunk(d, start, end, cols)  # the chunk's block of dlogits
             dx_chunk = None if dx_rows is None else rows.new_empty((r, rows.shape[1]))
             grad_gemms(dlogits, rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
-                       dw_out, dw_accumulate=True)
+                       dw_out, dw_accumulate=accumulate or not self._one_dense_gemm(spec))
             del dlogits
             if dx_chunk is not None:  # added: the plain pass wrote zeros there (padding adds zeros)
                 dx_rows.index_add_(0, set_rows[start:end], dx_chunk)
