@@ -598,6 +598,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                   check=agreed.remembered,
                                   signature_code=agreed.signature_code if compare_ranks else None)
     local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
+    num_valid_cols = min(max(agreed.true_vocab - vocab_start, 0), v_local)  # this shard's columns below the vocab
     # a sampling mask with entries: replay (replay.py); one without entries, or (where the full
     # agreement counted them) without a set at a labelled position, is today's path
     replaying = (mask_check is not None and mask_check.usable and mask_check.ids.numel() > 0 and num_rows > 0
@@ -608,7 +609,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         # (a remembered signature checks the mask on the device, and without the plain pass that
         # every labelled row still has a set: NaN and an error at the next host synchronization)
         tiling = replay.replay_tiling(mask_check, flat_labels, device_checks.labelled, vocab_start,
-                                      min(max(agreed.true_vocab - vocab_start, 0), v_local), agreed.true_vocab,
+                                      num_valid_cols, agreed.true_vocab,
                                       needs_grad, plain_pass=not agreed.mask_sets_everywhere, backend=backend,
                                       check=agreed.remembered, num_cols=v_local, fingerprint=compare_ranks,
                                       label_poison=device_checks.poison)
@@ -635,7 +636,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     spec = ChunkSpec(
         tp_group=tp_group,
         backend=backend,
-        num_valid_cols=min(max(agreed.true_vocab - vocab_start, 0), v_local),
+        num_valid_cols=num_valid_cols,
         inv_temperature=1.0 / float(temperature),
         chunk_size=chunk_size,
         want_sum_logits=want_sum_logits,

@@ -626,6 +626,7 @@ class ReplayChunks:
         sparse kernels or the dense chunks' GEMMs (adding)."""
         entries = self.entries
         row_max, log_sum_exp, z = offsets
+        one_gemm = self._one_dense_gemm(spec)  # dW written by the one dense GEMM (weight_grad_dtype)
         if self.plain_pass:
             plain_coefs = {k: None if c is None else torch.where(entries.has_set, 0.0, c) for k, c in coefs.items()}
             # a set row's offsets are its set's: a logit off the set may exceed them by any amount, and
@@ -637,7 +638,7 @@ class ReplayChunks:
         else:  # what the plain pass would write: zero dX, and dW where it is not added into
             if dx_rows is not None:
                 dx_rows.zero_()
-            if dw_out is not None and not accumulate and not self._one_dense_gemm(spec):
+            if dw_out is not None and not accumulate and not one_gemm:
                 dw_out.zero_()
         set_rows = entries.set_rows
         # (dense: in the GEMMs' input dtype)
@@ -653,7 +654,7 @@ class ReplayChunks:
             dlogits = entries.scatter_chunk(d, start, end, cols)  # the chunk's block of dlogits
             dx_chunk = None if dx_rows is None else rows.new_empty((r, rows.shape[1]))
             grad_gemms(dlogits, rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
-                       dw_out, dw_accumulate=accumulate or not self._one_dense_gemm(spec))
+                       dw_out, dw_accumulate=accumulate or not one_gemm)
             del dlogits
             if dx_chunk is not None:  # added: the plain pass wrote zeros there (padding adds zeros)
                 dx_rows.index_add_(0, set_rows[start:end], dx_chunk)
