@@ -1379,8 +1379,9 @@ EVERY_OPTION = dict(loss_type="dapo", delta=1.5, dual_clip_c=3.0, beta=0.1, kl_e
                     use_bias_correction_kl=True, is_correction="token_truncate", is_clip_max=1.2)
 
 
-def _fused_and_log_prob_losses(data, cfg_kwargs=EVERY_OPTION):
-    """(grpo_loss, linear_grpo_loss) values, gradients and metrics of one config."""
+def _fused_and_log_prob_losses(data, cfg_kwargs=EVERY_OPTION, chunk_size=7):
+    """(grpo_loss, linear_grpo_loss) values, gradients and metrics of one config (chunk_size None:
+    one chunk, linear_grpo_loss's whole-call function)."""
     cfg = GRPOConfig(**cfg_kwargs)
     kw = dict(old_logprobs=data["old"], reference_logprobs=data["ref"], sampling_logprobs=data["sampling"])
     lp = data["lp"].clone().requires_grad_()
@@ -1394,27 +1395,33 @@ def _fused_and_log_prob_losses(data, cfg_kwargs=EVERY_OPTION):
     labels = torch.randint(0, 19, (batch, length), generator=gen).to(device)
     kw32 = {k: v.float() for k, v in kw.items()}  # NaN at masked positions
     fused, fused_metrics = linear_grpo_loss(hidden, weight, labels, data["adv"].float(), data["mask"].float(), cfg,
-                                            chunk_size=7, **kw32)
+                                            chunk_size=chunk_size, **kw32)
     fused.backward()
     return [loss.detach(), lp.grad, *metrics.values(), fused.detach(), hidden.grad, *fused_metrics.values()]
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="inductor's CPU backend needs a C++ compiler")
-def test_compiled_evaluation_equals_eager(monkeypatch):
+@pytest.mark.parametrize("chunk_size", [7, None], ids=["chunks", "one_chunk"])
+def test_compiled_evaluation_equals_eager(monkeypatch, chunk_size):
     """One kernel per config: two configs that differ only in their numbers must not share one
-    (torch leaves Python floats symbolic by default, and its graph cache then did)."""
+    (torch leaves Python floats symbolic by default, and its graph cache then did). Several
+    chunks: the table, each chunk's terms and the metrics compiled apart; one chunk: as one
+    function (the whole call's)."""
     data = make_batch(seed=7)
     configs = [EVERY_OPTION, dict(EVERY_OPTION, epsilon_low=0.1, epsilon_high=0.28, delta=1.25, beta=0.3)]
     monkeypatch.setattr(grpo, "FUSE_ON_CPU", False)
-    eager = [_fused_and_log_prob_losses(data, cfg_kwargs) for cfg_kwargs in configs]
+    eager = [_fused_and_log_prob_losses(data, cfg_kwargs, chunk_size) for cfg_kwargs in configs]
     monkeypatch.setattr(grpo, "FUSE_ON_CPU", True)
     monkeypatch.setattr(grpo, "_compiled_functions", {})
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a compilation failure would warn
-        compiled = [_fused_and_log_prob_losses(data, cfg_kwargs) for cfg_kwargs in configs]
+        compiled = [_fused_and_log_prob_losses(data, cfg_kwargs, chunk_size) for cfg_kwargs in configs]
     compiled_terms = {k: v for k, v in grpo._compiled_functions.items() if k[0] == "reduce_token_terms"}
     assert len(compiled_terms) == 2 and all(grpo._compiled_functions.values())
+    linear_functions = {k[0] for k in grpo._compiled_functions if k[0] != "reduce_token_terms"}
+    assert linear_functions == ({"_whole_call_terms"} if chunk_size is None
+                                else {"_token_table", "_chunk_terms", "_metrics"}), linear_functions
     assert not torch.equal(eager[0][0], eager[1][0])
     for compiled_values, eager_values in zip(compiled, eager):
         for a, b in zip(compiled_values, eager_values):
@@ -1444,15 +1451,16 @@ def test_failed_compilation_falls_back_to_eager_with_one_warning(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_compiled_terms_equal_eager_and_make_no_host_sync(monkeypatch):
+@pytest.mark.parametrize("chunk_size", [7, None], ids=["chunks", "one_chunk"])
+def test_cuda_compiled_terms_equal_eager_and_make_no_host_sync(monkeypatch, chunk_size):
     data = {name: value.cuda() for name, value in make_batch(seed=7).items()}
     monkeypatch.setattr(grpo, "FUSE_ON_CUDA", False)
-    eager = _fused_and_log_prob_losses(data)
+    eager = _fused_and_log_prob_losses(data, chunk_size=chunk_size)
     monkeypatch.setattr(grpo, "FUSE_ON_CUDA", True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a compilation failure would warn
-        _fused_and_log_prob_losses(data)  # compiles
-        token_grads, finish = GRPOGrads.token_grads, GRPOGrads.loss_and_metrics
+        _fused_and_log_prob_losses(data, chunk_size=chunk_size)  # compiles
+        token_grads, finish = GRPOGrads.token_grads, GRPOGrads.metrics
 
         def strict(method):
             def run(*args, **kwargs):
@@ -1464,8 +1472,8 @@ def test_cuda_compiled_terms_equal_eager_and_make_no_host_sync(monkeypatch):
             return run
 
         monkeypatch.setattr(GRPOGrads, "token_grads", strict(token_grads))
-        monkeypatch.setattr(GRPOGrads, "loss_and_metrics", strict(finish))
-        compiled = _fused_and_log_prob_losses(data)
+        monkeypatch.setattr(GRPOGrads, "metrics", strict(finish))
+        compiled = _fused_and_log_prob_losses(data, chunk_size=chunk_size)
     assert grpo._compiled_functions and all(grpo._compiled_functions.values())
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -223,6 +223,68 @@ def test_nccl_second_call_makes_no_host_synchronization(path):
     check_deferred_errors()
 
 
+@pytest.mark.parametrize("path", ["cross_entropy", "grpo", "replay"])
+def test_nccl_graphed_calls_equal_eager(path):
+    """make_graphed_callables over NCCL in the thread-local capture mode (megatron_fused_ce.cuda_graphs),
+    captured right after eager calls whose collectives NCCL's watchdog still tracks (what made the
+    default global mode fail such captures from one shape to the next), then replayed on new
+    inputs: the loss and dX, dW equal the eager call's on the same inputs, bit for bit."""
+    from megatron_fused_ce.cuda_graphs import thread_local_capture
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    config = GRPOConfig(loss_type="dapo", beta=0.05, is_correction="token_truncate", is_clip_max=2.0)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w_full = torch.randn(4032 * tp, 512, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
+    shard = w_full[rank * 4032:(rank + 1) * 4032].clone()
+
+    def inputs(seed):  # (h, labels, old log-probs, advantages, GRPO labels, mask, kept ids, offsets)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        h = torch.randn(4, 256, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+        y = torch.randint(0, 4032 * tp, (4, 256), device="cuda", generator=g)
+        y[:, :8] = -100
+        old = -torch.rand(4, 256, device="cuda", generator=g) * 4
+        scores = torch.rand(4 * 256, 4032 * tp, device="cuda", generator=g)
+        scores.scatter_(1, y.reshape(-1, 1).clamp(min=0), 2.0)
+        ids = scores.topk(20, dim=1).indices.reshape(-1)
+        return (h, y, old, torch.randn(4, device="cuda", generator=g), y.clamp(min=0), (y != -100).float(), ids,
+                torch.arange(4 * 256 + 1, device="cuda") * 20)
+
+    def loss_of(h, w, y, old, adv, grpo_labels, mask, ids, offsets):
+        kw = dict(tp_group=dist.group.WORLD)
+        if path == "replay":
+            return -linear_logprobs(h, w, y, **kw, sampling_mask=(ids, offsets)).logprobs.sum()
+        if path == "cross_entropy":
+            return linear_cross_entropy(h, w, y, **kw)
+        return linear_grpo_loss(h, w, grpo_labels, adv, mask, config, old_logprobs=old,
+                                reference_logprobs=old - 0.1, **kw)[0]
+
+    def run(fn, w, args):  # -> (loss, dX, dW), copied out of any captured buffer
+        h = args[0].clone().requires_grad_()
+        loss = fn(h, w, *args[1:])
+        dx, dw = torch.autograd.grad(loss, (h, w))
+        return loss.detach().clone(), dx.clone(), dw.clone()
+
+    # eager calls first (the signature's agreement; collectives in flight), each on leaves of its own
+    for seed in (1, 2):
+        run(loss_of, shard.clone().requires_grad_(), inputs(seed))
+    w_graph = shard.clone().requires_grad_()
+    static = inputs(1)
+    sample = (static[0].clone().requires_grad_(), w_graph) + static[1:]
+    with thread_local_capture():
+        graphed = torch.cuda.make_graphed_callables(loss_of, sample)
+    results = []
+    for seed in (3, 4):
+        args = inputs(seed)
+        eager = run(loss_of, shard.clone().requires_grad_(), args)
+        replayed = run(graphed, w_graph, args)
+        results.append(all(torch.equal(a, b) for a, b in zip(eager, replayed))
+                       and all(bool(torch.isfinite(t).all()) for t in eager))
+    torch.cuda.synchronize()
+    gathered = _gather(results)
+    assert all(all(r) for r in gathered), gathered
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling-mask replay over NCCL
 # ------------------------------------------------------------------------------------------------

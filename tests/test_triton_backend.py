@@ -629,13 +629,52 @@ def test_scale_matches_torch_math(tb, dtype, numel):
     for scale in (1.0, 1.0 / 3.0, -2.5):
         s = torch.tensor(scale, dtype=torch.float32)
         want = (src.float() * s).to(dtype)
-        t = src.clone()
-        assert torch_backend.scale_(t, s) is t
-        assert torch.equal(t, want), f"torch backend, g = {scale}"
+        other = torch.arange(5, dtype=torch.float32) - 2.0  # a second tensor (dW with dX), one launch
+        t, o = src.clone(), other.clone()
+        assert torch_backend.scale_(t, s, o) is t
+        assert torch.equal(t, want) and torch.equal(o, other * s), f"torch backend, g = {scale}"
         if DEVICE.type == "cuda" or dtype == torch.float32:
-            t = src.clone().to(DEVICE)
-            tb._scale_kernel[(-(-numel // 1024),)](t, s.reshape(1).to(DEVICE), numel, BLOCK=1024)
+            t, o = src.clone().to(DEVICE), other.clone().to(DEVICE)
+            blocks = -(-numel // 1024)
+            tb._scale_kernel[(blocks + 1,)](t, o, s.reshape(1).to(DEVICE), numel, o.numel(), blocks, BLOCK=1024)
             assert torch.equal(t.cpu(), want), f"Triton kernel, g = {scale}"
+            assert torch.equal(o.cpu(), other * s), f"Triton kernel, second tensor, g = {scale}"
+            if DEVICE.type == "cuda":  # the launcher, one tensor and two
+                t, o = src.clone().to(DEVICE), other.clone().to(DEVICE)
+                assert tb.scale_(t, s.to(DEVICE), o) is t
+                assert torch.equal(t.cpu(), want) and torch.equal(o.cpu(), other * s)
+
+
+@pytest.mark.parametrize("n", [1, 2048, 3 * 2048 + 5])
+def test_labelled_loss_sum_matches_torch(tb, n):
+    """Cross-entropy's loss value in one launch: Σ over labelled rows of (max - z_y) + log S, times
+    the mean's 1/count, plus the poison (NaN stays NaN), as the torch backend's ops give it;
+    float64 is the reference (the kernel adds in another order than torch.sum)."""
+    g = torch.Generator().manual_seed(n)
+    target, row_max = torch.randn(n, generator=g) * 4, torch.randn(n, generator=g) * 4 + 6
+    log_sum_exp = torch.rand(n, generator=g) * 3
+    labelled = torch.rand(n, generator=g) > 0.3
+    scale = torch.tensor(1.0 / max(int(labelled.sum()), 1))
+    want64 = float(torch.where(labelled, (row_max.double() - target.double()) + log_sum_exp.double(), 0.0).sum()
+                   * scale.double())
+    for poison in (torch.zeros(1), torch.full((1,), float("nan"))):
+        for mask, sc in ((labelled, scale), (None, None)):
+            want = torch_backend.labelled_loss_sum(target, row_max, log_sum_exp, mask, sc, poison)
+            inputs = [t.to(DEVICE) for t in (target, row_max, log_sum_exp)]
+            out = torch.empty((), device=DEVICE)
+            tb._labelled_loss_sum_kernel[(1,)](
+                *inputs, inputs[0] if mask is None else mask.to(DEVICE).view(torch.uint8),
+                inputs[0] if sc is None else sc.reshape(1).to(DEVICE), poison.to(DEVICE), out, n,
+                HAS_LABELLED=mask is not None, HAS_SCALE=sc is not None, HAS_POISON=True, BLOCK=2048)
+            got = [out.cpu()]
+            if DEVICE.type == "cuda":  # the launcher
+                got.append(tb.labelled_loss_sum(*inputs, None if mask is None else mask.to(DEVICE),
+                                                None if sc is None else sc.to(DEVICE), poison.to(DEVICE)).cpu())
+            for value in got:
+                torch.testing.assert_close(value, want, rtol=1e-6, atol=1e-5, equal_nan=True)
+            if mask is not None and not poison.isnan().any():
+                torch.testing.assert_close(want.double(), torch.tensor(want64, dtype=torch.float64),
+                                           rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

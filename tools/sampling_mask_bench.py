@@ -48,6 +48,8 @@ prints. `--breakdown` and `--fidelity` run at TP 1 only.
 
 import argparse
 import collections
+import contextlib
+import gc
 import math
 import os
 import statistics
@@ -59,6 +61,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_fused_ce import linear_logprobs  # noqa: E402
+from megatron_fused_ce.cuda_graphs import thread_local_capture  # noqa: E402
 from megatron_fused_ce.ops import replay  # noqa: E402
 
 SHAPES = "8192x4096x128256,8192x2304x256000,16384x3584x152064"
@@ -229,7 +232,10 @@ def make_step(h, w, y, chunk, mask=None, group=None, graphed=False):
     if graphed:  # leaves of its own: no autograd node of an earlier step's graph on them
         h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
     inputs = (h, w, y) + tuple(mask or ())
-    loss = torch.cuda.make_graphed_callables(loss_of, inputs) if graphed else loss_of
+    loss = loss_of
+    if graphed:  # over NCCL, in the thread-local capture mode (megatron_fused_ce/cuda_graphs.py)
+        with thread_local_capture() if group is not None else contextlib.nullcontext():
+            loss = torch.cuda.make_graphed_callables(loss_of, inputs)
 
     def step():
         return torch.autograd.grad(loss(*inputs), (h, w))
@@ -328,6 +334,8 @@ def benchmark(args):
                           f"{counts.get('plain_rows', 0)} plain (empty set)", flush=True)
                 del ids, offsets, labels, mask, step
     if group is not None:
+        gc.collect()  # the CUDA graphs holding NCCL collectives go before their communicator
+        torch.cuda.synchronize()
         dist.destroy_process_group()
     return failed if rank == 0 else None
 

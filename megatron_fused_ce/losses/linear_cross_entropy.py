@@ -123,6 +123,10 @@ def linear_cross_entropy(
         want_entropy=False, extra_checks=extra,
         must_agree=must_agree, forward_grad=forward_grad, expected_upstream_grad=expected_upstream_grad)
 
+    if not smoothing and not z_weight and reduction != "none":
+        total = stats.negative_logprob_total(mean=reduction == "mean")  # one kernel, where it applies
+        if total is not None:
+            return total + stats.anchor
     per_token = stats.negative_logprob()  # (0 in rows of ignored labels)
     masked = True
     if smoothing > 0.0:

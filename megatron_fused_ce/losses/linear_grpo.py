@@ -104,13 +104,17 @@ class GRPOGrads(ForwardGradLoss):
     ``grpo.term_sums`` on the chunk's log-probs and its rows of the token table; the chunk's sums
     of the loss and metric terms are kept for the loss value (module doc). `prepare` gives the
     table and the batch totals: called before the loop, or at the first chunk (while its logits
-    GEMM runs)."""
+    GEMM runs). `whole_call` (no CP), given a chunk of every row, gives its gradients and the
+    call's metric vector at once (`_whole_call_terms`): one compiled function on CUDA instead of
+    three, the host's cost of a micro-batch that fits one chunk."""
 
-    def __init__(self, config: GRPOConfig, prepare):
+    def __init__(self, config: GRPOConfig, prepare, whole_call=None, num_rows: int = -1):
         self.config, self.prepare = config, prepare
+        self.whole_call, self.num_rows = whole_call, num_rows
         self.table: Optional[_TokenTable] = None
         self.totals = None
         self.chunk_sums, self.chunk_maxima = [], []
+        self.metric_values: Optional[Tensor] = None  # whole_call's metric vector
         self.num_tokens = 0
 
     def prepared(self) -> _TokenTable:
@@ -121,6 +125,11 @@ class GRPOGrads(ForwardGradLoss):
     masks_unlabelled = True  # token_grads gives 0 in rows without a label
 
     def token_grads(self, stats, positions, num_labelled) -> TokenGrads:
+        if (self.whole_call is not None and self.table is None and self.num_tokens == 0
+                and isinstance(positions, slice) and positions == slice(0, self.num_rows)):
+            grad, negative_grad, self.metric_values = self.whole_call(stats.target, stats.max, stats.log_sum_exp)
+            self.num_tokens = self.num_rows
+            return TokenGrads(target=grad, lse=negative_grad)
         table = self.prepared()
         inputs = table.at(positions)
         grad, negative_grad, sums, maxima = fused(
@@ -141,10 +150,13 @@ class GRPOGrads(ForwardGradLoss):
         """The loss value and metrics (grpo.metric_names) from the chunks' sums and the batch totals
         (one all-reduce SUM and one MAX over `cp_group`), NaN where the op's device checks found bad
         contents (`poison`, TokenStats.poison)."""
-        self.prepared()
         if self.num_tokens != num_rows:  # the loss value is the sum over the chunks: every row once
             raise RuntimeError(f"linear_grpo_loss: {self.num_tokens} rows reached token_grads, "
                                f"expected each of the {num_rows} rows of the chunk loop once")
+        if self.metric_values is not None:  # whole_call's
+            values = self.metric_values if poison is None else self.metric_values + poison
+            return dict(zip(metric_names(self.config, has_sampling), values.unbind()))
+        self.prepared()
         if not self.chunk_sums:  # no row at all: the terms of an empty block
             _, _, sums, maxima = term_sums(self.config, self.table.rows.new_zeros(0), self.table.at(slice(0, 0)))
             self.chunk_sums, self.chunk_maxima = [sums], [maxima]
@@ -169,6 +181,20 @@ def _chunk_terms(config: GRPOConfig, target, row_max, log_sum_exp, labelled, adv
                                        sequence_log_rho, None)
     grad = torch.where(labelled, grad, 0.0)
     return grad, -grad, sums, maxima
+
+
+def _whole_call_terms(config: GRPOConfig, target, row_max, log_sum_exp, advantages, mask, old, reference, sampling,
+                      normalizer, labels, ignore_index: int, sequence_first: bool):
+    """A call without CP whose chunk loop has one chunk: its token table (`_token_table`), the
+    chunk's terms (`_chunk_terms`) and the metric vector (`_metrics`, without the poison), as one
+    function -> (d loss / d lp, its negative, metric vector)."""
+    rows, labelled, _, total_weight, num_excluded, _, _ = _token_table(
+        config, advantages, mask, old, reference, sampling, normalizer, labels, ignore_index, sequence_first)
+    inputs = TokenInputs(**dict(zip(_input_names(config, old, reference, sampling), rows.unbind(0))))
+    grad, negative_grad, sums, maxima = _chunk_terms(
+        config, target, row_max, log_sum_exp, labelled, inputs.advantages, inputs.weights, inputs.scale, inputs.old,
+        inputs.reference, inputs.sampling, inputs.sequence_log_rho)
+    return grad, negative_grad, _metrics(config, sums, maxima, total_weight, num_excluded, None, sampling is not None)
 
 
 def _loss_sum(config: GRPOConfig, total: Tensor) -> Tensor:
@@ -284,16 +310,18 @@ def linear_grpo_loss(
 
     batch, length = mask.shape
 
+    def normalizer_tensor():
+        # a Python-number normalizer as a tensor (a fill kernel): a new count is no new compilation
+        return normalizer if normalizer is None or isinstance(normalizer, Tensor) else torch.full(
+            (), float(normalizer), dtype=torch.float32, device=hidden.device)
+
     def prepare():
         """Everything a token's term needs from other tokens (and other CP ranks), per position."""
         if cp_group is None:  # one compiled function on CUDA (the totals' CP all-reduce cannot be in one)
-            # a Python-number normalizer as a tensor (a fill kernel): a new count is no new compilation
-            count = normalizer if normalizer is None or isinstance(normalizer, Tensor) else torch.full(
-                (), float(normalizer), dtype=torch.float32, device=hidden.device)
             names = _input_names(config, old_logprobs, reference_logprobs, sampling_logprobs)
             rows, labelled, *totals = fused(_token_table, config, hidden.device, advantages, mask, old_logprobs,
-                                            reference_logprobs, sampling_logprobs, count, labels, ignore_index,
-                                            sequence_first)
+                                            reference_logprobs, sampling_logprobs, normalizer_tensor(), labels,
+                                            ignore_index, sequence_first)
             return _TokenTable(names, rows, labelled), BatchTotals(*totals)
         like = torch.zeros(batch, length, dtype=torch.float32, device=hidden.device)  # the log-probs' dtype
         inputs, totals = token_inputs(advantages, mask, config, like=like, old_logprobs=old_logprobs,
@@ -303,7 +331,12 @@ def linear_grpo_loss(
         return _TokenTable(inputs.present(), _table_rows(inputs, (batch, length), sequence_first),
                            (labels != ignore_index).reshape(-1)), totals
 
-    forward_grad = GRPOGrads(config, prepare)
+    def whole_call(target, row_max, log_sum_exp):
+        return fused(_whole_call_terms, config, hidden.device, target, row_max, log_sum_exp, advantages, mask,
+                     old_logprobs, reference_logprobs, sampling_logprobs, normalizer_tensor(), labels,
+                     ignore_index, sequence_first)
+
+    forward_grad = GRPOGrads(config, prepare, whole_call if cp_group is None else None, batch * length)
     # With cp_group the totals' collectives run here, on every CP rank (a rank may have no labelled
     # chunk). Without, they are computed at the first chunk's merge, while its logits GEMM runs:
     # ~30 small kernels fewer before the first GEMM, where the GPU would wait for the host.

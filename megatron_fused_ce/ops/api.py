@@ -393,6 +393,7 @@ class TokenStats:
     # every result: NaN where the device checks found bad contents (deferred_errors.py), else 0
     labelled: Optional[Tensor] = None
     poison: Optional[Tensor] = None
+    backend: Any = None  # the call's (backends.Backend): negative_logprob_total's kernel
 
     def logprob(self) -> Tensor:
         """log p_y of the labelled rows (0 in rows of ignored labels, with a zero gradient):
@@ -403,6 +404,16 @@ class TokenStats:
     def negative_logprob(self) -> Tensor:
         """-logprob(): the cross-entropy of each labelled row, (max - target) + log_sum_exp."""
         return _LabelledLogprob.apply(self.target, self.lse, self.max, self.log_sum_exp, self.labelled, True)
+
+    def negative_logprob_total(self, mean: bool) -> Optional[Tensor]:
+        """poisoned(Σ negative_logprob()), divided by the labelled rows if `mean`, as a plain value
+        (no gradient: the loss's gradient rides on the anchor) in one backend call; None where
+        the statistics are differentiable or the count is not on the device."""
+        if (self.backend is None or self.anchor is None or self.row_index is not None
+                or not isinstance(self.num_labelled, LabelledCount)):
+            return None
+        return self.backend.labelled_loss_sum(self.target, self.max, self.log_sum_exp, self.labelled,
+                                              self.num_labelled.inverse if mean else None, self.poison)
 
     def to_full(self, values: Tensor, fill=0, masked: bool = False) -> Tensor:
         """[num labelled rows, ...] -> labels.shape + (...) with `fill` at ignored positions
@@ -667,7 +678,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                 None if expected_upstream_grad is None else float(expected_upstream_grad), labelled, num_labelled)
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
-                              poison=_device_poison(device_checks, rank_check))
+                              poison=_device_poison(device_checks, rank_check), backend=backend)
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
     target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
@@ -681,7 +692,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                topk_ids=merged.topk_ids)
     return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                       merged.max, merged.log_sum_exp, **sampler_outputs, num_labelled=num_labelled,
-                      labelled=labelled, poison=_device_poison(device_checks, rank_check))
+                      labelled=labelled, poison=_device_poison(device_checks, rank_check), backend=backend)
 
 
 class LabelledCount:
@@ -703,7 +714,9 @@ class LabelledCount:
     def per_row(self, positions) -> tuple:
         """(1 / count, -1 / count) at each of `positions` (indices or a slice of the rows) where
         its label is kept, 0 elsewhere: one kernel."""
-        both = torch.where(self.labelled[positions], self.inverses[:, None], 0.0)
+        # a product, not a select with a Python 0.0: the inverses are finite, and a select with
+        # a scalar costs twice a product's host time
+        both = self.inverses[:, None] * self.labelled[positions]
         return both[0], both[1]
 
 

@@ -369,8 +369,11 @@ class LinearLossGradInForward(torch.autograd.Function):
         # with g applied in one pass: a host sync would leave the GPU idle while the host queues
         # what follows. Only the check of g against expected_grad reads g on the host.
         grad_hidden = grad_weight = None
+        # a dW made in the weight dtype is scaled with dX, in the same launch
+        scaled_with_dx = dx is not None and dw is not None and not ctx.into_main_grad and dw.dtype == weight.dtype
         if dx is not None:
-            grad_hidden = input_grad(spec.backend.scale_(dx, g_anchor), row_index, ctx.full_shape, spec)
+            spec.backend.scale_(dx, g_anchor, dw if scaled_with_dx else None)
+            grad_hidden = input_grad(dx, row_index, ctx.full_shape, spec)
         elif ctx.needs_input_grad[0]:  # a second backward through the same graph: recompute dX
             coefs = _scaled_coefs(coef_list, g_anchor)
             with autocast_off(hidden.device):
@@ -387,7 +390,7 @@ class LinearLossGradInForward(torch.autograd.Function):
             grad_weight = main_grad_added(spec.main_grad_param, weight)
         elif dw is not None:  # fast mode, no main_grad: made in the forward
             if dw.dtype == weight.dtype:
-                grad_weight = spec.backend.scale_(dw, g_anchor)
+                grad_weight = dw if scaled_with_dx else spec.backend.scale_(dw, g_anchor)
             else:  # summed over chunks in fp32: scale and cast in one pass
                 grad_weight = spec.backend.scale_cast(dw, g_anchor, weight.dtype)
         elif expected is not None:

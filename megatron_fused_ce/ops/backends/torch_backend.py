@@ -125,15 +125,18 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (src * scale).to(dtype)
 
 
-def scale_(t: Tensor, scale: Tensor) -> Tensor:
-    """t *= scale in place, in fp32 with the fp32 upstream gradient (scale is not rounded to t's
-    dtype first, as `t.mul_` would do for bf16): dX, or a dW made in the weight dtype. In pieces,
-    so that no fp32 copy of a [V_local, H] dW exists; t is unchanged when scale == 1."""
+def scale_(t: Tensor, scale: Tensor, other: Optional[Tensor] = None) -> Tensor:
+    """t *= scale in place (and `other` *= scale), in fp32 with the fp32 upstream gradient (scale is
+    not rounded to t's dtype first, as `t.mul_` would do for bf16): dX, and a dW made in the
+    weight dtype. In pieces, so that no fp32 copy of a [V_local, H] dW exists; t is unchanged when
+    scale == 1. Returns t."""
     scale = scale.to(torch.float32)
-    if not t.is_contiguous():
-        return t.copy_(t.float() * scale)
-    for part in t.view(-1).split(1 << 22):
-        part.copy_(part.float() * scale)
+    for x in (t,) if other is None else (t, other):
+        if not x.is_contiguous():
+            x.copy_(x.float() * scale)
+            continue
+        for part in x.view(-1).split(1 << 22):
+            part.copy_(part.float() * scale)
     return t
 
 
@@ -217,11 +220,24 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
     return local_target, labelled, counts, scalars
 
 
+def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
+                      scale: Optional[Tensor], poison: Optional[Tensor]) -> Tensor:
+    """Σ over the labelled rows of -log p_y = (max - z_y) + log S (fp32 0-d), times `scale` (0-d:
+    a mean's 1 / count), plus `poison` ([1]: NaN where the device checks found bad contents, else
+    0): cross-entropy's loss value from the merged statistics (plain values, no gradient)."""
+    value = (row_max - target) + log_sum_exp
+    total = (value if labelled is None else torch.where(labelled, value, 0.0)).sum()
+    if scale is not None:
+        total = total * scale
+    return total if poison is None else total + poison[0]
+
+
 BACKEND = Backend(
     name="torch", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
     exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
     kept_dlogits_=sampling_torch.kept_dlogits_,
     kept_stats=replay_torch.kept_stats, kept_grads=replay_torch.kept_grads, label_targets=label_targets,
     entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
+    labelled_loss_sum=labelled_loss_sum,
     tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
 )

@@ -278,24 +278,36 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @triton.jit
-def _scale_kernel(ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+def _scale_kernel(ptr, other_ptr, scale_ptr, numel, other_numel, blocks, BLOCK: tl.constexpr):
+    # programs [0, blocks) scale `ptr`, the rest `other_ptr` (two tensors, one launch)
     scale = tl.load(scale_ptr)
     if scale != 1.0:
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        in_range = offsets < numel
-        scaled = tl.load(ptr + offsets, mask=in_range).to(tl.float32) * scale
-        tl.store(ptr + offsets, scaled.to(ptr.dtype.element_ty), mask=in_range)
+        pid = tl.program_id(0)
+        if pid < blocks:
+            offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            in_range = offsets < numel
+            scaled = tl.load(ptr + offsets, mask=in_range).to(tl.float32) * scale
+            tl.store(ptr + offsets, scaled.to(ptr.dtype.element_ty), mask=in_range)
+        else:
+            offsets = (pid - blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            in_range = offsets < other_numel
+            scaled = tl.load(other_ptr + offsets, mask=in_range).to(tl.float32) * scale
+            tl.store(other_ptr + offsets, scaled.to(other_ptr.dtype.element_ty), mask=in_range)
 
 
-def scale_(t: Tensor, scale: Tensor) -> Tensor:
-    """t *= scale in place, in fp32 with the fp32 upstream gradient, decided on the GPU: g == 1
-    (Megatron's loss functions) reads and writes nothing, and the host never waits for g."""
+def scale_(t: Tensor, scale: Tensor, other: Optional[Tensor] = None) -> Tensor:
+    """t *= scale (and other *= scale) in place, in fp32 with the fp32 upstream gradient, decided on
+    the GPU: g == 1 (Megatron's loss functions) reads and writes nothing, and the host never waits
+    for g. dX and dW in one launch: every launch of the backward is host time at RL shapes."""
     # Off CUDA (incl. the interpreter, whose fp32 -> bf16 cast truncates) the torch math is used.
-    if not t.is_cuda or not t.is_contiguous():
-        return torch_backend.scale_(t, scale)
+    if not all(x.is_cuda and x.is_contiguous() for x in ((t,) if other is None else (t, other))):
+        return torch_backend.scale_(t, scale, other)
     block = 4096
-    _scale_kernel[(triton.cdiv(t.numel(), block),)](t, scale.reshape(1).to(torch.float32), t.numel(),
-                                                    BLOCK=block, num_warps=8)
+    blocks = triton.cdiv(t.numel(), block)
+    other_blocks = 0 if other is None else triton.cdiv(other.numel(), block)
+    _scale_kernel[(blocks + other_blocks,)](t, t if other is None else other, scale.reshape(1).to(torch.float32),
+                                            t.numel(), 0 if other is None else other.numel(), blocks,
+                                            BLOCK=block, num_warps=8)
     return t
 
 
@@ -459,6 +471,46 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
     return local_target, labelled.view(torch.bool), counts, scalars
 
 
+@triton.jit
+def _labelled_loss_sum_kernel(target_ptr, max_ptr, log_sum_exp_ptr, labelled_ptr, scale_ptr, poison_ptr, out_ptr,
+                              n, HAS_LABELLED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_POISON: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    # one program: a fixed order of additions, the same total on every call
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_range = rows < n
+        value = (tl.load(max_ptr + rows, mask=in_range, other=0.0) - tl.load(target_ptr + rows, mask=in_range, other=0.0)
+                 + tl.load(log_sum_exp_ptr + rows, mask=in_range, other=0.0))
+        keep = in_range
+        if HAS_LABELLED:
+            keep = keep & (tl.load(labelled_ptr + rows, mask=in_range, other=0) != 0)
+        acc += tl.where(keep, value, 0.0)
+    total = tl.sum(acc, axis=0)
+    if HAS_SCALE:
+        total = total * tl.load(scale_ptr)
+    if HAS_POISON:
+        total = total + tl.load(poison_ptr)
+    tl.store(out_ptr, total)
+
+
+def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
+                      scale: Optional[Tensor], poison: Optional[Tensor]) -> Tensor:
+    """torch_backend.labelled_loss_sum in one launch (the loss value's five elementwise ops and its
+    sum each cost a launch of host time at RL shapes)."""
+    if not target.is_cuda:
+        return torch_backend.labelled_loss_sum(target, row_max, log_sum_exp, labelled, scale, poison)
+    out = torch.empty((), dtype=torch.float32, device=target.device)
+    args = [_f32(t) for t in (target, row_max, log_sum_exp)]
+    _labelled_loss_sum_kernel[(1,)](
+        *args, args[0] if labelled is None else labelled.contiguous().view(torch.uint8),
+        args[0] if scale is None else scale.reshape(1).to(torch.float32),
+        args[0] if poison is None else poison.to(torch.float32), out, target.numel(),
+        HAS_LABELLED=labelled is not None, HAS_SCALE=scale is not None, HAS_POISON=poison is not None,
+        BLOCK=2048, num_warps=8)
+    return out
+
+
 from . import replay_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
 
 BACKEND = Backend(
@@ -467,7 +519,7 @@ BACKEND = Backend(
     kept_dlogits_=sampling_triton.kept_dlogits_,
     kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,
     entry_stats=replay_triton.entry_stats, entry_dlogits=replay_triton.entry_dlogits,
-    kept_layout=replay_triton.kept_layout,
+    kept_layout=replay_triton.kept_layout, labelled_loss_sum=labelled_loss_sum,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
 )
