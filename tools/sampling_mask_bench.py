@@ -334,8 +334,9 @@ def benchmark(args):
                           f"{counts.get('plain_rows', 0)} plain (empty set)", flush=True)
                 del ids, offsets, labels, mask, step
     if group is not None:
-        gc.collect()  # the CUDA graphs holding NCCL collectives go before their communicator
-        torch.cuda.synchronize()
+        if device.type == "cuda":  # the CUDA graphs holding NCCL collectives go before their communicator
+            gc.collect()
+            torch.cuda.synchronize()
         dist.destroy_process_group()
     return failed if rank == 0 else None
 
