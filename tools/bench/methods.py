@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
+from megatron_fused_ce.cuda_graphs import thread_local_capture
 
 from . import measure, peers
 from .measure import Skip, _forward_only, _grads
@@ -168,7 +169,10 @@ def make_ours_fwd_entropy(h, w, y, chunk):
 def _graphed(loss_of, args):
     if not torch.cuda.is_available():
         raise Skip("CUDA graphs need a GPU")
-    return torch.cuda.make_graphed_callables(loss_of, args)
+    # the thread-local capture mode: over NCCL (tp.py's rows) the watchdog's event queries would
+    # invalidate a global-mode capture (megatron_fused_ce/cuda_graphs.py)
+    with thread_local_capture():
+        return torch.cuda.make_graphed_callables(loss_of, args)
 
 
 def _graphed_step(step, loss_kind="ce"):
@@ -211,7 +215,7 @@ def make_ours_fwd_graphed(h, w, y, chunk):
             linear_logprobs(static_h, w, static_y, chunk_size=chunk, impl=_impl())
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
+    with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
         static_out = linear_logprobs(static_h, w, static_y, chunk_size=chunk, impl=_impl()).logprobs
 
     def replay():
