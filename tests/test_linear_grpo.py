@@ -56,7 +56,7 @@ def _inputs(seed, tp, sequence_first):
     return hidden, weight, labels, mask, adv, extra
 
 
-def _worker(rank, world, name, seed):
+def _worker(rank, world, name, seed, chunk_size=5):
     cfg_kwargs, needs = CONFIGS[name]
     config = GRPOConfig(**cfg_kwargs)
     sp = world > 1
@@ -77,7 +77,7 @@ def _worker(rank, world, name, seed):
         mask[0, 1] = mask[2, 3] = 1.0
         tensors["old_logprobs"][0, 1] = tensors["sampling_logprobs"][2, 3] = float("-inf")
     normalizer = 37 if name == "on_policy_normalizer" else None
-    common = dict(tp_group=group, vocab_size=V_LOCAL * world - 3, chunk_size=5, sequence_parallel=sp,
+    common = dict(tp_group=group, vocab_size=V_LOCAL * world - 3, chunk_size=chunk_size, sequence_parallel=sp,
                   temperature=0.9, **tensors, normalizer=normalizer)
     results = []
     for fused in (True, False):
@@ -94,10 +94,13 @@ def _worker(rank, world, name, seed):
     return results
 
 
+@pytest.mark.parametrize("chunk_size", [5, None], ids=["chunks", "one_chunk"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_linear_grpo_matches_recompute_composition(name, tp):
-    for fused, unfused in run_workers(_worker, tp, name, 40 + tp):
+def test_linear_grpo_matches_recompute_composition(name, tp, chunk_size):
+    """Several chunks (the table, each chunk's terms and the metrics apart) and one chunk (the
+    whole call's terms as one function)."""
+    for fused, unfused in run_workers(_worker, tp, name, 40 + tp, chunk_size):
         (lf, mf, dxf, dwf), (lu, mu, dxu, dwu) = fused, unfused
         assert torch.allclose(lf, lu, rtol=1e-5, atol=1e-7), (lf, lu)
         assert mf.keys() == mu.keys()
@@ -109,6 +112,29 @@ def test_linear_grpo_matches_recompute_composition(name, tp):
             err = reference.record_difference(f"linear_grpo_loss {what} vs grpo_loss(linear_logprobs)", tp,
                                               torch.float32, reference.rel_err(a, b))
             assert err < 1e-5, (what, err)
+
+
+@pytest.mark.parametrize("chunk_size", [5, None], ids=["chunks", "one_chunk"])
+def test_one_chunk_takes_the_whole_call_function(chunk_size, monkeypatch):
+    """A call whose loop has one chunk evaluates its table, terms and metrics in one function (one
+    compiled call on CUDA instead of three); several chunks never do (each chunk's terms need the
+    table first)."""
+    from megatron_fused_ce.losses import linear_grpo
+
+    calls = []
+    whole = linear_grpo._whole_call_terms
+
+    def counted(*args):
+        calls.append(1)
+        return whole(*args)
+
+    monkeypatch.setattr(linear_grpo, "_whole_call_terms", counted)
+    hidden, weight, labels, mask, adv, extra = _inputs(3, 1, False)
+    loss, metrics = linear_grpo_loss(hidden.requires_grad_(), weight.requires_grad_(), labels, adv, mask,
+                                     GRPOConfig(beta=0.1), old_logprobs=extra["old"], reference_logprobs=extra["ref"],
+                                     chunk_size=chunk_size)
+    loss.backward()
+    assert len(calls) == (1 if chunk_size is None else 0) and torch.isfinite(loss)
 
 
 def test_path_choice_and_gemm_count():
