@@ -125,7 +125,7 @@ class GRPOGrads(ForwardGradLoss):
     masks_unlabelled = True  # token_grads gives 0 in rows without a label
 
     def token_grads(self, stats, positions, num_labelled) -> TokenGrads:
-        if (self.whole_call is not None and self.table is None and self.num_tokens == 0
+        if (self.whole_call is not None and self.num_tokens == 0
                 and isinstance(positions, slice) and positions == slice(0, self.num_rows)):
             grad, negative_grad, self.metric_values = self.whole_call(stats.target, stats.max, stats.log_sum_exp)
             self.num_tokens = self.num_rows
