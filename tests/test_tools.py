@@ -349,6 +349,22 @@ def test_rl_curves_seed_groups_give_mean_and_spread_per_window(tmp_path):
     assert groups[3] == "| B | 1 | 0.200 (0.200-0.200) | 0.400 (0.400-0.400) |"
 
 
+def test_rl_curves_policy_statistics_of_grpo_runs(tmp_path):
+    """GRPO logs (ratio_mean, clip_ratio, kl per step) get a table of their means over the run's
+    steps: how docs/rl.md measures the ratio's bias of plain-softmax trainer log-probs."""
+    grpo = tmp_path / "grpo.jsonl"
+    grpo.write_text("\n".join(json.dumps({"step": i, "reward": 0.5, "ratio_mean": r, "clip_ratio": c, "kl": k})
+                              for i, (r, c, k) in enumerate([(0.97, 0.004, 0.01), (0.99, 0.002, 0.03)])) + "\n")
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text(json.dumps({"step": 0, "reward": 0.3, "loss": 2.0}) + "\n")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "rl_curves.py"), f"G={grpo}", f"S={sft}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    policy = out.stdout.strip().split("\n\n")[-1].splitlines()
+    assert policy[0] == "| run | steps | mean policy ratio | clip fraction | KL to the reference |"
+    assert policy[2:] == ["| G | 2 | 0.9800 | 0.00300 | 0.0200 |"]  # (the SFT run logs no ratio)
+
+
 def test_rl_curves_table_from_log_jsonl(tmp_path):
     """tools/rl_curves.py (docs/rl.md's GPU tables and curves) reads the examples' --log-jsonl:
     the first-3 / last-5 reward means, the first step at the target (SFT and DPO log a reward only

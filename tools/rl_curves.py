@@ -5,7 +5,8 @@
 
 Each argument is LABEL=PATH (the PATH of `examples/{sft,grpo,dpo}.py --log-jsonl`). The table gives,
 per run, the steps logged, the mean reward over the first 3 and the last 5 evaluated steps, the first
-step whose reward reached --target, and the last accuracy. The PNG (needs matplotlib) plots reward
+step whose reward reached --target, and the last accuracy; for GRPO runs a further table gives the
+mean over steps of the policy ratio, the clipped fraction and the KL to the reference. The PNG (needs matplotlib) plots reward
 and accuracy against step, and for GRPO runs the KL to the reference and the mean policy ratio.
 
 Runs of one setting over several seeds: label them GROUP/SEED (`"fused/1234=a.jsonl" "fused/7=b.jsonl"`).
@@ -97,6 +98,27 @@ def group_table(groups: Dict[str, Dict[str, List[dict]]], window: int) -> str:
     return "\n".join(lines)
 
 
+POLICY_STATISTICS = (("ratio_mean", "mean policy ratio", ".4f"), ("clip_ratio", "clip fraction", ".5f"),
+                     ("kl", "KL to the reference", ".4f"))
+
+
+def policy_table(runs: Dict[str, List[dict]]) -> str:
+    """Per GRPO run: the mean over its steps of the policy ratio, the clipped fraction and the KL,
+    the quantities a biased trainer log-prob moves (runs without `ratio_mean` are left out)."""
+    lines = ["| run | steps | " + " | ".join(title for _, title, _ in POLICY_STATISTICS) + " |",
+             "|---|---:|" + "---:|" * len(POLICY_STATISTICS)]
+    for label, rows in runs.items():
+        logged = [row for row in rows if "ratio_mean" in row]
+        if not logged:
+            continue
+        cells = []
+        for key, _, spec in POLICY_STATISTICS:
+            values = [row[key] for row in logged if key in row]
+            cells.append(format(sum(values) / len(values), spec) if values else "-")
+        lines.append(f"| {label} | {len(logged)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(runs: Dict[str, List[dict]], path: str) -> None:
     try:
         import matplotlib
@@ -156,6 +178,9 @@ def main(argv=None) -> int:
     if groups:
         print()
         print(group_table(groups, args.window))
+    if any("ratio_mean" in row for rows in runs.values() for row in rows):
+        print()
+        print(policy_table(runs))
     if args.png:
         plot(runs, args.png)
     return 0
