@@ -515,3 +515,52 @@ def test_grpo_compiles_what_the_first_call_runs_and_nothing_more_later(monkeypat
         loss.backward()
         keys.append(set(asked))
     assert keys[0] and keys[0] == keys[1] == keys[2]
+
+
+def _dx_sum_worker(rank, world, sequence_parallel):
+    group = dist.group.WORLD
+    h_full, w_full, y = _inputs(21)  # [s, b, H] with Megatron's layout; labels [s, b]
+    v, s_local = w_full.shape[0] // world, h_full.shape[0] // world
+    w = w_full[rank * v:(rank + 1) * v].clone().requires_grad_()
+    h = (h_full[rank * s_local:(rank + 1) * s_local] if sequence_parallel else h_full).clone().requires_grad_()
+    report = {}
+    for upstream in (1e-5, 3.0):  # a loss scale as small as Megatron's, and one above 1
+        h.grad = w.grad = None
+        call = lambda: linear_cross_entropy(h, w, y, tp_group=group, vocab_size=75,
+                                            sequence_parallel=sequence_parallel)
+        call().detach()  # the signature's first call
+        with _counting() as (forward_collectives, _):
+            loss = call()
+        with _counting() as (backward_collectives, _):
+            (loss * upstream).backward()
+        report[upstream] = (list(forward_collectives), list(backward_collectives), loss.detach(),
+                            h.grad.clone(), w.grad.clone())
+    return report
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_cross_entropy_sums_dx_over_ranks_in_its_forward(sequence_parallel):
+    """Cross-entropy makes its gradients in the forward: dX's sum over TP ranks (all-reduce, or
+    reduce-scatter under SP) starts there, beside the last dW GEMM, and the backward only scales
+    (the upstream gradient applied after the sum). dX and dW stay those of the float64 reference
+    at an upstream gradient of 1e-5 and of 3."""
+    h_full, w_full, y = _inputs(21)
+    h64 = h_full.double().requires_grad_()
+    w64 = w_full.double().requires_grad_()
+    logits = (h64 @ w64[:75].t()).reshape(-1, 75)  # (vocab 75 of the 80 padded rows)
+    ref = torch.nn.functional.cross_entropy(logits, y.reshape(-1), ignore_index=-100)
+    v, s_local = w_full.shape[0] // 2, h_full.shape[0] // 2
+    for rank, report in enumerate(run_workers(_dx_sum_worker, 2, sequence_parallel)):
+        for upstream, (forward, backward, loss, dx, dw) in report.items():
+            # (under SP the forward first gathers the sequence)
+            assert forward == (["all_gather_into_tensor", "all_reduce", "all_reduce", "reduce_scatter_tensor"]
+                               if sequence_parallel else ["all_reduce"] * 3), (rank, forward)
+            assert backward == [], (rank, backward)
+            gh, gw = torch.autograd.grad(ref * upstream, (h64, w64), retain_graph=True)
+            if sequence_parallel:
+                gh = gh[rank * s_local:(rank + 1) * s_local]
+            torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+            # fp32 against float64, relative to the largest gradient
+            scale = gh.abs().max()
+            torch.testing.assert_close(dx.double() / scale, gh / scale, rtol=0, atol=1e-5)
+            torch.testing.assert_close(dw.double() / scale, gw[rank * v:(rank + 1) * v] / scale, rtol=0, atol=1e-5)

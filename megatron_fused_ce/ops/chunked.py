@@ -309,11 +309,18 @@ class LinearLossGradInForward(torch.autograd.Function):
         # owned by the node from before the first add: freed without a backward (also when this
         # forward raises half-way), it poisons main_grad instead of leaving it wrong
         ctx.main_grad_side_effect = MainGradSideEffect(spec.main_grad_param) if adds_in_forward else None
+        # dX's TP sum starts as soon as the last chunk's dX is made (beside its dW GEMM)
+        dx_sum = None
+        if dx_rows is not None and row_index is None:
+            dx_sum = reductions.InputGradSum(dx_rows, spec.tp_group, spec.sequence_parallel)
         merged_chunks, coef_chunks, dw_last = _forward_chunks(
             rows, weight, row_index, local_target, spec, forward_grad, dx_rows, dw_out, adds_in_forward,
             cast_dw_to=weight_grad_cast_target(dw_acc, weight, accumulate=into_main_grad),
             dw_scale=expected_grad if adds_in_forward else 1.0, labelled=labelled,
-            num_labelled=rows.shape[0] if num_labelled is None else num_labelled)
+            num_labelled=rows.shape[0] if num_labelled is None else num_labelled,
+            after_last_dx=None if dx_sum is None else dx_sum.start)
+        if dx_sum is not None:
+            dx_sum.start()  # (a tiling that makes no dX GEMM, lean's: here)
         if dw_last is not None:  # dW in the weight dtype already: the fp32 sum is not needed any more
             dw_acc = dw_last
 
@@ -335,7 +342,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         # pass when g == 1). They are kept outside save_for_backward, whose version
         # check would reject that; a second backward (retain_graph) recomputes them from the saved
         # per-token coefficients.
-        ctx.dx_buffer, ctx.dw_buffer = dx_rows, dw_acc
+        ctx.dx_buffer, ctx.dw_buffer = (dx_rows if dx_sum is None else dx_sum), dw_acc
         ctx.save_for_backward(
             row_index, weight, hidden, local_target, cat([m.max for m in merged_chunks]),
             cat([m.log_sum_exp for m in merged_chunks]),
@@ -371,7 +378,9 @@ class LinearLossGradInForward(torch.autograd.Function):
         grad_hidden = grad_weight = None
         # a dW made in the weight dtype is scaled with dX, in the same launch
         scaled_with_dx = dx is not None and dw is not None and not ctx.into_main_grad and dw.dtype == weight.dtype
-        if dx is not None:
+        if isinstance(dx, reductions.InputGradSum):  # summed over TP ranks already (started in the forward)
+            grad_hidden = spec.backend.scale_(dx.result(), g_anchor, dw if scaled_with_dx else None)
+        elif dx is not None:
             spec.backend.scale_(dx, g_anchor, dw if scaled_with_dx else None)
             grad_hidden = input_grad(dx, row_index, ctx.full_shape, spec)
         elif ctx.needs_input_grad[0]:  # a second backward through the same graph: recompute dX
@@ -404,7 +413,7 @@ class LinearLossGradInForward(torch.autograd.Function):
 
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forward_grad: ForwardGradLoss, dx_rows,
                     dw_out, into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0,
-                    labelled: Optional[Tensor] = None, num_labelled=None):
+                    labelled: Optional[Tensor] = None, num_labelled=None, after_last_dx=None):
     """LinearLossGradInForward's loop -> (merged statistics, coefficients per step, dW): per step of
     rows (spec.tiling's: a chunk of logits, or lean sweep A over a token chunk), the statistics
     merged over TP ranks, the per-token coefficients, then dX (and, where the tiling makes it in
@@ -412,7 +421,8 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forw
     main_grad, added to from the first step on). With `cast_dw_to` (dw_out an fp32 sum over
     chunks), the last chunk may add the sum and write dW in that dtype in one GEMM: that dW is
     returned, else None. `labelled` (bool [rows]; None: every row is labelled) zeroes the
-    gradients of the rows of ignored labels; `num_labelled` is what the loss divides by."""
+    gradients of the rows of ignored labels; `num_labelled` is what the loss divides by.
+    `after_last_dx` runs right after the last step's dX GEMM (where the tiling makes one)."""
     tiling = spec.tiling
     plan = tiling.forward_plan(rows, weight, spec, forward_grad, needs_dx=dx_rows is not None,
                                num_labelled=num_labelled)
@@ -434,7 +444,8 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forw
         dw_last = tiling.forward_grads(
             plan, pending, h, weight, target, spec, merged, coefs, None if dx_rows is None else dx_rows[start:end],
             dw_out, dw_accumulate=into_main_grad or index > 0, dw_scale=dw_scale,
-            cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]))
+            cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]),
+            after_dx=after_last_dx if end == rows.shape[0] else None)
         del pending  # one chunk alive at the peak
     return merged_chunks, coef_chunks, dw_last
 

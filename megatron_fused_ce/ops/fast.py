@@ -31,7 +31,7 @@ fp32 sum of the others and written in the weight dtype by one GEMM.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -93,26 +93,31 @@ def recomputed_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, spec, of
 
 def grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec, dx_out: Optional[Tensor],
                dw_out: Optional[Tensor], dw_accumulate: bool, scale: float = 1.0,
-               cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
-    """dW into `dw_out` (adding to it if `dw_accumulate`) and dX of the chunk's rows
-    into `dx_out`, from the chunk's dlogits times `scale` (the GEMMs' alpha; dW's times `dw_scale`
-    too: the upstream gradient of a dW added into main_grad in the forward). With `cast_dw_to`
-    (the last of several chunks, `dw_out` their fp32 sum), dW may instead be written in that dtype
-    with the sum added by one GEMM (last_weight_grad): returned, else None."""
+               cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0,
+               after_dx: Optional[Callable[[], None]] = None) -> Optional[Tensor]:
+    """dX of the chunk's rows into `dx_out`, then dW into `dw_out` (adding to it if
+    `dw_accumulate`), from the chunk's dlogits times `scale` (the GEMMs' alpha; dW's times `dw_scale`
+    too: the upstream gradient of a dW added into main_grad in the forward). `after_dx` runs between
+    the two GEMMs (the forward starts dX's TP reduction there, to overlap the dW GEMM). With
+    `cast_dw_to` (the last of several chunks, `dw_out` their fp32 sum), dW may instead be written in
+    that dtype with the sum added by one GEMM (last_weight_grad): returned, else None."""
+    if dx_out is not None:
+        matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
+    if after_dx is not None:
+        after_dx()
     dw_alpha = scale * dw_scale
     dw_last = None if cast_dw_to is None else last_weight_grad(dlogits, h, spec, dw_out, cast_dw_to, dw_alpha)
     if dw_out is not None and dw_last is None:
         matmul_into_(dw_out, dlogits.t(), h, accumulate=dw_accumulate, alpha=dw_alpha,
                      weight_grad_gemm=spec.backend.weight_grad_gemm)
-    if dx_out is not None:
-        matmul_into_(dx_out, dlogits, weight, accumulate=False, alpha=scale)
     return dw_last
 
 
 
 def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec, dx_out: Optional[Tensor],
                           dw_out: Optional[Tensor], row_scale: Tensor, dw_accumulate: bool,
-                          cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0) -> Optional[Tensor]:
+                          cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0,
+                          after_dx: Optional[Callable[[], None]] = None) -> Optional[Tensor]:
     """grad_gemms of diag(row_scale) @ dlogits without a pass over the chunk of dlogits: dX of the
     chunk is the fp32 product dlogits @ W times row_scale, rounded once into `dx_out`; dW =
     dlogits.T @ (row_scale * h), the scaled rows rounded once to the input dtype (as each element
@@ -120,6 +125,8 @@ def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec, dx_o
     scale = row_scale.unsqueeze(1)
     if dx_out is not None:
         torch.mul(matmul_fp32(dlogits, weight), scale, out=dx_out)  # fp32 math, one rounding
+    if after_dx is not None:
+        after_dx()
     if dw_out is None:
         return None
     scaled_h = torch.empty_like(h)
@@ -305,12 +312,13 @@ class FastChunks(MergedAfterLoop):
 
     def forward_grads(self, one_hot_scale, logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor, spec,
                       merged, coefs: dict, dx_chunk: Optional[Tensor], dw_out: Optional[Tensor], *,
-                      dw_accumulate: bool, dw_scale: float, cast_dw_to: Optional[torch.dtype]) -> Optional[Tensor]:
+                      dw_accumulate: bool, dw_scale: float, cast_dw_to: Optional[torch.dtype],
+                      after_dx: Optional[Callable[[], None]] = None) -> Optional[Tensor]:
         """The chunk's dlogits (in place of its logits), then dX and dW (see grad_gemms)."""
         if one_hot_scale is None:
             chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dlogits = gemm_input(logits, h)
-        kwargs = dict(dw_accumulate=dw_accumulate, dw_scale=dw_scale, cast_dw_to=cast_dw_to)
+        kwargs = dict(dw_accumulate=dw_accumulate, dw_scale=dw_scale, cast_dw_to=cast_dw_to, after_dx=after_dx)
         if one_hot_scale is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
             return row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **kwargs)
         return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=one_hot_scale or 1.0, **kwargs)

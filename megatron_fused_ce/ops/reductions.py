@@ -5,7 +5,9 @@ calls torch.distributed.
 
 A forward pass makes two O(tokens) collectives whatever the number of chunks: all chunks' partials
 are merged at once (one all-reduce MAX of the row maxima, one all-reduce SUM of the rescaled
-partials stacked into one tensor).
+partials stacked into one tensor). The dX sum over the group is the third: in the backward, or,
+where the gradients are made in the forward, started there beside the last dW GEMM
+(`InputGradSum`).
 """
 
 from __future__ import annotations
@@ -160,6 +162,49 @@ def all_reduce_sum_(tensor: Tensor, group) -> Tensor:
     if group_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+class InputGradSum:
+    """This rank's partial dX -> the full input gradient (summed over the TP group; reduce-scattered
+    under SP), the collective started by `start()` and waited for by `result()`.
+
+    Gradients-in-forward start it in the forward, right after the last chunk's dX GEMM, so that it
+    runs beside the dW GEMM (as Megatron's ColumnParallelLinear overlaps its dX all-reduce with
+    the weight gradient); the backward then only waits. The sum is of the unscaled partials: the
+    upstream gradient g, one scalar on every TP rank (the loss every rank computes from the same
+    merged statistics), is applied after it. While a CUDA graph is being captured the collective
+    completes where it starts: one graph cannot wait for an event of another (make_graphed_callables
+    captures the forward and the backward apart)."""
+
+    def __init__(self, partial: Tensor, group, sequence_parallel: bool):
+        self.partial, self.group, self.sequence_parallel = partial, group, sequence_parallel
+        self.summed: Optional[Tensor] = None
+        self.work = None
+
+    def start(self) -> None:
+        if self.summed is not None:
+            return
+        if group_size(self.group) == 1:
+            self.summed = self.partial
+            return
+        asynchronous = not (self.partial.is_cuda and torch.cuda.is_current_stream_capturing())
+        if self.sequence_parallel:
+            self.summed = self.partial.new_empty((self.partial.shape[0] // group_size(self.group),)
+                                                 + tuple(self.partial.shape[1:]))
+            self.work = dist.reduce_scatter_tensor(self.summed, self.partial, op=dist.ReduceOp.SUM,
+                                                   group=self.group, async_op=asynchronous)
+        else:
+            self.summed = self.partial
+            self.work = dist.all_reduce(self.partial, op=dist.ReduceOp.SUM, group=self.group,
+                                        async_op=asynchronous)
+
+    def result(self) -> Tensor:
+        self.start()
+        if self.work is not None:
+            self.work.wait()  # (NCCL: the current stream waits on the collective; no host wait)
+            self.work = None
+        self.partial = None
+        return self.summed
 
 
 def gather_sequence(local: Tensor, group) -> Tensor:
