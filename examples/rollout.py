@@ -55,7 +55,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_fused_ce.ops.replay import SamplingMask, slice_sampling_mask
+from megatron_fused_ce.ops.replay import SamplingMask
 
 DIGITS = 10
 SEPARATOR = DIGITS  # `=`
@@ -116,19 +116,31 @@ def sample(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator, *
     uniform per row of `generator` (a CPU generator: the same draw on every device). With
     `kept_sets`, also each row's kept set (`kept_sets_of`)."""
     logq = sampler_logprobs(logits, sampler)
+    drawn = draw(logq, generator)
+    return (*drawn, kept_sets_of(logq)) if kept_sets else drawn
+
+
+def draw(logq: torch.Tensor, generator: torch.Generator):
+    """`sample`'s draw from the sampler's log q [N, V]: (tokens [N], log q(token) [N])."""
     cdf = torch.cumsum(logq.double().exp(), dim=-1)
     u = torch.rand(logq.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
     # the first token whose cumulative mass exceeds u * total: never one with q = 0
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=logq.shape[1] - 1).squeeze(1)
-    drawn = tokens, logq.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return (*drawn, kept_sets_of(logq)) if kept_sets else drawn
+    return tokens, logq.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def kept_columns(logq: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool: each row's kept set in the sampler's log q (-inf = cut), no column where the
+    row kept the whole vocab (nothing to replay)."""
+    keep = torch.isfinite(logq)
+    keep &= ~keep.all(dim=1, keepdim=True)
+    return keep
 
 
 def kept_sets_of(logq: torch.Tensor) -> SamplingMask:
     """The kept set of each row of the sampler's log q [N, V] (-inf = cut), CSR over the rows,
     ids ascending; an empty set where the row kept the whole vocab (nothing to replay)."""
-    keep = torch.isfinite(logq)
-    keep &= ~keep.all(dim=1, keepdim=True)
+    keep = kept_columns(logq)
     offsets = torch.zeros(keep.shape[0] + 1, dtype=torch.int64, device=keep.device)
     torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
     return SamplingMask(keep.nonzero()[:, 1], offsets)
@@ -137,17 +149,67 @@ def kept_sets_of(logq: torch.Tensor) -> SamplingMask:
 def per_request(steps: Sequence[SamplingMask]) -> List[SamplingMask]:
     """`steps[t]`: every row's kept set at its t-th generated token -> per row (request), the
     sets of its generated tokens in order (vLLM's per-request SamplingMask)."""
-    rows = steps[0].offsets.numel() - 1
-    # one CSR over (step, row) in that order, then each row's positions t * rows + row
-    ids = torch.cat([step.token_ids for step in steps])
-    starts, base = [], 0
-    for step in steps:
-        starts.append(step.offsets[:-1] + base)
-        base += step.token_ids.numel()
-    offsets = torch.cat(starts + [torch.tensor([base], device=ids.device)])
-    every = (ids, offsets)
-    index = torch.arange(len(steps)) * rows
-    return [slice_sampling_mask(every, index + row) for row in range(rows)]
+    return _requests_of_blocks([((step.offsets[1:] - step.offsets[:-1]).unsqueeze(1), step.token_ids)
+                                for step in steps])
+
+
+# `KeptSets` reads its kept columns back in blocks of at most this many bytes of [rows, vocab] bools
+# (8 positions of 256 rows x 32000 ids; on the CPU larger blocks fall out of cache)
+KEPT_SETS_BLOCK_BYTES = 1 << 26
+
+
+class KeptSets:
+    """The kept sets of the generated tokens, position by position (`add`: the [rows, vocab] bools
+    of `kept_columns`, on the device), read back to the CPU in blocks of positions, each one host
+    synchronization (`nonzero`'s size) instead of three at every position: a read-back waits for
+    the device, which under generation's loop leaves it idle while the host catches up."""
+
+    def __init__(self, block_bytes: int = KEPT_SETS_BLOCK_BYTES):
+        self.block_bytes = block_bytes
+        self.pending: List[torch.Tensor] = []  # [rows, vocab] bool per position, not read back yet
+        self.blocks: List[tuple] = []  # (sizes [rows, n], ids in (row, position, id) order), CPU
+
+    def add(self, keep: torch.Tensor) -> None:
+        self.pending.append(keep)
+        if len(self.pending) * keep.numel() >= self.block_bytes:
+            self._read_back()
+
+    def _read_back(self) -> None:
+        if not self.pending:
+            return
+        rows, n = self.pending[0].shape[0], len(self.pending)
+        # [rows, n, vocab]: nonzero's order is (row, position, id), each (row, position)'s ids ascending
+        where = torch.stack(self.pending, dim=1).nonzero().cpu()
+        self.pending = []
+        sizes = torch.bincount(where[:, 0] * n + where[:, 1], minlength=rows * n).view(rows, n)
+        self.blocks.append((sizes, where[:, 2]))
+
+    def per_request(self) -> Optional[List[SamplingMask]]:
+        """Per row (request), the sets of its generated tokens in order; None if none was added."""
+        self._read_back()
+        return _requests_of_blocks(self.blocks) if self.blocks else None
+
+
+def _requests_of_blocks(blocks: Sequence[tuple]) -> List[SamplingMask]:
+    """Per-request masks from blocks of consecutive generated positions, each (sizes [rows, n],
+    the ids of its sets in (row, position, id) order): a row's ids are its parts of every block,
+    in block order, placed by prefix sums (no loop over rows or positions)."""
+    sizes = torch.cat([block_sizes.cpu() for block_sizes, _ in blocks], dim=1)  # [rows, positions]
+    row_sizes = sizes.sum(dim=1)
+    row_starts = torch.cumsum(row_sizes, 0) - row_sizes
+    ids = torch.empty(int(row_sizes.sum()), dtype=torch.int64)
+    placed = torch.zeros_like(row_sizes)  # each row's ids placed so far (earlier blocks)
+    for block_sizes, block_ids in blocks:
+        in_row = block_sizes.cpu().sum(dim=1)
+        source_starts = torch.cumsum(in_row, 0) - in_row
+        block_ids = block_ids.cpu()
+        shift = torch.repeat_interleave(row_starts + placed - source_starts, in_row, output_size=block_ids.numel())
+        ids[shift + torch.arange(block_ids.numel())] = block_ids
+        placed += in_row
+    offsets = torch.cat([sizes.new_zeros(sizes.shape[0], 1), torch.cumsum(sizes, dim=1)], dim=1)
+    bounds = torch.cumsum(row_sizes, 0).tolist()
+    return [SamplingMask(ids[end - size:end], offsets[row])
+            for row, (end, size) in enumerate(zip(bounds, row_sizes.tolist()))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,7 +274,7 @@ def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: in
     tokens = torch.zeros(rows, seq_length + 1, dtype=torch.long, device=device())
     tokens[:, :start] = prompt.to(device())
     recorded = torch.zeros(rows, seq_length, dtype=torch.float32, device=device())
-    steps = []
+    kept = KeptSets() if kept_sets else None
     multiple = length_multiple(model, parallel_state)
     uninstall_fused_output_layer(model)  # generation needs logits
     try:
@@ -222,8 +284,10 @@ def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: in
             (batch,) = on_this_cp_rank(micro_batches({"tokens": tokens[:, :length]}, rows))
             logits = _last_stage_logits(model, batch, position - 1, length, vocab_size)
             if logits is not None:
-                new, logq, *kept = sample(logits, sampler, generator, kept_sets=kept_sets)
-                steps += [SamplingMask(k.token_ids.cpu(), k.offsets.cpu()) for k in kept]
+                logq_rows = sampler_logprobs(logits, sampler)
+                new, logq = draw(logq_rows, generator)
+                if kept is not None:
+                    kept.add(kept_columns(logq_rows))
                 new, logq = _agree(new, logq, parallel_state)
             else:
                 new = logq = None
@@ -234,7 +298,7 @@ def generate(model, fused, prompt: torch.Tensor, seq_length: int, vocab_size: in
         install_fused_output_layer(model, fused)  # (a no-op with fusion off)
     if not kept_sets:
         return tokens, recorded
-    return tokens, recorded, (per_request(steps) if steps else None)
+    return tokens, recorded, kept.per_request()
 
 
 # The shortest input fed: torch's CPU softmax sums a row shorter than one vector (16 fp32 lanes
