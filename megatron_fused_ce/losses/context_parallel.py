@@ -24,7 +24,7 @@ same length as the other ranks' slices: slicing is the caller's contract.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -46,7 +46,7 @@ def agree_on_inputs(
     cp_group=None,
     other_groups: Sequence = (),
     batch_size: Optional[int] = None,
-    flags: Sequence[Tuple[str, bool]] = (),
+    flags: Union[Sequence[Tuple[str, bool]], Callable[[], Sequence[Tuple[str, bool]]]] = (),
     device: Optional[torch.device] = None,
 ) -> None:
     """Run ``check()`` (which raises ``ValueError`` for bad local input) and raise its error on
@@ -54,12 +54,15 @@ def agree_on_inputs(
 
     Without a group of more than one rank this is just ``check()``. Otherwise one int64 all-reduce
     MAX per group carries the local failure flag, ``±batch_size`` and ``±flags`` (named booleans
-    that must agree, such as which optional inputs were given), so every rank sees the same verdict.
+    that must agree, such as which optional inputs were given; or a function that gives them), so
+    every rank sees the same verdict.
     """
     groups = [g for g in (*other_groups, cp_group) if reductions.group_size(g) > 1]
     if not groups:
         check()
         return
+    if callable(flags):  # (only where there is a rank to agree with: a config's fingerprint is host time)
+        flags = flags()
     problem = None
     try:
         check()

@@ -352,10 +352,12 @@ def check_grpo_arguments(fn_name, logprobs, advantages, mask, config, *, old_log
             extra_check()
         _check_inputs(logprobs, advantages, mask, config, optional, normalizer, cp_group, shape_source)
 
+    def flags():
+        return [*((f"{name} given", tensor is not None) for name, tensor in optional.items()),
+                ("normalizer given", normalizer is not None),
+                ("config", config.fingerprint() if isinstance(config, GRPOConfig) else 0), *extra_flags]
+
     is_tensor = isinstance(logprobs, Tensor)
-    flags = [(f"{name} given", tensor is not None) for name, tensor in optional.items()]
-    flags += [("normalizer given", normalizer is not None),
-              ("config", config.fingerprint() if isinstance(config, GRPOConfig) else 0), *extra_flags]
     agree_on_inputs(fn_name, check, cp_group=cp_group, other_groups=other_groups,
                     device=logprobs.device if is_tensor else None,
                     batch_size=logprobs.shape[0] if is_tensor and logprobs.dim() > 0 else None,

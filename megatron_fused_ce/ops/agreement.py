@@ -320,8 +320,8 @@ class Agreement:
         the group (and this rank in it), the device, every plain value registered so far (shapes,
         dtypes, options), and the checks that failed here."""
         group = (id(self.group), reductions.group_size(self.group), reductions.group_rank(self.group))
-        return (self.fn_name, group, str(self.device), self.checks, tuple(sorted(self.problems)),
-                tuple(self._signature))
+        return _Signature((self.fn_name, group, str(self.device), self.checks, tuple(sorted(self.problems)),
+                           tuple(self._signature)))
 
     def remembered(self) -> bool:
         """Whether a call of the same signature was agreed before, with no failed check here. The
@@ -351,6 +351,18 @@ class Agreement:
         """A process-independent 32-bit code of the signature's values (the part every rank must
         share: not the rank), for the fingerprint that rides on the statistics' all-reduce."""
         return zlib.crc32(repr((self.fn_name, self.checks, self._key[-1])).encode())
+
+
+class _Signature(tuple):
+    """A signature that hashes its ~40 values once: a steady call looks its remembered signature
+    up on every call (api.py's call memo keeps the object)."""
+
+    _hash = None
+
+    def __hash__(self):
+        if self._hash is None:
+            self._hash = tuple.__hash__(self)
+        return self._hash
 
 
 # Signatures agreed by a full agreement (least recently used first). A call whose signature is in

@@ -189,23 +189,18 @@ agreement_memo.MEMOS.append(_REMEMBERED_CALLS)
 def _call_key(fn_name, hidden, weight, labels, tp_group, plain: tuple, extra_checks: dict, must_agree: dict,
               mask_check) -> Optional[tuple]:
     """The raw arguments of a call as a dict key; None where the call cannot take the shortcut
-    (a failed check, something that is not a tensor, an unhashable value)."""
+    (a failed check, something that is not a tensor). The key may hold an unhashable value: the
+    caller's lookup tells (hashing the key once, not twice, on every call)."""
     if not (isinstance(hidden, Tensor) and isinstance(weight, Tensor) and isinstance(labels, Tensor)):
         return None
-    if any(message is not None for message in extra_checks.values()):
-        return None
-    agreed = []
-    for name, value in must_agree.items():
-        agreed.append((name, "tensor", tuple(value.shape), value.dtype) if isinstance(value, Tensor)
-                      else (name, type(value), value))
-    key = (fn_name, id(tp_group), hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
-           weight.device, labels.shape, labels.dtype, labels.device, tuple((type(v), v) for v in plain),
-           tuple(extra_checks), tuple(agreed), _mask_layout(mask_check))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    for message in extra_checks.values():
+        if message is not None:
+            return None
+    agreed = tuple([(name, "tensor", tuple(value.shape), value.dtype) if isinstance(value, Tensor)
+                    else (name, type(value), value) for name, value in must_agree.items()])
+    return (fn_name, id(tp_group), hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
+            weight.device, labels.shape, labels.dtype, labels.device, tuple([(type(v), v) for v in plain]),
+            tuple(extra_checks), agreed, _mask_layout(mask_check))
 
 
 def _mask_layout(mask_check) -> Optional[tuple]:
@@ -233,7 +228,10 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
                           memory_mode, want_entropy, grad_path, max_chunk_bytes),
                          extra_checks, must_agree, mask_check) if may_remember else None
     if call_key is not None:
-        hit = _REMEMBERED_CALLS.get(call_key)
+        try:
+            hit = _REMEMBERED_CALLS.get(call_key)
+        except TypeError:  # an unhashable value: no shortcut
+            hit = call_key = None
         if hit is not None and agreement_memo.still_remembered(hit[0]):
             return hit[1]
     tp_size = reductions.group_size(tp_group)
@@ -399,11 +397,11 @@ class TokenStats:
         """log p_y of the labelled rows (0 in rows of ignored labels, with a zero gradient):
         differentiable as target - lse, valued as (target - max) - log_sum_exp (exact where
         target - lse would round at lse's scale)."""
-        return _LabelledLogprob.apply(self.target, self.lse, self.max, self.log_sum_exp, self.labelled)
+        return _labelled_logprob(self.target, self.lse, self.max, self.log_sum_exp, self.labelled)
 
     def negative_logprob(self) -> Tensor:
         """-logprob(): the cross-entropy of each labelled row, (max - target) + log_sum_exp."""
-        return _LabelledLogprob.apply(self.target, self.lse, self.max, self.log_sum_exp, self.labelled, True)
+        return _labelled_logprob(self.target, self.lse, self.max, self.log_sum_exp, self.labelled, True)
 
     def negative_logprob_total(self, mean: bool) -> Optional[Tensor]:
         """poisoned(Σ negative_logprob()), divided by the labelled rows if `mean`, as a plain value
@@ -421,7 +419,8 @@ class TokenStats:
         everywhere if the device checks found bad contents."""
         shape = self.out_shape + tuple(values.shape[1:])
         if self.row_index is None:
-            return self.poisoned(values if masked else self.only_labelled(values, fill)).reshape(shape)
+            full = self.poisoned(values if masked else self.only_labelled(values, fill))
+            return full if full.shape == shape else full.reshape(shape)  # (flat labels: no view, no node)
         full = values.new_full((self.num_rows,) + tuple(values.shape[1:]), fill)
         return full.index_put((self.row_index,), values).reshape(shape)
 
@@ -447,6 +446,21 @@ class TokenStats:
         return total / max(int(self.num_labelled if self.num_labelled is not None else self.num_rows), 1)
 
 
+def _labelled_logprob(target, lse, row_max, log_sum_exp, labelled, negative=False) -> Tensor:
+    """_LabelledLogprob's value, through its autograd Function only where a gradient can flow (an
+    apply is host time of its own: forward-only passes, and the plain statistics of the losses
+    whose gradients were made in the forward, need none)."""
+    if torch.is_grad_enabled() and (target.requires_grad or lse.requires_grad):
+        return _LabelledLogprob.apply(target, lse, row_max, log_sum_exp, labelled, negative)
+    return _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative)
+
+
+def _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative: bool) -> Tensor:
+    # (z_y - M) - log S negated term by term: M - z_y is z_y - M negated exactly, one kernel fewer
+    value = (row_max - target) + log_sum_exp if negative else reductions.log_prob(target, row_max, log_sum_exp)
+    return value if labelled is None else torch.where(labelled, value, 0.0)
+
+
 class _LabelledLogprob(torch.autograd.Function):
     """log p_y = (target - max) - log_sum_exp (exact where target - lse would round at lse's
     scale), 0 in rows whose label is ignored (`labelled` False; None: every row); its gradient is
@@ -456,9 +470,7 @@ class _LabelledLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, target, lse, row_max, log_sum_exp, labelled, negative=False):
         ctx.labelled, ctx.negative = labelled, negative
-        # (z_y - M) - log S negated term by term: M - z_y is z_y - M negated exactly, one kernel fewer
-        value = (row_max - target) + log_sum_exp if negative else reductions.log_prob(target, row_max, log_sum_exp)
-        return value if labelled is None else torch.where(labelled, value, 0.0)
+        return _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative)
 
     @staticmethod
     def backward(ctx, grad):
@@ -591,8 +603,10 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
-    hidden2d = hidden.reshape(-1, hidden_size)
-    flat_labels = labels.reshape(-1)
+    # (no reshape where the layout is already flat: a view is a dispatched op, and one of hidden an
+    # autograd node whose backward is another)
+    hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden_size)
+    flat_labels = labels if labels.dim() == 1 else labels.reshape(-1)
     num_rows = flat_labels.numel()
     if logits_dtype == hidden.dtype:
         logits_dtype = None
@@ -698,26 +712,37 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
 class LabelledCount:
     """The number of labelled rows of a call, on the device (`count`, int64 0-d), with `inverses`
     (fp32 [2]: 1 / max(count, 1) and its negative, a mean's coefficients without a kernel of their
-    own) and which rows are labelled (`labelled`, bool [rows])."""
+    own) and which rows are labelled (`labelled`, bool [rows]). Views of the label kernel's outputs
+    (`counts`, `scalars`: backend.label_targets), each taken where it is read: a view is a
+    dispatched op, host time on every call that does not read it."""
 
-    def __init__(self, count: Tensor, inverses: Tensor, labelled: Tensor):
-        self.count, self.inverses, self.labelled = count, inverses, labelled
+    def __init__(self, counts: Tensor, scalars: Tensor, labelled: Tensor):
+        self.counts, self.scalars, self.labelled = counts, scalars, labelled
+
+    @property
+    def count(self) -> Tensor:
+        return self.counts[0]
+
+    @property
+    def inverses(self) -> Tensor:
+        return self.scalars[1:3]
 
     @property
     def inverse(self) -> Tensor:
-        return self.inverses[0]
+        return self.scalars[1]
 
     @property
     def negative_inverse(self) -> Tensor:
-        return self.inverses[1]
+        return self.scalars[2]
 
     def per_row(self, positions) -> tuple:
         """(1 / count, -1 / count) at each of `positions` (indices or a slice of the rows) where
         its label is kept, 0 elsewhere: one kernel."""
+        labelled = (backends.chunk_rows(self.labelled, positions.start, positions.stop) if isinstance(positions, slice)
+                    else self.labelled[positions])
         # a product, not a select with a Python 0.0: the inverses are finite, and a select with
         # a scalar costs twice a product's host time
-        both = self.inverses[:, None] * self.labelled[positions]
-        return both[0], both[1]
+        return (self.scalars[1:3, None] * labelled).unbind(0)
 
 
 class _DeviceChecks:
@@ -735,7 +760,7 @@ class _DeviceChecks:
         # with a signature code: the rank check's pieces of it and of the labels' fingerprint, made
         # by the same launch
         self.rank_pieces = scalars[3:] if signature_code is not None else None
-        self.num_labelled = LabelledCount(counts[0], scalars[1:3], self.labelled)
+        self.num_labelled = LabelledCount(counts, scalars, self.labelled)
         # NaN where a label is out of range (recorded), else 0. On the first call of a signature too
         # (always 0 there: the full agreement refused bad labels): the first call and the later ones
         # run the same operations, so that what is compiled for the first (GRPO's per-token terms

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from . import reductions
-from .backends import Backend
+from .backends import Backend, chunk_rows
 from .forward_grad import ForwardGradLoss
 from . import main_grad
 from .main_grad import MainGradSideEffect, main_grad_added
@@ -356,8 +356,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.mark_non_differentiable(*(out for out in outputs if out is not None))
         # only the anchor's gradient is read: no zero tensors made for the statistics' (none)
         ctx.set_materialize_grads(False)
-        anchor = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        return (anchor,) + outputs
+        return (_zero_anchor(hidden.device),) + outputs
 
     @staticmethod
     @first_order_only
@@ -411,6 +410,22 @@ class LinearLossGradInForward(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
+_ZEROS: dict = {}  # device -> the fp32 0-d zero every anchor on it aliases (never written)
+
+
+def _zero_anchor(device: torch.device) -> Tensor:
+    """A new 0-d fp32 zero tensor (the anchor: a node of its own) without a fill kernel per call:
+    a detached alias of one zero per device. That zero is copied from the host (a synchronous copy)
+    by the first call on the device, one that runs the full argument agreement and its read-back
+    anyway: no later call, CUDA graph capture or other stream sees it before it holds 0."""
+    if torch.compiler.is_compiling():  # (traced: a constant of the graph would be no cheaper)
+        return torch.zeros((), dtype=torch.float32, device=device)
+    zero = _ZEROS.get(device)
+    if zero is None:
+        zero = _ZEROS[device] = torch.tensor(0.0, dtype=torch.float32, device=device)
+    return zero.detach()
+
+
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forward_grad: ForwardGradLoss, dx_rows,
                     dw_out, into_main_grad: bool, cast_dw_to: Optional[torch.dtype] = None, dw_scale: float = 1.0,
                     labelled: Optional[Tensor] = None, num_labelled=None, after_last_dx=None):
@@ -429,20 +444,20 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forw
     merged_chunks, coef_chunks = [], []
     dw_last = None
     for index, (start, end) in enumerate(row_chunks(rows.shape[0], tiling.forward_rows(spec))):
-        h, target = rows[start:end], local_target[start:end]
+        h, target = chunk_rows(rows, start, end), chunk_rows(local_target, start, end)
         merged, pending = tiling.forward_statistics(plan, h, weight, target, spec)
         merged_chunks.append(merged)
         # the chunk's positions among all rows: indices, or a slice of consecutive rows (no kernel)
         positions = row_index[start:end] if row_index is not None else slice(start, end)
         grads = forward_grad.token_grads(merged, positions, num_labelled)
-        if not forward_grad.masks_unlabelled:
-            grads = grads.only_rows(None if labelled is None else labelled[start:end])
+        if not forward_grad.masks_unlabelled and not grads.masked:
+            grads = grads.only_rows(chunk_rows(labelled, start, end))
         coefs = coefficients(grads.target, grads.lse, grads.sum_logits, grads.entropy, merged.entropy, merged.lse)
         if coefs is None:
             coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
         coef_chunks.append(coefs)
         dw_last = tiling.forward_grads(
-            plan, pending, h, weight, target, spec, merged, coefs, None if dx_rows is None else dx_rows[start:end],
+            plan, pending, h, weight, target, spec, merged, coefs, chunk_rows(dx_rows, start, end),
             dw_out, dw_accumulate=into_main_grad or index > 0, dw_scale=dw_scale,
             cast_dw_to=last_of_several(cast_dw_to, index, end, rows.shape[0]),
             after_dx=after_last_dx if end == rows.shape[0] else None)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import reductions
-from .backends import ShardStats
+from .backends import ShardStats, chunk_rows
 from .forward_grad import PER_ROW, ForwardGradLoss
 from .gemm import dlogits_gemm, gemm_input, logits_gemm, matmul_add_cast, matmul_fp32, matmul_into_
 
@@ -160,7 +160,7 @@ def last_weight_grad(dlogits: Tensor, h: Tensor, spec, dw_sum: Tensor, dtype: to
 
 
 def _slice_coefs(coefs: dict, start: int, end: int) -> dict:
-    return {k: None if c is None else c[start:end] for k, c in coefs.items()}
+    return {k: chunk_rows(c, start, end) for k, c in coefs.items()}
 
 
 
@@ -186,10 +186,10 @@ def backward_grads(
     in that dtype (last_weight_grad): returned, else None."""
     dw_last = None
     for index, (start, end) in enumerate(row_chunks(hidden_rows.shape[0], spec.chunk_size)):
-        h = hidden_rows[start:end]
-        dlogits = chunk_dlogits(h, weight, local_target[start:end], spec,
-                                tuple(o[start:end] for o in offsets), _slice_coefs(coefs, start, end))
-        dw_last = grad_gemms(dlogits, h, weight, spec, None if dx_rows is None else dx_rows[start:end], dw_out,
+        h = chunk_rows(hidden_rows, start, end)
+        dlogits = chunk_dlogits(h, weight, chunk_rows(local_target, start, end), spec,
+                                tuple(chunk_rows(o, start, end) for o in offsets), _slice_coefs(coefs, start, end))
+        dw_last = grad_gemms(dlogits, h, weight, spec, chunk_rows(dx_rows, start, end), dw_out,
                              dw_accumulate=dw_accumulate or index > 0,
                              cast_dw_to=last_of_several(cast_dw_to, index, end, hidden_rows.shape[0]))
         del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
@@ -230,7 +230,7 @@ def map_chunk_logits(hidden_rows: Tensor, weight: Tensor, spec, visit) -> list:
     results in order. One chunk of logits alive at a time."""
     results = []
     for start, end in row_chunks(hidden_rows.shape[0], spec.chunk_size):
-        logits = chunk_logits(hidden_rows[start:end], weight, spec)
+        logits = chunk_logits(chunk_rows(hidden_rows, start, end), weight, spec)
         results.append(visit(start, end, logits))
         del logits
     return results
@@ -286,7 +286,7 @@ class FastChunks(MergedAfterLoop):
     def statistics(self, hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
         """This shard's ShardStats over the rows, chunk by chunk."""
         return concat_partials(map_chunk_logits(hidden_rows, weight, spec, lambda start, end, logits: logits_partials(
-            logits, local_target[start:end], spec)), hidden_rows, spec)
+            logits, chunk_rows(local_target, start, end), spec)), hidden_rows, spec)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],

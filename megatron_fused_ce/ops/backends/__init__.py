@@ -21,6 +21,7 @@ cute_backend.py states the contract of its two capabilities and where they apply
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -54,6 +55,15 @@ class ShardStats:
         )
 
 
+
+
+def chunk_rows(t: Optional[Tensor], start: int, end: int) -> Optional[Tensor]:
+    """t[start:end] (None stays None), or t itself where that is every row: a slice is a dispatched
+    op, host time even where it selects everything (a call of one chunk, the chunk loops' and the
+    launchers' usual case at RL shapes)."""
+    if t is None or (start == 0 and end == t.shape[0]):
+        return t
+    return t[start:end]
 
 
 @dataclass(frozen=True)
@@ -145,11 +155,9 @@ def select(impl: str, device: torch.device) -> Backend:
     (ValueError where Triton does not import); "auto" the Triton kernels on CUDA (the torch
     reference elsewhere), plus QuACK's row kernel and dW GEMM, which decline where they do not
     apply (cute_backend.py)."""
-    from . import cute_backend, torch_backend
-
+    torch_backend, cute_backend, triton = _parts()
     if impl == "torch":
         return torch_backend.BACKEND
-    triton = _triton_or_none()
     if impl == "triton":
         if triton is None:
             raise ValueError("impl: 'triton' was requested but triton cannot be imported")
@@ -160,9 +168,21 @@ def select(impl: str, device: torch.device) -> Backend:
     # state); keyed by identity, so a part swapped at run time (tests, QuACK installed) is seen
     key = tuple(map(id, parts))
     cached = _AUTO_BACKENDS.get(key)
-    if cached is None or any(a is not b for a, b in zip(cached[0], parts)):
+    if cached is None or not all(map(operator.is_, cached[0], parts)):
         cached = _AUTO_BACKENDS[key] = (parts, replace(base, row_kernel=parts[1], weight_grad_gemm=parts[2]))
     return cached[1]
 
 
 _AUTO_BACKENDS: dict = {}
+_PARTS: Optional[tuple] = None
+
+
+def _parts() -> tuple:
+    """(torch_backend, cute_backend, the Triton backend or None): imported on the first call (they
+    import this module), then kept: an import statement is host time on every call."""
+    global _PARTS
+    if _PARTS is None:
+        from . import cute_backend, torch_backend
+
+        _PARTS = (torch_backend, cute_backend, _triton_or_none())
+    return _PARTS

@@ -135,9 +135,13 @@ def scale_(t: Tensor, scale: Tensor, other: Optional[Tensor] = None) -> Tensor:
         if not x.is_contiguous():
             x.copy_(x.float() * scale)
             continue
-        for part in x.view(-1).split(1 << 22):
+        flat = x.view(-1)
+        for part in (flat,) if flat.numel() <= _SCALE_PIECE else flat.split(_SCALE_PIECE):  # (one: no split op)
             part.copy_(part.float() * scale)
     return t
+
+
+_SCALE_PIECE = 1 << 22  # elements per piece of scale_ (an fp32 copy of 16 MiB at most)
 
 
 def exp_tile_(
@@ -204,8 +208,9 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
     remembered signature (reductions.RankCheck)."""
     labelled = labels != ignore_index
     in_range = (labels >= 0) & (labels < true_vocab)
-    local = labels - vocab_start
-    local_target = torch.where(labelled & in_range & (local >= 0) & (local < v_local), local, -1)
+    # on this shard: in range and in [vocab_start, vocab_start + v_local), as two comparisons
+    on_shard = labelled & (labels >= max(vocab_start, 0)) & (labels < min(true_vocab, vocab_start + v_local))
+    local_target = torch.where(on_shard, labels - vocab_start, -1)
     bad = (labelled & ~in_range).any()
     counts = torch.stack([labelled.sum(), bad.to(torch.int64)])
     if flags is not None:

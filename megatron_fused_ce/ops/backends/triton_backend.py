@@ -273,7 +273,7 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     block = 4096
     _scale_cast_kernel[(triton.cdiv(src.numel(), block),)](
-        src, out, scale.reshape(1).to(torch.float32), src.numel(), BLOCK=block, num_warps=8)
+        src, out, _f32(scale), src.numel(), BLOCK=block, num_warps=8)
     return out
 
 
@@ -305,7 +305,7 @@ def scale_(t: Tensor, scale: Tensor, other: Optional[Tensor] = None) -> Tensor:
     block = 4096
     blocks = triton.cdiv(t.numel(), block)
     other_blocks = 0 if other is None else triton.cdiv(other.numel(), block)
-    _scale_kernel[(blocks + other_blocks,)](t, t if other is None else other, scale.reshape(1).to(torch.float32),
+    _scale_kernel[(blocks + other_blocks,)](t, t if other is None else other, _f32(scale),
                                             t.numel(), 0 if other is None else other.numel(), blocks,
                                             BLOCK=block, num_warps=8)
     return t
@@ -504,8 +504,7 @@ def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labe
     args = [_f32(t) for t in (target, row_max, log_sum_exp)]
     _labelled_loss_sum_kernel[(1,)](
         *args, args[0] if labelled is None else labelled.contiguous().view(torch.uint8),
-        args[0] if scale is None else scale.reshape(1).to(torch.float32),
-        args[0] if poison is None else poison.to(torch.float32), out, target.numel(),
+        args[0] if scale is None else _f32(scale), args[0] if poison is None else _f32(poison), out, target.numel(),
         HAS_LABELLED=labelled is not None, HAS_SCALE=scale is not None, HAS_POISON=poison is not None,
         BLOCK=2048, num_warps=8)
     return out

@@ -37,5 +37,9 @@ def compute_capability(device: torch.device) -> tuple:
 
 
 def f32(t: Tensor) -> Tensor:
-    """A per-row coefficient as the kernels read it: fp32, contiguous."""
+    """A per-row coefficient (or a 0-d scalar: a pointer to its value, as a [1] tensor is) as the
+    kernels read it: fp32, contiguous; the tensor itself where it already is (`.to` is a
+    dispatched op even then, host time at every launch)."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
     return t.to(torch.float32).contiguous()

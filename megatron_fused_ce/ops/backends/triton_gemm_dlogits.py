@@ -97,7 +97,7 @@ def gemm_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, num_valid_cols
         # torch's CPU bf16/fp16 matmul of such a row-padded view reads the padding columns too (a
         # NaN left there by the allocator made whole dX rows NaN): zero them (the interpreter only)
         buffer[:, num_cols:].zero_()
-    out = buffer[:, :num_cols]
+    out = buffer if padded == num_cols else buffer[:, :num_cols]  # (no view where no column is padding)
     if n == 0 or num_cols == 0:
         return out
     if num_valid_cols == 0:

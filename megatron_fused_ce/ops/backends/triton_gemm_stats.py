@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import ShardStats
+from . import ShardStats, chunk_rows
 from .triton_common import compute_capability, interpreting as _interpreting, sm_count as _programs
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
@@ -244,9 +244,9 @@ def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, 
         pm, ps = torch.empty(tiles_n, rows, **f32), torch.empty(tiles_n, rows, **f32)
         pl = torch.empty(tiles_n, rows, **f32) if want_sum_logits else pm
         pe = torch.empty(tiles_n, rows, **f32) if want_entropy else pm
-        h = hidden_rows[r0:r1]
-        args = (h, weight, target[r0:r1], pm, ps, pl, pe, out["target"][r0:r1], rows, num_valid_cols,
-                h.shape[1], h.stride(0), weight.stride(0), float(inv_temperature))
+        h = chunk_rows(hidden_rows, r0, r1)
+        args = (h, weight, chunk_rows(target, r0, r1), pm, ps, pl, pe, chunk_rows(out["target"], r0, r1), rows,
+                num_valid_cols, h.shape[1], h.stride(0), weight.stride(0), float(inv_temperature))
         meta = dict(BM=bm, BN=bn, BK=bk, GROUP=GROUP_M, ROUND=round_logits, WANT_SUM=want_sum_logits,
                     WANT_ENTROPY=want_entropy, DOT_F32=_interpreting(),
                     BF16_BY_HAND=round_logits and _interpreting() and h.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
@@ -258,9 +258,9 @@ def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, 
             _gemm_stats_ptr[(tiles,)](*args, **meta)
         dummy = out["max"]
         _merge_tiles_kernel[(triton.cdiv(rows, MERGE_BLOCK_R),)](
-            pm, ps, pl, pe, out["max"][r0:r1], out["sum_exp"][r0:r1],
-            dummy if out["sum_logits"] is None else out["sum_logits"][r0:r1],
-            dummy if out["sum_exp_shifted"] is None else out["sum_exp_shifted"][r0:r1],
+            pm, ps, pl, pe, chunk_rows(out["max"], r0, r1), chunk_rows(out["sum_exp"], r0, r1),
+            dummy if out["sum_logits"] is None else chunk_rows(out["sum_logits"], r0, r1),
+            dummy if out["sum_exp_shifted"] is None else chunk_rows(out["sum_exp_shifted"], r0, r1),
             rows, tiles_n, WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy,
             BLOCK_R=MERGE_BLOCK_R, BLOCK_T=MERGE_BLOCK_T, num_warps=4)
     return ShardStats(**out)
