@@ -703,6 +703,30 @@ def test_upstream_gradient_is_applied_in_fp32(small_blocks, impl, chunk_size):
         assert torch.equal(dw3, (dw1.float() * third).bfloat16())
 
 
+def test_backend_parts_swapped_at_run_time_are_what_select_hands_out():
+    """backends.select keeps its modules between calls (no import per call) but reads each one's
+    BACKEND on every call: a backend swapped at run time (tests counting kernel calls, QuACK's
+    parts) is the one the op runs."""
+    from megatron_fused_ce.ops import backends
+    from megatron_fused_ce.ops.backends import triton_backend
+
+    cuda = torch.device("cuda")  # ("auto" only looks at the device type: no GPU needed)
+    originals = triton_backend.BACKEND, torch_backend.BACKEND
+    backends.select("auto", cuda), backends.select("triton", cuda), backends.select("torch", cuda)  # cached
+    # parts of their own, told apart by identity
+    swapped_triton = dataclasses.replace(originals[0], gemm_dlogits=dataclasses.replace(originals[0].gemm_dlogits))
+    swapped_torch = dataclasses.replace(originals[1], label_targets=lambda *a, **k: originals[1].label_targets(*a, **k))
+    try:
+        triton_backend.BACKEND, torch_backend.BACKEND = swapped_triton, swapped_torch
+        assert backends.select("triton", cuda) is swapped_triton
+        assert backends.select("torch", cuda) is swapped_torch
+        assert backends.select("auto", cuda).gemm_dlogits is swapped_triton.gemm_dlogits
+        assert backends.select("auto", torch.device("cpu")).label_targets is swapped_torch.label_targets
+    finally:
+        triton_backend.BACKEND, torch_backend.BACKEND = originals
+    assert backends.select("triton", cuda) is originals[0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor descriptors' scratch allocator is CUDA's")
 def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call():
     """Triton keeps its scratch allocator (device-side tensor descriptors) in a context variable:

@@ -155,7 +155,9 @@ def select(impl: str, device: torch.device) -> Backend:
     (ValueError where Triton does not import); "auto" the Triton kernels on CUDA (the torch
     reference elsewhere), plus QuACK's row kernel and dW GEMM, which decline where they do not
     apply (cute_backend.py)."""
-    torch_backend, cute_backend, triton = _parts()
+    torch_backend, cute_backend, triton_module = _parts()
+    # (read from the modules on every call: tests and QuACK's install swap them at run time)
+    triton = None if triton_module is None else triton_module.BACKEND
     if impl == "torch":
         return torch_backend.BACKEND
     if impl == "triton":
@@ -178,11 +180,16 @@ _PARTS: Optional[tuple] = None
 
 
 def _parts() -> tuple:
-    """(torch_backend, cute_backend, the Triton backend or None): imported on the first call (they
-    import this module), then kept: an import statement is host time on every call."""
+    """The modules (torch_backend, cute_backend, triton_backend or None where Triton does not
+    import): imported on the first call (they import this module), then kept: an import statement
+    is host time on every call."""
     global _PARTS
     if _PARTS is None:
         from . import cute_backend, torch_backend
 
-        _PARTS = (torch_backend, cute_backend, _triton_or_none())
+        try:
+            from . import triton_backend
+        except ImportError:
+            triton_backend = None
+        _PARTS = (torch_backend, cute_backend, triton_backend)
     return _PARTS
