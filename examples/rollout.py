@@ -111,13 +111,10 @@ def sampler_logprobs(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
     return torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def sample(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator, *, kept_sets: bool = False):
+def sample(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator):
     """(tokens [N] int64, log q(token) [N] fp32): one draw per row by inverse CDF of q, from one
-    uniform per row of `generator` (a CPU generator: the same draw on every device). With
-    `kept_sets`, also each row's kept set (`kept_sets_of`)."""
-    logq = sampler_logprobs(logits, sampler)
-    drawn = draw(logq, generator)
-    return (*drawn, kept_sets_of(logq)) if kept_sets else drawn
+    uniform per row of `generator` (a CPU generator: the same draw on every device)."""
+    return draw(sampler_logprobs(logits, sampler), generator)
 
 
 def draw(logq: torch.Tensor, generator: torch.Generator):
@@ -135,22 +132,6 @@ def kept_columns(logq: torch.Tensor) -> torch.Tensor:
     keep = torch.isfinite(logq)
     keep &= ~keep.all(dim=1, keepdim=True)
     return keep
-
-
-def kept_sets_of(logq: torch.Tensor) -> SamplingMask:
-    """The kept set of each row of the sampler's log q [N, V] (-inf = cut), CSR over the rows,
-    ids ascending; an empty set where the row kept the whole vocab (nothing to replay)."""
-    keep = kept_columns(logq)
-    offsets = torch.zeros(keep.shape[0] + 1, dtype=torch.int64, device=keep.device)
-    torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
-    return SamplingMask(keep.nonzero()[:, 1], offsets)
-
-
-def per_request(steps: Sequence[SamplingMask]) -> List[SamplingMask]:
-    """`steps[t]`: every row's kept set at its t-th generated token -> per row (request), the
-    sets of its generated tokens in order (vLLM's per-request SamplingMask)."""
-    return _requests_of_blocks([((step.offsets[1:] - step.offsets[:-1]).unsqueeze(1), step.token_ids)
-                                for step in steps])
 
 
 # `KeptSets` reads its kept columns back in blocks of at most this many bytes of [rows, vocab] bools

@@ -536,20 +536,20 @@ if EXAMPLES_DIR not in sys.path:
 def test_sampler_reports_kept_sets_per_request():
     """The rollout sampler's kept sets: those of its own log q (finite entries), empty where a row
     kept the whole vocab; regrouped per request over its generated tokens (vLLM's layout)."""
-    from rollout import Sampler, per_request, sample, sampler_logprobs
+    from rollout import KeptSets, Sampler, kept_columns, sample, sampler_logprobs
 
     g = torch.Generator().manual_seed(0)
-    steps, logqs = [], []
+    kept, logqs = KeptSets(block_bytes=2 * 5 * 40), []  # (read back every two positions)
     for t in range(4):
         logits = 3 * torch.randn(5, 40, generator=g)
         logits[0] = 0.0  # a flat row: min_p keeps all 40 of them
         sampler = Sampler(1.0, min_p=0.2)
-        tokens, recorded, kept = sample(logits, sampler, torch.Generator().manual_seed(t), kept_sets=True)
+        tokens, recorded = sample(logits, sampler, torch.Generator().manual_seed(t))
         logq = sampler_logprobs(logits, sampler)
         assert torch.equal(recorded, logq.gather(1, tokens.unsqueeze(1)).squeeze(1))
-        steps.append(kept)
+        kept.add(kept_columns(logq))
         logqs.append(logq)
-    requests = per_request(steps)
+    requests = kept.per_request()
     assert len(requests) == 5
     for row, mask in enumerate(requests):
         assert mask.offsets.numel() == 5

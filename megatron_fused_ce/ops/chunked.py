@@ -147,9 +147,7 @@ def input_grad(dx_rows: Tensor, row_index: Optional[Tensor], full_shape, spec: C
     back to all (gathered) rows, then sum over TP ranks (reduce-scatter under SP), as Megatron's
     ColumnParallelLinear does in its backward."""
     dx_full = dx_rows if row_index is None else dx_rows.new_zeros(full_shape).index_copy_(0, row_index, dx_rows)
-    if spec.sequence_parallel:
-        return reductions.reduce_scatter_sequence(dx_full, spec.tp_group)
-    return reductions.all_reduce_sum_(dx_full, spec.tp_group)
+    return reductions.InputGradSum(dx_full, spec.tp_group, spec.sequence_parallel).result()
 
 
 def coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse) -> Optional[dict]:

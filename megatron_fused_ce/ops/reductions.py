@@ -157,16 +157,10 @@ def merge_shard_stats(stats: ShardStats, group, rank_check: Optional[RankCheck] 
     )
 
 
-def all_reduce_sum_(tensor: Tensor, group) -> Tensor:
-    """Sum partial input gradients over the TP group (ColumnParallelLinear's backward)."""
-    if group_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
-
-
 class InputGradSum:
     """This rank's partial dX -> the full input gradient (summed over the TP group; reduce-scattered
-    under SP), the collective started by `start()` and waited for by `result()`.
+    under SP), the collective started by `start()` and waited for by `result()` (which starts it
+    if it was not: the backward's dX sum, as ColumnParallelLinear's backward makes it).
 
     Gradients-in-forward start it in the forward, right after the last chunk's dX GEMM, so that it
     runs beside the dW GEMM (as Megatron's ColumnParallelLinear overlaps its dX all-reduce with
@@ -214,16 +208,6 @@ def gather_sequence(local: Tensor, group) -> Tensor:
         return local
     out = local.new_empty((local.shape[0] * world,) + tuple(local.shape[1:]))
     dist.all_gather_into_tensor(out, local.contiguous(), group=group)
-    return out
-
-
-def reduce_scatter_sequence(full: Tensor, group) -> Tensor:
-    """Sequence parallel backward: sum [n, ...] over ranks, keep this rank's [n / tp, ...] slice."""
-    world = group_size(group)
-    if world == 1:
-        return full
-    out = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
-    dist.reduce_scatter_tensor(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group)
     return out
 
 
