@@ -517,6 +517,39 @@ def test_grpo_compiles_what_the_first_call_runs_and_nothing_more_later(monkeypat
     assert keys[0] and keys[0] == keys[1] == keys[2]
 
 
+@pytest.mark.parametrize("path", ["cross_entropy", "logprobs", "forward_only", "grpo"])
+def test_the_first_gemm_goes_before_the_label_kernel_and_is_made_once(monkeypatch, path):
+    """At the row counts RL runs, an eager call spends about as long on the host as its first GEMM
+    on the GPU: that GEMM is launched before the label kernel and the rest of the bookkeeping
+    (fast.EarlyProduct), which then run while it computes, and the chunk loop takes it instead of
+    making it again (one logits GEMM per chunk in the forward, three chunks here)."""
+    from megatron_fused_ce.ops import api, fast
+
+    h, w, y = _inputs(12)
+    y = y.clamp(min=0) if path == "grpo" else y
+    h.requires_grad_(path != "forward_only")
+    calls = {
+        "cross_entropy": lambda: linear_cross_entropy(h, w, y, chunk_size=10),
+        "logprobs": lambda: linear_logprobs(h, w, y, chunk_size=10).logprobs.sum(),
+        "forward_only": lambda: linear_logprobs(h, w, y, chunk_size=10).logprobs,
+        "grpo": lambda: linear_grpo_loss(h, w, y, torch.ones(4), torch.ones(y.shape), GRPOConfig(),
+                                         chunk_size=10)[0],
+    }
+    expected = calls[path]().detach()
+    events = []
+    logits_gemm, device_checks = fast.logits_gemm, api._DeviceChecks
+
+    class RecordedChecks(device_checks):
+        def __init__(self, *args, **kwargs):
+            events.append("labels")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(fast, "logits_gemm", lambda *args: events.append("gemm") or logits_gemm(*args))
+    monkeypatch.setattr(api, "_DeviceChecks", RecordedChecks)
+    assert torch.equal(calls[path]().detach(), expected)
+    assert events == ["gemm", "labels", "gemm", "gemm"]
+
+
 def _dx_sum_worker(rank, world, sequence_parallel):
     group = dist.group.WORLD
     h_full, w_full, y = _inputs(21)  # [s, b, H] with Megatron's layout; labels [s, b]

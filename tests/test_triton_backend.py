@@ -352,6 +352,32 @@ def test_gemm_shard_stats_matches_chunked_stats(small_tiles, monkeypatch, dtype,
     assert not gs.supported(h.float(), w.float())  # fp32 inputs take the chunked path
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_gemm_shard_stats_reads_the_labels_themselves(small_tiles, monkeypatch, tma):
+    """The call's first GEMM is launched before the label kernel (fast.EarlyProduct), so the fused
+    statistics read the labels with the shard's first vocab id and the ignore index: the same
+    statistics, bit for bit, as from the label kernel's targets, for labels on this shard, on others
+    below and above it, in its padding columns, ignored (an ignore index inside the shard's range
+    too) and negative."""
+    gs = small_tiles
+    monkeypatch.setattr(gs, "_use_tma", lambda device: tma)
+    g = torch.Generator().manual_seed(5)
+    n, hdim, v, nv, start = 48, 64, 96, 80, 96
+    h = torch.randn(n, hdim, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(v, hdim, generator=g) * 0.4).bfloat16().to(DEVICE)
+    for ignore_index in (-100, start + 7):
+        labels = torch.randint(0, 3 * v, (n,), generator=g)
+        labels[:6] = torch.tensor([ignore_index, start, start + nv - 1, start + nv, start + v - 1, -5])
+        local = labels - start
+        targets = torch.where((labels != ignore_index) & (local >= 0) & (local < nv), local, -1)
+        assert 0 < int((targets >= 0).sum()) < n
+        labels, targets = labels.to(DEVICE), targets.to(DEVICE)
+        ref = gs.gemm_shard_stats(h, w, targets, nv, 1.3, True, True)
+        got = gs.gemm_shard_stats(h, w, labels, nv, 1.3, True, True, label_offset=start, ignore_index=ignore_index)
+        for field in ("max", "sum_exp", "target", "sum_logits", "sum_exp_shifted"):
+            assert torch.equal(getattr(got, field), getattr(ref, field)), field
+
+
 def _fused_forward_worker(rank, world, case):
     import torch.distributed as dist
 

@@ -28,7 +28,7 @@ from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, 
                         is_int, tensor_fingerprint)
 from .forward_grad import ForwardGradLoss
 from .chunked import ChunkSpec, LinearLossGradInForward, autocast_off, softmax_statistics
-from .fast import FAST_CHUNKS
+from .fast import FAST_CHUNKS, EarlyProduct
 from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -613,6 +613,46 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     vocab_start = tp_rank * v_local
 
     backend = backends.select(impl, hidden.device)
+    num_valid_cols = min(max(agreed.true_vocab - vocab_start, 0), v_local)  # this shard's columns below the vocab
+    lean_tiles = None
+    if memory_mode == "lean":
+        element_size = 4 if logits_dtype is not None else weight.element_size()
+        lean_tiles = lean.tile_sizes(
+            num_rows, v_local, hidden_size, weight.element_size(),
+            lean_workset_bytes(v_local, tp_size),
+            tile_bytes_per_element=element_size + backend.tile_scratch_bytes,
+            weight_grad_accumulates=main_grad_param is not None)
+    sampling_spec = None if sampler is None else sampling.sampling_spec(
+        **sampler, true_vocab=agreed.true_vocab, vocab_start=vocab_start)
+    if not chunk_size:
+        chunk_size = auto_chunk_size(
+            num_rows, v_local, hidden.device, max_chunk_bytes=max_chunk_bytes,
+            logits_element_size=4 if logits_dtype is not None else weight.element_size())
+    # a sampling mask with entries: replay (replay.py); one without entries, or (where the full
+    # agreement counted them) without a set at a labelled position, is today's path
+    mask_entries = (mask_check is not None and mask_check.usable and mask_check.ids.numel() > 0 and num_rows > 0)
+    # how the rows and the vocab are walked: lean tiles, the sampler's chunks, or fast chunks
+    plain_tiling = (lean_tiles if lean_tiles is not None
+                    else sampling.SamplerChunks(sampling_spec) if sampling_spec is not None else FAST_CHUNKS)
+    first_product = (EarlyProduct() if plain_tiling is FAST_CHUNKS and not sequence_parallel and not mask_entries
+                     and num_rows > 0 else None)
+    spec = ChunkSpec(
+        tp_group=tp_group,
+        backend=backend,
+        num_valid_cols=num_valid_cols,
+        inv_temperature=1.0 / float(temperature),
+        chunk_size=chunk_size,
+        want_sum_logits=want_sum_logits,
+        want_entropy=want_entropy,
+        sequence_parallel=sequence_parallel,
+        main_grad_param=main_grad_param,
+        logits_dtype=logits_dtype,
+        tiling=plain_tiling,
+        first_product=first_product,
+    )
+    if first_product is not None:  # the first GEMM now, the bookkeeping below while it runs
+        first_product.launch(hidden2d, weight, flat_labels, spec, statistics=not grad_in_forward,
+                             label_offset=vocab_start, ignore_index=ignore_index)
     # Every row goes through the chunk loop, an ignored one without a target and with a zero
     # gradient: no count sizes anything (nothing to read back, static shapes for CUDA graphs), and
     # the first call and the later ones of a signature compute alike, bit for bit. A later call
@@ -623,11 +663,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                   check=agreed.remembered,
                                   signature_code=agreed.signature_code if compare_ranks else None)
     local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
-    num_valid_cols = min(max(agreed.true_vocab - vocab_start, 0), v_local)  # this shard's columns below the vocab
-    # a sampling mask with entries: replay (replay.py); one without entries, or (where the full
-    # agreement counted them) without a set at a labelled position, is today's path
-    replaying = (mask_check is not None and mask_check.usable and mask_check.ids.numel() > 0 and num_rows > 0
-                 and (agreed.mask_rows is None or agreed.mask_rows[0] > 0))
+    replaying = mask_entries and (agreed.mask_rows is None or agreed.mask_rows[0] > 0)
     mask_poison = tiling = None
     if replaying:  # sampling-mask replay (replay.py's tiling; before the rank check: it fingerprints the mask)
         # the plain pass only where the signature's first call had a labelled row without a set
@@ -643,37 +679,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     if compare_ranks:
         rank_check = reductions.RankCheck(_rank_check_values(
             device_checks.rank_pieces, must_agree, tiling.fingerprint if replaying else None))
+        spec = replace(spec, rank_check=rank_check)
 
-    lean_tiles = None
-    if memory_mode == "lean":
-        element_size = 4 if logits_dtype is not None else weight.element_size()
-        lean_tiles = lean.tile_sizes(
-            row_labels.numel(), v_local, hidden_size, weight.element_size(),
-            lean_workset_bytes(v_local, tp_size),
-            tile_bytes_per_element=element_size + backend.tile_scratch_bytes,
-            weight_grad_accumulates=main_grad_param is not None)
-    sampling_spec = None if sampler is None else sampling.sampling_spec(
-        **sampler, true_vocab=agreed.true_vocab, vocab_start=vocab_start)
-    if not chunk_size:
-        chunk_size = auto_chunk_size(
-            row_labels.numel(), v_local, hidden.device, max_chunk_bytes=max_chunk_bytes,
-            logits_element_size=4 if logits_dtype is not None else weight.element_size())
-    spec = ChunkSpec(
-        tp_group=tp_group,
-        backend=backend,
-        num_valid_cols=num_valid_cols,
-        inv_temperature=1.0 / float(temperature),
-        chunk_size=chunk_size,
-        want_sum_logits=want_sum_logits,
-        want_entropy=want_entropy,
-        sequence_parallel=sequence_parallel,
-        main_grad_param=main_grad_param,
-        logits_dtype=logits_dtype,
-        # how the rows and the vocab are walked: lean tiles, the sampler's chunks, or fast chunks
-        tiling=(lean_tiles if lean_tiles is not None
-                else sampling.SamplerChunks(sampling_spec) if sampling_spec is not None else FAST_CHUNKS),
-        rank_check=rank_check,
-    )
     shape = tuple(labels.shape)
     labelled = device_checks.labelled if device_checks is not None else None
     anchor = None
@@ -690,11 +697,13 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
                 hidden2d, weight, row_index, local_target, spec, forward_grad,
                 None if expected_upstream_grad is None else float(expected_upstream_grad), labelled, num_labelled)
+            _drop(first_product)
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
                               poison=_device_poison(device_checks, rank_check), backend=backend)
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
+        _drop(first_product)
     target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
     if forward_grad is not None and needs_grad:  # fp16: the same contract, gradients on the recompute path
         anchor = _anchor_from_token_grads(forward_grad, target, lse, sum_logits, entropy, merged.max,
@@ -707,6 +716,12 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                       merged.max, merged.log_sum_exp, **sampler_outputs, num_labelled=num_labelled,
                       labelled=labelled, poison=_device_poison(device_checks, rank_check), backend=backend)
+
+
+def _drop(first_product: Optional[EarlyProduct]) -> None:
+    """The forward is done: what its first step did not take is not held for the backward."""
+    if first_product is not None:
+        first_product.drop()
 
 
 class LabelledCount:

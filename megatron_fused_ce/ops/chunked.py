@@ -89,6 +89,8 @@ class ChunkSpec:
     # values every TP rank must share, compared by the first statistics all-reduce of the call
     # (a call after the first of its signature: reductions.RankCheck); None: nothing to compare
     rank_check: Any = None
+    # the call's first GEMM, launched ahead of the host's bookkeeping (fast.EarlyProduct); None: none
+    first_product: Any = None
 
 
 def autocast_off(device: torch.device):

@@ -56,8 +56,57 @@ def _weight_grad_dtype(weight: Tensor, num_rows: int, spec) -> torch.dtype:
 
 
 def chunk_logits(h: Tensor, weight: Tensor, spec) -> Tensor:
-    """A chunk's logits h @ W.T in the input dtype, or in `spec.logits_dtype` (fp32)."""
+    """A chunk's logits h @ W.T in the input dtype, or in `spec.logits_dtype` (fp32): the call's
+    first product where it was launched ahead (EarlyProduct)."""
+    if spec.first_product is not None:
+        logits = spec.first_product.take(h, EarlyProduct.LOGITS)
+        if logits is not None:
+            return logits
     return logits_gemm(h, weight, spec.logits_dtype)
+
+
+class EarlyProduct:
+    """The call's first GEMM, launched before the host's bookkeeping (the label kernel, the rank
+    check, autograd's node, the gradient buffers): at the row counts RL runs an eager call spends
+    about as long on the host as its first GEMM on the GPU, and what came before that GEMM's launch
+    was exposed whole; now it runs while the GPU multiplies. It needs no targets: the fused
+    statistics GEMM reads the labels themselves (triton_gemm_stats), a chunk of logits none.
+
+    `launch` makes the product the chunk loop's first step would make (the statistics of every row
+    where the backend fuses them into the GEMM, else the logits of the first chunk); that step
+    `take`s it instead of launching its own, and token_statistics `drop`s what was not taken once
+    the forward is done (nothing of it is held for the backward)."""
+
+    LOGITS, STATISTICS = "logits", "statistics"
+
+    def __init__(self):
+        self.address = self.num_rows = self.kind = self.value = None
+
+    def launch(self, rows: Tensor, weight: Tensor, labels: Tensor, spec, *, statistics: bool, label_offset: int,
+               ignore_index: int) -> None:
+        """`statistics`: the chunk loop's first step takes this shard's statistics of `rows` (the
+        recompute path and forward-only calls), else a chunk of logits (gradients in the forward)."""
+        backend = spec.backend
+        if statistics and backend.stats_in_gemm(rows, weight):
+            self.kind, self.value = self.STATISTICS, backend.gemm_stats.run(
+                rows, weight, labels, spec.num_valid_cols, spec.inv_temperature,
+                want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
+                round_logits=spec.logits_dtype is None, label_offset=label_offset, ignore_index=ignore_index)
+        else:
+            rows = chunk_rows(rows, 0, min(spec.chunk_size, rows.shape[0]))
+            self.kind, self.value = self.LOGITS, logits_gemm(rows, weight, spec.logits_dtype)
+        self.address, self.num_rows = rows.data_ptr(), rows.shape[0]
+
+    def take(self, rows: Tensor, kind: str):
+        """The product if it is the `kind` of these rows (the same first row and count), once; else None."""
+        value = self.value
+        if value is None or kind != self.kind or rows.shape[0] != self.num_rows or rows.data_ptr() != self.address:
+            return None
+        self.value = None
+        return value
+
+    def drop(self) -> None:
+        self.value = None
 
 
 
@@ -254,6 +303,10 @@ def shard_partials(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, sp
     where the backend has it (no logits in memory at all), else from the tiling's walk."""
     backend = spec.backend
     if backend.stats_in_gemm(hidden_rows, weight):
+        if spec.first_product is not None:
+            stats = spec.first_product.take(hidden_rows, EarlyProduct.STATISTICS)
+            if stats is not None:
+                return stats
         return backend.gemm_stats.run(
             hidden_rows, weight, local_target, spec.num_valid_cols, spec.inv_temperature,
             want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,

@@ -94,7 +94,7 @@ def round_bf16_by_hand(x):
 
 
 @triton.jit
-def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
               BM: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr, WANT_SUM: tl.constexpr,
               WANT_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     rows = pid_m * BM + tl.arange(0, BM)
@@ -116,13 +116,15 @@ def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, 
     if WANT_ENTROPY:
         shifted = tl.where(col_ok[None, :], z - m[:, None], 0.0)
         tl.store(pe_ptr + out, tl.sum(e * shifted, axis=1), mask=row_ok)
-    t = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    label = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore)
+    t = label - label_offset
+    t = tl.where((label != ignore) & (t >= 0) & (t < NV), t, -1)
     z_t = tl.sum(tl.where(cols[None, :] == t[:, None], z, 0.0), axis=1)
     tl.store(tz_ptr + rows, z_t, mask=row_ok & (t >= pid_n * BN) & (t < pid_n * BN + BN))
 
 
 @triton.jit
-def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
                     M, NV, K, stride_h, stride_w, inv_t, num_progs,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                     ROUND: tl.constexpr, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
@@ -133,12 +135,12 @@ def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_pt
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_progs, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP)
         acc = tile_product(a_desc, b_desc, pid_m, pid_n, K, BM, BN, BK, DOT_F32)
-        _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+        _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
                   BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
 @triton.jit
-def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
                     M, NV, K, stride_h, stride_w, inv_t,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                     ROUND: tl.constexpr, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
@@ -158,7 +160,7 @@ def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_pt
         acc = tl.dot(a, b, acc)
         a_ptrs += BK
         b_ptrs += BK
-    _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+    _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
               BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
@@ -220,8 +222,11 @@ def _use_tma(device: torch.device) -> bool:
 
 def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, num_valid_cols: int,
                      inv_temperature: float, want_sum_logits: bool = False, want_entropy: bool = False,
-                     round_logits: bool = True) -> ShardStats:
-    """ShardStats of hidden_rows @ weight.T (see the module doc); `supported()` must hold."""
+                     round_logits: bool = True, label_offset: int = 0, ignore_index: int = -1) -> ShardStats:
+    """ShardStats of hidden_rows @ weight.T (see the module doc); `supported()` must hold.
+    `local_target`: each row's target column on this shard (-1: none), or the rows' labels with
+    `label_offset` (the shard's first vocab id) and `ignore_index`: the call's first GEMM is
+    launched before the label kernel has made the targets (fast.EarlyProduct)."""
     n = hidden_rows.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden_rows.device)
     if num_valid_cols == 0 or n == 0:
@@ -245,7 +250,8 @@ def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, 
         pl = torch.empty(tiles_n, rows, **f32) if want_sum_logits else pm
         pe = torch.empty(tiles_n, rows, **f32) if want_entropy else pm
         h = chunk_rows(hidden_rows, r0, r1)
-        args = (h, weight, chunk_rows(target, r0, r1), pm, ps, pl, pe, chunk_rows(out["target"], r0, r1), rows,
+        args = (h, weight, chunk_rows(target, r0, r1), int(label_offset), int(ignore_index), pm, ps, pl, pe,
+                chunk_rows(out["target"], r0, r1), rows,
                 num_valid_cols, h.shape[1], h.stride(0), weight.stride(0), float(inv_temperature))
         meta = dict(BM=bm, BN=bn, BK=bk, GROUP=GROUP_M, ROUND=round_logits, WANT_SUM=want_sum_logits,
                     WANT_ENTROPY=want_entropy, DOT_F32=_interpreting(),
