@@ -522,7 +522,8 @@ def test_the_first_gemm_goes_before_the_label_kernel_and_is_made_once(monkeypatc
     """At the row counts RL runs, an eager call spends about as long on the host as its first GEMM
     on the GPU: that GEMM is launched before the label kernel and the rest of the bookkeeping
     (fast.EarlyProduct), which then run while it computes, and the chunk loop takes it instead of
-    making it again (one logits GEMM per chunk in the forward, three chunks here)."""
+    making it again (one logits GEMM per chunk in the forward, three chunks here); like the loop's,
+    it is not recorded by autograd."""
     from megatron_fused_ce.ops import api, fast
 
     h, w, y = _inputs(12)
@@ -544,7 +545,12 @@ def test_the_first_gemm_goes_before_the_label_kernel_and_is_made_once(monkeypatc
             events.append("labels")
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(fast, "logits_gemm", lambda *args: events.append("gemm") or logits_gemm(*args))
+    def recorded_gemm(*args):
+        logits = logits_gemm(*args)
+        events.append("gemm" if logits.grad_fn is None else "gemm recorded by autograd")
+        return logits
+
+    monkeypatch.setattr(fast, "logits_gemm", recorded_gemm)
     monkeypatch.setattr(api, "_DeviceChecks", RecordedChecks)
     assert torch.equal(calls[path]().detach(), expected)
     assert events == ["gemm", "labels", "gemm", "gemm"]

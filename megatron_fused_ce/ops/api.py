@@ -651,8 +651,10 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         first_product=first_product,
     )
     if first_product is not None:  # the first GEMM now, the bookkeeping below while it runs
-        first_product.launch(hidden2d, weight, flat_labels, spec, statistics=not grad_in_forward,
-                             label_offset=vocab_start, ignore_index=ignore_index)
+        # (as the chunk loop would: outside autograd's graph and autocast)
+        with torch.no_grad(), autocast_off(hidden.device):
+            first_product.launch(hidden2d, weight, flat_labels, spec, statistics=not grad_in_forward,
+                                 label_offset=vocab_start, ignore_index=ignore_index)
     # Every row goes through the chunk loop, an ignored one without a target and with a zero
     # gradient: no count sizes anything (nothing to read back, static shapes for CUDA graphs), and
     # the first call and the later ones of a signature compute alike, bit for bit. A later call
