@@ -632,9 +632,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # agreement counted them) without a set at a labelled position, is today's path
     mask_entries = (mask_check is not None and mask_check.usable and mask_check.ids.numel() > 0 and num_rows > 0)
     # how the rows and the vocab are walked: lean tiles, the sampler's chunks, or fast chunks
-    plain_tiling = (lean_tiles if lean_tiles is not None
-                    else sampling.SamplerChunks(sampling_spec) if sampling_spec is not None else FAST_CHUNKS)
-    first_product = (EarlyProduct() if plain_tiling is FAST_CHUNKS and not sequence_parallel and not mask_entries
+    tiling = (lean_tiles if lean_tiles is not None
+              else sampling.SamplerChunks(sampling_spec) if sampling_spec is not None else FAST_CHUNKS)
+    first_product = (EarlyProduct() if tiling is FAST_CHUNKS and not sequence_parallel and not mask_entries
                      and num_rows > 0 else None)
     spec = ChunkSpec(
         tp_group=tp_group,
@@ -647,7 +647,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         sequence_parallel=sequence_parallel,
         main_grad_param=main_grad_param,
         logits_dtype=logits_dtype,
-        tiling=plain_tiling,
+        tiling=tiling,
         first_product=first_product,
     )
     if first_product is not None:  # the first GEMM now, the bookkeeping below while it runs
@@ -666,28 +666,28 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                   signature_code=agreed.signature_code if compare_ranks else None)
     local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
     replaying = mask_entries and (agreed.mask_rows is None or agreed.mask_rows[0] > 0)
-    mask_poison = tiling = None
+    mask_poison = replay_chunks = None
     if replaying:  # sampling-mask replay (replay.py's tiling; before the rank check: it fingerprints the mask)
         # the plain pass only where the signature's first call had a labelled row without a set
         # (a remembered signature checks the mask on the device, and without the plain pass that
         # every labelled row still has a set: NaN and an error at the next host synchronization)
-        tiling = replay.replay_tiling(mask_check, flat_labels, device_checks.labelled, vocab_start,
+        replay_chunks = replay.replay_tiling(mask_check, flat_labels, device_checks.labelled, vocab_start,
                                       num_valid_cols, agreed.true_vocab,
                                       needs_grad, plain_pass=not agreed.mask_sets_everywhere, backend=backend,
                                       check=agreed.remembered, num_cols=v_local, fingerprint=compare_ranks,
                                       label_poison=device_checks.poison)
-        mask_poison = tiling.poison
+        mask_poison = replay_chunks.poison
     rank_check = None
     if compare_ranks:
         rank_check = reductions.RankCheck(_rank_check_values(
-            device_checks.rank_pieces, must_agree, tiling.fingerprint if replaying else None))
+            device_checks.rank_pieces, must_agree, replay_chunks.fingerprint if replaying else None))
         spec = replace(spec, rank_check=rank_check)
 
     shape = tuple(labels.shape)
     labelled = device_checks.labelled if device_checks is not None else None
     anchor = None
     if replaying:
-        spec = replace(spec, tiling=tiling)
+        spec = replace(spec, tiling=replay_chunks)
         with autocast_off(hidden.device):
             out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,

@@ -94,7 +94,8 @@ def round_bf16_by_hand(x):
 
 
 @triton.jit
-def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
+              pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
               BM: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr, WANT_SUM: tl.constexpr,
               WANT_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     rows = pid_m * BM + tl.arange(0, BM)
@@ -135,7 +136,8 @@ def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr,
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_progs, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP)
         acc = tile_product(a_desc, b_desc, pid_m, pid_n, K, BM, BN, BK, DOT_F32)
-        _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+        _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
+                  pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
                   BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
@@ -160,7 +162,8 @@ def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr,
         acc = tl.dot(a, b, acc)
         a_ptrs += BK
         b_ptrs += BK
-    _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+    _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
+              pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
               BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
