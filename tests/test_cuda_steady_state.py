@@ -33,7 +33,7 @@ GRPO_OPTION_SETS = {
 }
 MAX_KERNELS = {"cross_entropy": 30, "logprobs": 30, "logprobs_entropy": 30, "forward_only": 30, "grpo": 40}
 # Measured on an H200 (torch 2.11, Triton 3.6): forward-only 11, log-probs 20 (30 with entropy),
-# cross-entropy 24, GRPO dapo 37, every option 40, k2 with a sequence mask 38.
+# cross-entropy 13, GRPO 15 with each option set (its per-token terms: one kernel, triton_grpo.py).
 
 
 def _inputs(seed):

@@ -13,7 +13,7 @@ import importlib
 import sys
 
 # in import order: later modules import kernels from the earlier ones
-KERNEL_MODULES = ("triton_gemm_stats", "triton_gemm_dlogits", "sampling_triton", "replay_triton", "triton_backend")
+KERNEL_MODULES = ("triton_grpo", "triton_gemm_stats", "triton_gemm_dlogits", "sampling_triton", "replay_triton", "triton_backend")
 
 
 def _interpreted(jit_function) -> bool:
@@ -31,7 +31,7 @@ def kernel_modules() -> dict:
                 del sys.modules[name]
     kernels = (modules["triton_gemm_stats"]._gemm_stats_tma, modules["triton_gemm_dlogits"]._gemm_dlogits_tma,
                modules["triton_backend"]._stats_kernel, modules["sampling_triton"]._compact_kernel,
-               modules["replay_triton"]._kept_stats_kernel)
+               modules["replay_triton"]._kept_stats_kernel, modules["triton_grpo"]._whole_call_kernel)
     if not _interpreted(tl.standard.max) or not all(_interpreted(k) for k in kernels):
         # (sys.modules no longer holds triton.language if it was purged: the reloads import it anew)
         modules = {name: importlib.reload(module) for name, module in modules.items()}
@@ -42,4 +42,5 @@ def kernel_modules() -> dict:
     assert _interpreted(modules["triton_gemm_dlogits"]._gemm_dlogits_tma)
     assert _interpreted(modules["sampling_triton"]._compact_kernel)
     assert _interpreted(modules["replay_triton"]._kept_weight_grad_kernel)
+    assert _interpreted(modules["triton_grpo"]._whole_call_kernel)
     return modules

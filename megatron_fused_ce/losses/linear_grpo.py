@@ -15,7 +15,10 @@ sampling log-probs). As soon as a chunk's log-probs are known (merged over TP ra
 table are gathered and ``grpo.term_sums`` (``grpo.token_terms``, the one definition of the per-token
 math, with its closed-form derivatives; one compiled kernel on CUDA) gives d loss / d lp of each of
 its tokens and the chunk's sums of the loss and metric terms (``GRPOGrads``, on the forward-gradient
-contract of ops/forward_grad.py); the chunk's dlogits, dX and dW follow at once. No context-parallel
+contract of ops/forward_grad.py); the chunk's dlogits, dX and dW follow at once. A call whose loop
+has one chunk (an RL micro-batch) takes all of this, the table and the metrics included, from one
+Triton kernel where the op's backend is Triton's (ops/backends/triton_grpo.py: one launch where
+the compiled function cost ~0.45 ms of host time while the GPU waited). No context-parallel
 collective runs inside the chunk loop (CP ranks may have different numbers of chunks). The loss
 value and metrics are formed from the chunks' sums after the loop (one all-reduce SUM and one MAX
 over ``cp_group``).
@@ -38,17 +41,19 @@ with its chunk.
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops import reductions
 from ..ops.agreement import fits_int64, flag_argument, integer_argument
 from ..ops.api import linear_logprobs, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
-from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, fused, grpo_loss, loss_and_metrics,
-                   metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
+from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, field_values, fused, grpo_loss,
+                   loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
 from .nll import Normalizer
 
 
@@ -105,8 +110,9 @@ class GRPOGrads(ForwardGradLoss):
     of the loss and metric terms are kept for the loss value (module doc). `prepare` gives the
     table and the batch totals: called before the loop, or at the first chunk (while its logits
     GEMM runs). `whole_call` (no CP), given a chunk of every row, gives its gradients and the
-    call's metric vector at once (`_whole_call_terms`): one compiled function on CUDA instead of
-    three, the host's cost of a micro-batch that fits one chunk."""
+    call's metric vector at once: `_whole_call_kernel` (one Triton launch) or `_whole_call_terms`
+    (its definition in torch; one compiled function on CUDA), the host's cost of a micro-batch that
+    fits one chunk."""
 
     def __init__(self, config: GRPOConfig, prepare, whole_call=None, num_rows: int = -1):
         self.config, self.prepare = config, prepare
@@ -195,6 +201,50 @@ def _whole_call_terms(config: GRPOConfig, target, row_max, log_sum_exp, advantag
         config, target, row_max, log_sum_exp, labelled, inputs.advantages, inputs.weights, inputs.scale, inputs.old,
         inputs.reference, inputs.sampling, inputs.sequence_log_rho)
     return grad, negative_grad, _metrics(config, sums, maxima, total_weight, num_excluded, None, sampling is not None)
+
+
+_TRITON_GRPO = []  # [the kernel module] once looked up ([None] where Triton does not import)
+
+
+def _kernel_module():
+    if not _TRITON_GRPO:
+        try:
+            from ..ops.backends import triton_grpo
+        except ImportError:
+            triton_grpo = None
+        _TRITON_GRPO.append(triton_grpo)
+    return _TRITON_GRPO[0]
+
+
+def _whole_call_kernel():
+    """triton_grpo.whole_call_terms (ops/backends/triton_grpo.py)."""
+    return _kernel_module().whole_call_terms
+
+
+_FAILED_CONFIGS = set()  # field_values of the configs whose kernel did not compile
+
+
+def _kernel_failed(config: GRPOConfig, error: Exception) -> None:
+    """A kernel that does not compile (a Triton version's compiler bug) is not tried again for
+    this config; the compiled definition runs instead, with one warning."""
+    if not _FAILED_CONFIGS:
+        warnings.warn(f"linear_grpo_loss: the per-token kernel failed ({type(error).__name__}: {error}); "
+                      "falling back to its definition (grpo.token_terms)", RuntimeWarning, stacklevel=4)
+    _FAILED_CONFIGS.add(field_values(config))
+
+
+def _takes_the_kernel(impl: str, device: torch.device, config: GRPOConfig, mask: Tensor) -> bool:
+    """Whether a call of one chunk takes `_whole_call_kernel` (one launch) rather than
+    `_whole_call_terms` (compiled on CUDA): where the op's backend is Triton's (impl "triton", or
+    "auto" on CUDA), as the chunk statistics are, and not where `fused` would run the definition
+    eagerly on purpose (an enclosing torch.compile traces it; a dispatch mode counts its ops)."""
+    if not (impl == "triton" or (impl == "auto" and device.type == "cuda")):
+        return False
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    module = _kernel_module()
+    return (module is not None and module.supported(config, mask)
+            and (not _FAILED_CONFIGS or field_values(config) not in _FAILED_CONFIGS))
 
 
 def _loss_sum(config: GRPOConfig, total: Tensor) -> Tensor:
@@ -332,9 +382,15 @@ def linear_grpo_loss(
                            (labels != ignore_index).reshape(-1)), totals
 
     def whole_call(target, row_max, log_sum_exp):
-        return fused(_whole_call_terms, config, hidden.device, target, row_max, log_sum_exp, advantages, mask,
-                     old_logprobs, reference_logprobs, sampling_logprobs, normalizer_tensor(), labels,
-                     ignore_index, sequence_first)
+        inputs = (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)
+        if _takes_the_kernel(impl, hidden.device, config, mask):
+            try:
+                return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, normalizer, labels,
+                                            ignore_index, sequence_first)
+            except Exception as error:  # noqa: BLE001 - a compiler failure: the definition computes the same
+                _kernel_failed(config, error)
+        return fused(_whole_call_terms, config, hidden.device, target, row_max, log_sum_exp, *inputs,
+                     normalizer_tensor(), labels, ignore_index, sequence_first)
 
     forward_grad = GRPOGrads(config, prepare, whole_call if cp_group is None else None, batch * length)
     # With cp_group the totals' collectives run here, on every CP rank (a rank may have no labelled

@@ -1,0 +1,424 @@
+"""GRPO's per-token epilogue of a call whose chunk loop has one chunk, as one Triton kernel.
+
+`whole_call_terms` gives what `linear_grpo._whole_call_terms` gives (same arguments, same results):
+from the chunk's merged statistics and the call's per-token inputs, each token's d loss / d lp (and
+its negative) and the call's metric vector. The definition of the math is grpo.token_terms and its
+neighbours (losses/grpo.py); this kernel is its transcription for the GPU, checked against it for
+every option by tests/test_grpo_triton.py. Why a kernel of its own: at the token counts of RL
+micro-batches the compiled function it replaces cost ~0.45 ms of host time per call (dynamo's
+entry and ~17 launches) while the GPU, having finished the logits GEMM, waited for the gradient's
+coefficients; one launch costs ~0.03 ms.
+
+One program walks the [B, T] batch twice in [BLOCK_B, BLOCK_T] tiles (the token counts of one
+chunk: a few passes of a few microseconds each):
+
+1. the batch totals: each sequence's weight (the mask, 0 on tokens a -inf old / sampling log-prob
+   excludes) and, for a sequence-level correction, its Σ m·(old - sampling), kept in a scratch
+   row per sequence; the total weight, the excluded count, the number of non-empty sequences;
+2. each token's terms (grpo.token_terms): the ratio, the policy objective (PPO clip with delta and
+   dual clip, CISPO or SAPO), the train/inference correction, the KL estimate, the derivative
+   written at the token's position in the labels' layout, the metric numerators and extremes
+   summed in registers; at the end the metric vector (grpo.metric_vector), its entries at the
+   indices grpo.metric_names gives.
+
+Only token-level ratios (the gradients-in-forward path: linear_grpo.gradients_in_forward_apply).
+Math in fp32, as the torch definition computes on fp32 log-probs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .triton_common import f32 as _f32
+
+TILE_ELEMENTS = 1024  # tokens per tile of the walk
+WARPS = 4
+
+_LOSS_CODES = {"cispo": 1, "sapo": 2}  # every other loss type: PPO clip (0)
+_KL_CODES = {"k1": 1, "k2": 2, "k3": 3}
+
+
+@triton.jit
+def _token_weights(mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr, samp_sb, samp_st,
+                   b, t, ok, HAS_OLD: tl.constexpr, HAS_SAMPLING: tl.constexpr):
+    """(m, excluded, old, sampling) of a tile: the mask as fp32 weights, 0 where the old or sampling
+    log-prob is -inf (nll.exclude_impossible_tokens); old / sampling 0 where not given."""
+    b64 = b.to(tl.int64)[:, None]
+    t64 = t.to(tl.int64)[None, :]
+    weights = tl.load(mask_ptr + b64 * mask_sb + t64 * mask_st, mask=ok, other=0).to(tl.float32)
+    impossible = tl.zeros_like(weights) != 0
+    old = tl.zeros_like(weights)
+    sampling = tl.zeros_like(weights)
+    if HAS_OLD:
+        old = tl.load(old_ptr + b64 * old_sb + t64 * old_st, mask=ok, other=0).to(tl.float32)
+        impossible = impossible | (old == float("-inf"))
+    if HAS_SAMPLING:
+        sampling = tl.load(samp_ptr + b64 * samp_sb + t64 * samp_st, mask=ok, other=0).to(tl.float32)
+        impossible = impossible | (sampling == float("-inf"))
+    excluded = impossible & (weights != 0)
+    return tl.where(excluded, 0.0, weights), excluded, old, sampling
+
+
+@triton.jit
+def _safe(denominator):
+    """safe_divide's denominator: 1 where it is 0."""
+    return tl.where(denominator != 0, denominator, 1.0)
+
+
+@triton.jit
+def _whole_call_kernel(
+    target_ptr, row_max_ptr, lse_ptr, labels_ptr, ignore_index,
+    adv_ptr, adv_sb, adv_st, mask_ptr, mask_sb, mask_st,
+    old_ptr, old_sb, old_st, ref_ptr, ref_sb, ref_st, samp_ptr, samp_sb, samp_st,
+    normalizer_ptr, normalizer_value, scratch_ptr, grad_ptr, neg_grad_ptr, metrics_ptr,
+    num_rows, row_length, num_rows_f,
+    LOSS: tl.constexpr, CLIP_LOW: tl.constexpr, CLIP_HIGH: tl.constexpr,
+    HAS_DELTA: tl.constexpr, DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, DUAL_C: tl.constexpr,
+    CISPO_LOW: tl.constexpr, CISPO_MAX: tl.constexpr, SAPO_POS: tl.constexpr, SAPO_NEG: tl.constexpr,
+    KL: tl.constexpr, BETA: tl.constexpr, HAS_KL_IN: tl.constexpr, KL_IN: tl.constexpr,
+    HAS_KL_OUT: tl.constexpr, KL_OUT: tl.constexpr, BIAS_KL: tl.constexpr,
+    HAS_OLD: tl.constexpr, HAS_SAMPLING: tl.constexpr, CORRECTION: tl.constexpr, TRUNCATE: tl.constexpr,
+    HAS_IS_LO: tl.constexpr, IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr, IS_HI: tl.constexpr,
+    NORM: tl.constexpr, COUNT_EMPTY: tl.constexpr, NORMALIZER: tl.constexpr, MAX_LENGTH: tl.constexpr,
+    SEQUENCE_FIRST: tl.constexpr,
+    AT_DUAL: tl.constexpr, AT_IS: tl.constexpr, AT_ERROR: tl.constexpr, AT_EXCLUDED: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_t = tl.arange(0, BLOCK_T)
+
+    # ---- pass 1: the batch totals (grpo._batch_totals)
+    weight_sum = tl.zeros([BLOCK_B], tl.float32)
+    excluded_sum = tl.zeros([BLOCK_B], tl.float32)
+    nonempty = tl.zeros([BLOCK_B], tl.float32)
+    for b0 in range(0, num_rows, BLOCK_B):
+        b = b0 + offs_b
+        b_ok = b < num_rows
+        # tiles summed elementwise, reduced once after the walk along T (a reduction inside the
+        # loop, its result carried and used twice, trips Triton 3.6's thread-locality pass)
+        weight_tile = tl.zeros([BLOCK_B, BLOCK_T], tl.float32)
+        excluded_tile = tl.zeros([BLOCK_B, BLOCK_T], tl.float32)
+        log_rho_tile = tl.zeros([BLOCK_B, BLOCK_T], tl.float32)
+        for t0 in range(0, row_length, BLOCK_T):
+            t = t0 + offs_t
+            ok = b_ok[:, None] & (t < row_length)[None, :]
+            weights, excluded, old, sampling = _token_weights(
+                mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr, samp_sb, samp_st, b, t, ok,
+                HAS_OLD, HAS_SAMPLING)
+            weight_tile += weights
+            excluded_tile += excluded.to(tl.float32)
+            if CORRECTION == 2:  # masked_sum of the masked difference old - sampling
+                log_rho_tile += tl.where(weights != 0, old - sampling, 0.0) * weights
+        sequence_weight = tl.sum(weight_tile, 1)
+        tl.store(scratch_ptr + b, sequence_weight, mask=b_ok)
+        if CORRECTION == 2:
+            tl.store(scratch_ptr + num_rows + b, tl.sum(log_rho_tile, 1), mask=b_ok)
+        weight_sum += sequence_weight
+        excluded_sum += tl.sum(excluded_tile, 1)
+        nonempty += (sequence_weight != 0).to(tl.float32)
+    total_weight = tl.sum(weight_sum, 0)
+    num_excluded = tl.sum(excluded_sum, 0)
+    tl.debug_barrier()  # the scratch rows are read back by other threads of this program
+
+    # ---- the normalization weight s (grpo._normalization_weight)
+    if NORMALIZER == 1:  # a tensor
+        given = tl.load(normalizer_ptr).to(tl.float32)
+    elif NORMALIZER == 2:  # a number
+        given = normalizer_value
+    if NORM == 1:  # per-sequence mean: s = 1 / (Σ_t m · N_sequences)
+        if NORMALIZER != 0:
+            num_sequences = given
+        elif COUNT_EMPTY:
+            num_sequences = num_rows_f
+        else:
+            num_sequences = tl.sum(nonempty, 0)
+        num_sequences = _safe(num_sequences)
+        token_scale = 0.0
+    elif NORM == 2:  # dr_grpo: 1 / (N_sequences · max_completion_length)
+        if NORMALIZER != 0:
+            dr_sequences = given
+        else:
+            dr_sequences = num_rows_f
+        token_scale = 1.0 / _safe(dr_sequences * MAX_LENGTH)
+    else:  # 1 / N_tokens
+        if NORMALIZER != 0:
+            token_scale = 1.0 / _safe(given)
+        else:
+            token_scale = 1.0 / _safe(total_weight)
+
+    # ---- pass 2: each token's terms (grpo.token_terms), summed in registers
+    zero_tile = tl.zeros([BLOCK_B, BLOCK_T], tl.float32)
+    pg_sum = zero_tile
+    kl_sum = zero_tile
+    ratio_sum = zero_tile
+    clip_low_sum = zero_tile
+    clip_high_sum = zero_tile
+    clip_sum = zero_tile
+    dual_sum = zero_tile
+    rho_sum = zero_tile
+    rho_clip_sum = zero_tile
+    error_sum = zero_tile
+    any_max = zero_tile
+    ratio_max = zero_tile + float("-inf")
+    ratio_min = zero_tile + float("-inf")
+    rho_max = zero_tile + float("-inf")
+    rho_min = zero_tile + float("-inf")
+    for b0 in range(0, num_rows, BLOCK_B):
+        b = b0 + offs_b
+        b_ok = b < num_rows
+        if NORM == 1:
+            sequence_weight = tl.load(scratch_ptr + b, mask=b_ok, other=0.0)
+            sequence_scale = ((1.0 / _safe(sequence_weight)) / num_sequences)[:, None]
+        if CORRECTION == 2:
+            sequence_log_rho = tl.load(scratch_ptr + num_rows + b, mask=b_ok, other=0.0)[:, None]
+        for t0 in range(0, row_length, BLOCK_T):
+            t = t0 + offs_t
+            ok = b_ok[:, None] & (t < row_length)[None, :]
+            weights, excluded, old, sampling = _token_weights(
+                mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr, samp_sb, samp_st, b, t, ok,
+                HAS_OLD, HAS_SAMPLING)
+            b64 = b.to(tl.int64)[:, None]
+            t64 = t.to(tl.int64)[None, :]
+            if SEQUENCE_FIRST:  # labels and statistics are [T, B]
+                position = t64 * num_rows + b64
+            else:
+                position = b64 * row_length + t64
+            labels = tl.load(labels_ptr + position, mask=ok, other=ignore_index)
+            labelled = labels != ignore_index
+            target = tl.load(target_ptr + position, mask=ok, other=0.0)
+            row_max = tl.load(row_max_ptr + position, mask=ok, other=0.0)
+            lse = tl.load(lse_ptr + position, mask=ok, other=0.0)
+            logprob = tl.where(labelled, (target - row_max) - lse, 0.0)
+            adv = tl.load(adv_ptr + b64 * adv_sb + t64 * adv_st, mask=ok, other=0).to(tl.float32)
+
+            invalid = weights == 0  # every input 0 there (token_terms' known())
+            lp = tl.where(invalid, 0.0, logprob)
+            adv = tl.where(invalid, 0.0, adv)
+            if HAS_OLD:
+                old_lp = tl.where(invalid, 0.0, old)
+            else:
+                old_lp = lp
+            ratio = tl.exp(lp - old_lp)
+
+            # the policy objective and its derivatives (grpo._ppo_clip_terms, _cispo_terms, _sapo_terms)
+            d_dlp = zero_tile
+            d_dr = zero_tile
+            flag_low = zero_tile != 0
+            flag_high = flag_low
+            flag_dual = flag_low
+            if LOSS == 1:  # CISPO
+                coefficient = -adv * tl.minimum(tl.maximum(ratio, CISPO_LOW), CISPO_MAX)
+                flag_low = ratio < CISPO_LOW
+                flag_high = ratio > CISPO_MAX
+                policy = coefficient * lp
+                d_dlp = coefficient
+            elif LOSS == 2:  # SAPO
+                tau = tl.where(adv > 0, SAPO_POS, SAPO_NEG)
+                gate = tl.sigmoid(tau * (ratio - 1.0))
+                four_over_tau = 4.0 / tau
+                policy = -adv * gate * four_over_tau
+                d_dr = (four_over_tau * -adv) * ((1.0 - gate) * gate) * tau
+            else:  # PPO clip
+                below = ratio < CLIP_LOW
+                above = ratio > CLIP_HIGH
+                neg_adv = -adv
+                unclipped = ratio
+                if HAS_DELTA:
+                    unclipped = tl.minimum(ratio, DELTA)
+                unclipped_branch = neg_adv * unclipped
+                clipped_branch = neg_adv * tl.minimum(tl.maximum(ratio, CLIP_LOW), CLIP_HIGH)
+                policy = tl.maximum(unclipped_branch, clipped_branch)
+                share = tl.where(unclipped_branch == clipped_branch, 0.5,
+                                 (unclipped_branch > clipped_branch).to(tl.float32))
+                through_unclipped = share
+                if HAS_DELTA:
+                    through_unclipped = tl.where(ratio > DELTA, 0.0, share)
+                through_clipped = tl.where(below | above, 0.0, 1.0 - share)
+                d_dr = neg_adv * (through_unclipped + through_clipped)
+                flag_low = below & (adv < 0)
+                flag_high = above & (adv > 0)
+                if HAS_DUAL:
+                    dual_bound = neg_adv * DUAL_C
+                    flag_dual = (adv < 0) & (policy > dual_bound)
+                    policy = tl.where(flag_dual, dual_bound, policy)
+                    d_dr = tl.where(flag_dual, 0.0, d_dr)
+
+            # the train/inference correction rho (grpo._is_correction_terms): a constant factor
+            if HAS_SAMPLING:
+                token_log_rho = old_lp - tl.where(invalid, 0.0, sampling)
+            if CORRECTION != 0:
+                if CORRECTION == 2:
+                    rho_raw = tl.exp(tl.where(invalid, 0.0, sequence_log_rho + zero_tile))
+                else:
+                    rho_raw = tl.exp(token_log_rho)
+                if TRUNCATE:
+                    rho = rho_raw
+                    if HAS_IS_LO:
+                        rho = tl.maximum(rho, IS_LO)
+                    rho = tl.minimum(rho, IS_HI)
+                else:
+                    inside = rho_raw == rho_raw
+                    if HAS_IS_LO:
+                        inside = rho_raw >= IS_LO
+                    if HAS_IS_HI:
+                        inside = inside & (rho_raw <= IS_HI)
+                    rho = tl.where(inside, rho_raw, 0.0)
+                policy = policy * rho
+                d_dlp = d_dlp * rho
+                d_dr = d_dr * rho
+
+            if NORM == 1:
+                loss_weight = sequence_scale * weights
+            else:
+                loss_weight = token_scale * weights
+
+            # the KL penalty (grpo._kl_terms)
+            if KL != 0:
+                d = tl.where(invalid, 0.0, tl.load(ref_ptr + b64 * ref_sb + t64 * ref_st, mask=ok, other=0)
+                             .to(tl.float32)) - lp
+                clamped = zero_tile != 0
+                if HAS_KL_IN:
+                    clamped = (d < -KL_IN) | (d > KL_IN)
+                    d = tl.minimum(tl.maximum(d, -KL_IN), KL_IN)
+                if KL == 1:
+                    kl = -d
+                    dkl_dlp = zero_tile + 1.0
+                elif KL == 2:
+                    kl = 0.5 * d * d
+                    dkl_dlp = -d
+                else:
+                    exp_d = tl.exp(d)
+                    kl = exp_d - 1.0 - d
+                    dkl_dlp = 1.0 - exp_d
+                if HAS_KL_OUT:
+                    clamped = clamped | (kl < -KL_OUT) | (kl > KL_OUT)
+                    kl = tl.minimum(tl.maximum(kl, -KL_OUT), KL_OUT)
+                dkl_dlp = tl.where(clamped, 0.0, dkl_dlp)
+                if BIAS_KL:  # sampled from the old policy: kl·r
+                    d_dr = d_dr + BETA * kl
+                    kl = kl * ratio
+                    dkl_dlp = dkl_dlp * ratio
+                d_dlp = d_dlp + BETA * dkl_dlp
+                kl_sum += tl.where(ok, loss_weight * kl, 0.0)
+
+            # d loss / d lp = d/dlp at fixed r + d/dr · dr/dlp (= r), 0 without a label
+            grad = loss_weight * d_dlp + (loss_weight * d_dr) * ratio
+            grad = tl.where(labelled, grad, 0.0)
+            tl.store(grad_ptr + position, grad, mask=ok)
+            tl.store(neg_grad_ptr + position, -grad, mask=ok)
+
+            pg_sum += tl.where(ok, loss_weight * policy, 0.0)
+            ratio_sum += tl.where(ok, weights * ratio, 0.0)
+            clip_low_sum += weights * flag_low.to(tl.float32)
+            clip_high_sum += weights * flag_high.to(tl.float32)
+            clip_sum += weights * (flag_low | flag_high).to(tl.float32)
+            if HAS_DUAL:
+                dual_sum += weights * flag_dual.to(tl.float32)
+            any_max = tl.maximum(any_max, tl.where(invalid, 0.0, 1.0))
+            ratio_max = tl.maximum(ratio_max, tl.where(invalid, float("-inf"), ratio))
+            ratio_min = tl.maximum(ratio_min, tl.where(invalid, float("-inf"), -ratio))
+            if CORRECTION != 0:
+                rho_sum += tl.where(ok, weights * rho_raw, 0.0)
+                rho_clip_sum += weights * (rho != rho_raw).to(tl.float32)
+                rho_max = tl.maximum(rho_max, tl.where(invalid, float("-inf"), rho_raw))
+                rho_min = tl.maximum(rho_min, tl.where(invalid, float("-inf"), -rho_raw))
+            if HAS_SAMPLING:
+                error_sum += tl.where(ok, weights * tl.exp(tl.abs(token_log_rho)), 0.0)
+
+    # ---- the metric vector (grpo.metric_vector), entries at grpo.metric_names' indices
+    any_valid = tl.max(tl.max(any_max, 1), 0) > 0
+    pg = tl.sum(tl.sum(pg_sum, 1), 0)
+    kl_total = tl.sum(tl.sum(kl_sum, 1), 0)
+    if KL != 0:
+        tl.store(metrics_ptr, pg + BETA * kl_total)
+    else:
+        tl.store(metrics_ptr, pg)
+    tl.store(metrics_ptr + 1, pg)
+    tl.store(metrics_ptr + 2, kl_total)
+    tl.store(metrics_ptr + 3, tl.sum(tl.sum(ratio_sum, 1), 0) / _safe(total_weight))
+    tl.store(metrics_ptr + 4, tl.where(any_valid, -tl.max(tl.max(ratio_min, 1), 0), 0.0))
+    tl.store(metrics_ptr + 5, tl.where(any_valid, tl.max(tl.max(ratio_max, 1), 0), 0.0))
+    tl.store(metrics_ptr + 6, tl.sum(tl.sum(clip_low_sum, 1), 0) / _safe(total_weight))
+    tl.store(metrics_ptr + 7, tl.sum(tl.sum(clip_high_sum, 1), 0) / _safe(total_weight))
+    tl.store(metrics_ptr + 8, tl.sum(tl.sum(clip_sum, 1), 0) / _safe(total_weight))
+    if HAS_DUAL:
+        tl.store(metrics_ptr + AT_DUAL, tl.sum(tl.sum(dual_sum, 1), 0) / _safe(total_weight))
+    if CORRECTION != 0:
+        tl.store(metrics_ptr + AT_IS, tl.sum(tl.sum(rho_sum, 1), 0) / _safe(total_weight))
+        tl.store(metrics_ptr + AT_IS + 1, tl.where(any_valid, -tl.max(tl.max(rho_min, 1), 0), 0.0))
+        tl.store(metrics_ptr + AT_IS + 2, tl.where(any_valid, tl.max(tl.max(rho_max, 1), 0), 0.0))
+        tl.store(metrics_ptr + AT_IS + 3, tl.sum(tl.sum(rho_clip_sum, 1), 0) / _safe(total_weight))
+    if HAS_SAMPLING:
+        tl.store(metrics_ptr + AT_ERROR, tl.sum(tl.sum(error_sum, 1), 0) / _safe(total_weight))
+    tl.store(metrics_ptr + AT_EXCLUDED, num_excluded)
+
+
+def _strides(t: Tensor):
+    """(b, t) strides of a [B, T] tensor, or of a [B] one read as [B, T] (t stride 0)."""
+    return (t.stride(0), 0) if t.dim() == 1 else (t.stride(0), t.stride(1))
+
+
+def supported(config, mask: Tensor) -> bool:
+    """Whether `whole_call_terms` computes this call: token-level ratios (the only ones the
+    gradients-in-forward path takes) and at least one token."""
+    return config.importance_sampling_level == "token" and mask.numel() > 0
+
+
+def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old, reference, sampling,
+                     normalizer, labels, ignore_index: int, sequence_first: bool):
+    """linear_grpo._whole_call_terms' (d loss / d lp, its negative, metric vector), in one launch.
+    `normalizer`: None, a one-element tensor or a number (a kernel argument: no fill kernel, no
+    new compilation when it changes)."""
+    from ...losses.grpo import applies_correction, metric_names  # (losses import the ops package)
+
+    num_rows, row_length = mask.shape
+    on_policy = old is None or config.force_on_policy_ratio
+    has_sampling = sampling is not None
+    corrected = applies_correction(config, has_sampling)
+    names = metric_names(config, has_sampling)
+    device = target.device
+    grad = torch.empty(target.shape[0], dtype=torch.float32, device=device)
+    neg_grad = torch.empty_like(grad)
+    metrics = torch.empty(len(names), dtype=torch.float32, device=device)
+    scratch = torch.empty(2 * num_rows, dtype=torch.float32, device=device)
+    block_t = min(triton.next_power_of_2(row_length), TILE_ELEMENTS)
+    block_b = max(TILE_ELEMENTS // block_t, 1)
+    old = None if on_policy else old
+    dummy = grad  # stands for the inputs that are not given (never read)
+    optional = [(x, *_strides(x)) if x is not None else (dummy, 0, 0) for x in (old, reference, sampling)]
+    ppo = config.loss_type not in _LOSS_CODES
+    _whole_call_kernel[(1,)](
+        _f32(target), _f32(row_max), _f32(log_sum_exp), labels.reshape(-1), ignore_index,
+        advantages, *_strides(advantages), mask, *_strides(mask), *optional[0], *optional[1], *optional[2],
+        normalizer if isinstance(normalizer, Tensor) else dummy,
+        0.0 if normalizer is None or isinstance(normalizer, Tensor) else float(normalizer), scratch, grad, neg_grad, metrics,
+        num_rows, row_length, float(num_rows),
+        LOSS=_LOSS_CODES.get(config.loss_type, 0),
+        CLIP_LOW=1.0 - config.epsilon_low, CLIP_HIGH=1.0 + config.epsilon_high,
+        HAS_DELTA=ppo and config.delta is not None, DELTA=float(config.delta or 0.0),
+        HAS_DUAL=ppo and config.dual_clip_c is not None, DUAL_C=float(config.dual_clip_c or 0.0),
+        CISPO_LOW=config.cispo_lower_bound, CISPO_MAX=config.cispo_max_ratio,
+        SAPO_POS=config.sapo_temperature_pos, SAPO_NEG=config.sapo_temperature_neg,
+        KL=_KL_CODES[config.kl_estimator] if config.beta > 0 else 0, BETA=config.beta,
+        HAS_KL_IN=config.kl_input_clamp is not None, KL_IN=float(config.kl_input_clamp or 0.0),
+        HAS_KL_OUT=config.kl_output_clamp is not None, KL_OUT=float(config.kl_output_clamp or 0.0),
+        BIAS_KL=config.use_bias_correction_kl,
+        HAS_OLD=not on_policy, HAS_SAMPLING=has_sampling,
+        CORRECTION=(2 if config.is_correction.startswith("sequence") else 1) if corrected else 0,
+        TRUNCATE=config.is_correction.endswith("_truncate"),
+        HAS_IS_LO=config.is_clip_min is not None, IS_LO=float(config.is_clip_min or 0.0),
+        HAS_IS_HI=config.is_clip_max is not None, IS_HI=float(config.is_clip_max or 0.0),
+        NORM=1 if config.per_sequence_mean else (2 if config.loss_type == "dr_grpo" else 0),
+        COUNT_EMPTY=config.count_empty_sequences,
+        NORMALIZER=0 if normalizer is None else 1 if isinstance(normalizer, Tensor) else 2,
+        MAX_LENGTH=int(config.max_completion_length or 0), SEQUENCE_FIRST=sequence_first,
+        AT_DUAL=names.index("dual_clip_ratio") if "dual_clip_ratio" in names else 0,
+        AT_IS=names.index("is_ratio_mean") if "is_ratio_mean" in names else 0,
+        AT_ERROR=names.index("token_mult_prob_error") if "token_mult_prob_error" in names else 0,
+        AT_EXCLUDED=names.index("num_excluded_tokens"),
+        BLOCK_B=block_b, BLOCK_T=block_t, num_warps=WARPS,
+    )
+    return grad, neg_grad, metrics

@@ -1,0 +1,239 @@
+"""GRPO's per-token epilogue kernel (ops/backends/triton_grpo.py) against its definition.
+
+The kernel transcribes grpo.token_terms, the batch totals, the normalization weights and the metric
+vector for a call of one chunk; `linear_grpo._whole_call_terms` is the same computation written
+once in torch (what runs on CPU, and compiled, on CUDA with impl="torch"). Both are run on the same
+inputs for every option: loss types, delta, dual clip, KL estimators and clamps, bias correction,
+train/inference corrections, excluded (-inf) tokens, normalizers, empty sequences, ignored labels,
+[B] and [B, T] advantages, bool and float masks, sequence-first layout. Without a GPU the kernel
+runs under Triton's interpreter. fp32 on both sides: values agree to fp32 rounding (rtol 2e-6,
+the kernel's exp / division and its sum order), flags and counts exactly.
+
+Then linear_grpo_loss with impl="triton" (the kernel) against impl="torch" (the definition), values
+and gradients, so that the kernel's wiring into the chunk loop is covered as well.
+"""
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from triton_interpret import kernel_modules  # noqa: E402
+from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss  # noqa: E402
+from megatron_fused_ce.losses import linear_grpo  # noqa: E402
+from megatron_fused_ce.losses.grpo import metric_names  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# the interpreter evaluates both sides of a select: -inf - -inf where an excluded token is masked
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+@pytest.fixture(scope="module")
+def triton_grpo():
+    if DEVICE.type != "cuda":
+        return kernel_modules()["triton_grpo"]
+    from megatron_fused_ce.ops.backends import triton_grpo as module
+
+    return module
+
+
+CONFIGS = {
+    "dapo": dict(),
+    "dapo_delta_dual": dict(delta=1.3, dual_clip_c=2.0),
+    "grpo": dict(loss_type="grpo"),
+    "grpo_nonempty": dict(loss_type="grpo", count_empty_sequences=False),
+    "bnpo_k1_clamped": dict(loss_type="bnpo", beta=0.1, kl_estimator="k1", kl_input_clamp=0.3, kl_output_clamp=0.2),
+    "dr_grpo_k2": dict(loss_type="dr_grpo", max_completion_length=9, beta=0.05, kl_estimator="k2",
+                       kl_input_clamp=None, kl_output_clamp=None),
+    "dapo_k3_bias": dict(beta=0.2, use_bias_correction_kl=True, kl_output_clamp=0.05),
+    "cispo": dict(loss_type="cispo", cispo_max_ratio=1.1),
+    "cispo_open_low": dict(loss_type="cispo", cispo_min_ratio=0.0, cispo_max_ratio=1.2),
+    "sapo": dict(loss_type="sapo"),
+    "sapo_token": dict(loss_type="sapo", sapo_reduction="token", sapo_temperature_neg=2.0),
+    "token_truncate": dict(is_correction="token_truncate", is_clip_max=1.2),
+    "token_mask": dict(is_correction="token_mask", is_clip_min=0.8, is_clip_max=1.25),
+    "sequence_truncate": dict(loss_type="grpo", is_correction="sequence_truncate", is_clip_min=0.5, is_clip_max=1.5),
+    "sequence_mask_high": dict(is_correction="sequence_mask", is_clip_max=1.1, beta=0.1),
+    "on_policy_forced": dict(force_on_policy_ratio=True, beta=0.1, kl_estimator="k2"),
+}
+
+
+def _inputs(seed: int, batch: int, length: int, *, sequence_first: bool, per_token_adv: bool, bool_mask: bool):
+    g = torch.Generator().manual_seed(seed)
+    n = batch * length
+    target = torch.randn(n, generator=g)
+    row_max = target + torch.rand(n, generator=g)
+    lse = torch.rand(n, generator=g) * 2
+    logprobs = (target - row_max) - lse  # in the labels' layout
+    lp_bt = logprobs.reshape(length, batch).t() if sequence_first else logprobs.reshape(batch, length)
+    mask = torch.rand(batch, length, generator=g) > 0.25
+    mask[1] = False  # an empty sequence
+    mask = mask if bool_mask else mask.float() * (1 + torch.rand(batch, length, generator=g))
+    adv = torch.randn(batch, length, generator=g) if per_token_adv else torch.randn(batch, generator=g)
+    old = lp_bt + 0.4 * torch.randn(batch, length, generator=g)
+    old[0, 2] = float("-inf")  # excluded tokens (under the mask or not)
+    old[2, 0] = float("-inf")
+    sampling = old + 0.3 * torch.randn(batch, length, generator=g)
+    sampling[3, 1] = float("-inf")
+    reference = lp_bt + 0.5 * torch.randn(batch, length, generator=g)
+    shape = (length, batch) if sequence_first else (batch, length)
+    labels = torch.randint(0, 50, shape, generator=g)
+    labels.view(-1)[::7] = -100  # ignored labels where the mask may be nonzero
+    return dict(target=target, row_max=row_max, lse=lse, advantages=adv, mask=mask, old=old,
+                sampling=sampling, reference=reference, labels=labels)
+
+
+def _run(fn, config, x, *, with_old, with_sampling, normalizer, sequence_first):
+    to = (lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t)
+    return fn(config, to(x["target"]), to(x["row_max"]), to(x["lse"]), to(x["advantages"]), to(x["mask"]),
+              to(x["old"]) if with_old else None, to(x["reference"]) if config.beta > 0 else None,
+              to(x["sampling"]) if with_sampling else None, to(normalizer), to(x["labels"]), -100, sequence_first)
+
+
+def _compare(triton_grpo, config, x, **kw):
+    expected = _run(linear_grpo._whole_call_terms, config, x, **kw)
+    got = _run(triton_grpo.whole_call_terms, config, x, **kw)
+    names = metric_names(config, kw["with_sampling"])
+    assert got[2].shape == (len(names),)
+    for name, a, b in zip(names, got[2].cpu(), expected[2].cpu()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(got[0].cpu(), expected[0].cpu(), rtol=2e-6, atol=1e-8)
+    assert torch.equal(got[1], -got[0])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_kernel_matches_the_definition_for_every_option(triton_grpo, name):
+    config = GRPOConfig(**CONFIGS[name])
+    x = _inputs(1, 5, 11, sequence_first=False, per_token_adv=False, bool_mask=True)
+    with_sampling = config.is_correction != "none" or name == "dapo"
+    _compare(triton_grpo, config, x, with_old=True, with_sampling=with_sampling, normalizer=None,
+             sequence_first=False)
+
+
+@pytest.mark.parametrize("sequence_first", [False, True])
+@pytest.mark.parametrize("normalizer", [None, 7.0, 0.0])
+@pytest.mark.parametrize("name", ["dapo", "grpo_nonempty", "dr_grpo_k2"])
+def test_kernel_layouts_and_normalizers(triton_grpo, name, normalizer, sequence_first):
+    """[T, B] labels and statistics, per-token advantages, float masks, a given normalizer (a
+    number or a tensor; a zero one stands for 'no valid token' and divides by 1), on-policy (no old
+    log-probs)."""
+    config = GRPOConfig(**CONFIGS[name])
+    # more tokens than one tile (1024): the walk's second tile and its row offsets
+    x = _inputs(2, 37, 41, sequence_first=sequence_first, per_token_adv=True, bool_mask=False)
+    norm = None if normalizer is None else torch.tensor(normalizer) if sequence_first else normalizer
+    for with_old in (True, False):
+        _compare(triton_grpo, config, x, with_old=with_old, with_sampling=False, normalizer=norm,
+                 sequence_first=sequence_first)
+
+
+@pytest.mark.parametrize("batch,length", [(8, 256), (1, 2048), (64, 32), (2, 1500)])
+@pytest.mark.parametrize("name", ["dapo", "grpo", "sequence_mask_high"])
+def test_kernel_tile_shapes(triton_grpo, name, batch, length):
+    """Tiles of one long row, of many short ones, and rows longer than a tile but not a multiple
+    of it (each shape of tile is its own compilation on a GPU)."""
+    config = GRPOConfig(**CONFIGS[name])
+    x = _inputs(6, batch + 4, length, sequence_first=False, per_token_adv=False, bool_mask=True)
+    x = {k: (v[:batch] if v.dim() == 2 or k == "advantages" else v[:batch * length]) for k, v in x.items()}
+    with_old = name != "dapo"
+    _compare(triton_grpo, config, x, with_old=with_old, with_sampling=with_old, normalizer=None,
+             sequence_first=False)
+
+
+def test_no_valid_token(triton_grpo):
+    """Every token masked: loss and gradient 0, extremes 0, nothing divided by zero."""
+    config = GRPOConfig(**CONFIGS["sequence_truncate"])
+    x = _inputs(3, 4, 6, sequence_first=False, per_token_adv=False, bool_mask=True)
+    x["mask"] = torch.zeros_like(x["mask"])
+    _compare(triton_grpo, config, x, with_old=True, with_sampling=True, normalizer=None, sequence_first=False)
+
+
+@pytest.mark.parametrize("name", ["dapo_delta_dual", "grpo", "sequence_truncate", "dapo_k3_bias"])
+def test_linear_grpo_loss_takes_the_kernel(triton_grpo, name, monkeypatch):
+    """linear_grpo_loss with impl="triton" runs the kernel (counted) and gives the values and
+    gradients of impl="torch", whose epilogue is the torch definition."""
+    calls = []
+    kernel = triton_grpo.whole_call_terms
+
+    def counted(*args):
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(linear_grpo, "_whole_call_kernel", lambda: counted)
+    config = GRPOConfig(**CONFIGS[name])
+    g = torch.Generator().manual_seed(4)
+    batch, length, hidden, vocab = 3, 8, 16, 40
+    h = torch.randn(batch, length, hidden, generator=g, dtype=torch.float64).float()
+    w = torch.randn(vocab, hidden, generator=g) * 0.3
+    labels = torch.randint(0, vocab, (batch, length), generator=g)
+    labels[0, 3] = -100
+    mask = torch.rand(batch, length, generator=g) > 0.2
+    adv = torch.randn(batch, generator=g)
+    old = torch.randn(batch, length, generator=g) * 0.3 - 3.5
+    sampling = old + 0.1 * torch.randn(batch, length, generator=g)
+    reference = old + 0.2 * torch.randn(batch, length, generator=g)
+    results = []
+    for impl in ("torch", "triton"):
+        hh, ww = h.clone().to(DEVICE).requires_grad_(), w.clone().to(DEVICE).requires_grad_()
+        loss, metrics = linear_grpo_loss(
+            hh, ww, labels.to(DEVICE), adv.to(DEVICE), mask.to(DEVICE), config, impl=impl,
+            old_logprobs=old.to(DEVICE), sampling_logprobs=sampling.to(DEVICE),
+            reference_logprobs=reference.to(DEVICE) if config.beta > 0 else None)
+        loss.backward()
+        results.append((metrics, hh.grad, ww.grad))
+    assert calls, "the kernel did not run"
+    (m_torch, dx_torch, dw_torch), (m_triton, dx_triton, dw_triton) = results
+    assert m_torch.keys() == m_triton.keys()
+    for key in m_torch:
+        torch.testing.assert_close(m_triton[key], m_torch[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    torch.testing.assert_close(dx_triton, dx_torch, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw_triton, dw_torch, rtol=1e-5, atol=1e-6)
+
+
+def test_config_mutation_is_seen(triton_grpo):
+    """The options are the kernel's constants: a changed option gives another kernel, not the
+    first one's values."""
+    x = _inputs(5, 4, 5, sequence_first=False, per_token_adv=True, bool_mask=True)
+    config = GRPOConfig(epsilon_high=0.01)
+    kw = dict(with_old=True, with_sampling=False, normalizer=None, sequence_first=False)
+    first = _run(triton_grpo.whole_call_terms, config, x, **kw)[2]
+    _compare(triton_grpo, replace(config, epsilon_high=0.5), x, **kw)
+    second = _run(triton_grpo.whole_call_terms, replace(config, epsilon_high=0.5), x, **kw)[2]
+    assert not torch.equal(first, second)
+
+
+def test_a_kernel_that_fails_falls_back_to_the_definition(monkeypatch):
+    """A kernel that does not compile (a compiler bug of some Triton version) leaves the call to the
+    definition, with one warning, and is not tried again for that config."""
+    attempts = []
+
+    def broken():
+        def kernel(*args):
+            attempts.append(1)
+            raise RuntimeError("PassManager::run failed")
+        return kernel
+
+    monkeypatch.setattr(linear_grpo, "_whole_call_kernel", broken)
+    monkeypatch.setattr(linear_grpo, "_FAILED_CONFIGS", set())
+    config = GRPOConfig(epsilon_low=0.17)
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(2, 6, 8, generator=g).to(DEVICE)
+    w = torch.randn(20, 8, generator=g).to(DEVICE)
+    labels = torch.randint(0, 20, (2, 6), generator=g).to(DEVICE)
+    adv, mask = torch.randn(2, generator=g).to(DEVICE), torch.ones(2, 6).to(DEVICE)
+    results = []
+    with pytest.warns(RuntimeWarning, match="per-token kernel failed"):
+        for impl in ("triton", "triton", "torch"):
+            hh = h.clone().requires_grad_()
+            loss, _ = linear_grpo_loss(hh, w, labels, adv, mask, config, impl=impl)
+            loss.backward()
+            results.append((loss.detach(), hh.grad))
+    assert len(attempts) == 1
+    for loss, grad in results[:2]:
+        torch.testing.assert_close(loss, results[2][0])
+        torch.testing.assert_close(grad, results[2][1])
