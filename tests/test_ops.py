@@ -286,7 +286,9 @@ def test_second_backward_with_retained_graph(fn):
 
 
 class _WeightGradBuffers(torch.utils._python_dispatch.TorchDispatchMode):
-    """Dtypes of every tensor created with the weight's shape."""
+    """Dtypes of every tensor created with the weight's shape, casts of existing tensors aside (on
+    CPU an fp32-output product of bf16 inputs casts the weight: gemm.matmul_fp32; cuBLAS writes
+    fp32 from bf16 itself), so that what is seen is a buffer made to hold dW."""
 
     def __init__(self, shape):
         super().__init__()
@@ -294,6 +296,8 @@ class _WeightGradBuffers(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default:
+            return out
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape:
                 self.dtypes.append(t.dtype)

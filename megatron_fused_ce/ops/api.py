@@ -27,7 +27,7 @@ from . import agreement as agreement_memo, backends, deferred_errors, lean, redu
 from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, flag_argument, integer_argument,
                         is_int, tensor_fingerprint)
 from .forward_grad import ForwardGradLoss
-from .chunked import ChunkSpec, LinearLossGradInForward, autocast_off, softmax_statistics
+from .chunked import ChunkSpec, LinearLogprobDlogitsInForward, LinearLossGradInForward, autocast_off, softmax_statistics
 from .fast import FAST_CHUNKS, EarlyProduct
 from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
 
@@ -392,11 +392,16 @@ class TokenStats:
     labelled: Optional[Tensor] = None
     poison: Optional[Tensor] = None
     backend: Any = None  # the call's (backends.Backend): negative_logprob_total's kernel
+    # the differentiable log-probs themselves where the statistics node made them
+    # (chunked.LinearLogprobDlogitsInForward; target and lse are then plain values)
+    logprob_value: Optional[Tensor] = None
 
     def logprob(self) -> Tensor:
         """log p_y of the labelled rows (0 in rows of ignored labels, with a zero gradient):
         differentiable as target - lse, valued as (target - max) - log_sum_exp (exact where
         target - lse would round at lse's scale)."""
+        if self.logprob_value is not None:
+            return self.logprob_value
         return _labelled_logprob(self.target, self.lse, self.max, self.log_sum_exp, self.labelled)
 
     def negative_logprob(self) -> Tensor:
@@ -545,7 +550,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                      want_entropy, logits_dtype=None, memory_mode="fast", max_chunk_bytes=None,
                      extra_checks=None, must_agree=None, forward_grad: Optional[ForwardGradLoss] = None,
                      sampler=None,
-                     expected_upstream_grad=None, mask_check=None) -> TokenStats:
+                     expected_upstream_grad=None, mask_check=None, logprob_only: bool = False) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
@@ -564,7 +569,10 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `must_agree`: they decide the collectives made).
     `mask_check`: linear_logprobs' replay.MaskCheck (every rank passes one, with or without a
     mask: its sizes join the signature, its entries the agreement, or the device checks on a
-    remembered signature); a mask with entries switches to replay.py's statistics."""
+    remembered signature); a mask with entries switches to replay.py's statistics.
+    `logprob_only`: the caller differentiates `logprob()` alone (linear_logprobs without entropy):
+    a call of one fast chunk then makes its dlogits in the forward
+    (chunked.LinearLogprobDlogitsInForward)."""
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
     sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
@@ -703,6 +711,19 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
                               poison=_device_poison(device_checks, rank_check), backend=backend)
+        if (logprob_only and needs_grad and forward_grad is None and tiling is FAST_CHUNKS and not sequence_parallel
+                and not want_entropy and not want_sum_logits and logits_dtype is None
+                and hidden.dtype != torch.float16 and 0 < num_rows <= chunk_size
+                and not saved_tensors_hooks_active()):
+            # (fp16 keeps the recompute path: g·h rounded to fp16 loses what a small upstream
+            # gradient leaves of h; saved-tensor hooks: a checkpoint would run three GEMMs again)
+            logprob, target, lse, row_max, log_sum_exp = LinearLogprobDlogitsInForward.apply(
+                hidden2d, weight, local_target, labelled, spec)
+            _drop(first_product)
+            return TokenStats(target, lse, None, None, row_index, shape, num_rows, None, row_max, log_sum_exp,
+                              num_labelled=num_labelled, labelled=labelled,
+                              poison=_device_poison(device_checks, rank_check), backend=backend,
+                              logprob_value=logprob)
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         _drop(first_product)
@@ -936,7 +957,7 @@ def linear_logprobs(
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
         memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=False,
         want_entropy=return_entropy, extra_checks=problems,
-        sampler=active, mask_check=mask_check)
+        sampler=active, mask_check=mask_check, logprob_only=not return_entropy)
     logprobs = stats.logprob()
     if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
         logprobs = torch.where(stats.kept, logprobs, float("-inf"))

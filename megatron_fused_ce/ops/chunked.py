@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -64,7 +64,7 @@ from torch import Tensor
 from . import reductions
 from .backends import Backend, chunk_rows
 from .forward_grad import ForwardGradLoss
-from . import main_grad
+from . import fast, main_grad
 from .main_grad import MainGradSideEffect, main_grad_added
 from .fast import FAST_CHUNKS, last_of_several, row_chunks, weight_grad_cast_target
 
@@ -198,6 +198,42 @@ class LinearSoftmaxStats(torch.autograd.Function):
         coefs = coefficients(g_target, g_lse, g_sum, g_entropy, entropy, lse)
         grad_hidden, grad_weight = recompute_grads(hidden, weight, row_index, local_target, ctx.spec, tuple(offsets),
                                                    coefs, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return grad_hidden, grad_weight, None, None, None
+
+
+class LinearLogprobDlogitsInForward(torch.autograd.Function):
+    """(hidden [n, H], weight [V_local, H]) of a call of one fast chunk -> (log p_y of every row, 0
+    where `labelled` is False; differentiable), then plain values: target, lse, max, log_sum_exp.
+
+    The forward makes the statistics, then the dlogits of log p_y and their product with W
+    (fast.DlogitsMadeInForward: they do not depend on the upstream gradient); the backward scales
+    them by each row's upstream gradient and makes dW (4 GEMMs as with recompute, three of them in
+    the forward). For log-probs without entropy, no sequence parallelism, no sampler or sampling
+    mask (api.token_statistics decides: `dlogits_in_forward`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec):
+        merged = forward_stats(hidden, weight, local_target, spec)
+        logprob = reductions.log_prob(merged.target, merged.max, merged.log_sum_exp)
+        if labelled is not None:
+            logprob = torch.where(labelled, logprob, 0.0)
+        made = fast.DlogitsMadeInForward.make(hidden, weight, local_target, spec, merged, hidden.requires_grad)
+        ctx.spec = replace(spec, tiling=made, first_product=None)
+        ctx.labelled = labelled
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, local_target)
+        ctx.mark_non_differentiable(merged.target, merged.lse, merged.max, merged.log_sum_exp)
+        return logprob, merged.target, merged.lse, merged.max, merged.log_sum_exp
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g_logprob, *unused_plain_values):
+        hidden, weight, local_target = ctx.saved_tensors
+        if g_logprob is not None and ctx.labelled is not None:
+            g_logprob = torch.where(ctx.labelled, g_logprob, 0.0)
+        coefs = None if g_logprob is None else {"target": g_logprob}
+        grad_hidden, grad_weight = recompute_grads(hidden, weight, None, local_target, ctx.spec, (), coefs,
+                                                   ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_hidden, grad_weight, None, None, None
 
 

@@ -185,6 +185,45 @@ def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec, dx_o
 
 
 
+class DlogitsMadeInForward:
+    """The backward of a one-chunk log-prob call whose dlogits were made in the forward: the
+    tiling its backward's recompute_grads goes through (LinearLogprobDlogitsInForward).
+
+    d log p_y / d logits = one_hot(y) - softmax does not depend on the upstream gradient g, which
+    only scales each row: dX = g · (D W), dW = D^T (g · h). So the forward, its statistics known,
+    makes D (the dlogits GEMM's epilogue with unit coefficients) and D W (fp32), while the host
+    goes on to autograd's backward: at RL row counts the engine and the backward's bookkeeping took
+    as long on the host as a GEMM, the GPU idle. The backward is then one scale of D W, one of h and
+    the dW GEMM; rounding as row_scaled_grad_gemms' (dX rounded once from fp32, g·h once to the
+    input dtype). Held from forward to backward: D ([rows, V_local], the chunk of logits the
+    backward would allocate) and D W ([rows, H] fp32)."""
+
+    def __init__(self, dlogits: Tensor, product: Optional[Tensor]):
+        self.dlogits, self.product = dlogits, product
+
+    @staticmethod
+    def make(rows: Tensor, weight: Tensor, local_target: Tensor, spec, merged, needs_dx: bool) -> "DlogitsMadeInForward":
+        ones = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
+        coefs = {"p": -ones, "pz": None, "target": ones, "uniform": None}  # one_hot - softmax
+        dlogits = recomputed_dlogits(rows, weight, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
+        return DlogitsMadeInForward(dlogits, matmul_fp32(dlogits, weight) if needs_dx else None)
+
+    def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
+        return weight.dtype  # one chunk: one GEMM writes dW
+
+    def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
+                        coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
+                        accumulate: bool) -> Optional[Tensor]:
+        scale = coefs["target"].unsqueeze(1)  # g of each row (0 where unlabelled)
+        if dx_rows is not None:
+            torch.mul(self.product, scale, out=dx_rows)  # fp32 math, one rounding
+        if dw_out is not None:
+            scaled_h = torch.empty_like(rows)
+            torch.mul(rows, scale, out=scaled_h)
+            grad_gemms(self.dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate=accumulate)
+        return None
+
+
 def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int) -> Optional[torch.dtype]:
     """grad_gemms' `cast_dw_to` for chunk `index` ending at row `end`: set on the last chunk of
     several only (one chunk writes dW in the weight dtype by itself)."""

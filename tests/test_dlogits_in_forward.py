@@ -1,0 +1,168 @@
+"""Log-probs of one fast chunk: the dlogits and their product with W made in the forward.
+
+`linear_logprobs` without entropy, whose rows fit one chunk (an RL micro-batch), makes
+d log p / d logits = one_hot - softmax and D·W in the forward (chunked.LinearLogprobDlogitsInForward),
+the backward scaling them by each row's upstream gradient. Protected here:
+
+* which calls take it (one fast chunk, no entropy, no sequence parallelism, not fp16, gradients
+  wanted, no saved-tensor hooks) and which keep the recompute path;
+* values, dX and dW against float64 dense math at TP 1/2/4 over gloo, with ignored labels, padded
+  vocab, temperature and non-uniform upstream gradients (the tolerances of tests/test_ops.py);
+* Megatron's main_grad at loss scales 1 to 1e-5 (dW added in the backward, from the exact g);
+* a second backward through a retained graph, and a graph freed without backward (nothing written);
+* the Triton backend (its dlogits GEMM epilogue with unit coefficients) equal to the torch one.
+"""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import reference
+from dist import run_workers
+from megatron_fused_ce import linear_logprobs
+from op_cases import TOL, check_against_reference, local_inputs, make_case, world_group
+
+PATH = "LinearLogprobDlogitsInForwardBackward"
+
+
+def _nodes(tensor):
+    """Names of the autograd nodes behind `tensor`."""
+    seen, todo, names = set(), [tensor.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _worker(rank, world, case):
+    hidden, weight = local_inputs(rank, case)
+    group = world_group(world)
+    kwargs = dict(tp_group=group, vocab_size=case["vocab"], temperature=case["T"], chunk_size=case["chunk_size"],
+                  sequence_parallel=case["sp"], impl="torch")
+    out = linear_logprobs(hidden, weight, case["labels"], **kwargs)
+    took = PATH in _nodes(out.logprobs)
+    (out.logprobs * case["grad_lp"]).sum().backward()
+    with torch.no_grad():  # (the reference check compares an entropy too: the other path's)
+        entropy = linear_logprobs(hidden, weight, case["labels"], **kwargs, return_entropy=True).entropy
+    return out.logprobs.detach(), entropy, hidden.grad, weight.grad, took
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_chunk_matches_dense_reference(tp, dtype):
+    seed = zlib.crc32(repr(("dlogits_in_forward", tp, str(dtype))).encode()) % 10_000
+    case = make_case(seed, tp, dtype=dtype, chunk_size=None, ignored=0.3)
+    case["grad_ent"] = torch.zeros_like(case["grad_ent"])
+    results = run_workers(_worker, tp, case)
+    assert all(took for *_, took in results), "the call did not make its dlogits in the forward"
+    check_against_reference(case, [r[:4] for r in results], what_prefix="one-chunk ")
+
+
+def _takes_the_path(**kwargs) -> bool:
+    g = torch.Generator().manual_seed(3)
+    dtype = kwargs.pop("dtype", torch.float32)
+    h = torch.randn(12, 8, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(30, 8, generator=g).to(dtype).requires_grad_()
+    y = torch.randint(0, 30, (12,), generator=g)
+    return PATH in _nodes(linear_logprobs(h, w, y, **kwargs).logprobs)
+
+
+def test_which_calls_make_their_dlogits_in_the_forward():
+    assert _takes_the_path()
+    assert _takes_the_path(chunk_size=12)
+    assert _takes_the_path(dtype=torch.bfloat16)
+    assert not _takes_the_path(chunk_size=5)  # several chunks: D of every chunk would be the logits
+    assert not _takes_the_path(return_entropy=True)  # the entropy's gradient is not one per row
+    assert not _takes_the_path(dtype=torch.float16)
+    assert not _takes_the_path(memory_mode="lean")
+    assert not _takes_the_path(top_k=5)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not _takes_the_path()
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-2, 1e-5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_main_grad_gets_the_exact_weight_gradient(scale, dtype):
+    """dW goes into main_grad in the backward, from the exact upstream gradient (no difference of
+    large terms at a loss scale of 1e-5): as close to float64 as the same op without main_grad."""
+    g = torch.Generator().manual_seed(11)
+    h64 = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    w64 = torch.randn(70, 16, generator=g, dtype=torch.float64) * 0.5
+    y = torch.randint(0, 64, (40,), generator=g)
+    y[::6] = -100
+    upstream = torch.randn(40, generator=g, dtype=torch.float64) * scale
+    hr, wr = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+    lp = reference.dense_stats(hr, wr, y, vocab_size=64, temperature=1.0)[0]
+    (lp * upstream).sum().backward()
+    errors = {}
+    for main_grad in (False, True):
+        h, w = h64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()
+        if main_grad:  # (zero: an fp32 sum with O(1) entries would round a 1e-5 dW by itself)
+            w.main_grad = torch.zeros(70, 16)
+        out = linear_logprobs(h, w, y, vocab_size=64, accumulate_into_main_grad=main_grad)
+        assert PATH in _nodes(out.logprobs)
+        (out.logprobs * upstream.to(torch.float32)).sum().backward()
+        dw = w.main_grad if main_grad else w.grad.float()
+        errors[main_grad] = reference.rel_err(dw, wr.grad)
+        if main_grad:
+            assert w.grad is None
+    tol = 1e-6 if dtype == torch.float32 else 1.5 * errors[False]
+    assert errors[True] <= max(tol, 1e-6), errors
+
+
+def test_second_backward_and_freed_graph():
+    g = torch.Generator().manual_seed(12)
+    h = torch.randn(20, 8, generator=g, requires_grad=True)
+    w = torch.randn(30, 8, generator=g, requires_grad=True)
+    y = torch.randint(0, 30, (20,), generator=g)
+    upstream = torch.randn(20, generator=g)
+    out = linear_logprobs(h, w, y)
+    loss = (out.logprobs * upstream).sum()
+    loss.backward(retain_graph=True)
+    first = (h.grad.clone(), w.grad.clone())
+    loss.backward()  # the saved dlogits are read, not consumed
+    torch.testing.assert_close(h.grad, 2 * first[0])
+    torch.testing.assert_close(w.grad, 2 * first[1])
+    h.grad = w.grad = None
+    w.main_grad = torch.zeros(30, 8)
+    out = linear_logprobs(h, w, y, accumulate_into_main_grad=True)
+    del out  # a graph freed without backward: the forward wrote nothing
+    assert h.grad is None and w.grad is None and torch.equal(w.main_grad, torch.zeros(30, 8))
+    out = linear_logprobs(h, w, y, accumulate_into_main_grad=True)
+    (out.logprobs * upstream).sum().backward()
+    torch.testing.assert_close(w.main_grad, first[1])
+
+
+def test_triton_backend_matches_torch():
+    """The Triton backend's dlogits (its GEMM epilogue where H is a multiple of its BLOCK_K) and
+    D·W against the torch backend's, values and gradients."""
+    pytest.importorskip("triton")
+    from triton_interpret import kernel_modules
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        kernel_modules()
+    g = torch.Generator().manual_seed(13)
+    h = torch.randint(-2, 3, (24, 64), generator=g).to(torch.bfloat16)
+    w = (torch.randint(-2, 3, (64, 64), generator=g) * 0.25).to(torch.bfloat16)
+    y = torch.randint(0, 61, (24,), generator=g)
+    y[::5] = -100
+    upstream = torch.randn(24, generator=g)
+    results = []
+    for impl in ("torch", "triton"):
+        hh, ww = h.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
+        out = linear_logprobs(hh, ww, y.to(device), vocab_size=61, temperature=0.7, impl=impl)
+        assert PATH in _nodes(out.logprobs)
+        (out.logprobs * upstream.to(device)).sum().backward()
+        results.append((out.logprobs.detach().cpu(), hh.grad.float().cpu(), ww.grad.float().cpu()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=TOL[torch.bfloat16], atol=1e-3)
