@@ -4,8 +4,9 @@
 d log p / d logits = one_hot - softmax and D·W in the forward (chunked.LinearLogprobDlogitsInForward),
 the backward scaling them by each row's upstream gradient. Protected here:
 
-* which calls take it (one fast chunk, no entropy, no sequence parallelism, not fp16, gradients
-  wanted, no saved-tensor hooks) and which keep the recompute path;
+* which calls take it (one fast chunk of at most api.DLOGITS_IN_FORWARD_MAX_BYTES, no entropy, no
+  sequence parallelism, not fp16, gradients wanted, no saved-tensor hooks) and which keep the
+  recompute path;
 * values, dX and dW against float64 dense math at TP 1/2/4 over gloo, with ignored labels, padded
   vocab, temperature and non-uniform upstream gradients (the tolerances of tests/test_ops.py);
 * Megatron's main_grad at loss scales 1 to 1e-5 (dW added in the backward, from the exact g);
@@ -25,6 +26,7 @@ if not torch.cuda.is_available():
 import reference
 from dist import run_workers
 from megatron_fused_ce import linear_logprobs
+from megatron_fused_ce.ops import api
 from op_cases import TOL, check_against_reference, local_inputs, make_case, world_group
 
 PATH = "LinearLogprobDlogitsInForwardBackward"
@@ -87,6 +89,15 @@ def test_which_calls_make_their_dlogits_in_the_forward():
     assert not _takes_the_path(top_k=5)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert not _takes_the_path()
+
+
+def test_a_chunk_above_the_bound_keeps_the_recompute_path(monkeypatch):
+    """D and D·W are held from forward to backward: only for chunks of dlogits up to
+    api.DLOGITS_IN_FORWARD_MAX_BYTES (12 rows x 30 fp32 columns = 1440 bytes here)."""
+    monkeypatch.setattr(api, "DLOGITS_IN_FORWARD_MAX_BYTES", 1440)
+    assert _takes_the_path()
+    monkeypatch.setattr(api, "DLOGITS_IN_FORWARD_MAX_BYTES", 1439)
+    assert not _takes_the_path()
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e-2, 1e-5])

@@ -714,6 +714,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         if (logprob_only and needs_grad and forward_grad is None and tiling is FAST_CHUNKS and not sequence_parallel
                 and not want_entropy and not want_sum_logits and logits_dtype is None
                 and hidden.dtype != torch.float16 and 0 < num_rows <= chunk_size
+                and num_rows * v_local * weight.element_size() <= DLOGITS_IN_FORWARD_MAX_BYTES
                 and not saved_tensors_hooks_active()):
             # (fp16 keeps the recompute path: g·h rounded to fp16 loses what a small upstream
             # gradient leaves of h; saved-tensor hooks: a checkpoint would run three GEMMs again)
@@ -739,6 +740,15 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                       merged.max, merged.log_sum_exp, **sampler_outputs, num_labelled=num_labelled,
                       labelled=labelled, poison=_device_poison(device_checks, rank_check), backend=backend)
+
+
+# Log-probs make their dlogits in the forward (chunked.LinearLogprobDlogitsInForward) only where the
+# chunk of dlogits is at most this large. What it wins is host time (~0.3-0.5 ms a call on an H200
+# host, measured 2.31 -> 1.79x the floor at 2048x4096x19008); what it costs is memory (D and D·W
+# held to the backward: the op's peak went from 1.00 to 1.65x the chunk's bf16 logits) and, at
+# 8192x4096x19008, GPU time (1.33 -> 1.51x the floor replayed from CUDA graphs). Small micro-batches
+# are where the first matters and the second is a few tens of MB.
+DLOGITS_IN_FORWARD_MAX_BYTES = 128 * 1024 * 1024
 
 
 def _drop(first_product: Optional[EarlyProduct]) -> None:
