@@ -43,9 +43,11 @@ _KL_CODES = {"k1": 1, "k2": 2, "k3": 3}
 
 @triton.jit
 def _token_weights(mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr, samp_sb, samp_st,
-                   b, t, ok, HAS_OLD: tl.constexpr, HAS_SAMPLING: tl.constexpr):
-    """(m, excluded, old, sampling) of a tile: the mask as fp32 weights, 0 where the old or sampling
-    log-prob is -inf (nll.exclude_impossible_tokens); old / sampling 0 where not given."""
+                   b, b_ok, t, row_length, HAS_OLD: tl.constexpr, HAS_SAMPLING: tl.constexpr):
+    """(in range, m, excluded, old, sampling) of the tile of sequences b and positions t: the mask
+    as fp32 weights, 0 where the old or sampling log-prob is -inf (nll.exclude_impossible_tokens);
+    old / sampling 0 where not given; everything 0 outside the batch."""
+    ok = b_ok[:, None] & (t < row_length)[None, :]
     b64 = b.to(tl.int64)[:, None]
     t64 = t.to(tl.int64)[None, :]
     weights = tl.load(mask_ptr + b64 * mask_sb + t64 * mask_st, mask=ok, other=0).to(tl.float32)
@@ -59,7 +61,7 @@ def _token_weights(mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr
         sampling = tl.load(samp_ptr + b64 * samp_sb + t64 * samp_st, mask=ok, other=0).to(tl.float32)
         impossible = impossible | (sampling == float("-inf"))
     excluded = impossible & (weights != 0)
-    return tl.where(excluded, 0.0, weights), excluded, old, sampling
+    return ok, tl.where(excluded, 0.0, weights), excluded, old, sampling
 
 
 @triton.jit
@@ -104,10 +106,9 @@ def _whole_call_kernel(
         log_rho_tile = tl.zeros([BLOCK_B, BLOCK_T], tl.float32)
         for t0 in range(0, row_length, BLOCK_T):
             t = t0 + offs_t
-            ok = b_ok[:, None] & (t < row_length)[None, :]
-            weights, excluded, old, sampling = _token_weights(
-                mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr, samp_sb, samp_st, b, t, ok,
-                HAS_OLD, HAS_SAMPLING)
+            ok, weights, excluded, old, sampling = _token_weights(
+                mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr, samp_sb, samp_st, b, b_ok, t,
+                row_length, HAS_OLD, HAS_SAMPLING)
             weight_tile += weights
             excluded_tile += excluded.to(tl.float32)
             if CORRECTION == 2:  # masked_sum of the masked difference old - sampling
@@ -176,10 +177,9 @@ def _whole_call_kernel(
             sequence_log_rho = tl.load(scratch_ptr + num_rows + b, mask=b_ok, other=0.0)[:, None]
         for t0 in range(0, row_length, BLOCK_T):
             t = t0 + offs_t
-            ok = b_ok[:, None] & (t < row_length)[None, :]
-            weights, excluded, old, sampling = _token_weights(
-                mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr, samp_sb, samp_st, b, t, ok,
-                HAS_OLD, HAS_SAMPLING)
+            ok, weights, excluded, old, sampling = _token_weights(
+                mask_ptr, mask_sb, mask_st, old_ptr, old_sb, old_st, samp_ptr, samp_sb, samp_st, b, b_ok, t,
+                row_length, HAS_OLD, HAS_SAMPLING)
             b64 = b.to(tl.int64)[:, None]
             t64 = t.to(tl.int64)[None, :]
             if SEQUENCE_FIRST:  # labels and statistics are [T, B]
