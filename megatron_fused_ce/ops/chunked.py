@@ -209,7 +209,8 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     (fast.DlogitsMadeInForward: they do not depend on the upstream gradient); the backward scales
     them by each row's upstream gradient and makes dW (4 GEMMs as with recompute, three of them in
     the forward). For log-probs without entropy, no sequence parallelism, no sampler or sampling
-    mask (api.token_statistics decides: `dlogits_in_forward`)."""
+    mask, a chunk of dlogits of at most api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics
+    decides, from its `logprob_only`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec):
