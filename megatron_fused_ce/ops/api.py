@@ -745,9 +745,10 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
 # Log-probs make their dlogits in the forward (chunked.LinearLogprobDlogitsInForward) only where the
 # chunk of dlogits is at most this large. What it wins is host time (~0.3-0.5 ms a call on an H200
 # host, measured 2.31 -> 1.79x the floor at 2048x4096x19008); what it costs is memory (D and D·W
-# held to the backward: the op's peak went from 1.00 to 1.65x the chunk's bf16 logits) and, at
-# 8192x4096x19008, GPU time (1.33 -> 1.51x the floor replayed from CUDA graphs). Small micro-batches
-# are where the first matters and the second is a few tens of MB.
+# held to the backward: the op's peak went from 1.00 to 1.65x the chunk's bf16 logits, before D·W
+# was freed once dX is made) and, at 8192x4096x19008, GPU time (1.33 -> 1.51x the floor replayed
+# from CUDA graphs). Small micro-batches are where the first matters and the second is a few tens
+# of MB.
 DLOGITS_IN_FORWARD_MAX_BYTES = 128 * 1024 * 1024
 
 

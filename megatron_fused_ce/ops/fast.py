@@ -196,7 +196,7 @@ class DlogitsMadeInForward:
     as long on the host as a GEMM, the GPU idle. The backward is then one scale of D W, one of h and
     the dW GEMM; rounding as row_scaled_grad_gemms' (dX rounded once from fp32, g·h once to the
     input dtype). Held from forward to backward: D ([rows, V_local], the chunk of logits the
-    backward would allocate) and D W ([rows, H] fp32)."""
+    backward would allocate) and D W ([rows, H] fp32, freed once dX is made)."""
 
     def __init__(self, dlogits: Tensor, product: Optional[Tensor]):
         self.dlogits, self.product = dlogits, product
@@ -216,7 +216,10 @@ class DlogitsMadeInForward:
                         accumulate: bool) -> Optional[Tensor]:
         scale = coefs["target"].unsqueeze(1)  # g of each row (0 where unlabelled)
         if dx_rows is not None:
-            torch.mul(self.product, scale, out=dx_rows)  # fp32 math, one rounding
+            # made again by a second backward through a retained graph
+            product = self.product if self.product is not None else matmul_fp32(self.dlogits, weight)
+            torch.mul(product, scale, out=dx_rows)  # fp32 math, one rounding
+            self.product = product = None  # freed before g·h is made: one of the two [rows, H] alive
         if dw_out is not None:
             scaled_h = torch.empty_like(rows)
             torch.mul(rows, scale, out=scaled_h)
