@@ -33,16 +33,16 @@ PATH = "LinearLogprobDlogitsInForwardBackward"
 
 
 def _nodes(tensor):
-    """Names of the autograd nodes behind `tensor`."""
-    seen, todo, names = set(), [tensor.grad_fn], set()
+    """{name: node} of the autograd nodes behind `tensor`."""
+    seen, todo, nodes = set(), [tensor.grad_fn], {}
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        names.add(type(node).__name__)
+        nodes[type(node).__name__] = node
         todo.extend(next_node for next_node, _ in node.next_functions)
-    return names
+    return nodes
 
 
 def _worker(rank, world, case):
@@ -130,19 +130,6 @@ def test_main_grad_gets_the_exact_weight_gradient(scale, dtype):
     assert errors[True] <= max(tol, 1e-6), errors
 
 
-def _dlogits_node(tensor):
-    seen, todo = set(), [tensor.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        if type(node).__name__ == PATH:
-            return node
-        seen.add(node)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    raise AssertionError("no LinearLogprobDlogitsInForward node")
-
-
 def test_the_row_product_is_freed_once_dx_is_made():
     """D·W ([rows, H] fp32) is held from the forward to the first backward only: freed once dX is
     made, before g·h is allocated, so that one of the two is alive at a time (a second backward
@@ -152,7 +139,7 @@ def test_the_row_product_is_freed_once_dx_is_made():
     w = torch.randn(30, 8, generator=g, requires_grad=True)
     y = torch.randint(0, 30, (16,), generator=g)
     out = linear_logprobs(h, w, y)
-    made = _dlogits_node(out.logprobs).spec.tiling
+    made = _nodes(out.logprobs)[PATH].spec.tiling
     assert made.product is not None and made.product.shape == (16, 8) and made.product.dtype == torch.float32
     out.logprobs.sum().backward()
     assert made.product is None and made.dlogits is not None

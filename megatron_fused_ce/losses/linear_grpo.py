@@ -41,6 +41,7 @@ with its chunk.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Dict, Optional, Tuple
 
@@ -203,17 +204,14 @@ def _whole_call_terms(config: GRPOConfig, target, row_max, log_sum_exp, advantag
     return grad, negative_grad, _metrics(config, sums, maxima, total_weight, num_excluded, None, sampling is not None)
 
 
-_TRITON_GRPO = []  # [the kernel module] once looked up ([None] where Triton does not import)
-
-
+@functools.lru_cache(maxsize=None)
 def _kernel_module():
-    if not _TRITON_GRPO:
-        try:
-            from ..ops.backends import triton_grpo
-        except ImportError:
-            triton_grpo = None
-        _TRITON_GRPO.append(triton_grpo)
-    return _TRITON_GRPO[0]
+    """ops/backends/triton_grpo.py, or None where Triton does not import (looked up once)."""
+    try:
+        from ..ops.backends import triton_grpo
+    except ImportError:
+        return None
+    return triton_grpo
 
 
 def _whole_call_kernel():

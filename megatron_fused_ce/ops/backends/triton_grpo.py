@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...losses.grpo import applies_correction, metric_names  # the options' meaning and the metrics' order
 from .triton_common import f32 as _f32
 
 TILE_ELEMENTS = 1024  # tokens per tile of the walk
@@ -372,8 +373,6 @@ def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old
     """linear_grpo._whole_call_terms' (d loss / d lp, its negative, metric vector), in one launch.
     `normalizer`: None, a one-element tensor or a number (a kernel argument: no fill kernel, no
     new compilation when it changes)."""
-    from ...losses.grpo import applies_correction, metric_names  # (losses import the ops package)
-
     num_rows, row_length = mask.shape
     on_policy = old is None or config.force_on_policy_ratio
     has_sampling = sampling is not None
