@@ -10,8 +10,9 @@ the backward scaling them by each row's upstream gradient. Protected here:
 * values, dX and dW against float64 dense math at TP 1/2/4 over gloo, with ignored labels, padded
   vocab, temperature and non-uniform upstream gradients (the tolerances of tests/test_ops.py);
 * Megatron's main_grad at loss scales 1 to 1e-5 (dW added in the backward, from the exact g);
+* three GEMMs in forward + backward (the chunk of logits made once, turned into D in place);
 * a second backward through a retained graph, and a graph freed without backward (nothing written);
-* the Triton backend (its dlogits GEMM epilogue with unit coefficients) equal to the torch one.
+* the Triton backend (its dlogits kernel with unit coefficients) equal to the torch one.
 """
 
 import os
@@ -89,6 +90,32 @@ def test_which_calls_make_their_dlogits_in_the_forward():
     assert not _takes_the_path(top_k=5)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert not _takes_the_path()
+
+
+def test_three_gemms_make_values_and_gradients():
+    """The forward makes the chunk of logits once and turns it into D in place (a second logits
+    GEMM for D is the recompute path's cost): logits, D·W, then dW in the backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountGemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(12, 8, generator=g).requires_grad_()
+    w = torch.randn(30, 8, generator=g).requires_grad_()
+    y = torch.randint(0, 30, (12,), generator=g)
+    with CountGemms() as gemms:
+        out = linear_logprobs(h, w, y)
+        assert PATH in _nodes(out.logprobs)
+        (out.logprobs * torch.randn(12, generator=g)).sum().backward()
+    assert gemms.count == 3, gemms.count
 
 
 def test_a_chunk_above_the_bound_keeps_the_recompute_path(monkeypatch):
@@ -169,8 +196,8 @@ def test_second_backward_and_freed_graph():
 
 
 def test_triton_backend_matches_torch():
-    """The Triton backend's dlogits (its GEMM epilogue where H is a multiple of its BLOCK_K) and
-    D·W against the torch backend's, values and gradients."""
+    """The Triton backend's statistics and dlogits kernels (D made in place on the chunk of
+    logits) and D·W against the torch backend's, values and gradients."""
     pytest.importorskip("triton")
     from triton_interpret import kernel_modules
 

@@ -378,21 +378,39 @@ def test_gemm_shard_stats_reads_the_labels_themselves(small_tiles, monkeypatch, 
             assert torch.equal(getattr(got, field), getattr(ref, field)), field
 
 
+def _count_gemm_stats(triton_backend, calls: list):
+    """Make the Triton backend count its statistics-GEMM calls in `calls`; returns the backend to put back."""
+    original = triton_backend.BACKEND
+    fused = original.gemm_stats
+    triton_backend.BACKEND = dataclasses.replace(original, gemm_stats=dataclasses.replace(
+        fused, run=lambda *a, **k: calls.append(1) or fused.run(*a, **k)))
+    return original
+
+
 def _fused_forward_worker(rank, world, case):
     import torch.distributed as dist
 
+    from megatron_fused_ce.ops import fast
+    from megatron_fused_ce.ops.backends import triton_backend
+
     v_local = case["v_local"]
     group = dist.group.WORLD if world > 1 else None
-    out = []
-    for impl in ("triton", "torch"):
-        h = case["hidden"].clone().requires_grad_()
-        w = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
-        kw = dict(tp_group=group, vocab_size=case["vocab"], temperature=0.7, impl=impl, return_entropy=True)
-        with torch.no_grad():
-            plain = linear_logprobs(h, w, case["labels"], **kw)
-        res = linear_logprobs(h, w, case["labels"], **kw)
-        ((res.logprobs * case["grad_lp"]).sum() + (res.entropy * case["grad_ent"]).sum()).backward()
-        out.append((plain.logprobs, plain.entropy, res.logprobs.detach(), h.grad, w.grad))
+    out, calls = [], []
+    bound, original = fast.FUSED_STATS_MIN_BYTES, _count_gemm_stats(triton_backend, calls)
+    fast.FUSED_STATS_MIN_BYTES = 0  # the fused GEMM at these small shapes too
+    try:
+        for impl in ("triton", "torch"):
+            h = case["hidden"].clone().requires_grad_()
+            w = case["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+            kw = dict(tp_group=group, vocab_size=case["vocab"], temperature=0.7, impl=impl, return_entropy=True)
+            with torch.no_grad():
+                plain = linear_logprobs(h, w, case["labels"], **kw)
+            res = linear_logprobs(h, w, case["labels"], **kw)
+            ((res.logprobs * case["grad_lp"]).sum() + (res.entropy * case["grad_ent"]).sum()).backward()
+            out.append((plain.logprobs, plain.entropy, res.logprobs.detach(), h.grad, w.grad))
+    finally:
+        fast.FUSED_STATS_MIN_BYTES, triton_backend.BACKEND = bound, original
+    assert len(calls) == 2, f"the fused statistics GEMM ran {len(calls)} times, not once per forward"
     return out
 
 
@@ -407,6 +425,35 @@ def test_fused_forward_end_to_end(small_tiles, tp):
         for name, a, b in zip(("no_grad logprobs", "no_grad entropy", "logprobs", "dX", "dW"), got, ref):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
             assert err <= (2e-5 if "no_grad" in name or name == "logprobs" else 4e-3), f"{name}: {err:.2e}"
+
+
+def test_small_forward_statistics_come_from_cublas_and_the_stats_kernel(tb, small_tiles, monkeypatch):
+    """Forward statistics of rows whose logits are at most fast.FUSED_STATS_MIN_BYTES come from the
+    logits GEMM and the stats kernel (at RL micro-batches the fused GEMM was slower and cost the
+    host a launch ahead of the GPU's work), larger ones from the fused GEMM; the same values."""
+    from megatron_fused_ce.ops import fast
+
+    original = tb.BACKEND
+    monkeypatch.setattr(tb, "BACKEND", original)  # put back after the test
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(24, 64, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(96, 64, generator=g) * 0.5).bfloat16().to(DEVICE)
+    y = torch.randint(0, 96, (24,), generator=g).to(DEVICE)
+    logits_bytes = 24 * 96 * 2
+    results = []
+    for bound, fused_calls in ((logits_bytes, 0), (logits_bytes - 1, 1)):
+        monkeypatch.setattr(fast, "FUSED_STATS_MIN_BYTES", bound)
+        calls = []
+        tb.BACKEND = original
+        _count_gemm_stats(tb, calls)
+        with torch.no_grad():
+            results.append(linear_logprobs(h, w, y, impl="triton", return_entropy=True))
+        assert len(calls) == fused_calls, (bound, len(calls))
+    with torch.no_grad():
+        ref = linear_logprobs(h.cpu(), w.cpu(), y.cpu(), impl="torch", return_entropy=True)
+    for out in results:
+        torch.testing.assert_close(out.logprobs.cpu(), ref.logprobs, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(out.entropy.cpu(), ref.entropy, rtol=2e-5, atol=2e-5)
 
 
 def test_dlogits_row_padding_holds_zeros(small_tiles, monkeypatch):
@@ -754,20 +801,23 @@ def test_backend_parts_swapped_at_run_time_are_what_select_hands_out():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor descriptors' scratch allocator is CUDA's")
-def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call():
+def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call(monkeypatch):
     """Triton keeps its scratch allocator (device-side tensor descriptors) in a context variable:
     the fused GEMMs also run in autograd's backward thread (recompute backward) and in other
     threads (activation recomputation, data-loader-side reference passes)."""
     import threading
 
+    from megatron_fused_ce.ops import fast
     from megatron_fused_ce.ops.backends import triton_backend
 
+    monkeypatch.setattr(fast, "FUSED_STATS_MIN_BYTES", 0)  # the fused statistics GEMM at this small shape
     g = torch.Generator(device="cuda").manual_seed(4)
     h = torch.randn(256, 128, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(1000, 128, device="cuda", generator=g) / 8).bfloat16().requires_grad_()
     y = torch.randint(0, 1000, (256,), device="cuda", generator=g)
-    calls = []
+    calls, stats_calls = [], []
     original = _count_gemm_dlogits(triton_backend, calls)
+    _count_gemm_stats(triton_backend, stats_calls)
     try:
         with torch.no_grad():
             first = linear_logprobs(h, w, y).logprobs  # main thread: the stats GEMM
@@ -775,11 +825,12 @@ def test_fused_gemms_run_in_threads_that_did_not_make_the_first_call():
         thread = threading.Thread(target=lambda: results.append(torch.no_grad()(linear_logprobs)(h, w, y).logprobs))
         thread.start()
         thread.join()
-        linear_logprobs(h, w, y).logprobs.sum().backward()  # dlogits GEMM in the backward thread
+        # two chunks: the recompute path, its dlogits GEMM in the backward thread
+        linear_logprobs(h, w, y, chunk_size=128).logprobs.sum().backward()
     finally:
         triton_backend.BACKEND = original
     assert results and torch.equal(results[0], first)
-    assert calls and h.grad is not None and torch.isfinite(w.grad.float()).all()
+    assert len(stats_calls) >= 2 and calls and h.grad is not None and torch.isfinite(w.grad.float()).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

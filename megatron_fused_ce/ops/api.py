@@ -642,6 +642,14 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # how the rows and the vocab are walked: lean tiles, the sampler's chunks, or fast chunks
     tiling = (lean_tiles if lean_tiles is not None
               else sampling.SamplerChunks(sampling_spec) if sampling_spec is not None else FAST_CHUNKS)
+    # (fp16 keeps the recompute path: g·h rounded to fp16 loses what a small upstream gradient
+    # leaves of h; saved-tensor hooks: a checkpoint would run the forward's GEMMs again)
+    dlogits_in_forward = (
+        logprob_only and needs_grad and not grad_in_forward and forward_grad is None and tiling is FAST_CHUNKS
+        and not sequence_parallel and not want_entropy and not want_sum_logits
+        and logits_dtype is None and hidden.dtype != torch.float16 and 0 < num_rows <= chunk_size
+        and num_rows * v_local * weight.element_size() <= DLOGITS_IN_FORWARD_MAX_BYTES
+        and not saved_tensors_hooks_active())
     first_product = (EarlyProduct() if tiling is FAST_CHUNKS and not sequence_parallel and not mask_entries
                      and num_rows > 0 else None)
     spec = ChunkSpec(
@@ -661,7 +669,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     if first_product is not None:  # the first GEMM now, the bookkeeping below while it runs
         # (as the chunk loop would: outside autograd's graph and autocast)
         with torch.no_grad(), autocast_off(hidden.device):
-            first_product.launch(hidden2d, weight, flat_labels, spec, statistics=not grad_in_forward,
+            first_product.launch(hidden2d, weight, flat_labels, spec,
+                                 statistics=not (grad_in_forward or dlogits_in_forward),
                                  label_offset=vocab_start, ignore_index=ignore_index)
     # Every row goes through the chunk loop, an ignored one without a target and with a zero
     # gradient: no count sizes anything (nothing to read back, static shapes for CUDA graphs), and
@@ -711,13 +720,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
                               poison=_device_poison(device_checks, rank_check), backend=backend)
-        if (logprob_only and needs_grad and forward_grad is None and tiling is FAST_CHUNKS and not sequence_parallel
-                and not want_entropy and not want_sum_logits and logits_dtype is None
-                and hidden.dtype != torch.float16 and 0 < num_rows <= chunk_size
-                and num_rows * v_local * weight.element_size() <= DLOGITS_IN_FORWARD_MAX_BYTES
-                and not saved_tensors_hooks_active()):
-            # (fp16 keeps the recompute path: g·h rounded to fp16 loses what a small upstream
-            # gradient leaves of h; saved-tensor hooks: a checkpoint would run three GEMMs again)
+        if dlogits_in_forward:
             logprob, target, lse, row_max, log_sum_exp = LinearLogprobDlogitsInForward.apply(
                 hidden2d, weight, local_target, labelled, spec)
             _drop(first_product)
@@ -743,13 +746,15 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
 
 
 # Log-probs make their dlogits in the forward (chunked.LinearLogprobDlogitsInForward) only where the
-# chunk of dlogits is at most this large. What it wins is host time (~0.3-0.5 ms a call on an H200
-# host, measured 2.31 -> 1.79x the floor at 2048x4096x19008); what it costs is memory (D and D·W
-# held to the backward: the op's peak went from 1.00 to 1.65x the chunk's bf16 logits, before D·W
-# was freed once dX is made) and, at 8192x4096x19008, GPU time (1.33 -> 1.51x the floor replayed
-# from CUDA graphs). Small micro-batches are where the first matters and the second is a few tens
-# of MB.
-DLOGITS_IN_FORWARD_MAX_BYTES = 128 * 1024 * 1024
+# chunk of dlogits is at most this large. What it wins is a GEMM (three instead of the recompute
+# path's four) and host time: on one H200, 2048x4096x19008 went 1.66 -> 1.28-1.36x the floor and
+# 8192x4096x19008 1.49 -> 1.13-1.14x (1.45 -> 1.06-1.09x replayed from CUDA graphs). What it costs is
+# memory: D (the chunk, which the recompute path's backward allocates too) is held from the forward
+# to the backward with D·W ([rows, H] fp32, freed once dX is made): a peak of 1.43x the chunk's bf16
+# logits at H = 4096, V = 19008 where recompute's is 1.00x. Megatron runs a micro-batch's backward
+# right after its forward on the stage with the output layer, so what is held is one micro-batch's.
+# Larger calls (16k rows, 128k-wide shards) keep the recompute path's bounded chunks.
+DLOGITS_IN_FORWARD_MAX_BYTES = 512 * 1024 * 1024
 
 
 def _drop(first_product: Optional[EarlyProduct]) -> None:
@@ -893,8 +898,9 @@ def linear_logprobs(
     row of the whole vocab, at least 32 MiB: about 2.4 % of the logits of 8192 tokens, whatever the
     number of tokens or TP ranks; `chunk_size` is not used) with both gradients still
     accumulated in fp32, at the cost of more GEMMs (5 instead of 4 here, 4 instead of 3 for
-    linear_cross_entropy). Forward-only calls (no_grad) need no chunk in either mode on CUDA: the
-    statistics are taken inside the logits GEMM (bf16/fp16).
+    linear_cross_entropy). Forward-only calls (no_grad) of more than 256 MiB of logits need no
+    chunk in either mode on CUDA: the statistics are taken inside the logits GEMM (bf16/fp16);
+    smaller ones hold their one chunk (cuBLAS's GEMM was faster there, fast.FUSED_STATS_MIN_BYTES).
 
     Sampler fidelity (vLLM V1's sampler; sampling.py cites the functions). With z = logits / T over
     the unpadded vocab, per token row:

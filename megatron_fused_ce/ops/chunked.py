@@ -205,20 +205,22 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     """(hidden [n, H], weight [V_local, H]) of a call of one fast chunk -> (log p_y of every row, 0
     where `labelled` is False; differentiable), then plain values: target, lse, max, log_sum_exp.
 
-    The forward makes the statistics, then the dlogits of log p_y and their product with W
+    The forward makes the chunk of logits (one GEMM) and its statistics, merged over TP ranks,
+    then turns that chunk into the dlogits of log p_y and multiplies them by W
     (fast.DlogitsMadeInForward: they do not depend on the upstream gradient); the backward scales
-    them by each row's upstream gradient and makes dW (4 GEMMs as with recompute, three of them in
-    the forward). For log-probs without entropy, no sequence parallelism, no sampler or sampling
+    them by each row's upstream gradient and makes dW: three GEMMs, as cross-entropy's, where the
+    recompute path makes four (the logits again in the backward). For log-probs without entropy, no sequence parallelism, no sampler or sampling
     mask, a chunk of dlogits of at most api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics
     decides, from its `logprob_only`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec):
-        merged = forward_stats(hidden, weight, local_target, spec)
+        logits, partials = fast.chunk_forward(hidden, weight, local_target, spec, want_stats=True)
+        merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.rank_check)
         logprob = reductions.log_prob(merged.target, merged.max, merged.log_sum_exp)
         if labelled is not None:
             logprob = torch.where(labelled, logprob, 0.0)
-        made = fast.DlogitsMadeInForward.make(hidden, weight, local_target, spec, merged, hidden.requires_grad)
+        made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad)
         ctx.spec = replace(spec, tiling=made, first_product=None)
         ctx.labelled = labelled
         ctx.set_materialize_grads(False)

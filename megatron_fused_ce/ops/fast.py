@@ -87,7 +87,7 @@ class EarlyProduct:
         """`statistics`: the chunk loop's first step takes this shard's statistics of `rows` (the
         recompute path and forward-only calls), else a chunk of logits (gradients in the forward)."""
         backend = spec.backend
-        if statistics and backend.stats_in_gemm(rows, weight):
+        if statistics and fused_statistics(backend, rows, weight):
             self.kind, self.value = self.STATISTICS, backend.gemm_stats.run(
                 rows, weight, labels, spec.num_valid_cols, spec.inv_temperature,
                 want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
@@ -191,21 +191,23 @@ class DlogitsMadeInForward:
 
     d log p_y / d logits = one_hot(y) - softmax does not depend on the upstream gradient g, which
     only scales each row: dX = g · (D W), dW = D^T (g · h). So the forward, its statistics known,
-    makes D (the dlogits GEMM's epilogue with unit coefficients) and D W (fp32), while the host
-    goes on to autograd's backward: at RL row counts the engine and the backward's bookkeeping took
-    as long on the host as a GEMM, the GPU idle. The backward is then one scale of D W, one of h and
-    the dW GEMM; rounding as row_scaled_grad_gemms' (dX rounded once from fp32, g·h once to the
-    input dtype). Held from forward to backward: D ([rows, V_local], the chunk of logits the
-    backward would allocate) and D W ([rows, H] fp32, freed once dX is made)."""
+    turns its chunk of logits into D in place (the dlogits kernel with unit coefficients) and makes
+    D W (fp32), while the host goes on to autograd's backward: at RL row counts the engine and the
+    backward's bookkeeping took as long on the host as a GEMM, the GPU idle. The backward is then
+    one scale of D W, one of h and the dW GEMM; rounding as row_scaled_grad_gemms' (dX rounded
+    once from fp32, g·h once to the input dtype). Held from forward to backward: D ([rows,
+    V_local], the chunk of logits the backward would allocate) and D W ([rows, H] fp32, freed once
+    dX is made)."""
 
     def __init__(self, dlogits: Tensor, product: Optional[Tensor]):
         self.dlogits, self.product = dlogits, product
 
     @staticmethod
-    def make(rows: Tensor, weight: Tensor, local_target: Tensor, spec, merged, needs_dx: bool) -> "DlogitsMadeInForward":
-        ones = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
+    def make(logits: Tensor, weight: Tensor, local_target: Tensor, spec, merged, needs_dx: bool) -> "DlogitsMadeInForward":
+        """From the chunk of logits (in the input dtype), overwritten."""
+        ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
         coefs = {"p": -ones, "pz": None, "target": ones, "uniform": None}  # one_hot - softmax
-        dlogits = recomputed_dlogits(rows, weight, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
+        dlogits = chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         return DlogitsMadeInForward(dlogits, matmul_fp32(dlogits, weight) if needs_dx else None)
 
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
@@ -316,6 +318,24 @@ def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: T
     return forward_grad.one_hot_scale(num_labelled)
 
 
+# Statistics of rows whose logits are at most this large come from cuBLAS's logits GEMM and the
+# backend's stats kernel (one chunk of logits held), above it from the fused statistics GEMM (no
+# logits in memory). Forward-only log-probs from an idle GPU, one H200, fused -> cuBLAS: 2048x4096x
+# 19008 1.48-1.59 -> 1.31-1.50x the GEMM floor, 4096x4096x19008 1.31-1.35 -> 1.24-1.27x, 4096x4096x
+# 32064 1.26 -> 1.19x, 2048x2048x64128 1.46 -> 1.32x: at these sizes the fused GEMM ran ~10 % slower
+# than cuBLAS's (451 against 409 us at 2048x4096x19008) and its launch (descriptors, partials, the
+# merge kernel) cost the host more. cuBLAS stayed ahead on larger shapes too (8192x4096x128256: 1.12
+# -> 1.06x) but with the whole logits in memory (2 GiB there), and in chunks of 128 MiB it was not
+# (1.16x): above this bound the fused GEMM keeps forward-only passes free of logits.
+FUSED_STATS_MIN_BYTES = 256 * 1024 * 1024
+
+
+def fused_statistics(backend, rows: Tensor, weight: Tensor) -> bool:
+    """Whether this shard's statistics of `rows` come from the backend's fused statistics GEMM."""
+    return (rows.shape[0] * weight.shape[0] * weight.element_size() > FUSED_STATS_MIN_BYTES
+            and backend.stats_in_gemm(rows, weight))
+
+
 def map_chunk_logits(hidden_rows: Tensor, weight: Tensor, spec, visit) -> list:
     """Chunk loop of the forward pass: `visit(start, end, logits)` for each chunk of rows, its
     results in order. One chunk of logits alive at a time."""
@@ -344,7 +364,7 @@ def shard_partials(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, sp
     """This shard's statistics of the rows before the TP merge: from the logits GEMM's epilogue
     where the backend has it (no logits in memory at all), else from the tiling's walk."""
     backend = spec.backend
-    if backend.stats_in_gemm(hidden_rows, weight):
+    if fused_statistics(backend, hidden_rows, weight):
         if spec.first_product is not None:
             stats = spec.first_product.take(hidden_rows, EarlyProduct.STATISTICS)
             if stats is not None:

@@ -14,7 +14,8 @@ BLOCK_N = 256 (rows are processed in slices so that this stays bounded whatever 
 Why: the forward pass of reference / old-policy log-probs (no_grad) and of the recompute path
 needs only these O(tokens) statistics. The chunked path writes each chunk of logits (2 B/element)
 and reads it again in the stats kernel (2 B/element), and holds the chunk (50 % of the dense
-logits at 8192 x 128256). Measured against cuBLAS GEMM + stats kernel: docs/design.md §10.3.
+logits at 8192 x 128256). Measured against cuBLAS GEMM + stats kernel: docs/design.md §10.3;
+below fast.FUSED_STATS_MIN_BYTES of logits the op takes those instead (faster at RL micro-batches).
 
 Hopper and newer use tensor descriptors (TMA) in a persistent grid that overlaps a tile's epilogue
 with the next tile's loads; older GPUs use a pointer-based grouped GEMM. Needs bf16/fp16 inputs
