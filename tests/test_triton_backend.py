@@ -718,58 +718,6 @@ def test_scale_matches_torch_math(tb, dtype, numel):
                 assert torch.equal(t.cpu(), want) and torch.equal(o.cpu(), other * s)
 
 
-@pytest.mark.parametrize("n", [1, 7, 2500])
-def test_labelled_logprobs_match_torch(tb, n):
-    """Forward-only log-probs' last step in one launch: (z_y - max) - log S, 0 at unlabelled rows,
-    plus the poison (NaN everywhere when it is NaN), bit for bit as the torch backend's ops give it
-    (the same fp32 operations in the same order); against float64 too."""
-    g = torch.Generator().manual_seed(n + 1)
-    target, row_max = torch.randn(n, generator=g) * 4, torch.randn(n, generator=g) * 4 + 6
-    log_sum_exp = torch.rand(n, generator=g) * 3
-    labelled = torch.rand(n, generator=g) > 0.3
-    want64 = torch.where(labelled, (target.double() - row_max.double()) - log_sum_exp.double(), 0.0)
-    for poison in (None, torch.zeros(1), torch.full((1,), float("nan"))):
-        for mask in (labelled, None):
-            want = torch_backend.labelled_logprobs(target, row_max, log_sum_exp, mask, poison)
-            inputs = [t.to(DEVICE) for t in (target, row_max, log_sum_exp)]
-            out = torch.empty(n, device=DEVICE)
-            tb._labelled_logprobs_kernel[(-(-n // 1024),)](
-                *inputs, inputs[0] if mask is None else mask.to(DEVICE).view(torch.uint8),
-                inputs[0] if poison is None else poison.to(DEVICE), out, n,
-                HAS_LABELLED=mask is not None, HAS_POISON=poison is not None, BLOCK=1024)
-            got = [out.cpu()]
-            if DEVICE.type == "cuda":  # the launcher
-                got.append(tb.labelled_logprobs(*inputs, None if mask is None else mask.to(DEVICE),
-                                                None if poison is None else poison.to(DEVICE)).cpu())
-            for value in got:
-                assert torch.equal(value.isnan(), want.isnan())
-                assert torch.equal(torch.nan_to_num(value), torch.nan_to_num(want))
-            if mask is not None and (poison is None or not poison.isnan().any()):
-                torch.testing.assert_close(want.double(), want64, rtol=1e-6, atol=1e-5)
-            if poison is not None and poison.isnan().any():
-                assert want.isnan().all()
-
-
-def test_forward_only_log_probs_end_in_one_backend_call(monkeypatch):
-    """A forward-only call's log-probs come from the backend's labelled_logprobs (the whole last
-    step), a differentiable call's do not; the values are the same either way."""
-    calls = []
-    original = torch_backend.BACKEND
-    monkeypatch.setattr(torch_backend, "BACKEND", dataclasses.replace(
-        original, labelled_logprobs=lambda *a: calls.append(1) or original.labelled_logprobs(*a)))
-    g = torch.Generator().manual_seed(2)
-    h = torch.randn(3, 5, 16, generator=g).requires_grad_()
-    w = torch.randn(40, 16, generator=g)
-    y = torch.randint(0, 40, (3, 5), generator=g)
-    y[0, :2] = -100
-    with torch.no_grad():
-        plain = linear_logprobs(h, w, y, impl="torch", temperature=0.8).logprobs
-    assert len(calls) == 1 and plain.shape == (3, 5) and torch.equal(plain[0, :2], torch.zeros(2))
-    grad = linear_logprobs(h, w, y, impl="torch", temperature=0.8).logprobs
-    assert len(calls) == 1 and grad.requires_grad
-    torch.testing.assert_close(plain, grad.detach(), rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("n", [1, 2048, 3 * 2048 + 5])
 def test_labelled_loss_sum_matches_torch(tb, n):
     """Cross-entropy's loss value in one launch: Σ over labelled rows of (max - z_y) + log S, times

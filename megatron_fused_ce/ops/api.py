@@ -404,18 +404,6 @@ class TokenStats:
             return self.logprob_value
         return _labelled_logprob(self.target, self.lse, self.max, self.log_sum_exp, self.labelled)
 
-    def full_logprob(self) -> Tensor:
-        """to_full(logprob(), masked=True): log p_y at every position of the labels, 0 at ignored
-        ones, NaN everywhere if the device checks found bad contents; where nothing differentiates
-        it (a forward-only pass) in one backend call (its subtractions, mask and poison were a
-        launch each, host time after the GEMM at RL sizes)."""
-        if (self.logprob_value is None and self.row_index is None and self.backend is not None
-                and self.max is not None
-                and not (torch.is_grad_enabled() and (self.target.requires_grad or self.lse.requires_grad))):
-            value = self.backend.labelled_logprobs(self.target, self.max, self.log_sum_exp, self.labelled, self.poison)
-            return value if value.shape == self.out_shape else value.reshape(self.out_shape)
-        return self.to_full(self.logprob(), masked=True)
-
     def negative_logprob(self) -> Tensor:
         """-logprob(): the cross-entropy of each labelled row, (max - target) + log_sum_exp."""
         return _labelled_logprob(self.target, self.lse, self.max, self.log_sum_exp, self.labelled, True)
@@ -987,10 +975,10 @@ def linear_logprobs(
         memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=False,
         want_entropy=return_entropy, extra_checks=problems,
         sampler=active, mask_check=mask_check, logprob_only=not return_entropy)
-    if stats.kept is None:
-        logprobs = stats.full_logprob()
-    else:  # a label outside the kept set: -inf, and no gradient
-        logprobs = stats.to_full(torch.where(stats.kept, stats.logprob(), float("-inf")), masked=stats.kept_at_ignored)
+    logprobs = stats.logprob()
+    if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
+        logprobs = torch.where(stats.kept, logprobs, float("-inf"))
+    logprobs = stats.to_full(logprobs, masked=stats.kept is None or stats.kept_at_ignored)
     entropy = stats.to_full(stats.entropy) if return_entropy else None
     if stats.topk_ids is None:
         return LogprobsOutput(logprobs, entropy)

@@ -6,7 +6,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 
 | capability | what it replaces | who has it |
 |---|---|---|
-| `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, `labelled_logprobs`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
+| `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
 | `kept_stats`, `kept_grads`, `entry_stats`, `entry_dlogits`: sampling-mask replay's kept entries (gathered W rows, their dots, statistics, dlogits, dX, dW) (required) | - | torch (replay_torch.py), Triton (replay_triton.py) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
@@ -120,8 +120,6 @@ class Backend:
     label_targets: Callable
     # cross-entropy's loss value from the merged statistics (a sum over the labelled rows)
     labelled_loss_sum: Callable
-    # log-probs' values from the merged statistics (0 at unlabelled rows, poisoned)
-    labelled_logprobs: Callable
     # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)
     tile_scratch_bytes: int = 0
     # capabilities (None: not available)

@@ -237,23 +237,12 @@ def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labe
     return total if poison is None else total + poison[0]
 
 
-def labelled_logprobs(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
-                      poison: Optional[Tensor]) -> Tensor:
-    """Each row's log p_y = (z_y - max) - log S (fp32), 0 where `labelled` is False, plus `poison`
-    ([1]: NaN where the device checks found bad contents, else 0): a log-prob value that nothing
-    differentiates (forward-only passes), from the merged statistics."""
-    value = (target - row_max) - log_sum_exp  # (reductions.log_prob's order of operations)
-    if labelled is not None:
-        value = torch.where(labelled, value, 0.0)
-    return value if poison is None else value + poison
-
-
 BACKEND = Backend(
     name="torch", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
     exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
     kept_dlogits_=sampling_torch.kept_dlogits_,
     kept_stats=replay_torch.kept_stats, kept_grads=replay_torch.kept_grads, label_targets=label_targets,
     entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
-    labelled_loss_sum=labelled_loss_sum, labelled_logprobs=labelled_logprobs,
+    labelled_loss_sum=labelled_loss_sum,
     tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
 )

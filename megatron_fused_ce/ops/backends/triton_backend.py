@@ -510,38 +510,6 @@ def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labe
     return out
 
 
-@triton.jit
-def _labelled_logprobs_kernel(target_ptr, max_ptr, log_sum_exp_ptr, labelled_ptr, poison_ptr, out_ptr, n,
-                              HAS_LABELLED: tl.constexpr, HAS_POISON: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = rows < n
-    # (z_y - M) - log S in torch_backend's order: the same fp32 roundings, bit for bit
-    value = ((tl.load(target_ptr + rows, mask=in_range, other=0.0) - tl.load(max_ptr + rows, mask=in_range, other=0.0))
-             - tl.load(log_sum_exp_ptr + rows, mask=in_range, other=0.0))
-    if HAS_LABELLED:
-        value = tl.where(tl.load(labelled_ptr + rows, mask=in_range, other=0) != 0, value, 0.0)
-    if HAS_POISON:
-        value = value + tl.load(poison_ptr)
-    tl.store(out_ptr + rows, value, mask=in_range)
-
-
-def labelled_logprobs(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
-                      poison: Optional[Tensor]) -> Tensor:
-    """torch_backend.labelled_logprobs in one launch (the value's two subtractions, the mask and
-    the poison each cost a launch of host time after a forward-only pass's GEMM)."""
-    if not target.is_cuda:
-        return torch_backend.labelled_logprobs(target, row_max, log_sum_exp, labelled, poison)
-    n = target.numel()
-    out = torch.empty(n, dtype=torch.float32, device=target.device)
-    args = [_f32(t) for t in (target, row_max, log_sum_exp)]
-    block = 1024
-    _labelled_logprobs_kernel[(triton.cdiv(n, block),)](
-        *args, args[0] if labelled is None else labelled.contiguous().view(torch.uint8),
-        args[0] if poison is None else _f32(poison), out, n,
-        HAS_LABELLED=labelled is not None, HAS_POISON=poison is not None, BLOCK=block, num_warps=4)
-    return out
-
-
 from . import replay_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
 
 BACKEND = Backend(
@@ -550,7 +518,7 @@ BACKEND = Backend(
     kept_dlogits_=sampling_triton.kept_dlogits_,
     kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,
     entry_stats=replay_triton.entry_stats, entry_dlogits=replay_triton.entry_dlogits,
-    kept_layout=replay_triton.kept_layout, labelled_loss_sum=labelled_loss_sum, labelled_logprobs=labelled_logprobs,
+    kept_layout=replay_triton.kept_layout, labelled_loss_sum=labelled_loss_sum,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
 )
