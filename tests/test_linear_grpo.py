@@ -152,8 +152,31 @@ def test_path_choice_and_gemm_count():
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with CountMatmuls() as mode:
             loss, _ = linear_grpo_loss(h, w, labels, adv, mask, config, chunk_size=B * T, **kw)
+            nodes = _node_names(loss)
             loss.backward()
-        assert mode.count == (3 if expect_fused else 4), name
+        # one chunk: gradients in the forward (3 GEMMs), or log-probs whose dlogits are made in the
+        # forward (3 GEMMs too, chunked.LinearLogprobDlogitsInForward) under grpo_loss
+        assert mode.count == 3, name
+        assert ("LinearLossGradInForwardBackward" in nodes) == expect_fused, (name, nodes)
+        assert ("LinearLogprobDlogitsInForwardBackward" in nodes) != expect_fused, (name, nodes)
+        # several chunks: the log-probs recompute their logits in the backward (4 GEMMs a chunk)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with CountMatmuls() as mode:
+            loss, _ = linear_grpo_loss(h, w, labels, adv, mask, config, chunk_size=B * T // 2, **kw)
+            loss.backward()
+        assert mode.count == (6 if expect_fused else 8), name
+
+
+def _node_names(tensor) -> set:
+    """The type names of the autograd nodes behind `tensor`."""
+    seen, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
 
 
 # ---- bad input ------------------------------------------------------------------------------------
