@@ -108,6 +108,22 @@ def reference_ce(case, reduction, smoothing, z_loss, upstream):
     return loss.detach(), h.grad, w.grad
 
 
+def autograd_nodes(tensor) -> list:
+    """Every autograd node behind `tensor` (its grad_fn and what that reaches), each once."""
+    seen, todo = [], [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.append(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return seen
+
+
+def autograd_node_names(tensor) -> set:
+    return {type(node).__name__ for node in autograd_nodes(tensor)}
+
+
 class CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()

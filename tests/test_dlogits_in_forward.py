@@ -28,22 +28,14 @@ import reference
 from dist import run_workers
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.ops import api
-from op_cases import TOL, check_against_reference, local_inputs, make_case, world_group
+from op_cases import TOL, autograd_nodes, check_against_reference, local_inputs, make_case, world_group
 
 PATH = "LinearLogprobDlogitsInForwardBackward"
 
 
 def _nodes(tensor):
     """{name: node} of the autograd nodes behind `tensor`."""
-    seen, todo, nodes = set(), [tensor.grad_fn], {}
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        nodes[type(node).__name__] = node
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return nodes
+    return {type(node).__name__: node for node in autograd_nodes(tensor)}
 
 
 def _worker(rank, world, case):

@@ -138,7 +138,7 @@ def test_one_chunk_takes_the_whole_call_function(chunk_size, monkeypatch):
 
 
 def test_path_choice_and_gemm_count():
-    from op_cases import CountMatmuls
+    from op_cases import CountMatmuls, autograd_node_names
 
     hidden, weight, labels, mask, adv, extra = _inputs(0, 1, False)
     mask[1] = 1.0
@@ -152,7 +152,7 @@ def test_path_choice_and_gemm_count():
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with CountMatmuls() as mode:
             loss, _ = linear_grpo_loss(h, w, labels, adv, mask, config, chunk_size=B * T, **kw)
-            nodes = _node_names(loss)
+            nodes = autograd_node_names(loss)
             loss.backward()
         # one chunk: gradients in the forward (3 GEMMs), or log-probs whose dlogits are made in the
         # forward (3 GEMMs too, chunked.LinearLogprobDlogitsInForward) under grpo_loss
@@ -166,17 +166,6 @@ def test_path_choice_and_gemm_count():
             loss.backward()
         assert mode.count == (6 if expect_fused else 8), name
 
-
-def _node_names(tensor) -> set:
-    """The type names of the autograd nodes behind `tensor`."""
-    seen, todo = set(), [tensor.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return {type(node).__name__ for node in seen}
 
 
 # ---- bad input ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from megatron_fused_ce.losses import (
 )
 from megatron_fused_ce.losses.grpo import TokenInputs, token_terms
 from megatron_fused_ce.losses.linear_grpo import GRPOGrads, linear_grpo_loss
+from op_cases import autograd_nodes
 
 F64 = torch.float64
 
@@ -1348,17 +1349,6 @@ def test_on_policy_ties_split_the_gradient_like_torch_maximum():
 # ---- GRPO: the loss without a traced graph -------------------------------------------------------
 
 
-def _autograd_nodes(tensor):
-    seen, stack = set(), [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return len(seen)
-
-
 @pytest.mark.parametrize("cfg_kwargs", [dict(), dict(loss_type="grpo", beta=0.1, delta=1.5, dual_clip_c=2.0,
                                                      is_correction="token_truncate", is_clip_max=1.2)], ids=str)
 def test_grpo_loss_backward_is_one_node(cfg_kwargs):
@@ -1369,7 +1359,7 @@ def test_grpo_loss_backward_is_one_node(cfg_kwargs):
     lp = data["lp"].clone().requires_grad_()
     loss, _ = grpo_loss(lp, data["adv"], data["mask"], GRPOConfig(**cfg_kwargs), old_logprobs=data["old"],
                         reference_logprobs=data["ref"], sampling_logprobs=data["sampling"])
-    assert _autograd_nodes(loss) <= 3
+    assert len(autograd_nodes(loss)) <= 3
 
 
 # ---- GRPO: the compiled evaluation (CUDA; here on CPU through inductor's C++ backend) ------------------

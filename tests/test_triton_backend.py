@@ -378,13 +378,18 @@ def test_gemm_shard_stats_reads_the_labels_themselves(small_tiles, monkeypatch, 
             assert torch.equal(getattr(got, field), getattr(ref, field)), field
 
 
-def _count_gemm_stats(triton_backend, calls: list):
-    """Make the Triton backend count its statistics-GEMM calls in `calls`; returns the backend to put back."""
+def _count_fused_gemm(triton_backend, field: str, calls: list):
+    """Make the Triton backend count the calls of its fused GEMM `field` ("gemm_stats",
+    "gemm_dlogits") in `calls`; returns the backend to put back."""
     original = triton_backend.BACKEND
-    fused = original.gemm_stats
-    triton_backend.BACKEND = dataclasses.replace(original, gemm_stats=dataclasses.replace(
-        fused, run=lambda *a, **k: calls.append(1) or fused.run(*a, **k)))
+    fused = getattr(original, field)
+    triton_backend.BACKEND = dataclasses.replace(original, **{field: dataclasses.replace(
+        fused, run=lambda *a, **k: calls.append(1) or fused.run(*a, **k))})
     return original
+
+
+def _count_gemm_stats(triton_backend, calls: list):
+    return _count_fused_gemm(triton_backend, "gemm_stats", calls)
 
 
 def _fused_forward_worker(rank, world, case):
@@ -531,12 +536,7 @@ def test_gemm_dlogits_matches_gemm_then_dlogits_kernel(small_tiles, dtype, tempe
 
 
 def _count_gemm_dlogits(triton_backend, calls: list):
-    """Make the Triton backend count its dlogits-GEMM calls in `calls`; returns the backend to put back."""
-    original = triton_backend.BACKEND
-    fused = original.gemm_dlogits
-    triton_backend.BACKEND = dataclasses.replace(original, gemm_dlogits=dataclasses.replace(
-        fused, run=lambda *a, **k: calls.append(1) or fused.run(*a, **k)))
-    return original
+    return _count_fused_gemm(triton_backend, "gemm_dlogits", calls)
 
 
 def _fused_dlogits_worker(rank, world, case):
