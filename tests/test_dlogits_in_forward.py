@@ -28,7 +28,7 @@ import reference
 from dist import run_workers
 from megatron_fused_ce import linear_logprobs
 from megatron_fused_ce.ops import api
-from op_cases import TOL, autograd_nodes, check_against_reference, local_inputs, make_case, world_group
+from op_cases import TOL, CountMatmuls, autograd_nodes, check_against_reference, local_inputs, make_case, world_group
 
 PATH = "LinearLogprobDlogitsInForwardBackward"
 
@@ -87,23 +87,11 @@ def test_which_calls_make_their_dlogits_in_the_forward():
 def test_three_gemms_make_values_and_gradients():
     """The forward makes the chunk of logits once and turns it into D in place (a second logits
     GEMM for D is the recompute path's cost): logits, D·W, then dW in the backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountGemms(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-                self.count += 1
-            return func(*args, **(kwargs or {}))
-
     g = torch.Generator().manual_seed(4)
     h = torch.randn(12, 8, generator=g).requires_grad_()
     w = torch.randn(30, 8, generator=g).requires_grad_()
     y = torch.randint(0, 30, (12,), generator=g)
-    with CountGemms() as gemms:
+    with CountMatmuls() as gemms:
         out = linear_logprobs(h, w, y)
         assert PATH in _nodes(out.logprobs)
         (out.logprobs * torch.randn(12, generator=g)).sum().backward()

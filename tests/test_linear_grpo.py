@@ -167,7 +167,6 @@ def test_path_choice_and_gemm_count():
         assert mode.count == (6 if expect_fused else 8), name
 
 
-
 # ---- bad input ------------------------------------------------------------------------------------
 
 

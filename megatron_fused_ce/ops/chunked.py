@@ -209,9 +209,9 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     then turns that chunk into the dlogits of log p_y and multiplies them by W
     (fast.DlogitsMadeInForward: they do not depend on the upstream gradient); the backward scales
     them by each row's upstream gradient and makes dW: three GEMMs, as cross-entropy's, where the
-    recompute path makes four (the logits again in the backward). For log-probs without entropy, no sequence parallelism, no sampler or sampling
-    mask, a chunk of dlogits of at most api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics
-    decides, from its `logprob_only`)."""
+    recompute path makes four (the logits again in the backward). For log-probs without entropy,
+    no sequence parallelism, no sampler or sampling mask, a chunk of dlogits of at most
+    api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics decides, from its `logprob_only`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec):

@@ -203,7 +203,8 @@ class DlogitsMadeInForward:
         self.dlogits, self.product = dlogits, product
 
     @staticmethod
-    def make(logits: Tensor, weight: Tensor, local_target: Tensor, spec, merged, needs_dx: bool) -> "DlogitsMadeInForward":
+    def make(logits: Tensor, weight: Tensor, local_target: Tensor, spec, merged,
+             needs_dx: bool) -> "DlogitsMadeInForward":
         """From the chunk of logits (in the input dtype), overwritten."""
         ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
         coefs = {"p": -ones, "pz": None, "target": ones, "uniform": None}  # one_hot - softmax
