@@ -183,7 +183,7 @@ def _chunk_terms(config: GRPOConfig, target, row_max, log_sum_exp, labelled, adv
     """A chunk's (d loss / d lp, its negative, sums, maxima) from its merged statistics: log p =
     (target - max) - log_sum_exp, 0 in rows without a label (whose gradient is 0), then grpo's
     term_sums: one compiled function on CUDA."""
-    logprobs = torch.where(labelled, reductions.log_prob(target, row_max, log_sum_exp), 0.0)
+    logprobs = reductions.labelled_log_prob(target, row_max, log_sum_exp, labelled)
     grad, _, sums, maxima = reduce_token_terms(config, logprobs, advantages, weights, scale, old, reference, sampling,
                                        sequence_log_rho, None)
     grad = torch.where(labelled, grad, 0.0)

@@ -457,13 +457,7 @@ def _labelled_logprob(target, lse, row_max, log_sum_exp, labelled, negative=Fals
     whose gradients were made in the forward, need none)."""
     if torch.is_grad_enabled() and (target.requires_grad or lse.requires_grad):
         return _LabelledLogprob.apply(target, lse, row_max, log_sum_exp, labelled, negative)
-    return _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative)
-
-
-def _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative: bool) -> Tensor:
-    # (z_y - M) - log S negated term by term: M - z_y is z_y - M negated exactly, one kernel fewer
-    value = (row_max - target) + log_sum_exp if negative else reductions.log_prob(target, row_max, log_sum_exp)
-    return value if labelled is None else torch.where(labelled, value, 0.0)
+    return reductions.labelled_log_prob(target, row_max, log_sum_exp, labelled, negative)
 
 
 class _LabelledLogprob(torch.autograd.Function):
@@ -475,7 +469,7 @@ class _LabelledLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, target, lse, row_max, log_sum_exp, labelled, negative=False):
         ctx.labelled, ctx.negative = labelled, negative
-        return _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative)
+        return reductions.labelled_log_prob(target, row_max, log_sum_exp, labelled, negative)
 
     @staticmethod
     def backward(ctx, grad):
@@ -645,7 +639,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # (fp16 keeps the recompute path: g·h rounded to fp16 loses what a small upstream gradient
     # leaves of h; saved-tensor hooks: a checkpoint would run the forward's GEMMs again)
     dlogits_in_forward = (
-        logprob_only and needs_grad and not grad_in_forward and forward_grad is None and tiling is FAST_CHUNKS
+        logprob_only and needs_grad and forward_grad is None and tiling is FAST_CHUNKS
         and not sequence_parallel and not want_entropy and not want_sum_logits
         and logits_dtype is None and hidden.dtype != torch.float16 and 0 < num_rows <= chunk_size
         and num_rows * v_local * weight.element_size() <= DLOGITS_IN_FORWARD_MAX_BYTES
@@ -689,10 +683,10 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         # (a remembered signature checks the mask on the device, and without the plain pass that
         # every labelled row still has a set: NaN and an error at the next host synchronization)
         replay_chunks = replay.replay_tiling(mask_check, flat_labels, device_checks.labelled, vocab_start,
-                                      num_valid_cols, agreed.true_vocab,
-                                      needs_grad, plain_pass=not agreed.mask_sets_everywhere, backend=backend,
-                                      check=agreed.remembered, num_cols=v_local, fingerprint=compare_ranks,
-                                      label_poison=device_checks.poison)
+                                             num_valid_cols, agreed.true_vocab,
+                                             needs_grad, plain_pass=not agreed.mask_sets_everywhere, backend=backend,
+                                             check=agreed.remembered, num_cols=v_local, fingerprint=compare_ranks,
+                                             label_poison=device_checks.poison)
         mask_poison = replay_chunks.poison
     rank_check = None
     if compare_ranks:
@@ -701,7 +695,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         spec = replace(spec, rank_check=rank_check)
 
     shape = tuple(labels.shape)
-    labelled = device_checks.labelled if device_checks is not None else None
+    labelled = device_checks.labelled
     anchor = None
     if replaying:
         spec = replace(spec, tiling=replay_chunks)

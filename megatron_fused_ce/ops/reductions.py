@@ -73,6 +73,14 @@ def log_prob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor) -> Tensor:
     return (target - row_max) - log_sum_exp
 
 
+def labelled_log_prob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
+                      negative: bool = False) -> Tensor:
+    """log_prob (or its negation), 0 in rows whose label is ignored (`labelled` False; None: every row)."""
+    # (z_y - M) - log S negated term by term: M - z_y is z_y - M negated exactly, one kernel fewer
+    value = (row_max - target) + log_sum_exp if negative else log_prob(target, row_max, log_sum_exp)
+    return value if labelled is None else torch.where(labelled, value, 0.0)
+
+
 def combine_blocks(parts: list) -> ShardStats:
     """Merge the ShardStats of disjoint column blocks of one shard (same rows: lean mode's tiles)
     into one, exactly as merge_shard_stats merges shards (without a collective)."""
