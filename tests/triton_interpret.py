@@ -17,7 +17,8 @@ KERNEL_MODULES = ("triton_grpo", "triton_gemm_stats", "triton_gemm_dlogits", "sa
 
 
 def _interpreted(jit_function) -> bool:
-    return type(jit_function).__name__ == "InterpretedFunction"
+    kernel = getattr(jit_function, "kernel", jit_function)  # triton_common.CachedLaunch's kernel
+    return type(kernel).__name__ == "InterpretedFunction"
 
 
 def kernel_modules() -> dict:

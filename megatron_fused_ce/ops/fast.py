@@ -171,15 +171,13 @@ def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec, dx_o
     chunk is the fp32 product dlogits @ W times row_scale, rounded once into `dx_out`; dW =
     dlogits.T @ (row_scale * h), the scaled rows rounded once to the input dtype (as each element
     of scaled dlogits would be)."""
-    scale = row_scale.unsqueeze(1)
     if dx_out is not None:
-        torch.mul(matmul_fp32(dlogits, weight), scale, out=dx_out)  # fp32 math, one rounding
+        spec.backend.row_scale(dx_out, matmul_fp32(dlogits, weight), row_scale)  # fp32 math, one rounding
     if after_dx is not None:
         after_dx()
     if dw_out is None:
         return None
-    scaled_h = torch.empty_like(h)
-    torch.mul(h, scale, out=scaled_h)
+    scaled_h = spec.backend.row_scale(torch.empty_like(h), h, row_scale)
     return grad_gemms(dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate, cast_dw_to=cast_dw_to,
                       dw_scale=dw_scale)
 
@@ -217,15 +215,14 @@ class DlogitsMadeInForward:
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
                         accumulate: bool) -> Optional[Tensor]:
-        scale = coefs["target"].unsqueeze(1)  # g of each row (0 where unlabelled)
+        scale = coefs["target"]  # g of each row (0 where unlabelled)
         if dx_rows is not None:
             # made again by a second backward through a retained graph
             product = self.product if self.product is not None else matmul_fp32(self.dlogits, weight)
-            torch.mul(product, scale, out=dx_rows)  # fp32 math, one rounding
+            spec.backend.row_scale(dx_rows, product, scale)  # fp32 math, one rounding
             self.product = product = None  # freed before g·h is made: one of the two [rows, H] alive
         if dw_out is not None:
-            scaled_h = torch.empty_like(rows)
-            torch.mul(rows, scale, out=scaled_h)
+            scaled_h = spec.backend.row_scale(torch.empty_like(rows), rows, scale)
             grad_gemms(self.dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate=accumulate)
         return None
 

@@ -120,6 +120,8 @@ class Backend:
     label_targets: Callable
     # cross-entropy's loss value from the merged statistics (a sum over the labelled rows)
     labelled_loss_sum: Callable
+    # [rows, H] rows times a per-row upstream gradient, rounded once into an output
+    row_scale: Callable
     # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)
     tile_scratch_bytes: int = 0
     # capabilities (None: not available)

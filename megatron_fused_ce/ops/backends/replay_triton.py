@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ShardStats
-from .triton_common import interpreting as _interpreting
+from .triton_common import cached_launch, interpreting as _interpreting
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API).
@@ -69,6 +69,7 @@ def _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E: tl.cons
     return acc
 
 
+@cached_launch
 @triton.jit
 def _kept_stats_kernel(
     h_ptr, stride_h, w_ptr, stride_w, ids_ptr, set_rows_ptr, starts_ptr, ends_ptr, labels_ptr,
@@ -175,6 +176,7 @@ def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] =
 DLOGITS_BLOCK = 1024
 
 
+@cached_launch
 @triton.jit
 def _entry_dlogits_kernel(z_ptr, row_of_ptr, valid_ptr, is_label_ptr, max_ptr, lse_ptr, p_ptr, pz_ptr, target_ptr,
                           d_ptr, total, stride_max, stride_lse, stride_p, stride_pz, stride_target, inv_temperature,
@@ -220,6 +222,7 @@ def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, l
     return d
 
 
+@cached_launch
 @triton.jit
 def _kept_input_grad_kernel(
     w_ptr, stride_w, ids_ptr, set_rows_ptr, starts_ptr, ends_ptr, d_ptr, dx_ptr, stride_dx,
@@ -253,6 +256,7 @@ def _segmented_sum(a_value, a_start, b_value, b_start):
     return tl.where(b_start != 0, b_value, a_value + b_value), a_start | b_start
 
 
+@cached_launch
 @triton.jit
 def _kept_weight_grad_kernel(
     h_ptr, stride_h, cols_ptr, order_ptr, rows_ptr, d_ptr, dw_ptr, stride_dw, num_entries, H, num_cols,
@@ -331,6 +335,7 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
+@cached_launch
 @triton.jit
 def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_ptr, counts_ptr, rows, total,
                       FINGERPRINT: tl.constexpr, BLOCK: tl.constexpr):
@@ -396,6 +401,7 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
     tl.store(counts_ptr + 10, by_hash)
 
 
+@cached_launch
 @triton.jit
 def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr, counts_ptr,
                          set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
@@ -460,6 +466,7 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         tl.atomic_add(counts_ptr + 10, by_hash, mask=hi > lo)
 
 
+@cached_launch
 @triton.jit
 def _mask_duplicates_kernel(keys_ptr, counts_ptr, total, BLOCK: tl.constexpr):
     """Equal neighbours among the sorted (row, id) keys: an id twice in one set."""
@@ -471,6 +478,7 @@ def _mask_duplicates_kernel(keys_ptr, counts_ptr, total, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + 2, found, mask=found > 0)
 
 
+@cached_launch
 @triton.jit
 def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr,
                          MISSING_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
@@ -543,6 +551,7 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
 CHUNK_BLOCK = 1024
 
 
+@cached_launch
 @triton.jit
 def _gather_chunk_kernel(place_ptr, logits_ptr, z_ptr, total, lo, hi, inv_temperature, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -552,6 +561,7 @@ def _gather_chunk_kernel(place_ptr, logits_ptr, z_ptr, total, lo, hi, inv_temper
     tl.store(z_ptr + e, value * inv_temperature, mask=inside)
 
 
+@cached_launch
 @triton.jit
 def _scatter_chunk_kernel(place_ptr, d_ptr, block_ptr, total, lo, hi, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import sampling_torch
 from .sampling_torch import KEY_NONE, KeptSums
-from .triton_common import f32 as _f32, interpreting as _interpreting, sm_count as _sm_count
+from .triton_common import cached_launch, f32 as _f32, interpreting as _interpreting, sm_count as _sm_count
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API).
@@ -54,6 +54,7 @@ def _order_key(z, ids):
     return ordered.to(tl.int64) * 4294967296 + (4294967295 - ids.to(tl.int64))
 
 
+@cached_launch
 @triton.jit
 def _compact_kernel(
     logits_ptr, stride_row, tau_ptr, keys_ptr, count_ptr,
@@ -110,6 +111,7 @@ def shard_candidates(logits: Tensor, num_valid_cols: int, inv_temperature: float
     return out
 
 
+@cached_launch
 @triton.jit
 def _kept_sums_kernel(
     logits_ptr, stride_row, rows_ptr, target_ptr, max_ptr, zcut_ptr, idcut_ptr,
@@ -201,6 +203,7 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
     )
 
 
+@cached_launch
 @triton.jit
 def _kept_dlogits_kernel(
     logits_ptr, stride_row, target_ptr, max_ptr, lsexp_ptr, zcut_ptr, idcut_ptr,

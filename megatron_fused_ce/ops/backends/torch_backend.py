@@ -237,12 +237,18 @@ def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labe
     return total if poison is None else total + poison[0]
 
 
+def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
+    """out = src * scale[:, None] ([rows, H]): the product in fp32 with the fp32 per-row scale,
+    rounded once to out's dtype (an upstream gradient applied to dX rows or to hidden rows)."""
+    return torch.mul(src, scale.unsqueeze(1), out=out)
+
+
 BACKEND = Backend(
     name="torch", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
     exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
     kept_dlogits_=sampling_torch.kept_dlogits_,
     kept_stats=replay_torch.kept_stats, kept_grads=replay_torch.kept_grads, label_targets=label_targets,
     entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
-    labelled_loss_sum=labelled_loss_sum,
+    labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,
     tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
 )

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_common import f32 as _f32, interpreting as _interpreting, sm_count as _programs
+from .triton_common import cached_launch, f32 as _f32, interpreting as _interpreting, sm_count as _programs
 from .triton_gemm_stats import (_tile_coords, _use_tma, descriptor_scratch, operand_descriptors, round_bf16_by_hand,
                                 tile_product)
 from .triton_gemm_stats import supported as _gemm_supported
@@ -42,6 +42,7 @@ def supported(h: Tensor, weight: Tensor) -> bool:
     return _use_tma(h.device) and _gemm_supported(h, weight, block_k=TILE[2])
 
 
+@cached_launch
 @triton.jit
 def _gemm_dlogits_tma(h_ptr, w_ptr, out_ptr, tgt_ptr, shift_ptr, rest_ptr, cp_ptr, cpz_ptr, ct_ptr, cu_ptr,
                       M, NV, NC, K, stride_h, stride_w, stride_out, col_start, inv_t, num_progs,

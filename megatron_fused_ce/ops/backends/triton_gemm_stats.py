@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ShardStats, chunk_rows
-from .triton_common import compute_capability, interpreting as _interpreting, sm_count as _programs
+from .triton_common import cached_launch, compute_capability, interpreting as _interpreting, sm_count as _programs
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
 # benchmark shapes (docs/design.md §10.3). Module-level so that tests can shrink them.
@@ -125,6 +125,7 @@ def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
     tl.store(tz_ptr + rows, z_t, mask=row_ok & (t >= pid_n * BN) & (t < pid_n * BN + BN))
 
 
+@cached_launch
 @triton.jit
 def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
                     M, NV, K, stride_h, stride_w, inv_t, num_progs,
@@ -142,6 +143,7 @@ def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr,
                   BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
+@cached_launch
 @triton.jit
 def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
                     M, NV, K, stride_h, stride_w, inv_t,
@@ -168,6 +170,7 @@ def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr,
               BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
+@cached_launch
 @triton.jit
 def _merge_tiles_kernel(pm_ptr, ps_ptr, pl_ptr, pe_ptr, m_ptr, s_ptr, l_ptr, e_ptr, M, T,
                         WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,

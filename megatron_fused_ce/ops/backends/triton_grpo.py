@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...losses.grpo import applies_correction, metric_names  # the options' meaning and the metrics' order
-from .triton_common import f32 as _f32
+from .triton_common import cached_launch, f32 as _f32
 
 TILE_ELEMENTS = 1024  # tokens per tile of the walk
 WARPS = 4
@@ -71,6 +71,7 @@ def _safe(denominator):
     return tl.where(denominator != 0, denominator, 1.0)
 
 
+@cached_launch
 @triton.jit
 def _whole_call_kernel(
     target_ptr, row_max_ptr, lse_ptr, labels_ptr, ignore_index,
