@@ -72,6 +72,27 @@ def test_trailing_parameters_follow_the_kernel_order_with_defaults():
     assert launcher._trailing_arguments(5, {"scale": 2.0, "BLOCK": 64}) is None
 
 
+def test_launch_hooks_are_seen_when_set(monkeypatch):
+    """Triton's profiler adds launch hooks: then Triton launches (it calls them). Unset is None, or
+    (Triton >= 3.5) an empty chain, which is always there: read as set, nothing would be cached."""
+    from triton import knobs
+
+    from megatron_fused_ce.ops.backends.triton_common import _launch_hooks_set
+
+    assert not _launch_hooks_set()  # the default, on this Triton
+    chain_type = type(knobs.runtime.launch_enter_hook)
+    if hasattr(knobs.runtime.launch_enter_hook, "calls"):
+        hooks = chain_type()
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hooks)
+        assert not _launch_hooks_set()
+        hooks.add(lambda *args: None)
+        assert _launch_hooks_set()
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    assert not _launch_hooks_set()
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", lambda *args: None)  # Triton < 3.5: a function
+    assert _launch_hooks_set()
+
+
 def test_interpreted_kernels_launch_through_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not CachedLaunch(JITFunction(_scaled_gather))._direct

@@ -372,3 +372,46 @@ def test_fingerprint_separates_what_counts_cannot():
     assert not torch.equal(agreement.tensor_fingerprint(x), agreement.tensor_fingerprint(x * 1.01))
     big = torch.tensor([2**62, -(2**63), 2**63 - 1])
     assert agreement.tensor_fingerprint(big).min() >= 0
+
+
+def _fingerprint_by_definition(t):
+    """tensor_fingerprint of an int64 tensor from its definition (the weights made for its size)."""
+    bits = t.reshape(-1).cpu()
+    bits = bits ^ (bits >> 31)
+    weights = agreement._position_weights(bits.numel(), bits.device)
+    return ((bits & agreement._MASK) * weights & agreement._MASK).sum(1)
+
+
+def test_fingerprint_weight_tables_grow_and_none_is_dropped(monkeypatch):
+    """The position weights come from a table per device that only grows (doubling) and is never
+    freed: a call fingerprints tensors of several sizes (GRPO's advantages [B] and mask [B, T]),
+    and a table dropped for another size could be memory a captured CUDA graph still reads. Every
+    size reads the prefix of the last table: the same fingerprint as weights made for it alone."""
+    monkeypatch.setattr(agreement, "_WEIGHT_TABLES", {})
+    g = torch.Generator().manual_seed(0)
+    for numel in (4, 1024, 4, 1500, 7, 3000, 1024):
+        t = torch.randint(-(2**40), 2**40, (numel,), generator=g)
+        assert torch.equal(agreement.tensor_fingerprint(t), _fingerprint_by_definition(t)), numel
+    assert [table.shape[1] for table in agreement._WEIGHT_TABLES[torch.device("cpu")]] == [4, 1024, 2048, 4096]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture")
+def test_fingerprint_weights_made_in_a_graph_capture_are_not_kept(monkeypatch):
+    """A table first needed inside a CUDA graph capture is made by kernels that run only when the
+    graph is replayed: kept, the next eager call (the rank check of a TP call, right after
+    make_graphed_callables) read unwritten memory: NaN results and a false "ranks differ". Made
+    in the graph and not kept, both give the fingerprint of the definition."""
+    monkeypatch.setattr(agreement, "_WEIGHT_TABLES", {})
+    small = torch.randint(0, 2**40, (16,), device="cuda")
+    large = torch.randint(0, 2**40, (4096,), device="cuda")
+    agreement.tensor_fingerprint(small)  # a table of 16, made eagerly
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = agreement.tensor_fingerprint(large)
+    assert [table.shape[1] for table in agreement._WEIGHT_TABLES[large.device]] == [16]
+    eager = agreement.tensor_fingerprint(large)  # before any replay
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = _fingerprint_by_definition(large)
+    assert torch.equal(eager.cpu(), expected) and torch.equal(captured.cpu(), expected)

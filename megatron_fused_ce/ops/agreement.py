@@ -30,7 +30,7 @@ import numbers
 import struct
 import zlib
 from collections import OrderedDict
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -118,20 +118,36 @@ def value_code(value) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-_WEIGHTS: dict = {}  # (numel, device) -> the two weight rows of the last size used (see below)
+# per device: the position weights of the fingerprint, [2, size] tables of growing sizes (the last
+# the largest); a call of n elements reads the first n columns of the last one
+_WEIGHT_TABLES: Dict[torch.device, List[Tensor]] = {}
+
+
+def _position_weights(numel: int, device: torch.device) -> Tensor:
+    """[2, numel] int64: (2i + 1) and hash(i) | 1, mod 2^31 (odd, so invertible)."""
+    position = torch.arange(numel, dtype=torch.int64, device=device)
+    return torch.stack([2 * position + 1, (position * _SCRAMBLE) | 1]) & _MASK
 
 
 def _fingerprint_weights(numel: int, device: torch.device) -> Tensor:
-    """[2, numel] int64: (2i + 1) and hash(i) | 1, mod 2^31 (odd, so invertible). Kept for the last
-    size only (16 bytes per element; a training run's label shape rarely changes): five kernels
-    fewer per call."""
-    key = (numel, device)
-    if key not in _WEIGHTS:
-        position = torch.arange(numel, dtype=torch.int64, device=device)
-        weights = torch.stack([2 * position + 1, (position * _SCRAMBLE) | 1]) & _MASK
-        _WEIGHTS.clear()
-        _WEIGHTS[key] = weights
-    return _WEIGHTS[key]
+    """The first `numel` position weights, from a table kept per device (five kernels fewer per
+    call; a call fingerprints tensors of several sizes, e.g. GRPO's advantages and mask).
+
+    No table is ever freed: a CUDA graph captured while it was the last one reads it on every
+    replay, and freed memory would be handed to other tensors under it. Sizes grow by doubling, so
+    the tables of a device take at most twice the largest (16 bytes an element). One made during a
+    CUDA graph capture is not kept: its kernels run only when the graph is replayed, and an eager
+    call before that would read memory nothing has written."""
+    tables = _WEIGHT_TABLES.get(device)
+    if tables and tables[-1].shape[1] >= numel:
+        table = tables[-1]
+        return table if table.shape[1] == numel else table[:, :numel]
+    size = max(numel, 2 * tables[-1].shape[1]) if tables else numel
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _position_weights(numel, device)
+    table = _position_weights(size, device)
+    _WEIGHT_TABLES.setdefault(device, []).append(table)
+    return table if size == numel else table[:, :numel]
 
 
 def tensor_fingerprint(tensor: Tensor) -> Tensor:

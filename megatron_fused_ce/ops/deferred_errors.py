@@ -50,8 +50,10 @@ _FLAGS: Dict[torch.device, Tensor] = {}  # per device: the OR of the flags recor
 
 
 def flags(device: torch.device) -> Tensor:
-    """The int64 [1] word of flags of `device` (made on the first call that records one: the
-    full-agreement call, outside any CUDA graph capture)."""
+    """The int64 [1] word of flags of `device`. Made by the first full agreement on the device
+    (`take`), which precedes every call that records one (a later call of a signature): a word
+    first made inside a CUDA graph capture would be memory no kernel has zeroed until the graph
+    is replayed."""
     word = _FLAGS.get(device)
     if word is None:
         word = _FLAGS[device] = torch.zeros(1, dtype=torch.int64, device=device)
@@ -73,9 +75,7 @@ def messages_of(value: int) -> List[str]:
 def take(device: torch.device) -> Tensor:
     """The flags of `device` as a device tensor, the word cleared (for the full agreement, which
     reads it with everything else)."""
-    word = _FLAGS.get(device)
-    if word is None:
-        return torch.zeros(1, dtype=torch.int64, device=device)
+    word = flags(device)
     value = word.clone()
     word.zero_()
     return value
@@ -83,7 +83,7 @@ def take(device: torch.device) -> Tensor:
 
 def check_deferred_errors() -> None:
     """Raise ValueError if a call since the last check found bad contents on the device (module
-    doc); one small read per device that made such calls, none otherwise."""
+    doc); one small read per device the package ran a call on."""
     found = 0
     for device, word in _FLAGS.items():
         value = int(word.item())

@@ -60,7 +60,7 @@ class CachedLaunch:
     makes several such launches. Here the first call of each specialization goes through Triton
     (compiling it if needed) and keeps its compiled kernel; later calls with the same
     specialization key launch that kernel directly on the current stream. The key holds at least
-    what Triton specializes on (`_argument_key`), so two calls share a kernel only where Triton
+    what Triton specializes on (`_launch_key`), so two calls share a kernel only where Triton
     would give them the same one. Under the interpreter (CPU tests), with Triton's launch hooks
     (its profiler), a callable grid or an argument of another kind, Triton launches as usual."""
 
@@ -77,7 +77,7 @@ class CachedLaunch:
 
     def _launch(self, grid, *args, **options):
         key = _launch_key(args, options) if self._direct and not callable(grid) else None
-        if key is None or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        if key is None or _launch_hooks_set():
             return self.kernel[grid](*args, **options)
         device = driver.active.get_current_device()
         entry = self._compiled.get((device, key))
@@ -107,6 +107,15 @@ class CachedLaunch:
             else:
                 return None
         return tuple(tail)
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook of Triton's is set (its profiler's): None, or since Triton 3.5 a chain
+    of hooks, empty unless one was added."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 def cached_launch(kernel) -> CachedLaunch:
