@@ -25,7 +25,7 @@
 #              Megatron-LM-style example (bf16, distributed optimizer, MTP)
 #   real_loop  Megatron-LM's own training loop on real text, fused and unfused (megatron-core >= 0.19)
 #   tools      each tool's smoke run on the GPUs: e2e_seqlen (TP = N, sequence parallel, all three
-#              losses), profile_op, host_sync_cost, main_grad_loss_scale, sampling_mask_bench,
+#              losses), profile_op, host_sync_cost, host_time, main_grad_loss_scale, sampling_mask_bench,
 #              make_text_dataset, benchmark --quick
 #   bench      tools/benchmark.py at 8192x4096x128256 on one GPU, and at TP = N (2 or more GPUs)
 #   bench_rl   tools/benchmark.py --grid rl at two RL shapes (2048 and 8192 tokens, a 32064-id shard)
@@ -230,6 +230,7 @@ stage_tools() {
     --modes fused,unfused,megatron --out "$OUT/tools_e2e_seqlen"
   step tools_profile_op 60 "$PY" tools/profile_op.py --shape 8192x4096x128256 --paths ce,logprobs,fwd,grpo --reps 2
   step tools_host_sync_cost 60 "$PY" tools/host_sync_cost.py --shapes 8192x4096x128256
+  step tools_host_time 30 "$PY" tools/host_time.py --shape 2048x4096x19008 --rounds 3
   step tools_main_grad_loss_scale 60 "$PY" tools/main_grad_loss_scale.py
   step tools_sampling_mask_bench 60 "$PY" tools/sampling_mask_bench.py --shapes 8192x4096x128256 --sets zipf \
     --ks 50,512

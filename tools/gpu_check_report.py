@@ -175,6 +175,12 @@ def host_sync_figure(text):
     return ", ".join(line.split(", ")[:3]) if line else None
 
 
+def host_time_figure(text):
+    """tools/host_time.py: each path's time a call from an idle GPU, and the host's."""
+    rows = re.findall(r"^(\w+) +\d+ +(\d+) +(\d+)$", text, re.M)
+    return ", ".join(f"{name} {idle} us (host {host})" for name, idle, host in rows) if rows else None
+
+
 def loss_scale_figure(text):
     """tools/main_grad_loss_scale.py's table: the largest relative dW error of all its cells."""
     cells = re.findall(r"^\| (\w+) \| [\d.e+-]+ \| (.*) \|$", text, re.M)
@@ -236,6 +242,7 @@ FIGURES = {  # step name (or its prefix before "_") -> key figure of its log
     "tools_e2e_seqlen": lambda text, folder: e2e_figure(text),
     "tools_profile_op": lambda text, folder: profile_figure(text),
     "tools_host_sync_cost": lambda text, folder: host_sync_figure(text),
+    "tools_host_time": lambda text, folder: host_time_figure(text),
     "tools_make_text_dataset": lambda text, folder: dataset_figure(text),
     "tools_main_grad_loss_scale": lambda text, folder: loss_scale_figure(text),
     "tools_sampling_mask_bench": lambda text, folder: sampling_mask_figure(text),
