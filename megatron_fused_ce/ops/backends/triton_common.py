@@ -70,6 +70,8 @@ class CachedLaunch:
         self._direct = isinstance(kernel, triton.runtime.jit.JITFunction) and not interpreting()
 
     def __getattr__(self, name):  # arg_names, fn, ... of the kernel
+        if name == "kernel":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
