@@ -325,3 +325,33 @@ def test_one_gemm_weight_grad_needs_no_fp32_buffer(fn, chunk):
     ref_dw, = torch.autograd.grad(ref, wd)
     assert w.grad.dtype == torch.bfloat16
     assert reference.rel_err(w.grad, ref_dw) < 2e-2
+
+
+def test_the_package_runs_without_triton():
+    """`pip install -e ".[megatron]"` (the README's main job) brings no Triton: the package imports
+    and runs on the torch backend, and impl="triton" is refused with a message, not an
+    ImportError at import time (a module the torch path imports once needed Triton)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # `import triton` raises ImportError
+        "import torch\n"
+        "from megatron_fused_ce import linear_cross_entropy, linear_logprobs\n"
+        "from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss\n"
+        "from megatron_fused_ce.ops import backends\n"
+        "assert not backends.triton_available()\n"
+        "h = torch.randn(8, 16, requires_grad=True); w = torch.randn(32, 16, requires_grad=True)\n"
+        "y = torch.randint(0, 32, (8,))\n"
+        "linear_cross_entropy(h, w, y).backward()\n"
+        "linear_logprobs(h, w, y).logprobs.sum().backward()\n"
+        "linear_grpo_loss(h.view(2, 4, 16), w, y.view(2, 4), torch.randn(2), torch.ones(2, 4), GRPOConfig())[0].backward()\n"
+        "try:\n"
+        "    linear_cross_entropy(h, w, y, impl='triton')\n"
+        "except ValueError as error:\n"
+        "    assert 'triton' in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('impl=triton ran without Triton')\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -7,10 +7,18 @@ import functools
 import os
 
 import torch
-import triton
 from torch import Tensor
-from triton import knobs
-from triton.runtime import driver
+
+try:  # (the package runs without Triton, on the torch backend: only the kernel modules need it)
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+except ImportError:
+    triton = driver = JITFunction = None
+try:  # Triton >= 3.4: the launch convention CachedLaunch follows (checked on 3.6 and 3.9)
+    from triton import knobs
+except ImportError:
+    knobs = None
 
 _SM_COUNT: dict = {}
 _CAPABILITY: dict = {}
@@ -62,12 +70,13 @@ class CachedLaunch:
     specialization key launch that kernel directly on the current stream. The key holds at least
     what Triton specializes on (`_launch_key`), so two calls share a kernel only where Triton
     would give them the same one. Under the interpreter (CPU tests), with Triton's launch hooks
-    (its profiler), a callable grid or an argument of another kind, Triton launches as usual."""
+    (its profiler), a callable grid, an argument of another kind or a Triton older than 3.4 (another
+    launch convention), Triton launches as usual."""
 
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict = {}
-        self._direct = isinstance(kernel, triton.runtime.jit.JITFunction) and not interpreting()
+        self._direct = knobs is not None and isinstance(kernel, JITFunction) and not interpreting()
 
     def __getattr__(self, name):  # arg_names, fn, ... of the kernel
         if name == "kernel":  # not set yet (a copy being made): no recursion
