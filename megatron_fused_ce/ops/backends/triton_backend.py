@@ -518,8 +518,6 @@ def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labe
     return out
 
 
-from . import replay_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
-
 @cached_launch
 @triton.jit
 def _row_scale_kernel(out_ptr, out_stride, src_ptr, src_stride, scale_ptr, cols, BLOCK: tl.constexpr):
@@ -544,6 +542,8 @@ def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
                                                         BLOCK=block, num_warps=4)
     return out
 
+
+from . import replay_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
 
 BACKEND = Backend(
     name="triton", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
