@@ -154,9 +154,9 @@ LOGS = {
                                            "8192x4096x128256 cuda: floor 35.8 ms, ce 37.6 ms, ce_preloaded 37.1 ms, "
                                            "ce_back_to_back 37.0 ms\n"),
     "tools_host_time": ("tools", "0", "2048x4096x19008 on NVIDIA H200, µs a call (medians)\n"
-                                      "path        back to back  from idle     host\n"
-                                      "floor_fwd            431        525       36\n"
-                                      "ce                  1521       1746     1334\n"),
+                                      "method          back to back  from idle     host\n"
+                                      "floor_fwd                431        525       36\n"
+                                      "ours_ce                 1521       1746     1334\n"),
     "tools_main_grad_loss_scale": ("tools", "0", "cuda, bfloat16, N x H x V = 8192 x 2048 x 65536, impl=auto\n"
                                                  "| loss | g | grad | main_grad | main_grad_expected |\n|---|---|---|---|---|\n"
                                                  "| ce | 1 | 1.10e-03 | 1.00e-03 | 1.00e-03 |\n"
@@ -222,7 +222,7 @@ def test_summary_table_from_synthetic_logs(tmp_path):
                                      "longest fused 8192, unfused 8192"),
         "tools_profile_op": ("pass", "ce 38.80 ms (91 % busy), fwd 12.90 ms (94 % busy)"),
         "tools_host_sync_cost": ("pass", "8192x4096x128256 cuda: floor 35.8 ms, ce 37.6 ms"),
-        "tools_host_time": ("pass", "floor_fwd 525 us (host 36), ce 1746 us (host 1334)"),
+        "tools_host_time": ("pass", "floor_fwd 525 us (host 36), ours_ce 1746 us (host 1334)"),
         "tools_main_grad_loss_scale": ("pass", "largest relative dW error 2.30e-03 over 6 cells"),
         "tools_sampling_mask_bench": ("pass", "zipf K=50 x0.200, zipf K=512 x0.628; every row met its target"),
         "tools_make_text_dataset": ("pass", "40 files (1.2 MB) from /usr/lib/python3.12: 345678 tokens, vocab 512"),

@@ -176,7 +176,7 @@ def host_sync_figure(text):
 
 
 def host_time_figure(text):
-    """tools/host_time.py: each path's time a call from an idle GPU, and the host's."""
+    """tools/host_time.py: each method's time a call from an idle GPU, and the host's."""
     rows = re.findall(r"^(\w+) +\d+ +(\d+) +(\d+)$", text, re.M)
     return ", ".join(f"{name} {idle} us (host {host})" for name, idle, host in rows) if rows else None
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""What a call costs where the host sets the time (RL row counts): per path, the time per call
-back to back (a training loop's view: the host queues the next call while the GPU runs), the time
-of one call from an idle GPU (the benchmark's view, CUDA events), and the host's own time per
-call (until the Python call returns). Medians over rounds; one process, one shape.
+"""What a call costs where the host sets the time (RL row counts): per method of tools/benchmark.py
+(its steps and inputs), the time per call back to back (a training loop's view: the host queues
+the next call while the GPU runs), the time of one call from an idle GPU (the benchmark's view,
+CUDA events), and the host's own time per call (until the Python call returns). Medians over
+rounds; one process, one shape.
 
     python tools/host_time.py --shape 2048x4096x19008
     python tools/host_time.py --device cpu --shape 64x32x100 --rounds 2 --calls 3   # smoke test
@@ -12,7 +13,6 @@ For an A/B of two trees, run it from each in turn a few times (hosts drift betwe
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -21,48 +21,24 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
-from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss  # noqa: E402
+from bench.measure import make_inputs  # noqa: E402  (the benchmark's inputs and steps)
+from bench.methods import MAKERS  # noqa: E402
 
-PATHS = ("floor_fwd", "floor", "fwd", "ce", "logprobs", "grpo")
-
-
-def make_paths(n, hdim, v, device):
-    g = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(n, hdim, device=device, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(v, hdim, device=device, generator=g) / math.sqrt(hdim) * 2).bfloat16().requires_grad_()
-    y = torch.randint(0, v, (n,), device=device, generator=g)
-    batch = 8 if n % 8 == 0 else 1
-    adv, mask = torch.randn(batch, device=device, generator=g), torch.ones(batch, n // batch, device=device)
-
-    def floor():  # the three GEMMs of a forward + backward
-        with torch.no_grad():
-            z = h @ w.t()
-            return z @ w, z.t() @ h
-
-    return {
-        "floor_fwd": lambda: torch.no_grad()(lambda: h @ w.t())(),
-        "floor": floor,
-        "fwd": lambda: torch.no_grad()(lambda: linear_logprobs(h, w, y).logprobs)(),
-        "ce": lambda: torch.autograd.grad(linear_cross_entropy(h, w, y), (h, w)),
-        "logprobs": lambda: torch.autograd.grad(-linear_logprobs(h, w, y).logprobs.mean(), (h, w)),
-        "grpo": lambda: torch.autograd.grad(
-            linear_grpo_loss(h.view(batch, -1, hdim), w, y.view(batch, -1), adv, mask, GRPOConfig())[0], (h, w)),
-    }
+IMPLS = "floor_fwd,floor,ours_fwd,ours_ce,ours_logprobs,ours_grpo"
 
 
-def measure(fn, device, rounds, calls):
+def measure(step, device, rounds, calls):
     """(µs per call back to back, µs of one call from an idle GPU, µs of host per call): medians."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(3):  # the signature's first call (agreement, compilation) and warm-up
-        fn()
+        step()
     sync()
     back_to_back, from_idle, host = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(calls):
-            fn()
+            step()
         sync()
         back_to_back.append((time.perf_counter() - t0) / calls * 1e6)
         for _ in range(calls):
@@ -71,7 +47,7 @@ def measure(fn, device, rounds, calls):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
-            fn()
+            step()
             t1 = time.perf_counter()
             if cuda:
                 end.record()
@@ -86,7 +62,7 @@ def measure(fn, device, rounds, calls):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="2048x4096x19008", help="N x H x V (per rank)")
-    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--impls", default=IMPLS, help="the benchmark's methods (tools/benchmark.py --impls)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20, help="calls per round")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -94,18 +70,19 @@ def main(argv=None):
     args = p.parse_args(argv)
     n, hdim, v = (int(x) for x in args.shape.split("x"))
     device = torch.device(args.device)
-    paths = make_paths(n, hdim, v, device)
+    h, w, y = make_inputs(n, hdim, v, device)
     results = {}
     print(f"{args.shape} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, µs a call (medians)")
-    print(f"{'path':10s} {'back to back':>13s} {'from idle':>10s} {'host':>8s}")
-    for name in args.paths.split(","):
+    print(f"{'method':14s} {'back to back':>13s} {'from idle':>10s} {'host':>8s}")
+    for name in args.impls.split(","):
+        step = MAKERS[name](h, w, y, None)
         results[name] = dict(zip(("back_to_back_us", "from_idle_us", "host_us"),
-                                 measure(paths[name], device, args.rounds, args.calls)))
+                                 measure(step, device, args.rounds, args.calls)))
         r = results[name]
-        print(f"{name:10s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}", flush=True)
+        print(f"{name:14s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "device": args.device, "paths": results}, f, indent=1)
+            json.dump({"shape": args.shape, "device": args.device, "methods": results}, f, indent=1)
 
 
 if __name__ == "__main__":
