@@ -113,6 +113,83 @@ def test_shard_stats_default_blocks_and_zero_valid_columns(tb):
     assert none.max.shape == (0,) and none.sum_logits is None and none.sum_exp_shifted.shape == (0,)
 
 
+# ----------------------------------------------------------------------------- shard_logprob
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("n, v, pad", [(3, 300, 13), (40, 100, 0), (2, 64, 9)])
+def test_shard_logprob_matches_torch(small_blocks, dtype, temperature, n, v, pad):
+    """A forward-only call's per-token epilogue in the statistics' launches (the stats kernel over
+    whole rows: n = 40; the merge of column splits: n = 2, 3) against torch_backend.shard_logprob:
+    log p_y, M, log S, z_y, lse; 0 at ignored rows; NaN everywhere under a NaN poison."""
+    tb = small_blocks
+    logits, g = _chunk(n, v, dtype, seed=n * v + pad + 1)
+    nvc = v - pad
+    target = _targets(n, nvc, g)
+    names = ("logprob", "max", "log_sum_exp", "target", "lse")
+    for poison_value in (0.0, float("nan")):
+        poison = torch.full((1,), poison_value, device=DEVICE)
+        got = tb.shard_logprob(logits, target, nvc, 1.0 / temperature, poison)
+        ref = torch_backend.shard_logprob(logits, target, nvc, 1.0 / temperature, poison)
+        if poison_value != 0:
+            assert torch.isnan(got[0]).all()
+            continue
+        for name, a, b in zip(names, got, ref):
+            assert a.dtype == torch.float32 and a.shape == (n,), name
+            _close(a, b, what=name)
+        assert torch.equal(got[3].cpu(), ref[3].cpu())  # z_y: the same fp32 op on the same element
+        assert torch.all(got[0][target < 0] == 0)
+        if DEVICE.type == "cuda":  # log S as torch's CUDA log computes it: log-probs equal to the merge's
+            stats = tb.shard_stats(logits, target, nvc, 1.0 / temperature)
+            assert torch.equal(got[2], torch.log(stats.sum_exp))
+            assert torch.equal(got[0], torch.where(target >= 0, (stats.target - stats.max) - torch.log(stats.sum_exp), 0.0))
+    # no rows
+    none = tb.shard_logprob(logits[:0], target[:0], nvc, 1.0, torch.zeros(1, device=DEVICE))
+    assert all(t.shape == (0,) for t in none)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_forward_only_logprobs_of_one_chunk_take_the_fused_epilogue(small_blocks, monkeypatch, impl):
+    """A forward-only call of one chunk at TP = 1 takes backend.shard_logprob (no merge, no
+    elementwise tail); the log-probs equal the float64 reference (ignored labels, a padded vocab,
+    temperature) and, on the torch backend and on CUDA, the values of the differentiable call bit
+    for bit (an old-policy pass gives ratio 1 on the policy it came from). Several chunks, and
+    calls that need a gradient, keep the general path."""
+    from megatron_fused_ce.ops import api
+
+    backend = torch_backend.BACKEND if impl == "torch" else small_blocks.BACKEND
+    calls, original = [], backend.shard_logprob
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return original(*args)
+
+    patched = dataclasses.replace(backend, shard_logprob=spy)
+    monkeypatch.setattr(api.backends, "select", lambda impl, device: patched)
+    g = torch.Generator().manual_seed(11)
+    n, hdim, vocab, padded = 45, 32, 90, 96
+    h = torch.randn(n, hdim, generator=g).to(DEVICE)
+    w = (torch.randn(padded, hdim, generator=g) / math.sqrt(hdim) * 3).to(DEVICE)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[::4] = -100
+    y = y.to(DEVICE)
+    z = (h.double() @ w.double()[:vocab].t()) / 0.7
+    ref = torch.log_softmax(z, -1).gather(1, y.clamp(min=0)[:, None])[:, 0]
+    ref = torch.where(y >= 0, ref, 0.0)
+    kwargs = dict(vocab_size=vocab, temperature=0.7, impl=impl)
+    for chunk_size, fused in ((None, True), (16, False)):
+        calls.clear()
+        with torch.no_grad():
+            out = linear_logprobs(h, w, y, chunk_size=chunk_size, **kwargs).logprobs
+        assert calls == ([n] if fused else []), (chunk_size, calls)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.all(out[y < 0] == 0)
+        calls.clear()
+        with_grad = linear_logprobs(h.clone().requires_grad_(), w, y, chunk_size=chunk_size, **kwargs).logprobs
+        assert calls == []
+        if impl == "torch" or DEVICE.type == "cuda":
+            assert torch.equal(out, with_grad.detach())
+
+
 # ---------------------------------------------------------------------------- shard_dlogits_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

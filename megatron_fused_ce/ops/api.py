@@ -28,7 +28,7 @@ from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, 
                         is_int, tensor_fingerprint)
 from .forward_grad import ForwardGradLoss
 from .chunked import ChunkSpec, LinearLogprobDlogitsInForward, LinearLossGradInForward, autocast_off, softmax_statistics
-from .fast import FAST_CHUNKS, EarlyProduct
+from .fast import FAST_CHUNKS, EarlyProduct, chunk_logits, fused_statistics
 from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -697,6 +697,20 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     shape = tuple(labels.shape)
     labelled = device_checks.labelled
     anchor = None
+    # A forward-only log-prob call (the reference / old-policy passes) of one chunk on one rank:
+    # nothing to merge, so the statistics kernel finishes each row itself (log S, lse and the
+    # labelled log-prob with the device checks' poison in it: backend.shard_logprob), where the
+    # general path adds a merge and half a dozen elementwise launches, host time at RL shapes.
+    if (logprob_only and not needs_grad and tp_size == 1 and tiling is FAST_CHUNKS and not replaying
+            and 0 < num_rows <= chunk_size and not fused_statistics(backend, hidden2d, weight)):
+        with autocast_off(hidden.device):
+            logprob, row_max, log_sum_exp, target, lse = backend.shard_logprob(
+                chunk_logits(hidden2d, weight, spec), local_target, num_valid_cols, spec.inv_temperature,
+                _device_poison(device_checks, rank_check))
+        _drop(first_product)
+        # (no `poison`: it is in the log-probs, the one result such a call returns)
+        return TokenStats(target, lse, None, None, row_index, shape, num_rows, None, row_max, log_sum_exp,
+                          num_labelled=num_labelled, labelled=labelled, backend=backend, logprob_value=logprob)
     if replaying:
         spec = replace(spec, tiling=replay_chunks)
         with autocast_off(hidden.device):

@@ -6,7 +6,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 
 | capability | what it replaces | who has it |
 |---|---|---|
-| `shard_stats`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
+| `shard_stats`, `shard_logprob`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
 | `kept_stats`, `kept_grads`, `entry_stats`, `entry_dlogits`: sampling-mask replay's kept entries (gathered W rows, their dots, statistics, dlogits, dX, dW) (required) | - | torch (replay_torch.py), Triton (replay_triton.py) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
@@ -102,6 +102,9 @@ class Backend:
     # exp tile, the sampler filters' kernels (candidates, kept-set sums, kept-set dlogits) and
     # sampling-mask replay's
     shard_stats: Callable
+    # shard_stats of a shard that is the whole vocab (TP = 1) with the per-token epilogue of a
+    # forward-only call (log S, lse, the labelled log-prob) in the same launch
+    shard_logprob: Callable
     shard_dlogits_: Callable
     scale_: Callable
     scale_cast: Callable

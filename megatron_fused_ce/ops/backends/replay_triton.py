@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ShardStats
-from .triton_common import cached_launch, interpreting as _interpreting
+from .triton_common import cached_launch, cdiv, interpreting as _interpreting
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API).
@@ -214,7 +214,7 @@ def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, l
     if total:
         # (a coefficient may be an expanded scalar: its stride is 0)
         per_row = [t if t is not None else coef_p for t in (row_max, log_sum_exp, coef_p, coef_pz, coef_target)]
-        _entry_dlogits_kernel[(triton.cdiv(total, DLOGITS_BLOCK),)](
+        _entry_dlogits_kernel[(cdiv(total, DLOGITS_BLOCK),)](
             z, entries.row_of_entry(), entries.valid.view(torch.uint8), entries.is_label.view(torch.uint8), *per_row,
             d, total, *(t.stride(0) for t in per_row), float(inv_temperature),
             HAS_PZ=coef_pz is not None, HAS_TARGET=coef_target is not None, SCALE=inv_temperature != 1.0,
@@ -289,7 +289,7 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
     count, hidden = entries.set_rows.numel(), rows.shape[1]
     d = d.contiguous()
     if dx_rows is not None and count:
-        _kept_input_grad_kernel[(count, triton.cdiv(hidden, DX_BLOCK_H))](
+        _kept_input_grad_kernel[(count, cdiv(hidden, DX_BLOCK_H))](
             weight, weight.stride(0), entries.ids, entries.set_rows, entries.starts, entries.ends, d, dx_rows,
             dx_rows.stride(0), hidden, entries.vocab_start, entries.num_valid_cols,
             BLOCK_E=DX_BLOCK_E, BLOCK_H=DX_BLOCK_H, num_warps=WARPS)
@@ -300,7 +300,7 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
         key = (entries.dw_key if getattr(entries, "dw_key_cols", None) == num_cols
                else torch.where(entries.valid, entries.col, num_cols))
         cols, order = torch.sort(key)
-        _kept_weight_grad_kernel[(triton.cdiv(total, DW_BLOCK_E), triton.cdiv(hidden, DW_BLOCK_H))](
+        _kept_weight_grad_kernel[(cdiv(total, DW_BLOCK_E), cdiv(hidden, DW_BLOCK_H))](
             rows, rows.stride(0), cols, order, entries.row_of_entry(), d, dw_out, dw_out.stride(0), total, hidden,
             num_cols,
             BLOCK_E=DW_BLOCK_E, BLOCK_H=DW_BLOCK_H, num_warps=WARPS)
@@ -528,7 +528,7 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                                   total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
                                   FINGERPRINT=fingerprint, BLOCK_E=LAYOUT_BLOCK_E, num_warps=2)
     if total > 1:
-        _mask_duplicates_kernel[(triton.cdiv(total, LAYOUT_BLOCK),)](torch.sort(keys).values, counts, total,
+        _mask_duplicates_kernel[(cdiv(total, LAYOUT_BLOCK),)](torch.sort(keys).values, counts, total,
                                                                      BLOCK=LAYOUT_BLOCK, num_warps=4)
     poison = None
     if flags is not None:
@@ -573,12 +573,12 @@ def _scatter_chunk_kernel(place_ptr, d_ptr, block_ptr, total, lo, hi, BLOCK: tl.
 def gather_chunk(place: Tensor, logits: Tensor, z: Tensor, lo: int, hi: int, inv_temperature: float) -> None:
     """z[e] = fp32(logits.flat[place[e] - lo]) * inv_temperature where lo <= place[e] < hi."""
     total = place.numel()
-    _gather_chunk_kernel[(triton.cdiv(total, CHUNK_BLOCK),)](place, logits.contiguous(), z, total, lo, hi,
+    _gather_chunk_kernel[(cdiv(total, CHUNK_BLOCK),)](place, logits.contiguous(), z, total, lo, hi,
                                                              float(inv_temperature), BLOCK=CHUNK_BLOCK, num_warps=4)
 
 
 def scatter_chunk(place: Tensor, d: Tensor, block: Tensor, lo: int, hi: int) -> None:
     """block.flat[place[e] - lo] = d[e] where lo <= place[e] < hi (d in the block's dtype)."""
     total = place.numel()
-    _scatter_chunk_kernel[(triton.cdiv(total, CHUNK_BLOCK),)](place, d, block, total, lo, hi, BLOCK=CHUNK_BLOCK,
+    _scatter_chunk_kernel[(cdiv(total, CHUNK_BLOCK),)](place, d, block, total, lo, hi, BLOCK=CHUNK_BLOCK,
                                                               num_warps=4)

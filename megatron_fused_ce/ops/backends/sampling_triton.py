@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import sampling_torch
 from .sampling_torch import KEY_NONE, KeptSums
-from .triton_common import cached_launch, f32 as _f32, interpreting as _interpreting, sm_count as _sm_count
+from .triton_common import cached_launch, cdiv, f32 as _f32, interpreting as _interpreting, sm_count as _sm_count
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API).
@@ -177,10 +177,10 @@ def kept_sums(logits: Tensor, local_target: Optional[Tensor], num_valid_cols: in
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     block_n = KEPT_BLOCK_N
-    col_blocks = triton.cdiv(num_valid_cols, block_n)
-    splits = max(1, min(col_blocks, triton.cdiv(PROGRAMS_PER_SM * _sm_count(logits.device), n)))
-    cols_per_split = triton.cdiv(col_blocks, splits) * block_n
-    splits = triton.cdiv(num_valid_cols, cols_per_split)
+    col_blocks = cdiv(num_valid_cols, block_n)
+    splits = max(1, min(col_blocks, cdiv(PROGRAMS_PER_SM * _sm_count(logits.device), n)))
+    cols_per_split = cdiv(col_blocks, splits) * block_n
+    splits = cdiv(num_valid_cols, cols_per_split)
     parts = {name: torch.empty((n, splits), **f32) for name in ("sum", "sum_shifted", "total")}
     count = torch.empty((n, splits), dtype=torch.int32, device=logits.device)
     target = torch.empty(n, **f32)
@@ -248,7 +248,7 @@ def kept_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv
                                           coef_target))
     coef_p = _f32(coef_p)
     pz, tgt = (None if c is None else _f32(c) for c in (coef_pz, coef_target))
-    _kept_dlogits_kernel[(n, triton.cdiv(num_cols, DLOGITS_BLOCK_N))](
+    _kept_dlogits_kernel[(n, cdiv(num_cols, DLOGITS_BLOCK_N))](
         logits, logits.stride(0), local_target.contiguous(), _f32(row_max), _f32(log_sum_exp), _f32(z_cut),
         id_cut.to(torch.int64).contiguous(), coef_p, coef_p if pz is None else pz,
         coef_p if tgt is None else tgt,

@@ -76,6 +76,25 @@ def shard_stats(
     )
 
 
+
+def shard_logprob(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
+                  poison: Tensor) -> tuple:
+    """A chunk's log-probs where this shard is the whole vocab (TP = 1: nothing to merge), the
+    per-token epilogue of a forward-only call: shard_stats, then finish_logprob."""
+    return finish_logprob(shard_stats(logits, local_target, num_valid_cols, inv_temperature), local_target,
+                          num_valid_cols, poison)
+
+
+def finish_logprob(stats: ShardStats, local_target: Tensor, num_valid_cols: int, poison: Tensor) -> tuple:
+    """ShardStats of the whole vocab -> (log p_y, M, log S, z_y, lse), fp32 [n]: log S = log(sum exp(z - M)),
+    lse = M + log S and log p_y = (z_y - M) - log S, as reductions.merge_shard_stats and
+    labelled_log_prob compute them; log p_y is 0 where the label is not a column (ignored), and
+    `poison` (fp32 [1]: NaN where the device checks found bad contents, else 0) is added to it."""
+    log_sum_exp = torch.log(stats.sum_exp)
+    on_shard, _ = _target_mask(local_target, 0, num_valid_cols)
+    logprob = torch.where(on_shard, (stats.target - stats.max) - log_sum_exp, 0.0) + poison
+    return logprob, stats.max, log_sum_exp, stats.target, stats.max + log_sum_exp
+
 def shard_dlogits_(
     logits: Tensor,
     local_target: Tensor,
@@ -244,7 +263,7 @@ def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
 
 
 BACKEND = Backend(
-    name="torch", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
+    name="torch", shard_stats=shard_stats, shard_logprob=shard_logprob, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
     exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
     kept_dlogits_=sampling_torch.kept_dlogits_,
     kept_stats=replay_torch.kept_stats, kept_grads=replay_torch.kept_grads, label_targets=label_targets,

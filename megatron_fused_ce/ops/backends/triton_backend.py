@@ -42,9 +42,11 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 from . import Backend, FusedGemm, ShardStats, torch_backend, triton_gemm_dlogits, triton_gemm_stats
-from .triton_common import cached_launch, f32 as _f32, interpreting as _interpreting, sm_count as _sm_count
+from .triton_common import (cached_launch, cdiv, f32 as _f32, interpreting as _interpreting, next_power_of_2,
+                            sm_count as _sm_count)
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (at the memory roofline: docs/design.md §10.6). Module-level so that
@@ -69,8 +71,11 @@ def _stats_kernel(
     logits_ptr, stride_row, target_ptr, col_start,
     max_ptr, sum_exp_ptr, target_out_ptr, sum_logits_ptr, sum_exp_shifted_ptr,
     num_valid_cols, cols_per_split, num_splits, inv_temperature,
+    log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr,
     WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
+    FINISH: tl.constexpr = False, PRECISE_LOG: tl.constexpr = False,
 ):
+    # FINISH (shard_logprob; one split): the row's log S, lse and log-prob as well
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -108,8 +113,30 @@ def _stats_kernel(
     if split == 0:
         t = tl.load(target_ptr + row) - col_start  # the label's column in this block
         in_block = (t >= 0) & (t < num_valid_cols)
-        z_t = tl.load(row_ptr + tl.where(in_block, t, 0)).to(tl.float32) * inv_temperature
-        tl.store(target_out_ptr + row, tl.where(in_block, z_t, 0.0))
+        z_t = tl.where(in_block, tl.load(row_ptr + tl.where(in_block, t, 0)).to(tl.float32) * inv_temperature, 0.0)
+        tl.store(target_out_ptr + row, z_t)
+        if FINISH:
+            _finish_row(row, m, s, z_t, in_block, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG)
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    """log as torch's CUDA log computes it (libdevice's logf), where PRECISE; else tl.log (the
+    interpreter, which has no libdevice)."""
+    if PRECISE:
+        return libdevice.log(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _finish_row(rows, m, s, z_t, labelled, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG: tl.constexpr,
+                mask=None):
+    """torch_backend.finish_logprob of rows whose merged max m, sum exp(z - m) s and target z_t are known."""
+    log_s = _log(s, PRECISE_LOG)
+    tl.store(log_sum_exp_ptr + rows, log_s, mask=mask)
+    tl.store(lse_ptr + rows, m + log_s, mask=mask)
+    logprob = tl.where(labelled, (z_t - m) - log_s, 0.0) + tl.load(poison_ptr)
+    tl.store(logprob_ptr + rows, logprob, mask=mask)
 
 
 @cached_launch
@@ -118,8 +145,11 @@ def _merge_kernel(
     pmax_ptr, psum_ptr, psum_logits_ptr, psum_exp_shifted_ptr,
     max_ptr, sum_exp_ptr, sum_logits_ptr, sum_exp_shifted_ptr,
     n, num_splits,
+    target_ptr, label_ptr, num_valid_cols, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr,
     WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    FINISH: tl.constexpr = False, PRECISE_LOG: tl.constexpr = False,
 ):
+    # FINISH (shard_logprob): each row's log S, lse and log-prob from the merged max and sum
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_S)
     row_ok = rows < n
@@ -130,7 +160,13 @@ def _merge_kernel(
     scale = tl.where(mask, tl.exp(pm - tl.where(row_ok, m, 0.0)[:, None]), 0.0)
     tl.store(max_ptr + rows, m, mask=row_ok)
     ps = tl.load(psum_ptr + offs, mask=mask, other=0.0)
-    tl.store(sum_exp_ptr + rows, tl.sum(ps * scale, axis=1), mask=row_ok)
+    s = tl.sum(ps * scale, axis=1)
+    tl.store(sum_exp_ptr + rows, s, mask=row_ok)
+    if FINISH:
+        t = tl.load(label_ptr + rows, mask=row_ok, other=-1)
+        z_t = tl.load(target_ptr + rows, mask=row_ok, other=0.0)
+        _finish_row(rows, m, tl.where(row_ok, s, 1.0), z_t, (t >= 0) & (t < num_valid_cols), log_sum_exp_ptr,
+                    lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG, mask=row_ok)
     if WANT_SUM:
         pl = tl.load(psum_logits_ptr + offs, mask=mask, other=0.0)
         tl.store(sum_logits_ptr + rows, tl.sum(pl, axis=1), mask=row_ok)
@@ -178,19 +214,44 @@ def shard_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_t
                 want_sum_logits: bool = False, want_entropy: bool = False, *, col_start: int = 0) -> ShardStats:
     """torch_backend.shard_stats (same arguments, same results) in Triton."""
     n = logits.shape[0]
-    f32 = dict(dtype=torch.float32, device=logits.device)
     if num_valid_cols == 0 or n == 0:  # a shard made only of padding columns, or no rows
         return ShardStats.empty(n, logits.device, want_sum_logits, want_entropy)
+    return _launch_stats(logits, local_target, num_valid_cols, inv_temperature, want_sum_logits, want_entropy,
+                         col_start)
+
+
+def shard_logprob(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
+                  poison: Tensor) -> tuple:
+    """torch_backend.shard_logprob in the statistics' launches: the last of them (the stats kernel
+    over whole rows, else the merge of the splits) finishes each row."""
+    n = logits.shape[0]
+    if num_valid_cols == 0 or n == 0:
+        return torch_backend.finish_logprob(ShardStats.empty(n, logits.device), local_target, num_valid_cols,
+                                            poison)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    finished = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32))  # log S, lse, log p_y
+    stats = _launch_stats(logits, local_target, num_valid_cols, inv_temperature, False, False, 0,
+                          finish=finished + (_f32(poison),))
+    log_sum_exp, lse, logprob = finished
+    return logprob, stats.max, log_sum_exp, stats.target, lse
+
+
+def _launch_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
+                  want_sum_logits: bool, want_entropy: bool, col_start: int, finish: Optional[tuple] = None) -> ShardStats:
+    """The stats kernel (and the merge of its splits); `finish`: (log S, lse, log p_y, poison) of
+    shard_logprob, written by the last launch."""
+    f32 = dict(dtype=torch.float32, device=logits.device)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     local_target = local_target.contiguous()
+    n = logits.shape[0]
 
     block_n = STATS_BLOCK_N
-    col_blocks = triton.cdiv(num_valid_cols, block_n)
-    wanted_splits = triton.cdiv(PROGRAMS_PER_SM * _sm_count(logits.device), n)
+    col_blocks = cdiv(num_valid_cols, block_n)
+    wanted_splits = cdiv(PROGRAMS_PER_SM * _sm_count(logits.device), n)
     splits = max(1, min(col_blocks, wanted_splits))
-    cols_per_split = triton.cdiv(col_blocks, splits) * block_n
-    splits = triton.cdiv(num_valid_cols, cols_per_split)  # no empty split
+    cols_per_split = cdiv(col_blocks, splits) * block_n
+    splits = cdiv(num_valid_cols, cols_per_split)  # no empty split
 
     target = torch.empty(n, **f32)
     if splits == 1:
@@ -200,11 +261,15 @@ def shard_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_t
     pmax, psum = torch.empty(part_shape, **f32), torch.empty(part_shape, **f32)
     psum_logits = torch.empty(part_shape, **f32) if want_sum_logits else pmax  # dummy when unused
     psum_exp_shifted = torch.empty(part_shape, **f32) if want_entropy else pmax
+    finish_here = finish is not None and splits == 1
+    finish_args = finish if finish is not None else (pmax,) * 4  # (dummies when unused)
     _stats_kernel[(n, splits)](
         logits, logits.stride(0), local_target, col_start,
         pmax, psum, target, psum_logits, psum_exp_shifted,
         num_valid_cols, cols_per_split, splits, float(inv_temperature),
+        *finish_args,
         WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy, BLOCK_N=block_n,
+        FINISH=finish_here, PRECISE_LOG=finish_here and not _interpreting(),
         num_warps=STATS_WARPS,
     )
     if splits == 1:
@@ -213,12 +278,14 @@ def shard_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_t
         row_max, sum_exp = torch.empty(n, **f32), torch.empty(n, **f32)
         sum_logits = torch.empty(n, **f32) if want_sum_logits else row_max
         sum_exp_shifted = torch.empty(n, **f32) if want_entropy else row_max
-        _merge_kernel[(triton.cdiv(n, MERGE_BLOCK_R),)](
+        _merge_kernel[(cdiv(n, MERGE_BLOCK_R),)](
             pmax, psum, psum_logits, psum_exp_shifted,
             row_max, sum_exp, sum_logits, sum_exp_shifted,
             n, splits,
+            target, local_target, num_valid_cols, *finish_args,
             WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy,
-            BLOCK_R=MERGE_BLOCK_R, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            BLOCK_R=MERGE_BLOCK_R, BLOCK_S=next_power_of_2(splits),
+            FINISH=finish is not None, PRECISE_LOG=finish is not None and not _interpreting(), num_warps=4,
         )
     return ShardStats(
         max=row_max,
@@ -248,7 +315,7 @@ def shard_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, in
     pz, tgt, uni, lse_rest = (None if c is None else _f32(c)
                               for c in (coef_pz, coef_target, coef_uniform, log_sum_exp))
     block_n = DLOGITS_BLOCK_N
-    _dlogits_kernel[(n, triton.cdiv(num_cols, block_n))](
+    _dlogits_kernel[(n, cdiv(num_cols, block_n))](
         logits, logits.stride(0), local_target.contiguous(), col_start, _f32(lse),
         coef_p, coef_p if pz is None else pz, coef_p if tgt is None else tgt,
         coef_p if uni is None else uni, coef_p if lse_rest is None else lse_rest,
@@ -276,7 +343,7 @@ def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
         return (src * scale).to(dtype)
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     block = 4096
-    _scale_cast_kernel[(triton.cdiv(src.numel(), block),)](
+    _scale_cast_kernel[(cdiv(src.numel(), block),)](
         src, out, _f32(scale), src.numel(), BLOCK=block, num_warps=8)
     return out
 
@@ -308,8 +375,8 @@ def scale_(t: Tensor, scale: Tensor, other: Optional[Tensor] = None) -> Tensor:
     if not all(x.is_cuda and x.is_contiguous() for x in ((t,) if other is None else (t, other))):
         return torch_backend.scale_(t, scale, other)
     block = 4096
-    blocks = triton.cdiv(t.numel(), block)
-    other_blocks = 0 if other is None else triton.cdiv(other.numel(), block)
+    blocks = cdiv(t.numel(), block)
+    other_blocks = 0 if other is None else cdiv(other.numel(), block)
     _scale_kernel[(blocks + other_blocks,)](t, t if other is None else other, _f32(scale),
                                             t.numel(), 0 if other is None else other.numel(), blocks,
                                             BLOCK=block, num_warps=8)
@@ -538,7 +605,7 @@ def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
     if not kernel or rows == 0 or cols == 0 or src.stride(1) != 1 or out.stride(1) != 1:
         return torch_backend.row_scale(out, src, scale)
     block = 1024
-    _row_scale_kernel[(rows, triton.cdiv(cols, block))](out, out.stride(0), src, src.stride(0), _f32(scale), cols,
+    _row_scale_kernel[(rows, cdiv(cols, block))](out, out.stride(0), src, src.stride(0), _f32(scale), cols,
                                                         BLOCK=block, num_warps=4)
     return out
 
@@ -546,7 +613,7 @@ def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
 from . import replay_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
 
 BACKEND = Backend(
-    name="triton", shard_stats=shard_stats, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
+    name="triton", shard_stats=shard_stats, shard_logprob=shard_logprob, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
     exp_tile_=exp_tile_, shard_candidates=sampling_triton.shard_candidates, kept_sums=sampling_triton.kept_sums,
     kept_dlogits_=sampling_triton.kept_dlogits_,
     kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,

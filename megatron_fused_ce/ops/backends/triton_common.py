@@ -10,15 +10,18 @@ import torch
 from torch import Tensor
 
 try:  # (the package runs without Triton, on the torch backend: only the kernel modules need it)
-    import triton
-    from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 except ImportError:
-    triton = driver = JITFunction = None
+    JITFunction = None
 try:  # Triton >= 3.4: the launch convention CachedLaunch follows (checked on 3.6 and 3.9)
     from triton import knobs
 except ImportError:
     knobs = None
+
+# the current device and stream as Triton's driver reads them for torch (its GPUDriver binds these
+# two), called here directly: its `driver.active` lookups are a few microseconds of host time a launch
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 _SM_COUNT: dict = {}
 _CAPABILITY: dict = {}
@@ -46,6 +49,17 @@ def compute_capability(device: torch.device) -> tuple:
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
     return _CAPABILITY[index]
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launchers' grids: triton.cdiv is a constexpr function since Triton 3.5,
+    a couple of microseconds of host time a call."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1), without triton.next_power_of_2's host cost (cdiv's)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def f32(t: Tensor) -> Tensor:
@@ -76,7 +90,8 @@ class CachedLaunch:
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict = {}
-        self._direct = knobs is not None and isinstance(kernel, JITFunction) and not interpreting()
+        self._direct = (knobs is not None and isinstance(kernel, JITFunction) and not interpreting()
+                        and _current_device is not None and _current_stream is not None)
 
     def __getattr__(self, name):  # arg_names, fn, ... of the kernel
         if name == "kernel":  # not set yet (a copy being made): no recursion
@@ -90,7 +105,7 @@ class CachedLaunch:
         key = _launch_key(args, options) if self._direct and not callable(grid) else None
         if key is None or _launch_hooks_set():
             return self.kernel[grid](*args, **options)
-        device = driver.active.get_current_device()
+        device = _current_device()
         entry = self._compiled.get((device, key))
         if entry is None:
             compiled = self.kernel[grid](*args, **options)
@@ -101,7 +116,7 @@ class CachedLaunch:
         run, function, metadata, tail = entry
         grid_size = len(grid)
         run(grid[0], grid[1] if grid_size > 1 else 1, grid[2] if grid_size > 2 else 1,
-            driver.active.get_current_stream(device), function, metadata, None, None, None, *args, *tail)
+            _current_stream(device), function, metadata, None, None, None, *args, *tail)
         return None
 
     def _trailing_arguments(self, num_positional: int, options: dict):

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_common import cached_launch, f32 as _f32, interpreting as _interpreting, sm_count as _programs
+from .triton_common import cached_launch, cdiv, f32 as _f32, interpreting as _interpreting, sm_count as _programs
 from .triton_gemm_stats import (_tile_coords, _use_tma, descriptor_scratch, operand_descriptors, round_bf16_by_hand,
                                 tile_product)
 from .triton_gemm_stats import supported as _gemm_supported
@@ -92,7 +92,7 @@ def gemm_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, num_valid_cols
     them in place of a chunk of logits (same arguments; `round_logits=False`: fp32 logits, the
     result rounded once to h's dtype, as gemm_input() would). `supported(h, weight)` must hold."""
     n = h.shape[0]
-    padded = triton.cdiv(max(num_cols, 1), 8) * 8
+    padded = cdiv(max(num_cols, 1), 8) * 8
     buffer = torch.empty(n, padded, dtype=h.dtype, device=h.device)
     if not h.is_cuda and padded > num_cols:
         # torch's CPU bf16/fp16 matmul of such a row-padded view reads the padding columns too (a
@@ -107,7 +107,7 @@ def gemm_dlogits(h: Tensor, weight: Tensor, local_target: Tensor, num_valid_cols
     descriptor_scratch(h.device)
     coef_p = _f32(coef_p)
     pz, tgt, uni, rest = (None if c is None else _f32(c) for c in (coef_pz, coef_target, coef_uniform, log_sum_exp))
-    tiles = triton.cdiv(n, bm) * triton.cdiv(num_cols, bn)
+    tiles = cdiv(n, bm) * cdiv(num_cols, bn)
     progs = min(tiles, _programs(h.device))
     _gemm_dlogits_tma[(progs,)](
         h, weight, out, local_target.contiguous(), _f32(lse), coef_p if rest is None else rest, coef_p,

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ShardStats, chunk_rows
-from .triton_common import cached_launch, compute_capability, interpreting as _interpreting, sm_count as _programs
+from .triton_common import cached_launch, cdiv, compute_capability, interpreting as _interpreting, sm_count as _programs
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
 # benchmark shapes (docs/design.md §10.3). Module-level so that tests can shrink them.
@@ -239,7 +239,7 @@ def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, 
     if num_valid_cols == 0 or n == 0:
         return ShardStats.empty(n, hidden_rows.device, want_sum_logits, want_entropy)
     bm, bn, bk, warps, stages = TILE
-    tiles_n = triton.cdiv(num_valid_cols, bn)
+    tiles_n = cdiv(num_valid_cols, bn)
     per_row = 4 * tiles_n * (2 + want_sum_logits + want_entropy)
     slice_rows = max(bm, PARTIALS_BYTES // per_row // bm * bm)
     out = {name: torch.empty(n, **f32) for name in ("max", "sum_exp")}
@@ -263,14 +263,14 @@ def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, 
         meta = dict(BM=bm, BN=bn, BK=bk, GROUP=GROUP_M, ROUND=round_logits, WANT_SUM=want_sum_logits,
                     WANT_ENTROPY=want_entropy, DOT_F32=_interpreting(),
                     BF16_BY_HAND=round_logits and _interpreting() and h.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
-        tiles = triton.cdiv(rows, bm) * tiles_n
+        tiles = cdiv(rows, bm) * tiles_n
         if tma:
             progs = min(tiles, _programs(h.device))
             _gemm_stats_tma[(progs,)](*args, progs, **meta)
         else:
             _gemm_stats_ptr[(tiles,)](*args, **meta)
         dummy = out["max"]
-        _merge_tiles_kernel[(triton.cdiv(rows, MERGE_BLOCK_R),)](
+        _merge_tiles_kernel[(cdiv(rows, MERGE_BLOCK_R),)](
             pm, ps, pl, pe, chunk_rows(out["max"], r0, r1), chunk_rows(out["sum_exp"], r0, r1),
             dummy if out["sum_logits"] is None else chunk_rows(out["sum_logits"], r0, r1),
             dummy if out["sum_exp_shifted"] is None else chunk_rows(out["sum_exp_shifted"], r0, r1),

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...losses.grpo import applies_correction, metric_names  # the options' meaning and the metrics' order
-from .triton_common import cached_launch, f32 as _f32
+from .triton_common import cached_launch, f32 as _f32, next_power_of_2
 
 TILE_ELEMENTS = 1024  # tokens per tile of the walk
 WARPS = 4
@@ -384,7 +384,7 @@ def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old
     neg_grad = torch.empty_like(grad)
     metrics = torch.empty(len(names), dtype=torch.float32, device=device)
     scratch = torch.empty(2 * num_rows, dtype=torch.float32, device=device)
-    block_t = min(triton.next_power_of_2(row_length), TILE_ELEMENTS)
+    block_t = min(next_power_of_2(row_length), TILE_ELEMENTS)
     block_b = max(TILE_ELEMENTS // block_t, 1)
     old = None if on_policy else old
     dummy = grad  # stands for the inputs that are not given (never read)
