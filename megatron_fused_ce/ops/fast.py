@@ -31,6 +31,7 @@ fp32 sum of the others and written in the weight dtype by one GEMM.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
@@ -80,22 +81,68 @@ class EarlyProduct:
     LOGITS, STATISTICS = "logits", "statistics"
 
     def __init__(self):
-        self.address = self.num_rows = self.kind = self.value = None
+        self.address = self.num_rows = self.kind = self.value = self.logits_dtype = None
 
     def launch(self, rows: Tensor, weight: Tensor, labels: Tensor, spec, *, statistics: bool, label_offset: int,
-               ignore_index: int) -> None:
+               ignore_index: int, ahead: Optional["EarlyProduct"] = None) -> None:
         """`statistics`: the chunk loop's first step takes this shard's statistics of `rows` (the
-        recompute path and forward-only calls), else a chunk of logits (gradients in the forward)."""
+        recompute path and forward-only calls), else a chunk of logits (gradients in the forward).
+        `ahead`: the product `launch_remembered` launched for this call, taken over where it is
+        what this launch makes, else dropped."""
         backend = spec.backend
+        if ahead is not None:
+            ahead_value, ahead.value = ahead.value, None
         if statistics and fused_statistics(backend, rows, weight):
+            ahead_value = None  # (freed before the fused GEMM's outputs are allocated)
             self.kind, self.value = self.STATISTICS, backend.gemm_stats.run(
                 rows, weight, labels, spec.num_valid_cols, spec.inv_temperature,
                 want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
                 round_logits=spec.logits_dtype is None, label_offset=label_offset, ignore_index=ignore_index)
         else:
             rows = chunk_rows(rows, 0, min(spec.chunk_size, rows.shape[0]))
-            self.kind, self.value = self.LOGITS, logits_gemm(rows, weight, spec.logits_dtype)
+            self.kind, self.logits_dtype = self.LOGITS, spec.logits_dtype
+            if (ahead is not None and ahead_value is not None and ahead.address == rows.data_ptr()
+                    and ahead.num_rows == rows.shape[0] and ahead.logits_dtype == spec.logits_dtype):
+                self.value = ahead_value
+            else:
+                ahead_value = None
+                self.value = logits_gemm(rows, weight, spec.logits_dtype)
         self.address, self.num_rows = rows.data_ptr(), rows.shape[0]
+
+    # key -> (rows, logits dtype) of the chunk of logits the last call of that key launched first
+    # (None: it launched none, or its statistics); a few hundred entries at most
+    _REMEMBERED: OrderedDict = OrderedDict()
+    MAX_REMEMBERED = 256
+
+    @classmethod
+    def launch_remembered(cls, key, hidden: Tensor, weight: Tensor) -> Optional["EarlyProduct"]:
+        """The chunk of logits the last call of `key` (its inputs' shapes, dtypes, devices and the
+        options that choose the first product) launched first, launched now, before this call's
+        argument handling, bookkeeping and checks: at RL shapes those take about as long on the
+        host as a GEMM on the GPU, and a call that finds the GPU idle waited for them. Only ever
+        the product itself (no collective, nothing written but its output); `launch` takes it
+        over where it is what the call makes, else drops it, and a call that raises drops it
+        with its frame. None where the key made no chunk of logits first, or is new."""
+        plan = cls._REMEMBERED.get(key)
+        if plan is None:
+            return None
+        num_rows, logits_dtype = plan
+        ahead = cls()
+        rows = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])  # (token_statistics' rows)
+        rows = chunk_rows(rows, 0, min(num_rows, rows.shape[0]))
+        with torch.no_grad():  # (the caller checked that autocast is off)
+            ahead.value = logits_gemm(rows, weight, logits_dtype)
+        ahead.kind, ahead.logits_dtype, ahead.address, ahead.num_rows = cls.LOGITS, logits_dtype, rows.data_ptr(), rows.shape[0]
+        return ahead
+
+    @classmethod
+    def remember(cls, key, product: Optional["EarlyProduct"]) -> None:
+        """What `key`'s call launched first (`product`: None or its statistics: nothing to launch ahead)."""
+        plan = (product.num_rows, product.logits_dtype) if product is not None and product.kind == cls.LOGITS else None
+        if cls._REMEMBERED.get(key, 0) != plan:
+            cls._REMEMBERED[key] = plan
+            if len(cls._REMEMBERED) > cls.MAX_REMEMBERED:
+                cls._REMEMBERED.popitem(last=False)
 
     def take(self, rows: Tensor, kind: str):
         """The product if it is the `kind` of these rows (the same first row and count), once; else None."""
