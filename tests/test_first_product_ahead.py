@@ -138,3 +138,30 @@ def test_the_key_holds_the_options_and_the_memo_is_bounded(gemms, monkeypatch):
         for n in range(10, 16):
             linear_logprobs(*_inputs(6, n))
     assert len(fast.EarlyProduct._REMEMBERED) == 3
+
+
+def test_the_entry_points_launch_it_before_their_own_checks(gemms, monkeypatch):
+    """linear_grpo_loss launches the product before its GRPO checks (its argument handling costs
+    the host as much as the op's own at RL shapes); a call that fails them drops it."""
+    from megatron_fused_ce.losses import linear_grpo
+
+    original = linear_grpo.check_grpo_arguments
+
+    def checks(*args, **kwargs):
+        gemms.append("checks")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(linear_grpo, "check_grpo_arguments", checks)
+    call = _paths()["grpo"]
+    h, w, y = _inputs(7)
+    want = call(h, w, y)
+    gemms.clear()
+    got = call(h, w, y)
+    assert gemms[:2] == ["ahead", "checks"] and "launch" not in gemms, gemms
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    gemms.clear()
+    with pytest.raises(ValueError):  # advantages of the wrong length: refused by the checks
+        linear_grpo_loss(h.view(4, -1, H).requires_grad_(), w, y.clamp(min=0).view(4, -1), torch.ones(3),
+                         torch.ones(4, N // 4), GRPOConfig(), old_logprobs=torch.full((4, N // 4), -3.0))
+    assert gemms == ["ahead", "checks"]

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..ops import reductions
 from ..ops.agreement import finite_real, flag_argument, integer_argument
-from ..ops.api import LabelledCount, token_statistics
+from ..ops.api import LabelledCount, first_product_ahead, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 
 
@@ -94,6 +94,8 @@ def linear_cross_entropy(
     `expected_upstream_grad` (g, known at forward time), goes straight into main_grad times g with
     no buffer; the backward then checks g (see `api.expected_upstream_grad_problem`).
     """
+    ahead = first_product_ahead("linear_cross_entropy", hidden, weight, chunk_size, max_chunk_bytes, memory_mode,
+                                logits_dtype, sequence_parallel, reduction, label_smoothing, z_loss_weight)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
     sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
@@ -121,7 +123,7 @@ def linear_cross_entropy(
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
         memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=smoothing > 0.0,
         want_entropy=False, extra_checks=extra,
-        must_agree=must_agree, forward_grad=forward_grad, expected_upstream_grad=expected_upstream_grad)
+        must_agree=must_agree, forward_grad=forward_grad, expected_upstream_grad=expected_upstream_grad, ahead=ahead)
 
     if not smoothing and not z_weight and reduction != "none":
         total = stats.negative_logprob_total(mean=reduction == "mean")  # one kernel, where it applies

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops import reductions
 from ..ops.agreement import fits_int64, flag_argument, integer_argument
-from ..ops.api import linear_logprobs, token_statistics
+from ..ops.api import first_product_ahead, linear_logprobs, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, field_values, fused, grpo_loss,
                    loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
@@ -267,6 +267,14 @@ def gradients_in_forward_apply(config: GRPOConfig, old_logprobs, sampling_logpro
     return not (sequence_correction and on_policy)
 
 
+def _gradients_in_forward_or_none(config, old_logprobs, sampling_logprobs) -> bool:
+    """gradients_in_forward_apply, False where `config` is not a GRPOConfig (refused by the checks)."""
+    try:
+        return gradients_in_forward_apply(config, old_logprobs, sampling_logprobs)
+    except AttributeError:
+        return False
+
+
 def linear_grpo_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -319,6 +327,12 @@ def linear_grpo_loss(
     sequence_first = bool(sequence_parallel)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (hidden, weight))
+    # the first GEMM before the checks, where this key made it first last time (api.first_product_ahead),
+    # on the route through token_statistics below only
+    ahead = (None, None)
+    if sampling_mask is None and needs_grad and _gradients_in_forward_or_none(config, old_logprobs, sampling_logprobs):
+        ahead = first_product_ahead("linear_grpo_loss", hidden, weight, chunk_size, max_chunk_bytes, memory_mode,
+                                    logits_dtype, sequence_parallel)
     loss_kwargs = dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs,
                        sampling_logprobs=sampling_logprobs, normalizer=normalizer)
 
@@ -401,7 +415,7 @@ def linear_grpo_loss(
     must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)
     stats = token_statistics("linear_grpo_loss", hidden, weight, labels, **op_kwargs,
                              want_sum_logits=False, want_entropy=False, forward_grad=forward_grad,
-                             must_agree=must_agree, expected_upstream_grad=expected_upstream_grad)
+                             must_agree=must_agree, expected_upstream_grad=expected_upstream_grad, ahead=ahead)
     with torch.no_grad():
         metrics = forward_grad.metrics(stats.target.shape[0], sampling_logprobs is not None, cp_group, stats.poison)
     return metrics["loss"] + stats.anchor, metrics

@@ -544,7 +544,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                      want_entropy, logits_dtype=None, memory_mode="fast", max_chunk_bytes=None,
                      extra_checks=None, must_agree=None, forward_grad: Optional[ForwardGradLoss] = None,
                      sampler=None,
-                     expected_upstream_grad=None, mask_check=None, logprob_only: bool = False) -> TokenStats:
+                     expected_upstream_grad=None, mask_check=None, logprob_only: bool = False,
+                     ahead: Optional[tuple] = None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
@@ -566,9 +567,12 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     remembered signature); a mask with entries switches to replay.py's statistics.
     `logprob_only`: the caller differentiates `logprob()` alone (linear_logprobs without entropy):
     a call of one fast chunk then makes its dlogits in the forward
-    (chunked.LinearLogprobDlogitsInForward)."""
-    ahead_key, ahead = _first_product_ahead(fn_name, hidden, weight, chunk_size, max_chunk_bytes, memory_mode,
-                                            logits_dtype, sequence_parallel, want_entropy, want_sum_logits)
+    (chunked.LinearLogprobDlogitsInForward).
+    `ahead`: first_product_ahead's (key, product), where the entry point launched it before its own
+    argument handling (None: launched here)."""
+    ahead_key, ahead = ahead if ahead is not None else first_product_ahead(
+        fn_name, hidden, weight, chunk_size, max_chunk_bytes, memory_mode, logits_dtype, sequence_parallel,
+        want_entropy, want_sum_logits)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
     sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
@@ -770,7 +774,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
 DLOGITS_IN_FORWARD_MAX_BYTES = 512 * 1024 * 1024
 
 
-def _first_product_ahead(fn_name, hidden, weight, *options) -> tuple:
+def first_product_ahead(fn_name, hidden, weight, *options) -> tuple:
     """(key, product): the call's first GEMM launched before its argument handling, where the
     last call with the same key launched it first (fast.EarlyProduct.launch_remembered). The key:
     the entry point, hidden's and the weight's shapes, dtypes and devices, whether a gradient is
@@ -985,6 +989,9 @@ def linear_logprobs(
     kernels, no logits block); larger sets on the whole shard with 3 GEMMs per chunk (chosen from
     sizes, replay.sparse_is_cheaper).
     """
+    ahead = first_product_ahead("linear_logprobs", hidden, weight, chunk_size, max_chunk_bytes, memory_mode,
+                                logits_dtype, sequence_parallel, return_entropy, top_k, top_p, min_p, return_topk,
+                                sampling_mask is not None)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk))
     return_entropy, sequence_parallel, accumulate_into_main_grad = map(
@@ -1011,7 +1018,7 @@ def linear_logprobs(
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
         memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=False,
         want_entropy=return_entropy, extra_checks=problems,
-        sampler=active, mask_check=mask_check, logprob_only=not return_entropy)
+        sampler=active, mask_check=mask_check, logprob_only=not return_entropy, ahead=ahead)
     logprobs = stats.logprob()
     if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
         logprobs = torch.where(stats.kept, logprobs, float("-inf"))
