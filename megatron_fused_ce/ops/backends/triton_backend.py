@@ -52,7 +52,7 @@ from .triton_gemm_stats import round_bf16_by_hand
 # Launch settings (at the memory roofline: docs/design.md §10.6). Module-level so that
 # tools/benchmark.py can try a variant; not a public API.
 STATS_BLOCK_N = 4096  # columns per step of the online softmax
-STATS_WARPS = 8
+STATS_WARPS = 4  # (8 read 10-15 % slower on an H200: design.md §10.6)
 DLOGITS_BLOCK_N = 2048  # columns per program of the dlogits kernel
 DLOGITS_WARPS = 8
 PROGRAMS_PER_SM = 8  # split columns until the stats grid has at least this many programs per SM
