@@ -131,6 +131,9 @@ def test_the_key_holds_the_options_and_the_memo_is_bounded(gemms, monkeypatch):
         linear_logprobs(h, w, y, chunk_size=8)  # another chunk size: another key, nothing ahead
         assert "ahead" not in gemms
         gemms.clear()
+        linear_logprobs(h, w, y, chunk_size=7, impl="torch")  # another backend: another key
+        assert "ahead" not in gemms
+        gemms.clear()
         linear_logprobs(h, w, y, chunk_size=7)
         assert gemms.count("ahead") == 1 and "launch" not in gemms
     monkeypatch.setattr(fast.EarlyProduct, "MAX_REMEMBERED", 3)

@@ -141,7 +141,8 @@ def test_shard_logprob_matches_torch(small_blocks, dtype, temperature, n, v, pad
         if DEVICE.type == "cuda":  # log S as torch's CUDA log computes it: log-probs equal to the merge's
             stats = tb.shard_stats(logits, target, nvc, 1.0 / temperature)
             assert torch.equal(got[2], torch.log(stats.sum_exp))
-            assert torch.equal(got[0], torch.where(target >= 0, (stats.target - stats.max) - torch.log(stats.sum_exp), 0.0))
+            merged = (stats.target - stats.max) - torch.log(stats.sum_exp)
+            assert torch.equal(got[0], torch.where(target >= 0, merged, 0.0))
     # no rows
     none = tb.shard_logprob(logits[:0], target[:0], nvc, 1.0, torch.zeros(1, device=DEVICE))
     assert all(t.shape == (0,) for t in none)

@@ -94,8 +94,9 @@ def linear_cross_entropy(
     `expected_upstream_grad` (g, known at forward time), goes straight into main_grad times g with
     no buffer; the backward then checks g (see `api.expected_upstream_grad_problem`).
     """
-    ahead = first_product_ahead("linear_cross_entropy", hidden, weight, chunk_size, max_chunk_bytes, memory_mode,
-                                logits_dtype, sequence_parallel, reduction, label_smoothing, z_loss_weight)
+    ahead = first_product_ahead("linear_cross_entropy", hidden, weight, impl, chunk_size, max_chunk_bytes,
+                                memory_mode, logits_dtype, sequence_parallel, reduction, label_smoothing,
+                                z_loss_weight)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
     sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))

@@ -331,8 +331,8 @@ def linear_grpo_loss(
     # on the route through token_statistics below only
     ahead = (None, None)
     if sampling_mask is None and needs_grad and _gradients_in_forward_or_none(config, old_logprobs, sampling_logprobs):
-        ahead = first_product_ahead("linear_grpo_loss", hidden, weight, chunk_size, max_chunk_bytes, memory_mode,
-                                    logits_dtype, sequence_parallel)
+        ahead = first_product_ahead("linear_grpo_loss", hidden, weight, impl, chunk_size, max_chunk_bytes,
+                                    memory_mode, logits_dtype, sequence_parallel)
     loss_kwargs = dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs,
                        sampling_logprobs=sampling_logprobs, normalizer=normalizer)
 

@@ -571,7 +571,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `ahead`: first_product_ahead's (key, product), where the entry point launched it before its own
     argument handling (None: launched here)."""
     ahead_key, ahead = ahead if ahead is not None else first_product_ahead(
-        fn_name, hidden, weight, chunk_size, max_chunk_bytes, memory_mode, logits_dtype, sequence_parallel,
+        fn_name, hidden, weight, impl, chunk_size, max_chunk_bytes, memory_mode, logits_dtype, sequence_parallel,
         want_entropy, want_sum_logits)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
@@ -778,9 +778,10 @@ def first_product_ahead(fn_name, hidden, weight, *options) -> tuple:
     """(key, product): the call's first GEMM launched before its argument handling, where the
     last call with the same key launched it first (fast.EarlyProduct.launch_remembered). The key:
     the entry point, hidden's and the weight's shapes, dtypes and devices, whether a gradient is
-    needed, and the options that choose the first product; (None, None) under autocast (the
-    inputs are cast first) or with options that are not plain values. (On CPU too: the product is
-    computed there and then, and taken over as on a GPU, so the CPU tests' calls run this path.)"""
+    needed, and the options that choose the first product (`impl`, the chunking ones, the entry
+    point's own); (None, None) under autocast (the inputs are cast first) or with options that are
+    not plain values. (On CPU too: the product is computed there and then, and taken over as on a
+    GPU, so the CPU tests' calls run this path.)"""
     if not (isinstance(hidden, Tensor) and isinstance(weight, Tensor)):
         return None, None
     try:
@@ -989,7 +990,7 @@ def linear_logprobs(
     kernels, no logits block); larger sets on the whole shard with 3 GEMMs per chunk (chosen from
     sizes, replay.sparse_is_cheaper).
     """
-    ahead = first_product_ahead("linear_logprobs", hidden, weight, chunk_size, max_chunk_bytes, memory_mode,
+    ahead = first_product_ahead("linear_logprobs", hidden, weight, impl, chunk_size, max_chunk_bytes, memory_mode,
                                 logits_dtype, sequence_parallel, return_entropy, top_k, top_p, min_p, return_topk,
                                 sampling_mask is not None)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes, top_k, return_topk = map(

@@ -132,7 +132,8 @@ class EarlyProduct:
         rows = chunk_rows(rows, 0, min(num_rows, rows.shape[0]))
         with torch.no_grad():  # (the caller checked that autocast is off)
             ahead.value = logits_gemm(rows, weight, logits_dtype)
-        ahead.kind, ahead.logits_dtype, ahead.address, ahead.num_rows = cls.LOGITS, logits_dtype, rows.data_ptr(), rows.shape[0]
+        ahead.kind, ahead.logits_dtype = cls.LOGITS, logits_dtype
+        ahead.address, ahead.num_rows = rows.data_ptr(), rows.shape[0]
         return ahead
 
     @classmethod

@@ -529,7 +529,7 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                                   FINGERPRINT=fingerprint, BLOCK_E=LAYOUT_BLOCK_E, num_warps=2)
     if total > 1:
         _mask_duplicates_kernel[(cdiv(total, LAYOUT_BLOCK),)](torch.sort(keys).values, counts, total,
-                                                                     BLOCK=LAYOUT_BLOCK, num_warps=4)
+                                                              BLOCK=LAYOUT_BLOCK, num_warps=4)
     poison = None
     if flags is not None:
         from ..deferred_errors import SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
@@ -574,11 +574,11 @@ def gather_chunk(place: Tensor, logits: Tensor, z: Tensor, lo: int, hi: int, inv
     """z[e] = fp32(logits.flat[place[e] - lo]) * inv_temperature where lo <= place[e] < hi."""
     total = place.numel()
     _gather_chunk_kernel[(cdiv(total, CHUNK_BLOCK),)](place, logits.contiguous(), z, total, lo, hi,
-                                                             float(inv_temperature), BLOCK=CHUNK_BLOCK, num_warps=4)
+                                                      float(inv_temperature), BLOCK=CHUNK_BLOCK, num_warps=4)
 
 
 def scatter_chunk(place: Tensor, d: Tensor, block: Tensor, lo: int, hi: int) -> None:
     """block.flat[place[e] - lo] = d[e] where lo <= place[e] < hi (d in the block's dtype)."""
     total = place.numel()
     _scatter_chunk_kernel[(cdiv(total, CHUNK_BLOCK),)](place, d, block, total, lo, hi, BLOCK=CHUNK_BLOCK,
-                                                              num_warps=4)
+                                                       num_warps=4)

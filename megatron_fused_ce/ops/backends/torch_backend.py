@@ -76,7 +76,6 @@ def shard_stats(
     )
 
 
-
 def shard_logprob(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
                   poison: Tensor) -> tuple:
     """A chunk's log-probs where this shard is the whole vocab (TP = 1: nothing to merge), the
@@ -94,6 +93,7 @@ def finish_logprob(stats: ShardStats, local_target: Tensor, num_valid_cols: int,
     on_shard, _ = _target_mask(local_target, 0, num_valid_cols)
     logprob = torch.where(on_shard, (stats.target - stats.max) - log_sum_exp, 0.0) + poison
     return logprob, stats.max, log_sum_exp, stats.target, stats.max + log_sum_exp
+
 
 def shard_dlogits_(
     logits: Tensor,
@@ -263,9 +263,9 @@ def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
 
 
 BACKEND = Backend(
-    name="torch", shard_stats=shard_stats, shard_logprob=shard_logprob, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
-    exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates, kept_sums=sampling_torch.kept_sums,
-    kept_dlogits_=sampling_torch.kept_dlogits_,
+    name="torch", shard_stats=shard_stats, shard_logprob=shard_logprob, shard_dlogits_=shard_dlogits_, scale_=scale_,
+    scale_cast=scale_cast, exp_tile_=exp_tile_, shard_candidates=sampling_torch.shard_candidates,
+    kept_sums=sampling_torch.kept_sums, kept_dlogits_=sampling_torch.kept_dlogits_,
     kept_stats=replay_torch.kept_stats, kept_grads=replay_torch.kept_grads, label_targets=label_targets,
     entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
     labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,

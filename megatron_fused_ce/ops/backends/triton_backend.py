@@ -49,7 +49,7 @@ from .triton_common import (cached_launch, cdiv, f32 as _f32, interpreting as _i
                             sm_count as _sm_count)
 from .triton_gemm_stats import round_bf16_by_hand
 
-# Launch settings (at the memory roofline: docs/design.md §10.6). Module-level so that
+# Launch settings (measured: docs/design.md §10.6). Module-level so that
 # tools/benchmark.py can try a variant; not a public API.
 STATS_BLOCK_N = 4096  # columns per step of the online softmax
 STATS_WARPS = 4  # (8 read 10-15 % slower on an H200: design.md §10.6)
@@ -237,7 +237,8 @@ def shard_logprob(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv
 
 
 def _launch_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
-                  want_sum_logits: bool, want_entropy: bool, col_start: int, finish: Optional[tuple] = None) -> ShardStats:
+                  want_sum_logits: bool, want_entropy: bool, col_start: int,
+                  finish: Optional[tuple] = None) -> ShardStats:
     """The stats kernel (and the merge of its splits); `finish`: (log S, lse, log p_y, poison) of
     shard_logprob, written by the last launch."""
     f32 = dict(dtype=torch.float32, device=logits.device)
@@ -606,16 +607,16 @@ def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
         return torch_backend.row_scale(out, src, scale)
     block = 1024
     _row_scale_kernel[(rows, cdiv(cols, block))](out, out.stride(0), src, src.stride(0), _f32(scale), cols,
-                                                        BLOCK=block, num_warps=4)
+                                                 BLOCK=block, num_warps=4)
     return out
 
 
 from . import replay_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
 
 BACKEND = Backend(
-    name="triton", shard_stats=shard_stats, shard_logprob=shard_logprob, shard_dlogits_=shard_dlogits_, scale_=scale_, scale_cast=scale_cast,
-    exp_tile_=exp_tile_, shard_candidates=sampling_triton.shard_candidates, kept_sums=sampling_triton.kept_sums,
-    kept_dlogits_=sampling_triton.kept_dlogits_,
+    name="triton", shard_stats=shard_stats, shard_logprob=shard_logprob, shard_dlogits_=shard_dlogits_, scale_=scale_,
+    scale_cast=scale_cast, exp_tile_=exp_tile_, shard_candidates=sampling_triton.shard_candidates,
+    kept_sums=sampling_triton.kept_sums, kept_dlogits_=sampling_triton.kept_dlogits_,
     kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,
     entry_stats=replay_triton.entry_stats, entry_dlogits=replay_triton.entry_dlogits,
     kept_layout=replay_triton.kept_layout, labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,

@@ -31,7 +31,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ShardStats, chunk_rows
-from .triton_common import cached_launch, cdiv, compute_capability, interpreting as _interpreting, sm_count as _programs
+from .triton_common import (cached_launch, cdiv, compute_capability, interpreting as _interpreting,
+                            sm_count as _programs)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of 8 configurations on an H100 at the three
 # benchmark shapes (docs/design.md §10.3). Module-level so that tests can shrink them.
