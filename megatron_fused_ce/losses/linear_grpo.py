@@ -267,7 +267,7 @@ def gradients_in_forward_apply(config: GRPOConfig, old_logprobs, sampling_logpro
     return not (sequence_correction and on_policy)
 
 
-def _gradients_in_forward_or_none(config, old_logprobs, sampling_logprobs) -> bool:
+def _gradients_in_forward_or_false(config, old_logprobs, sampling_logprobs) -> bool:
     """gradients_in_forward_apply, False where `config` is not a GRPOConfig (refused by the checks)."""
     try:
         return gradients_in_forward_apply(config, old_logprobs, sampling_logprobs)
@@ -330,7 +330,7 @@ def linear_grpo_loss(
     # the first GEMM before the checks, where this key made it first last time (api.first_product_ahead),
     # on the route through token_statistics below only
     ahead = (None, None)
-    if sampling_mask is None and needs_grad and _gradients_in_forward_or_none(config, old_logprobs, sampling_logprobs):
+    if sampling_mask is None and needs_grad and _gradients_in_forward_or_false(config, old_logprobs, sampling_logprobs):
         ahead = first_product_ahead("linear_grpo_loss", hidden, weight, impl, chunk_size, max_chunk_bytes,
                                     memory_mode, logits_dtype, sequence_parallel)
     loss_kwargs = dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs,

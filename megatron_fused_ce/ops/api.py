@@ -570,7 +570,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     (chunked.LinearLogprobDlogitsInForward).
     `ahead`: first_product_ahead's (key, product), where the entry point launched it before its own
     argument handling (None: launched here)."""
-    ahead_key, ahead = ahead if ahead is not None else first_product_ahead(
+    ahead_key, ahead_product = ahead if ahead is not None else first_product_ahead(
         fn_name, hidden, weight, impl, chunk_size, max_chunk_bytes, memory_mode, logits_dtype, sequence_parallel,
         want_entropy, want_sum_logits)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
@@ -671,8 +671,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         with torch.no_grad(), autocast_off(hidden.device):
             first_product.launch(hidden2d, weight, flat_labels, spec,
                                  statistics=not (grad_in_forward or dlogits_in_forward),
-                                 label_offset=vocab_start, ignore_index=ignore_index, ahead=ahead)
-    _drop(ahead)
+                                 label_offset=vocab_start, ignore_index=ignore_index, ahead=ahead_product)
+    _drop(ahead_product)
     if ahead_key is not None:
         EarlyProduct.remember(ahead_key, first_product)
     # Every row goes through the chunk loop, an ignored one without a target and with a zero
