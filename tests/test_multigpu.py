@@ -223,6 +223,56 @@ def test_nccl_second_call_makes_no_host_synchronization(path):
     check_deferred_errors()
 
 
+# CUDA kernels of a steady call at TP = 2 (the NCCL collectives among them); measured on 2 x H200
+# (torch 2.11, Triton 3.6) and printed by the test
+NCCL_MAX_KERNELS = {"forward_only": 30, "logprobs": 30, "cross_entropy": 30}
+
+
+@pytest.mark.parametrize("path", list(NCCL_MAX_KERNELS))
+def test_nccl_kernels_per_call_are_bounded(path):
+    """TP over NCCL, bf16, Triton: the kernels of a steady call (the profiler's CUDA kernels, the
+    collectives among them; copies and memsets aside) are at most NCCL_MAX_KERNELS: the TP merge
+    is one launch between its two all-reduces and one after, a forward-only call's log-probs one
+    more."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+
+    def inputs(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        h = torch.randn(4, 256, 512, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+        w_full = torch.randn(4032 * tp, 512, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
+        w = w_full[rank * 4032:(rank + 1) * 4032].clone().requires_grad_()
+        y = torch.randint(0, 4032 * tp, (4, 256), device="cuda", generator=g)
+        y[:, :8] = -100
+        return h, w, y
+
+    def call(h, w, y):
+        kw = dict(tp_group=dist.group.WORLD)
+        if path == "forward_only":
+            with torch.no_grad():
+                return linear_logprobs(h, w, y, **kw).logprobs
+        if path == "logprobs":
+            out = linear_logprobs(h, w, y, **kw)
+            out.logprobs.sum().backward()
+            return out.logprobs
+        loss = linear_cross_entropy(h, w, y, **kw)
+        loss.backward()
+        return loss
+
+    call(*inputs(1))
+    call(*inputs(2))
+    third = inputs(3)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call(*third)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    print(f"TP={tp} rank {rank} {path}: {len(kernels)} CUDA kernels per call: " + " | ".join(k[:50] for k in kernels))
+    counts = _gather(len(kernels))
+    assert all(c <= NCCL_MAX_KERNELS[path] for c in counts), (counts, kernels)
+
+
 @pytest.mark.parametrize("path", ["cross_entropy", "grpo", "replay"])
 def test_nccl_graphed_calls_equal_eager(path):
     """make_graphed_callables over NCCL in the thread-local capture mode (megatron_fused_ce.cuda_graphs),

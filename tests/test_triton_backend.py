@@ -850,6 +850,161 @@ def test_labelled_loss_sum_matches_torch(tb, n):
                                            rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [1, 7, 2500])
+def test_tp_merge_kernels_match_torch(tb, n):
+    """The TP merge's per-row math, one launch each, against its torch definition: the partials
+    moved to the global max (a shard without valid columns, max -inf, contributes 0; with and
+    without sum z and the entropy's sum), the rank check's verdict (the poison NaN and the flag
+    recorded only where v differs; a poison already NaN stays NaN), the merged rows' log S, lse
+    and entropy, and a forward-only call's labelled log-probs (0 at ignored rows, NaN everywhere
+    under a NaN poison). On CUDA everything but the entropy's sums is equal bit for bit (libdevice's
+    expf and logf are torch's)."""
+    from megatron_fused_ce.ops.backends import ShardStats
+
+    g = torch.Generator().manual_seed(n)
+    row_max = torch.randn(n, generator=g) * 5
+    row_max[::3] = float("-inf")  # this shard holds no valid column of these rows
+    global_max = torch.maximum(row_max, torch.randn(n, generator=g) * 5)
+    sum_exp = torch.where(torch.isfinite(row_max), torch.rand(n, generator=g) * 50 + 1, 0.0)
+    stats = ShardStats(max=row_max, sum_exp=sum_exp, target=torch.randn(n, generator=g),
+                       sum_logits=torch.randn(n, generator=g) * 100, sum_exp_shifted=-torch.rand(n, generator=g) * 9)
+    v = torch.randint(0, 2**21, (6,), generator=g).float()
+    cuda = DEVICE.type == "cuda"
+
+    def on_device(x):
+        return None if x is None else x.to(DEVICE)
+
+    for fields in (("sum_logits", "sum_exp_shifted"), ("sum_exp_shifted",), ()):
+        partial = dataclasses.replace(stats, **{f: None for f in ("sum_logits", "sum_exp_shifted") if f not in fields})
+        for differ, poison_so_far in ((False, 0.0), (True, 0.0), (False, float("nan"))):
+            reduced = torch.cat([v, -v])
+            if differ:
+                reduced[2] += 1  # max(v) != -max(-v) at one place
+            flags = {}
+            results = {}
+            for name, backend in (("torch", torch_backend), ("triton", tb)):
+                flags[name] = torch.full((1,), 4, dtype=torch.int64, device=DEVICE)
+                verdict = (reduced.to(DEVICE), torch.full((1,), poison_so_far, device=DEVICE), flags[name], 2)
+                on = ShardStats(**{k: on_device(getattr(partial, k)) for k in ShardStats.__dataclass_fields__})
+                results[name] = backend.rescaled_partials(on, global_max.to(DEVICE), verdict)
+            (payload, poison), (want_payload, want_poison) = results["triton"], results["torch"]
+            assert payload.shape == want_payload.shape == (2 + len(fields), n)
+            _close(payload, want_payload, what=f"payload {fields}")
+            assert torch.all(payload[0].cpu()[~torch.isfinite(row_max)] == 0)
+            assert torch.equal(payload[1:1 + ("sum_logits" in fields) + 1].cpu(),
+                               want_payload[1:1 + ("sum_logits" in fields) + 1].cpu())  # copies
+            if cuda:
+                assert torch.equal(payload[0], want_payload[0])
+            assert torch.isnan(poison).item() == (differ or poison_so_far != 0.0), (differ, poison_so_far)
+            assert torch.equal(poison.isnan(), want_poison.isnan())
+            assert flags["triton"].item() == flags["torch"].item() == 4 | (2 if differ else 0)
+    # without a verdict: no poison
+    assert tb.rescaled_partials(ShardStats(**{k: on_device(getattr(stats, k)) for k in ShardStats.__dataclass_fields__}),
+                                global_max.to(DEVICE))[1] is None
+
+    total = torch.rand(n, generator=g) * 1e4 + 1
+    shifted = torch.rand(n, generator=g) * 1e3
+    for with_entropy in (True, False):
+        got = tb.merged_tail(global_max.to(DEVICE), total.to(DEVICE), shifted.to(DEVICE) if with_entropy else None)
+        want = torch_backend.merged_tail(global_max.to(DEVICE), total.to(DEVICE),
+                                         shifted.to(DEVICE) if with_entropy else None)
+        assert (got[2] is None) == (not with_entropy)
+        for name, a, b in zip(("log_sum_exp", "lse", "entropy"), got, want):
+            if a is not None:
+                _close(a, b, what=name)
+                if cuda:
+                    assert torch.equal(a, b), name
+
+    target = torch.randn(n, generator=g) + global_max
+    log_sum_exp = torch.rand(n, generator=g) * 5
+    labelled = torch.rand(n, generator=g) > 0.3
+    for mask in (labelled, None):
+        for poison_value in (0.0, float("nan"), None):
+            poison = None if poison_value is None else torch.full((1,), poison_value, device=DEVICE)
+            args = (target.to(DEVICE), global_max.to(DEVICE), log_sum_exp.to(DEVICE), on_device(mask), poison)
+            got, want = tb.labelled_logprob(*args), torch_backend.labelled_logprob(*args)
+            if poison_value is not None and poison_value != 0:
+                assert torch.isnan(got).all()
+                continue
+            _close(got, want, what="labelled_logprob")
+            if cuda:
+                assert torch.equal(got, want)
+            if mask is not None:
+                assert torch.all(got.cpu()[~mask] == 0)
+
+
+def _forward_only_worker(rank, world, case, impl, chunk_size):
+    import torch.distributed as dist
+
+    from megatron_fused_ce.ops import backends
+
+    group = dist.group.WORLD
+    v_local = case["v_local"]
+    launches = []
+    backend = backends.select(impl, torch.device("cpu"))
+    original = backend.labelled_logprob
+
+    def spy(*args):
+        launches.append(args[0].shape[0])
+        return original(*args)
+
+    object.__setattr__(backend, "labelled_logprob", spy)  # (a frozen dataclass: this worker's copy only)
+    try:
+        h = case["hidden"].clone()
+        w = case["weight"][rank * v_local:(rank + 1) * v_local].clone()
+        common = dict(tp_group=group, vocab_size=case["vocab"], temperature=0.7, chunk_size=chunk_size, impl=impl)
+        with torch.no_grad():
+            forward_only = linear_logprobs(h, w, case["labels"], **common).logprobs
+        taken = list(launches)
+        with_grad = linear_logprobs(h.requires_grad_(), w, case["labels"], **common).logprobs.detach()
+        # a remembered signature (the rank check rides on the merge), labels that differ on one rank
+        labels = case["labels"].clone()
+        if rank == 1:
+            labels[0, 1] = (labels[0, 1] + 1) % case["vocab"]
+        with torch.no_grad():
+            linear_logprobs(h.detach(), w, case["labels"], **common)
+            differing = linear_logprobs(h.detach(), w, labels, **common).logprobs
+        try:
+            from megatron_fused_ce import check_deferred_errors
+
+            check_deferred_errors()
+            raised = None
+        except ValueError as error:
+            raised = str(error)
+    finally:
+        object.__setattr__(backend, "labelled_logprob", original)
+    return forward_only, with_grad, taken, bool(torch.isnan(differing).all()), raised
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_forward_only_logprobs_over_tp_ranks_end_in_one_launch(small_blocks, impl, chunk_size):
+    """A forward-only log-prob call at TP = 2 (one chunk, several) ends in backend.labelled_logprob
+    after the merge's two launches: values equal to the float64 reference (ignored labels, a padded
+    vocab, temperature) and to the differentiable call's (bit for bit on the torch backend); labels
+    that differ across ranks on a remembered signature give NaN on every rank and raise at the
+    next check (the merge's kernel records the verdict)."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the gloo harness runs on CPU tensors; tests/test_multigpu.py runs NCCL")
+    tp = 2
+    case = _case(29, tp, torch.float32)
+    z = (case["hidden"].double().reshape(-1, case["hidden"].shape[-1]) @ case["weight"].double()[:case["vocab"]].t())
+    labels = case["labels"].reshape(-1)
+    ref = torch.log_softmax(z / 0.7, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    ref = torch.where(labels >= 0, ref, 0.0).reshape(case["labels"].shape)
+    for rank, (forward_only, with_grad, taken, nan, raised) in enumerate(
+            run_workers(_forward_only_worker, tp, case, impl, chunk_size)):
+        assert taken == [labels.numel()], (rank, taken)
+        torch.testing.assert_close(forward_only.double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.all(forward_only[case["labels"] < 0] == 0)
+        if impl == "torch":
+            assert torch.equal(forward_only, with_grad)
+        else:
+            _close(forward_only, with_grad, what="forward-only against the differentiable call")
+        assert nan, rank
+        assert raised is not None and "differ across tensor-parallel ranks" in raised, (rank, raised)
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("chunk_size", [None, 16])
 def test_upstream_gradient_is_applied_in_fp32(small_blocks, impl, chunk_size):

@@ -699,8 +699,10 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         mask_poison = replay_chunks.poison
     rank_check = None
     if compare_ranks:
-        rank_check = reductions.RankCheck(_rank_check_values(
-            device_checks.rank_pieces, must_agree, replay_chunks.fingerprint if replaying else None))
+        rank_check = reductions.RankCheck(
+            _rank_check_values(device_checks.rank_pieces, must_agree, replay_chunks.fingerprint if replaying else None),
+            poison=device_checks.poison if mask_poison is None else mask_poison,
+            flags=deferred_errors.flags(flat_labels.device))
         spec = replace(spec, rank_check=rank_check)
 
     shape = tuple(labels.shape)
@@ -748,6 +750,14 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         _drop(first_product)
+        if logprob_only and not needs_grad and type(merged) is reductions.MergedStats:
+            # any other forward-only log-prob call (TP > 1, several chunks, the fused statistics
+            # GEMM): the labelled log-probs with the device checks' poison in one launch
+            logprob = backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                               _device_poison(device_checks, rank_check))
+            return TokenStats(merged.target, merged.lse, None, None, row_index, shape, num_rows, None, merged.max,
+                              merged.log_sum_exp, num_labelled=num_labelled, labelled=labelled, backend=backend,
+                              logprob_value=logprob)
     target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
     if forward_grad is not None and needs_grad:  # fp16: the same contract, gradients on the recompute path
         anchor = _anchor_from_token_grads(forward_grad, target, lse, sum_logits, entropy, merged.max,
@@ -884,12 +894,10 @@ def _device_poison(device_checks: Optional[_DeviceChecks], rank_check,
     `mask_poison`: the sampling mask's check with the labels' already in it (replay_tiling's)."""
     if device_checks is None:
         return None
-    # (label_targets recorded what it found)
-    poison = device_checks.poison if mask_poison is None else mask_poison
-    if rank_check is not None and rank_check.differ is not None:
-        deferred_errors.record(rank_check.differ.to(torch.int64) * deferred_errors.RANKS_DIFFER)
-        poison = poison + torch.where(rank_check.differ, float("nan"), 0.0)
-    return poison
+    # (label_targets recorded what it found; the rank check's merge what it found, in its poison)
+    if rank_check is not None:
+        return rank_check.poison
+    return device_checks.poison if mask_poison is None else mask_poison
 
 
 def linear_logprobs(

@@ -216,7 +216,7 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec):
         logits, partials = fast.chunk_forward(hidden, weight, local_target, spec, want_stats=True)
-        merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.rank_check)
+        merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.backend, spec.rank_check)
         logprob = reductions.labelled_log_prob(merged.target, merged.max, merged.log_sum_exp, labelled)
         made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad)
         ctx.spec = replace(spec, tiling=made, first_product=None)

@@ -430,7 +430,7 @@ class MergedAfterLoop:
 
     def merged_statistics(self, hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec):
         return reductions.merge_shard_stats(shard_partials(hidden_rows, weight, local_target, spec), spec.tp_group,
-                                            spec.rank_check)
+                                            spec.backend, spec.rank_check)
 
 
 class FastChunks(MergedAfterLoop):
@@ -464,7 +464,7 @@ class FastChunks(MergedAfterLoop):
         """-> (the chunk's statistics merged over TP ranks, its logits)."""
         logits, stats = chunk_forward(h, weight, local_target, spec, want_stats=one_hot_scale is None)
         if one_hot_scale is None:
-            return reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check), logits
+            return reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check), logits
         # the logits become softmax - one_hot in the same pass that takes lse
         loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
         target = lse - loss

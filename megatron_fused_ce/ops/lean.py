@@ -93,7 +93,7 @@ class LeanTiles(MergedAfterLoop):
     def forward_statistics(self, plan: "_SweepA", h: Tensor, weight: Tensor, local_target: Tensor, spec):
         """Sweep A over a token chunk -> (its statistics merged over TP ranks, (partials, accumulator))."""
         stats, acc = expected_rows(h, plan.blocks, local_target, spec, want_acc=plan.needs_dx)
-        return reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check), (stats, acc)
+        return reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check), (stats, acc)
 
     def forward_grads(self, plan: "_SweepA", pending, h: Tensor, weight: Tensor, local_target: Tensor, spec,
                       merged, coefs: dict, dx_chunk: Optional[Tensor], dw_out: Optional[Tensor], **unused) -> None:

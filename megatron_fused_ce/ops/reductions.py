@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import deferred_errors
 from .backends import ShardStats
 
 
@@ -109,60 +110,54 @@ class RankCheck:
     """Values that must be equal on every rank of the group (fp32 pieces of fingerprints, exact
     integers), compared on the device by riding on the first all-reduce MAX of a call's statistics:
     [row maxima | v | -v] reduced at once, and v differs somewhere iff max(v) != -max(-v). Every
-    rank computes the same verdict (`differ`, a 0-d bool tensor) without a collective or a host
-    read of its own (deferred_errors.py)."""
+    rank computes the same verdict without a collective or a host read of its own
+    (deferred_errors.py): the merge replaces `poison` (fp32 [1], the call's device checks so far:
+    NaN where they found bad contents, else 0) by one with the verdict in it, and records the
+    verdict in `flags` (the device's word of deferred errors)."""
 
-    def __init__(self, values: Tensor):
+    def __init__(self, values: Tensor, poison: Tensor, flags: Optional[Tensor]):
         self.values: Optional[Tensor] = values
-        self.differ: Optional[Tensor] = None
+        self.poison = poison
+        self.flags = flags
 
     def take(self) -> Optional[Tensor]:
         values, self.values = self.values, None
         return values
 
+    def verdict_inputs(self, reduced: Tensor) -> tuple:
+        """backend.rescaled_partials' `rank_verdict`, from the reduced [v | -v]."""
+        return reduced, self.poison, self.flags, deferred_errors.RANKS_DIFFER
 
-def merge_shard_stats(stats: ShardStats, group, rank_check: Optional[RankCheck] = None) -> MergedStats:
+
+def merge_shard_stats(stats: ShardStats, group, backend, rank_check: Optional[RankCheck] = None) -> MergedStats:
+    """This shard's partials -> the statistics over the whole vocab, identical on every rank: an
+    all-reduce MAX of the row maxima (with the rank check's values riding on it), the backend's
+    rescaling of the partials to the global max (one launch), an all-reduce SUM, the backend's
+    log S / lse / entropy (one launch). At TP = 1 the tail alone."""
     global_max = stats.max
-    sum_exp, sum_exp_shifted = stats.sum_exp, stats.sum_exp_shifted
+    sum_exp, target, sum_logits, sum_exp_shifted = stats.sum_exp, stats.target, stats.sum_logits, stats.sum_exp_shifted
     if group_size(group) > 1:
         check = rank_check.take() if rank_check is not None else None
+        verdict = None
         if check is None:
             global_max = stats.max.clone()
             dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
         else:  # the rank check rides on this all-reduce
-            rows, width = stats.max.numel(), check.numel()
+            rows = stats.max.numel()
             payload = torch.cat([stats.max, check, -check])
             dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
-            rank_check.differ = (payload[rows:rows + width] != -payload[rows + width:]).any()
-            global_max = payload[:rows]
-        # Rescale each shard's exp-sums to the common max; a shard without valid columns has
-        # max = -inf and contributes exp(-inf) = 0.
-        rescale = torch.exp(stats.max - global_max)
-        parts = [stats.sum_exp * rescale, stats.target]
-        if stats.sum_logits is not None:
-            parts.append(stats.sum_logits)
-        if stats.sum_exp_shifted is not None:
-            # sum exp(z - M)(z - M) = exp(m - M) (sum exp(z - m)(z - m) + (m - M) sum exp(z - m))
-            shift = torch.where(torch.isfinite(stats.max), stats.max - global_max, 0.0)
-            parts.append((stats.sum_exp_shifted + shift * stats.sum_exp) * rescale)
-        summed = torch.stack(parts)
+            global_max, verdict = payload[:rows], rank_check.verdict_inputs(payload[rows:])
+        summed, poison = backend.rescaled_partials(stats, global_max, verdict)
+        if poison is not None:
+            rank_check.poison = poison
         dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
-        summed = list(summed.unbind(0))
+        summed = summed.unbind(0)
         sum_exp, target = summed[0], summed[1]
         sum_logits = summed[2] if stats.sum_logits is not None else None
         sum_exp_shifted = summed[-1] if stats.sum_exp_shifted is not None else None
-    else:
-        target, sum_logits = stats.target, stats.sum_logits
-    log_sum_exp = torch.log(sum_exp)
-    return MergedStats(
-        lse=global_max + log_sum_exp,
-        target=target,
-        sum_logits=sum_logits,
-        # H = lse - E[z] = log S - E[z - M]: two non-negative terms, no cancellation at large |z|
-        entropy=None if sum_exp_shifted is None else log_sum_exp - sum_exp_shifted / sum_exp,
-        max=global_max,
-        log_sum_exp=log_sum_exp,
-    )
+    log_sum_exp, lse, entropy = backend.merged_tail(global_max, sum_exp, sum_exp_shifted)
+    return MergedStats(lse=lse, target=target, sum_logits=sum_logits, entropy=entropy, max=global_max,
+                       log_sum_exp=log_sum_exp)
 
 
 class InputGradSum:

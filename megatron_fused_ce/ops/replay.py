@@ -598,7 +598,7 @@ class ReplayChunks:
         z = self._z
         self._z = None
         stats = ShardStats(**{name: per_row[i, :num_rows] for i, name in enumerate(names)})
-        merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.rank_check)
+        merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check)
         return ReplayStats(**vars(merged), kept=entries.kept, entry_z=z)
 
     def _kept_partials(self, rows: Tensor, weight: Tensor, spec, into: Tensor) -> None:

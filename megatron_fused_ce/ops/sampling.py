@@ -420,7 +420,7 @@ class SamplerChunks:
             return logits_partials(logits, local_target[start:end], spec)
 
         partials = concat_partials(map_chunk_logits(rows, weight, spec, plain_stats_and_candidates), rows, spec)
-        merged = reductions.merge_shard_stats(partials, spec.tp_group)
+        merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.backend)
         local = torch.cat(keys) if keys else torch.zeros(0, sp.num_candidates, dtype=torch.int64, device=rows.device)
         topk_lp, topk_ids = _topk(merge_candidates(local, spec.tp_group), merged.max, merged.log_sum_exp,
                                   sp.return_topk)

@@ -6,7 +6,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 
 | capability | what it replaces | who has it |
 |---|---|---|
-| `shard_stats`, `shard_logprob`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
+| `shard_stats`, `shard_logprob`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, the TP merge's `rescaled_partials` / `merged_tail`, `labelled_logprob`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
 | `kept_stats`, `kept_grads`, `entry_stats`, `entry_dlogits`: sampling-mask replay's kept entries (gathered W rows, their dots, statistics, dlogits, dX, dW) (required) | - | torch (replay_torch.py), Triton (replay_triton.py) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
@@ -125,6 +125,12 @@ class Backend:
     labelled_loss_sum: Callable
     # [rows, H] rows times a per-row upstream gradient, rounded once into an output
     row_scale: Callable
+    # the TP merge's per-row math (reductions.merge_shard_stats): the partials moved to the global
+    # max for the all-reduce SUM (with the rank check's verdict), the merged rows' log S, lse and
+    # entropy; a forward-only call's labelled log-probs with the device checks' poison
+    rescaled_partials: Callable
+    merged_tail: Callable
+    labelled_logprob: Callable
     # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)
     tile_scratch_bytes: int = 0
     # capabilities (None: not available)

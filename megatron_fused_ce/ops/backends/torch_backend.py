@@ -89,10 +89,56 @@ def finish_logprob(stats: ShardStats, local_target: Tensor, num_valid_cols: int,
     lse = M + log S and log p_y = (z_y - M) - log S, as reductions.merge_shard_stats and
     labelled_log_prob compute them; log p_y is 0 where the label is not a column (ignored), and
     `poison` (fp32 [1]: NaN where the device checks found bad contents, else 0) is added to it."""
-    log_sum_exp = torch.log(stats.sum_exp)
+    log_sum_exp, lse, _ = merged_tail(stats.max, stats.sum_exp, None)
     on_shard, _ = _target_mask(local_target, 0, num_valid_cols)
-    logprob = torch.where(on_shard, (stats.target - stats.max) - log_sum_exp, 0.0) + poison
-    return logprob, stats.max, log_sum_exp, stats.target, stats.max + log_sum_exp
+    logprob = labelled_logprob(stats.target, stats.max, log_sum_exp, on_shard, poison)
+    return logprob, stats.max, log_sum_exp, stats.target, lse
+
+
+def rescaled_partials(stats: ShardStats, global_max: Tensor, rank_verdict: Optional[tuple] = None) -> tuple:
+    """A shard's partials moved to the rows' max over the TP group M (`global_max`), stacked for
+    the all-reduce SUM: [sum exp(z - M), z_y, (sum z), (sum exp(z - M)(z - M))] x n, fp32. A shard
+    without valid columns (m = -inf) contributes exp(-inf) = 0. With `rank_verdict`
+    (reductions.RankCheck.verdict_inputs: the rank check's reduced [v | -v], the call's poison so
+    far, the flags word and the flag to record) also the poison with the verdict in it (NaN where
+    v differed across ranks, recorded), else None: (payload, poison)."""
+    rescale = torch.exp(stats.max - global_max)
+    parts = [stats.sum_exp * rescale, stats.target]
+    if stats.sum_logits is not None:
+        parts.append(stats.sum_logits)
+    if stats.sum_exp_shifted is not None:
+        # sum exp(z - M)(z - M) = exp(m - M) (sum exp(z - m)(z - m) + (m - M) sum exp(z - m))
+        shift = torch.where(torch.isfinite(stats.max), stats.max - global_max, 0.0)
+        parts.append((stats.sum_exp_shifted + shift * stats.sum_exp) * rescale)
+    poison = None
+    if rank_verdict is not None:
+        reduced, poison_so_far, flags, flag = rank_verdict
+        width = reduced.numel() // 2
+        differ = (reduced[:width] != -reduced[width:]).any()  # max(v) != -max(-v): v differs somewhere
+        if flags is not None:
+            flags.bitwise_or_((differ.to(torch.int64) * flag).reshape(1))
+        poison = poison_so_far + torch.where(differ, float("nan"), 0.0)
+    return torch.stack(parts), poison
+
+
+def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor]) -> tuple:
+    """The merged statistics' last step: (log S, lse = M + log S, entropy or None), fp32 [n], from
+    the rows' max M, S = sum exp(z - M) and sum exp(z - M)(z - M) over the whole vocab. The entropy
+    H = lse - E[z] = log S - E[z - M]: two non-negative terms, no cancellation at large |z|."""
+    log_sum_exp = torch.log(sum_exp)
+    entropy = None if sum_exp_shifted is None else log_sum_exp - sum_exp_shifted / sum_exp
+    return log_sum_exp, row_max + log_sum_exp, entropy
+
+
+def labelled_logprob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
+                     poison: Optional[Tensor]) -> Tensor:
+    """A forward-only call's result: log p_y = (z_y - M) - log S, 0 where the label is ignored
+    (`labelled` False; None: every row), plus `poison` ([1]: NaN where the device checks found bad
+    contents, else 0; None: nothing to add)."""
+    value = (target - row_max) - log_sum_exp
+    if labelled is not None:
+        value = torch.where(labelled, value, 0.0)
+    return value if poison is None else value + poison
 
 
 def shard_dlogits_(
@@ -268,6 +314,7 @@ BACKEND = Backend(
     kept_sums=sampling_torch.kept_sums, kept_dlogits_=sampling_torch.kept_dlogits_,
     kept_stats=replay_torch.kept_stats, kept_grads=replay_torch.kept_grads, label_targets=label_targets,
     entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
-    labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,
+    labelled_loss_sum=labelled_loss_sum, row_scale=row_scale, rescaled_partials=rescaled_partials,
+    merged_tail=merged_tail, labelled_logprob=labelled_logprob,
     tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
 )

@@ -586,6 +586,140 @@ def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labe
     return out
 
 
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    """exp as torch's CUDA exp computes it (libdevice's expf), where PRECISE; else tl.exp."""
+    if PRECISE:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@cached_launch
+@triton.jit
+def _rescaled_partials_kernel(max_ptr, global_max_ptr, sum_exp_ptr, target_ptr, sum_logits_ptr, shifted_ptr, out_ptr,
+                              n, entropy_row, reduced_ptr, width, poison_ptr, poison_out_ptr, flags_ptr, flag,
+                              WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, VERDICT: tl.constexpr,
+                              HAS_FLAGS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                              PRECISE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < n
+    m = tl.load(max_ptr + rows, mask=ok, other=0.0)
+    global_m = tl.load(global_max_ptr + rows, mask=ok, other=0.0)
+    rescale = _exp(m - global_m, PRECISE)  # a shard without valid columns: exp(-inf) = 0
+    s = tl.load(sum_exp_ptr + rows, mask=ok, other=0.0)
+    tl.store(out_ptr + rows, s * rescale, mask=ok)
+    tl.store(out_ptr + n + rows, tl.load(target_ptr + rows, mask=ok, other=0.0), mask=ok)
+    if WANT_SUM:
+        tl.store(out_ptr + 2 * n + rows, tl.load(sum_logits_ptr + rows, mask=ok, other=0.0), mask=ok)
+    if WANT_ENTROPY:  # the last row of the payload
+        shift = tl.where((m > float("-inf")) & (m < float("inf")), m - global_m, 0.0)
+        shifted = tl.load(shifted_ptr + rows, mask=ok, other=0.0)
+        tl.store(out_ptr + entropy_row * n + rows, (shifted + shift * s) * rescale, mask=ok)
+    if VERDICT:
+        if tl.program_id(0) == 0:
+            i = tl.arange(0, BLOCK_W)
+            in_width = i < width
+            v = tl.load(reduced_ptr + i, mask=in_width, other=0.0)
+            minus_v = tl.load(reduced_ptr + width + i, mask=in_width, other=0.0)
+            differ = tl.max((v != -minus_v).to(tl.int32), axis=0)  # max(v) != -max(-v) somewhere
+            tl.store(poison_out_ptr, tl.load(poison_ptr) + tl.where(differ != 0, float("nan"), 0.0))
+            if HAS_FLAGS:
+                tl.store(flags_ptr, tl.load(flags_ptr) | (differ.to(tl.int64) * flag))
+
+
+def rescaled_partials(stats: ShardStats, global_max: Tensor, rank_verdict: Optional[tuple] = None) -> tuple:
+    """torch_backend.rescaled_partials in one launch (with the rank check's verdict: it replaces
+    ten elementwise launches and reductions between the TP merge's two all-reduces)."""
+    if not _runs_kernel(global_max):
+        return torch_backend.rescaled_partials(stats, global_max, rank_verdict)
+    n = global_max.numel()
+    want_sum, want_entropy = stats.sum_logits is not None, stats.sum_exp_shifted is not None
+    out = torch.empty(2 + want_sum + want_entropy, n, dtype=torch.float32, device=global_max.device)
+    row_max, global_max = _f32(stats.max), _f32(global_max)
+    verdict_args, poison = (row_max, 0, row_max, row_max, row_max, 0), None
+    if rank_verdict is not None:
+        reduced, poison_so_far, flags, flag = rank_verdict
+        poison = torch.empty(1, dtype=torch.float32, device=global_max.device)
+        verdict_args = (_f32(reduced), reduced.numel() // 2, _f32(poison_so_far), poison,
+                        flags if flags is not None else poison, int(flag))
+    block = 1024
+    _rescaled_partials_kernel[(max(1, cdiv(n, block)),)](
+        row_max, global_max, _f32(stats.sum_exp), _f32(stats.target),
+        _f32(stats.sum_logits) if want_sum else row_max, _f32(stats.sum_exp_shifted) if want_entropy else row_max,
+        out, n, 2 + want_sum, *verdict_args,
+        WANT_SUM=want_sum, WANT_ENTROPY=want_entropy, VERDICT=rank_verdict is not None,
+        HAS_FLAGS=rank_verdict is not None and rank_verdict[2] is not None, BLOCK=block,
+        BLOCK_W=next_power_of_2(max(verdict_args[1], 1)), PRECISE=not _interpreting(), num_warps=4)
+    return out, poison
+
+
+@cached_launch
+@triton.jit
+def _merged_tail_kernel(max_ptr, sum_exp_ptr, shifted_ptr, log_sum_exp_ptr, lse_ptr, entropy_ptr, n,
+                        WANT_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < n
+    s = tl.load(sum_exp_ptr + rows, mask=ok, other=1.0)
+    log_s = _log(s, PRECISE)
+    tl.store(log_sum_exp_ptr + rows, log_s, mask=ok)
+    tl.store(lse_ptr + rows, tl.load(max_ptr + rows, mask=ok, other=0.0) + log_s, mask=ok)
+    if WANT_ENTROPY:
+        tl.store(entropy_ptr + rows, log_s - tl.load(shifted_ptr + rows, mask=ok, other=0.0) / s, mask=ok)
+
+
+def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor]) -> tuple:
+    """torch_backend.merged_tail in one launch."""
+    if not _runs_kernel(row_max):
+        return torch_backend.merged_tail(row_max, sum_exp, sum_exp_shifted)
+    n = row_max.numel()
+    f32 = dict(dtype=torch.float32, device=row_max.device)
+    log_sum_exp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
+    entropy = torch.empty(n, **f32) if sum_exp_shifted is not None else None
+    block = 1024
+    _merged_tail_kernel[(max(1, cdiv(n, block)),)](
+        _f32(row_max), _f32(sum_exp), _f32(sum_exp_shifted) if entropy is not None else lse, log_sum_exp, lse,
+        entropy if entropy is not None else lse, n, WANT_ENTROPY=entropy is not None, BLOCK=block,
+        PRECISE=not _interpreting(), num_warps=4)
+    return log_sum_exp, lse, entropy
+
+
+@cached_launch
+@triton.jit
+def _labelled_logprob_kernel(target_ptr, max_ptr, log_sum_exp_ptr, labelled_ptr, poison_ptr, out_ptr, n,
+                             HAS_LABELLED: tl.constexpr, HAS_POISON: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < n
+    value = ((tl.load(target_ptr + rows, mask=ok, other=0.0) - tl.load(max_ptr + rows, mask=ok, other=0.0))
+             - tl.load(log_sum_exp_ptr + rows, mask=ok, other=0.0))
+    if HAS_LABELLED:
+        value = tl.where(tl.load(labelled_ptr + rows, mask=ok, other=0) != 0, value, 0.0)
+    if HAS_POISON:
+        value = value + tl.load(poison_ptr)
+    tl.store(out_ptr + rows, value, mask=ok)
+
+
+def labelled_logprob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
+                     poison: Optional[Tensor]) -> Tensor:
+    """torch_backend.labelled_logprob in one launch (four elementwise ones there)."""
+    if not _runs_kernel(target):
+        return torch_backend.labelled_logprob(target, row_max, log_sum_exp, labelled, poison)
+    n = target.numel()
+    out = torch.empty(n, dtype=torch.float32, device=target.device)
+    args = [_f32(t) for t in (target, row_max, log_sum_exp)]
+    block = 1024
+    _labelled_logprob_kernel[(max(1, cdiv(n, block)),)](
+        *args, args[0] if labelled is None else labelled.contiguous().view(torch.uint8),
+        args[0] if poison is None else _f32(poison), out, n,
+        HAS_LABELLED=labelled is not None, HAS_POISON=poison is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def _runs_kernel(t: Tensor) -> bool:
+    """Where the per-row kernels run: CUDA tensors, and CPU ones under the interpreter (the CPU
+    tests' Triton backend); elsewhere their torch definitions."""
+    return t.is_cuda or _interpreting()
+
+
 @cached_launch
 @triton.jit
 def _row_scale_kernel(out_ptr, out_stride, src_ptr, src_stride, scale_ptr, cols, BLOCK: tl.constexpr):
@@ -620,6 +754,7 @@ BACKEND = Backend(
     kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,
     entry_stats=replay_triton.entry_stats, entry_dlogits=replay_triton.entry_dlogits,
     kept_layout=replay_triton.kept_layout, labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,
+    rescaled_partials=rescaled_partials, merged_tail=merged_tail, labelled_logprob=labelled_logprob,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
 )
