@@ -32,9 +32,9 @@ GRPO_OPTION_SETS = {
                                         is_correction="sequence_mask", is_clip_min=0.5, is_clip_max=2.0),
 }
 MAX_KERNELS = {"cross_entropy": 30, "logprobs": 30, "logprobs_entropy": 30, "forward_only": 30, "grpo": 40}
-# Measured on an H200 (torch 2.11, Triton 3.6): forward-only 4 at TP = 1 (the GEMM, the label and statistics
-# kernels, a memset; 11 before its epilogue went into the statistics kernel), log-probs 20 (30 with entropy),
-# cross-entropy 13, GRPO 15 with each option set (its per-token terms: one kernel, triton_grpo.py).
+# Measured on an H200 (torch 2.11, Triton 3.6): forward-only 3 at TP = 1 (the GEMM, the label and statistics
+# kernels; 10 before its epilogue went into the statistics kernel), log-probs 21 (26 with entropy),
+# cross-entropy 12, GRPO 14 with each option set (its per-token terms: one kernel, triton_grpo.py).
 
 
 def _inputs(seed):

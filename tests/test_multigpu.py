@@ -223,9 +223,10 @@ def test_nccl_second_call_makes_no_host_synchronization(path):
     check_deferred_errors()
 
 
-# CUDA kernels of a steady call at TP = 2 (the NCCL collectives among them); measured on 2 x H200
-# (torch 2.11, Triton 3.6) and printed by the test
-NCCL_MAX_KERNELS = {"forward_only": 30, "logprobs": 30, "cross_entropy": 30}
+# CUDA kernels of a steady call at TP = 2, the NCCL collectives among them (printed by the test);
+# measured on 2 x H200 (torch 2.11, Triton 3.6): forward-only 10, log-probs 26, cross-entropy 18,
+# where the merge made of torch's elementwise ops and reductions had 28 / 43 / 32 at 2048 x 4096 x 19008
+NCCL_MAX_KERNELS = {"forward_only": 12, "logprobs": 28, "cross_entropy": 20}
 
 
 @pytest.mark.parametrize("path", list(NCCL_MAX_KERNELS))

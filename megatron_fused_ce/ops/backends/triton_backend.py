@@ -664,7 +664,8 @@ def _merged_tail_kernel(max_ptr, sum_exp_ptr, shifted_ptr, log_sum_exp_ptr, lse_
     tl.store(log_sum_exp_ptr + rows, log_s, mask=ok)
     tl.store(lse_ptr + rows, tl.load(max_ptr + rows, mask=ok, other=0.0) + log_s, mask=ok)
     if WANT_ENTROPY:
-        tl.store(entropy_ptr + rows, log_s - tl.load(shifted_ptr + rows, mask=ok, other=0.0) / s, mask=ok)
+        # (div_rn: torch's division, rounded to nearest; `/` is the approximate division)
+        tl.store(entropy_ptr + rows, log_s - tl.div_rn(tl.load(shifted_ptr + rows, mask=ok, other=0.0), s), mask=ok)
 
 
 def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor]) -> tuple:
