@@ -223,6 +223,56 @@ def test_nccl_second_call_makes_no_host_synchronization(path):
     check_deferred_errors()
 
 
+@pytest.mark.parametrize("what", ["labels", "advantages", "mask", "none"])
+def test_nccl_steady_inputs_that_differ_give_nan_and_raise_on_every_rank(what):
+    """TP over NCCL, bf16, Triton: in a steady GRPO call (its signature agreed by a first call),
+    labels, advantages or a mask that differ on one rank are caught by the rank check riding on the
+    statistics' all-reduce MAX (the labels' and the loss inputs' fingerprints from the label launch,
+    the verdict from the merge's kernel): the loss is NaN on every rank and the next check raises
+    on every rank; the same inputs everywhere give a finite loss and no error."""
+    from megatron_fused_ce import check_deferred_errors
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    h = torch.randn(4, 128, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(2016 * tp, 256, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05)[
+        rank * 2016:(rank + 1) * 2016].clone()
+    y = torch.randint(0, 2016 * tp, (4, 128), device="cuda", generator=g)
+    adv, mask = torch.randn(4, device="cuda", generator=g), torch.ones(4, 128, device="cuda")
+    mask[:, :8] = 0
+    old = -torch.rand(4, 128, device="cuda", generator=g) * 3
+    config = GRPOConfig(loss_type="dapo", beta=0.05, is_correction="token_truncate", is_clip_max=2.0)
+
+    def loss(labels, advantages, loss_mask):
+        value, _ = linear_grpo_loss(h.requires_grad_(), w.requires_grad_(), labels, advantages, loss_mask, config,
+                                    old_logprobs=old, reference_logprobs=old - 0.1, sampling_logprobs=old + 0.05,
+                                    tp_group=dist.group.WORLD)
+        value.backward()
+        return value.detach()
+
+    loss(y, adv, mask)  # the signature, agreed
+    labels, advantages, loss_mask = y.clone(), adv.clone(), mask.clone()
+    if rank == 1:
+        if what == "labels":
+            labels[2, 5] = (labels[2, 5] + 1) % (2016 * tp)
+        elif what == "advantages":
+            advantages[1] += 0.5
+        elif what == "mask":
+            loss_mask[3, 40] = 0.0
+    value = loss(labels, advantages, loss_mask)
+    try:
+        check_deferred_errors()
+        raised = None
+    except ValueError as error:
+        raised = str(error)
+    for r, (nan, message) in enumerate(_gather((bool(torch.isnan(value)), raised))):
+        if what == "none":
+            assert not nan and message is None, (r, message)
+        else:
+            assert nan and message is not None and "differ across tensor-parallel ranks" in message, (r, message)
+
+
 # CUDA kernels of a steady call at TP = 2, the NCCL collectives among them (printed by the test);
 # measured on 2 x H200 (torch 2.11, Triton 3.6): forward-only 10, log-probs 26, cross-entropy 18,
 # where the merge made of torch's elementwise ops and reductions had 28 / 43 / 32 at 2048 x 4096 x 19008

@@ -768,6 +768,43 @@ def test_label_kernel_makes_the_rank_check_of_the_labels(tb, n):
     assert not torch.equal(kernel_pieces(changed, 16)[3:], kernel_pieces(labels, 16)[3:])
 
 
+@pytest.mark.parametrize("n", [1, 1000, 3 * 1024 + 17])
+def test_fingerprint_pieces_kernel_matches_agreement(tb, n):
+    """A must-agree tensor's rank-check pieces in one launch (GRPO's advantages and mask at TP > 1:
+    some seven launches each in torch): agreement.fingerprint_pieces of agreement.tensor_fingerprint,
+    equal to the torch definition for every dtype (the bits of fp32 / bf16 / fp16 / fp64 values,
+    negative ints, bools, int64 beyond 2^31) and for a non-contiguous tensor; a changed or swapped
+    element changes them. On CUDA also through the label launch's `agree_tensors`."""
+    from megatron_fused_ce.ops import agreement
+
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(n, generator=g) * 3
+    tensors = {
+        "fp32": base, "bf16": base.bfloat16(), "fp16": base.half(), "fp64": base.double() * 1e5,
+        "int32": torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int32),
+        "int64": torch.randint(-2**40, 2**40, (n,), generator=g), "bool": torch.rand(n, generator=g) > 0.5,
+        "uint8": torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8),
+        "int8": torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8),
+        "strided": torch.randn(n, 3, generator=g)[:, 1],
+    }
+    for name, t in tensors.items():
+        want = agreement.fingerprint_pieces(agreement.tensor_fingerprint(t))
+        got = tb.tensor_fingerprint_pieces(t.to(DEVICE))
+        assert torch.equal(got.cpu(), want), name
+        assert torch.equal(torch_backend.tensor_fingerprint_pieces(t), want), name
+        if n > 1 and name not in ("bool", "uint8", "int8"):
+            changed = t.clone()
+            changed[0], changed[1] = t[1].item(), t[0].item()  # swapped
+            if not torch.equal(changed, t):
+                assert not torch.equal(tb.tensor_fingerprint_pieces(changed.to(DEVICE)).cpu(), want), name
+    if DEVICE.type == "cuda":  # the label launch writes them after its own pieces
+        labels = torch.randint(0, 100, (n,), generator=g).to(DEVICE)
+        agree = (tensors["fp32"].to(DEVICE), tensors["bool"].to(DEVICE))
+        got = tb.label_targets(labels, -100, 100, 0, 100, None, 77, agree)[3]
+        want = torch_backend.label_targets(labels, -100, 100, 0, 100, None, 77, agree)[3]
+        assert got.shape == want.shape == (3 + 9 + 12,) and torch.equal(got[3:], want[3:])
+
+
 @pytest.mark.parametrize("src_dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.float16), (torch.float32, torch.float32)])
 @pytest.mark.parametrize("rows,cols", [(1, 7), (5, 1024), (33, 2500)])

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import agreement as agreement_memo, backends, deferred_errors, lean, reductions, replay, sampling
 from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, flag_argument, integer_argument,
-                        is_int, tensor_fingerprint)
+                        is_int)
 from .forward_grad import ForwardGradLoss
 from .chunked import ChunkSpec, LinearLogprobDlogitsInForward, LinearLossGradInForward, autocast_off, softmax_statistics
 from .fast import FAST_CHUNKS, EarlyProduct, chunk_logits, fused_statistics
@@ -683,7 +683,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     compare_ranks = tp_size > 1 and agreed.remembered
     device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
                                   check=agreed.remembered,
-                                  signature_code=agreed.signature_code if compare_ranks else None)
+                                  signature_code=agreed.signature_code if compare_ranks else None,
+                                  agree_tensors=tuple(v for v in (must_agree or {}).values() if isinstance(v, Tensor))
+                                  if compare_ranks else ())
     local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
     replaying = mask_entries and (agreed.mask_rows is None or agreed.mask_rows[0] > 0)
     mask_poison = replay_chunks = None
@@ -700,7 +702,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     rank_check = None
     if compare_ranks:
         rank_check = reductions.RankCheck(
-            _rank_check_values(device_checks.rank_pieces, must_agree, replay_chunks.fingerprint if replaying else None),
+            _rank_check_values(device_checks.rank_pieces, replay_chunks.fingerprint if replaying else None),
             poison=device_checks.poison if mask_poison is None else mask_poison,
             flags=deferred_errors.flags(flat_labels.device))
         spec = replace(spec, rank_check=rank_check)
@@ -858,13 +860,13 @@ class _DeviceChecks:
     device: no count is read back."""
 
     def __init__(self, backend, flat_labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int,
-                 v_local: int, check: bool, signature_code: Optional[int] = None):
+                 v_local: int, check: bool, signature_code: Optional[int] = None, agree_tensors: tuple = ()):
         # (the full agreement checked the first call of the signature: no flag to record then)
         flags = deferred_errors.flags(flat_labels.device) if check else None
         self.local_target, self.labelled, counts, scalars = backend.label_targets(
-            flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags, signature_code)
-        # with a signature code: the rank check's pieces of it and of the labels' fingerprint, made
-        # by the same launch
+            flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags, signature_code, agree_tensors)
+        # with a signature code: the rank check's pieces of it, of the labels' fingerprint and of
+        # each tensor of `agree_tensors`', made beside the label launch
         self.rank_pieces = scalars[3:] if signature_code is not None else None
         self.num_labelled = LabelledCount(counts, scalars, self.labelled)
         # NaN where a label is out of range (recorded), else 0. On the first call of a signature too
@@ -874,17 +876,13 @@ class _DeviceChecks:
         self.poison = scalars[:1]
 
 
-def _rank_check_values(label_pieces: Tensor, must_agree, mask_fingerprint: Optional[Tensor] = None) -> Tensor:
+def _rank_check_values(label_pieces: Tensor, mask_fingerprint: Optional[Tensor] = None) -> Tensor:
     """fp32 pieces of what every TP rank must share on a remembered signature: the signature's
-    code (its Python-level arguments) and the labels' fingerprint (`label_pieces`, from the label
-    kernel), then each must-agree tensor's fingerprint and the sampling mask's."""
-    fingerprints = [tensor_fingerprint(v) for v in (must_agree or {}).values() if isinstance(v, Tensor)]
-    if mask_fingerprint is not None:
-        fingerprints.append(mask_fingerprint)
-    if not fingerprints:
+    code (its Python-level arguments), the labels' and each must-agree tensor's fingerprint
+    (`label_pieces`, from the label launch), then the sampling mask's."""
+    if mask_fingerprint is None:
         return label_pieces
-    codes = torch.cat([f.to(label_pieces.device) for f in fingerprints])
-    return torch.cat([label_pieces, fingerprint_pieces(codes)])
+    return torch.cat([label_pieces, fingerprint_pieces(mask_fingerprint.to(label_pieces.device))])
 
 
 def _device_poison(device_checks: Optional[_DeviceChecks], rank_check,

@@ -261,7 +261,8 @@ def exp_tile_(
 
 
 def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int, v_local: int,
-                  flags: Optional[Tensor] = None, signature_code: Optional[int] = None) -> tuple:
+                  flags: Optional[Tensor] = None, signature_code: Optional[int] = None,
+                  agree_tensors: tuple = ()) -> tuple:
     """Flat labels -> (local_target int64 [n]: the column of the label on this shard, -1 where it is
     ignore_index, on another shard or outside [0, true_vocab); labelled bool [n]; int64 [2]:
     the number of labelled rows, and 1 if a labelled row's label lies outside [0, true_vocab)
@@ -270,7 +271,8 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
     deferred_errors.py) that 1 is OR-ed into it. With `signature_code` (a non-negative int < 2^63)
     the fp32 vector has 9 more entries: agreement.fingerprint_pieces of [signature_code, the
     labels' two fingerprint sums (agreement.tensor_fingerprint)], what TP ranks compare on a
-    remembered signature (reductions.RankCheck)."""
+    remembered signature (reductions.RankCheck), and 6 more per tensor of `agree_tensors` (the
+    call's other tensors that must agree: tensor_fingerprint_pieces)."""
     labelled = labels != ignore_index
     in_range = (labels >= 0) & (labels < true_vocab)
     # on this shard: in range and in [vocab_start, vocab_start + v_local), as two comparisons
@@ -286,8 +288,17 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
         from ..agreement import fingerprint_pieces, tensor_fingerprint  # (agreement imports the backends)
 
         code = torch.full((1,), signature_code, dtype=torch.int64, device=labels.device)
-        scalars = torch.cat([scalars, fingerprint_pieces(torch.cat([code, tensor_fingerprint(labels)]))])
+        scalars = torch.cat([scalars, fingerprint_pieces(torch.cat([code, tensor_fingerprint(labels)])),
+                             *(tensor_fingerprint_pieces(t).to(labels.device) for t in agree_tensors)])
     return local_target, labelled, counts, scalars
+
+
+def tensor_fingerprint_pieces(tensor: Tensor) -> Tensor:
+    """fp32 [6]: agreement.fingerprint_pieces of agreement.tensor_fingerprint(tensor), the two sums'
+    21-bit pieces (on the tensor's device)."""
+    from ..agreement import fingerprint_pieces, tensor_fingerprint  # (agreement imports the backends)
+
+    return fingerprint_pieces(tensor_fingerprint(tensor))
 
 
 def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],

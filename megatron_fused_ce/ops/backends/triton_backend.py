@@ -526,24 +526,79 @@ def _pieces(code: int) -> tuple:
 
 
 def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int, v_local: int,
-                  flags: Optional[Tensor] = None, signature_code: Optional[int] = None) -> tuple:
+                  flags: Optional[Tensor] = None, signature_code: Optional[int] = None,
+                  agree_tensors: tuple = ()) -> tuple:
     """torch_backend.label_targets in one launch (the dozen elementwise ops and reductions of the
     torch version each cost a launch before the first GEMM; the rank check's fingerprint a dozen
-    more)."""
+    more), and one more per tensor of `agree_tensors`, writing its pieces in place (some seven
+    launches each in torch)."""
     if not labels.is_cuda:
         return torch_backend.label_targets(labels, ignore_index, true_vocab, vocab_start, v_local, flags,
-                                           signature_code)
+                                           signature_code, agree_tensors)
     labels = labels.contiguous()
     n = labels.numel()
     local_target = torch.empty(n, dtype=torch.int64, device=labels.device)
     labelled = torch.empty(n, dtype=torch.uint8, device=labels.device)
     counts = torch.empty(2, dtype=torch.int64, device=labels.device)
-    scalars = torch.empty(3 if signature_code is None else 12, dtype=torch.float32, device=labels.device)
+    checked = signature_code is not None
+    scalars = torch.empty(3 + (9 + 6 * len(agree_tensors) if checked else 0), dtype=torch.float32,
+                          device=labels.device)
     _label_targets_kernel[(1,)](labels, local_target, labelled, counts, scalars, flags if flags is not None else counts,
                                 n, int(ignore_index), int(true_vocab), int(vocab_start), int(v_local),
                                 *_pieces(signature_code or 0), HAS_FLAGS=flags is not None,
-                                HAS_CHECK=signature_code is not None, BLOCK=1024, num_warps=4)
+                                HAS_CHECK=checked, BLOCK=1024, num_warps=4)
+    if checked:
+        for i, tensor in enumerate(agree_tensors):
+            tensor_fingerprint_pieces(tensor, out=scalars[12 + 6 * i:18 + 6 * i])
     return local_target, labelled.view(torch.bool), counts, scalars
+
+
+# the integer type of the same width whose bits agreement.tensor_fingerprint sums, by element size
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@cached_launch
+@triton.jit
+def _fingerprint_pieces_kernel(values_ptr, n, out_ptr, FOLD: tl.constexpr, BLOCK: tl.constexpr):
+    # one program, as the label kernel's fingerprint: agreement.tensor_fingerprint's two sums
+    by_position = tl.zeros([BLOCK], tl.int64)
+    by_hash = tl.zeros([BLOCK], tl.int64)
+    scramble_factor = tl.full([BLOCK], 2654435761, tl.int64)  # agreement._SCRAMBLE
+    for start in range(0, n, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        inside = offsets < n
+        value = tl.load(values_ptr + offsets, mask=inside, other=0).to(tl.int64)  # sign-extended, as torch's
+        if FOLD:  # 64-bit values: the high 33 bits folded in
+            value = value ^ (value >> 31)
+        index = offsets.to(tl.int64)
+        bits = value & FINGERPRINT_MASK
+        weight = (2 * index + 1) & FINGERPRINT_MASK
+        scramble = ((index * scramble_factor) | 1) & FINGERPRINT_MASK
+        by_position += tl.where(inside, (bits * weight) & FINGERPRINT_MASK, 0)
+        by_hash += tl.where(inside, (bits * scramble) & FINGERPRINT_MASK, 0)
+    position_sum = tl.sum(by_position, axis=0)
+    hash_sum = tl.sum(by_hash, axis=0)
+    for part in tl.static_range(3):  # agreement.fingerprint_pieces of [by_position, by_hash]
+        tl.store(out_ptr + 2 * part, ((position_sum >> (21 * part)) & PIECE_MASK).to(tl.float32))
+        tl.store(out_ptr + 2 * part + 1, ((hash_sum >> (21 * part)) & PIECE_MASK).to(tl.float32))
+
+
+def tensor_fingerprint_pieces(tensor: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """torch_backend.tensor_fingerprint_pieces in one launch, written into `out` (fp32 [6]) where
+    given; the torch definition for what the kernel does not read (a tensor on another device,
+    complex values)."""
+    if out is None:
+        out = torch.empty(6, dtype=torch.float32, device=tensor.device)
+    flat = tensor.detach().reshape(-1).contiguous()  # (a strided 1-d tensor reshapes to itself)
+    if flat.device != out.device or not _runs_kernel(flat) or flat.is_complex() or flat.numel() == 0:
+        return out.copy_(torch_backend.tensor_fingerprint_pieces(tensor))
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    elif flat.is_floating_point():
+        flat = flat.view(_SAME_WIDTH_INT[flat.element_size()])
+    _fingerprint_pieces_kernel[(1,)](flat, flat.numel(), out, FOLD=flat.element_size() == 8, BLOCK=1024,
+                                     num_warps=4)
+    return out
 
 
 @cached_launch
