@@ -255,7 +255,7 @@ def test_nccl_steady_inputs_that_differ_give_nan_and_raise_on_every_rank(what):
     labels, advantages, loss_mask = y.clone(), adv.clone(), mask.clone()
     if rank == 1:
         if what == "labels":
-            labels[2, 5] = (labels[2, 5] + 1) % (2016 * tp)
+            labels[2, 50] = (labels[2, 50] + 1) % (2016 * tp)  # (not at a masked position: no label there)
         elif what == "advantages":
             advantages[1] += 0.5
         elif what == "mask":
