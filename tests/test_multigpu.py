@@ -42,8 +42,11 @@ import torch.distributed as dist
 import reference
 from dist import init_nccl_once
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
+from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 
 pytestmark = pytest.mark.multigpu
+GRPO_EVERY_OPTION = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, kl_estimator="k3",
+                               use_bias_correction_kl=True, is_correction="token_truncate", is_clip_max=2.0)
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 if WORLD < 2 or not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
@@ -275,8 +278,10 @@ def test_nccl_steady_inputs_that_differ_give_nan_and_raise_on_every_rank(what):
 
 # CUDA kernels of a steady call at TP = 2, the NCCL collectives among them (printed by the test);
 # measured on 2 x H200 (torch 2.11, Triton 3.6): forward-only 10, log-probs 26, cross-entropy 18,
-# where the merge made of torch's elementwise ops and reductions had 28 / 43 / 32 at 2048 x 4096 x 19008
-NCCL_MAX_KERNELS = {"forward_only": 12, "logprobs": 28, "cross_entropy": 20}
+# where the merge made of torch's elementwise ops and reductions had 28 / 43 / 32 at 2048 x 4096 x 19008;
+# GRPO with every option on at most 40, as at TP = 1 (dapo: 22, 53 before the rank check's fingerprints
+# went into the label launch's vector)
+NCCL_MAX_KERNELS = {"forward_only": 12, "logprobs": 28, "cross_entropy": 20, "grpo_every_option": 40}
 
 
 @pytest.mark.parametrize("path", list(NCCL_MAX_KERNELS))
@@ -294,9 +299,12 @@ def test_nccl_kernels_per_call_are_bounded(path):
         w = w_full[rank * 4032:(rank + 1) * 4032].clone().requires_grad_()
         y = torch.randint(0, 4032 * tp, (4, 256), device="cuda", generator=g)
         y[:, :8] = -100
-        return h, w, y
+        old = -torch.rand(4, 256, device="cuda", generator=g) * 4
+        rollout = dict(old=old, reference=old - 0.1, sampling=old + 0.05, mask=(y != -100).float(),
+                       adv=torch.randn(4, device="cuda", generator=g), labels=y.clamp(min=0))
+        return h, w, y, rollout
 
-    def call(h, w, y):
+    def call(h, w, y, rollout):
         kw = dict(tp_group=dist.group.WORLD)
         if path == "forward_only":
             with torch.no_grad():
@@ -305,7 +313,13 @@ def test_nccl_kernels_per_call_are_bounded(path):
             out = linear_logprobs(h, w, y, **kw)
             out.logprobs.sum().backward()
             return out.logprobs
-        loss = linear_cross_entropy(h, w, y, **kw)
+        if path == "grpo_every_option":
+            r = rollout
+            loss, _ = linear_grpo_loss(h, w, r["labels"], r["adv"], r["mask"], GRPO_EVERY_OPTION,
+                                       old_logprobs=r["old"], reference_logprobs=r["reference"],
+                                       sampling_logprobs=r["sampling"], **kw)
+        else:
+            loss = linear_cross_entropy(h, w, y, **kw)
         loss.backward()
         return loss
 
