@@ -162,37 +162,42 @@ def test_nccl_arguments_that_differ_raise_on_every_rank(case):
         assert msg is not None and name in msg, (r, msg)
 
 
+def _steady_call_inputs(seed, kept_sets=False):
+    """A steady call's inputs at TP = world, made before the call (their copies are not the op's):
+    bf16 hidden states [4, 256, 512] and this rank's shard of 4032 ids, labels with a prompt of 8
+    ignored positions, and a rollout's GRPO inputs; with `kept_sets`, replay's kept sets (20
+    global ids per position, its label among them, the same on every rank)."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(4, 256, 512, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    w_full = torch.randn(4032 * tp, 512, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
+    w = w_full[rank * 4032:(rank + 1) * 4032].clone().requires_grad_()
+    y = torch.randint(0, 4032 * tp, (4, 256), device="cuda", generator=g)
+    y[:, :8] = -100
+    old = -torch.rand(4, 256, device="cuda", generator=g) * 4
+    rollout = dict(old=old, reference=old - 0.1, sampling=old + 0.05, mask=(y != -100).float(),
+                   adv=torch.randn(4, device="cuda", generator=g), labels=y.clamp(min=0))
+    if kept_sets:
+        scores = torch.rand(4 * 256, 4032 * tp, device="cuda", generator=g)
+        scores.scatter_(1, y.reshape(-1, 1).clamp(min=0), 2.0)
+        rollout["kept"] = (scores.topk(20, dim=1).indices.reshape(-1), torch.arange(4 * 256 + 1, device="cuda") * 20)
+    return h, w, y, rollout
+
+
 @pytest.mark.parametrize("path", ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo", "replay"])
 def test_nccl_second_call_makes_no_host_synchronization(path):
     """TP over NCCL, bf16, Triton: the second call of a signature runs under
     torch.cuda.set_sync_debug_mode("error") (no agreement read-back, nothing sized by a count; the
     rank check rides on the statistics' all-reduce) and gives finite values."""
     from megatron_fused_ce import check_deferred_errors
-    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 
-    tp, rank = dist.get_world_size(), dist.get_rank()
     config = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, use_bias_correction_kl=True,
                         is_correction="token_truncate", is_clip_max=2.0)
 
-    def inputs(seed):  # made before the call: their copies are not the op's
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        h = torch.randn(4, 256, 512, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-        w_full = torch.randn(4032 * tp, 512, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
-        w = w_full[rank * 4032:(rank + 1) * 4032].clone().requires_grad_()
-        y = torch.randint(0, 4032 * tp, (4, 256), device="cuda", generator=g)
-        y[:, :8] = -100
-        old = -torch.rand(4, 256, device="cuda", generator=g) * 4
-        # replay's kept sets: 20 global ids per position, its label among them (the same on every rank)
-        scores = torch.rand(4 * 256, 4032 * tp, device="cuda", generator=g)
-        scores.scatter_(1, y.reshape(-1, 1).clamp(min=0), 2.0)
-        kept = (scores.topk(20, dim=1).indices.reshape(-1), torch.arange(4 * 256 + 1, device="cuda") * 20)
-        return (h, w, y, old, torch.randn(4, device="cuda", generator=g), y.clamp(min=0), (y != -100).float(),
-                kept)
-
-    def call(h, w, y, old, adv, grpo_labels, mask, kept):
+    def call(h, w, y, r):
         kw = dict(tp_group=dist.group.WORLD)
         if path == "replay":
-            out = linear_logprobs(h, w, y, **kw, sampling_mask=kept)
+            out = linear_logprobs(h, w, y, **kw, sampling_mask=r["kept"])
             out.logprobs.sum().backward()
             return out.logprobs
         if path == "forward_only":
@@ -205,13 +210,13 @@ def test_nccl_second_call_makes_no_host_synchronization(path):
         if path == "cross_entropy":
             loss = linear_cross_entropy(h, w, y, **kw)
         else:
-            loss, _ = linear_grpo_loss(h, w, grpo_labels, adv, mask, config, old_logprobs=old,
-                                       reference_logprobs=old - 0.1, sampling_logprobs=old + 0.05, **kw)
+            loss, _ = linear_grpo_loss(h, w, r["labels"], r["adv"], r["mask"], config, old_logprobs=r["old"],
+                                       reference_logprobs=r["reference"], sampling_logprobs=r["sampling"], **kw)
         loss.backward()
         return loss
 
-    call(*inputs(1))
-    second = inputs(2)
+    call(*_steady_call_inputs(1, kept_sets=path == "replay"))
+    second = _steady_call_inputs(2, kept_sets=path == "replay")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     error = None
@@ -234,7 +239,6 @@ def test_nccl_steady_inputs_that_differ_give_nan_and_raise_on_every_rank(what):
     the verdict from the merge's kernel): the loss is NaN on every rank and the next check raises
     on every rank; the same inputs everywhere give a finite loss and no error."""
     from megatron_fused_ce import check_deferred_errors
-    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -292,18 +296,6 @@ def test_nccl_kernels_per_call_are_bounded(path):
     more."""
     tp, rank = dist.get_world_size(), dist.get_rank()
 
-    def inputs(seed):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        h = torch.randn(4, 256, 512, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-        w_full = torch.randn(4032 * tp, 512, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
-        w = w_full[rank * 4032:(rank + 1) * 4032].clone().requires_grad_()
-        y = torch.randint(0, 4032 * tp, (4, 256), device="cuda", generator=g)
-        y[:, :8] = -100
-        old = -torch.rand(4, 256, device="cuda", generator=g) * 4
-        rollout = dict(old=old, reference=old - 0.1, sampling=old + 0.05, mask=(y != -100).float(),
-                       adv=torch.randn(4, device="cuda", generator=g), labels=y.clamp(min=0))
-        return h, w, y, rollout
-
     def call(h, w, y, rollout):
         kw = dict(tp_group=dist.group.WORLD)
         if path == "forward_only":
@@ -323,9 +315,9 @@ def test_nccl_kernels_per_call_are_bounded(path):
         loss.backward()
         return loss
 
-    call(*inputs(1))
-    call(*inputs(2))
-    third = inputs(3)
+    call(*_steady_call_inputs(1))
+    call(*_steady_call_inputs(2))
+    third = _steady_call_inputs(3)
     torch.cuda.synchronize()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -345,7 +337,6 @@ def test_nccl_graphed_calls_equal_eager(path):
     default global mode fail such captures from one shape to the next), then replayed on new
     inputs: the loss and dX, dW equal the eager call's on the same inputs, bit for bit."""
     from megatron_fused_ce.cuda_graphs import thread_local_capture
-    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     config = GRPOConfig(loss_type="dapo", beta=0.05, is_correction="token_truncate", is_clip_max=2.0)

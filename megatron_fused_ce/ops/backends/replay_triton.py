@@ -319,10 +319,13 @@ _COUNTS = 11
 
 
 @triton.jit
-def _fingerprint_terms(values, index, inside):
+def fingerprint_terms(values, index, inside, FOLD: tl.constexpr):
     """agreement.tensor_fingerprint's two terms of int64 values at flat positions `index`, summed
-    (2^31 - 1: its _MASK; 2654435761: its _SCRAMBLE)."""
-    bits = (values ^ (values >> 31)) & 2147483647
+    where `inside` (2^31 - 1: its _MASK; 2654435761: its _SCRAMBLE); FOLD: values of 64 bits, whose
+    high 33 bits are folded in (narrower ones arrive sign-extended, as torch's `.to(int64)`)."""
+    if FOLD:
+        values = values ^ (values >> 31)
+    bits = values & 2147483647
     weight = (2 * index + 1) & 2147483647
     scramble = ((index * tl.full(index.shape, 2654435761, tl.int64)) | 1) & 2147483647
     by_position = tl.sum(tl.where(inside, (bits * weight) & 2147483647, 0), axis=0)
@@ -356,8 +359,8 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
         for b in range(0, rows + 1, BLOCK):
             j = b + tl.arange(0, BLOCK).to(tl.int64)
             inside = j <= rows
-            position_terms, hash_terms = _fingerprint_terms(tl.load(offsets_ptr + j, mask=inside, other=0), j,
-                                                            inside)
+            position_terms, hash_terms = fingerprint_terms(tl.load(offsets_ptr + j, mask=inside, other=0), j,
+                                                           inside, True)
             by_position += position_terms
             by_hash += hash_terms
     for b in range(1, rows + 1, BLOCK):
@@ -456,7 +459,7 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         found += tl.sum(hit.to(tl.int64), axis=0)
         bad_ids += tl.sum((inside & ((ids < 0) | (ids >= vocab))).to(tl.int64), axis=0)
         if FINGERPRINT:  # the ids follow the offsets in the fingerprinted vector
-            position_terms, hash_terms = _fingerprint_terms(ids, rows + 1 + e, inside)
+            position_terms, hash_terms = fingerprint_terms(ids, rows + 1 + e, inside, True)
             by_position += position_terms
             by_hash += hash_terms
     tl.store(kept_ptr + r, ((~has) | (found > 0)).to(tl.uint8))

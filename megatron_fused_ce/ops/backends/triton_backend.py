@@ -47,6 +47,7 @@ from triton.language.extra import libdevice
 from . import Backend, FusedGemm, ShardStats, torch_backend, triton_gemm_dlogits, triton_gemm_stats
 from .triton_common import (cached_launch, cdiv, f32 as _f32, interpreting as _interpreting, next_power_of_2,
                             sm_count as _sm_count)
+from .replay_triton import fingerprint_terms
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (measured: docs/design.md §10.6). Module-level so that
@@ -463,7 +464,6 @@ def exp_tile_(tile: Tensor, local_target: Tensor, num_valid_cols: int, inv_tempe
     return tile
 
 
-FINGERPRINT_MASK = tl.constexpr(2**31 - 1)  # agreement._MASK
 PIECE_MASK = tl.constexpr(2**21 - 1)  # agreement.fingerprint_pieces
 
 
@@ -477,20 +477,16 @@ def _label_targets_kernel(labels_ptr, target_ptr, labelled_ptr, counts_ptr, scal
     labelled_rows = tl.zeros([BLOCK], tl.int64)
     bad_rows = tl.zeros([BLOCK], tl.int32)
     # the labels' fingerprint (agreement.tensor_fingerprint: 31-bit terms v_i * w_i, summed)
-    by_position = tl.zeros([BLOCK], tl.int64)
-    by_hash = tl.zeros([BLOCK], tl.int64)
-    scramble_factor = tl.full([BLOCK], 2654435761, tl.int64)  # agreement._SCRAMBLE
+    position_sum = tl.zeros([], tl.int64)
+    hash_sum = tl.zeros([], tl.int64)
     for start in range(0, n, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         in_rows = offsets < n
         label = tl.load(labels_ptr + offsets, mask=in_rows, other=ignore_index)
         if HAS_CHECK:
-            index = offsets.to(tl.int64)
-            bits = (label ^ (label >> 31)) & FINGERPRINT_MASK
-            weight = (2 * index + 1) & FINGERPRINT_MASK
-            scramble = ((index * scramble_factor) | 1) & FINGERPRINT_MASK
-            by_position += tl.where(in_rows, (bits * weight) & FINGERPRINT_MASK, 0)
-            by_hash += tl.where(in_rows, (bits * scramble) & FINGERPRINT_MASK, 0)
+            position_terms, hash_terms = fingerprint_terms(label, offsets.to(tl.int64), in_rows, True)
+            position_sum += position_terms
+            hash_sum += hash_terms
         labelled = (label != ignore_index) & in_rows
         in_range = (label >= 0) & (label < true_vocab)
         local = label - vocab_start
@@ -508,9 +504,7 @@ def _label_targets_kernel(labels_ptr, target_ptr, labelled_ptr, counts_ptr, scal
     tl.store(scalars_ptr + 2, -inverse)
     if HAS_FLAGS:
         tl.store(flags_ptr, tl.load(flags_ptr) | bad)
-    if HAS_CHECK:  # agreement.fingerprint_pieces of [signature code, by_position, by_hash]: 21 bits each
-        position_sum = tl.sum(by_position, axis=0)
-        hash_sum = tl.sum(by_hash, axis=0)
+    if HAS_CHECK:  # agreement.fingerprint_pieces of [signature code, position_sum, hash_sum]: 21 bits each
         tl.store(scalars_ptr + 3, code0.to(tl.float32))
         tl.store(scalars_ptr + 6, code1.to(tl.float32))
         tl.store(scalars_ptr + 9, code2.to(tl.float32))
@@ -561,23 +555,15 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 @triton.jit
 def _fingerprint_pieces_kernel(values_ptr, n, out_ptr, FOLD: tl.constexpr, BLOCK: tl.constexpr):
     # one program, as the label kernel's fingerprint: agreement.tensor_fingerprint's two sums
-    by_position = tl.zeros([BLOCK], tl.int64)
-    by_hash = tl.zeros([BLOCK], tl.int64)
-    scramble_factor = tl.full([BLOCK], 2654435761, tl.int64)  # agreement._SCRAMBLE
+    position_sum = tl.zeros([], tl.int64)
+    hash_sum = tl.zeros([], tl.int64)
     for start in range(0, n, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         inside = offsets < n
         value = tl.load(values_ptr + offsets, mask=inside, other=0).to(tl.int64)  # sign-extended, as torch's
-        if FOLD:  # 64-bit values: the high 33 bits folded in
-            value = value ^ (value >> 31)
-        index = offsets.to(tl.int64)
-        bits = value & FINGERPRINT_MASK
-        weight = (2 * index + 1) & FINGERPRINT_MASK
-        scramble = ((index * scramble_factor) | 1) & FINGERPRINT_MASK
-        by_position += tl.where(inside, (bits * weight) & FINGERPRINT_MASK, 0)
-        by_hash += tl.where(inside, (bits * scramble) & FINGERPRINT_MASK, 0)
-    position_sum = tl.sum(by_position, axis=0)
-    hash_sum = tl.sum(by_hash, axis=0)
+        position_terms, hash_terms = fingerprint_terms(value, offsets.to(tl.int64), inside, FOLD)
+        position_sum += position_terms
+        hash_sum += hash_terms
     for part in tl.static_range(3):  # agreement.fingerprint_pieces of [by_position, by_hash]
         tl.store(out_ptr + 2 * part, ((position_sum >> (21 * part)) & PIECE_MASK).to(tl.float32))
         tl.store(out_ptr + 2 * part + 1, ((hash_sum >> (21 * part)) & PIECE_MASK).to(tl.float32))
