@@ -48,6 +48,23 @@ def test_host_time_runs_on_cpu(tmp_path):
     assert set(figures["ours_grpo"]) == {"back_to_back_us", "from_idle_us", "host_us"}
 
 
+def test_host_time_runs_at_tp2_on_cpu(tmp_path):
+    """tools/host_time.py --tp 2 under torchrun (gloo on the CPU; NCCL on GPUs: docs/benchmarks.md's
+    TP = 2 A/B): every rank runs the TP methods on its vocab shard, rank 0 prints their figures and
+    writes the JSON."""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29631",
+         os.path.join(REPO, "tools", "host_time.py"), "--tp", "2", "--device", "cpu", "--shape", "32x16x50",
+         "--rounds", "1", "--calls", "2", "--json", str(tmp_path / "t.json")],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "32x16x50 per rank, TP = 2 on CPU" in out.stdout, out.stdout
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["ours_fwd", "ours_ce", "ours_logprobs", "ours_grpo"], out.stdout
+    assert all(len(row) == 4 and all(float(x) > 0 for x in row[1:]) for row in rows)
+    assert set(json.load(open(tmp_path / "t.json"))["methods"]) == {"ours_fwd", "ours_ce", "ours_logprobs", "ours_grpo"}
+
+
 def test_profile_op_runs_on_cpu():
     """tools/profile_op.py (how docs/benchmarks.md's per-kernel figures were taken) on the CPU:
     every path of the op runs under the profiler and lists its ops."""

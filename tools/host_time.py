@@ -7,8 +7,11 @@ rounds; one process, one shape.
 
     python tools/host_time.py --shape 2048x4096x19008
     python tools/host_time.py --device cpu --shape 64x32x100 --rounds 2 --calls 3   # smoke test
+    torchrun --nproc_per_node 2 tools/host_time.py --tp 2 --shape 2048x4096x19008   # V per rank, NCCL
 
-For an A/B of two trees, run it from each in turn a few times (hosts drift between processes).
+`--kernels` adds the CUDA kernels of one call (torch.profiler; copies and memsets aside, the
+collectives among them). For an A/B of two trees, run it from each in turn a few times (hosts
+drift between processes).
 """
 
 import argparse
@@ -25,6 +28,7 @@ from bench.measure import make_inputs  # noqa: E402  (the benchmark's inputs and
 from bench.methods import MAKERS  # noqa: E402
 
 IMPLS = "floor_fwd,floor,ours_fwd,ours_ce,ours_logprobs,ours_grpo"
+TP_IMPLS = "ours_fwd,ours_ce,ours_logprobs,ours_grpo"  # (tools/bench/tp.py's makers)
 
 
 def measure(step, device, rounds, calls):
@@ -59,28 +63,57 @@ def measure(step, device, rounds, calls):
     return statistics.median(back_to_back), statistics.median(from_idle), statistics.median(host)
 
 
+def kernels_per_call(step) -> int:
+    """CUDA kernels of one call (after measure's warm-up), copies and memsets aside."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="2048x4096x19008", help="N x H x V (per rank)")
-    p.add_argument("--impls", default=IMPLS, help="the benchmark's methods (tools/benchmark.py --impls)")
+    p.add_argument("--impls", help=f"the benchmark's methods (tools/benchmark.py --impls; default {IMPLS}, "
+                                   f"with --tp {TP_IMPLS})")
+    p.add_argument("--tp", type=int, default=1, help="TP size: torchrun --nproc_per_node N, one GPU each")
+    p.add_argument("--kernels", action="store_true", help="also the CUDA kernels of one call")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20, help="calls per round")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     n, hdim, v = (int(x) for x in args.shape.split("x"))
-    device = torch.device(args.device)
-    h, w, y = make_inputs(n, hdim, v, device)
+    if args.tp > 1:  # every rank runs the same steps; the collectives keep them in step
+        from bench.tp import TP_MAKERS, tp_context, tp_inputs
+
+        ctx = tp_context(args.tp, args.device)
+        device, rank = ctx.device, ctx.rank
+        h, w, y = tp_inputs(n, hdim, v, ctx)
+        make = lambda name: TP_MAKERS[name](h, w, y, None, ctx)  # noqa: E731
+    else:
+        device, rank = torch.device(args.device), 0
+        h, w, y = make_inputs(n, hdim, v, device)
+        make = lambda name: MAKERS[name](h, w, y, None)  # noqa: E731
+    say = print if rank == 0 else (lambda *a, **k: None)
     results = {}
-    print(f"{args.shape} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, µs a call (medians)")
-    print(f"{'method':14s} {'back to back':>13s} {'from idle':>10s} {'host':>8s}")
-    for name in args.impls.split(","):
-        step = MAKERS[name](h, w, y, None)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    say(f"{args.shape}{f' per rank, TP = {args.tp}' if args.tp > 1 else ''} on {where}, µs a call (medians)")
+    say(f"{'method':14s} {'back to back':>13s} {'from idle':>10s} {'host':>8s}" + ("  kernels" if args.kernels else ""))
+    for name in (args.impls or (TP_IMPLS if args.tp > 1 else IMPLS)).split(","):
+        step = make(name)
         results[name] = dict(zip(("back_to_back_us", "from_idle_us", "host_us"),
                                  measure(step, device, args.rounds, args.calls)))
+        if args.kernels and device.type == "cuda":
+            results[name]["kernels"] = kernels_per_call(step)
         r = results[name]
-        print(f"{name:14s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}", flush=True)
-    if args.json:
+        say(f"{name:14s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}"
+            + (f"  {r['kernels']:7d}" if "kernels" in r else ""), flush=True)
+    if args.tp > 1:
+        ctx.dist.destroy_process_group()
+    if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "device": args.device, "methods": results}, f, indent=1)
 

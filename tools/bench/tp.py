@@ -17,11 +17,12 @@ import torch
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 
 from . import measure
-from .measure import GIB, REPO, Skip, _grads, free, log, make_floor, make_inputs, measure_memory, rel_err, sync
+from .measure import (GIB, REPO, Skip, _forward_only, _grads, free, log, make_floor, make_inputs, measure_memory,
+                      rel_err, sync)
 # (graphed rows: forward + backward captured once with make_graphed_callables, the NCCL collectives
 # inside the graphs; their memory lives in the graphs' pool, taken at capture: not measured per call)
 from .methods import (DEFAULT_IMPLS, QUICK_SHAPES_CPU, QUICK_SHAPES_GPU, SAMPLERS, SHAPES, _graphed, _graphed_step,
-                      _impl, _sampled_logprobs_loss, parse_chunks, parse_shapes)
+                      _grpo_inputs, _impl, _linear_grpo, _sampled_logprobs_loss, parse_chunks, parse_shapes)
 from .report import environment, tp_markdown, write_json
 from .run import _search_note, add_x_plain, resolved_auto_chunk, run_one
 
@@ -64,6 +65,22 @@ def tp_make_ours_logprobs(h, w, y, chunk, ctx, memory_mode="fast"):
     n = h.shape[0]
     return lambda: _grads(-linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk,
                                            impl=_impl(), memory_mode=memory_mode).logprobs.sum() / n, h, w)
+
+
+def tp_make_ours_fwd(h, w, y, chunk, ctx):
+    return _forward_only(lambda: linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk, impl=_impl()).logprobs)
+
+
+def tp_make_ours_grpo(h, w, y, chunk, ctx):
+    fn, GRPOConfig = _linear_grpo()
+    batch, adv, mask = _grpo_inputs(h, y)
+    hb, yb = h.view(batch, -1, h.shape[-1]), y.view(batch, -1)
+
+    def step():
+        loss, _ = fn(hb, w, yb, adv, mask, GRPOConfig(), tp_group=ctx.group, chunk_size=chunk, impl=_impl())
+        return _grads(loss, h, w)
+    step.loss_kind = "grpo"
+    return step
 
 
 def tp_make_ours_ce_graphed(h, w, y, chunk, ctx):
@@ -432,17 +449,18 @@ def tp_bench_shape(shape, impls, chunks, args, ctx, results, tp1_rows):
 
 
 
-def tp_main(args):
+def tp_context(tp, device=None, backend=None) -> _TPCtx:
+    """The process group of a torchrun of `tp` processes (one GPU each, NCCL; gloo on CPU)."""
     import datetime
 
     import torch.distributed as dist
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if world != args.tp:
-        raise SystemExit(f"--tp {args.tp} needs torchrun --nproc_per_node {args.tp} (WORLD_SIZE is {world})")
-    dev_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = args.backend or ("nccl" if dev_type == "cuda" else "gloo")
+    if world != tp:
+        raise SystemExit(f"--tp {tp} needs torchrun --nproc_per_node {tp} (WORLD_SIZE is {world})")
+    dev_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
     if dev_type == "cuda":
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
@@ -452,7 +470,13 @@ def tp_main(args):
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), **kw)
     if rank != 0:
         measure.QUIET = True  # only rank 0 prints
-    ctx = _TPCtx(dist, dist.group.WORLD, world, rank, device)
+    return _TPCtx(dist, dist.group.WORLD, world, rank, device)
+
+
+def tp_main(args):
+    ctx = tp_context(args.tp, args.device, args.backend)
+    dist, dev_type, world, rank = ctx.dist, ctx.device.type, ctx.tp, ctx.rank
+    backend = dist.get_backend(ctx.group)
 
     quick_dev = "cuda" if dev_type == "cuda" else "cpu"
     if args.quick:
