@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import deferred_errors
-from .backends import ShardStats
+from .backends import ShardStats, torch_backend
 
 
 def group_size(group) -> int:
@@ -77,8 +77,10 @@ def log_prob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor) -> Tensor:
 def labelled_log_prob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
                       negative: bool = False) -> Tensor:
     """log_prob (or its negation), 0 in rows whose label is ignored (`labelled` False; None: every row)."""
+    if not negative:  # (the backends' labelled_logprob, here without a poison)
+        return torch_backend.labelled_logprob(target, row_max, log_sum_exp, labelled, None)
     # (z_y - M) - log S negated term by term: M - z_y is z_y - M negated exactly, one kernel fewer
-    value = (row_max - target) + log_sum_exp if negative else log_prob(target, row_max, log_sum_exp)
+    value = (row_max - target) + log_sum_exp
     return value if labelled is None else torch.where(labelled, value, 0.0)
 
 

@@ -74,8 +74,8 @@ def make_ours_ce_main_grad(h, w, y, chunk, memory_mode="fast", expected_upstream
     return step
 
 
-def make_ours_fwd(h, w, y, chunk, entropy=False):
-    return _forward_only(lambda: linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(),
+def make_ours_fwd(h, w, y, chunk, entropy=False, tp_group=None):
+    return _forward_only(lambda: linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl(), tp_group=tp_group,
                                                  return_entropy=entropy).logprobs)
 
 
@@ -111,14 +111,15 @@ def _grpo_inputs(h, y):
     return batch, adv, mask
 
 
-def make_ours_grpo(h, w, y, chunk, memory_mode="fast"):
+def make_ours_grpo(h, w, y, chunk, memory_mode="fast", tp_group=None):
     fn, GRPOConfig = _linear_grpo()
     batch, adv, mask = _grpo_inputs(h, y)
     config = GRPOConfig()
     hb, yb = h.view(batch, -1, h.shape[-1]), y.view(batch, -1)
 
     def step():
-        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode)
+        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode,
+                     tp_group=tp_group)
         return _grads(loss, h, w)
     step.loss_kind = "grpo"
     return step

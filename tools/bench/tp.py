@@ -17,12 +17,11 @@ import torch
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 
 from . import measure
-from .measure import (GIB, REPO, Skip, _forward_only, _grads, free, log, make_floor, make_inputs, measure_memory,
-                      rel_err, sync)
+from .measure import GIB, REPO, Skip, _grads, free, log, make_floor, make_inputs, measure_memory, rel_err, sync
 # (graphed rows: forward + backward captured once with make_graphed_callables, the NCCL collectives
 # inside the graphs; their memory lives in the graphs' pool, taken at capture: not measured per call)
 from .methods import (DEFAULT_IMPLS, QUICK_SHAPES_CPU, QUICK_SHAPES_GPU, SAMPLERS, SHAPES, _graphed, _graphed_step,
-                      _grpo_inputs, _impl, _linear_grpo, _sampled_logprobs_loss, parse_chunks, parse_shapes)
+                      _impl, _sampled_logprobs_loss, make_ours_fwd, make_ours_grpo, parse_chunks, parse_shapes)
 from .report import environment, tp_markdown, write_json
 from .run import _search_note, add_x_plain, resolved_auto_chunk, run_one
 
@@ -68,19 +67,11 @@ def tp_make_ours_logprobs(h, w, y, chunk, ctx, memory_mode="fast"):
 
 
 def tp_make_ours_fwd(h, w, y, chunk, ctx):
-    return _forward_only(lambda: linear_logprobs(h, w, y, tp_group=ctx.group, chunk_size=chunk, impl=_impl()).logprobs)
+    return make_ours_fwd(h, w, y, chunk, tp_group=ctx.group)
 
 
 def tp_make_ours_grpo(h, w, y, chunk, ctx):
-    fn, GRPOConfig = _linear_grpo()
-    batch, adv, mask = _grpo_inputs(h, y)
-    hb, yb = h.view(batch, -1, h.shape[-1]), y.view(batch, -1)
-
-    def step():
-        loss, _ = fn(hb, w, yb, adv, mask, GRPOConfig(), tp_group=ctx.group, chunk_size=chunk, impl=_impl())
-        return _grads(loss, h, w)
-    step.loss_kind = "grpo"
-    return step
+    return make_ours_grpo(h, w, y, chunk, tp_group=ctx.group)
 
 
 def tp_make_ours_ce_graphed(h, w, y, chunk, ctx):
