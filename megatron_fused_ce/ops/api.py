@@ -681,11 +681,12 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # checks the contents on the device instead (deferred_errors.py).
     row_index, row_labels = None, flat_labels
     compare_ranks = tp_size > 1 and agreed.remembered
+    # the tensors whose fingerprints join the rank check beside the labels' (GRPO's advantages, mask)
+    agree_tensors = tuple(v for v in (must_agree or {}).values() if isinstance(v, Tensor)) if compare_ranks else ()
     device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
                                   check=agreed.remembered,
                                   signature_code=agreed.signature_code if compare_ranks else None,
-                                  agree_tensors=tuple(v for v in (must_agree or {}).values() if isinstance(v, Tensor))
-                                  if compare_ranks else ())
+                                  agree_tensors=agree_tensors)
     local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
     replaying = mask_entries and (agreed.mask_rows is None or agreed.mask_rows[0] > 0)
     mask_poison = replay_chunks = None
