@@ -86,9 +86,9 @@ def shard_logprob(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv
 
 def finish_logprob(stats: ShardStats, local_target: Tensor, num_valid_cols: int, poison: Tensor) -> tuple:
     """ShardStats of the whole vocab -> (log p_y, M, log S, z_y, lse), fp32 [n]: log S = log(sum exp(z - M)),
-    lse = M + log S and log p_y = (z_y - M) - log S, as reductions.merge_shard_stats and
-    labelled_log_prob compute them; log p_y is 0 where the label is not a column (ignored), and
-    `poison` (fp32 [1]: NaN where the device checks found bad contents, else 0) is added to it."""
+    lse = M + log S and log p_y = (z_y - M) - log S: the merge's tail (merged_tail) and a
+    forward-only call's result (labelled_logprob, here 0 where the label is not a column: ignored),
+    `poison` (fp32 [1]: NaN where the device checks found bad contents, else 0) added to it."""
     log_sum_exp, lse, _ = merged_tail(stats.max, stats.sum_exp, None)
     on_shard, _ = _target_mask(local_target, 0, num_valid_cols)
     logprob = labelled_logprob(stats.target, stats.max, log_sum_exp, on_shard, poison)
