@@ -4,9 +4,9 @@
 d log p / d logits = one_hot - softmax and D·W in the forward (chunked.LinearLogprobDlogitsInForward),
 the backward scaling them by each row's upstream gradient. Protected here:
 
-* which calls take it (one fast chunk of at most api.DLOGITS_IN_FORWARD_MAX_BYTES, no entropy, no
-  sequence parallelism, not fp16, gradients wanted, no saved-tensor hooks) and which keep the
-  recompute path;
+* which calls take it (one fast chunk of at most api.DLOGITS_IN_FORWARD_MAX_BYTES, the default
+  chunk budget; no entropy, no sequence parallelism, not fp16, gradients wanted, no saved-tensor
+  hooks) and which keep the recompute path;
 * values, dX and dW against float64 dense math at TP 1/2/4 over gloo, with ignored labels, padded
   vocab, temperature and non-uniform upstream gradients (the tolerances of tests/test_ops.py);
 * Megatron's main_grad at loss scales 1 to 1e-5 (dW added in the backward, from the exact g);
@@ -82,6 +82,9 @@ def test_which_calls_make_their_dlogits_in_the_forward():
     assert not _takes_the_path(top_k=5)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert not _takes_the_path()
+    # the bound does not send a call of one chunk under the default chunk budget (up to 1 GiB of
+    # logits: 16k-row calls, 64k-128k-wide shards) back to the recompute path's fourth GEMM
+    assert api.DLOGITS_IN_FORWARD_MAX_BYTES >= api.DEFAULT_MAX_CHUNK_BYTES
 
 
 def test_three_gemms_make_values_and_gradients():

@@ -776,15 +776,20 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
 
 
 # Log-probs make their dlogits in the forward (chunked.LinearLogprobDlogitsInForward) only where the
-# chunk of dlogits is at most this large. What it wins is a GEMM (three instead of the recompute
-# path's four) and host time: on one H200, 2048x4096x19008 went 1.66 -> 1.28-1.36x the floor and
-# 8192x4096x19008 1.49 -> 1.13-1.14x (1.45 -> 1.06-1.09x replayed from CUDA graphs). What it costs is
-# memory: D (the chunk, which the recompute path's backward allocates too) is held from the forward
-# to the backward with D·W ([rows, H] fp32, freed once dX is made): a peak of 1.43x the chunk's bf16
-# logits at H = 4096, V = 19008 where recompute's is 1.00x. Megatron runs a micro-batch's backward
-# right after its forward on the stage with the output layer, so what is held is one micro-batch's.
-# Larger calls (16k rows, 128k-wide shards) keep the recompute path's bounded chunks.
-DLOGITS_IN_FORWARD_MAX_BYTES = 512 * 1024 * 1024
+# call is one chunk of logits and that chunk is at most this large: as large as a default chunk
+# (DEFAULT_MAX_CHUNK_BYTES), so that every call of one chunk under the default budget takes it.
+# What it wins is a GEMM (three instead of the recompute path's four) and host time: on one H200,
+# 2048x4096x19008 went 1.66 -> 1.28-1.36x the floor and 8192x4096x19008 1.49 -> 1.13-1.14x; the
+# bound at 1 GiB instead of 512 MiB (calls of 0.5-1 GiB of logits) 16384x2048x19008 1.56-1.58 ->
+# 1.13-1.14x, 16384x2048x32064 1.45-1.54 -> 1.13-1.23x, 8192x2048x64128 1.44-1.49 -> 1.12-1.16x,
+# 16384x4096x19008 1.37-1.39 -> 1.04-1.08x. What it costs is memory: D (the chunk, which the
+# recompute path's backward allocates too) is held from the forward to the backward with D·W
+# ([rows, H] fp32, freed once dX is made): a peak of 1.43x the chunk's bf16 logits at H = 4096,
+# V = 19008 (1.22x at H = 2048; 1.03-1.13x at 64k-128k-wide shards) where recompute's is 1.00x.
+# Megatron runs a micro-batch's backward right after its forward on the stage with the output
+# layer, so what is held is one micro-batch's. Calls of several chunks keep the recompute path's
+# bounded chunks (held from forward to backward, their dlogits would be the whole logits).
+DLOGITS_IN_FORWARD_MAX_BYTES = DEFAULT_MAX_CHUNK_BYTES
 
 
 def first_product_ahead(fn_name, hidden, weight, *options) -> tuple:
