@@ -33,7 +33,8 @@ GRPO_OPTION_SETS = {
 }
 MAX_KERNELS = {"cross_entropy": 30, "logprobs": 30, "logprobs_entropy": 30, "forward_only": 30, "grpo": 40}
 # Measured on an H200 (torch 2.11, Triton 3.6): forward-only 3 at TP = 1 (the GEMM, the label and statistics
-# kernels; 10 before its epilogue went into the statistics kernel), log-probs 21 (26 with entropy),
+# kernels; 10 before its epilogue went into the statistics kernel), log-probs 17 (26 with entropy;
+# 21 before the labelled log-prob took the poison and the backward's row scaling the label mask),
 # cross-entropy 12, GRPO 14 with each option set (its per-token terms: one kernel, triton_grpo.py).
 
 

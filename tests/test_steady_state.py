@@ -259,11 +259,13 @@ def test_second_call_makes_no_host_read_and_only_the_maths_collectives(tp):
             assert len(collectives) == expected, (rank, name, collectives)
 
 
-def _deferred_worker(rank, world, what):
+def _deferred_worker(rank, world, what, differentiable):
     group = dist.group.WORLD
     v = 40
     h, w, y = _inputs(5)
     w = w[rank * v:(rank + 1) * v]
+    if differentiable:  # log-probs of one chunk: dlogits made in the forward, the poison in its launch
+        h.requires_grad_()
     report = {}
     linear_logprobs(h, w, y, tp_group=group, vocab_size=75)  # the signature, agreed
     bad = y.clone()
@@ -286,10 +288,11 @@ def _deferred_worker(rank, world, what):
     return report
 
 
+@pytest.mark.parametrize("differentiable", [False, True], ids=["forward_only", "fwd_bwd"])
 @pytest.mark.parametrize("what", ["out_of_range", "ranks_differ"])
-def test_contents_found_bad_on_the_device_give_nan_and_raise_on_every_rank(what):
+def test_contents_found_bad_on_the_device_give_nan_and_raise_on_every_rank(what, differentiable):
     expected = "outside [0, vocab_size)" if what == "out_of_range" else "differ across tensor-parallel ranks"
-    for rank, report in enumerate(run_workers(_deferred_worker, 2, what)):
+    for rank, report in enumerate(run_workers(_deferred_worker, 2, what, differentiable)):
         assert report["all_nan"], rank
         assert report["raised"] is not None and expected in report["raised"], (rank, report["raised"])
         assert report["next"], rank

@@ -808,21 +808,29 @@ def test_fingerprint_pieces_kernel_matches_agreement(tb, n):
 @pytest.mark.parametrize("src_dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.float16), (torch.float32, torch.float32)])
 @pytest.mark.parametrize("rows,cols", [(1, 7), (5, 1024), (33, 2500)])
-def test_row_scale_matches_torch_math(tb, src_dtype, out_dtype, rows, cols):
+@pytest.mark.parametrize("masked", [False, True])
+def test_row_scale_matches_torch_math(tb, src_dtype, out_dtype, rows, cols, masked):
     """`row_scale`: out = src * g[row] in fp32, rounded once to out's dtype (dX rows from an fp32
     product, g·h for dW), as torch's broadcast product writes it: bit for bit, on views whose rows
-    are strided (a chunk of the rows, columns of a wider buffer), with g = 0 at unlabelled rows. The
+    are strided (a chunk of the rows, columns of a wider buffer), with g = 0 at unlabelled rows, or
+    (`keep`) g taken as 0 outside a row mask whatever it is there (NaN included). The
     interpreter's fp32 -> bf16 cast truncates: on CPU the kernel runs for fp32 outputs only."""
     g = torch.Generator().manual_seed(rows * cols)
     wide = (torch.randn(rows, cols + 9, generator=g) * 3).to(src_dtype).to(DEVICE)
     src = wide[:, 4:4 + cols]  # rows strided past the columns
     scale = torch.randn(rows, generator=g).to(DEVICE)
     scale[::3] = 0.0
-    want = torch.mul(src, scale.unsqueeze(1), out=torch.empty(rows, cols, dtype=out_dtype, device=DEVICE))
+    keep = None
+    applied = scale
+    if masked:
+        keep = (torch.arange(rows) % 2 == 0).to(DEVICE)
+        scale[1::4] = float("nan")  # outside the mask: taken as 0
+        applied = torch.where(keep, scale, 0.0)
+    want = torch.mul(src, applied.unsqueeze(1), out=torch.empty(rows, cols, dtype=out_dtype, device=DEVICE))
     out_wide = torch.full((rows, cols + 3), float("nan"), dtype=out_dtype, device=DEVICE)
     out = out_wide[:, :cols]
-    assert torch_backend.row_scale(out.clone(), src, scale).equal(want)
-    assert tb.row_scale(out, src, scale) is out
+    assert torch_backend.row_scale(out.clone(), src, scale, keep).equal(want)
+    assert tb.row_scale(out, src, scale, keep) is out
     assert torch.equal(out, want)
     assert out_wide[:, cols:].isnan().all()  # nothing written past the columns
 

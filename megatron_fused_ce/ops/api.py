@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -744,11 +745,11 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                               poison=_device_poison(device_checks, rank_check), backend=backend)
         if dlogits_in_forward:
             logprob, target, lse, row_max, log_sum_exp = LinearLogprobDlogitsInForward.apply(
-                hidden2d, weight, local_target, labelled, spec)
+                hidden2d, weight, local_target, labelled, spec, partial(_device_poison, device_checks, rank_check))
             _drop(first_product)
+            # (no `poison`: it is in the log-probs, the one result such a call returns)
             return TokenStats(target, lse, None, None, row_index, shape, num_rows, None, row_max, log_sum_exp,
-                              num_labelled=num_labelled, labelled=labelled,
-                              poison=_device_poison(device_checks, rank_check), backend=backend,
+                              num_labelled=num_labelled, labelled=labelled, backend=backend,
                               logprob_value=logprob)
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)

@@ -203,7 +203,8 @@ class LinearSoftmaxStats(torch.autograd.Function):
 
 class LinearLogprobDlogitsInForward(torch.autograd.Function):
     """(hidden [n, H], weight [V_local, H]) of a call of one fast chunk -> (log p_y of every row, 0
-    where `labelled` is False; differentiable), then plain values: target, lse, max, log_sum_exp.
+    where `labelled` is False, plus the call's poison, `call_poison()`; differentiable), then plain
+    values: target, lse, max, log_sum_exp.
 
     The forward makes the chunk of logits (one GEMM) and its statistics, merged over TP ranks,
     then turns that chunk into the dlogits of log p_y and multiplies them by W
@@ -214,13 +215,16 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics decides, from its `logprob_only`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec):
+    def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison=None):
         logits, partials = fast.chunk_forward(hidden, weight, local_target, spec, want_stats=True)
         merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.backend, spec.rank_check)
-        logprob = reductions.labelled_log_prob(merged.target, merged.max, merged.log_sum_exp, labelled)
-        made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad)
+        # the call's poison (api._device_poison) read once the merge has decided the rank check,
+        # added by the same launch that makes the log-probs (their gradient passes through it)
+        logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                                None if call_poison is None else call_poison())
+        made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad,
+                                              labelled)
         ctx.spec = replace(spec, tiling=made, first_product=None)
-        ctx.labelled = labelled
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, local_target)
         ctx.mark_non_differentiable(merged.target, merged.lse, merged.max, merged.log_sum_exp)
@@ -230,12 +234,11 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     @first_order_only
     def backward(ctx, g_logprob, *unused_plain_values):
         hidden, weight, local_target = ctx.saved_tensors
-        if g_logprob is not None and ctx.labelled is not None:
-            g_logprob = torch.where(ctx.labelled, g_logprob, 0.0)
+        # (g in the rows of ignored labels is taken as 0 by the tiling's scaling launches)
         coefs = None if g_logprob is None else {"target": g_logprob}
         grad_hidden, grad_weight = recompute_grads(hidden, weight, None, local_target, ctx.spec, (), coefs,
                                                    ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def softmax_statistics(hidden: Tensor, weight: Tensor, row_index: Optional[Tensor], local_target: Tensor,

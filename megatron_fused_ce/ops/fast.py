@@ -241,21 +241,22 @@ class DlogitsMadeInForward:
     D W (fp32), while the host goes on to autograd's backward: at RL row counts the engine and the
     backward's bookkeeping took as long on the host as a GEMM, the GPU idle. The backward is then
     one scale of D W, one of h and the dW GEMM; rounding as row_scaled_grad_gemms' (dX rounded
-    once from fp32, g·h once to the input dtype). Held from forward to backward: D ([rows,
-    V_local], the chunk of logits the backward would allocate) and D W ([rows, H] fp32, freed once
-    dX is made)."""
+    once from fp32, g·h once to the input dtype), g taken as 0 in the rows of ignored labels
+    (`labelled` False: their D is not zero) by those two scaling launches. Held from forward to
+    backward: D ([rows, V_local], the chunk of logits the backward would allocate) and D W ([rows,
+    H] fp32, freed once dX is made)."""
 
-    def __init__(self, dlogits: Tensor, product: Optional[Tensor]):
-        self.dlogits, self.product = dlogits, product
+    def __init__(self, dlogits: Tensor, product: Optional[Tensor], labelled: Optional[Tensor]):
+        self.dlogits, self.product, self.labelled = dlogits, product, labelled
 
     @staticmethod
     def make(logits: Tensor, weight: Tensor, local_target: Tensor, spec, merged,
-             needs_dx: bool) -> "DlogitsMadeInForward":
+             needs_dx: bool, labelled: Optional[Tensor]) -> "DlogitsMadeInForward":
         """From the chunk of logits (in the input dtype), overwritten."""
         ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
         coefs = {"p": -ones, "pz": None, "target": ones, "uniform": None}  # one_hot - softmax
         dlogits = chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
-        return DlogitsMadeInForward(dlogits, matmul_fp32(dlogits, weight) if needs_dx else None)
+        return DlogitsMadeInForward(dlogits, matmul_fp32(dlogits, weight) if needs_dx else None, labelled)
 
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
         return weight.dtype  # one chunk: one GEMM writes dW
@@ -263,14 +264,14 @@ class DlogitsMadeInForward:
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
                         accumulate: bool) -> Optional[Tensor]:
-        scale = coefs["target"]  # g of each row (0 where unlabelled)
+        scale = coefs["target"]  # g of each row (taken as 0 where unlabelled)
         if dx_rows is not None:
             # made again by a second backward through a retained graph
             product = self.product if self.product is not None else matmul_fp32(self.dlogits, weight)
-            spec.backend.row_scale(dx_rows, product, scale)  # fp32 math, one rounding
+            spec.backend.row_scale(dx_rows, product, scale, self.labelled)  # fp32 math, one rounding
             self.product = product = None  # freed before g·h is made: one of the two [rows, H] alive
         if dw_out is not None:
-            scaled_h = spec.backend.row_scale(torch.empty_like(rows), rows, scale)
+            scaled_h = spec.backend.row_scale(torch.empty_like(rows), rows, scale, self.labelled)
             grad_gemms(self.dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate=accumulate)
         return None
 

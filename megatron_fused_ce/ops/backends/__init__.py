@@ -123,7 +123,8 @@ class Backend:
     label_targets: Callable
     # cross-entropy's loss value from the merged statistics (a sum over the labelled rows)
     labelled_loss_sum: Callable
-    # [rows, H] rows times a per-row upstream gradient, rounded once into an output
+    # [rows, H] rows times a per-row upstream gradient (0 outside an optional row mask), rounded
+    # once into an output
     row_scale: Callable
     # the TP merge's per-row math (reductions.merge_shard_stats): the partials moved to the global
     # max for the all-reduce SUM (with the rank check's verdict), the merged rows' log S, lse and

@@ -313,9 +313,12 @@ def labelled_loss_sum(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labe
     return total if poison is None else total + poison[0]
 
 
-def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
+def row_scale(out: Tensor, src: Tensor, scale: Tensor, keep: Optional[Tensor] = None) -> Tensor:
     """out = src * scale[:, None] ([rows, H]): the product in fp32 with the fp32 per-row scale,
-    rounded once to out's dtype (an upstream gradient applied to dX rows or to hidden rows)."""
+    rounded once to out's dtype (an upstream gradient applied to dX rows or to hidden rows);
+    `keep` (bool [rows]; None: every row): the scale is 0 in the other rows (ignored labels)."""
+    if keep is not None:
+        scale = torch.where(keep, scale, 0.0)
     return torch.mul(src, scale.unsqueeze(1), out=out)
 
 

@@ -764,26 +764,33 @@ def _runs_kernel(t: Tensor) -> bool:
 
 @cached_launch
 @triton.jit
-def _row_scale_kernel(out_ptr, out_stride, src_ptr, src_stride, scale_ptr, cols, BLOCK: tl.constexpr):
+def _row_scale_kernel(out_ptr, out_stride, src_ptr, src_stride, scale_ptr, keep_ptr, cols, HAS_KEEP: tl.constexpr,
+                      BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_range = offsets < cols
     value = tl.load(src_ptr + row.to(tl.int64) * src_stride + offsets, mask=in_range).to(tl.float32)
-    scaled = value * tl.load(scale_ptr + row)
+    scale = tl.load(scale_ptr + row)
+    if HAS_KEEP:
+        scale = tl.where(tl.load(keep_ptr + row) != 0, scale, 0.0)
+    scaled = value * scale
     tl.store(out_ptr + row.to(tl.int64) * out_stride + offsets, scaled.to(out_ptr.dtype.element_ty), mask=in_range)
 
 
-def row_scale(out: Tensor, src: Tensor, scale: Tensor) -> Tensor:
+def row_scale(out: Tensor, src: Tensor, scale: Tensor, keep: Optional[Tensor] = None) -> Tensor:
     """torch_backend.row_scale at the memory's speed: torch's broadcast product of mixed dtypes
-    runs its slow strided kernel (~37 us for 2048 x 4096 on an H200, ~2.5x the traffic's time)."""
+    runs its slow strided kernel (~37 us for 2048 x 4096 on an H200, ~2.5x the traffic's time);
+    `keep` read in the same launch."""
     rows, cols = src.shape
     # (the interpreter's cast to bf16 / fp16 truncates: there only fp32 outputs run the kernel)
     kernel = src.is_cuda or (_interpreting() and out.dtype == torch.float32)
     if not kernel or rows == 0 or cols == 0 or src.stride(1) != 1 or out.stride(1) != 1:
-        return torch_backend.row_scale(out, src, scale)
+        return torch_backend.row_scale(out, src, scale, keep)
     block = 1024
-    _row_scale_kernel[(rows, cdiv(cols, block))](out, out.stride(0), src, src.stride(0), _f32(scale), cols,
-                                                 BLOCK=block, num_warps=4)
+    scale = _f32(scale)
+    _row_scale_kernel[(rows, cdiv(cols, block))](
+        out, out.stride(0), src, src.stride(0), scale, scale if keep is None else keep.contiguous().view(torch.uint8),
+        cols, HAS_KEEP=keep is not None, BLOCK=block, num_warps=4)
     return out
 
 
