@@ -236,6 +236,53 @@ def test_masked_position_without_label_enters_with_log_prob_zero(name):
         assert reference.rel_err(h.grad, want_grad) < 1e-5
 
 
+def _garbage_at_masked_positions_worker(rank, world):
+    """(loss, metrics, dX, dW) of three calls of one signature with garbage labels (out of range, or
+    differing across ranks) where the mask is 0, and of the same calls with ignore_index there;
+    what the deferred checks found after them."""
+    from megatron_fused_ce import check_deferred_errors
+
+    group = dist.group.WORLD if world > 1 else None
+    config = GRPOConfig(loss_type="grpo", beta=0.05)
+    hidden, weight_full, labels, mask, adv, extra = _inputs(11, world, False)
+    weight = weight_full[rank * V_LOCAL:(rank + 1) * V_LOCAL]
+    garbage = labels.clone()
+    dropped = mask == 0
+    garbage[dropped] = 10**6 + rank  # out of range, and not the same on every rank
+    ignored = labels.masked_fill(dropped, -100)
+    common = dict(tp_group=group, vocab_size=V_LOCAL * world - 3, old_logprobs=extra["old"],
+                  reference_logprobs=extra["ref"])
+    results = {}
+    for name, y in (("garbage", garbage), ("ignored", ignored)):
+        runs = []
+        for _ in range(3):  # the signature's first call (full agreement), then steady ones (the label kernel)
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            loss, metrics = linear_grpo_loss(h, w, y, adv, mask, config, **common)
+            loss.backward()
+            runs.append((loss.detach(), {k: v.detach() for k, v in metrics.items()}, h.grad, w.grad))
+        results[name] = runs
+    try:
+        check_deferred_errors()
+        results["raised"] = None
+    except ValueError as error:
+        results["raised"] = str(error)
+    return results
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_garbage_labels_where_the_mask_is_zero_are_never_read(tp):
+    """Masked tokens have no label: a label there (out of range, or one that differs across TP
+    ranks) is neither refused by the first call's agreement nor flagged by a later call's device
+    checks, and every call gives what the same call with ignore_index there gives, bit for bit
+    (the label kernel reads the mask on the gradients-in-forward path)."""
+    for rank, results in enumerate(run_workers(_garbage_at_masked_positions_worker, tp)):
+        assert results["raised"] is None, (rank, results["raised"])
+        for got, want in zip(results["garbage"], results["ignored"]):
+            assert torch.equal(got[0], want[0]), rank
+            assert all(torch.equal(got[1][k], want[1][k]) for k in want[1]), rank
+            assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]), rank
+
+
 # ---- the loss's own work per chunk ----------------------------------------------------------------
 
 

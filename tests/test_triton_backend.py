@@ -731,7 +731,7 @@ def test_label_targets_matches_torch(tb, n):
             counts = torch.empty(2, dtype=torch.int64, device=DEVICE)
             scalars = torch.empty(3, dtype=torch.float32, device=DEVICE)
             kernel[(1,)](y.to(DEVICE), target, labelled, counts, scalars, flags, n, -100, 120, vocab_start, 40,
-                         0, 0, 0, HAS_FLAGS=True, HAS_CHECK=False, BLOCK=1024)
+                         0, 0, 0, counts, 1, 0, 0, HAS_FLAGS=True, HAS_CHECK=False, HAS_MASK=False, BLOCK=1024)
             assert torch.equal(target.cpu(), want[0]) and torch.equal(labelled.cpu().bool(), want[1])
             torch.testing.assert_close(scalars.cpu(), want[3], equal_nan=True, rtol=0, atol=0)
             assert torch.equal(counts.cpu(), want[2]) and int(want[2][1]) == int(bad and bool(((y < 0) & (y != -100)).any() or (y >= 120).any()))
@@ -755,7 +755,8 @@ def test_label_kernel_makes_the_rank_check_of_the_labels(tb, n):
         counts = torch.empty(2, dtype=torch.int64, device=DEVICE)
         scalars = torch.empty(12, dtype=torch.float32, device=DEVICE)
         tb._label_targets_kernel[(1,)](y.to(DEVICE), target, labelled, counts, scalars, counts, n, -100, 1 << 20, 0,
-                                       1 << 19, *tb._pieces(code), HAS_FLAGS=False, HAS_CHECK=True, BLOCK=1024)
+                                       1 << 19, *tb._pieces(code), counts, 1, 0, 0, HAS_FLAGS=False, HAS_CHECK=True,
+                                       HAS_MASK=False, BLOCK=1024)
         return scalars.cpu()
 
     for code in (1, 16, 0xDEADBEEF, 2**32 - 1):
@@ -766,6 +767,48 @@ def test_label_kernel_makes_the_rank_check_of_the_labels(tb, n):
     changed = labels.clone()
     changed[n // 2] += 1
     assert not torch.equal(kernel_pieces(changed, 16)[3:], kernel_pieces(labels, 16)[3:])
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_label_kernel_ignores_the_positions_a_mask_drops(tb, mask_dtype, transposed):
+    """`label_mask` (GRPO's mask, in the labels' layout, a transposed view included): where it is 0
+    the label counts as ignore_index for everything the kernel makes (targets, labelled rows and
+    their count, the bad-label flag, the rank check's fingerprint), equal to the labels filled with
+    ignore_index there (the torch backend's definition); garbage there (ids out of range) is not
+    a bad label."""
+    g = torch.Generator().manual_seed(7)
+    rows, cols = 37, 29
+    labels = torch.randint(0, 120, (rows, cols), generator=g)
+    labels[::4, ::3] = -100
+    keep = torch.rand(rows, cols, generator=g) > 0.3
+    labels[~keep] = torch.randint(-5, 10**6, (int((~keep).sum()),), generator=g)  # garbage where dropped
+    if transposed:  # labels [T, B] against a [B, T] mask read through its transposed view (sequence parallelism)
+        labels, keep = labels.t().contiguous(), keep.t()
+    mask = keep.to(mask_dtype).to(DEVICE)
+    filled = labels.masked_fill(~keep, -100)
+    n = labels.numel()
+
+    def kernel(vocab_start):  # the launch itself (under the interpreter on a CPU machine)
+        out = (torch.empty(n, dtype=torch.int64, device=DEVICE), torch.empty(n, dtype=torch.uint8, device=DEVICE),
+               torch.empty(2, dtype=torch.int64, device=DEVICE), torch.empty(12, dtype=torch.float32, device=DEVICE))
+        read = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        tb._label_targets_kernel[(1,)](labels.reshape(-1).to(DEVICE), *out, out[2], n, -100, 120, vocab_start, 40,
+                                       *tb._pieces(77), read, read.shape[1], read.stride(0), read.stride(1),
+                                       HAS_FLAGS=False, HAS_CHECK=True, HAS_MASK=True, BLOCK=1024)
+        return out[0], out[1].bool(), out[2], out[3]
+
+    for vocab_start in (0, 40):
+        want = torch_backend.label_targets(filled.reshape(-1), -100, 120, vocab_start, 40, None, 77)
+        for got in (kernel(vocab_start), tb.label_targets(labels.reshape(-1).to(DEVICE), -100, 120, vocab_start, 40,
+                                                          None, 77, (), label_mask=mask)):
+            for g_, w_ in zip(got, want):
+                torch.testing.assert_close(g_.cpu(), w_, equal_nan=True, rtol=0, atol=0)
+            assert int(got[2][1]) == 0  # no bad label: the garbage is where the mask drops it
+        unmasked = torch_backend.label_targets(labels.reshape(-1), -100, 120, vocab_start, 40, None, 77,
+                                               label_mask=keep.to(mask_dtype))
+        for g_, w_ in zip(unmasked, want):
+            torch.testing.assert_close(g_, w_, equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("n", [1, 1000, 3 * 1024 + 17])

@@ -50,8 +50,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops import reductions
-from ..ops.agreement import fits_int64, flag_argument, integer_argument
-from ..ops.api import first_product_ahead, linear_logprobs, token_statistics
+from ..ops.agreement import flag_argument, integer_argument
+from ..ops.api import first_product_ahead, linear_logprobs, masked_labels, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, field_values, fused, grpo_loss,
                    loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
@@ -351,10 +351,9 @@ def linear_grpo_loss(
                          extra_flags=[("needs_grad", needs_grad), ("sampling_mask given", sampling_mask is not None)],
                          shape_source="mask")
 
-    # masked tokens never reach the loss: no label (a bad ignore_index is refused by the op's
-    # agreement, on every rank: meanwhile -100 stands in, so that this rank reaches it)
-    labels = labels.masked_fill((mask.t() if sequence_first else mask) == 0,
-                                ignore_index if fits_int64(ignore_index) else -100)
+    # masked tokens never reach the loss: no label (the op's label kernel takes them as ignored on
+    # the gradients-in-forward path; the other paths get the labels filled with ignore_index)
+    label_mask = mask.t() if sequence_first else mask
     op_kwargs = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=temperature,
                      ignore_index=ignore_index, chunk_size=chunk_size,
                      sequence_parallel=sequence_parallel, impl=impl,
@@ -366,7 +365,8 @@ def linear_grpo_loss(
 
     if (sampling_mask is not None or not needs_grad
             or not gradients_in_forward_apply(config, old_logprobs, sampling_logprobs)):
-        logprobs = linear_logprobs(hidden, weight, labels, **op_kwargs, sampling_mask=sampling_mask).logprobs
+        logprobs = linear_logprobs(hidden, weight, masked_labels(labels, label_mask, ignore_index), **op_kwargs,
+                                   sampling_mask=sampling_mask).logprobs
         return grpo_loss(to_batch_layout(logprobs), advantages, mask, config, **loss_kwargs,
                          cp_group=cp_group)
 
@@ -415,7 +415,8 @@ def linear_grpo_loss(
     must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)
     stats = token_statistics("linear_grpo_loss", hidden, weight, labels, **op_kwargs,
                              want_sum_logits=False, want_entropy=False, forward_grad=forward_grad,
-                             must_agree=must_agree, expected_upstream_grad=expected_upstream_grad, ahead=ahead)
+                             must_agree=must_agree, expected_upstream_grad=expected_upstream_grad, ahead=ahead,
+                             label_mask=label_mask)
     with torch.no_grad():
         metrics = forward_grad.metrics(stats.target.shape[0], sampling_logprobs is not None, cp_group, stats.poison)
     return metrics["loss"] + stats.anchor, metrics

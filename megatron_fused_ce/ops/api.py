@@ -213,20 +213,28 @@ def _mask_layout(mask_check) -> Optional[tuple]:
     return (True, tuple(mask_check.ids.shape), tuple(mask_check.offsets.shape), mask_check.ids.device)
 
 
+def masked_labels(labels, label_mask: Optional[Tensor], ignore_index):
+    """`labels` with ignore_index where `label_mask` (the labels' shape) is 0: masked tokens have no
+    label. (A bad ignore_index, which the agreement refuses on every rank, stands as -100 meanwhile.)"""
+    if label_mask is None or not isinstance(labels, Tensor):
+        return labels
+    return labels.masked_fill(label_mask == 0, ignore_index if fits_int64(ignore_index) else -100)
+
+
 def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, temperature, chunk_size,
                      sequence_parallel, impl, ignore_index, logits_dtype, memory_mode, want_entropy,
                      grad_path, max_chunk_bytes, extra_checks, must_agree, mask_check=None,
-                     may_remember=True) -> _Agreed:
+                     may_remember=True, label_mask=None) -> _Agreed:
     """Raise the same ValueError on every TP rank for bad input or arguments that differ across
     ranks; else return what the ranks agreed on. One all-reduce of a small int64 vector and one
     read-back, on the first call of a signature (`Agreement.signature`: the Python-level
     arguments, shapes, dtypes, group). A later call of a remembered signature makes neither: what
     depends on the tensors' contents is then checked on the device (token_statistics).
     `may_remember`: False where a later call may not skip the agreement (sampler settings, whose
-    collectives the checks guard)."""
+    collectives the checks guard). `label_mask`: positions to take as ignored (token_statistics)."""
     call_key = _call_key(fn_name, hidden, weight, labels, tp_group,
                          (vocab_size, temperature, chunk_size, sequence_parallel, impl, ignore_index, logits_dtype,
-                          memory_mode, want_entropy, grad_path, max_chunk_bytes),
+                          memory_mode, want_entropy, grad_path, max_chunk_bytes, label_mask is not None),
                          extra_checks, must_agree, mask_check) if may_remember else None
     if call_key is not None:
         try:
@@ -235,6 +243,7 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
             hit = call_key = None
         if hit is not None and agreement_memo.still_remembered(hit[0]):
             return hit[1]
+    labels = masked_labels(labels, label_mask, ignore_index)  # (what the checks below see)
     tp_size = reductions.group_size(tp_group)
     device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
     agreement = Agreement(fn_name, tp_group, device, _CHECKS + tuple(k for k in extra_checks if k not in _CHECKS))
@@ -546,7 +555,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                      extra_checks=None, must_agree=None, forward_grad: Optional[ForwardGradLoss] = None,
                      sampler=None,
                      expected_upstream_grad=None, mask_check=None, logprob_only: bool = False,
-                     ahead: Optional[tuple] = None) -> TokenStats:
+                     ahead: Optional[tuple] = None, label_mask: Optional[Tensor] = None) -> TokenStats:
     """Checks, flattening and the chunked statistics shared by every entry point.
 
     `extra_checks`: {argument name: error message, or None when it passed}, the entry point's own
@@ -570,7 +579,10 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     a call of one fast chunk then makes its dlogits in the forward
     (chunked.LinearLogprobDlogitsInForward).
     `ahead`: first_product_ahead's (key, product), where the entry point launched it before its own
-    argument handling (None: launched here)."""
+    argument handling (None: launched here).
+    `label_mask` (the labels' shape; GRPO's mask): a position where it is 0 is ignored, as if its
+    label were ignore_index; with gradients in the forward the label kernel reads it (no masked copy
+    of the labels), elsewhere the labels are filled first (`masked_labels`)."""
     ahead_key, ahead_product = ahead if ahead is not None else first_product_ahead(
         fn_name, hidden, weight, impl, chunk_size, max_chunk_bytes, memory_mode, logits_dtype, sequence_parallel,
         want_entropy, want_sum_logits)
@@ -589,6 +601,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # checkpoint): the recompute path's forward has none.
     grad_in_forward = (needs_grad and forward_grad is not None and hidden.dtype != torch.float16
                        and not saved_tensors_hooks_active())
+    if label_mask is not None and not grad_in_forward:  # (paths where more than the label kernel reads labels)
+        labels, label_mask = masked_labels(labels, label_mask, ignore_index), None
     main_grad_param = (weight_param if isinstance(weight_param, Tensor)
                        and adds_into_main_grad(weight_param, accumulate_into_main_grad) else None)
     extra_checks = dict(extra_checks or {})
@@ -608,7 +622,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         want_entropy=want_entropy, grad_path=(needs_grad, needs_dx, grad_in_forward),
         max_chunk_bytes=max_chunk_bytes,
         extra_checks=extra_checks, must_agree={**(must_agree or {}), **(sampler or {})}, mask_check=mask_check,
-        may_remember=may_remember)
+        may_remember=may_remember, label_mask=label_mask)
     tp_size, tp_rank = reductions.group_size(tp_group), reductions.group_rank(tp_group)
     sequence_parallel = bool(sequence_parallel) and tp_size > 1
     v_local, hidden_size = weight.shape
@@ -687,7 +701,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
                                   check=agreed.remembered,
                                   signature_code=agreed.signature_code if compare_ranks else None,
-                                  agree_tensors=agree_tensors)
+                                  agree_tensors=agree_tensors, label_mask=label_mask)
     local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
     replaying = mask_entries and (agreed.mask_rows is None or agreed.mask_rows[0] > 0)
     mask_poison = replay_chunks = None
@@ -864,14 +878,16 @@ class _DeviceChecks:
     """Each row's target on this shard (-1 where the label is ignored, off this shard, or out of
     range), whether it is labelled, the number of labelled rows and, on a remembered signature
     (`check`), whether a label lies outside [0, true_vocab) (deferred_errors.py), all on the
-    device: no count is read back."""
+    device: no count is read back. Positions where `label_mask` is 0 count as ignored."""
 
     def __init__(self, backend, flat_labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int,
-                 v_local: int, check: bool, signature_code: Optional[int] = None, agree_tensors: tuple = ()):
+                 v_local: int, check: bool, signature_code: Optional[int] = None, agree_tensors: tuple = (),
+                 label_mask: Optional[Tensor] = None):
         # (the full agreement checked the first call of the signature: no flag to record then)
         flags = deferred_errors.flags(flat_labels.device) if check else None
         self.local_target, self.labelled, counts, scalars = backend.label_targets(
-            flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags, signature_code, agree_tensors)
+            flat_labels, ignore_index, true_vocab, vocab_start, v_local, flags, signature_code, agree_tensors,
+            label_mask)
         # with a signature code: the rank check's pieces of it, of the labels' fingerprint and of
         # each tensor of `agree_tensors`', made beside the label launch
         self.rank_pieces = scalars[3:] if signature_code is not None else None

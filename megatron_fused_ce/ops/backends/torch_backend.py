@@ -262,7 +262,7 @@ def exp_tile_(
 
 def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int, v_local: int,
                   flags: Optional[Tensor] = None, signature_code: Optional[int] = None,
-                  agree_tensors: tuple = ()) -> tuple:
+                  agree_tensors: tuple = (), label_mask: Optional[Tensor] = None) -> tuple:
     """Flat labels -> (local_target int64 [n]: the column of the label on this shard, -1 where it is
     ignore_index, on another shard or outside [0, true_vocab); labelled bool [n]; int64 [2]:
     the number of labelled rows, and 1 if a labelled row's label lies outside [0, true_vocab)
@@ -272,7 +272,11 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
     the fp32 vector has 9 more entries: agreement.fingerprint_pieces of [signature_code, the
     labels' two fingerprint sums (agreement.tensor_fingerprint)], what TP ranks compare on a
     remembered signature (reductions.RankCheck), and 6 more per tensor of `agree_tensors` (the
-    call's other tensors that must agree: tensor_fingerprint_pieces)."""
+    call's other tensors that must agree: tensor_fingerprint_pieces). `label_mask` (the labels'
+    shape; None: none): a position where it is 0 is ignored, its label taken as ignore_index for
+    all of the above (GRPO's mask: masked tokens have no label)."""
+    if label_mask is not None:
+        labels = labels.masked_fill(label_mask.reshape(-1) == 0, ignore_index)
     labelled = labels != ignore_index
     in_range = (labels >= 0) & (labels < true_vocab)
     # on this shard: in range and in [vocab_start, vocab_start + v_local), as two comparisons

@@ -471,8 +471,9 @@ PIECE_MASK = tl.constexpr(2**21 - 1)  # agreement.fingerprint_pieces
 @cached_launch
 @triton.jit(do_not_specialize=["code0", "code1", "code2"])
 def _label_targets_kernel(labels_ptr, target_ptr, labelled_ptr, counts_ptr, scalars_ptr, flags_ptr, n, ignore_index,
-                          true_vocab, vocab_start, v_local, code0, code1, code2, HAS_FLAGS: tl.constexpr,
-                          HAS_CHECK: tl.constexpr, BLOCK: tl.constexpr):
+                          true_vocab, vocab_start, v_local, code0, code1, code2,
+                          mask_ptr, mask_cols, mask_stride0, mask_stride1, HAS_FLAGS: tl.constexpr,
+                          HAS_CHECK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
     # one program walks every row: a launch, not a reduction tree, is what costs at these sizes
     labelled_rows = tl.zeros([BLOCK], tl.int64)
     bad_rows = tl.zeros([BLOCK], tl.int32)
@@ -483,6 +484,9 @@ def _label_targets_kernel(labels_ptr, target_ptr, labelled_ptr, counts_ptr, scal
         offsets = start + tl.arange(0, BLOCK)
         in_rows = offsets < n
         label = tl.load(labels_ptr + offsets, mask=in_rows, other=ignore_index)
+        if HAS_MASK:  # a position whose mask is 0 is ignored: its label is ignore_index from here on
+            at = (offsets // mask_cols).to(tl.int64) * mask_stride0 + (offsets % mask_cols).to(tl.int64) * mask_stride1
+            label = tl.where(tl.load(mask_ptr + at, mask=in_rows, other=1) != 0, label, ignore_index)
         if HAS_CHECK:
             position_terms, hash_terms = fingerprint_terms(label, offsets.to(tl.int64), in_rows, True)
             position_sum += position_terms
@@ -521,15 +525,20 @@ def _pieces(code: int) -> tuple:
 
 def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int, v_local: int,
                   flags: Optional[Tensor] = None, signature_code: Optional[int] = None,
-                  agree_tensors: tuple = ()) -> tuple:
+                  agree_tensors: tuple = (), label_mask: Optional[Tensor] = None) -> tuple:
     """torch_backend.label_targets in one launch (the dozen elementwise ops and reductions of the
     torch version each cost a launch before the first GEMM; the rank check's fingerprint a dozen
-    more), and one more per tensor of `agree_tensors`, writing its pieces in place (some seven
-    launches each in torch)."""
+    more; the mask's two), and one more per tensor of `agree_tensors`, writing its pieces in place
+    (some seven launches each in torch)."""
     if not labels.is_cuda:
         return torch_backend.label_targets(labels, ignore_index, true_vocab, vocab_start, v_local, flags,
-                                           signature_code, agree_tensors)
+                                           signature_code, agree_tensors, label_mask)
     labels = labels.contiguous()
+    mask = None
+    if label_mask is not None:  # read in the labels' layout, whatever its strides
+        mask = label_mask if label_mask.dim() == 2 else label_mask.reshape(1, -1)
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)
     n = labels.numel()
     local_target = torch.empty(n, dtype=torch.int64, device=labels.device)
     labelled = torch.empty(n, dtype=torch.uint8, device=labels.device)
@@ -539,8 +548,11 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
                           device=labels.device)
     _label_targets_kernel[(1,)](labels, local_target, labelled, counts, scalars, flags if flags is not None else counts,
                                 n, int(ignore_index), int(true_vocab), int(vocab_start), int(v_local),
-                                *_pieces(signature_code or 0), HAS_FLAGS=flags is not None,
-                                HAS_CHECK=checked, BLOCK=1024, num_warps=4)
+                                *_pieces(signature_code or 0),
+                                *((mask, mask.shape[1], mask.stride(0), mask.stride(1)) if mask is not None
+                                  else (counts, 1, 0, 0)),
+                                HAS_FLAGS=flags is not None, HAS_CHECK=checked, HAS_MASK=mask is not None,
+                                BLOCK=1024, num_warps=4)
     if checked:
         for i, tensor in enumerate(agree_tensors):
             tensor_fingerprint_pieces(tensor, out=scalars[12 + 6 * i:18 + 6 * i])
