@@ -377,6 +377,9 @@ def linear_grpo_loss(
         return normalizer if normalizer is None or isinstance(normalizer, Tensor) else torch.full(
             (), float(normalizer), dtype=torch.float32, device=hidden.device)
 
+    # (`labels` below are the caller's: a position whose mask is 0 may hold any label there, and its
+    # weight is 0, so that its terms and gradient are 0 whatever the label; the op's statistics
+    # take it as ignored: label_mask)
     def prepare():
         """Everything a token's term needs from other tokens (and other CP ranks), per position."""
         if cp_group is None:  # one compiled function on CUDA (the totals' CP all-reduce cannot be in one)
