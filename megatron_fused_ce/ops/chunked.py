@@ -215,13 +215,13 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics decides, from its `logprob_only`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison=None):
+    def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison):
         logits, partials = fast.chunk_forward(hidden, weight, local_target, spec, want_stats=True)
         merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.backend, spec.rank_check)
         # the call's poison (api._device_poison) read once the merge has decided the rank check,
         # added by the same launch that makes the log-probs (their gradient passes through it)
         logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                                None if call_poison is None else call_poison())
+                                                call_poison())
         made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad,
                                               labelled)
         ctx.spec = replace(spec, tiling=made, first_product=None)
