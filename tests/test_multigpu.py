@@ -280,12 +280,44 @@ def test_nccl_steady_inputs_that_differ_give_nan_and_raise_on_every_rank(what):
             assert nan and message is not None and "differ across tensor-parallel ranks" in message, (r, message)
 
 
+def test_nccl_garbage_labels_where_the_mask_is_zero_are_never_read():
+    """TP over NCCL, bf16, Triton: GRPO's masked tokens have no label. Garbage there (out of range,
+    and different on each rank) is neither refused by the first call's agreement nor flagged by the
+    steady calls' device checks (the label kernel reads the mask), and every call's loss, metrics,
+    dX and dW equal bit for bit those of the same call with ignore_index there."""
+    from megatron_fused_ce import check_deferred_errors
+
+    rank = dist.get_rank()
+    h, w, _, r = _steady_call_inputs(7)
+    r["mask"][:, 100:110] = 0  # masked tokens inside the response too, not only the prompt
+    dropped = r["mask"] == 0
+    garbage = r["labels"].masked_fill(dropped, 10**6 + rank)
+    ignored = r["labels"].masked_fill(dropped, -100)
+    config = GRPOConfig(loss_type="grpo", beta=0.05, is_correction="token_truncate", is_clip_max=2.0)
+    runs = {}
+    for name, labels in (("garbage", garbage), ("ignored", ignored)):
+        runs[name] = []
+        for _ in range(3):  # the signature's first call (full agreement), then steady ones
+            hx, wx = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            loss, metrics = linear_grpo_loss(hx, wx, labels, r["adv"], r["mask"], config, old_logprobs=r["old"],
+                                             reference_logprobs=r["reference"], tp_group=dist.group.WORLD)
+            loss.backward()
+            runs[name].append([loss.detach(), hx.grad, wx.grad] + [metrics[k].detach() for k in sorted(metrics)])
+    try:
+        check_deferred_errors()
+        raised = None
+    except ValueError as error:
+        raised = str(error)
+    equal = all(torch.equal(a, b) for got, want in zip(runs["garbage"], runs["ignored"]) for a, b in zip(got, want))
+    assert all(e is None and same for e, same in _gather((raised, equal))), _gather((raised, equal))
+
+
 # CUDA kernels of a steady call at TP = 2, the NCCL collectives among them (printed by the test);
-# measured on 2 x H200 (torch 2.11, Triton 3.6): forward-only 10, log-probs 26, cross-entropy 18,
-# where the merge made of torch's elementwise ops and reductions had 28 / 43 / 32 at 2048 x 4096 x 19008;
-# GRPO with every option on at most 40, as at TP = 1 (dapo: 22, 53 before the rank check's fingerprints
-# went into the label launch's vector)
-NCCL_MAX_KERNELS = {"forward_only": 12, "logprobs": 28, "cross_entropy": 20, "grpo_every_option": 40}
+# measured on 2 x H200 (torch 2.11, Triton 3.6): forward-only 10, log-probs 22 (their dlogits made in
+# the forward, the labelled log-prob and the poison one launch), cross-entropy 18, GRPO with every
+# option 23 (the label kernel reading its mask); the merge made of torch's elementwise ops and
+# reductions had 28 / 43 / 32 for the first three at 2048 x 4096 x 19008. GRPO: at most 40, as at TP = 1
+NCCL_MAX_KERNELS = {"forward_only": 12, "logprobs": 24, "cross_entropy": 20, "grpo_every_option": 40}
 
 
 @pytest.mark.parametrize("path", list(NCCL_MAX_KERNELS))
