@@ -15,6 +15,8 @@ CPU; tests/test_multigpu.py at TP = 2 over NCCL).
   for cross-entropy, log-probs with entropy and GRPO with every option.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -105,7 +107,23 @@ def _replay_paths():
         (out.logprobs.sum() + out.entropy.sum()).backward()
         return out.logprobs
 
-    return {"replay_forward_only": forward_only, "replay_logprobs": logprobs}
+    def sparse(inputs):  # (K = 8 of V = 8064 takes the union tiles by sizes)
+        with _route("sparse"):
+            return logprobs(inputs)
+
+    return {"replay_forward_only": forward_only, "replay_logprobs": logprobs, "replay_sparse_logprobs": sparse}
+
+
+@contextlib.contextmanager
+def _route(pieces):
+    """replay.FORCE_PIECES set to `pieces` while the block runs."""
+    from megatron_fused_ce.ops import replay
+
+    replay.FORCE_PIECES = pieces
+    try:
+        yield
+    finally:
+        replay.FORCE_PIECES = None
 
 
 def _leaves(seed):
@@ -177,12 +195,13 @@ def test_forward_only_logprobs_replay_in_a_cuda_graph():
     check_deferred_errors()
 
 
-def test_forward_only_logprobs_with_a_sampling_mask_replay_in_a_cuda_graph():
+@pytest.mark.parametrize("pieces", [None, "sparse"])  # (None: the union tiles, by sizes)
+def test_forward_only_logprobs_with_a_sampling_mask_replay_in_a_cuda_graph(pieces):
     h, w, y, _ = _inputs(4)
     ids, offsets = _sampling_mask(y, 4)
 
     def forward(h, w, y, ids, offsets):
-        with torch.no_grad():
+        with torch.no_grad(), _route(pieces):
             return linear_logprobs(h, w, y, return_entropy=True, sampling_mask=(ids, offsets))
 
     graph, out = _capture(forward, (h, w, y, ids, offsets))

@@ -162,11 +162,11 @@ LOGS = {
                                                  "| ce | 1 | 1.10e-03 | 1.00e-03 | 1.00e-03 |\n"
                                                  "| grpo | 1e-05 | 2.30e-03 | 1.00e-03 | 1.20e-03 |\n"),
     "tools_sampling_mask_bench": ("tools", "0", "device: NVIDIA H100 80GB HBM3, torch 2.11.0, chunk_size auto\n"
-                                                "| shape NxHxV | sets | K | K / V | sparse | plain ms | replay ms | "
+                                                "| shape NxHxV | sets | K | K / V | route | plain ms | replay ms | "
                                                 "replay / plain | target | lp err |\n|---|---|---|---|---|---|---|---|---|---|\n"
-                                                "| 8192x4096x128256 | zipf | 50 | 0.0004 | 1.00 | 48.10 | 9.60 | 0.200 | "
+                                                "| 8192x4096x128256 | zipf | 50 | 0.0004 | sparse | 48.10 | 9.60 | 0.200 | "
                                                 "<= 0.25x ok | 2.1e-03 |\n"
-                                                "| 8192x4096x128256 | zipf | 512 | 0.0040 | 1.00 | 48.10 | 30.20 | 0.628 | "
+                                                "| 8192x4096x128256 | zipf | 512 | 0.0040 | dense | 48.10 | 30.20 | 0.628 | "
                                                 "<= 0.8x ok | 2.3e-03 |\nevery row met its target\n"),
     "tools_make_text_dataset": ("tools", "0", "40 files (1.2 MB) from /usr/lib/python3.12: 345678 tokens, vocab 512 "
                                               "(<|endoftext|> = 0), 8.1 s -> /o/text_document.bin/.idx\n"),

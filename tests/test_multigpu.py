@@ -184,19 +184,25 @@ def _steady_call_inputs(seed, kept_sets=False):
     return h, w, y, rollout
 
 
-@pytest.mark.parametrize("path", ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo", "replay"])
-def test_nccl_second_call_makes_no_host_synchronization(path):
+@pytest.mark.parametrize("path", ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo", "replay",
+                                  "replay_tiles"])
+def test_nccl_second_call_makes_no_host_synchronization(path, monkeypatch):
     """TP over NCCL, bf16, Triton: the second call of a signature runs under
     torch.cuda.set_sync_debug_mode("error") (no agreement read-back, nothing sized by a count; the
-    rank check rides on the statistics' all-reduce) and gives finite values."""
+    rank check rides on the statistics' all-reduce) and gives finite values (replay's union tiles:
+    their layout sized from what the host knows)."""
     from megatron_fused_ce import check_deferred_errors
+    from megatron_fused_ce.ops import replay
+
+    if path == "replay_tiles":
+        monkeypatch.setattr(replay, "FORCE_PIECES", "tiles")
 
     config = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, use_bias_correction_kl=True,
                         is_correction="token_truncate", is_clip_max=2.0)
 
     def call(h, w, y, r):
         kw = dict(tp_group=dist.group.WORLD)
-        if path == "replay":
+        if path.startswith("replay"):
             out = linear_logprobs(h, w, y, **kw, sampling_mask=r["kept"])
             out.logprobs.sum().backward()
             return out.logprobs
@@ -215,8 +221,8 @@ def test_nccl_second_call_makes_no_host_synchronization(path):
         loss.backward()
         return loss
 
-    call(*_steady_call_inputs(1, kept_sets=path == "replay"))
-    second = _steady_call_inputs(2, kept_sets=path == "replay")
+    call(*_steady_call_inputs(1, kept_sets=path.startswith("replay")))
+    second = _steady_call_inputs(2, kept_sets=path.startswith("replay"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     error = None
@@ -362,14 +368,17 @@ def test_nccl_kernels_per_call_are_bounded(path):
     assert all(c <= NCCL_MAX_KERNELS[path] for c in counts), (counts, kernels)
 
 
-@pytest.mark.parametrize("path", ["cross_entropy", "grpo", "replay"])
-def test_nccl_graphed_calls_equal_eager(path):
+@pytest.mark.parametrize("path", ["cross_entropy", "grpo", "replay", "replay_tiles"])
+def test_nccl_graphed_calls_equal_eager(path, monkeypatch):
     """make_graphed_callables over NCCL in the thread-local capture mode (megatron_fused_ce.cuda_graphs),
     captured right after eager calls whose collectives NCCL's watchdog still tracks (what made the
     default global mode fail such captures from one shape to the next), then replayed on new
     inputs: the loss and dX, dW equal the eager call's on the same inputs, bit for bit."""
     from megatron_fused_ce.cuda_graphs import thread_local_capture
+    from megatron_fused_ce.ops import replay
 
+    if path == "replay_tiles":  # (K = 20 of a 4032-id shard takes the dense route by sizes)
+        monkeypatch.setattr(replay, "FORCE_PIECES", "tiles")
     tp, rank = dist.get_world_size(), dist.get_rank()
     config = GRPOConfig(loss_type="dapo", beta=0.05, is_correction="token_truncate", is_clip_max=2.0)
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -390,7 +399,7 @@ def test_nccl_graphed_calls_equal_eager(path):
 
     def loss_of(h, w, y, old, adv, grpo_labels, mask, ids, offsets):
         kw = dict(tp_group=dist.group.WORLD)
-        if path == "replay":
+        if path.startswith("replay"):
             return -linear_logprobs(h, w, y, **kw, sampling_mask=(ids, offsets)).logprobs.sum()
         if path == "cross_entropy":
             return linear_cross_entropy(h, w, y, **kw)
@@ -426,11 +435,11 @@ def test_nccl_graphed_calls_equal_eager(path):
 # ------------------------------------------------------------------------------------------------
 # Sampling-mask replay over NCCL
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("force", [None, "sparse", "dense"])
+@pytest.mark.parametrize("force", [None, "sparse", "tiles", "dense"])
 @pytest.mark.parametrize("dtype,ints", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16"])
 def test_nccl_replay_matches_dense_reference(force, dtype, ints):
     """Replay's float64 cases of test_sampling_mask.py (sampling_mask_cases.py: ignored labels,
-    empty sets, padded vocab, temperature, SP) on the GPUs with the Triton kernels, both routes: the
+    empty sets, padded vocab, temperature, SP) on the GPUs with the Triton kernels, every route: the
     mask's agreement across ranks compares what every rank's mask can equal (its sizes and device
     type, not each rank's own device index)."""
     import sampling_mask_cases

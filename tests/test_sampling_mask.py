@@ -57,13 +57,13 @@ def _every_row_worker(rank, world, cases):
     from unittest import mock
 
     calls = []
-    original = replay.ReplayChunks._one_dense_gemm
+    original = replay.ReplayChunks._dw_in_one_product
 
     def spy(self, spec):
         calls.append(original(self, spec))
         return calls[-1]
 
-    with mock.patch.object(replay.ReplayChunks, "_one_dense_gemm", spy):
+    with mock.patch.object(replay.ReplayChunks, "_dw_in_one_product", spy):
         out = [[run_case(rank, world, case, force) for force in FORCES] for case in cases]
     return out, any(calls)
 
@@ -357,6 +357,24 @@ def test_sparse_or_dense_is_decided_on_the_ranks_shard():
 
     assert not tiling(2000, 2000).sparse and not tiling(0, 2000).sparse
     assert tiling(0, 4000).sparse
+
+
+def test_union_tiles_where_the_backend_has_them_and_the_unions_are_small():
+    """replay_route: with union-tile kernels, K = 50 is tiles at the RL shards (V 19008-32064,
+    where the sparse kernels cost more than plain) and on the large ones; K = 512 at V = 19008 or
+    128256 (even a tile's union bound past half the shard) and tiles whose products would pass a
+    chunk's elements are not; without those kernels the choice is sparse or dense as before."""
+    from types import SimpleNamespace
+
+    tiles, none = SimpleNamespace(union_logits=object()), SimpleNamespace()
+    budget = 2**30
+    assert replay.replay_route(8192 * 50, 8192, 19008, tiles, budget) == "tiles"
+    assert replay.replay_route(8192 * 50, 8192, 128256, tiles, budget) == "tiles"
+    assert replay.replay_route(8192 * 512, 8192, 19008, tiles, budget) == "dense"
+    assert replay.replay_route(8192 * 512, 8192, 128256, tiles, budget) == "dense"
+    assert replay.replay_route(8192 * 50, 8192, 128256, tiles, 8192 * 50 * 128 - 1) == "sparse"
+    assert replay.replay_route(8192 * 50, 8192, 19008, none, budget) == "dense"
+    assert replay.replay_route(8192 * 50, 8192, 128256, none, budget) == "sparse"
 
 
 # ---------------------------------------------------------------- why replay: engine and trainer drift

@@ -19,9 +19,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+import reference  # noqa: E402
+from dist import run_workers  # noqa: E402
+from sampling_cases import local_inputs, world_group  # noqa: E402
 from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_logprobs  # noqa: E402
 from megatron_fused_ce.ops import replay  # noqa: E402
+from megatron_fused_ce.ops.backends import replay_union_triton  # noqa: E402
 from sampling_mask_cases import VIEWS, label_phases, random_sets  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -37,9 +41,14 @@ def triton_kernels():
     return {"replay_triton": replay_triton}
 
 
-@pytest.mark.parametrize("force", [None, "sparse", "dense"])
+@pytest.mark.parametrize("force", [None, "sparse", "tiles", "dense"])
 def test_triton_backend_matches_torch(triton_kernels, force, monkeypatch):
     monkeypatch.setattr(replay, "FORCE_PIECES", force)
+    if force == "tiles":  # (the torch backend has no union tiles: it takes the dense route)
+        monkeypatch.setattr(replay, "TILE_ROWS", 16)
+        monkeypatch.setattr(replay, "COLUMN_TILE", 16)
+        for name, value in SMALL_TILES.items():
+            monkeypatch.setattr(triton_kernels.get("replay_union_triton", replay_union_triton), name, value)
     g = torch.Generator().manual_seed(7)
     n, hidden, vocab, v_local = 24, 64, 61, 64  # H = the epilogue GEMMs' BLOCK_K: they run
     h = torch.randint(-2, 3, (n, hidden), generator=g).to(torch.bfloat16).to(DEVICE)
@@ -361,7 +370,10 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     (the layout and checks 8: three allocations, four launches and a sort; the backward 7: the
     dlogits kernel and its output, the dX and dW kernels and the sort, and the zeros of dX and dW
     that stand in for the plain pass), at most 24; the dense route 11 more per chunk of rows (its
-    row gathers, GEMMs, entry gathers and scatters), at most 12, and 17 besides, at most 21.
+    row gathers, GEMMs, entry gathers and scatters), at most 12, and 17 besides, at most 21; the
+    union tiles 32, at most 34 (each of their two layouts six ops: two allocations, three
+    launches and a cumsum; the forward's product, the backward's two products and their dlogits'
+    scatters).
     Protects the per-call host cost of replay: every op costs a launch and its Python while the
     GPU idles (about 100 ops in these phases with the layout and checks in torch; 32, and 54
     fixed, with the entries' dlogits and the dense statistics in torch)."""
@@ -375,3 +387,92 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     dense = {chunks: _dispatched_call(monkeypatch, "dense", 32 // chunks).replay_ops() for chunks in (1, 4)}
     per_chunk = (dense[4] - dense[1]) / 3
     assert per_chunk <= 12 and dense[1] - per_chunk <= 21, (dense, sparse.replay_ops())
+    monkeypatch.setattr(replay, "TILE_ROWS", 16)
+    monkeypatch.setattr(replay, "COLUMN_TILE", 16)
+    tiles = _dispatched_call(monkeypatch, "tiles", 32)
+    assert tiles.replay_ops() <= 34 and len(tiles.ops["entries"]) <= 8, dict(tiles.ops)
+    assert len(tiles.ops["other"]) <= len(sparse.ops["other"]) + 6, tiles.ops["other"]  # (the slots' layout)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("by_columns", [False, True], ids=["slot-tiles", "column-tiles"])
+def test_union_layout_kernels_match_the_torch_layout(triton_kernels, seed, by_columns):
+    """replay_union_triton.union_layout gives replay.UnionTiles' torch layout field by field: ids
+    shared by many rows or spread, off this shard, in the padding, rows without a set (slot -1),
+    padding slots, tiles of 2 (many, some with empty unions) and of 16 (a partial last one)."""
+    from types import SimpleNamespace
+
+    entries, _, w, _ = _kept_entries(seed, dtype=torch.float32, pool=6 if seed == 0 else 97)
+    kernels = SimpleNamespace(union_layout=triton_kernels.get("replay_union_triton", replay_union_triton).union_layout)
+    make = replay.UnionTiles.of_columns if by_columns else replay.UnionTiles.of_slots
+    for width in (2, 16):
+        want, got = make(entries, w.shape[0], width), make(entries, w.shape[0], width, kernels)
+        used = int(want.tile_start[-1])
+        assert torch.equal(got.tile_start, want.tile_start), width
+        assert torch.equal(got.uids[:used], want.uids[:used]) and torch.equal(got.place, want.place), width
+        assert (got.capacity, got.max_union) == (want.capacity, want.max_union)
+        assert 0 < used <= want.capacity
+
+
+# ---------------------------------------------------------------- union tiles, end to end against float64
+# small tiles and blocks, so that a case of 30 positions spans several tiles, the last one partial,
+# and a program strides over more than one union block (every tl.dot dimension stays >= 16)
+SMALL_TILES = dict(LOGITS_BLOCK_U=16, LOGITS_BLOCK_K=16, SUM_BLOCK_U=16, SUM_BLOCK_H=16,
+                   MAX_PROGRAMS_PER_TILE=2)
+
+
+def _tiles_worker(rank, world, cases):
+    from sampling_mask_cases import run_case
+
+    before = replay.PIECE_COUNTS["tiles_rows"]
+    results = [run_case(rank, world, case, "tiles", impl="triton") for case in cases]
+    # Megatron's main_grad: the tiles' dW added into it
+    hidden, weight = local_inputs(rank, cases[0])
+    weight.main_grad, weight.grad_added_to_main_grad = torch.full(weight.shape, 0.5), False
+    replay.FORCE_PIECES = "tiles"
+    try:
+        out = linear_logprobs(hidden, weight, cases[0]["labels"], tp_group=world_group(world),
+                              vocab_size=cases[0]["vocab"], temperature=cases[0]["T"],
+                              chunk_size=cases[0]["chunk_size"], sequence_parallel=cases[0]["sp"],
+                              sampling_mask=cases[0]["mask"], accumulate_into_main_grad=True, impl="triton")
+        finite = torch.isfinite(out.logprobs)
+        (torch.where(finite, out.logprobs, 0.0) * cases[0]["grad_lp"]).sum().backward()
+    finally:
+        replay.FORCE_PIECES = None
+    plain = run_case(rank, world, dict(cases[0], grad_ent=torch.zeros_like(cases[0]["grad_ent"])), "tiles",
+                     impl="triton")
+    return results, replay.PIECE_COUNTS["tiles_rows"] - before, (weight.main_grad - 0.5, plain["dw"])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_union_tiles_match_dense_reference(triton_kernels, tp, monkeypatch):
+    """The union tiles (each tile of rows times the W rows its sets name, gathered in the kernels)
+    against float64: log-probs, entropy, dX and dW at TP 1, 2 and 4 with ignored labels, a padded
+    vocab, temperature, fp32 and bf16, rows without a set (the plain pass) and every row with one
+    (without it), chunk sizes that do not divide the rows, sequence parallelism, and dW added into
+    Megatron's main_grad."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the gloo harness runs on CPU tensors (tests/test_replay_union_triton.py runs the kernels on GPUs)")
+    from sampling_mask_cases import case_seed, check, make_case
+
+    monkeypatch.setattr(replay, "TILE_ROWS", 16)
+    monkeypatch.setattr(replay, "COLUMN_TILE", 16)
+    for name, value in SMALL_TILES.items():
+        monkeypatch.setattr(triton_kernels["replay_union_triton"], name, value)
+    cases = [make_case(case_seed("tiles", tp), tp, sp=tp == 2),
+             make_case(case_seed("tiles-bf16", tp), tp, dtype=torch.bfloat16, ints=True, chunk_size=64)]
+    every_row = make_case(case_seed("tiles-every-row", tp), tp, chunk_size=64)
+    g = torch.Generator().manual_seed(case_seed("tiles-every-row-sets", tp))
+    every_row["mask"] = random_sets(g, every_row["labels"].numel(), every_row["vocab"],
+                                    every_row["labels"].reshape(-1), empty=0.0)
+    cases.append(every_row)
+    every_row_bf16 = make_case(case_seed("tiles-every-row-bf16", tp, 1), tp, dtype=torch.bfloat16, ints=True, chunk_size=9)
+    every_row_bf16["mask"] = random_sets(g, every_row_bf16["labels"].numel(), every_row_bf16["vocab"],
+                                         every_row_bf16["labels"].reshape(-1), empty=0.0)
+    cases.append(every_row_bf16)  # (dW written in the weight's dtype by the one product)
+    results = run_workers(_tiles_worker, tp, cases, timeout=240)
+    for c, case in enumerate(cases):
+        check(case, [per_rank[0][c] for per_rank in results], f"{case['dtype']} tiles")
+    for rank, (_, tiles_rows, (main_grad, dw)) in enumerate(results):
+        assert tiles_rows > 0, rank  # the tiles scored the rows
+        assert reference.rel_err(main_grad, dw) < 1e-6, rank

@@ -19,12 +19,13 @@ Kept sets (K ids per token, the sampled label one of them):
           what chance gives (the worst case for the cache: every gathered W row a miss).
 Both ops run on the same random bf16 hidden states and weights (logit std 2): replay's cost does
 not depend on the logits, only on the sets. Timing: CUDA events, warm-up first, median. "K / V" is
-the kept share of the vocab; "sparse" the fraction of tokens scored by the backend's kept-set
-kernels (replay.PIECE_COUNTS; the rest on the whole shard: the dense fallback). "lp err" is
+the kept share of the vocab; "route" how the rows with a set were scored (replay.PIECE_COUNTS):
+"sparse" (the backend's kept-set kernels, a row at a time), "tiles" (the union tiles' GEMMs over
+the columns a tile's sets name) or "dense" (GEMMs over the whole shard). "lp err" is
 replay's log-probs against float64 on 64 tokens. Targets: K <= 50 at most 0.25x plain with zipf
 sets, 0.40x with random ones; larger K at most 0.8x; every row at most 1x. `--pieces sparse` /
-`dense` overrides the choice made from sizes (replay.FORCE_PIECES): run both to see whether it
-was the faster one.
+`tiles` / `dense` overrides the choice made from sizes (replay.FORCE_PIECES): run each to see
+whether it was the fastest.
 
 `--breakdown` adds, under each row, replay's time per phase: the kept entries' layout
 (replay.KeptEntries), the forward (ReplayChunks.merged_statistics) and the backward
@@ -292,7 +293,7 @@ def benchmark(args):
     replay.FORCE_PIECES = None if args.pieces == "auto" else args.pieces
     say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
         f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}, tp {args.tp}")
-    say("| shape NxHxV | sets | K | K / V | sparse | plain ms | replay ms | replay / plain | target | lp err |")
+    say("| shape NxHxV | sets | K | K / V | route | plain ms | replay ms | replay / plain | target | lp err |")
     say("|---|---|---|---|---|---|---|---|---|---|")
     failed = 0
     for shape in args.shapes.split(","):
@@ -318,19 +319,20 @@ def benchmark(args):
                 make_step(h, w, labels, args.chunk_size, mask, group)()  # one eager call: which kind scored the rows
                 counts = {key: replay.PIECE_COUNTS[key] - before.get(key, 0) for key in replay.PIECE_COUNTS}
                 step = make_step(h, w, labels, args.chunk_size, mask, group, args.graphed)
-                sparse_rows = counts.get("sparse_rows", 0)
+                route = max(("sparse", "tiles", "dense"), key=lambda name: counts.get(name + "_rows", 0))
                 replay_ms = time_ms(step, args.warmup, args.reps, group)
                 ratio = replay_ms / plain_ms
                 target = target_ratio(kind, k)
                 met = ratio <= target
                 failed += not met
                 err = replay_error(h, w, labels, mask, group=group)
-                say(f"| {shape} | {kind} | {k} | {k / full_vocab:.4f} | {sparse_rows / n:.2f} | {plain_ms:.2f} | "
+                say(f"| {shape} | {kind} | {k} | {k / full_vocab:.4f} | {route} | {plain_ms:.2f} | "
                       f"{replay_ms:.2f} | {ratio:.3f} | <= {target:g}x {'ok' if met else 'MISSED'} | {err:.1e} |",
                       flush=True)
                 if args.breakdown:
                     say(format_breakdown(phase_breakdown(step, device, args.reps)), flush=True)
-                    say(f"    kept rows: {sparse_rows} sparse, {counts.get('dense_rows', 0)} dense, "
+                    say(f"    kept rows: {counts.get('sparse_rows', 0)} sparse, {counts.get('tiles_rows', 0)} tiles, "
+                        f"{counts.get('dense_rows', 0)} dense, "
                           f"{counts.get('plain_rows', 0)} plain (empty set)", flush=True)
                 del ids, offsets, labels, mask, step
     if group is not None:
@@ -414,8 +416,8 @@ def main(argv=None):
     p.add_argument("--chunk-size", type=int, default=None, help="default: the op's automatic chunk")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--pieces", choices=("auto", "sparse", "dense"), default="auto",
-                   help="auto: chosen from sizes; sparse / dense: every row with a set so")
+    p.add_argument("--pieces", choices=("auto", "sparse", "tiles", "dense"), default="auto",
+                   help="auto: chosen from sizes; sparse / tiles / dense: every row with a set so")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--breakdown", action="store_true",
                    help="under each row, replay's time per phase (entries, forward, backward; synchronized) and "

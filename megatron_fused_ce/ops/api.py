@@ -713,7 +713,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                              num_valid_cols, agreed.true_vocab,
                                              needs_grad, plain_pass=not agreed.mask_sets_everywhere, backend=backend,
                                              check=agreed.remembered, num_cols=v_local, fingerprint=compare_ranks,
-                                             label_poison=device_checks.poison)
+                                             label_poison=device_checks.poison,
+                                             max_elements=spec.chunk_size * v_local)
         mask_poison = replay_chunks.poison
     rank_check = None
     if compare_ranks:
@@ -1014,10 +1015,11 @@ def linear_logprobs(
     next host synchronization on a later one, whose results are then NaN (deferred_errors.py). Not with
     top_k / top_p / min_p (the engine's filters already chose the sets), `return_topk` or
     memory_mode="lean". replay.build_sampling_mask makes a batch's mask from per-request masks,
-    replay.slice_sampling_mask a context-parallel rank's part. Cost: sets of K <= V / 640 ids
-    are scored on the W rows of their kept ids alone (O(rows x K x H): the backend's kept-set
-    kernels, no logits block); larger sets on the whole shard with 3 GEMMs per chunk (chosen from
-    sizes, replay.sparse_is_cheaper).
+    replay.slice_sampling_mask a context-parallel rank's part. Cost (chosen from sizes,
+    replay.replay_route; V the rank's shard): on a GPU, sets of K <= V / 256 ids in tiles of 128
+    rows, each tile's GEMMs over the ids its sets name (0.06-0.7 of plain log-probs at K = 50 on
+    an H200); without those kernels (the torch backend), sets of K <= V / 640 on the W rows of
+    their kept ids alone (O(rows x K x H)); larger sets on the whole shard with 3 GEMMs per chunk.
     """
     ahead = first_product_ahead("linear_logprobs", hidden, weight, impl, chunk_size, max_chunk_bytes, memory_mode,
                                 logits_dtype, sequence_parallel, return_entropy, top_k, top_p, min_p, return_topk,

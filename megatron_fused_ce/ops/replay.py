@@ -48,7 +48,13 @@ Per call, on each TP rank (every row of labels, ignored ones included, as in the
                              generated token has its set), where a later call checks on the device
                              that no labelled row lacks one (`missing_set_poison`: NaN, and an
                              error at the next host synchronization naming forget_signatures)
-    rows with a kept set     sparse: the backend's `kept_stats` (Triton: one kernel, a program per
+    rows with a kept set     tiles: the backend's `union_logits` (Triton, backends/
+                             replay_union_triton.py): the set rows in tiles of TILE_ROWS slots,
+                             each tile's rows times the W rows of the union of its sets' columns
+                             (`UnionTiles`, gathered in the GEMM: a tensor-core product over the
+                             ids the tile names, not the shard), the entries' z read off those
+                             products, then `entry_stats` as dense; or
+                             sparse: the backend's `kept_stats` (Triton: one kernel, a program per
                              row gathering the W rows of its kept ids and taking their dots, the
                              online max / sum-exp / entropy sums and the label's z; torch: the
                              same by blocks of entries and segment reductions), or
@@ -64,19 +70,26 @@ over the entries, each reading its row's offsets and coefficients; torch: a doze
 and gathers, replay_torch.entry_dlogits, the reference), then sparse: the backend's `kept_grads`
 (Triton: dX per row from the gathered W rows; dW from the entries sorted by id on the device, a
 segmented sum per block and one fp32 atomic add per id and block, into the fp32 dW or Megatron's
-main_grad) or dense: each chunk's dlogits block (zeros, the entries written in) times W and h,
-fast.py's GEMMs. Rows with an empty set take the plain recompute backward. The dense route finds
+main_grad) or tiles: the entries' dlogits written into the tiles' [unions, TILE_ROWS] block, dX of
+each tile's rows from its union's W rows, and dW by tiles of COLUMN_TILE columns, each from the
+hidden rows whose sets name one of them (`UnionTiles.of_columns`): every output row written by one
+program, no atomic adds (`union_sum_rows`) or dense: each chunk's dlogits block (zeros, the
+entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the plain recompute backward. The dense route finds
 each chunk's entries by their place in the set rows' [slots, V_local] logits
 (`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk with the layout kernels), so
 that a chunk adds only its GEMMs, its rows' gather and that launch.
 
-Sparse or dense is decided from sizes the host already knows (no sync): sparse while the kept
+The route is decided from sizes the host already knows (no sync, `replay_route`): the tiles where
+the backend has them and even sets without a shared id would multiply at most TILES_MAX_SHARE of
+the dense route's columns (mean K <= V / 256 at TILE_ROWS = 128); else sparse while the kept
 entries are at most SPARSE_MAX_SHARE of the set rows x the shard's vocab (mean K <= V / 640, V the
 rank's columns: the set kernels walk every entry on every rank, the GEMMs shrink with the shard). Measured on
 an H200 (tools/sampling_mask_bench.py, Zipf and random sets, K / V from 1/5120 to 1/641), a call
 of sparse rows costs about 0.03 + 380 x K / V of plain log-probs (the backward's gathers and fp32
 dW adds dominate), the dense route 0.70-0.88 (3 GEMMs per chunk against plain's 4): they cross
-near K = V / 530.
+near K = V / 530. The tiles cost what their unions do (a tile of 128 Zipf sets of K = 50 names
+12 % of a 19008-id shard, of random ones 29 %): at K = 50 on an H200 0.06-0.10 of plain on the
+large shapes and 0.58-0.70 at N = 4096-8192, V = 19008-32064 (replay_route's doc).
 """
 
 from __future__ import annotations
@@ -97,9 +110,17 @@ from .fast import FAST_CHUNKS, backward_grads, chunk_logits, grad_gemms, row_chu
 
 # Sparse while entries <= SPARSE_MAX_SHARE x set rows x vocab (module doc).
 SPARSE_MAX_SHARE = 1 / 640
+# Union tiles (a backend with `union_logits`): slots of TILE_ROWS rows, each tile's GEMMs over the
+# union of its rows' kept columns; taken where even sets without a shared id (a tile's union is its
+# TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE of the dense route's columns.
+TILE_ROWS = 128
+TILES_MAX_SHARE = 0.5
+# dW's tiles: blocks of COLUMN_TILE columns, each against the rows whose sets name one of them
+COLUMN_TILE = 128
 # The plain backward's row offset in rows with a set (ReplayChunks.recompute_grads): exp(z - it) = 0.
 _ABOVE_EVERY_LOGIT = 3.0e38
-# Tests and the benchmark force one kind: None (by sizes), "sparse" or "dense".
+# Tests and the benchmark force one kind: None (by sizes), "sparse", "tiles" or "dense" ("tiles"
+# needs the backend's union kernels: dense without them).
 FORCE_PIECES: Optional[str] = None
 # Rows of each kind since import (read by tools/sampling_mask_bench.py).
 PIECE_COUNTS = Counter()
@@ -416,6 +437,82 @@ def sparse_is_cheaper(num_entries: int, num_set_rows: int, vocab: int) -> bool:
     return num_entries <= SPARSE_MAX_SHARE * num_set_rows * vocab
 
 
+def replay_route(num_entries: int, num_set_rows: int, vocab: int, backend, max_elements: int) -> str:
+    """"tiles", "sparse" or "dense", from sizes the host knows (`vocab`: the columns of this rank's
+    shard): union tiles where the backend has their kernels and even sets that share no id (a
+    tile's union then holds all its TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE
+    of the dense route's columns, their [unions, TILE_ROWS] products within a chunk's
+    `max_elements`; else sparse below SPARSE_MAX_SHARE (module doc); else dense. Measured on an
+    H200 at K = 50 (tools/sampling_mask_bench.py, x plain log-probs): the tiles 0.58-0.70 at N
+    4096-8192 and V 19008-32064, where the sparse kernels took 0.96-1.38 and the dense route
+    1.06-1.21; 0.058-0.103 on the large shapes, where sparse took 0.11-0.17."""
+    has_tiles = getattr(backend, "union_logits", None) is not None
+    if FORCE_PIECES is not None:
+        return "dense" if FORCE_PIECES == "tiles" and not has_tiles else FORCE_PIECES
+    if (has_tiles and num_entries * TILE_ROWS <= TILES_MAX_SHARE * num_set_rows * vocab
+            and num_entries * max(TILE_ROWS, COLUMN_TILE) <= max_elements):
+        return "tiles"
+    return "sparse" if sparse_is_cheaper(num_entries, num_set_rows, vocab) else "dense"
+
+
+class UnionTiles(NamedTuple):
+    """Union tiles of a call's kept entries on this shard, made on the device from what the host
+    knows (no sync). Tile t's union is `uids[tile_start[t]:tile_start[t + 1]]` (distinct,
+    ascending); the tiles' products are [capacity, width] (row g a union entry, column s a member
+    of its tile) and `place` is each entry's place there (-1 where not valid). Two tilings:
+    `of_slots` (the forward and dX: tiles of `width` slots, unions of the columns their sets name)
+    and `of_columns` (dW: tiles of `width` columns, unions of the rows whose sets name them).
+
+    No sort: a [tiles, members] table marks the (tile, member) pairs the entries name, and its
+    prefix sum numbers them in (tile, member) order, which is the unions' layout (the table is
+    1 / (2 width) of the set rows' logits in bytes). A backend's `union_layout` makes the same
+    fields in four launches (about twenty torch ops here, each a launch and its Python)."""
+
+    tile_start: Tensor  # int64 [tiles + 1]
+    uids: Tensor  # int64 [capacity + 1] (a spare element past the unions)
+    place: Tensor  # int64 [E]
+    capacity: int  # min(E, tiles x what a union may hold)
+    max_union: int  # no one tile's union is larger
+
+    @staticmethod
+    def of_slots(entries: "KeptEntries", num_cols: int, width: int, backend=None) -> "UnionTiles":
+        return UnionTiles._build(entries, False, -(-entries.set_rows.numel() // width), num_cols, width, backend)
+
+    @staticmethod
+    def of_columns(entries: "KeptEntries", num_cols: int, width: int, backend=None) -> "UnionTiles":
+        """uids: rows of the hidden states (the slots' set_rows)."""
+        return UnionTiles._build(entries, True, -(-num_cols // width), entries.set_rows.numel(), width, backend)
+
+    @staticmethod
+    def _build(entries: "KeptEntries", by_columns: bool, tiles: int, members: int, width: int,
+              backend) -> "UnionTiles":
+        total = entries.ids.numel()
+        capacity = min(total, tiles * members)
+        kernel = getattr(backend, "union_layout", None)
+        if kernel is not None and (entries.ids.is_cuda or _interpreting()):
+            fields = kernel(entries.slot, entries.col, entries.valid, entries.set_rows, by_columns, tiles, members,
+                            width, capacity)
+            return UnionTiles(*fields, capacity, min(total, members))
+        slot = entries.slot.clamp(min=0)
+        tile, member, within = ((entries.col // width, slot, entries.col % width) if by_columns
+                                else (slot // width, entries.col, slot % width))
+        # (the pairs of entries that are not valid land on one spare element past the table)
+        key = torch.where(entries.valid, tile * members + member, tiles * members)
+        named = torch.zeros(tiles * members + 1, dtype=torch.int32, device=key.device)
+        named.index_fill_(0, key, 1)
+        named = named[:-1]
+        count = torch.cumsum(named, 0)  # count[i]: pairs named up to i, in (tile, member) order
+        pair_member = torch.arange(members, device=key.device).repeat(tiles)
+        if by_columns:
+            pair_member = entries.set_rows.index_select(0, pair_member)
+        uids = torch.empty(capacity + 1, dtype=torch.int64, device=key.device)
+        uids.scatter_(0, torch.where(named > 0, count - 1, capacity), pair_member)
+        tile_start = torch.cat([count.new_zeros(1), count.view(tiles, members)[:, -1]]).to(torch.int64)
+        place = torch.where(entries.valid, (count.index_select(0, key.clamp(max=tiles * members - 1)) - 1) * width
+                            + within, -1)
+        return UnionTiles(tile_start, uids, place, capacity, min(total, members))
+
+
 class KeptEntries:
     """The kept entries of a call on this shard, all on the device, sized from what the host knows
     (no sync): the call's rows are the positions of the mask (every row of labels, ignored ones
@@ -498,18 +595,26 @@ class KeptEntries:
         """The dense route's forward: z of the entries of slots [start, start + rows of `logits`),
         read off their [rows, cols] block (fp32, times 1/T); the others' z are left."""
         cols = logits.shape[1]
-        place, lo, hi = self._place(cols), start * cols, start * cols + logits.numel()
+        self.gather_places(z, logits, self._place(cols), start * cols, inv_temperature)
+
+    def gather_places(self, z: Tensor, values: Tensor, place: Tensor, lo: int, inv_temperature: float) -> None:
+        """z[e] = fp32(values.flat[place[e] - lo]) / T where the place is inside `values`."""
+        hi = lo + values.numel()
         if self.chunk_kernels is not None:
-            return self.chunk_kernels[0](place, logits, z, lo, hi, inv_temperature)
+            return self.chunk_kernels[0](place, values, z, lo, hi, inv_temperature)
         inside = (place >= lo) & (place < hi)
-        values = logits.reshape(-1).index_select(0, (place - lo).clamp(0, logits.numel() - 1)).float()
-        torch.where(inside, values * inv_temperature, z, out=z)
+        read = values.reshape(-1).index_select(0, (place - lo).clamp(0, values.numel() - 1)).float()
+        torch.where(inside, read * inv_temperature, z, out=z)
 
     def scatter_chunk(self, d: Tensor, start: int, end: int, cols: int) -> Tensor:
         """The dense route's backward: the [end - start, cols] block of dlogits of slots
         [start, end): zeros, the entries' `d` (in the block's dtype) written in."""
-        place, lo, hi = self._place(cols), start * cols, end * cols
-        block = torch.zeros(end - start, cols, dtype=d.dtype, device=d.device)
+        return self.scatter_places(d, self._place(cols), start * cols, (end - start, cols))
+
+    def scatter_places(self, d: Tensor, place: Tensor, lo: int, shape: tuple) -> Tensor:
+        """A block of `shape`: zeros, d[e] (in the block's dtype) at place[e] - lo where inside."""
+        block = torch.zeros(shape, dtype=d.dtype, device=d.device)
+        hi = lo + block.numel()
         if self.chunk_kernels is not None:
             self.chunk_kernels[1](place, d, block, lo, hi)
             return block
@@ -517,7 +622,7 @@ class KeptEntries:
         # (the others' writes land on one spare element past the block)
         spare = torch.cat([block.reshape(-1), block.new_zeros(1)])
         spare.index_put_((torch.where(inside, place - lo, hi - lo),), d)
-        return spare[:-1].view(end - start, cols)
+        return spare[:-1].view(shape)
 
 
 @dataclass
@@ -535,11 +640,12 @@ class ReplayStats(reductions.MergedStats):
 @dataclass(eq=False)
 class ReplayChunks:
     """`spec.tiling` of a call with kept sets: every row's plain partials in fast chunks, the rows
-    with a set scored again over their sets, sparse (the backend's kept-set kernels) or dense
-    (chunk GEMMs over the whole shard); module doc."""
+    with a set scored again over their sets by `route`: "sparse" (the backend's kept-set kernels),
+    "tiles" (the backend's union-tile GEMMs, `tiles` their layout) or "dense" (chunk GEMMs over the
+    whole shard); module doc."""
 
     entries: KeptEntries
-    sparse: bool
+    route: str
     want_z: bool  # the backward will need the entries' z
     # False where the signature's first call found no labelled row without a set (api.py remembers it)
     plain_pass: bool = True
@@ -547,18 +653,27 @@ class ReplayChunks:
     # int64 [2] the mask's fingerprint for the TP rank check (replay_tiling)
     poison: Optional[Tensor] = None
     fingerprint: Optional[Tensor] = None
+    tiles: Optional[UnionTiles] = None
     statistics_type = ReplayStats
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
-    def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
-        # sparse rows add into dW and dense chunks sum over chunks, in fp32; one dense chunk without
-        # the plain pass is dW's only GEMM, which writes the weight's dtype (no fp32 buffer to zero
-        # and copy: at RL sizes that costs about what the dense route's saved GEMM saves)
-        return weight.dtype if self._one_dense_gemm(spec) else torch.float32
+    @property
+    def sparse(self) -> bool:
+        return self.route == "sparse"
 
-    def _one_dense_gemm(self, spec) -> bool:
-        return (not self.sparse and not self.plain_pass
-                and 0 < self.entries.set_rows.numel() <= spec.chunk_size)
+    def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
+        # sparse rows add into dW and dense chunks sum over chunks, in fp32; without the plain pass,
+        # the union tiles' dW product or one dense chunk's GEMM writes every row, in the weight's
+        # dtype (no fp32 buffer to zero and copy: at RL sizes that costs about what the dense
+        # route's saved GEMM saves)
+        return weight.dtype if self._dw_in_one_product(spec) else torch.float32
+
+    def _dw_in_one_product(self, spec) -> bool:
+        """Whether one product writes every row of dW (no plain pass before it): the union tiles'
+        by tiles of columns, or the dense route's one chunk."""
+        if self.plain_pass or self.route == "sparse":
+            return False
+        return self.route == "tiles" or 0 < self.entries.set_rows.numel() <= spec.chunk_size
 
     def statistics(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:
         """The plain rows' walk (fast.shard_partials asks the tiling)."""
@@ -604,7 +719,7 @@ class ReplayChunks:
     def _kept_partials(self, rows: Tensor, weight: Tensor, spec, into: Tensor) -> None:
         """The set rows' partials written into `into` [fields, rows + 1] at columns set_dest."""
         entries = self.entries
-        PIECE_COUNTS["sparse_rows" if self.sparse else "dense_rows"] += entries.set_rows.numel()
+        PIECE_COUNTS[self.route + "_rows"] += entries.set_rows.numel()
         if self.sparse:
             round_to = None if spec.logits_dtype is not None or rows.dtype == torch.float32 else rows.dtype
             _, self._z = spec.backend.kept_stats(rows, weight, entries, spec.inv_temperature, round_to,
@@ -612,7 +727,14 @@ class ReplayChunks:
                                                  into=into)
             return
         z = torch.zeros(entries.ids.numel(), dtype=torch.float32, device=rows.device)
-        for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
+        if self.route == "tiles":  # each tile's rows times its union's W rows, gathered in the kernel
+            tiles = self.tiles
+            logits = torch.empty(tiles.capacity, TILE_ROWS, dtype=spec.logits_dtype or rows.dtype, device=rows.device)
+            spec.backend.union_logits(rows, weight, entries.set_rows, tiles.tile_start, tiles.uids, logits,
+                                      tiles.max_union, TILE_ROWS)
+            entries.gather_places(z, logits, tiles.place, 0, spec.inv_temperature)
+            del logits
+        for start, end in row_chunks(0 if self.route == "tiles" else entries.set_rows.numel(), spec.chunk_size):
             logits = chunk_logits(rows.index_select(0, entries.set_rows[start:end]), weight, spec)
             entries.gather_chunk(z, logits, start, spec.inv_temperature)
             del logits
@@ -626,7 +748,7 @@ class ReplayChunks:
         sparse kernels or the dense chunks' GEMMs (adding)."""
         entries = self.entries
         row_max, log_sum_exp, z = offsets
-        one_gemm = self._one_dense_gemm(spec)  # dW written by the one dense GEMM (weight_grad_dtype)
+        one_gemm = self._dw_in_one_product(spec)  # dW written by one product (weight_grad_dtype)
         if self.plain_pass:
             plain_coefs = {k: None if c is None else torch.where(entries.has_set, 0.0, c) for k, c in coefs.items()}
             # a set row's offsets are its set's: a logit off the set may exceed them by any amount, and
@@ -648,6 +770,19 @@ class ReplayChunks:
         if self.sparse:
             spec.backend.kept_grads(rows, weight, entries, d, dx_rows, dw_out, self._max_elements(weight, spec))
             return None
+        if self.route == "tiles":
+            if dx_rows is not None:  # added: the plain pass wrote zeros there (padding slots add zeros)
+                tiles = self.tiles
+                dlogits = entries.scatter_places(d, tiles.place, 0, (tiles.capacity, TILE_ROWS))
+                spec.backend.union_sum_rows(dlogits, weight, tiles.tile_start, tiles.uids, dx_rows, TILE_ROWS,
+                                            out_rows=set_rows, accumulate=True)
+                del dlogits
+            if dw_out is not None:  # every row of dW by one program: added, or written (one_gemm)
+                columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend)
+                dlogits = entries.scatter_places(d, columns.place, 0, (columns.capacity, COLUMN_TILE))
+                spec.backend.union_sum_rows(dlogits, rows, columns.tile_start, columns.uids, dw_out, COLUMN_TILE,
+                                            accumulate=accumulate or self.plain_pass)
+            return None
         cols = weight.shape[0]
         for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
             r = end - start
@@ -664,7 +799,7 @@ class ReplayChunks:
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
                   true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False,
                   num_cols: Optional[int] = None, fingerprint: bool = False,
-                  label_poison: Optional[Tensor] = None) -> ReplayChunks:
+                  label_poison: Optional[Tensor] = None, max_elements: Optional[int] = None) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
     (every position of labels), sized from what the host knows on every call of a signature, the
     first included, so that they all compute alike: at most min(rows, E) rows with a set (each
@@ -674,7 +809,9 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
     `backend`: its `kept_layout` kernels make the layout and the checks where it has them
     (`num_cols`: the shard's columns, valid and padding). With `fingerprint` (a TP rank check), the
     tiling's `fingerprint` is MaskCheck.fingerprint()'s value. `label_poison` (fp32 [1], the label
-    checks'): added into `poison`, so that the call's poison is this one (the kernel adds it)."""
+    checks'): added into `poison`, so that the call's poison is this one (the kernel adds it).
+    `max_elements`: a chunk of logits' elements, the most the union tiles' logits may take (None:
+    no tiles)."""
     ids = mask_check.ids
     max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
     layout = getattr(backend, "kept_layout", None)
@@ -691,8 +828,14 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
         poison = None
     # against the rank's own shard: every rank's set kernels walk every entry (the ids off its shard
     # masked), while the dense route's GEMMs shrink with the shard
-    tiling = ReplayChunks(entries, sparse_is_cheaper(ids.numel(), max(max_set_rows, 1), num_valid_cols),
-                          want_z=needs_grad, plain_pass=plain_pass)
+    route = replay_route(ids.numel(), max(max_set_rows, 1), num_valid_cols, backend,
+                         -1 if max_elements is None else max_elements)
+    if route == "tiles" and (max_set_rows == 0 or not (ids.is_cuda or _interpreting())):
+        route = "dense"  # (the union kernels run on CUDA, or on CPU under Triton's interpreter)
+    tiling = ReplayChunks(entries, route, want_z=needs_grad, plain_pass=plain_pass)
+    if route == "tiles":
+        tiling.tiles = UnionTiles.of_slots(entries, num_valid_cols if num_cols is None else num_cols, TILE_ROWS,
+                                           backend)
     if check and poison is None:
         poison = mask_check.deferred_poison()
         if not plain_pass:

@@ -8,6 +8,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 |---|---|---|
 | `shard_stats`, `shard_logprob`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, the TP merge's `rescaled_partials` / `merged_tail`, `labelled_logprob`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
 | `kept_stats`, `kept_grads`, `entry_stats`, `entry_dlogits`: sampling-mask replay's kept entries (gathered W rows, their dots, statistics, dlogits, dX, dW) (required) | - | torch (replay_torch.py), Triton (replay_triton.py) |
+| `union_logits`, `union_sum_rows`: replay's union tiles (a tile of rows times the W rows its kept sets name, gathered in the GEMM) | the dense route's whole-shard GEMMs | Triton (replay_union_triton.py) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
 | `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
@@ -142,6 +143,12 @@ class Backend:
     # sampling-mask replay's layout of the kept entries and the mask's device checks in kernels
     # (replay.KeptEntries; None: its torch definition)
     kept_layout: Optional[Callable] = None
+    # replay's union tiles (replay.UnionTiles): a tile of rows times the W rows of its union of kept
+    # columns (gathered in the kernel), and the backward's gathered sums of rows (dX, dW)
+    union_logits: Optional[Callable] = None
+    union_sum_rows: Optional[Callable] = None
+    # their layout in kernels (None: replay.UnionTiles' torch definition)
+    union_layout: Optional[Callable] = None
 
     def stats_in_gemm(self, h, weight) -> bool:
         return self.gemm_stats is not None and h.shape[0] > 0 and self.gemm_stats.supported(h, weight)

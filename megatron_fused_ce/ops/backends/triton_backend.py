@@ -806,7 +806,7 @@ def row_scale(out: Tensor, src: Tensor, scale: Tensor, keep: Optional[Tensor] = 
     return out
 
 
-from . import replay_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
+from . import replay_triton, replay_union_triton, sampling_triton  # noqa: E402  (it uses the helpers above)
 
 BACKEND = Backend(
     name="triton", shard_stats=shard_stats, shard_logprob=shard_logprob, shard_dlogits_=shard_dlogits_, scale_=scale_,
@@ -814,7 +814,9 @@ BACKEND = Backend(
     kept_sums=sampling_triton.kept_sums, kept_dlogits_=sampling_triton.kept_dlogits_,
     kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,
     entry_stats=replay_triton.entry_stats, entry_dlogits=replay_triton.entry_dlogits,
-    kept_layout=replay_triton.kept_layout, labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,
+    kept_layout=replay_triton.kept_layout, union_logits=replay_union_triton.union_logits,
+    union_sum_rows=replay_union_triton.union_sum_rows, union_layout=replay_union_triton.union_layout,
+    labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,
     rescaled_partials=rescaled_partials, merged_tail=merged_tail, labelled_logprob=labelled_logprob,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
