@@ -466,7 +466,8 @@ def test_union_tiles_match_dense_reference(triton_kernels, tp, monkeypatch):
     every_row["mask"] = random_sets(g, every_row["labels"].numel(), every_row["vocab"],
                                     every_row["labels"].reshape(-1), empty=0.0)
     cases.append(every_row)
-    every_row_bf16 = make_case(case_seed("tiles-every-row-bf16", tp, 1), tp, dtype=torch.bfloat16, ints=True, chunk_size=9)
+    every_row_bf16 = make_case(case_seed("tiles-every-row-bf16", tp, 1), tp, dtype=torch.bfloat16, ints=True,
+                               chunk_size=9)
     every_row_bf16["mask"] = random_sets(g, every_row_bf16["labels"].numel(), every_row_bf16["vocab"],
                                          every_row_bf16["labels"].reshape(-1), empty=0.0)
     cases.append(every_row_bf16)  # (dW written in the weight's dtype by the one product)
@@ -476,3 +477,53 @@ def test_union_tiles_match_dense_reference(triton_kernels, tp, monkeypatch):
     for rank, (_, tiles_rows, (main_grad, dw)) in enumerate(results):
         assert tiles_rows > 0, rank  # the tiles scored the rows
         assert reference.rel_err(main_grad, dw) < 1e-6, rank
+
+
+def test_union_tiles_hold_at_most_a_chunk_of_logits(triton_kernels, monkeypatch):
+    """The tiles taken by sizes (replay_route: their [unions, TILE_ROWS] products within a chunk of
+    logits' elements): the largest tensor of a call, forward and backward, is at most a chunk of
+    [rows, V_local] logits, never the set rows' [N, V_local]."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the interpreter's run of the kernels on CPU tensors (GPU runs: tests/test_cuda_steady_state.py)")
+    monkeypatch.setattr(replay, "TILE_ROWS", 16)
+    monkeypatch.setattr(replay, "COLUMN_TILE", 16)
+    for name, value in SMALL_TILES.items():
+        monkeypatch.setattr(triton_kernels["replay_union_triton"], name, value)
+    n, hidden, v_local, chunk = 256, 32, 512, 128
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(n, hidden, generator=g, requires_grad=True)
+    w = torch.randn(v_local, hidden, generator=g).requires_grad_()
+    y = torch.randint(0, v_local, (n,), generator=g)
+    ids = torch.stack([torch.randperm(v_local, generator=g)[:8] for _ in range(n)])
+    y = ids[:, 0].clone()  # (each label in its set)
+    y[::5] = -100
+    mask = (ids.reshape(-1), torch.arange(n + 1) * 8)
+    # the tensors the op allocates, not the interpreter's host copies of a kernel's arguments
+    import sys
+
+    interpreter, launching = sys.modules["triton.runtime.interpreter"], [False]
+    launch = interpreter.GridExecutor.__call__
+
+    def flagged(executor, *args, **kwargs):
+        launching[0] = True
+        try:
+            return launch(executor, *args, **kwargs)
+        finally:
+            launching[0] = False
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", flagged)
+
+    class OutsideKernels(reference.LargestTensor):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if launching[0]:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    before = replay.PIECE_COUNTS["tiles_rows"]
+    with OutsideKernels() as mode:
+        out = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True, sampling_mask=mask, impl="triton")
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert replay.PIECE_COUNTS["tiles_rows"] > before  # (K = 8: 8 x 16 <= 512 / 2)
+    reference.record_memory(f"linear_logprobs sampling_mask, union tiles (chunk {chunk} of {n} rows): largest "
+                            f"tensor / dense [N, V] logits", mode.largest / (n * v_local))
+    assert mode.largest <= chunk * v_local, (mode.largest, chunk * v_local)

@@ -49,7 +49,6 @@ prints. `--breakdown` and `--fidelity` run at TP 1 only.
 
 import argparse
 import collections
-import contextlib
 import gc
 import math
 import os
@@ -234,8 +233,13 @@ def make_step(h, w, y, chunk, mask=None, group=None, graphed=False):
         h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
     inputs = (h, w, y) + tuple(mask or ())
     loss = loss_of
-    if graphed:  # over NCCL, in the thread-local capture mode (megatron_fused_ce/cuda_graphs.py)
-        with thread_local_capture() if group is not None else contextlib.nullcontext():
+    if graphed:
+        # an earlier row's graphs destroyed now, not by a garbage collection during this capture
+        # (a graph's destruction is not permitted while a stream captures: the capture fails); the
+        # thread-local capture mode (megatron_fused_ce/cuda_graphs.py), so that no other thread's
+        # CUDA call (NCCL's watchdog, autograd's device thread) can invalidate it
+        gc.collect()
+        with thread_local_capture():
             loss = torch.cuda.make_graphed_callables(loss_of, inputs)
 
     def step():

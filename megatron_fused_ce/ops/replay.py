@@ -89,7 +89,8 @@ of sparse rows costs about 0.03 + 380 x K / V of plain log-probs (the backward's
 dW adds dominate), the dense route 0.70-0.88 (3 GEMMs per chunk against plain's 4): they cross
 near K = V / 530. The tiles cost what their unions do (a tile of 128 Zipf sets of K = 50 names
 12 % of a 19008-id shard, of random ones 29 %): at K = 50 on an H200 0.06-0.10 of plain on the
-large shapes and 0.58-0.70 at N = 4096-8192, V = 19008-32064 (replay_route's doc).
+large shapes and 0.52-0.78 at N = 4096-8192, V = 19008-32064 (eager; 0.32-0.60 from CUDA graphs;
+replay_route's doc).
 """
 
 from __future__ import annotations
