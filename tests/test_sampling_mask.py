@@ -363,7 +363,8 @@ def test_union_tiles_where_the_backend_has_them_and_the_unions_are_small():
     """replay_route: with union-tile kernels, K = 50 is tiles at the RL shards (V 19008-32064,
     where the sparse kernels cost more than plain) and on the large ones; K = 512 at V = 19008 or
     128256 (even a tile's union bound past half the shard) and tiles whose products would pass a
-    chunk's elements are not; without those kernels the choice is sparse or dense as before."""
+    chunk's elements (or whose layouts' tables would) are not; without those kernels the choice is
+    sparse or dense as before."""
     from types import SimpleNamespace
 
     tiles, none = SimpleNamespace(union_logits=object()), SimpleNamespace()
@@ -373,6 +374,10 @@ def test_union_tiles_where_the_backend_has_them_and_the_unions_are_small():
     assert replay.replay_route(8192 * 512, 8192, 19008, tiles, budget) == "dense"
     assert replay.replay_route(8192 * 512, 8192, 128256, tiles, budget) == "dense"
     assert replay.replay_route(8192 * 50, 8192, 128256, tiles, 8192 * 50 * 128 - 1) == "sparse"
+    # the layouts' [tiles, members] tables too (K = 1 over 2**20 rows: products of 2**27 elements,
+    # tables of (2**13 + 1) x (19008 + 128))
+    assert replay.replay_route(2**20, 2**20, 19008, tiles, 2**27 + 2**26) == "tiles"
+    assert replay.replay_route(2**20, 2**20, 19008, tiles, 2**27 + 2**24) == "sparse"
     assert replay.replay_route(8192 * 50, 8192, 19008, none, budget) == "dense"
     assert replay.replay_route(8192 * 50, 8192, 128256, none, budget) == "sparse"
 

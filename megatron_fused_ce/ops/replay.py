@@ -74,7 +74,8 @@ main_grad) or tiles: the entries' dlogits written into the tiles' [unions, TILE_
 each tile's rows from its union's W rows, and dW by tiles of COLUMN_TILE columns, each from the
 hidden rows whose sets name one of them (`UnionTiles.of_columns`): every output row written by one
 program, no atomic adds (`union_sum_rows`) or dense: each chunk's dlogits block (zeros, the
-entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the plain recompute backward. The dense route finds
+entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the plain recompute
+backward. The dense route finds
 each chunk's entries by their place in the set rows' [slots, V_local] logits
 (`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk with the layout kernels), so
 that a chunk adds only its GEMMs, its rows' gather and that launch.
@@ -442,16 +443,19 @@ def replay_route(num_entries: int, num_set_rows: int, vocab: int, backend, max_e
     """"tiles", "sparse" or "dense", from sizes the host knows (`vocab`: the columns of this rank's
     shard): union tiles where the backend has their kernels and even sets that share no id (a
     tile's union then holds all its TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE
-    of the dense route's columns, their [unions, TILE_ROWS] products within a chunk's
-    `max_elements`; else sparse below SPARSE_MAX_SHARE (module doc); else dense. Measured on an
+    of the dense route's columns, their [unions, TILE_ROWS] products and their layouts' [tiles,
+    members] tables within a chunk's `max_elements`; else sparse below SPARSE_MAX_SHARE (module
+    doc); else dense. Measured on an
     H200 at K = 50 (tools/sampling_mask_bench.py, x plain log-probs): the tiles 0.58-0.70 at N
     4096-8192 and V 19008-32064, where the sparse kernels took 0.96-1.38 and the dense route
     1.06-1.21; 0.058-0.103 on the large shapes, where sparse took 0.11-0.17."""
     has_tiles = getattr(backend, "union_logits", None) is not None
     if FORCE_PIECES is not None:
         return "dense" if FORCE_PIECES == "tiles" and not has_tiles else FORCE_PIECES
+    width = min(TILE_ROWS, COLUMN_TILE)
     if (has_tiles and num_entries * TILE_ROWS <= TILES_MAX_SHARE * num_set_rows * vocab
-            and num_entries * max(TILE_ROWS, COLUMN_TILE) <= max_elements):
+            and max(num_entries * max(TILE_ROWS, COLUMN_TILE), (num_set_rows // width + 1) * (vocab + width))
+            <= max_elements):
         return "tiles"
     return "sparse" if sparse_is_cheaper(num_entries, num_set_rows, vocab) else "dense"
 
@@ -464,10 +468,11 @@ class UnionTiles(NamedTuple):
     `of_slots` (the forward and dX: tiles of `width` slots, unions of the columns their sets name)
     and `of_columns` (dW: tiles of `width` columns, unions of the rows whose sets name them).
 
-    No sort: a [tiles, members] table marks the (tile, member) pairs the entries name, and its
-    prefix sum numbers them in (tile, member) order, which is the unions' layout (the table is
-    1 / (2 width) of the set rows' logits in bytes). A backend's `union_layout` makes the same
-    fields in four launches (about twenty torch ops here, each a launch and its Python)."""
+    No sort: a [tiles, members] int32 table marks the (tile, member) pairs the entries name, and
+    its prefix sum numbers them in (tile, member) order, which is the unions' layout (the table's
+    bytes: 2 / width of the set rows' bf16 logits'). A backend's `union_layout` makes the same
+    fields in three launches and a cumsum (about fifteen torch ops here, each a launch and its
+    Python)."""
 
     tile_start: Tensor  # int64 [tiles + 1]
     uids: Tensor  # int64 [capacity + 1] (a spare element past the unions)
@@ -486,7 +491,7 @@ class UnionTiles(NamedTuple):
 
     @staticmethod
     def _build(entries: "KeptEntries", by_columns: bool, tiles: int, members: int, width: int,
-              backend) -> "UnionTiles":
+               backend) -> "UnionTiles":
         total = entries.ids.numel()
         capacity = min(total, tiles * members)
         kernel = getattr(backend, "union_layout", None)

@@ -35,10 +35,11 @@ from torch import Tensor
 from .triton_common import cached_launch, cdiv, interpreting as _interpreting
 from .triton_gemm_stats import round_bf16_by_hand
 
-# Launch settings (module-level so that tests can shrink them; not a public API). First guesses for
-# an H100 / H200 at H = 4096, BM = 64 or 128, K = 50, not timed yet: to be tuned on a GPU. Compiled
-# for sm_90 (Triton 3.9, 16-aligned strides) they spill no registers with bf16 / fp16 operands and
-# fit in shared memory at both BM. Every tl.dot dimension must stay >= 16.
+# Launch settings (module-level so that tests can shrink them; not a public API). Every tl.dot
+# dimension must stay >= 16. On an H200 (H = 4096, BM = 128, K = 50, 8192 x 4096 x 19008 with Zipf
+# sets) the sums of rows ran slower with SUM_BLOCK_U 128 (2.56 -> 3.24 ms of kernels a call),
+# SUM_BLOCK_H 64 (3.19) or 4 warps (2.84); not swept further. With bf16 / fp16 operands they spill
+# no registers on sm_90 and fit in shared memory at BM 64 and 128.
 MAX_PROGRAMS_PER_TILE = 16  # P's bound: programs of one tile striding over its union blocks
 LOGITS_BLOCK_U = 128  # union entries per block: the [BLOCK_U, BM] accumulator's rows
 LOGITS_BLOCK_K = 64  # steps over H
