@@ -42,13 +42,10 @@ def triton_kernels():
 
 
 @pytest.mark.parametrize("force", [None, "sparse", "tiles", "dense"])
-def test_triton_backend_matches_torch(triton_kernels, force, monkeypatch):
+def test_triton_backend_matches_torch(triton_kernels, force, monkeypatch, request):
     monkeypatch.setattr(replay, "FORCE_PIECES", force)
     if force == "tiles":  # (the torch backend has no union tiles: it takes the dense route)
-        monkeypatch.setattr(replay, "TILE_ROWS", 16)
-        monkeypatch.setattr(replay, "COLUMN_TILE", 16)
-        for name, value in SMALL_TILES.items():
-            monkeypatch.setattr(triton_kernels.get("replay_union_triton", replay_union_triton), name, value)
+        request.getfixturevalue("small_tiles")
     g = torch.Generator().manual_seed(7)
     n, hidden, vocab, v_local = 24, 64, 61, 64  # H = the epilogue GEMMs' BLOCK_K: they run
     h = torch.randint(-2, 3, (n, hidden), generator=g).to(torch.bfloat16).to(DEVICE)
@@ -415,10 +412,17 @@ def test_union_layout_kernels_match_the_torch_layout(triton_kernels, seed, by_co
 
 
 # ---------------------------------------------------------------- union tiles, end to end against float64
-# small tiles and blocks, so that a case of 30 positions spans several tiles, the last one partial,
-# and a program strides over more than one union block (every tl.dot dimension stays >= 16)
-SMALL_TILES = dict(LOGITS_BLOCK_U=16, LOGITS_BLOCK_K=16, SUM_BLOCK_U=16, SUM_BLOCK_H=16,
-                   MAX_PROGRAMS_PER_TILE=2)
+@pytest.fixture
+def small_tiles(triton_kernels, monkeypatch):
+    """Tiles of 16 rows (and columns) and 16-wide blocks, so that a case of a few dozen positions
+    spans several tiles, the last one partial, and a program strides over more than one union block
+    (every tl.dot dimension stays >= 16)."""
+    monkeypatch.setattr(replay, "TILE_ROWS", 16)
+    monkeypatch.setattr(replay, "COLUMN_TILE", 16)
+    module = triton_kernels.get("replay_union_triton", replay_union_triton)
+    for name, value in dict(LOGITS_BLOCK_U=16, LOGITS_BLOCK_K=16, SUM_BLOCK_U=16, SUM_BLOCK_H=16,
+                            MAX_PROGRAMS_PER_TILE=2).items():
+        monkeypatch.setattr(module, name, value)
 
 
 def _tiles_worker(rank, world, cases):
@@ -445,7 +449,7 @@ def _tiles_worker(rank, world, cases):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_union_tiles_match_dense_reference(triton_kernels, tp, monkeypatch):
+def test_union_tiles_match_dense_reference(small_tiles, tp):
     """The union tiles (each tile of rows times the W rows its sets name, gathered in the kernels)
     against float64: log-probs, entropy, dX and dW at TP 1, 2 and 4 with ignored labels, a padded
     vocab, temperature, fp32 and bf16, rows without a set (the plain pass) and every row with one
@@ -455,10 +459,6 @@ def test_union_tiles_match_dense_reference(triton_kernels, tp, monkeypatch):
         pytest.skip("the gloo harness runs on CPU tensors (tests/test_replay_union_triton.py runs the kernels on GPUs)")
     from sampling_mask_cases import case_seed, check, make_case
 
-    monkeypatch.setattr(replay, "TILE_ROWS", 16)
-    monkeypatch.setattr(replay, "COLUMN_TILE", 16)
-    for name, value in SMALL_TILES.items():
-        monkeypatch.setattr(triton_kernels["replay_union_triton"], name, value)
     cases = [make_case(case_seed("tiles", tp), tp, sp=tp == 2),
              make_case(case_seed("tiles-bf16", tp), tp, dtype=torch.bfloat16, ints=True, chunk_size=64)]
     every_row = make_case(case_seed("tiles-every-row", tp), tp, chunk_size=64)
@@ -479,21 +479,16 @@ def test_union_tiles_match_dense_reference(triton_kernels, tp, monkeypatch):
         assert reference.rel_err(main_grad, dw) < 1e-6, rank
 
 
-def test_union_tiles_hold_at_most_a_chunk_of_logits(triton_kernels, monkeypatch):
+def test_union_tiles_hold_at_most_a_chunk_of_logits(small_tiles, monkeypatch):
     """The tiles taken by sizes (replay_route: their [unions, TILE_ROWS] products within a chunk of
     logits' elements): the largest tensor of a call, forward and backward, is at most a chunk of
     [rows, V_local] logits, never the set rows' [N, V_local]."""
     if DEVICE.type == "cuda":
         pytest.skip("the interpreter's run of the kernels on CPU tensors (GPU runs: tests/test_cuda_steady_state.py)")
-    monkeypatch.setattr(replay, "TILE_ROWS", 16)
-    monkeypatch.setattr(replay, "COLUMN_TILE", 16)
-    for name, value in SMALL_TILES.items():
-        monkeypatch.setattr(triton_kernels["replay_union_triton"], name, value)
     n, hidden, v_local, chunk = 256, 32, 512, 128
     g = torch.Generator().manual_seed(1)
     h = torch.randn(n, hidden, generator=g, requires_grad=True)
     w = torch.randn(v_local, hidden, generator=g).requires_grad_()
-    y = torch.randint(0, v_local, (n,), generator=g)
     ids = torch.stack([torch.randperm(v_local, generator=g)[:8] for _ in range(n)])
     y = ids[:, 0].clone()  # (each label in its set)
     y[::5] = -100
