@@ -298,32 +298,41 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad):
 
 
 # ---------------------------------------------------------------- what a call dispatches on the Triton backend
+def _interpreter_launches(monkeypatch, on_launch=lambda: None) -> list:
+    """[flag]: True while an interpreted Triton launch runs (the torch ops inside it are the
+    interpreter's copies of the kernel's arguments, not the GPU path's); `on_launch()` at each."""
+    import sys
+
+    launching = [False]
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if DEVICE.type != "cuda" and interpreter is not None:
+        launch = interpreter.GridExecutor.__call__
+
+        def flagged(executor, *args, **kwargs):
+            on_launch()
+            launching[0] = True
+            try:
+                return launch(executor, *args, **kwargs)
+            finally:
+                launching[0] = False
+
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", flagged)
+    return launching
+
+
 class _Dispatched:
     """Ops dispatched per replay phase (views left out), a Triton launch counting as one op (the
     interpreter's own torch ops inside a launch are not the GPU path's)."""
 
     def __init__(self, monkeypatch):
         import collections
-        import sys
 
         from torch.utils._python_dispatch import TorchDispatchMode
 
         self.ops = collections.defaultdict(list)
-        phase, launching, outer = ["other"], [False], self
+        phase, outer = ["other"], self
         label_phases(monkeypatch, phase)
-        interpreter = sys.modules.get("triton.runtime.interpreter")
-        if DEVICE.type != "cuda" and interpreter is not None:
-            launch = interpreter.GridExecutor.__call__
-
-            def counted(executor, *args, **kwargs):
-                outer.ops[phase[0]].append("triton")
-                launching[0] = True
-                try:
-                    return launch(executor, *args, **kwargs)
-                finally:
-                    launching[0] = False
-
-            monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+        launching = _interpreter_launches(monkeypatch, lambda: outer.ops[phase[0]].append("triton"))
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -493,20 +502,7 @@ def test_union_tiles_hold_at_most_a_chunk_of_logits(small_tiles, monkeypatch):
     y = ids[:, 0].clone()  # (each label in its set)
     y[::5] = -100
     mask = (ids.reshape(-1), torch.arange(n + 1) * 8)
-    # the tensors the op allocates, not the interpreter's host copies of a kernel's arguments
-    import sys
-
-    interpreter, launching = sys.modules["triton.runtime.interpreter"], [False]
-    launch = interpreter.GridExecutor.__call__
-
-    def flagged(executor, *args, **kwargs):
-        launching[0] = True
-        try:
-            return launch(executor, *args, **kwargs)
-        finally:
-            launching[0] = False
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", flagged)
+    launching = _interpreter_launches(monkeypatch)  # (the tensors the op allocates, not the interpreter's)
 
     class OutsideKernels(reference.LargestTensor):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
