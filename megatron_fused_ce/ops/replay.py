@@ -740,10 +740,11 @@ class ReplayChunks:
                                       tiles.max_union, TILE_ROWS)
             entries.gather_places(z, logits, tiles.place, 0, spec.inv_temperature)
             del logits
-        for start, end in row_chunks(0 if self.route == "tiles" else entries.set_rows.numel(), spec.chunk_size):
-            logits = chunk_logits(rows.index_select(0, entries.set_rows[start:end]), weight, spec)
-            entries.gather_chunk(z, logits, start, spec.inv_temperature)
-            del logits
+        else:
+            for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
+                logits = chunk_logits(rows.index_select(0, entries.set_rows[start:end]), weight, spec)
+                entries.gather_chunk(z, logits, start, spec.inv_temperature)
+                del logits
         self._z = z if self.want_z else None
         spec.backend.entry_stats(z, entries, spec.want_entropy, into)
 

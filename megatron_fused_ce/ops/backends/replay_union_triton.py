@@ -247,17 +247,14 @@ def union_layout(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Tensor, by_
     total, pairs, device = valid.numel(), tiles * members, valid.device
     words = torch.empty(tiles + 1 + capacity + 1 + total, dtype=torch.int64, device=device)
     tile_start, uids, place = words[:tiles + 1], words[tiles + 1:tiles + capacity + 2], words[tiles + capacity + 2:]
-    named = torch.zeros(max(pairs, 1), dtype=torch.int32, device=device)
+    named = torch.zeros(pairs, dtype=torch.int32, device=device)  # (replay takes tiles with a slot: pairs > 0)
     valid = valid.view(torch.uint8)
     if total:
         _union_name_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, named, total, members, width,
                                                          BY_COLUMNS=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
     count = torch.cumsum(named, 0, dtype=torch.int32)
-    if pairs:
-        _union_ids_kernel[(cdiv(pairs, LAYOUT_BLOCK),)](named, count, set_rows, uids, tile_start, pairs, members,
-                                                        HAS_VALUES=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
-    else:
-        tile_start.zero_()
+    _union_ids_kernel[(cdiv(pairs, LAYOUT_BLOCK),)](named, count, set_rows, uids, tile_start, pairs, members,
+                                                    HAS_VALUES=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
     if total:
         _union_place_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, count, place, total, members, width,
                                                           BY_COLUMNS=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
