@@ -215,6 +215,8 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     replay_triton = triton_kernels["replay_triton"]
     monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK", 16)
     monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)
+    monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_V", 16)  # (the dense blocks' rows in several blocks)
+    monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_E", 4)
     g = torch.Generator().manual_seed(seed)
     vocab, positions = 97, 60
     sizes = torch.randint(1, 12, (positions,), generator=g)
@@ -295,6 +297,33 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad):
         assert bool(want) or base != base or float(fields["poison"]) == 0.0
     for name in _LAYOUT_FIELDS:
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+@pytest.mark.parametrize("seed,sort_block", [(0, 16), (1, 16), (2, 64), (3, 1)])
+def test_layout_kernels_count_every_duplicate(triton_kernels, seed, sort_block, monkeypatch):
+    """The entries kernel's per-row sorts (sets of at most LAYOUT_SORT_BLOCK ids) and hash tables
+    (larger ones) count what MaskCheck's sort of the call's keys counts: every extra
+    copy of an id in a set (pairs and triples, copies blocks of entries apart, in sets of one to
+    forty ids, ids out of range counted as their clamped neighbour), and nothing in sets that
+    share ids with other rows' sets."""
+    replay_triton = triton_kernels["replay_triton"]
+    monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)
+    monkeypatch.setattr(replay_triton, "LAYOUT_SORT_BLOCK", sort_block)  # (sets above it: the hash tables)
+    g = torch.Generator().manual_seed(seed)
+    vocab, positions = 61, 30
+    sets = [torch.randperm(vocab, generator=g)[:int(torch.randint(1, 41, (1,), generator=g))] for _ in range(positions)]
+    for row in range(0, positions, 3):  # copies of ids already in the set, anywhere in it
+        copies = sets[row][torch.randint(0, sets[row].numel(), (row % 4,), generator=g)]
+        sets[row] = torch.cat([sets[row], copies])[torch.randperm(sets[row].numel() + copies.numel(), generator=g)]
+    sets[4] = torch.cat([sets[4], torch.tensor([vocab + 5, vocab + 9, -3, -1])])  # (clamped: two pairs)
+    ids = torch.cat(sets)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor([s.numel() for s in sets]).cumsum(0)])
+    labels = ids[offsets[:-1]].clone()
+    labelled = torch.ones(positions, dtype=torch.bool)
+    ids, offsets, labels, labelled = (t.to(DEVICE) for t in (ids, offsets, labels, labelled))
+    _, got, counts, _ = _layouts(replay_triton, ids, offsets, labels, labelled, vocab, 0, vocab, positions)
+    assert int(counts[2]) > 10
+    assert torch.equal(got.counts[:3], counts[:3]), (got.counts[:3], counts[:3])
 
 
 # ---------------------------------------------------------------- what a call dispatches on the Triton backend

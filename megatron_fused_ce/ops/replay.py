@@ -34,9 +34,9 @@ fields, counts and verdict in a few launches, since each torch op costs a launch
 on every call (some eighty of them): one program scanning the rows (the layout offsets, which rows
 have a set, their slots, the row counts and the missing-set count), one program per row (its slot
 or a padding slot, its entries' slot / column / valid / is-label, its label-kept flag, its ids'
-range check and (row, id) keys), a sort of the keys and a kernel counting equal neighbours (an id
-twice in a set), and on a remembered signature one that ORs the verdict into deferred_errors'
-flags and makes the NaN poison (`ReplayChunks.poison`, the label checks' added in: the call's one
+range check, and an id twice in its set: the set sorted in the program, or a larger one through a
+hash table of its own), and on a remembered signature one that ORs the verdict into
+deferred_errors' flags and makes the NaN poison (`ReplayChunks.poison`, the label checks' added in: the call's one
 poison). Tests compare them field by field.
 
 Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
@@ -615,6 +615,8 @@ class KeptEntries:
     def scatter_chunk(self, d: Tensor, start: int, end: int, cols: int) -> Tensor:
         """The dense route's backward: the [end - start, cols] block of dlogits of slots
         [start, end): zeros, the entries' `d` (in the block's dtype) written in."""
+        if self.chunk_kernels is not None:
+            return self.chunk_kernels[2](self, d, start, end, cols)
         return self.scatter_places(d, self._place(cols), start * cols, (end - start, cols))
 
     def scatter_places(self, d: Tensor, place: Tensor, lo: int, shape: tuple) -> Tensor:
@@ -798,8 +800,12 @@ class ReplayChunks:
             grad_gemms(dlogits, rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
                        dw_out, dw_accumulate=accumulate or not one_gemm)
             del dlogits
-            if dx_chunk is not None:  # added: the plain pass wrote zeros there (padding adds zeros)
+            if dx_chunk is None:
+                continue
+            if self.plain_pass:  # added: the plain pass wrote zeros there (padding adds zeros)
                 dx_rows.index_add_(0, set_rows[start:end], dx_chunk)
+            else:  # copied: a row is one slot's, or padding's (zeros, onto a row that has no set)
+                dx_rows.index_copy_(0, set_rows[start:end], dx_chunk)
         return None
 
 

@@ -21,9 +21,10 @@ mask's CSR and gathers the weight rows itself.
   op's fp32 buffer or Megatron's main_grad). A frequent id (in most sets: Zipf) costs one add per
   block of its entries, not one per entry.
 - `kept_layout`: replay.KeptEntries' fields and MaskCheck's device checks (replay.py's module doc)
-  in four launches and a sort; `gather_chunk` / `scatter_chunk`: the dense route's entries of one
-  chunk of logits in one launch each. These move values only (no arithmetic but z = fp32(logit)
-  / T's one multiply, as torch's), so they give torch's results bit for bit.
+  in three launches and a fill; `gather_chunk` / `scatter_chunk`: the dense route's entries of one
+  chunk of logits in one launch each, `slot_rows` its block of dlogits (zeros and the entries) in
+  one. These move values only (no arithmetic but z = fp32(logit) / T's one multiply, as torch's),
+  so they give torch's results bit for bit.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ShardStats
-from .triton_common import cached_launch, cdiv, interpreting as _interpreting
+from .triton_common import cached_launch, cdiv, interpreting as _interpreting, next_power_of_2
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API).
@@ -308,10 +309,17 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
 
 # ---------------------------------------------------------------------------------------------
 # The mask's layout and checks (replay.KeptEntries, replay.MaskCheck: the torch definitions are
-# the reference): four launches and a sort instead of some eighty elementwise ops.
+# the reference): three launches and a fill instead of some eighty elementwise ops.
 # ---------------------------------------------------------------------------------------------
 LAYOUT_BLOCK = 1024
 LAYOUT_BLOCK_E = 64
+# A set is checked for duplicates by a sort in its program where it holds at most the sort's block of
+# ids: the power of 2 at or above the call's mean set size, at most LAYOUT_SORT_BLOCK; a larger set
+# by a hash table. On an H200, 8192 sets of 512 ids: the layout 267 us sorting by 512, 594 by 1024,
+# 604 by hash tables, about 600 with the call's keys sorted by torch. (The interpreter runs a sort
+# network's steps one by one, about a second a program at 1024: hash tables only there, but where a
+# test sets a block.)
+LAYOUT_SORT_BLOCK = 1 if _interpreting() else 1024
 # counts: bad offsets, bad ids, duplicates, labelled rows with a (raw) set, without one, rows with a
 # (layout) set, labelled rows without one, the first row without a set, set_rows[0], and the
 # mask's fingerprint (agreement.tensor_fingerprint of cat([offsets, ids])), two sums
@@ -408,11 +416,15 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
 @triton.jit
 def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr, counts_ptr,
                          set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
-                         slot_ptr, col_ptr, position_ptr, row_of_ptr, keys_ptr, dw_key_ptr, place_ptr, valid_ptr,
+                         slot_ptr, col_ptr, position_ptr, row_of_ptr, table_ptr, dw_key_ptr, place_ptr, valid_ptr,
                          is_label_ptr,
                          rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols,
-                         FINGERPRINT: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program per row: its slot (or a padding slot), and its entries over its layout range."""
+                         FINGERPRINT: tl.constexpr, BLOCK_E: tl.constexpr, SORT_BLOCK: tl.constexpr):
+    """One program per row: its slot (or a padding slot), and its entries over its layout range.
+    An id twice in the row's set: a set of at most SORT_BLOCK ids is sorted in the program (equal
+    neighbours); a larger one is inserted into the row's own hash table (`table_ptr`, int32, -1
+    where empty: 2 slots per entry at 2 x the row's layout start, open addressing), where an insert
+    that finds its id already there is a duplicate. No sort of the call's entries."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.load(layout_ptr + r)
     hi = tl.load(layout_ptr + r + 1)
@@ -438,6 +450,7 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
     row_of = tl.where(has, r, row0)
     found = r * 0
     bad_ids = r * 0
+    duplicates = r * 0
     by_position = r * 0
     by_hash = r * 0
     for e0 in range(lo, hi, BLOCK_E):
@@ -451,7 +464,6 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         tl.store(col_ptr + e, col, mask=inside)
         tl.store(position_ptr + e, r + e * 0, mask=inside)
         tl.store(row_of_ptr + e, row_of + e * 0, mask=inside)
-        tl.store(keys_ptr + e, r * vocab + tl.minimum(tl.maximum(ids, 0), vocab - 1), mask=inside)
         tl.store(dw_key_ptr + e, tl.where(valid, col, num_cols), mask=inside)
         tl.store(place_ptr + e, tl.where(valid, slot * num_cols + col, -1), mask=inside)
         tl.store(valid_ptr + e, valid.to(tl.uint8), mask=inside)
@@ -462,23 +474,37 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
             position_terms, hash_terms = fingerprint_terms(ids, rows + 1 + e, inside, True)
             by_position += position_terms
             by_hash += hash_terms
+    # (ids out of range count as their clamped neighbour, as MaskCheck's keys do)
+    if hi - lo <= SORT_BLOCK:
+        j = tl.arange(0, SORT_BLOCK)
+        inside = j < hi - lo
+        ids = tl.load(ids_ptr + lo + j, mask=inside, other=0)
+        key = tl.where(inside, tl.minimum(tl.maximum(ids, 0), vocab - 1), vocab + j).to(tl.int32)  # (distinct past n)
+        ordered = tl.sort(key, 0)
+        following = tl.gather(ordered, tl.minimum(j + 1, SORT_BLOCK - 1), 0)
+        duplicates = tl.sum(((j + 1 < SORT_BLOCK) & (ordered == following)).to(tl.int64), axis=0)
+    else:
+        table = table_ptr + 2 * lo
+        size = 2 * (hi - lo)
+        for e0 in range(lo, hi, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            inside = e < hi
+            key = tl.minimum(tl.maximum(tl.load(ids_ptr + e, mask=inside, other=0), 0), vocab - 1).to(tl.int32)
+            # (a lane that is done, or outside the set, swaps its key for itself: no change;
+            # tl.atomic_cas has no mask)
+            probe = tl.where(inside, ((key.to(tl.int64) * 2654435761) & 2147483647) % size, (e - lo) % size)
+            pending = inside
+            while tl.sum(pending.to(tl.int32), axis=0) > 0:
+                before = tl.atomic_cas(table + probe, tl.where(pending, -1, key), key)
+                duplicates += tl.sum((pending & (before == key)).to(tl.int64), axis=0)
+                pending = pending & (before != -1) & (before != key)
+                probe = tl.where(pending, (probe + 1) % size, probe)
     tl.store(kept_ptr + r, ((~has) | (found > 0)).to(tl.uint8))
     tl.atomic_add(counts_ptr + 1, bad_ids, mask=bad_ids > 0)
+    tl.atomic_add(counts_ptr + 2, duplicates, mask=duplicates > 0)
     if FINGERPRINT:
         tl.atomic_add(counts_ptr + 9, by_position, mask=hi > lo)
         tl.atomic_add(counts_ptr + 10, by_hash, mask=hi > lo)
-
-
-@cached_launch
-@triton.jit
-def _mask_duplicates_kernel(keys_ptr, counts_ptr, total, BLOCK: tl.constexpr):
-    """Equal neighbours among the sorted (row, id) keys: an id twice in one set."""
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    pair = e + 1 < total
-    key = tl.load(keys_ptr + e, mask=pair, other=0)
-    following = tl.load(keys_ptr + e + 1, mask=pair, other=1)
-    found = tl.sum((pair & (key == following)).to(tl.int64), axis=0)
-    tl.atomic_add(counts_ptr + 2, found, mask=found > 0)
 
 
 @cached_launch
@@ -513,26 +539,26 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
     m = max_set_rows
     # three allocations: the int64 fields, the bool ones, the poison
-    words = torch.empty(_COUNTS + 2 * rows + 2 + 5 * m + 7 * total, dtype=torch.int64, device=device)
+    words = torch.empty(_COUNTS + 2 * rows + 2 + 5 * m + 6 * total, dtype=torch.int64, device=device)
     counts, layout = words[:_COUNTS], words[_COUNTS:_COUNTS + rows + 2]
     rank = words[_COUNTS + rows + 2:_COUNTS + 2 * rows + 2]
     set_dest, set_rows, starts, ends, set_labels = words[_COUNTS + 2 * rows + 2:_COUNTS + 2 * rows + 2 + 5 * m].view(
         5, m).unbind(0)
-    slot, col, position, row_of, keys, dw_key, place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
-        7, total).unbind(0)
+    slot, col, position, row_of, dw_key, place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
+        6, total).unbind(0)
+    table = torch.full((2 * total,), -1, dtype=torch.int32, device=device)  # each row's duplicate check
     bits = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device)
     has_set, kept = bits[:rows], bits[rows:2 * rows]
     valid, is_label = bits[2 * rows:].view(2, total).unbind(0)
     _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
                             FINGERPRINT=fingerprint, BLOCK=LAYOUT_BLOCK, num_warps=4)
     _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
-                                  set_labels, kept, slot, col, position, row_of, keys, dw_key, place, valid, is_label,
+                                  set_labels, kept, slot, col, position, row_of, table, dw_key, place, valid, is_label,
                                   rows,
                                   total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
-                                  FINGERPRINT=fingerprint, BLOCK_E=LAYOUT_BLOCK_E, num_warps=2)
-    if total > 1:
-        _mask_duplicates_kernel[(cdiv(total, LAYOUT_BLOCK),)](torch.sort(keys).values, counts, total,
-                                                              BLOCK=LAYOUT_BLOCK, num_warps=4)
+                                  FINGERPRINT=fingerprint, BLOCK_E=LAYOUT_BLOCK_E,
+                                  SORT_BLOCK=min(LAYOUT_SORT_BLOCK, next_power_of_2(-(-total // max(rows, 1)))),
+                                  num_warps=2)
     poison = None
     if flags is not None:
         from ..deferred_errors import SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
@@ -546,7 +572,7 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                 position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None,
                 valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
                 dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place), counts=counts,
-                poison=poison, chunk_kernels=(gather_chunk, scatter_chunk))
+                poison=poison, chunk_kernels=(gather_chunk, scatter_chunk, slot_rows))
 
 
 # The dense route's entries of one chunk of slots: their places in its block of logits, one launch
@@ -585,3 +611,44 @@ def scatter_chunk(place: Tensor, d: Tensor, block: Tensor, lo: int, hi: int) -> 
     total = place.numel()
     _scatter_chunk_kernel[(cdiv(total, CHUNK_BLOCK),)](place, d, block, total, lo, hi, BLOCK=CHUNK_BLOCK,
                                                        num_warps=4)
+
+
+# The dense route's block of dlogits of a chunk of slots, one program per slot: its row's zeros, then
+# its entries (contiguous in the CSR: starts / ends) written in. torch's zeros and a scatter of every
+# entry over the block were two passes, the scatter's 2-byte writes spread over the whole block; here
+# a row's entries land on the row its program has just written.
+# (8192 x 19008, 512 ids a row, on an H200: 232 us at 1024 columns and 8 warps, 313 at 4 warps, 320
+# for torch's zeros and the scatter kernel)
+SLOT_ROW_BLOCK_V = 1024
+SLOT_ROW_BLOCK_E = 128
+
+
+@cached_launch
+@triton.jit
+def _slot_rows_kernel(d_ptr, col_ptr, valid_ptr, starts_ptr, ends_ptr, block_ptr, first_slot, cols,
+                      BLOCK_V: tl.constexpr, BLOCK_E: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    row = block_ptr + s * cols
+    zeros = tl.zeros([BLOCK_V], dtype=block_ptr.dtype.element_ty)
+    for c0 in range(0, cols, BLOCK_V):
+        c = c0 + tl.arange(0, BLOCK_V)
+        tl.store(row + c, zeros, mask=c < cols)
+    tl.debug_barrier()  # (the program's zeros stored before its entries)
+    lo = tl.load(starts_ptr + first_slot + s)
+    hi = tl.load(ends_ptr + first_slot + s)
+    for e0 in range(lo, hi, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        valid = (e < hi) & (tl.load(valid_ptr + e, mask=e < hi, other=0) != 0)
+        col = tl.load(col_ptr + e, mask=valid, other=0)
+        tl.store(row + col, tl.load(d_ptr + e, mask=valid), mask=valid)
+
+
+def slot_rows(entries, d: Tensor, start: int, end: int, cols: int) -> Tensor:
+    """replay.KeptEntries.scatter_chunk: the [end - start, cols] block of slots [start, end), zeros
+    and d[e] (in its dtype) at each valid entry's column."""
+    block = torch.empty((end - start, cols), dtype=d.dtype, device=d.device)
+    if end > start:
+        _slot_rows_kernel[(end - start,)](d, entries.col, entries.valid.view(torch.uint8), entries.starts,
+                                          entries.ends, block, int(start), int(cols), BLOCK_V=SLOT_ROW_BLOCK_V,
+                                          BLOCK_E=SLOT_ROW_BLOCK_E, num_warps=8)
+    return block
