@@ -402,10 +402,11 @@ def _dispatched_call(monkeypatch, force, chunk, n=32, k=3):
 def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     """What one replay call (a remembered signature, every row with a set: RL) dispatches in its
     layout, forward and backward on the Triton backend, each launch one op: the sparse route 20
-    (the layout and checks 8: three allocations, four launches and a sort; the backward 7: the
+    (the layout and checks 7: three allocations, the fill of the duplicate check's hash tables and
+    three launches; the backward 7: the
     dlogits kernel and its output, the dX and dW kernels and the sort, and the zeros of dX and dW
-    that stand in for the plain pass), at most 24; the dense route 11 more per chunk of rows (its
-    row gathers, GEMMs, entry gathers and scatters), at most 12, and 17 besides, at most 21; the
+    that stand in for the plain pass), at most 24; the dense route 11-12 more per chunk of rows (its
+    row gathers, GEMMs, entry gathers and dlogits block), at most 12, and 14 besides, at most 21; the
     union tiles 32, at most 34 (each of their two layouts six ops: two allocations, three
     launches and a cumsum; the forward's product, the backward's two products and their dlogits'
     scatters).
@@ -414,7 +415,7 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     fixed, with the entries' dlogits and the dense statistics in torch)."""
     sparse = _dispatched_call(monkeypatch, "sparse", 32)
     assert sparse.replay_ops() <= 24, dict(sparse.ops)
-    assert len(sparse.ops["entries"]) <= 8, sparse.ops["entries"]
+    assert len(sparse.ops["entries"]) <= 7, sparse.ops["entries"]
     assert len(sparse.ops["backward"]) <= 8, sparse.ops["backward"]
     # the rest of the call (45 here, the label checks in torch off CUDA): the log-probs' kept flag
     # and the poison take no ops of their own beyond one where and one add
