@@ -70,15 +70,28 @@ def _every_row_worker(rank, world, cases):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_every_labelled_row_with_a_set(tp):
-    """No plain pass (every position has a set): the kept sets alone give the values and dX / dW,
-    on both routes, one chunk of set rows (the dense route's dW then its one GEMM, written in the
-    weight's dtype) and several."""
+    """No plain pass (every position has a set, or every labelled one): the kept sets alone give
+    the values and dX / dW, on both routes, one chunk of set rows (the dense route's dW then its one
+    GEMM, written in the weight's dtype) and several; the dense route over the rows themselves
+    (as many slots as rows) and, where the entries are fewer than the rows (most positions
+    unlabelled, without a set), over gathered slots with dX copied back."""
     cases = []
-    for dtype, chunk in ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 7)):
-        case = make_case(case_seed("every-row", tp, str(dtype), chunk), tp, dtype=dtype,
+    for dtype, chunk, few in ((torch.float32, 64, False), (torch.bfloat16, 64, False), (torch.float32, 7, False),
+                              (torch.float32, 64, True), (torch.float32, 5, True)):
+        case = make_case(case_seed("every-row", tp, str(dtype), chunk, few), tp, dtype=dtype,
                          ints=dtype == torch.bfloat16, chunk_size=chunk)
-        g = torch.Generator().manual_seed(case_seed("every-row-sets", tp, str(dtype), chunk))
-        case["mask"] = random_sets(g, case["labels"].numel(), case["vocab"], case["labels"].reshape(-1), empty=0.0)
+        g = torch.Generator().manual_seed(case_seed("every-row-sets", tp, str(dtype), chunk, few))
+        labels = case["labels"].reshape(-1)
+        if few:  # a few labelled positions with a set of one or two ids (the label in most), the others without
+            labels[torch.rand(labels.numel(), generator=g) < 0.7] = -100
+            nth = (labels >= 0).cumsum(0).tolist()  # (every third labelled position: its label off its set)
+            sets = [torch.zeros(0, dtype=torch.int64) if y < 0
+                    else torch.tensor([y + (nth[i] % 3 == 0), y + 2]).remainder(case["vocab"])[:1 + i % 2]
+                    for i, y in enumerate(labels.tolist())]
+            case["mask"] = SamplingMask(torch.cat(sets), torch.tensor([0] + [len(x) for x in sets]).cumsum(0))
+            assert case["mask"][0].numel() < labels.numel()
+        else:
+            case["mask"] = random_sets(g, labels.numel(), case["vocab"], labels, empty=0.0)
         cases.append(case)
     results = run_workers(_every_row_worker, tp, cases)
     assert all(one_gemm for _, one_gemm in results)  # the one-GEMM dW ran

@@ -249,6 +249,16 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
         got.gather_chunk(z_got, logits[start:end], start, 0.7)
         assert torch.equal(z_got, z_ref)
         assert torch.equal(got.scatter_chunk(d, start, end, cols), ref.scatter_chunk(d, start, end, cols))
+    # and by rows (the dense route without a plain pass): every row's block, zeros where it has no set
+    for start, end in ((0, 7), (7, positions)):
+        z_ref, z_got = torch.full((ids.numel(),), 5.0, device=DEVICE), torch.full((ids.numel(),), 5.0, device=DEVICE)
+        rows_logits = torch.randn(end - start, cols, generator=g).to(torch.bfloat16).to(DEVICE)
+        ref.gather_chunk(z_ref, rows_logits, start, 0.7, by_rows=True)
+        got.gather_chunk(z_got, rows_logits, start, 0.7, by_rows=True)
+        assert torch.equal(z_got, z_ref)
+        block = got.scatter_chunk(d, start, end, cols, by_rows=True)
+        assert torch.equal(block, ref.scatter_chunk(d, start, end, cols, by_rows=True))
+        assert not block[~ref.has_set[start:end]].any()
 
 
 @pytest.mark.parametrize("bad", ["none", "offsets", "ids", "duplicate", "missing"])

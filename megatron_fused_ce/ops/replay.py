@@ -545,7 +545,7 @@ class KeptEntries:
         self._row_of_entry = None
         self.counts = self.poison = self.fingerprint = None
         # the dense route's (cols, places) and (gather, scatter) kernels (None: torch, made here)
-        self.chunk_place = self.chunk_kernels = None
+        self.chunk_place = self.row_place = self.chunk_kernels = None
         if kernel is not None:
             fields = kernel(self.ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
             self._row_of_entry = fields.pop("row_of_entry")
@@ -591,17 +591,24 @@ class KeptEntries:
             self._row_of_entry = self.set_rows.index_select(0, self.slot.clamp(min=0))
         return self._row_of_entry
 
-    def _place(self, cols: int) -> Tensor:
-        """[E] each entry's place in the [slots, cols] logits of the set rows (-1 where not valid)."""
+    def _place(self, cols: int, by_rows: bool = False) -> Tensor:
+        """[E] each entry's place in the [slots, cols] logits of the set rows, or with `by_rows` in
+        the [rows, cols] logits of every row (-1 where not valid)."""
+        if by_rows:
+            if self.row_place is None or self.row_place[0] != cols:
+                self.row_place = (cols, torch.where(self.valid, self.position * cols + self.col, -1))
+            return self.row_place[1]
         if self.chunk_place is None or self.chunk_place[0] != cols:
             self.chunk_place = (cols, torch.where(self.valid, self.slot * cols + self.col, -1))
         return self.chunk_place[1]
 
-    def gather_chunk(self, z: Tensor, logits: Tensor, start: int, inv_temperature: float) -> None:
-        """The dense route's forward: z of the entries of slots [start, start + rows of `logits`),
-        read off their [rows, cols] block (fp32, times 1/T); the others' z are left."""
+    def gather_chunk(self, z: Tensor, logits: Tensor, start: int, inv_temperature: float,
+                     by_rows: bool = False) -> None:
+        """The dense route's forward: z of the entries of slots [start, start + rows of `logits`)
+        (with `by_rows`: of those rows), read off their [rows, cols] block (fp32, times 1/T); the
+        others' z are left."""
         cols = logits.shape[1]
-        self.gather_places(z, logits, self._place(cols), start * cols, inv_temperature)
+        self.gather_places(z, logits, self._place(cols, by_rows), start * cols, inv_temperature)
 
     def gather_places(self, z: Tensor, values: Tensor, place: Tensor, lo: int, inv_temperature: float) -> None:
         """z[e] = fp32(values.flat[place[e] - lo]) / T where the place is inside `values`."""
@@ -612,12 +619,12 @@ class KeptEntries:
         read = values.reshape(-1).index_select(0, (place - lo).clamp(0, values.numel() - 1)).float()
         torch.where(inside, read * inv_temperature, z, out=z)
 
-    def scatter_chunk(self, d: Tensor, start: int, end: int, cols: int) -> Tensor:
-        """The dense route's backward: the [end - start, cols] block of dlogits of slots
-        [start, end): zeros, the entries' `d` (in the block's dtype) written in."""
+    def scatter_chunk(self, d: Tensor, start: int, end: int, cols: int, by_rows: bool = False) -> Tensor:
+        """The dense route's backward: the [end - start, cols] block of dlogits of slots (with
+        `by_rows`: rows) [start, end): zeros, the entries' `d` (in the block's dtype) written in."""
         if self.chunk_kernels is not None:
-            return self.chunk_kernels[2](self, d, start, end, cols)
-        return self.scatter_places(d, self._place(cols), start * cols, (end - start, cols))
+            return self.chunk_kernels[2](self, d, start, end, cols, by_rows)
+        return self.scatter_places(d, self._place(cols, by_rows), start * cols, (end - start, cols))
 
     def scatter_places(self, d: Tensor, place: Tensor, lo: int, shape: tuple) -> Tensor:
         """A block of `shape`: zeros, d[e] (in the block's dtype) at place[e] - lo where inside."""
@@ -668,6 +675,16 @@ class ReplayChunks:
     @property
     def sparse(self) -> bool:
         return self.route == "sparse"
+
+    @property
+    def dense_by_rows(self) -> bool:
+        """The dense route over the call's own rows, not gathered slots: where no plain pass runs
+        and the slots are as many as the rows (every row a slot: a set row's, or padding's, whose
+        logits count for nothing), a chunk's GEMMs read the hidden rows and write dX in place, and
+        a row without a set gets zeros (unlabelled: no plain pass means no labelled row lacks a
+        set), with no gather of the rows and no copy of dX."""
+        return (self.route == "dense" and not self.plain_pass
+                and self.entries.set_rows.numel() == self.entries.labelled.numel())
 
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
         # sparse rows add into dW and dense chunks sum over chunks, in fp32; without the plain pass,
@@ -743,9 +760,11 @@ class ReplayChunks:
             entries.gather_places(z, logits, tiles.place, 0, spec.inv_temperature)
             del logits
         else:
+            by_rows = self.dense_by_rows
             for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
-                logits = chunk_logits(rows.index_select(0, entries.set_rows[start:end]), weight, spec)
-                entries.gather_chunk(z, logits, start, spec.inv_temperature)
+                chunk = rows[start:end] if by_rows else rows.index_select(0, entries.set_rows[start:end])
+                logits = chunk_logits(chunk, weight, spec)
+                entries.gather_chunk(z, logits, start, spec.inv_temperature, by_rows)
                 del logits
         self._z = z if self.want_z else None
         spec.backend.entry_stats(z, entries, spec.want_entropy, into)
@@ -767,7 +786,7 @@ class ReplayChunks:
             backward_grads(rows, weight, local_target, spec, (plain_max, plain_lse), plain_coefs, dx_rows, dw_out,
                            dw_accumulate=accumulate)
         else:  # what the plain pass would write: zero dX, and dW where it is not added into
-            if dx_rows is not None:
+            if dx_rows is not None and not self.dense_by_rows:  # (by rows: every row's written)
                 dx_rows.zero_()
             if dw_out is not None and not accumulate and not one_gemm:
                 dw_out.zero_()
@@ -793,9 +812,14 @@ class ReplayChunks:
                                             accumulate=accumulate or self.plain_pass)
             return None
         cols = weight.shape[0]
+        by_rows = self.dense_by_rows
         for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
             r = end - start
-            dlogits = entries.scatter_chunk(d, start, end, cols)  # the chunk's block of dlogits
+            dlogits = entries.scatter_chunk(d, start, end, cols, by_rows)  # the chunk's block of dlogits
+            if by_rows:
+                grad_gemms(dlogits, rows[start:end], weight, spec, None if dx_rows is None else dx_rows[start:end],
+                           dw_out, dw_accumulate=accumulate or not one_gemm)
+                continue
             dx_chunk = None if dx_rows is None else rows.new_empty((r, rows.shape[1]))
             grad_gemms(dlogits, rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
                        dw_out, dw_accumulate=accumulate or not one_gemm)

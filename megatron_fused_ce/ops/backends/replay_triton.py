@@ -643,12 +643,14 @@ def _slot_rows_kernel(d_ptr, col_ptr, valid_ptr, starts_ptr, ends_ptr, block_ptr
         tl.store(row + col, tl.load(d_ptr + e, mask=valid), mask=valid)
 
 
-def slot_rows(entries, d: Tensor, start: int, end: int, cols: int) -> Tensor:
-    """replay.KeptEntries.scatter_chunk: the [end - start, cols] block of slots [start, end), zeros
-    and d[e] (in its dtype) at each valid entry's column."""
+def slot_rows(entries, d: Tensor, start: int, end: int, cols: int, by_rows: bool = False) -> Tensor:
+    """replay.KeptEntries.scatter_chunk: the [end - start, cols] block of slots (with `by_rows`:
+    rows) [start, end), zeros and d[e] (in its dtype) at each valid entry's column."""
     block = torch.empty((end - start, cols), dtype=d.dtype, device=d.device)
+    # (a row's entries are its layout range; valid only where it has a set)
+    starts, ends = (entries.offsets[:-1], entries.offsets[1:]) if by_rows else (entries.starts, entries.ends)
     if end > start:
-        _slot_rows_kernel[(end - start,)](d, entries.col, entries.valid.view(torch.uint8), entries.starts,
-                                          entries.ends, block, int(start), int(cols), BLOCK_V=SLOT_ROW_BLOCK_V,
+        _slot_rows_kernel[(end - start,)](d, entries.col, entries.valid.view(torch.uint8), starts,
+                                          ends, block, int(start), int(cols), BLOCK_V=SLOT_ROW_BLOCK_V,
                                           BLOCK_E=SLOT_ROW_BLOCK_E, num_warps=8)
     return block
