@@ -237,6 +237,7 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     assert torch.equal(got.row_of_entry(), ref.row_of_entry())
     assert torch.equal(got.dw_key, torch.where(ref.valid, ref.col, num_valid + 2))
+    assert torch.equal(got.row_place[1], torch.where(ref.valid, ref.position * (num_valid + 2) + ref.col, -1))
     assert torch.equal(got.counts[:5], counts) and int(got.counts[6]) == missing, (got.counts, counts, missing)
     assert got.poison is None
     # the dense route's chunks: the kernels read and write the places torch does

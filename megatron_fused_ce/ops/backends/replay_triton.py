@@ -416,8 +416,8 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
 @triton.jit
 def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr, counts_ptr,
                          set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
-                         slot_ptr, col_ptr, position_ptr, row_of_ptr, table_ptr, dw_key_ptr, place_ptr, valid_ptr,
-                         is_label_ptr,
+                         slot_ptr, col_ptr, position_ptr, row_of_ptr, table_ptr, dw_key_ptr, place_ptr, row_place_ptr,
+                         valid_ptr, is_label_ptr,
                          rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols,
                          FINGERPRINT: tl.constexpr, BLOCK_E: tl.constexpr, SORT_BLOCK: tl.constexpr):
     """One program per row: its slot (or a padding slot), and its entries over its layout range.
@@ -466,6 +466,7 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         tl.store(row_of_ptr + e, row_of + e * 0, mask=inside)
         tl.store(dw_key_ptr + e, tl.where(valid, col, num_cols), mask=inside)
         tl.store(place_ptr + e, tl.where(valid, slot * num_cols + col, -1), mask=inside)
+        tl.store(row_place_ptr + e, tl.where(valid, r * num_cols + col, -1), mask=inside)
         tl.store(valid_ptr + e, valid.to(tl.uint8), mask=inside)
         tl.store(is_label_ptr + e, (hit & valid).to(tl.uint8), mask=inside)
         found += tl.sum(hit.to(tl.int64), axis=0)
@@ -530,8 +531,9 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     """replay.KeptEntries' fields from the mask's raw offsets (the layout offsets made here, as
     MaskCheck.layout_offsets makes them), the counts of MaskCheck's device checks, and with
     `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison; `dw_key`,
-    kept_grads' sort key of the entries over a shard of `num_cols` columns; `chunk_place`, the
-    dense route's place of each entry in the [slots, num_cols] logits, and its kernels; with
+    kept_grads' sort key of the entries over a shard of `num_cols` columns; `chunk_place` /
+    `row_place`, the dense route's place of each entry in the [slots, num_cols] / [rows,
+    num_cols] logits, and its kernels; with
     `fingerprint`, counts[9:11] are MaskCheck.fingerprint()'s; `base_poison` (fp32 [1]) is added
     into the poison."""
     device = ids.device
@@ -539,13 +541,13 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
     m = max_set_rows
     # three allocations: the int64 fields, the bool ones, the poison
-    words = torch.empty(_COUNTS + 2 * rows + 2 + 5 * m + 6 * total, dtype=torch.int64, device=device)
+    words = torch.empty(_COUNTS + 2 * rows + 2 + 5 * m + 7 * total, dtype=torch.int64, device=device)
     counts, layout = words[:_COUNTS], words[_COUNTS:_COUNTS + rows + 2]
     rank = words[_COUNTS + rows + 2:_COUNTS + 2 * rows + 2]
     set_dest, set_rows, starts, ends, set_labels = words[_COUNTS + 2 * rows + 2:_COUNTS + 2 * rows + 2 + 5 * m].view(
         5, m).unbind(0)
-    slot, col, position, row_of, dw_key, place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
-        6, total).unbind(0)
+    slot, col, position, row_of, dw_key, place, row_place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
+        7, total).unbind(0)
     table = torch.full((2 * total,), -1, dtype=torch.int32, device=device)  # each row's duplicate check
     bits = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device)
     has_set, kept = bits[:rows], bits[rows:2 * rows]
@@ -553,7 +555,8 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
                             FINGERPRINT=fingerprint, BLOCK=LAYOUT_BLOCK, num_warps=4)
     _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
-                                  set_labels, kept, slot, col, position, row_of, table, dw_key, place, valid, is_label,
+                                  set_labels, kept, slot, col, position, row_of, table, dw_key, place, row_place, valid,
+                                  is_label,
                                   rows,
                                   total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
                                   FINGERPRINT=fingerprint, BLOCK_E=LAYOUT_BLOCK_E,
@@ -571,7 +574,8 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                 starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
                 position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None,
                 valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
-                dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place), counts=counts,
+                dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place),
+                row_place=(int(num_cols), row_place), counts=counts,
                 poison=poison, chunk_kernels=(gather_chunk, scatter_chunk, slot_rows))
 
 
