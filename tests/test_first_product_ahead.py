@@ -74,7 +74,18 @@ def _paths():
         loss.backward()
         return loss.detach(), h.grad, w.grad
 
-    return {"forward_only": forward_only, "logprobs": logprobs, "cross_entropy": cross_entropy, "grpo": grpo}
+    def replay_dense(h, w, y):  # sampling-mask replay's dense route over the rows (a set at every row)
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        ids = torch.stack([y.clamp(min=0), (y.clamp(min=0) + 1) % V, (y.clamp(min=0) + 7) % V], 1)
+        ids[::3, 0] = (ids[::3, 0] + 3) % V  # (some labels off their sets)
+        mask = (ids.reshape(-1), torch.arange(y.numel() + 1) * 3)
+        out = linear_logprobs(h, w, y, sampling_mask=mask)
+        lp = torch.where(torch.isfinite(out.logprobs), out.logprobs, 0.0)
+        (lp * torch.linspace(-1, 1, y.numel())).sum().backward()
+        return lp.detach(), h.grad, w.grad
+
+    return {"forward_only": forward_only, "logprobs": logprobs, "cross_entropy": cross_entropy, "grpo": grpo,
+            "replay_dense": replay_dense}
 
 
 @pytest.mark.parametrize("path", list(_paths()))

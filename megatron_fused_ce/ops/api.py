@@ -687,9 +687,6 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             first_product.launch(hidden2d, weight, flat_labels, spec,
                                  statistics=not (grad_in_forward or dlogits_in_forward),
                                  label_offset=vocab_start, ignore_index=ignore_index, ahead=ahead_product)
-    _drop(ahead_product)
-    if ahead_key is not None:
-        EarlyProduct.remember(ahead_key, first_product)
     # Every row goes through the chunk loop, an ignored one without a target and with a zero
     # gradient: no count sizes anything (nothing to read back, static shapes for CUDA graphs), and
     # the first call and the later ones of a signature compute alike, bit for bit. A later call
@@ -716,6 +713,17 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                              label_poison=device_checks.poison,
                                              max_elements=spec.chunk_size * v_local)
         mask_poison = replay_chunks.poison
+        if replay_chunks.dense_by_rows and not sequence_parallel:
+            # its first chunk is this call's first rows' logits, as the fast chunks' is: remembered,
+            # a later call launches it before its argument handling and the mask's layout
+            first_product = EarlyProduct()
+            spec = replace(spec, first_product=first_product)
+            with torch.no_grad(), autocast_off(hidden.device):
+                first_product.launch(hidden2d, weight, flat_labels, spec, statistics=False, label_offset=vocab_start,
+                                     ignore_index=ignore_index, ahead=ahead_product)
+    _drop(ahead_product)
+    if ahead_key is not None:
+        EarlyProduct.remember(ahead_key, first_product)
     rank_check = None
     if compare_ranks:
         rank_check = reductions.RankCheck(
@@ -745,6 +753,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         spec = replace(spec, tiling=replay_chunks)
         with autocast_off(hidden.device):
             out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
+        _drop(first_product)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,
                           None, out.max, out.log_sum_exp, kept=out.kept, kept_at_ignored=True,
                           num_labelled=num_labelled,
