@@ -36,8 +36,8 @@ have a set, their slots, the row counts and the missing-set count), one program 
 or a padding slot, its entries' slot / column / valid / is-label, its label-kept flag, its ids'
 range check, and an id twice in its set: the set sorted in the program, or a larger one through a
 hash table of its own), and on a remembered signature one that ORs the verdict into
-deferred_errors' flags and makes the NaN poison (`ReplayChunks.poison`, the label checks' added in: the call's one
-poison). Tests compare them field by field.
+deferred_errors' flags and makes the NaN poison (`ReplayChunks.poison`, the label checks' added
+in: the call's one poison). Tests compare them field by field.
 
 Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
 
@@ -75,10 +75,13 @@ each tile's rows from its union's W rows, and dW by tiles of COLUMN_TILE columns
 hidden rows whose sets name one of them (`UnionTiles.of_columns`): every output row written by one
 program, no atomic adds (`union_sum_rows`) or dense: each chunk's dlogits block (zeros, the
 entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the plain recompute
-backward. The dense route finds
-each chunk's entries by their place in the set rows' [slots, V_local] logits
-(`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk with the layout kernels), so
-that a chunk adds only its GEMMs, its rows' gather and that launch.
+backward. The dense route finds each chunk's entries by their place in the set rows' [slots,
+V_local] logits (`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk with the layout
+kernels), so that a chunk adds only its GEMMs, its rows' gather and those launches; where no plain
+pass runs and every row is a slot (`ReplayChunks.dense_by_rows`: RL, a set at every generated
+token), the slots are the rows themselves: the GEMMs read the hidden rows and write dX in place,
+and the first chunk's logits are launched ahead of the call as the plain paths' are
+(fast.EarlyProduct).
 
 The route is decided from sizes the host already knows (no sync, `replay_route`): the tiles where
 the backend has them and even sets without a shared id would multiply at most TILES_MAX_SHARE of
@@ -544,7 +547,8 @@ class KeptEntries:
         self.labelled = labelled
         self._row_of_entry = None
         self.counts = self.poison = self.fingerprint = None
-        # the dense route's (cols, places) and (gather, scatter) kernels (None: torch, made here)
+        # the dense route's (cols, places) of slots and of rows, and its (gather, scatter, block of
+        # rows) kernels (None: torch, made here)
         self.chunk_place = self.row_place = self.chunk_kernels = None
         if kernel is not None:
             fields = kernel(self.ids, offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows)
