@@ -412,7 +412,8 @@ class TokenStats:
         target - lse would round at lse's scale)."""
         if self.logprob_value is not None:
             return self.logprob_value
-        return _labelled_logprob(self.target, self.lse, self.max, self.log_sum_exp, self.labelled)
+        return _labelled_logprob(self.target, self.lse, self.max, self.log_sum_exp, self.labelled,
+                                 backend=self.backend)
 
     def negative_logprob(self) -> Tensor:
         """-logprob(): the cross-entropy of each labelled row, (max - target) + log_sum_exp."""
@@ -461,12 +462,19 @@ class TokenStats:
         return total / max(int(self.num_labelled if self.num_labelled is not None else self.num_rows), 1)
 
 
-def _labelled_logprob(target, lse, row_max, log_sum_exp, labelled, negative=False) -> Tensor:
+def _labelled_logprob(target, lse, row_max, log_sum_exp, labelled, negative=False, backend=None) -> Tensor:
     """_LabelledLogprob's value, through its autograd Function only where a gradient can flow (an
     apply is host time of its own: forward-only passes, and the plain statistics of the losses
-    whose gradients were made in the forward, need none)."""
+    whose gradients were made in the forward, need none). `backend`: the call's, whose
+    `labelled_logprob` makes the log-probs (Triton: one launch, the same values bit for bit)."""
     if torch.is_grad_enabled() and (target.requires_grad or lse.requires_grad):
-        return _LabelledLogprob.apply(target, lse, row_max, log_sum_exp, labelled, negative)
+        return _LabelledLogprob.apply(target, lse, row_max, log_sum_exp, labelled, negative, backend)
+    return _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative, backend)
+
+
+def _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative, backend) -> Tensor:
+    if backend is not None and not negative:
+        return backend.labelled_logprob(target, row_max, log_sum_exp, labelled, None)
     return reductions.labelled_log_prob(target, row_max, log_sum_exp, labelled, negative)
 
 
@@ -477,17 +485,17 @@ class _LabelledLogprob(torch.autograd.Function):
     the same expression takes six."""
 
     @staticmethod
-    def forward(ctx, target, lse, row_max, log_sum_exp, labelled, negative=False):
+    def forward(ctx, target, lse, row_max, log_sum_exp, labelled, negative=False, backend=None):
         ctx.labelled, ctx.negative = labelled, negative
-        return reductions.labelled_log_prob(target, row_max, log_sum_exp, labelled, negative)
+        return _labelled_logprob_value(target, row_max, log_sum_exp, labelled, negative, backend)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.labelled is not None:
             grad = torch.where(ctx.labelled, grad, 0.0)
         if ctx.negative:
-            return -grad, grad, None, None, None, None
-        return grad, -grad, None, None, None, None
+            return -grad, grad, None, None, None, None, None
+        return grad, -grad, None, None, None, None, None
 
 
 def auto_chunk_size(num_rows: int, v_local: int, device: torch.device, *, logits_element_size: int = 2,
@@ -756,8 +764,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         _drop(first_product)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,
                           None, out.max, out.log_sum_exp, kept=out.kept, kept_at_ignored=True,
-                          num_labelled=num_labelled,
-                          labelled=labelled, poison=_device_poison(device_checks, rank_check, mask_poison))
+                          num_labelled=num_labelled, labelled=labelled,
+                          poison=_device_poison(device_checks, rank_check, mask_poison), backend=backend)
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
