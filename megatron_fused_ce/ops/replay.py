@@ -598,13 +598,12 @@ class KeptEntries:
     def _place(self, cols: int, by_rows: bool = False) -> Tensor:
         """[E] each entry's place in the [slots, cols] logits of the set rows, or with `by_rows` in
         the [rows, cols] logits of every row (-1 where not valid)."""
-        if by_rows:
-            if self.row_place is None or self.row_place[0] != cols:
-                self.row_place = (cols, torch.where(self.valid, self.position * cols + self.col, -1))
-            return self.row_place[1]
-        if self.chunk_place is None or self.chunk_place[0] != cols:
-            self.chunk_place = (cols, torch.where(self.valid, self.slot * cols + self.col, -1))
-        return self.chunk_place[1]
+        name, index = ("row_place", self.position) if by_rows else ("chunk_place", self.slot)
+        cached = getattr(self, name)
+        if cached is None or cached[0] != cols:
+            cached = (cols, torch.where(self.valid, index * cols + self.col, -1))
+            setattr(self, name, cached)
+        return cached[1]
 
     def gather_chunk(self, z: Tensor, logits: Tensor, start: int, inv_temperature: float,
                      by_rows: bool = False) -> None:
@@ -818,17 +817,15 @@ class ReplayChunks:
         cols = weight.shape[0]
         by_rows = self.dense_by_rows
         for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
-            r = end - start
             dlogits = entries.scatter_chunk(d, start, end, cols, by_rows)  # the chunk's block of dlogits
-            if by_rows:
-                grad_gemms(dlogits, rows[start:end], weight, spec, None if dx_rows is None else dx_rows[start:end],
-                           dw_out, dw_accumulate=accumulate or not one_gemm)
-                continue
-            dx_chunk = None if dx_rows is None else rows.new_empty((r, rows.shape[1]))
-            grad_gemms(dlogits, rows.index_select(0, set_rows[start:end]), weight, spec, dx_chunk,
-                       dw_out, dw_accumulate=accumulate or not one_gemm)
+            if by_rows:  # the rows themselves, dX written in place
+                chunk, dx_chunk = rows[start:end], None if dx_rows is None else dx_rows[start:end]
+            else:
+                chunk = rows.index_select(0, set_rows[start:end])
+                dx_chunk = None if dx_rows is None else rows.new_empty((end - start, rows.shape[1]))
+            grad_gemms(dlogits, chunk, weight, spec, dx_chunk, dw_out, dw_accumulate=accumulate or not one_gemm)
             del dlogits
-            if dx_chunk is None:
+            if dx_chunk is None or by_rows:
                 continue
             if self.plain_pass:  # added: the plain pass wrote zeros there (padding adds zeros)
                 dx_rows.index_add_(0, set_rows[start:end], dx_chunk)
