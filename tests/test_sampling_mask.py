@@ -386,11 +386,16 @@ def test_union_tiles_where_the_backend_has_them_and_the_unions_are_small():
     assert replay.replay_route(8192 * 50, 8192, 128256, tiles, budget) == "tiles"
     assert replay.replay_route(8192 * 512, 8192, 19008, tiles, budget) == "dense"
     assert replay.replay_route(8192 * 512, 8192, 128256, tiles, budget) == "dense"
-    assert replay.replay_route(8192 * 50, 8192, 128256, tiles, 8192 * 50 * 128 - 1) == "sparse"
-    # the layouts' [tiles, members] tables too (K = 1 over 2**20 rows: products of 2**27 elements,
-    # tables of (2**13 + 1) x (19008 + 128))
-    assert replay.replay_route(2**20, 2**20, 19008, tiles, 2**27 + 2**26) == "tiles"
-    assert replay.replay_route(2**20, 2**20, 19008, tiles, 2**27 + 2**24) == "sparse"
+    width = replay.TILE_ROWS
+    assert replay.COLUMN_TILE == width
+    assert replay.replay_route(8192 * 50, 8192, 128256, tiles, 8192 * 50 * width) == "tiles"
+    assert replay.replay_route(8192 * 50, 8192, 128256, tiles, 8192 * 50 * width - 1) == "sparse"
+    # the layouts' [tiles, members] tables too (K = 1 over 2**20 rows: products of 2**20 x width
+    # elements, tables of (2**20 / width + 1) x (19008 + width), the larger)
+    table = (2**20 // width + 1) * (19008 + width)
+    assert table > 2**20 * width
+    assert replay.replay_route(2**20, 2**20, 19008, tiles, table) == "tiles"
+    assert replay.replay_route(2**20, 2**20, 19008, tiles, table - 1) == "sparse"
     assert replay.replay_route(8192 * 50, 8192, 19008, none, budget) == "dense"
     assert replay.replay_route(8192 * 50, 8192, 128256, none, budget) == "sparse"
 

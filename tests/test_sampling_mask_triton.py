@@ -418,9 +418,10 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     dlogits kernel and its output, the dX and dW kernels and the sort, and the zeros of dX and dW
     that stand in for the plain pass), at most 24; the dense route 11-12 more per chunk of rows (its
     row gathers, GEMMs, entry gathers and dlogits block), at most 12, and 14 besides, at most 21; the
-    union tiles 32, at most 34 (each of their two layouts six ops: two allocations, three
-    launches and a cumsum; the forward's product, the backward's two products and their dlogits'
-    scatters).
+    union tiles 36, at most 38 (each of their two layouts six ops: two allocations, three
+    launches and a cumsum; dW's columns ordered by use five: the counts and their launch, the
+    sort, the ranks and their launch; the forward's product, the backward's two products and their
+    dlogits' scatters).
     Protects the per-call host cost of replay: every op costs a launch and its Python while the
     GPU idles (about 100 ops in these phases with the layout and checks in torch; 32, and 54
     fixed, with the entries' dlogits and the dense statistics in torch)."""
@@ -438,20 +439,22 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     monkeypatch.setattr(replay, "TILE_ROWS", 16)
     monkeypatch.setattr(replay, "COLUMN_TILE", 16)
     tiles = _dispatched_call(monkeypatch, "tiles", 32)
-    assert tiles.replay_ops() <= 34 and len(tiles.ops["entries"]) <= 8, dict(tiles.ops)
+    assert tiles.replay_ops() <= 38 and len(tiles.ops["entries"]) <= 8, dict(tiles.ops)
     assert len(tiles.ops["other"]) <= len(sparse.ops["other"]) + 6, tiles.ops["other"]  # (the slots' layout)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("by_columns", [False, True], ids=["slot-tiles", "column-tiles"])
 def test_union_layout_kernels_match_the_torch_layout(triton_kernels, seed, by_columns):
-    """replay_union_triton.union_layout gives replay.UnionTiles' torch layout field by field: ids
-    shared by many rows or spread, off this shard, in the padding, rows without a set (slot -1),
-    padding slots, tiles of 2 (many, some with empty unions) and of 16 (a partial last one)."""
+    """replay_union_triton.union_layout (and columns_by_use) give replay.UnionTiles' torch layout
+    field by field: ids shared by many rows or spread, off this shard, in the padding, rows without
+    a set (slot -1), padding slots, tiles of 2 (many, some with empty unions) and of 16 (a partial
+    last one)."""
     from types import SimpleNamespace
 
     entries, _, w, _ = _kept_entries(seed, dtype=torch.float32, pool=6 if seed == 0 else 97)
-    kernels = SimpleNamespace(union_layout=triton_kernels.get("replay_union_triton", replay_union_triton).union_layout)
+    module = triton_kernels.get("replay_union_triton", replay_union_triton)
+    kernels = SimpleNamespace(union_layout=module.union_layout, columns_by_use=module.columns_by_use)
     make = replay.UnionTiles.of_columns if by_columns else replay.UnionTiles.of_slots
     for width in (2, 16):
         want, got = make(entries, w.shape[0], width), make(entries, w.shape[0], width, kernels)
@@ -460,6 +463,35 @@ def test_union_layout_kernels_match_the_torch_layout(triton_kernels, seed, by_co
         assert torch.equal(got.uids[:used], want.uids[:used]) and torch.equal(got.place, want.place), width
         assert (got.capacity, got.max_union) == (want.capacity, want.max_union)
         assert 0 < used <= want.capacity
+        assert (got.out_rows is None) == (want.out_rows is None) == (not by_columns)
+        if by_columns:
+            assert torch.equal(got.out_rows, want.out_rows), width
+
+
+def test_column_tiles_put_the_columns_most_sets_name_together():
+    """dW's tiles by columns order the columns by use: with two columns named by every set and the
+    other ids each by one, the two share the first tile, so that only it holds every row; in
+    column order each would have pulled every row into its own tile. Protects dW's cost where sets
+    overlap (a trained model's frequent ids): nearly the dense product's work otherwise."""
+    rows, vocab, width = 32, 64, 8
+    common = torch.tensor([5, 50])  # in different tiles of columns in column order
+    rest = torch.arange(vocab)[(torch.arange(vocab) != 5) & (torch.arange(vocab) != 50)]
+    sets = [torch.cat([common, rest[i:i + 1]]) for i in range(rows)]
+    ids = torch.cat(sets)
+    offsets = torch.arange(rows + 1) * 3
+    labels = ids[::3].clone()
+    labelled = torch.ones(rows, dtype=torch.bool)
+    entries = replay.KeptEntries(ids, offsets, labels, labelled, 0, vocab, rows)
+    tiles = replay.UnionTiles.of_columns(entries, vocab, width)
+    assert set(tiles.out_rows[:2].tolist()) == {5, 50}
+    union_sizes = (tiles.tile_start[1:] - tiles.tile_start[:-1]).tolist()
+    assert union_sizes[0] == rows  # the shared tile: every row
+    # besides, a (tile, row) pair for each row whose own id is not among the first tile's other
+    # width - 2 columns (in column order: 89 pairs, every row in two tiles)
+    assert sum(union_sizes) == rows + rows - (width - 2), union_sizes
+    # the order is by use, ties by column
+    named = torch.bincount(ids, minlength=vocab)
+    assert torch.equal(tiles.out_rows, torch.sort(named, descending=True, stable=True).indices)
 
 
 # ---------------------------------------------------------------- union tiles, end to end against float64

@@ -1033,7 +1033,7 @@ def linear_logprobs(
     top_k / top_p / min_p (the engine's filters already chose the sets), `return_topk` or
     memory_mode="lean". replay.build_sampling_mask makes a batch's mask from per-request masks,
     replay.slice_sampling_mask a context-parallel rank's part. Cost (chosen from sizes,
-    replay.replay_route; V the rank's shard): on a GPU, sets of K <= V / 256 ids in tiles of 128
+    replay.replay_route; V the rank's shard): on a GPU, sets of K <= V / 256 ids in tiles of 64
     rows, each tile's GEMMs over the ids its sets name (0.06-0.8 of plain log-probs at K = 50 on
     an H200); without those kernels (the torch backend), sets of K <= V / 640 on the W rows of
     their kept ids alone (O(rows x K x H)); larger sets on the whole shard with 3 GEMMs per chunk.

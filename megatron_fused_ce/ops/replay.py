@@ -85,7 +85,7 @@ and the first chunk's logits are launched ahead of the call as the plain paths' 
 
 The route is decided from sizes the host already knows (no sync, `replay_route`): the tiles where
 the backend has them and even sets without a shared id would multiply at most TILES_MAX_SHARE of
-the dense route's columns (mean K <= V / 256 at TILE_ROWS = 128); else sparse while the kept
+the dense route's columns (mean K <= V / 256 at TILE_ROWS = 64); else sparse while the kept
 entries are at most SPARSE_MAX_SHARE of the set rows x the shard's vocab (mean K <= V / 640, V the
 rank's columns: the set kernels walk every entry on every rank, the GEMMs shrink with the shard). Measured on
 an H200 (tools/sampling_mask_bench.py, Zipf and random sets, K / V from 1/5120 to 1/641), a call
@@ -117,11 +117,15 @@ from .fast import FAST_CHUNKS, backward_grads, chunk_logits, grad_gemms, row_chu
 SPARSE_MAX_SHARE = 1 / 640
 # Union tiles (a backend with `union_logits`): slots of TILE_ROWS rows, each tile's GEMMs over the
 # union of its rows' kept columns; taken where even sets without a shared id (a tile's union is its
-# TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE of the dense route's columns.
-TILE_ROWS = 128
-TILES_MAX_SHARE = 0.5
-# dW's tiles: blocks of COLUMN_TILE columns, each against the rows whose sets name one of them
-COLUMN_TILE = 128
+# TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE of the dense route's columns
+# (K <= V / 256). Tiles of 64 rows and columns against 128: the union tiles' kernels 1.75 -> 1.44
+# ms a call with Zipf sets, 3.11 -> 2.30 with random ones (8192 x 4096 x 19008, K = 50, one H200):
+# smaller unions per tile, more programs.
+TILE_ROWS = 64
+TILES_MAX_SHARE = 0.25
+# dW's tiles: blocks of COLUMN_TILE columns (in the order of their use), each against the rows
+# whose sets name one of them
+COLUMN_TILE = 64
 # The plain backward's row offset in rows with a set (ReplayChunks.recompute_grads): exp(z - it) = 0.
 _ABOVE_EVERY_LOGIT = 3.0e38
 # Tests and the benchmark force one kind: None (by sizes), "sparse", "tiles" or "dense" ("tiles"
@@ -475,36 +479,58 @@ class UnionTiles(NamedTuple):
     its prefix sum numbers them in (tile, member) order, which is the unions' layout (the table's
     bytes: 2 / width of the set rows' bf16 logits'). A backend's `union_layout` makes the same
     fields in three launches and a cumsum (about fifteen torch ops here, each a launch and its
-    Python)."""
+    Python).
+
+    `of_columns` tiles the columns in the order of how many entries name them, most first: where
+    sets overlap (a trained model's: the frequent ids are in most sets) the frequent columns share
+    a few tiles whose unions are nearly every row, and the others' unions stay small; in column
+    order each tile would hold a frequent id or two and its union nearly every row (dW as dense:
+    2.3x the (tile, row) pairs at 8192 rows, K = 50, V 19008, Zipf sets). `out_rows`: the column
+    at each place of that order (the output row of each tile member)."""
 
     tile_start: Tensor  # int64 [tiles + 1]
     uids: Tensor  # int64 [capacity + 1] (a spare element past the unions)
     place: Tensor  # int64 [E]
     capacity: int  # min(E, tiles x what a union may hold)
     max_union: int  # no one tile's union is larger
+    out_rows: Optional[Tensor] = None  # of_columns: int64 [num_cols], the column at each place
 
     @staticmethod
     def of_slots(entries: "KeptEntries", num_cols: int, width: int, backend=None) -> "UnionTiles":
-        return UnionTiles._build(entries, False, -(-entries.set_rows.numel() // width), num_cols, width, backend)
+        return UnionTiles._build(entries, None, -(-entries.set_rows.numel() // width), num_cols, width,
+                                 UnionTiles._kernels(entries, backend))
 
     @staticmethod
     def of_columns(entries: "KeptEntries", num_cols: int, width: int, backend=None) -> "UnionTiles":
-        """uids: rows of the hidden states (the slots' set_rows)."""
-        return UnionTiles._build(entries, True, -(-num_cols // width), entries.set_rows.numel(), width, backend)
+        """uids: rows of the hidden states (the slots' set_rows); the columns by use (class doc)."""
+        kernels = UnionTiles._kernels(entries, backend)
+        order, rank = (kernels.columns_by_use if kernels is not None else columns_by_use)(
+            entries.col, entries.valid, num_cols)
+        tiles = UnionTiles._build(entries, rank, -(-num_cols // width), entries.set_rows.numel(), width, kernels)
+        return tiles._replace(out_rows=order)
 
     @staticmethod
-    def _build(entries: "KeptEntries", by_columns: bool, tiles: int, members: int, width: int,
-               backend) -> "UnionTiles":
+    def _kernels(entries: "KeptEntries", backend):
+        """The backend's layout kernels (replay_union_triton) where they run on these entries, else None."""
+        if getattr(backend, "union_layout", None) is not None and (entries.ids.is_cuda or _interpreting()):
+            return backend
+        return None
+
+    @staticmethod
+    def _build(entries: "KeptEntries", rank: Optional[Tensor], tiles: int, members: int, width: int,
+               kernels) -> "UnionTiles":
+        """Tiles of slots (rank None) or of columns in the order `rank` gives (their places)."""
         total = entries.ids.numel()
         capacity = min(total, tiles * members)
-        kernel = getattr(backend, "union_layout", None)
-        if kernel is not None and (entries.ids.is_cuda or _interpreting()):
-            fields = kernel(entries.slot, entries.col, entries.valid, entries.set_rows, by_columns, tiles, members,
-                            width, capacity)
+        by_columns = rank is not None
+        if kernels is not None:
+            fields = kernels.union_layout(entries.slot, entries.col, entries.valid, entries.set_rows, rank, tiles,
+                                          members, width, capacity)
             return UnionTiles(*fields, capacity, min(total, members))
-        slot = entries.slot.clamp(min=0)
-        tile, member, within = ((entries.col // width, slot, entries.col % width) if by_columns
-                                else (slot // width, entries.col, slot % width))
+        slot, col = entries.slot.clamp(min=0), entries.col
+        if by_columns:  # (a column off the shard is not valid: any place stands for it)
+            col = rank.index_select(0, col.clamp(0, rank.numel() - 1))
+        tile, member, within = ((col // width, slot, col % width) if by_columns else (slot // width, col, slot % width))
         # (the pairs of entries that are not valid land on one spare element past the table)
         key = torch.where(entries.valid, tile * members + member, tiles * members)
         named = torch.zeros(tiles * members + 1, dtype=torch.int32, device=key.device)
@@ -520,6 +546,15 @@ class UnionTiles(NamedTuple):
         place = torch.where(entries.valid, (count.index_select(0, key.clamp(max=tiles * members - 1)) - 1) * width
                             + within, -1)
         return UnionTiles(tile_start, uids, place, capacity, min(total, members))
+
+
+def columns_by_use(col: Tensor, valid: Tensor, num_cols: int) -> tuple:
+    """(order, rank): the shard's `num_cols` columns by how many valid entries name them, most first
+    (ties by column: a stable sort), and each column's place in that order."""
+    counts = torch.zeros(num_cols, dtype=torch.int32, device=col.device)
+    counts.index_add_(0, col.clamp(0, num_cols - 1), valid.to(torch.int32))
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order, torch.empty_like(order).scatter_(0, order, torch.arange(num_cols, device=col.device))
 
 
 class KeptEntries:
@@ -812,7 +847,7 @@ class ReplayChunks:
                 columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend)
                 dlogits = entries.scatter_places(d, columns.place, 0, (columns.capacity, COLUMN_TILE))
                 spec.backend.union_sum_rows(dlogits, rows, columns.tile_start, columns.uids, dw_out, COLUMN_TILE,
-                                            accumulate=accumulate or self.plain_pass)
+                                            out_rows=columns.out_rows, accumulate=accumulate or self.plain_pass)
             return None
         cols = weight.shape[0]
         by_rows = self.dense_by_rows

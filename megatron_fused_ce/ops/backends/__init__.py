@@ -147,8 +147,10 @@ class Backend:
     # columns (gathered in the kernel), and the backward's gathered sums of rows (dX, dW)
     union_logits: Optional[Callable] = None
     union_sum_rows: Optional[Callable] = None
-    # their layout in kernels (None: replay.UnionTiles' torch definition)
+    # their layout in kernels, and dW's columns ordered by use (None: replay.UnionTiles' and
+    # replay.columns_by_use's torch definitions)
     union_layout: Optional[Callable] = None
+    columns_by_use: Optional[Callable] = None
 
     def stats_in_gemm(self, h, weight) -> bool:
         return self.gemm_stats is not None and h.shape[0] > 0 and self.gemm_stats.supported(h, weight)

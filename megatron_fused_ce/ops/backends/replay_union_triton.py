@@ -36,17 +36,19 @@ from .triton_common import cached_launch, cdiv, interpreting as _interpreting
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API). Every tl.dot
-# dimension must stay >= 16. On an H200 (H = 4096, BM = 128, K = 50, 8192 x 4096 x 19008 with Zipf
-# sets) the sums of rows ran slower with SUM_BLOCK_U 128 (2.56 -> 3.24 ms of kernels a call),
-# SUM_BLOCK_H 64 (3.19) or 4 warps (2.84); not swept further. With bf16 / fp16 operands they spill
-# no registers on sm_90 and fit in shared memory at BM 64 and 128.
+# dimension must stay >= 16. On an H200 (H = 4096, K = 50, 8192 x 4096 x 19008, one call's kernels)
+# at BM = 128 with Zipf sets the sums of rows ran slower with SUM_BLOCK_U 128 (2.56 -> 3.24 ms),
+# SUM_BLOCK_H 64 (3.19) or 4 warps (2.84); at BM = 64, SUM_BLOCK_U 128 (0.77 -> 0.88 ms of the
+# two sums), 4 warps, 4 stages (within 3 %). With bf16 / fp16 operands they spill no registers on
+# sm_90 and fit in shared memory at BM 64 and 128; 4-byte operands take blocks of at most 128 of H
+# (SUM_BLOCK_H's stages of fp32 would not fit).
 MAX_PROGRAMS_PER_TILE = 16  # P's bound: programs of one tile striding over its union blocks
 LOGITS_BLOCK_U = 128  # union entries per block: the [BLOCK_U, BM] accumulator's rows
 LOGITS_BLOCK_K = 64  # steps over H
-LOGITS_WARPS = 8
+LOGITS_WARPS = 4  # (8: 0.27 -> 0.25 ms at BM 64, Zipf sets, 0.53 -> 0.52 random; 0.09 -> 0.06 at 2048 rows)
 LOGITS_STAGES = 3
 SUM_BLOCK_U = 64  # the reduction's step over the tile's union
-SUM_BLOCK_H = 128
+SUM_BLOCK_H = 256  # (128: 1.39 -> 1.25 ms at BM 64 with random sets, the same with Zipf ones)
 SUM_WARPS = 8
 SUM_STAGES = 3
 # fp32 operands (fp32 inputs, or an fp32 dZ with the other side upcast): "tf32x3" keeps about fp32
@@ -174,10 +176,11 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
     count = out.shape[0] if out_rows is None else out_rows.numel()
     hidden = out.shape[1]
     tiles = cdiv(count, tile_rows)
+    block_h = SUM_BLOCK_H if dz.element_size() == 2 and src.element_size() == 2 else min(SUM_BLOCK_H, 128)
     if tiles and hidden:
-        _union_sum_rows_kernel[(tiles, cdiv(hidden, SUM_BLOCK_H))](
+        _union_sum_rows_kernel[(tiles, cdiv(hidden, block_h))](
             dz, dz.stride(0), src, src.stride(0), tile_start, uids, out if out_rows is None else out_rows, out,
-            out.stride(0), count, hidden, BM=tile_rows, BLOCK_U=SUM_BLOCK_U, BLOCK_H=SUM_BLOCK_H,
+            out.stride(0), count, hidden, BM=tile_rows, BLOCK_U=SUM_BLOCK_U, BLOCK_H=block_h,
             UPCAST=_interpreting() or dz.dtype != src.dtype,
             BF16_BY_HAND=_interpreting() and out.dtype == torch.bfloat16, PRECISION=FP32_PRECISION,
             HAS_OUT_ROWS=out_rows is not None, ACCUMULATE=accumulate, num_warps=SUM_WARPS, num_stages=SUM_STAGES)
@@ -186,28 +189,62 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
 
 # ---------------------------------------------------------------------------------------------
 # The tiles' layout (replay.UnionTiles defines it in torch): the (tile, member) pairs the entries
-# name, marked in a table, numbered by its prefix sum. Three launches and torch's cumsum.
+# name, marked in a table, numbered by its prefix sum. Three launches and torch's cumsum; dW's
+# tiles by columns first order the columns by use (two launches and torch's sort).
 # ---------------------------------------------------------------------------------------------
 LAYOUT_BLOCK = 1024
 
 
 @triton.jit
-def _pair_of_entry(slot_ptr, col_ptr, valid_ptr, e, inside, members, width, BY_COLUMNS: tl.constexpr):
-    """(whether entry e is valid, its (tile, member) pair's index in the table, its place within the tile)."""
+def _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, inside, members, width, BY_COLUMNS: tl.constexpr):
+    """(whether entry e is valid, its (tile, member) pair's index in the table, its place within the
+    tile); by columns, a column stands at its place in the columns' order (`rank`)."""
     ok = inside & (tl.load(valid_ptr + e, mask=inside, other=0) != 0)
     slot = tl.load(slot_ptr + e, mask=ok, other=0)
     col = tl.load(col_ptr + e, mask=ok, other=0)
     if BY_COLUMNS:
+        col = tl.load(rank_ptr + col, mask=ok, other=0)
         return ok, (col // width) * members + slot, col % width
     return ok, (slot // width) * members + col, slot % width
 
 
 @cached_launch
 @triton.jit
-def _union_name_kernel(slot_ptr, col_ptr, valid_ptr, named_ptr, total, members, width, BY_COLUMNS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _column_use_kernel(col_ptr, valid_ptr, counts_ptr, total, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok, pair, _ = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, e, e < total, members, width, BY_COLUMNS)
+    ok = (e < total) & (tl.load(valid_ptr + e, mask=e < total, other=0) != 0)
+    col = tl.load(col_ptr + e, mask=ok, other=0)
+    tl.atomic_add(counts_ptr + col, tl.full([BLOCK], 1, tl.int32), mask=ok, sem="relaxed")
+
+
+@cached_launch
+@triton.jit
+def _rank_kernel(order_ptr, rank_ptr, count, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < count
+    tl.store(rank_ptr + tl.load(order_ptr + i, mask=ok, other=0), i, mask=ok)
+
+
+def columns_by_use(col: Tensor, valid: Tensor, num_cols: int) -> tuple:
+    """replay.columns_by_use's (order, rank), rank by column (the layout kernels read it): the valid
+    entries counted per column with integer atomics (exact, in any order), torch's stable sort."""
+    total = valid.numel()
+    counts = torch.zeros(num_cols, dtype=torch.int32, device=col.device)
+    if total:
+        _column_use_kernel[(cdiv(total, LAYOUT_BLOCK),)](col, valid.view(torch.uint8), counts, total,
+                                                         BLOCK=LAYOUT_BLOCK, num_warps=4)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    _rank_kernel[(cdiv(num_cols, LAYOUT_BLOCK),)](order, rank, num_cols, BLOCK=LAYOUT_BLOCK, num_warps=4)
+    return order, rank
+
+
+@cached_launch
+@triton.jit
+def _union_name_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, named_ptr, total, members, width,
+                       BY_COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok, pair, _ = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, e < total, members, width, BY_COLUMNS)
     tl.store(named_ptr + pair, tl.full([BLOCK], 1, tl.int32), mask=ok)  # (entries of one pair store alike)
 
 
@@ -230,32 +267,37 @@ def _union_ids_kernel(named_ptr, count_ptr, values_ptr, uids_ptr, tile_start_ptr
 
 @cached_launch
 @triton.jit
-def _union_place_kernel(slot_ptr, col_ptr, valid_ptr, count_ptr, place_ptr, total, members, width,
+def _union_place_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, count_ptr, place_ptr, total, members, width,
                         BY_COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = e < total
-    ok, pair, within = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, e, inside, members, width, BY_COLUMNS)
+    ok, pair, within = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, inside, members, width,
+                                      BY_COLUMNS)
     count = tl.load(count_ptr + pair, mask=ok, other=0).to(tl.int64)
     tl.store(place_ptr + e, tl.where(ok, (count - 1) * width + within, -1), mask=inside)
 
 
-def union_layout(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Tensor, by_columns: bool, tiles: int,
+def union_layout(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Tensor, rank: Optional[Tensor], tiles: int,
                  members: int, width: int, capacity: int) -> tuple:
     """replay.UnionTiles' (tile_start, uids, place) of the entries (their slot, col and valid, as
-    replay.KeptEntries holds them): tiles of `width` slots whose members are columns, or with
-    `by_columns` tiles of `width` columns whose members are slots (uids: their set_rows)."""
+    replay.KeptEntries holds them): tiles of `width` slots whose members are columns, or given the
+    columns' `rank` (their places in columns_by_use's order) tiles of `width` places of that order
+    whose members are slots (uids: their set_rows)."""
+    by_columns = rank is not None
     total, pairs, device = valid.numel(), tiles * members, valid.device
     words = torch.empty(tiles + 1 + capacity + 1 + total, dtype=torch.int64, device=device)
     tile_start, uids, place = words[:tiles + 1], words[tiles + 1:tiles + capacity + 2], words[tiles + capacity + 2:]
     named = torch.zeros(pairs, dtype=torch.int32, device=device)  # (replay takes tiles with a slot: pairs > 0)
     valid = valid.view(torch.uint8)
     if total:
-        _union_name_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, named, total, members, width,
-                                                         BY_COLUMNS=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
+        _union_name_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, rank if by_columns else col, named, total,
+                                                         members, width, BY_COLUMNS=by_columns, BLOCK=LAYOUT_BLOCK,
+                                                         num_warps=4)
     count = torch.cumsum(named, 0, dtype=torch.int32)
     _union_ids_kernel[(cdiv(pairs, LAYOUT_BLOCK),)](named, count, set_rows, uids, tile_start, pairs, members,
                                                     HAS_VALUES=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
     if total:
-        _union_place_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, count, place, total, members, width,
-                                                          BY_COLUMNS=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
+        _union_place_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, rank if by_columns else col, count, place,
+                                                          total, members, width, BY_COLUMNS=by_columns,
+                                                          BLOCK=LAYOUT_BLOCK, num_warps=4)
     return tile_start, uids, place

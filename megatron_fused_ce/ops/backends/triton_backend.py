@@ -816,6 +816,7 @@ BACKEND = Backend(
     entry_stats=replay_triton.entry_stats, entry_dlogits=replay_triton.entry_dlogits,
     kept_layout=replay_triton.kept_layout, union_logits=replay_union_triton.union_logits,
     union_sum_rows=replay_union_triton.union_sum_rows, union_layout=replay_union_triton.union_layout,
+    columns_by_use=replay_union_triton.columns_by_use,
     labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,
     rescaled_partials=rescaled_partials, merged_tail=merged_tail, labelled_logprob=labelled_logprob,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
