@@ -1034,7 +1034,7 @@ def linear_logprobs(
     memory_mode="lean". replay.build_sampling_mask makes a batch's mask from per-request masks,
     replay.slice_sampling_mask a context-parallel rank's part. Cost (chosen from sizes,
     replay.replay_route; V the rank's shard): on a GPU, sets of K <= V / 256 ids in tiles of 64
-    rows, each tile's GEMMs over the ids its sets name (0.06-0.8 of plain log-probs at K = 50 on
+    rows, each tile's GEMMs over the ids its sets name (0.05-0.7 of plain log-probs at K = 50 on
     an H200); without those kernels (the torch backend), sets of K <= V / 640 on the W rows of
     their kept ids alone (O(rows x K x H)); larger sets on the whole shard with 3 GEMMs per chunk.
     """

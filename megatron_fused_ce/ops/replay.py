@@ -453,9 +453,10 @@ def replay_route(num_entries: int, num_set_rows: int, vocab: int, backend, max_e
     of the dense route's columns, their [unions, TILE_ROWS] products and their layouts' [tiles,
     members] tables within a chunk's `max_elements`; else sparse below SPARSE_MAX_SHARE (module
     doc); else dense. Measured on an
-    H200 at K = 50 (tools/sampling_mask_bench.py, x plain log-probs): the tiles 0.58-0.70 at N
-    4096-8192 and V 19008-32064, where the sparse kernels took 0.96-1.38 and the dense route
-    1.06-1.21; 0.058-0.103 on the large shapes, where sparse took 0.11-0.17."""
+    H200 at K = 50 (tools/sampling_mask_bench.py, x plain log-probs): the tiles 0.58-0.67 eager
+    (0.21-0.43 from CUDA graphs) at N 4096-8192 and V 19008-32064, where the sparse kernels took
+    0.96-1.38 and the dense route 1.06-1.21; 0.048-0.093 on the large shapes, where sparse took
+    0.11-0.17."""
     has_tiles = getattr(backend, "union_logits", None) is not None
     if FORCE_PIECES is not None:
         return "dense" if FORCE_PIECES == "tiles" and not has_tiles else FORCE_PIECES
