@@ -14,8 +14,9 @@ its tile. Z's rows past tile_start[T] (and uids' entries there) are never read o
   short union do nothing.
 - `_union_sum_rows_kernel`, one program per (tile, block of H): the backward's two products, out[r]
   (+)= sum_g dZ[g, s] src[uids[g]] over the tile's whole union, fp32, one rounding. dX: tiles of
-  slots, unions of columns, src the weight, out the slots' rows of dX. dW: tiles of BM consecutive
-  columns, unions of the slots whose sets name them, src the hidden rows, out dW's rows. Each
+  slots, unions of columns, src the weight, out the slots' rows of dX. dW: tiles of BM columns
+  consecutive in the order of their use (replay.UnionTiles.of_columns), unions of the slots whose
+  sets name them, src the hidden rows, out dW's rows (the tile's columns). Each
   output row belongs to one tile, so no atomic adds: the fp32 atomics of a dW by tiles of slots (a
   column added once per tile whose union holds it) cost 4x the dX product's time on an H200.
 
@@ -170,7 +171,8 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
     what out holds with `accumulate` (else overwritten; zeros for a tile whose union is empty).
     The tiles are the slots [0, S): S = out_rows' length, or out's rows. Two uses: dX of the slots'
     rows (src the weight, uids columns, out_rows the slots' rows) and dW of blocks of columns (src
-    the hidden rows, uids rows, out the weight's gradient). Each output row is written by one
+    the hidden rows, uids rows, out_rows the columns in their tiles' order, out the weight's
+    gradient). Each output row is written by one
     program per H block: no atomics (a row that several slots name may only be added zeros:
     replay's padding slots)."""
     count = out.shape[0] if out_rows is None else out_rows.numel()
