@@ -39,8 +39,9 @@ from .triton_gemm_stats import round_bf16_by_hand
 # Launch settings (module-level so that tests can shrink them; not a public API). Every tl.dot
 # dimension must stay >= 16. On an H200 (H = 4096, K = 50, 8192 x 4096 x 19008, one call's kernels)
 # at BM = 128 with Zipf sets the sums of rows ran slower with SUM_BLOCK_U 128 (2.56 -> 3.24 ms),
-# SUM_BLOCK_H 64 (3.19) or 4 warps (2.84); at BM = 64, SUM_BLOCK_U 128 (0.77 -> 0.88 ms of the
-# two sums), 4 warps, 4 stages (within 3 %). With bf16 / fp16 operands they spill no registers on
+# SUM_BLOCK_H 64 (3.19) or 4 warps (2.84); at BM = 64 (blocks of 256 of H), SUM_BLOCK_U 128 (0.77
+# -> 0.88 ms of the two sums) or 4 warps (0.85), and 4 stages or blocks of 32 by 5 stages within
+# 4 %; LOGITS_BLOCK_U 64 slower (0.25 -> 0.34 ms). With bf16 / fp16 operands they spill no registers on
 # sm_90 and fit in shared memory at BM 64 and 128; 4-byte operands take blocks of at most 128 of H
 # (SUM_BLOCK_H's stages of fp32 would not fit).
 MAX_PROGRAMS_PER_TILE = 16  # P's bound: programs of one tile striding over its union blocks
