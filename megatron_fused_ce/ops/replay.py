@@ -120,7 +120,8 @@ SPARSE_MAX_SHARE = 1 / 640
 # TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE of the dense route's columns
 # (K <= V / 256). Tiles of 64 rows and columns against 128: the union tiles' kernels 1.75 -> 1.44
 # ms a call with Zipf sets, 3.11 -> 2.30 with random ones (8192 x 4096 x 19008, K = 50, one H200):
-# smaller unions per tile, more programs.
+# smaller unions per tile, more programs. Tiles of 32 (rows, columns or both), half the products'
+# work again, were slower: 1.46-1.57 ms with Zipf sets (the sums' products of 32 rows).
 TILE_ROWS = 64
 TILES_MAX_SHARE = 0.25
 # dW's tiles: blocks of COLUMN_TILE columns (in the order of their use), each against the rows
