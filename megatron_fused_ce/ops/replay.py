@@ -91,9 +91,9 @@ rank's columns: the set kernels walk every entry on every rank, the GEMMs shrink
 an H200 (tools/sampling_mask_bench.py, Zipf and random sets, K / V from 1/5120 to 1/641), a call
 of sparse rows costs about 0.03 + 380 x K / V of plain log-probs (the backward's gathers and fp32
 dW adds dominate), the dense route 0.70-0.88 (3 GEMMs per chunk against plain's 4): they cross
-near K = V / 530. The tiles cost what their unions do (a tile of 128 Zipf sets of K = 50 names
-12 % of a 19008-id shard, of random ones 29 %): at K = 50 on an H200 0.06-0.10 of plain on the
-large shapes and 0.52-0.78 at N = 4096-8192, V = 19008-32064 (eager; 0.32-0.60 from CUDA graphs;
+near K = V / 530. The tiles cost what their unions do (a tile of 64 Zipf sets of K = 50 names
+7 % of a 19008-id shard, of random ones 16 %): at K = 50 on an H200 0.05-0.09 of plain on the
+large shapes and 0.58-0.67 at N = 4096-8192, V = 19008-32064 (eager; 0.21-0.43 from CUDA graphs;
 replay_route's doc).
 """
 
@@ -506,8 +506,8 @@ class UnionTiles(NamedTuple):
     def of_columns(entries: "KeptEntries", num_cols: int, width: int, backend=None) -> "UnionTiles":
         """uids: rows of the hidden states (the slots' set_rows); the columns by use (class doc)."""
         kernels = UnionTiles._kernels(entries, backend)
-        order, rank = (kernels.columns_by_use if kernels is not None else columns_by_use)(
-            entries.col, entries.valid, num_cols)
+        order, rank = (getattr(kernels, "columns_by_use", None) or columns_by_use)(entries.col, entries.valid,
+                                                                                   num_cols)
         tiles = UnionTiles._build(entries, rank, -(-num_cols // width), entries.set_rows.numel(), width, kernels)
         return tiles._replace(out_rows=order)
 
