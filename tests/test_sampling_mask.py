@@ -374,10 +374,11 @@ def test_sparse_or_dense_is_decided_on_the_ranks_shard():
 
 def test_union_tiles_where_the_backend_has_them_and_the_unions_are_small():
     """replay_route: with union-tile kernels, K = 50 is tiles at the RL shards (V 19008-32064,
-    where the sparse kernels cost more than plain) and on the large ones; K = 512 at V = 19008 or
-    128256 (even a tile's union bound past half the shard) and tiles whose products would pass a
-    chunk's elements (or whose layouts' tables would) are not; without those kernels the choice is
-    sparse or dense as before."""
+    where the sparse kernels cost more than plain) and on the large ones, and so is K = 512 at V =
+    128256 (measured 0.21 / 0.35 of plain against the dense route's 0.70); K = 512 at V = 19008
+    (even a tile's union bound past the dense route's columns) and tiles whose products would pass
+    a chunk's elements (or whose layouts' tables would) are not; without those kernels the choice
+    is sparse or dense as before."""
     from types import SimpleNamespace
 
     tiles, none = SimpleNamespace(union_logits=object()), SimpleNamespace()
@@ -385,14 +386,19 @@ def test_union_tiles_where_the_backend_has_them_and_the_unions_are_small():
     assert replay.replay_route(8192 * 50, 8192, 19008, tiles, budget) == "tiles"
     assert replay.replay_route(8192 * 50, 8192, 128256, tiles, budget) == "tiles"
     assert replay.replay_route(8192 * 512, 8192, 19008, tiles, budget) == "dense"
-    assert replay.replay_route(8192 * 512, 8192, 128256, tiles, budget) == "dense"
+    assert replay.replay_route(8192 * 512, 8192, 128256, tiles, budget) == "tiles"
+    # the boundary, K = V / 128 at tiles of 32 (measured: tiles ahead of the dense route at V / 160
+    # even with random sets, behind at V / 95)
+    assert replay.replay_route(8192 * 148, 8192, 19008, tiles, budget) == "tiles"
+    assert replay.replay_route(8192 * 149, 8192, 19008, tiles, budget) == "dense"
     width = replay.TILE_ROWS
     assert replay.COLUMN_TILE == width
-    assert replay.replay_route(8192 * 50, 8192, 128256, tiles, 8192 * 50 * width) == "tiles"
-    assert replay.replay_route(8192 * 50, 8192, 128256, tiles, 8192 * 50 * width - 1) == "sparse"
+    assert replay.replay_route(8192 * 50, 8192, 19008, tiles, 8192 * 50 * width) == "tiles"
+    assert replay.replay_route(8192 * 50, 8192, 19008, tiles, 8192 * 50 * width - 1) == "dense"
     # the layouts' [tiles, members] tables too (K = 1 over 2**20 rows: products of 2**20 x width
-    # elements, tables of (2**20 / width + 1) x (19008 + width), the larger)
-    table = (2**20 // width + 1) * (19008 + width)
+    # elements, tables of (2**20 / width + 1) x (19008 + width) bytes, half as many elements, the
+    # larger)
+    table = (2**20 // width + 1) * (19008 + width) // 2
     assert table > 2**20 * width
     assert replay.replay_route(2**20, 2**20, 19008, tiles, table) == "tiles"
     assert replay.replay_route(2**20, 2**20, 19008, tiles, table - 1) == "sparse"

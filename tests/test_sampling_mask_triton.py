@@ -512,7 +512,21 @@ def _tiles_worker(rank, world, cases):
     from sampling_mask_cases import run_case
 
     before = replay.PIECE_COUNTS["tiles_rows"]
-    results = [run_case(rank, world, case, "tiles", impl="triton") for case in cases]
+    # which cases' tiles were the rows themselves (no plain pass, a slot per row: dX written whole)
+    of_slots, by_rows = replay.UnionTiles.of_slots, []
+
+    def spy(*args, **kwargs):
+        by_rows[-1] |= bool(args[4] if len(args) > 4 else kwargs.get("by_rows", False))
+        return of_slots(*args, **kwargs)
+
+    replay.UnionTiles.of_slots = staticmethod(spy)
+    try:
+        results = []
+        for case in cases:
+            by_rows.append(False)
+            results.append(run_case(rank, world, case, "tiles", impl="triton"))
+    finally:
+        replay.UnionTiles.of_slots = staticmethod(of_slots)
     # Megatron's main_grad: the tiles' dW added into it
     hidden, weight = local_inputs(rank, cases[0])
     weight.main_grad, weight.grad_added_to_main_grad = torch.full(weight.shape, 0.5), False
@@ -528,7 +542,7 @@ def _tiles_worker(rank, world, cases):
         replay.FORCE_PIECES = None
     plain = run_case(rank, world, dict(cases[0], grad_ent=torch.zeros_like(cases[0]["grad_ent"])), "tiles",
                      impl="triton")
-    return results, replay.PIECE_COUNTS["tiles_rows"] - before, (weight.main_grad - 0.5, plain["dw"])
+    return results, replay.PIECE_COUNTS["tiles_rows"] - before, (weight.main_grad - 0.5, plain["dw"]), by_rows
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -536,8 +550,9 @@ def test_union_tiles_match_dense_reference(small_tiles, tp):
     """The union tiles (each tile of rows times the W rows its sets name, gathered in the kernels)
     against float64: log-probs, entropy, dX and dW at TP 1, 2 and 4 with ignored labels, a padded
     vocab, temperature, fp32 and bf16, rows without a set (the plain pass) and every row with one
-    (without it), chunk sizes that do not divide the rows, sequence parallelism, and dW added into
-    Megatron's main_grad."""
+    (without it: the tiles are the rows themselves, dX written whole, an ignored row's zeros),
+    chunk sizes that do not divide the rows, sequence parallelism, and dW added into Megatron's
+    main_grad."""
     if DEVICE.type == "cuda":
         pytest.skip("the gloo harness runs on CPU tensors (tests/test_replay_union_triton.py runs the kernels on GPUs)")
     from sampling_mask_cases import case_seed, check, make_case
@@ -557,9 +572,10 @@ def test_union_tiles_match_dense_reference(small_tiles, tp):
     results = run_workers(_tiles_worker, tp, cases, timeout=240)
     for c, case in enumerate(cases):
         check(case, [per_rank[0][c] for per_rank in results], f"{case['dtype']} tiles")
-    for rank, (_, tiles_rows, (main_grad, dw)) in enumerate(results):
+    for rank, (_, tiles_rows, (main_grad, dw), by_rows) in enumerate(results):
         assert tiles_rows > 0, rank  # the tiles scored the rows
         assert reference.rel_err(main_grad, dw) < 1e-6, rank
+        assert by_rows == [False, False, True, True], (rank, by_rows)  # (the plain pass: slots gathered)
 
 
 def test_union_tiles_hold_at_most_a_chunk_of_logits(small_tiles, monkeypatch):

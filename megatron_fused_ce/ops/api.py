@@ -721,7 +721,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                              label_poison=device_checks.poison,
                                              max_elements=spec.chunk_size * v_local)
         mask_poison = replay_chunks.poison
-        if replay_chunks.dense_by_rows and not sequence_parallel:
+        if replay_chunks.route == "dense" and replay_chunks.by_rows and not sequence_parallel:
             # its first chunk is this call's first rows' logits, as the fast chunks' is: remembered,
             # a later call launches it before its argument handling and the mask's layout
             first_product = EarlyProduct()

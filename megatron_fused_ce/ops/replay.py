@@ -78,23 +78,24 @@ entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take 
 backward. The dense route finds each chunk's entries by their place in the set rows' [slots,
 V_local] logits (`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk with the layout
 kernels), so that a chunk adds only its GEMMs, its rows' gather and those launches; where no plain
-pass runs and every row is a slot (`ReplayChunks.dense_by_rows`: RL, a set at every generated
+pass runs and every row is a slot (`ReplayChunks.by_rows`: RL, a set at every generated
 token), the slots are the rows themselves: the GEMMs read the hidden rows and write dX in place,
 and the first chunk's logits are launched ahead of the call as the plain paths' are
-(fast.EarlyProduct).
+(fast.EarlyProduct); the union tiles likewise read the rows and write dX whole (no zeroing
+before, no gather of the rows).
 
 The route is decided from sizes the host already knows (no sync, `replay_route`): the tiles where
 the backend has them and even sets without a shared id would multiply at most TILES_MAX_SHARE of
-the dense route's columns (mean K <= V / 256 at TILE_ROWS = 64); else sparse while the kept
+the dense route's columns (mean K <= V / 128 at TILE_ROWS = 32); else sparse while the kept
 entries are at most SPARSE_MAX_SHARE of the set rows x the shard's vocab (mean K <= V / 640, V the
 rank's columns: the set kernels walk every entry on every rank, the GEMMs shrink with the shard). Measured on
 an H200 (tools/sampling_mask_bench.py, Zipf and random sets, K / V from 1/5120 to 1/641), a call
 of sparse rows costs about 0.03 + 380 x K / V of plain log-probs (the backward's gathers and fp32
 dW adds dominate), the dense route 0.70-0.88 (3 GEMMs per chunk against plain's 4): they cross
-near K = V / 530. The tiles cost what their unions do (a tile of 64 Zipf sets of K = 50 names
-7 % of a 19008-id shard, of random ones 16 %): at K = 50 on an H200 0.05-0.09 of plain on the
-large shapes and 0.58-0.67 at N = 4096-8192, V = 19008-32064 (eager; 0.21-0.43 from CUDA graphs;
-replay_route's doc).
+near K = V / 530. The tiles cost what their unions do (a tile of 32 Zipf sets of K = 50 names
+4.4 % of a 19008-id shard, of random ones 8.1 %): on an H200 at K = 50 0.04-0.08 of plain on
+the large shapes and 0.20-0.35 from CUDA graphs at N = 4096-8192, V = 19008-32064 (0.58-0.76
+eager, the host's time), at K = 512 on the large shapes 0.13-0.35 (replay_route's doc).
 """
 
 from __future__ import annotations
@@ -118,15 +119,18 @@ SPARSE_MAX_SHARE = 1 / 640
 # Union tiles (a backend with `union_logits`): slots of TILE_ROWS rows, each tile's GEMMs over the
 # union of its rows' kept columns; taken where even sets without a shared id (a tile's union is its
 # TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE of the dense route's columns
-# (K <= V / 256). Tiles of 64 rows and columns against 128: the union tiles' kernels 1.75 -> 1.44
-# ms a call with Zipf sets, 3.11 -> 2.30 with random ones (8192 x 4096 x 19008, K = 50, one H200):
-# smaller unions per tile, more programs. Tiles of 32 (rows, columns or both), half the products'
-# work again, were slower: 1.46-1.57 ms with Zipf sets (the sums' products of 32 rows).
-TILE_ROWS = 64
+# (K <= V / 128). Measured on an H200 from CUDA graphs, x plain log-probs, tiles of 64 against the
+# dense route: K = V / 190 (8192 x 4096 x 19008, K = 100) 0.41 / 0.70 against 0.94 / 0.92 (Zipf /
+# random sets), K = V / 160 (4096 x 4096 x 32064, K = 200) 0.48 / 0.84 against 0.93, K = V / 95
+# 0.67 / 1.17 against 0.95. Tiles of 32 rows and columns against 64 at K = 50 (the union kernels
+# of one call, 8192 x 4096 x 19008): 1.10 -> 1.07 ms with Zipf sets, 1.86 -> 1.59 with random ones
+# (half the products' work for a few more gathers; 4096 x 4096 x 32064 Zipf 0.78 -> 0.69); 64
+# stays ahead only at 2048 rows with Zipf sets (0.34 against 0.39 ms).
+TILE_ROWS = 32
 TILES_MAX_SHARE = 0.25
 # dW's tiles: blocks of COLUMN_TILE columns (in the order of their use), each against the rows
 # whose sets name one of them
-COLUMN_TILE = 64
+COLUMN_TILE = 32
 # The plain backward's row offset in rows with a set (ReplayChunks.recompute_grads): exp(z - it) = 0.
 _ABOVE_EVERY_LOGIT = 3.0e38
 # Tests and the benchmark force one kind: None (by sizes), "sparse", "tiles" or "dense" ("tiles"
@@ -452,18 +456,19 @@ def replay_route(num_entries: int, num_set_rows: int, vocab: int, backend, max_e
     shard): union tiles where the backend has their kernels and even sets that share no id (a
     tile's union then holds all its TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE
     of the dense route's columns, their [unions, TILE_ROWS] products and their layouts' [tiles,
-    members] tables within a chunk's `max_elements`; else sparse below SPARSE_MAX_SHARE (module
-    doc); else dense. Measured on an
-    H200 at K = 50 (tools/sampling_mask_bench.py, x plain log-probs): the tiles 0.58-0.67 eager
-    (0.21-0.43 from CUDA graphs) at N 4096-8192 and V 19008-32064, where the sparse kernels took
-    0.96-1.38 and the dense route 1.06-1.21; 0.048-0.093 on the large shapes, where sparse took
-    0.11-0.17."""
+    members] tables (the kernels' a byte a pair: half an element) within a chunk's `max_elements`;
+    else sparse below SPARSE_MAX_SHARE (module doc); else dense. Measured on an
+    H200 (tools/sampling_mask_bench.py, x plain log-probs) at K = 50: the tiles 0.58-0.76 eager
+    (0.20-0.35 from CUDA graphs) at N 4096-8192 and V 19008-32064, where the sparse kernels took
+    0.96-1.38 and the dense route 1.06-1.21; 0.04-0.08 on the large shapes, where sparse took
+    0.11-0.17; at K = 512 on the large shapes (K <= V / 250) 0.13-0.35, where the dense route
+    took 0.68-0.73."""
     has_tiles = getattr(backend, "union_logits", None) is not None
     if FORCE_PIECES is not None:
         return "dense" if FORCE_PIECES == "tiles" and not has_tiles else FORCE_PIECES
     width = min(TILE_ROWS, COLUMN_TILE)
     if (has_tiles and num_entries * TILE_ROWS <= TILES_MAX_SHARE * num_set_rows * vocab
-            and max(num_entries * max(TILE_ROWS, COLUMN_TILE), (num_set_rows // width + 1) * (vocab + width))
+            and max(num_entries * max(TILE_ROWS, COLUMN_TILE), (num_set_rows // width + 1) * (vocab + width) // 2)
             <= max_elements):
         return "tiles"
     return "sparse" if sparse_is_cheaper(num_entries, num_set_rows, vocab) else "dense"
@@ -480,8 +485,8 @@ class UnionTiles(NamedTuple):
     No sort: a [tiles, members] int32 table marks the (tile, member) pairs the entries name, and
     its prefix sum numbers them in (tile, member) order, which is the unions' layout (the table's
     bytes: 2 / width of the set rows' bf16 logits'). A backend's `union_layout` makes the same
-    fields in three launches and a cumsum (about fifteen torch ops here, each a launch and its
-    Python).
+    fields in three launches and a cumsum, from a table of a byte per pair packed into bits
+    (about fifteen torch ops here, each a launch and its Python).
 
     `of_columns` tiles the columns in the order of how many entries name them, most first: where
     sets overlap (a trained model's: the frequent ids are in most sets) the frequent columns share
@@ -498,17 +503,24 @@ class UnionTiles(NamedTuple):
     out_rows: Optional[Tensor] = None  # of_columns: int64 [num_cols], the column at each place
 
     @staticmethod
-    def of_slots(entries: "KeptEntries", num_cols: int, width: int, backend=None) -> "UnionTiles":
-        return UnionTiles._build(entries, None, -(-entries.set_rows.numel() // width), num_cols, width,
+    def of_slots(entries: "KeptEntries", num_cols: int, width: int, backend=None,
+                 by_rows: bool = False) -> "UnionTiles":
+        """With `by_rows` the slots are the rows (ReplayChunks.by_rows): each entry's is its position."""
+        slot, set_rows = (entries.position, None) if by_rows else (entries.slot, entries.set_rows)
+        return UnionTiles._build(entries, slot, set_rows, None, -(-entries.set_rows.numel() // width), num_cols, width,
                                  UnionTiles._kernels(entries, backend))
 
     @staticmethod
-    def of_columns(entries: "KeptEntries", num_cols: int, width: int, backend=None) -> "UnionTiles":
-        """uids: rows of the hidden states (the slots' set_rows); the columns by use (class doc)."""
+    def of_columns(entries: "KeptEntries", num_cols: int, width: int, backend=None,
+                   by_rows: bool = False) -> "UnionTiles":
+        """uids: rows of the hidden states (the slots' set_rows, or with `by_rows` the entries'
+        positions); the columns by use (class doc)."""
         kernels = UnionTiles._kernels(entries, backend)
         order, rank = (getattr(kernels, "columns_by_use", None) or columns_by_use)(entries.col, entries.valid,
                                                                                    num_cols)
-        tiles = UnionTiles._build(entries, rank, -(-num_cols // width), entries.set_rows.numel(), width, kernels)
+        slot, set_rows = (entries.position, None) if by_rows else (entries.slot, entries.set_rows)
+        tiles = UnionTiles._build(entries, slot, set_rows, rank, -(-num_cols // width), entries.set_rows.numel(),
+                                  width, kernels)
         return tiles._replace(out_rows=order)
 
     @staticmethod
@@ -519,17 +531,18 @@ class UnionTiles(NamedTuple):
         return None
 
     @staticmethod
-    def _build(entries: "KeptEntries", rank: Optional[Tensor], tiles: int, members: int, width: int,
-               kernels) -> "UnionTiles":
-        """Tiles of slots (rank None) or of columns in the order `rank` gives (their places)."""
+    def _build(entries: "KeptEntries", slot: Tensor, set_rows: Optional[Tensor], rank: Optional[Tensor], tiles: int,
+               members: int, width: int, kernels) -> "UnionTiles":
+        """Tiles of slots (rank None) or of columns in the order `rank` gives (their places); `slot`:
+        each entry's, `set_rows` each slot's row (None: the slots are the rows)."""
         total = entries.ids.numel()
         capacity = min(total, tiles * members)
         by_columns = rank is not None
         if kernels is not None:
-            fields = kernels.union_layout(entries.slot, entries.col, entries.valid, entries.set_rows, rank, tiles,
-                                          members, width, capacity)
+            fields = kernels.union_layout(slot, entries.col, entries.valid, set_rows, rank, tiles, members, width,
+                                          capacity)
             return UnionTiles(*fields, capacity, min(total, members))
-        slot, col = entries.slot.clamp(min=0), entries.col
+        slot, col = slot.clamp(min=0), entries.col
         if by_columns:  # (a column off the shard is not valid: any place stands for it)
             col = rank.index_select(0, col.clamp(0, rank.numel() - 1))
         tile, member, within = ((col // width, slot, col % width) if by_columns else (slot // width, col, slot % width))
@@ -540,8 +553,8 @@ class UnionTiles(NamedTuple):
         named = named[:-1]
         count = torch.cumsum(named, 0)  # count[i]: pairs named up to i, in (tile, member) order
         pair_member = torch.arange(members, device=key.device).repeat(tiles)
-        if by_columns:
-            pair_member = entries.set_rows.index_select(0, pair_member)
+        if by_columns and set_rows is not None:
+            pair_member = set_rows.index_select(0, pair_member)
         uids = torch.empty(capacity + 1, dtype=torch.int64, device=key.device)
         uids.scatter_(0, torch.where(named > 0, count - 1, capacity), pair_member)
         tile_start = torch.cat([count.new_zeros(1), count.view(tiles, members)[:, -1]]).to(torch.int64)
@@ -717,13 +730,13 @@ class ReplayChunks:
         return self.route == "sparse"
 
     @property
-    def dense_by_rows(self) -> bool:
-        """The dense route over the call's own rows, not gathered slots: where no plain pass runs
-        and the slots are as many as the rows (every row a slot: a set row's, or padding's, whose
-        logits count for nothing), a chunk's GEMMs read the hidden rows and write dX in place, and
-        a row without a set gets zeros (unlabelled: no plain pass means no labelled row lacks a
-        set), with no gather of the rows and no copy of dX."""
-        return (self.route == "dense" and not self.plain_pass
+    def by_rows(self) -> bool:
+        """The slots are the call's rows themselves, in row order: where no plain pass runs and the
+        slots are as many as the rows (every row a slot: a set row's, or padding's, whose logits
+        count for nothing), the dense route's GEMMs and the union tiles read the hidden rows and
+        write dX whole, a row without a set getting zeros (unlabelled: no plain pass means no
+        labelled row lacks a set), with no gather of the rows and no zeroing of dX before."""
+        return (self.route != "sparse" and not self.plain_pass
                 and self.entries.set_rows.numel() == self.entries.labelled.numel())
 
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
@@ -795,12 +808,12 @@ class ReplayChunks:
         if self.route == "tiles":  # each tile's rows times its union's W rows, gathered in the kernel
             tiles = self.tiles
             logits = torch.empty(tiles.capacity, TILE_ROWS, dtype=spec.logits_dtype or rows.dtype, device=rows.device)
-            spec.backend.union_logits(rows, weight, entries.set_rows, tiles.tile_start, tiles.uids, logits,
-                                      tiles.max_union, TILE_ROWS)
+            spec.backend.union_logits(rows, weight, None if self.by_rows else entries.set_rows, tiles.tile_start,
+                                      tiles.uids, logits, tiles.max_union, TILE_ROWS)
             entries.gather_places(z, logits, tiles.place, 0, spec.inv_temperature)
             del logits
         else:
-            by_rows = self.dense_by_rows
+            by_rows = self.by_rows
             for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
                 chunk = rows[start:end] if by_rows else rows.index_select(0, entries.set_rows[start:end])
                 logits = chunk_logits(chunk, weight, spec)
@@ -826,7 +839,7 @@ class ReplayChunks:
             backward_grads(rows, weight, local_target, spec, (plain_max, plain_lse), plain_coefs, dx_rows, dw_out,
                            dw_accumulate=accumulate)
         else:  # what the plain pass would write: zero dX, and dW where it is not added into
-            if dx_rows is not None and not self.dense_by_rows:  # (by rows: every row's written)
+            if dx_rows is not None and not self.by_rows:  # (by rows: every row's written)
                 dx_rows.zero_()
             if dw_out is not None and not accumulate and not one_gemm:
                 dw_out.zero_()
@@ -839,20 +852,22 @@ class ReplayChunks:
             spec.backend.kept_grads(rows, weight, entries, d, dx_rows, dw_out, self._max_elements(weight, spec))
             return None
         if self.route == "tiles":
-            if dx_rows is not None:  # added: the plain pass wrote zeros there (padding slots add zeros)
+            by_rows = self.by_rows
+            if dx_rows is not None:  # by rows written whole; else added: the plain pass (or the zeroing
+                # above) wrote zeros there (padding slots add zeros)
                 tiles = self.tiles
                 dlogits = entries.scatter_places(d, tiles.place, 0, (tiles.capacity, TILE_ROWS))
                 spec.backend.union_sum_rows(dlogits, weight, tiles.tile_start, tiles.uids, dx_rows, TILE_ROWS,
-                                            out_rows=set_rows, accumulate=True)
+                                            out_rows=None if by_rows else set_rows, accumulate=not by_rows)
                 del dlogits
             if dw_out is not None:  # every row of dW by one program: added, or written (one_gemm)
-                columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend)
+                columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend, by_rows)
                 dlogits = entries.scatter_places(d, columns.place, 0, (columns.capacity, COLUMN_TILE))
                 spec.backend.union_sum_rows(dlogits, rows, columns.tile_start, columns.uids, dw_out, COLUMN_TILE,
                                             out_rows=columns.out_rows, accumulate=accumulate or self.plain_pass)
             return None
         cols = weight.shape[0]
-        by_rows = self.dense_by_rows
+        by_rows = self.by_rows
         for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
             dlogits = entries.scatter_chunk(d, start, end, cols, by_rows)  # the chunk's block of dlogits
             if by_rows:  # the rows themselves, dX written in place
@@ -910,7 +925,7 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
     tiling = ReplayChunks(entries, route, want_z=needs_grad, plain_pass=plain_pass)
     if route == "tiles":
         tiling.tiles = UnionTiles.of_slots(entries, num_valid_cols if num_cols is None else num_cols, TILE_ROWS,
-                                           backend)
+                                           backend, tiling.by_rows)
     if check and poison is None:
         poison = mask_check.deferred_poison()
         if not plain_pass:

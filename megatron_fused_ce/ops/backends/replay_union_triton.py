@@ -13,7 +13,8 @@ its tile. Z's rows past tile_start[T] (and uids' entries there) are never read o
   BLOCK_U), MAX_PROGRAMS_PER_TILE) from a host-known bound on any union: no sync; programs past a
   short union do nothing.
 - `_union_sum_rows_kernel`, one program per (tile, block of H): the backward's two products, out[r]
-  (+)= sum_g dZ[g, s] src[uids[g]] over the tile's whole union, fp32, one rounding. dX: tiles of
+  (+)= sum_g dZ[g, s] src[uids[g]] over the tile's whole union (as src^T dZ: the tile's slots the
+  MMA's narrow side), fp32, one rounding. dX: tiles of
   slots, unions of columns, src the weight, out the slots' rows of dX. dW: tiles of BM columns
   consecutive in the order of their use (replay.UnionTiles.of_columns), unions of the slots whose
   sets name them, src the hidden rows, out dW's rows (the tile's columns). Each
@@ -37,20 +38,20 @@ from .triton_common import cached_launch, cdiv, interpreting as _interpreting
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API). Every tl.dot
-# dimension must stay >= 16. On an H200 (H = 4096, K = 50, 8192 x 4096 x 19008, one call's kernels)
-# at BM = 128 with Zipf sets the sums of rows ran slower with SUM_BLOCK_U 128 (2.56 -> 3.24 ms),
-# SUM_BLOCK_H 64 (3.19) or 4 warps (2.84); at BM = 64 (blocks of 256 of H), SUM_BLOCK_U 128 (0.77
-# -> 0.88 ms of the two sums) or 4 warps (0.85), and 4 stages or blocks of 32 by 5 stages within
-# 4 %; LOGITS_BLOCK_U 64 slower (0.25 -> 0.34 ms). With bf16 / fp16 operands they spill no registers on
-# sm_90 and fit in shared memory at BM 64 and 128; 4-byte operands take blocks of at most 128 of H
-# (SUM_BLOCK_H's stages of fp32 would not fit).
+# dimension must stay >= 16. Measured on an H200 at BM = 32 (replay's tiles; 8192 x 4096 x 19008,
+# K = 50, torch.profiler, each kernel's time in one call): the sums of rows with SUM_BLOCK_H 128
+# against 256 744 -> 704 us with Zipf sets, 1069 -> 1052 with random ones (2048 rows: within 3 %);
+# SUM_BLOCK_U 128 (1297) or 4 warps (836) slower, 2 or 4 stages within 5 %; the logits with
+# LOGITS_BLOCK_U 64 (249 -> 302 us) or LOGITS_BLOCK_K 128 (322) slower, 8 warps or 4 stages within
+# 4 % at 8192 rows. With bf16 / fp16 operands no register spills on sm_90; 4-byte operands' stages
+# fit in shared memory at these blocks.
 MAX_PROGRAMS_PER_TILE = 16  # P's bound: programs of one tile striding over its union blocks
 LOGITS_BLOCK_U = 128  # union entries per block: the [BLOCK_U, BM] accumulator's rows
 LOGITS_BLOCK_K = 64  # steps over H
-LOGITS_WARPS = 4  # (8: 0.27 -> 0.25 ms at BM 64, Zipf sets, 0.53 -> 0.52 random; 0.09 -> 0.06 at 2048 rows)
+LOGITS_WARPS = 4
 LOGITS_STAGES = 3
 SUM_BLOCK_U = 64  # the reduction's step over the tile's union
-SUM_BLOCK_H = 256  # (128: 1.39 -> 1.25 ms at BM 64 with random sets, the same with Zipf ones)
+SUM_BLOCK_H = 128
 SUM_WARPS = 8
 SUM_STAGES = 3
 # fp32 operands (fp32 inputs, or an fp32 dZ with the other side upcast): "tf32x3" keeps about fp32
@@ -79,14 +80,17 @@ def _to_store(acc, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
 def _union_logits_kernel(
     x_ptr, stride_x, w_ptr, stride_w, set_rows_ptr, tile_start_ptr, uids_ptr, z_ptr, stride_z, S, H,
     BM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr, PRECISION: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr, PRECISION: tl.constexpr, HAS_SET_ROWS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     P = tl.num_programs(1)
     s = tl.arange(0, BM)
     slot_ok = t * BM + s < S
-    row = tl.load(set_rows_ptr + t * BM + s, mask=slot_ok, other=0)
+    if HAS_SET_ROWS:
+        row = tl.load(set_rows_ptr + t * BM + s, mask=slot_ok, other=0)
+    else:  # (the slots are the rows)
+        row = t * BM + s
     start = tl.load(tile_start_ptr + t)
     end = tl.load(tile_start_ptr + t + 1)
     for u0 in range(start + p * BLOCK_U, end, P * BLOCK_U):
@@ -121,17 +125,20 @@ def _union_sum_rows_kernel(
     slot_ok = t * BM + s < S
     start = tl.load(tile_start_ptr + t)
     end = tl.load(tile_start_ptr + t + 1)
-    acc = tl.zeros([BM, BLOCK_H], dtype=tl.float32)
+    # the product transposed, [BLOCK_H, BM] = src^T dZ: a tile's BM slots (32) are the MMA's N,
+    # the block of H its M (an M of 32 rows ran the products at 0.7x)
+    acc_t = tl.zeros([BLOCK_H, BM], dtype=tl.float32)
     for u0 in range(start, end, BLOCK_U):
         u = u0 + tl.arange(0, BLOCK_U)
         u_ok = u < end
         src_row = tl.load(uids_ptr + u, mask=u_ok, other=0)
-        # dZ^T [BM, BLOCK_U]; the entries of slots past S were never written: masked
-        dz_t = tl.load(dz_ptr + u[None, :] * stride_dz + s[:, None], mask=slot_ok[:, None] & u_ok[None, :], other=0.0)
         src = tl.load(src_ptr + src_row[:, None] * stride_src + hh[None, :], mask=u_ok[:, None] & h_ok[None, :],
                       other=0.0)
-        dz_t, src = _as_dot_operands(dz_t, src, UPCAST)
-        acc = tl.dot(dz_t, src, acc, input_precision=PRECISION)
+        # dZ [BLOCK_U, BM]; the entries of slots past S were never written: masked
+        dz = tl.load(dz_ptr + u[:, None] * stride_dz + s[None, :], mask=u_ok[:, None] & slot_ok[None, :], other=0.0)
+        dz, src = _as_dot_operands(dz, src, UPCAST)
+        acc_t = tl.dot(tl.trans(src), dz, acc_t, input_precision=PRECISION)
+    acc = tl.trans(acc_t)
     if HAS_OUT_ROWS:
         out_row = tl.load(out_rows_ptr + t * BM + s, mask=slot_ok, other=0)
     else:
@@ -147,21 +154,23 @@ def _programs_per_tile(max_union: int, block_u: int) -> int:
     return min(cdiv(max_union, block_u), MAX_PROGRAMS_PER_TILE)
 
 
-def union_logits(rows: Tensor, weight: Tensor, set_rows: Tensor, tile_start: Tensor, uids: Tensor, out: Tensor,
-                 max_union: int, tile_rows: int) -> Tensor:
+def union_logits(rows: Tensor, weight: Tensor, set_rows: Optional[Tensor], tile_start: Tensor, uids: Tensor,
+                 out: Tensor, max_union: int, tile_rows: int) -> Tensor:
     """out[g, s] = rows[set_rows[t * BM + s]] . weight[uids[g]] for tile t's union entries g and
-    its slots s < S - t * BM (BM = tile_rows), fp32 sums written in out's dtype (rows' or fp32);
-    out's other elements are left as they are. out: [U_cap, BM], last dim contiguous; max_union:
-    a host-known bound on any tile's union size."""
-    count = set_rows.numel()
+    its slots s < S - t * BM (BM = tile_rows; S the slots: set_rows' length, or with `set_rows`
+    None the rows, each slot its row), fp32 sums written in out's dtype (rows' or fp32); out's
+    other elements are left as they are. out: [U_cap, BM], last dim contiguous; max_union: a
+    host-known bound on any tile's union size."""
+    count = rows.shape[0] if set_rows is None else set_rows.numel()
     tiles = cdiv(count, tile_rows)
     programs = _programs_per_tile(max_union, LOGITS_BLOCK_U)
     if tiles and programs > 0:
         _union_logits_kernel[(tiles, programs)](
-            rows, rows.stride(0), weight, weight.stride(0), set_rows, tile_start, uids, out, out.stride(0), count,
-            rows.shape[1], BM=tile_rows, BLOCK_U=LOGITS_BLOCK_U, BLOCK_K=LOGITS_BLOCK_K, UPCAST=_interpreting(),
-            BF16_BY_HAND=_interpreting() and out.dtype == torch.bfloat16, PRECISION=FP32_PRECISION,
-            num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES)
+            rows, rows.stride(0), weight, weight.stride(0), rows if set_rows is None else set_rows, tile_start, uids,
+            out, out.stride(0), count, rows.shape[1], BM=tile_rows, BLOCK_U=LOGITS_BLOCK_U, BLOCK_K=LOGITS_BLOCK_K,
+            UPCAST=_interpreting(), BF16_BY_HAND=_interpreting() and out.dtype == torch.bfloat16,
+            PRECISION=FP32_PRECISION, HAS_SET_ROWS=set_rows is not None, num_warps=LOGITS_WARPS,
+            num_stages=LOGITS_STAGES)
     return out
 
 
@@ -179,36 +188,43 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
     count = out.shape[0] if out_rows is None else out_rows.numel()
     hidden = out.shape[1]
     tiles = cdiv(count, tile_rows)
-    block_h = SUM_BLOCK_H if dz.element_size() == 2 and src.element_size() == 2 else min(SUM_BLOCK_H, 128)
     if tiles and hidden:
-        _union_sum_rows_kernel[(tiles, cdiv(hidden, block_h))](
+        _union_sum_rows_kernel[(tiles, cdiv(hidden, SUM_BLOCK_H))](
             dz, dz.stride(0), src, src.stride(0), tile_start, uids, out if out_rows is None else out_rows, out,
-            out.stride(0), count, hidden, BM=tile_rows, BLOCK_U=SUM_BLOCK_U, BLOCK_H=block_h,
+            out.stride(0), count, hidden, BM=tile_rows, BLOCK_U=SUM_BLOCK_U, BLOCK_H=SUM_BLOCK_H,
             UPCAST=_interpreting() or dz.dtype != src.dtype,
             BF16_BY_HAND=_interpreting() and out.dtype == torch.bfloat16, PRECISION=FP32_PRECISION,
-            HAS_OUT_ROWS=out_rows is not None, ACCUMULATE=accumulate, num_warps=SUM_WARPS, num_stages=SUM_STAGES)
+            HAS_OUT_ROWS=out_rows is not None, ACCUMULATE=accumulate, num_warps=SUM_WARPS,
+            num_stages=SUM_STAGES)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # The tiles' layout (replay.UnionTiles defines it in torch): the (tile, member) pairs the entries
-# name, marked in a table, numbered by its prefix sum. Three launches and torch's cumsum; dW's
-# tiles by columns first order the columns by use (two launches and torch's sort).
+# name, flagged in a byte table, packed into words of 32 bits with each word's count, numbered by
+# the counts' prefix sum and the bits below a pair in its word; the entries then write their
+# places, their pairs' union ids (every entry of a pair writes the same) and the tiles' starts.
+# Three launches and torch's cumsum over [tiles x members / 32] words. (An int32 table and its
+# prefix sum read and wrote 20 bytes a pair: the two layouts of a call at 8192 x 4096 x 19008
+# with tiles of 32 took 155 us of kernels, now 65, on an H200; bits set by atomic or-s stalled
+# on Zipf sets' shared pairs.) dW's tiles by columns first order the columns by use (two launches
+# and torch's sort).
 # ---------------------------------------------------------------------------------------------
 LAYOUT_BLOCK = 1024
+PACK_BLOCK_WORDS = 64
 
 
 @triton.jit
 def _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, inside, members, width, BY_COLUMNS: tl.constexpr):
-    """(whether entry e is valid, its (tile, member) pair's index in the table, its place within the
-    tile); by columns, a column stands at its place in the columns' order (`rank`)."""
+    """(whether entry e is valid, its (tile, member) pair's index in the table, its member, its
+    place within the tile); by columns, a column stands at its place in the columns' order (`rank`)."""
     ok = inside & (tl.load(valid_ptr + e, mask=inside, other=0) != 0)
     slot = tl.load(slot_ptr + e, mask=ok, other=0)
     col = tl.load(col_ptr + e, mask=ok, other=0)
     if BY_COLUMNS:
         col = tl.load(rank_ptr + col, mask=ok, other=0)
-        return ok, (col // width) * members + slot, col % width
-    return ok, (slot // width) * members + col, slot % width
+        return ok, (col // width) * members + slot, slot, col % width
+    return ok, (slot // width) * members + col, col, slot % width
 
 
 @cached_launch
@@ -242,65 +258,95 @@ def columns_by_use(col: Tensor, valid: Tensor, num_cols: int) -> tuple:
     return order, rank
 
 
+@triton.jit
+def _bits_below(word, bit):
+    """How many of the uint32 `word`'s bits below `bit` (0..31) are set (a SWAR popcount)."""
+    below = word & ((tl.full(word.shape, 1, tl.uint32) << bit.to(tl.uint32)) - 1)
+    below = below - ((below >> 1) & 0x55555555)
+    below = (below & 0x33333333) + ((below >> 2) & 0x33333333)
+    below = (below + (below >> 4)) & 0x0F0F0F0F
+    return ((below * 0x01010101) >> 24).to(tl.int64)
+
+
+@triton.jit
+def _named_before(bits_ptr, upto_ptr, pair, ok):
+    """How many pairs before `pair` are named: the words' running count up to the word before
+    pair's, plus its word's bits below it."""
+    w = pair // 32
+    word = tl.load(bits_ptr + w, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    before = tl.load(upto_ptr + w - 1, mask=ok & (w > 0), other=0).to(tl.int64)
+    return before + _bits_below(word, (pair % 32).to(tl.int32))
+
+
 @cached_launch
 @triton.jit
 def _union_name_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, named_ptr, total, members, width,
                        BY_COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok, pair, _ = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, e < total, members, width, BY_COLUMNS)
-    tl.store(named_ptr + pair, tl.full([BLOCK], 1, tl.int32), mask=ok)  # (entries of one pair store alike)
+    ok, pair, _, _ = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, e < total, members, width,
+                                    BY_COLUMNS)
+    tl.store(named_ptr + pair, tl.full([BLOCK], 1, tl.int8), mask=ok)  # (entries of one pair store alike)
 
 
 @cached_launch
 @triton.jit
-def _union_ids_kernel(named_ptr, count_ptr, values_ptr, uids_ptr, tile_start_ptr, pairs, members,
-                      HAS_VALUES: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = i < pairs
-    named = tl.load(named_ptr + i, mask=inside, other=0) != 0
-    count = tl.load(count_ptr + i, mask=inside, other=0).to(tl.int64)
-    member = i % members
-    if HAS_VALUES:  # (dW's tiles: a slot's row of the hidden states)
-        member = tl.load(values_ptr + member, mask=named, other=0)
-    tl.store(uids_ptr + count - 1, member, mask=named)
-    # a tile's last pair holds the count of the unions up to its end: the next tile's start
-    tl.store(tile_start_ptr + (i + 1) // members, count, mask=inside & ((i + 1) % members == 0))
-    tl.store(tile_start_ptr + i, tl.zeros([BLOCK], tl.int64), mask=i == 0)
+def _union_pack_kernel(named_ptr, bits_ptr, word_count_ptr, pairs, num_words, BLOCK_W: tl.constexpr):
+    w = tl.program_id(0).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
+    bit = tl.arange(0, 32)
+    pair = w[:, None] * 32 + bit[None, :]
+    named = tl.load(named_ptr + pair, mask=pair < pairs, other=0).to(tl.uint32)
+    word = tl.sum(named << bit[None, :].to(tl.uint32), axis=1)  # (distinct bits: their sum is their or)
+    tl.store(bits_ptr + w, word.to(tl.int32, bitcast=True), mask=w < num_words)
+    tl.store(word_count_ptr + w, tl.sum(named, axis=1).to(tl.int32), mask=w < num_words)
 
 
 @cached_launch
 @triton.jit
-def _union_place_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, count_ptr, place_ptr, total, members, width,
-                        BY_COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+def _union_place_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, bits_ptr, upto_ptr, values_ptr, place_ptr, uids_ptr,
+                        tile_start_ptr, total, members, width, pairs, tiles, BY_COLUMNS: tl.constexpr,
+                        HAS_VALUES: tl.constexpr, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = e < total
-    ok, pair, within = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, inside, members, width,
-                                      BY_COLUMNS)
-    count = tl.load(count_ptr + pair, mask=ok, other=0).to(tl.int64)
-    tl.store(place_ptr + e, tl.where(ok, (count - 1) * width + within, -1), mask=inside)
+    ok, pair, member, within = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, inside, members, width,
+                                              BY_COLUMNS)
+    before = _named_before(bits_ptr, upto_ptr, pair, ok)
+    tl.store(place_ptr + e, tl.where(ok, before * width + within, -1), mask=inside)
+    if HAS_VALUES:  # (dW's tiles: a slot's row of the hidden states)
+        member = tl.load(values_ptr + member, mask=ok, other=0)
+    tl.store(uids_ptr + before, member, mask=ok)  # (entries of one pair store alike)
+    # tile t starts after the pairs named before its first pair; the last one ends at their total
+    # (e here a tile)
+    tl.store(tile_start_ptr + e, _named_before(bits_ptr, upto_ptr, e * members, e < tiles), mask=e < tiles)
+    named_total = tl.load(upto_ptr + (pairs - 1) // 32).to(tl.int64)
+    tl.store(tile_start_ptr + e, tl.where(e == tiles, named_total, 0), mask=e == tiles)
 
 
-def union_layout(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Tensor, rank: Optional[Tensor], tiles: int,
-                 members: int, width: int, capacity: int) -> tuple:
+def union_layout(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Optional[Tensor], rank: Optional[Tensor],
+                 tiles: int, members: int, width: int, capacity: int) -> tuple:
     """replay.UnionTiles' (tile_start, uids, place) of the entries (their slot, col and valid, as
     replay.KeptEntries holds them): tiles of `width` slots whose members are columns, or given the
     columns' `rank` (their places in columns_by_use's order) tiles of `width` places of that order
-    whose members are slots (uids: their set_rows)."""
+    whose members are slots (uids: their set_rows; the slots themselves where `set_rows` is None)."""
     by_columns = rank is not None
     total, pairs, device = valid.numel(), tiles * members, valid.device
     words = torch.empty(tiles + 1 + capacity + 1 + total, dtype=torch.int64, device=device)
     tile_start, uids, place = words[:tiles + 1], words[tiles + 1:tiles + capacity + 2], words[tiles + capacity + 2:]
-    named = torch.zeros(pairs, dtype=torch.int32, device=device)  # (replay takes tiles with a slot: pairs > 0)
+    # a flag per (tile, member) pair, packed into words of 32 bits with a count of each (replay
+    # takes tiles with a slot: pairs > 0)
+    num_words = cdiv(pairs, 32)
+    named = torch.zeros(pairs, dtype=torch.int8, device=device)
+    table = torch.empty(2 * num_words, dtype=torch.int32, device=device)
+    bits, word_count = table[:num_words], table[num_words:]
     valid = valid.view(torch.uint8)
+    columns = rank if by_columns else col
     if total:
-        _union_name_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, rank if by_columns else col, named, total,
-                                                         members, width, BY_COLUMNS=by_columns, BLOCK=LAYOUT_BLOCK,
-                                                         num_warps=4)
-    count = torch.cumsum(named, 0, dtype=torch.int32)
-    _union_ids_kernel[(cdiv(pairs, LAYOUT_BLOCK),)](named, count, set_rows, uids, tile_start, pairs, members,
-                                                    HAS_VALUES=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
-    if total:
-        _union_place_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, rank if by_columns else col, count, place,
-                                                          total, members, width, BY_COLUMNS=by_columns,
-                                                          BLOCK=LAYOUT_BLOCK, num_warps=4)
+        _union_name_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, columns, named, total, members, width,
+                                                         BY_COLUMNS=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
+    _union_pack_kernel[(cdiv(num_words, PACK_BLOCK_WORDS),)](named, bits, word_count, pairs, num_words,
+                                                             BLOCK_W=PACK_BLOCK_WORDS, num_warps=4)
+    upto = torch.cumsum(word_count, 0, dtype=torch.int32)  # pairs named up to each word's end
+    _union_place_kernel[(cdiv(max(total, tiles + 1), LAYOUT_BLOCK),)](
+        slot, col, valid, columns, bits, upto, slot if set_rows is None else set_rows, place, uids, tile_start, total,
+        members, width, pairs, tiles, BY_COLUMNS=by_columns, HAS_VALUES=by_columns and set_rows is not None,
+        BLOCK=LAYOUT_BLOCK, num_warps=4)
     return tile_start, uids, place
