@@ -119,13 +119,13 @@ SPARSE_MAX_SHARE = 1 / 640
 # Union tiles (a backend with `union_logits`): slots of TILE_ROWS rows, each tile's GEMMs over the
 # union of its rows' kept columns; taken where even sets without a shared id (a tile's union is its
 # TILE_ROWS x K entries) would multiply at most TILES_MAX_SHARE of the dense route's columns
-# (K <= V / 128). Measured on an H200 from CUDA graphs, x plain log-probs, tiles of 64 against the
-# dense route: K = V / 190 (8192 x 4096 x 19008, K = 100) 0.41 / 0.70 against 0.94 / 0.92 (Zipf /
-# random sets), K = V / 160 (4096 x 4096 x 32064, K = 200) 0.48 / 0.84 against 0.93, K = V / 95
-# 0.67 / 1.17 against 0.95. Tiles of 32 rows and columns against 64 at K = 50 (the union kernels
-# of one call, 8192 x 4096 x 19008): 1.10 -> 1.07 ms with Zipf sets, 1.86 -> 1.59 with random ones
-# (half the products' work for a few more gathers; 4096 x 4096 x 32064 Zipf 0.78 -> 0.69); 64
-# stays ahead only at 2048 rows with Zipf sets (0.34 against 0.39 ms).
+# (K <= V / 128). Measured on an H200 from CUDA graphs, x plain log-probs, against the dense
+# route: at the bound (8192 x 4096 x 19008, K = 148) the tiles 0.51 / 0.84 (Zipf / random sets)
+# against 0.92 / 0.94; past it (K = V / 95, tiles of 64 then) 0.67 / 1.17 against 0.95. Tiles of
+# 32 rows and columns against 64 at K = 50 (the union kernels of one call, 8192 x 4096 x 19008):
+# 1.10 -> 1.07 ms with Zipf sets, 1.86 -> 1.59 with random ones (half the products' work for a few
+# more gathers; 4096 x 4096 x 32064 Zipf 0.78 -> 0.69); 64 stays ahead only at 2048 rows with Zipf
+# sets (0.34 against 0.39 ms).
 TILE_ROWS = 32
 TILES_MAX_SHARE = 0.25
 # dW's tiles: blocks of COLUMN_TILE columns (in the order of their use), each against the rows

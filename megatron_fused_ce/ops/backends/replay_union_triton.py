@@ -126,7 +126,8 @@ def _union_sum_rows_kernel(
     start = tl.load(tile_start_ptr + t)
     end = tl.load(tile_start_ptr + t + 1)
     # the product transposed, [BLOCK_H, BM] = src^T dZ: a tile's BM slots (32) are the MMA's N,
-    # the block of H its M (an M of 32 rows ran the products at 0.7x)
+    # the block of H its M (with the slots as M, one call's sums at 8192 x 4096 x 19008 took 976
+    # against 752 us with Zipf sets, 1483 against 1072 with random ones, on an H200)
     acc_t = tl.zeros([BLOCK_H, BM], dtype=tl.float32)
     for u0 in range(start, end, BLOCK_U):
         u = u0 + tl.arange(0, BLOCK_U)
