@@ -505,9 +505,8 @@ class UnionTiles(NamedTuple):
     @staticmethod
     def of_slots(entries: "KeptEntries", num_cols: int, width: int, backend=None,
                  by_rows: bool = False) -> "UnionTiles":
-        """With `by_rows` the slots are the rows (ReplayChunks.by_rows): each entry's is its position."""
-        slot, set_rows = (entries.position, None) if by_rows else (entries.slot, entries.set_rows)
-        return UnionTiles._build(entries, slot, set_rows, None, -(-entries.set_rows.numel() // width), num_cols, width,
+        """With `by_rows` the slots are the rows (ReplayChunks.by_rows)."""
+        return UnionTiles._build(entries, by_rows, None, -(-entries.set_rows.numel() // width), num_cols, width,
                                  UnionTiles._kernels(entries, backend))
 
     @staticmethod
@@ -518,9 +517,8 @@ class UnionTiles(NamedTuple):
         kernels = UnionTiles._kernels(entries, backend)
         order, rank = (getattr(kernels, "columns_by_use", None) or columns_by_use)(entries.col, entries.valid,
                                                                                    num_cols)
-        slot, set_rows = (entries.position, None) if by_rows else (entries.slot, entries.set_rows)
-        tiles = UnionTiles._build(entries, slot, set_rows, rank, -(-num_cols // width), entries.set_rows.numel(),
-                                  width, kernels)
+        tiles = UnionTiles._build(entries, by_rows, rank, -(-num_cols // width), entries.set_rows.numel(), width,
+                                  kernels)
         return tiles._replace(out_rows=order)
 
     @staticmethod
@@ -531,10 +529,11 @@ class UnionTiles(NamedTuple):
         return None
 
     @staticmethod
-    def _build(entries: "KeptEntries", slot: Tensor, set_rows: Optional[Tensor], rank: Optional[Tensor], tiles: int,
-               members: int, width: int, kernels) -> "UnionTiles":
-        """Tiles of slots (rank None) or of columns in the order `rank` gives (their places); `slot`:
-        each entry's, `set_rows` each slot's row (None: the slots are the rows)."""
+    def _build(entries: "KeptEntries", by_rows: bool, rank: Optional[Tensor], tiles: int, members: int, width: int,
+               kernels) -> "UnionTiles":
+        """Tiles of slots (rank None) or of columns in the order `rank` gives (their places); the
+        slots the set rows', or with `by_rows` the rows themselves (KeptEntries.slots)."""
+        slot, set_rows = entries.slots(by_rows)
         total = entries.ids.numel()
         capacity = min(total, tiles * members)
         by_columns = rank is not None
@@ -638,6 +637,11 @@ class KeptEntries:
         torch.cumsum(hit, 0, out=prefix[1:])
         found_label = prefix.index_select(0, self.offsets[1:num_rows + 1]) > prefix.index_select(0, offsets[:-1])
         self.kept = ~self.has_set | found_label
+
+    def slots(self, by_rows: bool = False) -> tuple:
+        """(each entry's slot, each slot's row): the set rows' slots (`slot`, `set_rows`), or with
+        `by_rows` the rows themselves (each entry's `position`, None)."""
+        return (self.position, None) if by_rows else (self.slot, self.set_rows)
 
     def row_of_entry(self) -> Tensor:
         """[E] each entry's row (an index into the call's rows; a gathered row where it has none)."""
