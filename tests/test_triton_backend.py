@@ -232,6 +232,132 @@ def test_shard_dlogits_zero_valid_columns_and_default_blocks(tb):
     _close(tb.shard_dlogits_(logits.clone(), *args), torch_backend.shard_dlogits_(logits.clone(), *args))
 
 
+# ----------------------------------------------------------------------------- stats_dlogits_
+def logits_bytes(dtype):
+    return torch.finfo(dtype).bits // 8
+
+
+def _two_kernels(tb, logits, target, nvc, inv_t, labelled, scale, logprob, poison):
+    """What stats_dlogits_ stands for, by the kernels it replaces (as the chunk loop calls them)."""
+    stats = tb.shard_stats(logits, target, nvc, inv_t)
+    log_sum_exp, lse, _ = tb.merged_tail(stats.max, stats.sum_exp, None)
+    n = logits.shape[0]
+    if logprob:
+        out = tb.labelled_logprob(stats.target, stats.max, log_sum_exp, labelled, poison)
+        ones = torch.ones(n, device=logits.device)
+        coef_p, coef_t = -ones, ones
+    else:  # cross-entropy's coefficients: token_grads' (a device count's products, or a Python c)
+        out = None
+        keep = labelled if labelled is not None else torch.ones(n, dtype=torch.bool, device=logits.device)
+        if isinstance(scale, torch.Tensor):
+            coef_p, coef_t = (torch.stack([scale, -scale])[:, None] * keep).unbind(0)
+        else:
+            coef_p = torch.where(keep, torch.full((n,), scale, device=logits.device), 0.0)
+            coef_t = torch.where(keep, torch.full((n,), -scale, device=logits.device), 0.0)
+    tb.shard_dlogits_(logits, target, nvc, inv_t, stats.max, coef_p, None, coef_t, None, log_sum_exp=log_sum_exp)
+    return stats.max, stats.target, log_sum_exp, lse, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("mode", ["ce count on the device", "ce python scale", "logprobs", "logprobs every row"])
+def test_stats_dlogits_equals_the_stats_and_dlogits_kernels(small_blocks, dtype, temperature, mode):
+    """One launch for the statistics and the dlogits of a whole-vocab chunk gives, bit for bit,
+    what the stats kernel, the merge's tail, the log-probs' launch and the dlogits kernel give
+    with the coefficients the chunk loop builds (ignored rows, padded vocab, temperature); it
+    applies where the stats kernel takes each row in one program."""
+    tb = small_blocks
+    n = 8 * tb._sm_count(DEVICE) + 5
+    v, pad = 150, 13
+    nvc = v - pad
+    row_bytes = v * logits_bytes(dtype)
+    assert tb.stats_dlogits_applies(n, nvc, row_bytes, DEVICE) and not tb.stats_dlogits_applies(n - 6, nvc, row_bytes,
+                                                                                                DEVICE)
+    assert tb.stats_dlogits_applies(3, tb.STATS_BLOCK_N, row_bytes, DEVICE)  # rows of one block: one program each
+    wide = tb.STATS_DLOGITS_MAX_ROW_BYTES + 2  # wide rows: in chunks small enough for L2 only
+    assert tb.stats_dlogits_applies(n, nvc, wide, DEVICE)
+    assert not tb.stats_dlogits_applies(tb.STATS_DLOGITS_MAX_CHUNK_BYTES // wide + 1, nvc, wide, DEVICE)
+    logits, g = _chunk(n, v, dtype, seed=31)
+    target = _targets(n, nvc, g)
+    labelled = None if mode == "logprobs every row" else (target >= 0) | (torch.rand(n, generator=g) < 0.2).to(DEVICE)
+    logprob = mode.startswith("logprobs")
+    scale = torch.tensor(1 / 37, device=DEVICE) if mode == "ce count on the device" else 0.03
+    poison = torch.zeros(1, device=DEVICE) if logprob else None
+    inv_t = 1.0 / temperature
+    want, got = logits.clone(), logits.clone()
+    expected = _two_kernels(tb, want, target, nvc, inv_t, labelled, scale, logprob, poison)
+    result = tb.stats_dlogits_(got, target, nvc, inv_t, labelled, scale=None if logprob else scale,
+                               logprob=logprob, poison=poison)
+    assert torch.equal(got, want), mode
+    for name, a, b in zip(("max", "target", "log S", "lse", "log-probs"), result, expected):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b), f"{mode}: {name}"
+    if logprob:  # the poison reaches every log-prob
+        assert tb.stats_dlogits_(logits.clone(), target, nvc, inv_t, labelled, logprob=True,
+                                 poison=torch.full((1,), float("nan"), device=DEVICE))[4].isnan().all()
+
+
+@pytest.mark.parametrize("what", ["ce mean", "ce sum", "logprobs"])
+def test_calls_of_whole_vocab_chunks_take_one_launch_for_statistics_and_dlogits(small_blocks, monkeypatch, what):
+    """Cross-entropy ("mean" / "sum", no smoothing or z-loss) and log-probs of one chunk at TP = 1
+    take backend.stats_dlogits for every chunk where it applies, and their values, dX and dW are
+    those of the stats and dlogits kernels bit for bit (STATS_DLOGITS off), the log-probs those of
+    a forward-only call too (an old-policy pass gives ratio 1 on the policy it came from); a chunk
+    where it does not apply (a short last chunk) keeps the two kernels for the whole call; label
+    smoothing, whose dlogits need the statistics, never takes it."""
+    from megatron_fused_ce.ops import api
+
+    tb = small_blocks
+    calls, original = [], tb.BACKEND.stats_dlogits
+
+    def spy(logits, *args, **kwargs):
+        calls.append(logits.shape[0])
+        return original.run_(logits, *args, **kwargs)
+
+    patched = dataclasses.replace(tb.BACKEND, stats_dlogits=dataclasses.replace(original, run_=spy))
+    monkeypatch.setattr(api.backends, "select", lambda impl, device: patched)
+    rows = 8 * tb._sm_count(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    n, hdim, vocab, padded = 2 * rows + 4, 16, 140, 150
+    h0 = torch.randn(n, hdim, generator=g).to(DEVICE)
+    w0 = (torch.randn(padded, hdim, generator=g) / math.sqrt(hdim) * 3).to(DEVICE)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[::5] = -100
+    y = y.to(DEVICE)
+
+    def run(chunk_size, **extra):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        kwargs = dict(vocab_size=vocab, temperature=0.7, impl="triton", chunk_size=chunk_size, **extra)
+        if what == "logprobs":
+            value = linear_logprobs(h, w, y, **kwargs).logprobs
+            (value * torch.linspace(-1, 2, n, device=DEVICE)).sum().backward()
+        else:
+            value = linear_cross_entropy(h, w, y, reduction=what.split()[1], **kwargs)
+            (value * 3.0).backward()
+        return value.detach(), h.grad, w.grad
+
+    chunkings = ((None, [n]),) if what == "logprobs" else ((None, [n]), (rows + 2, [rows + 2, rows + 2]),
+                                                             (rows, []))  # (the last chunk of 4 rows)
+    for chunk_size, expected_calls in chunkings:
+        calls.clear()
+        got = run(chunk_size)
+        assert calls == expected_calls, (chunk_size, calls)
+        monkeypatch.setattr(tb, "STATS_DLOGITS", False)
+        want = run(chunk_size)
+        monkeypatch.setattr(tb, "STATS_DLOGITS", True)
+        for name, a, b in zip(("value", "dX", "dW"), got, want):
+            assert torch.equal(a, b), f"{what} chunk_size={chunk_size}: {name}"
+    if what == "logprobs":  # the forward-only pass (an old-policy one) gives the same log-probs, bit for bit
+        with torch.no_grad():
+            old = linear_logprobs(h0, w0, y, vocab_size=vocab, temperature=0.7, impl="triton").logprobs
+        assert torch.equal(old, got[0])
+    else:
+        calls.clear()
+        run(None, label_smoothing=0.1)
+        assert calls == []
+
+
 @pytest.mark.parametrize("backend_name", ["triton", "torch"])
 def test_col_start_matches_targets_relative_to_the_block(small_blocks, backend_name):
     """Each kernel given shard-wide targets and `col_start` (the block's first column) equals the

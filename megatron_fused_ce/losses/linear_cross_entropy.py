@@ -65,6 +65,12 @@ class CrossEntropyGrads(ForwardGradLoss):
             return None
         return PER_ROW if isinstance(num_labelled, LabelledCount) else self._scale(num_labelled)
 
+    def scale_before_statistics(self, num_labelled):
+        # c = 1 / labelled tokens ("mean"; on the device where the count is) or 1 ("sum"): token_grads' own
+        if self.smoothing or self.z_weight:
+            return None
+        return self._scale(num_labelled)
+
 
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, labels: Tensor, *, tp_group=None, vocab_size: Optional[int] = None,

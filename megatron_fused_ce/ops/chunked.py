@@ -216,14 +216,23 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison):
-        logits, partials = fast.chunk_forward(hidden, weight, local_target, spec, want_stats=True)
-        merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.backend, spec.rank_check)
-        # the call's poison (api._device_poison) read once the merge has decided the rank check,
-        # added by the same launch that makes the log-probs (their gradient passes through it)
-        logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                                call_poison())
-        made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad,
-                                              labelled)
+        one_launch = (spec.backend.stats_dlogits is not None and reductions.group_size(spec.tp_group) == 1
+                      and fast.applies_to_every_chunk(spec, hidden, weight))
+        logits, partials = fast.chunk_forward(hidden, weight, local_target, spec, want_stats=not one_launch)
+        if one_launch:  # the statistics, log-probs and D in one launch (fast.StatsWithDlogits' kernel)
+            row_max, target, log_sum_exp, lse, logprob = spec.backend.stats_dlogits.run_(
+                logits, local_target, spec.num_valid_cols, spec.inv_temperature, labelled, logprob=True,
+                poison=call_poison())
+            merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+            made = fast.DlogitsMadeInForward.of(logits, weight, hidden.requires_grad, labelled)
+        else:
+            merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.backend, spec.rank_check)
+            # the call's poison (api._device_poison) read once the merge has decided the rank check,
+            # added by the same launch that makes the log-probs (their gradient passes through it)
+            logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                                    call_poison())
+            made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad,
+                                                  labelled)
         ctx.spec = replace(spec, tiling=made, first_product=None)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, local_target)
@@ -485,7 +494,7 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forw
     dw_last = None
     for index, (start, end) in enumerate(row_chunks(rows.shape[0], tiling.forward_rows(spec))):
         h, target = chunk_rows(rows, start, end), chunk_rows(local_target, start, end)
-        merged, pending = tiling.forward_statistics(plan, h, weight, target, spec)
+        merged, pending = tiling.forward_statistics(plan, h, weight, target, spec, chunk_rows(labelled, start, end))
         merged_chunks.append(merged)
         # the chunk's positions among all rows: indices, or a slice of consecutive rows (no kernel)
         positions = row_index[start:end] if row_index is not None else slice(start, end)

@@ -25,8 +25,9 @@ through them, and its dense route through `chunk_logits` and `grad_gemms`.
 
 The chunk's GEMMs come from gemm.py and the backend's capabilities: dlogits from the logits GEMM's
 epilogue where the backend has it, a one-pass row kernel where a loss's gradient is
-c (softmax - one_hot) (`forward_plan`), the backend's dW GEMM, and the last chunk's dW added to the
-fp32 sum of the others and written in the weight dtype by one GEMM.
+c (softmax - one_hot) (`forward_plan`), the statistics and dlogits of a whole-vocab chunk in one
+launch where c is known before the statistics (`StatsWithDlogits`), the backend's dW GEMM, and the
+last chunk's dW added to the fp32 sum of the others and written in the weight dtype by one GEMM.
 """
 
 from __future__ import annotations
@@ -256,6 +257,11 @@ class DlogitsMadeInForward:
         ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
         coefs = {"p": -ones, "pz": None, "target": ones, "uniform": None}  # one_hot - softmax
         dlogits = chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
+        return DlogitsMadeInForward.of(dlogits, weight, needs_dx, labelled)
+
+    @staticmethod
+    def of(dlogits: Tensor, weight: Tensor, needs_dx: bool, labelled: Optional[Tensor]) -> "DlogitsMadeInForward":
+        """From D itself (one_hot - softmax in the input dtype)."""
         return DlogitsMadeInForward(dlogits, matmul_fp32(dlogits, weight) if needs_dx else None, labelled)
 
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
@@ -365,6 +371,44 @@ def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: T
     return forward_grad.one_hot_scale(num_labelled)
 
 
+class StatsWithDlogits:
+    """A FastChunks plan: each chunk's statistics and its dlogits from one launch of the backend's
+    `stats_dlogits`, where the host would launch the stats kernel, the merge's tail and the dlogits
+    kernel (host time at RL row counts; the GPU's time is about the same). It needs a shard with the whole
+    vocab (TP = 1), a loss whose dlogits are c (softmax - one_hot) with c known before the
+    statistics (`forward_grad.scale_before_statistics`: cross-entropy without smoothing or z-loss),
+    and every chunk where the backend's kernel applies (its rows are the stats kernel's, one
+    program each: the statistics and dlogits are those of the two kernels, bit for bit)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    @classmethod
+    def plan(cls, spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor, num_labelled) -> Optional["StatsWithDlogits"]:
+        if (spec.backend.stats_dlogits is None or reductions.group_size(spec.tp_group) != 1
+                or spec.want_entropy or spec.want_sum_logits or not applies_to_every_chunk(spec, rows, weight)):
+            return None
+        scale = forward_grad.scale_before_statistics(num_labelled)
+        return None if scale is None else cls(scale)
+
+    def run_(self, logits: Tensor, local_target: Tensor, spec, labelled: Optional[Tensor]) -> reductions.MergedStats:
+        row_max, target, log_sum_exp, lse, _ = spec.backend.stats_dlogits.run_(
+            logits, local_target, spec.num_valid_cols, spec.inv_temperature, labelled, scale=self.scale)
+        return reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+
+
+def applies_to_every_chunk(spec, rows: Tensor, weight: Tensor) -> bool:
+    """Whether the backend's `stats_dlogits` applies to each chunk of `rows` (the last one too)."""
+    num_rows, chunk = rows.shape[0], spec.chunk_size
+    if num_rows == 0:
+        return False
+    applies = spec.backend.stats_dlogits.applies
+    row_bytes = weight.shape[0] * (4 if spec.logits_dtype is not None else weight.element_size())
+    last = num_rows - (num_rows - 1) // chunk * chunk
+    return (applies(min(chunk, num_rows), spec.num_valid_cols, row_bytes, rows.device)
+            and applies(last, spec.num_valid_cols, row_bytes, rows.device))
+
+
 # Statistics of rows whose logits are at most this large come from cuBLAS's logits GEMM and the
 # backend's stats kernel (one chunk of logits held), above it from the fused statistics GEMM (no
 # logits in memory). Forward-only log-probs from an idle GPU, one H200, fused -> cuBLAS: 2048x4096x
@@ -458,14 +502,23 @@ class FastChunks(MergedAfterLoop):
 
     def forward_plan(self, rows: Tensor, weight: Tensor, spec, forward_grad: ForwardGradLoss, needs_dx: bool,
                      num_labelled):
-        """The one-pass scale of this call (None: statistics and dlogits taken apart)."""
-        return _one_pass_scale(spec, forward_grad, rows, weight, min(spec.chunk_size, rows.shape[0]), num_labelled)
+        """The one-pass scale of this call, or its StatsWithDlogits (None: statistics and dlogits
+        taken apart)."""
+        chunk = min(spec.chunk_size, rows.shape[0])
+        scale = _one_pass_scale(spec, forward_grad, rows, weight, chunk, num_labelled)
+        if scale is None:
+            return StatsWithDlogits.plan(spec, forward_grad, rows, weight, num_labelled)
+        return scale
 
-    def forward_statistics(self, one_hot_scale, h: Tensor, weight: Tensor, local_target: Tensor, spec):
-        """-> (the chunk's statistics merged over TP ranks, its logits)."""
+    def forward_statistics(self, one_hot_scale, h: Tensor, weight: Tensor, local_target: Tensor, spec,
+                           labelled: Optional[Tensor] = None):
+        """-> (the chunk's statistics merged over TP ranks, its logits; with a StatsWithDlogits plan,
+        its dlogits already). `labelled`: the chunk's rows of labels that are not ignored (None: all)."""
         logits, stats = chunk_forward(h, weight, local_target, spec, want_stats=one_hot_scale is None)
         if one_hot_scale is None:
             return reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check), logits
+        if isinstance(one_hot_scale, StatsWithDlogits):
+            return one_hot_scale.run_(logits, local_target, spec, labelled), logits
         # the logits become softmax - one_hot in the same pass that takes lse
         loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
         target = lse - loss
@@ -481,6 +534,8 @@ class FastChunks(MergedAfterLoop):
             chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dlogits = gemm_input(logits, h)
         kwargs = dict(dw_accumulate=dw_accumulate, dw_scale=dw_scale, cast_dw_to=cast_dw_to, after_dx=after_dx)
+        if isinstance(one_hot_scale, StatsWithDlogits):  # the coefficients are in the dlogits
+            return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, **kwargs)
         if one_hot_scale is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
             return row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **kwargs)
         return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=one_hot_scale or 1.0, **kwargs)

@@ -17,6 +17,10 @@ A loss says how, by subclassing `ForwardGradLoss`:
   backend's one-pass row kernel can make them in the same pass that takes lse: return c (a float,
   the same for every token: the GEMMs' alpha) or `PER_ROW` (c_i = the token's coefficient of lse,
   read from `token_grads`); None (the default) where the gradient has any other form.
+* `scale_before_statistics(num_labelled)`: where each labelled token's dlogits are c (softmax -
+  one_hot(y)), 0 in the rows of ignored labels, with c known before the statistics, a backend's
+  `stats_dlogits` makes them in the launch that takes the statistics: return c (a float, or a 0-d
+  fp32 tensor on the device); None (the default) otherwise.
 * `want_sum_logits`: whether `token_grads` reads `sum_logits` (label smoothing).
 
 Then `api.token_statistics(..., forward_grad=loss)` runs the chunk loop and returns the statistics
@@ -71,4 +75,7 @@ class ForwardGradLoss:
         raise NotImplementedError
 
     def one_hot_scale(self, num_labelled) -> Union[float, str, None]:
+        return None
+
+    def scale_before_statistics(self, num_labelled) -> Union[float, Tensor, None]:
         return None

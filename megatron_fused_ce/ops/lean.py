@@ -90,7 +90,8 @@ class LeanTiles(MergedAfterLoop):
                      num_labelled=None) -> "_SweepA":
         return _SweepA(weight_blocks(weight, spec.num_valid_cols, self.cols_a), needs_dx)
 
-    def forward_statistics(self, plan: "_SweepA", h: Tensor, weight: Tensor, local_target: Tensor, spec):
+    def forward_statistics(self, plan: "_SweepA", h: Tensor, weight: Tensor, local_target: Tensor, spec,
+                           labelled: Optional[Tensor] = None):
         """Sweep A over a token chunk -> (its statistics merged over TP ranks, (partials, accumulator))."""
         stats, acc = expected_rows(h, plan.blocks, local_target, spec, want_acc=plan.needs_dx)
         return reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check), (stats, acc)

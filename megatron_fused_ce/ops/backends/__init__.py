@@ -11,6 +11,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 | `union_logits`, `union_sum_rows`: replay's union tiles (a tile of rows times the W rows its kept sets name, gathered in the GEMM) | the dense route's whole-shard GEMMs | Triton (replay_union_triton.py) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
+| `stats_dlogits`: one launch giving a whole-vocab chunk's statistics and its dlogits, coefficients known before the statistics (cross-entropy, log-probs), the same bits | `shard_stats` + `merged_tail` + `shard_dlogits_` | Triton |
 | `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
 | `weight_grad_gemm`: the dW GEMMs (write, add in place, add a sum and cast) | cuBLAS | QuACK, added to "auto" |
 
@@ -87,6 +88,18 @@ class RowKernel:
 
 
 @dataclass(frozen=True)
+class StatsDlogits:
+    """One launch over a chunk of a whole-vocab shard (TP = 1: nothing to merge between the two)
+    giving each row's statistics and leaving its dlogits in place, where the dlogits' coefficients
+    are known before the statistics: `run_(logits, local_target, num_valid_cols, inv_temperature,
+    labelled, scale=, logprob=, poison=)` for chunks of which `applies(rows, num_valid_cols,
+    device)`."""
+
+    applies: Callable
+    run_: Callable
+
+
+@dataclass(frozen=True)
 class WeightGradGemm:
     """dW GEMMs: `into_(out, a, b, accumulate=, alpha=, add=)` writes or adds alpha * a @ b (with
     `add`: alpha * a @ b + add, written in out's dtype) and returns False, having done nothing,
@@ -139,6 +152,7 @@ class Backend:
     gemm_stats: Optional[FusedGemm] = None
     gemm_dlogits: Optional[FusedGemm] = None
     row_kernel: Optional[RowKernel] = None
+    stats_dlogits: Optional[StatsDlogits] = None
     weight_grad_gemm: Optional[WeightGradGemm] = None
     # sampling-mask replay's layout of the kept entries and the mask's device checks in kernels
     # (replay.KeptEntries; None: its torch definition)

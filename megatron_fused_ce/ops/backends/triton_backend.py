@@ -25,6 +25,8 @@ them against the torch backend, on CPU under TRITON_INTERPRET=1.
 - `gemm_dlogits` (triton_gemm_dlogits.py): the logits GEMM with `shard_dlogits_`'s math in its
   epilogue, where the softmax offsets are known before the GEMM (backward recompute, lean sweeps).
 - the sampler filters' kernels: sampling_triton.py.
+- `stats_dlogits_` (TP = 1, the coefficients known before the statistics: cross-entropy, log-probs):
+  `shard_stats`, `merged_tail` and `shard_dlogits_` in one launch, the same bits (design.md §10.6).
 - `shard_dlogits_`: one read and one write of the chunk, in place. A 2-D grid of (row, column
   block) programs; each computes dL/dlogits = inv_T * (exp(z - lse) (c_p + c_pz (z - lse)) + c_u
   + c_t [k == y]) in fp32 and stores it in the chunk's dtype; padding columns get 0.
@@ -44,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from . import Backend, FusedGemm, ShardStats, torch_backend, triton_gemm_dlogits, triton_gemm_stats
+from . import Backend, FusedGemm, ShardStats, StatsDlogits, torch_backend, triton_gemm_dlogits, triton_gemm_stats
 from .triton_common import (cached_launch, cdiv, f32 as _f32, interpreting as _interpreting, next_power_of_2,
                             sm_count as _sm_count)
 from .replay_triton import fingerprint_terms
@@ -59,6 +61,10 @@ DLOGITS_WARPS = 8
 PROGRAMS_PER_SM = 8  # split columns until the stats grid has at least this many programs per SM
 MERGE_BLOCK_R = 64
 GEMM_DLOGITS = True  # dlogits from the logits GEMM's epilogue where it runs (off: GEMM + dlogits kernel)
+STATS_DLOGITS = True  # stats_dlogits_ where it applies (off: the stats and dlogits kernels apart)
+STATS_DLOGITS_PROGRAMS_PER_SM = 16  # its persistent programs
+STATS_DLOGITS_MAX_ROW_BYTES = 48 * 1024  # where it runs (stats_dlogits_applies)
+STATS_DLOGITS_MAX_CHUNK_BYTES = 192 * 1024 * 1024
 
 
 def gemm_dlogits_supported(h: Tensor, weight: Tensor) -> bool:
@@ -211,6 +217,61 @@ def _dlogits_kernel(
 
 
 
+@cached_launch
+@triton.jit
+def _stats_dlogits_kernel(
+    logits_ptr, stride_row, target_ptr, labelled_ptr, scale_ptr, scale, poison_ptr,
+    max_ptr, target_out_ptr, log_sum_exp_ptr, lse_ptr, logprob_ptr,
+    n, num_cols, num_valid_cols, inv_temperature,
+    LOGPROB: tl.constexpr, HAS_LABELLED: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, HAS_POISON: tl.constexpr,
+    STATS_N: tl.constexpr, DLOGITS_N: tl.constexpr, ROUND_BF16: tl.constexpr, PRECISE_LOG: tl.constexpr,
+):
+    # Persistent over rows. Each row is read by the statistics' loop (the stats kernel's, operation
+    # for operation, and merged_tail's log: the same bits), then again by the dlogits' loop (the
+    # dlogits kernel's math with the row's coefficients).
+    if SCALE_IN_MEMORY:
+        scale = tl.load(scale_ptr)
+    for row in range(tl.program_id(0), n, tl.num_programs(0)):
+        row_ptr = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride_row  # (64-bit offsets)
+        m = tl.full([], float("-inf"), tl.float32)
+        s = tl.zeros([], tl.float32)
+        for col0 in range(0, num_valid_cols, STATS_N):
+            cols = col0 + tl.arange(0, STATS_N)
+            z = tl.load(row_ptr + cols, mask=cols < num_valid_cols, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        t = tl.load(target_ptr + row)
+        in_block = (t >= 0) & (t < num_valid_cols)
+        z_t = tl.where(in_block, tl.load(row_ptr + tl.where(in_block, t, 0)).to(tl.float32) * inv_temperature, 0.0)
+        log_s = _log(s, PRECISE_LOG)
+        tl.store(max_ptr + row, m)
+        tl.store(target_out_ptr + row, z_t)
+        tl.store(log_sum_exp_ptr + row, log_s)
+        tl.store(lse_ptr + row, m + log_s)
+        labelled = (tl.load(labelled_ptr + row) != 0) if HAS_LABELLED else True
+        if LOGPROB:  # d log p_y / d z = one_hot - softmax (every row: the backward masks g), and log p_y
+            coef_p = -1.0
+            coef_t = 1.0
+            logprob = tl.where(labelled, (z_t - m) - log_s, 0.0)
+            if HAS_POISON:
+                logprob = logprob + tl.load(poison_ptr)
+            tl.store(logprob_ptr + row, logprob)
+        else:  # c (softmax - one_hot), c = 0 in the rows of ignored labels
+            coef_p = scale * labelled.to(tl.float32)
+            coef_t = -coef_p
+        for col0 in range(0, num_cols, DLOGITS_N):
+            cols = col0 + tl.arange(0, DLOGITS_N)
+            valid = cols < num_valid_cols
+            z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
+            grad = tl.exp((z - m) - log_s) * coef_p
+            grad += tl.where(cols == t, coef_t, 0.0)
+            grad = tl.where(valid, grad * inv_temperature, 0.0)
+            if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates
+                grad = round_bf16_by_hand(grad)
+            tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < num_cols)
+
+
 def shard_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
                 want_sum_logits: bool = False, want_entropy: bool = False, *, col_start: int = 0) -> ShardStats:
     """torch_backend.shard_stats (same arguments, same results) in Triton."""
@@ -327,6 +388,45 @@ def shard_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, in
         num_warps=DLOGITS_WARPS,
     )
     return logits
+
+
+def stats_dlogits_applies(num_rows: int, num_valid_cols: int, row_bytes: int, device: torch.device) -> bool:
+    """Where `stats_dlogits_` runs: chunks the stats kernel takes in one split per row (every row
+    by one program: the same bits as shard_stats'), i.e. as many rows as PROGRAMS_PER_SM fills, or
+    rows of one block; and where it measured no slower than the two kernels on an H200: rows of
+    at most STATS_DLOGITS_MAX_ROW_BYTES, or chunks of at most STATS_DLOGITS_MAX_CHUNK_BYTES
+    (`row_bytes`: a row of the chunk's logits; 8192 x 32064 and 4096 x 64128 bf16 took 3-9 % longer)."""
+    return (STATS_DLOGITS and (num_rows >= PROGRAMS_PER_SM * _sm_count(device) or num_valid_cols <= STATS_BLOCK_N)
+            and (row_bytes <= STATS_DLOGITS_MAX_ROW_BYTES or num_rows * row_bytes <= STATS_DLOGITS_MAX_CHUNK_BYTES))
+
+
+def stats_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
+                   labelled: Optional[Tensor], scale=None, logprob: bool = False,
+                   poison: Optional[Tensor] = None) -> tuple:
+    """One launch over a chunk whose shard is the whole vocab (TP = 1, where `stats_dlogits_applies`):
+    each row's statistics, bit for bit those of shard_stats + merged_tail (max, z_y, log S, lse), and
+    its dlogits in place of its logits, bit for bit those of shard_dlogits_ with the coefficients
+    they stand for: `scale` c (a float, or an fp32 0-d tensor on the device) for c (softmax -
+    one_hot) in labelled rows (`labelled`, bool [rows]; None: every row) and 0 elsewhere
+    (cross-entropy); with `logprob`, one_hot - softmax in every row and the labelled log-probs plus
+    `poison` (labelled_logprob's). -> (max, target, log S, lse, log-probs or None)."""
+    n, num_cols = logits.shape
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    outs = tuple(torch.empty(n, **f32) for _ in range(5 if logprob else 4))
+    in_memory = isinstance(scale, Tensor)
+    programs = max(1, min(n, STATS_DLOGITS_PROGRAMS_PER_SM * _sm_count(logits.device)))
+    _stats_dlogits_kernel[(programs,)](
+        logits, logits.stride(0), local_target, outs[0] if labelled is None else labelled.view(torch.uint8),
+        _f32(scale) if in_memory else outs[0], 0.0 if in_memory or scale is None else float(scale),
+        outs[0] if poison is None else _f32(poison),
+        *outs[:4], outs[-1],
+        n, num_cols, num_valid_cols, float(inv_temperature),
+        LOGPROB=logprob, HAS_LABELLED=labelled is not None, SCALE_IN_MEMORY=in_memory, HAS_POISON=poison is not None,
+        STATS_N=STATS_BLOCK_N, DLOGITS_N=DLOGITS_BLOCK_N,
+        ROUND_BF16=_interpreting() and logits.dtype == torch.bfloat16, PRECISE_LOG=not _interpreting(),
+        num_warps=STATS_WARPS,  # (the statistics' reduction order: the stats kernel's)
+    )
+    return outs if logprob else outs + (None,)
 
 
 @cached_launch
@@ -821,4 +921,5 @@ BACKEND = Backend(
     rescaled_partials=rescaled_partials, merged_tail=merged_tail, labelled_logprob=labelled_logprob,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
+    stats_dlogits=StatsDlogits(applies=stats_dlogits_applies, run_=stats_dlogits_),
 )
