@@ -35,10 +35,11 @@ GRPO_OPTION_SETS = {
 }
 MAX_KERNELS = {"cross_entropy": 30, "logprobs": 30, "logprobs_entropy": 30, "forward_only": 30, "grpo": 40}
 # Measured on an H200 (torch 2.11, Triton 3.6): forward-only 3 at TP = 1 (the GEMM, the label and statistics
-# kernels; 10 before its epilogue went into the statistics kernel), log-probs 17 (26 with entropy;
-# 21 before the labelled log-prob took the poison and the backward's row scaling the label mask),
-# cross-entropy 12, GRPO 12 with each option set (its per-token terms: one kernel, triton_grpo.py; 14 before
-# the label kernel read its mask).
+# kernels; 10 before its epilogue went into the statistics kernel), log-probs 12 (23 with entropy; 17
+# before their statistics and dlogits came from one launch, 21 before the labelled log-prob took the
+# poison and the backward's row scaling the label mask), cross-entropy 10 (12 with the statistics and
+# dlogits kernels apart), GRPO 12 with each option set (its per-token terms: one kernel, triton_grpo.py;
+# 14 before the label kernel read its mask).
 
 
 def _inputs(seed):
