@@ -216,8 +216,7 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison):
-        one_launch = (spec.backend.stats_dlogits is not None and reductions.group_size(spec.tp_group) == 1
-                      and fast.applies_to_every_chunk(spec, hidden, weight))
+        one_launch = fast.runs_stats_dlogits(spec, hidden, weight)
         logits, partials = fast.chunk_forward(hidden, weight, local_target, spec, want_stats=not one_launch)
         if one_launch:  # the statistics, log-probs and D in one launch (fast.StatsWithDlogits' kernel)
             row_max, target, log_sum_exp, lse, logprob = spec.backend.stats_dlogits.run_(

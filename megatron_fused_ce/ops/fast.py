@@ -373,20 +373,19 @@ def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: T
 
 class StatsWithDlogits:
     """A FastChunks plan: each chunk's statistics and its dlogits from one launch of the backend's
-    `stats_dlogits`, where the host would launch the stats kernel, the merge's tail and the dlogits
-    kernel (host time at RL row counts; the GPU's time is about the same). It needs a shard with the whole
-    vocab (TP = 1), a loss whose dlogits are c (softmax - one_hot) with c known before the
-    statistics (`forward_grad.scale_before_statistics`: cross-entropy without smoothing or z-loss),
-    and every chunk where the backend's kernel applies (its rows are the stats kernel's, one
-    program each: the statistics and dlogits are those of the two kernels, bit for bit)."""
+    `stats_dlogits`, where the host would launch the stats kernel, the merge's tail and the
+    dlogits kernel (host time at RL row counts; the GPU's time is about the same). For a loss whose
+    dlogits are c (softmax - one_hot) with c known before the statistics
+    (`forward_grad.scale_before_statistics`: cross-entropy without smoothing or z-loss), where
+    `runs_stats_dlogits`."""
 
     def __init__(self, scale):
         self.scale = scale
 
     @classmethod
-    def plan(cls, spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor, num_labelled) -> Optional["StatsWithDlogits"]:
-        if (spec.backend.stats_dlogits is None or reductions.group_size(spec.tp_group) != 1
-                or spec.want_entropy or spec.want_sum_logits or not applies_to_every_chunk(spec, rows, weight)):
+    def plan(cls, spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor,
+             num_labelled) -> Optional["StatsWithDlogits"]:
+        if spec.want_entropy or spec.want_sum_logits or not runs_stats_dlogits(spec, rows, weight):
             return None
         scale = forward_grad.scale_before_statistics(num_labelled)
         return None if scale is None else cls(scale)
@@ -397,10 +396,13 @@ class StatsWithDlogits:
         return reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
 
 
-def applies_to_every_chunk(spec, rows: Tensor, weight: Tensor) -> bool:
-    """Whether the backend's `stats_dlogits` applies to each chunk of `rows` (the last one too)."""
+def runs_stats_dlogits(spec, rows: Tensor, weight: Tensor) -> bool:
+    """Whether the backend's `stats_dlogits` takes every chunk of `rows` (the last one too): a shard
+    with the whole vocab (TP = 1: nothing to merge between the statistics and the dlogits), and
+    chunks where the kernel applies (its rows are the stats kernel's, one program each: the
+    statistics and dlogits are those of the two kernels, bit for bit)."""
     num_rows, chunk = rows.shape[0], spec.chunk_size
-    if num_rows == 0:
+    if spec.backend.stats_dlogits is None or reductions.group_size(spec.tp_group) != 1 or num_rows == 0:
         return False
     applies = spec.backend.stats_dlogits.applies
     row_bytes = weight.shape[0] * (4 if spec.logits_dtype is not None else weight.element_size())
@@ -502,43 +504,43 @@ class FastChunks(MergedAfterLoop):
 
     def forward_plan(self, rows: Tensor, weight: Tensor, spec, forward_grad: ForwardGradLoss, needs_dx: bool,
                      num_labelled):
-        """The one-pass scale of this call, or its StatsWithDlogits (None: statistics and dlogits
-        taken apart)."""
-        chunk = min(spec.chunk_size, rows.shape[0])
-        scale = _one_pass_scale(spec, forward_grad, rows, weight, chunk, num_labelled)
+        """How this call's chunks make their statistics and dlogits: the row kernel's one-pass
+        scale (a float, or PER_ROW), a StatsWithDlogits, or None (the stats and dlogits kernels)."""
+        scale = _one_pass_scale(spec, forward_grad, rows, weight, min(spec.chunk_size, rows.shape[0]), num_labelled)
         if scale is None:
             return StatsWithDlogits.plan(spec, forward_grad, rows, weight, num_labelled)
         return scale
 
-    def forward_statistics(self, one_hot_scale, h: Tensor, weight: Tensor, local_target: Tensor, spec,
+    def forward_statistics(self, plan, h: Tensor, weight: Tensor, local_target: Tensor, spec,
                            labelled: Optional[Tensor] = None):
-        """-> (the chunk's statistics merged over TP ranks, its logits; with a StatsWithDlogits plan,
-        its dlogits already). `labelled`: the chunk's rows of labels that are not ignored (None: all)."""
-        logits, stats = chunk_forward(h, weight, local_target, spec, want_stats=one_hot_scale is None)
-        if one_hot_scale is None:
+        """-> (the chunk's statistics merged over TP ranks, its logits: its dlogits already where the
+        `plan` made them). `labelled`: the chunk's rows whose labels are not ignored (None: all)."""
+        logits, stats = chunk_forward(h, weight, local_target, spec, want_stats=plan is None)
+        if plan is None:
             return reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check), logits
-        if isinstance(one_hot_scale, StatsWithDlogits):
-            return one_hot_scale.run_(logits, local_target, spec, labelled), logits
+        if isinstance(plan, StatsWithDlogits):
+            return plan.run_(logits, local_target, spec, labelled), logits
         # the logits become softmax - one_hot in the same pass that takes lse
         loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
         target = lse - loss
         # offsets M = z_y, log S = loss: M + log S = lse, and log p_y = -loss exactly
         return reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss), logits
 
-    def forward_grads(self, one_hot_scale, logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor, spec,
+    def forward_grads(self, plan, logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor, spec,
                       merged, coefs: dict, dx_chunk: Optional[Tensor], dw_out: Optional[Tensor], *,
                       dw_accumulate: bool, dw_scale: float, cast_dw_to: Optional[torch.dtype],
                       after_dx: Optional[Callable[[], None]] = None) -> Optional[Tensor]:
-        """The chunk's dlogits (in place of its logits), then dX and dW (see grad_gemms)."""
-        if one_hot_scale is None:
+        """The chunk's dlogits (in place of its logits, unless the `plan` made them), then dX and dW
+        (see grad_gemms)."""
+        if plan is None:
             chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dlogits = gemm_input(logits, h)
         kwargs = dict(dw_accumulate=dw_accumulate, dw_scale=dw_scale, cast_dw_to=cast_dw_to, after_dx=after_dx)
-        if isinstance(one_hot_scale, StatsWithDlogits):  # the coefficients are in the dlogits
+        if isinstance(plan, StatsWithDlogits):  # the coefficients are in the dlogits
             return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, **kwargs)
-        if one_hot_scale is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
+        if plan is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
             return row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **kwargs)
-        return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=one_hot_scale or 1.0, **kwargs)
+        return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=plan or 1.0, **kwargs)
 
 
 FAST_CHUNKS = FastChunks()
