@@ -260,7 +260,8 @@ def _two_kernels(tb, logits, target, nvc, inv_t, labelled, scale, logprob, poiso
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("mode", ["ce count on the device", "ce python scale", "logprobs", "logprobs every row"])
+@pytest.mark.parametrize("mode", ["ce count on the device", "ce python scale", "ce every row", "logprobs",
+                                  "logprobs every row"])
 def test_stats_dlogits_equals_the_stats_and_dlogits_kernels(small_blocks, dtype, temperature, mode):
     """One launch for the statistics and the dlogits of a whole-vocab chunk gives, bit for bit,
     what the stats kernel, the merge's tail, the log-probs' launch and the dlogits kernel give
@@ -279,7 +280,7 @@ def test_stats_dlogits_equals_the_stats_and_dlogits_kernels(small_blocks, dtype,
     assert not tb.stats_dlogits_applies(tb.STATS_DLOGITS_MAX_CHUNK_BYTES // wide + 1, nvc, wide, DEVICE)
     logits, g = _chunk(n, v, dtype, seed=31)
     target = _targets(n, nvc, g)
-    labelled = None if mode == "logprobs every row" else (target >= 0) | (torch.rand(n, generator=g) < 0.2).to(DEVICE)
+    labelled = None if mode.endswith("every row") else (target >= 0) | (torch.rand(n, generator=g) < 0.2).to(DEVICE)
     logprob = mode.startswith("logprobs")
     scale = torch.tensor(1 / 37, device=DEVICE) if mode == "ce count on the device" else 0.03
     poison = torch.zeros(1, device=DEVICE) if logprob else None

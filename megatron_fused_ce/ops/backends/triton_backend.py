@@ -72,23 +72,11 @@ def gemm_dlogits_supported(h: Tensor, weight: Tensor) -> bool:
     return GEMM_DLOGITS and triton_gemm_dlogits.supported(h, weight)
 
 
-@cached_launch
 @triton.jit
-def _stats_kernel(
-    logits_ptr, stride_row, target_ptr, col_start,
-    max_ptr, sum_exp_ptr, target_out_ptr, sum_logits_ptr, sum_exp_shifted_ptr,
-    num_valid_cols, cols_per_split, num_splits, inv_temperature,
-    log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr,
-    WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
-    FINISH: tl.constexpr = False, PRECISE_LOG: tl.constexpr = False,
-):
-    # FINISH (shard_logprob; one split): the row's log S, lse and log-prob as well
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    start = split * cols_per_split
-    end = tl.minimum(start + cols_per_split, num_valid_cols)  # every split holds >= 1 column
-
+def _online_softmax_sums(row_ptr, start, end, inv_temperature, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """(max m, sum exp(z - m), sum z, sum exp(z - m) (z - m)) of z = logits[start:end] * inv_T, in
+    blocks of BLOCK_N columns with an online max (the stats kernels' one definition: their bits)."""
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     s_logits = tl.zeros([], tl.float32)
@@ -109,7 +97,35 @@ def _stats_kernel(
         if WANT_SUM:
             s_logits += tl.sum(tl.where(valid, z, 0.0), axis=0)  # -inf -> 0 at masked columns
         m = m_new
+    return m, s, s_logits, s_exp_shifted
 
+
+@triton.jit
+def _target_logit(row_ptr, t, num_valid_cols, inv_temperature):
+    """(z_t, whether column t is a valid column of the row): z_t = 0 where it is not."""
+    in_block = (t >= 0) & (t < num_valid_cols)
+    return tl.where(in_block, tl.load(row_ptr + tl.where(in_block, t, 0)).to(tl.float32) * inv_temperature, 0.0), in_block
+
+
+@cached_launch
+@triton.jit
+def _stats_kernel(
+    logits_ptr, stride_row, target_ptr, col_start,
+    max_ptr, sum_exp_ptr, target_out_ptr, sum_logits_ptr, sum_exp_shifted_ptr,
+    num_valid_cols, cols_per_split, num_splits, inv_temperature,
+    log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr,
+    WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
+    FINISH: tl.constexpr = False, PRECISE_LOG: tl.constexpr = False,
+):
+    # FINISH (shard_logprob; one split): the row's log S, lse and log-prob as well
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    start = split * cols_per_split
+    end = tl.minimum(start + cols_per_split, num_valid_cols)  # every split holds >= 1 column
+
+    m, s, s_logits, s_exp_shifted = _online_softmax_sums(row_ptr, start, end, inv_temperature, WANT_SUM,
+                                                         WANT_ENTROPY, BLOCK_N)
     out = row.to(tl.int64) * num_splits + split
     tl.store(max_ptr + out, m)
     tl.store(sum_exp_ptr + out, s)
@@ -119,8 +135,7 @@ def _stats_kernel(
         tl.store(sum_exp_shifted_ptr + out, s_exp_shifted)
     if split == 0:
         t = tl.load(target_ptr + row) - col_start  # the label's column in this block
-        in_block = (t >= 0) & (t < num_valid_cols)
-        z_t = tl.where(in_block, tl.load(row_ptr + tl.where(in_block, t, 0)).to(tl.float32) * inv_temperature, 0.0)
+        z_t, in_block = _target_logit(row_ptr, t, num_valid_cols, inv_temperature)
         tl.store(target_out_ptr + row, z_t)
         if FINISH:
             _finish_row(row, m, s, z_t, in_block, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG)
@@ -223,42 +238,34 @@ def _stats_dlogits_kernel(
     logits_ptr, stride_row, target_ptr, labelled_ptr, scale_ptr, scale, poison_ptr,
     max_ptr, target_out_ptr, log_sum_exp_ptr, lse_ptr, logprob_ptr,
     n, num_cols, num_valid_cols, inv_temperature,
-    LOGPROB: tl.constexpr, HAS_LABELLED: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, HAS_POISON: tl.constexpr,
+    LOGPROB: tl.constexpr, HAS_LABELLED: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
     STATS_N: tl.constexpr, DLOGITS_N: tl.constexpr, ROUND_BF16: tl.constexpr, PRECISE_LOG: tl.constexpr,
 ):
-    # Persistent over rows. Each row is read by the statistics' loop (the stats kernel's, operation
-    # for operation, and merged_tail's log: the same bits), then again by the dlogits' loop (the
-    # dlogits kernel's math with the row's coefficients).
+    # Persistent over rows. Each row is read by the statistics' loop (the stats kernel's, and
+    # merged_tail's log: the same bits; the log-probs shard_logprob's), then again by the dlogits'
+    # loop (the dlogits kernel's math with the row's coefficients).
     if SCALE_IN_MEMORY:
         scale = tl.load(scale_ptr)
     for row in range(tl.program_id(0), n, tl.num_programs(0)):
         row_ptr = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride_row  # (64-bit offsets)
-        m = tl.full([], float("-inf"), tl.float32)
-        s = tl.zeros([], tl.float32)
-        for col0 in range(0, num_valid_cols, STATS_N):
-            cols = col0 + tl.arange(0, STATS_N)
-            z = tl.load(row_ptr + cols, mask=cols < num_valid_cols, other=float("-inf")).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
+        m, s, _, _ = _online_softmax_sums(row_ptr, 0, num_valid_cols, inv_temperature, False, False, STATS_N)
         t = tl.load(target_ptr + row)
-        in_block = (t >= 0) & (t < num_valid_cols)
-        z_t = tl.where(in_block, tl.load(row_ptr + tl.where(in_block, t, 0)).to(tl.float32) * inv_temperature, 0.0)
-        log_s = _log(s, PRECISE_LOG)
+        z_t, _ = _target_logit(row_ptr, t, num_valid_cols, inv_temperature)
         tl.store(max_ptr + row, m)
         tl.store(target_out_ptr + row, z_t)
-        tl.store(log_sum_exp_ptr + row, log_s)
-        tl.store(lse_ptr + row, m + log_s)
         labelled = (tl.load(labelled_ptr + row) != 0) if HAS_LABELLED else True
-        if LOGPROB:  # d log p_y / d z = one_hot - softmax (every row: the backward masks g), and log p_y
+        log_s = _log(s, PRECISE_LOG)
+        if LOGPROB:  # d log p_y / d z = one_hot - softmax (every row: the backward masks g)
+            _finish_row(row, m, s, z_t, labelled, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG)
             coef_p = -1.0
             coef_t = 1.0
-            logprob = tl.where(labelled, (z_t - m) - log_s, 0.0)
-            if HAS_POISON:
-                logprob = logprob + tl.load(poison_ptr)
-            tl.store(logprob_ptr + row, logprob)
         else:  # c (softmax - one_hot), c = 0 in the rows of ignored labels
-            coef_p = scale * labelled.to(tl.float32)
+            tl.store(log_sum_exp_ptr + row, log_s)
+            tl.store(lse_ptr + row, m + log_s)
+            if HAS_LABELLED:
+                coef_p = scale * labelled.to(tl.float32)
+            else:
+                coef_p = scale
             coef_t = -coef_p
         for col0 in range(0, num_cols, DLOGITS_N):
             cols = col0 + tl.arange(0, DLOGITS_N)
@@ -409,7 +416,9 @@ def stats_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, in
     they stand for: `scale` c (a float, or an fp32 0-d tensor on the device) for c (softmax -
     one_hot) in labelled rows (`labelled`, bool [rows]; None: every row) and 0 elsewhere
     (cross-entropy); with `logprob`, one_hot - softmax in every row and the labelled log-probs plus
-    `poison` (labelled_logprob's). -> (max, target, log S, lse, log-probs or None)."""
+    `poison` (fp32 [1], required: shard_logprob's). -> (max, target, log S, lse, log-probs or None)."""
+    if logprob and poison is None:
+        raise ValueError("stats_dlogits_: logprob=True needs the call's poison")
     n, num_cols = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     outs = tuple(torch.empty(n, **f32) for _ in range(5 if logprob else 4))
@@ -418,10 +427,10 @@ def stats_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, in
     _stats_dlogits_kernel[(programs,)](
         logits, logits.stride(0), local_target, outs[0] if labelled is None else labelled.view(torch.uint8),
         _f32(scale) if in_memory else outs[0], 0.0 if in_memory or scale is None else float(scale),
-        outs[0] if poison is None else _f32(poison),
+        _f32(poison) if logprob else outs[0],
         *outs[:4], outs[-1],
         n, num_cols, num_valid_cols, float(inv_temperature),
-        LOGPROB=logprob, HAS_LABELLED=labelled is not None, SCALE_IN_MEMORY=in_memory, HAS_POISON=poison is not None,
+        LOGPROB=logprob, HAS_LABELLED=labelled is not None, SCALE_IN_MEMORY=in_memory,
         STATS_N=STATS_BLOCK_N, DLOGITS_N=DLOGITS_BLOCK_N,
         ROUND_BF16=_interpreting() and logits.dtype == torch.bfloat16, PRECISE_LOG=not _interpreting(),
         num_warps=STATS_WARPS,  # (the statistics' reduction order: the stats kernel's)
