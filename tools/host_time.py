@@ -10,8 +10,10 @@ rounds; one process, one shape.
     torchrun --nproc_per_node 2 tools/host_time.py --tp 2 --shape 2048x4096x19008   # V per rank, NCCL
 
 `--kernels` adds the CUDA kernels of one call (torch.profiler; copies and memsets aside, the
-collectives among them). For an A/B of two trees, run it from each in turn a few times (hosts
-drift between processes).
+collectives among them). `--general-path` adds each method with every call through the general
+path (ops/remembered_routes.py off: no route run straight), in rounds alternating with the default
+in the same process. For an A/B of two trees, run it from each in turn a few times (hosts drift
+between processes).
 """
 
 import argparse
@@ -26,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.measure import make_inputs  # noqa: E402  (the benchmark's inputs and steps)
 from bench.methods import MAKERS  # noqa: E402
+from megatron_fused_ce.ops import agreement, remembered_routes  # noqa: E402
 
 IMPLS = "floor_fwd,floor,ours_fwd,ours_ce,ours_logprobs,ours_grpo"
 TP_IMPLS = "ours_fwd,ours_ce,ours_logprobs,ours_grpo"  # (tools/bench/tp.py's makers)
@@ -80,6 +83,8 @@ def main(argv=None):
                                    f"with --tp {TP_IMPLS})")
     p.add_argument("--tp", type=int, default=1, help="TP size: torchrun --nproc_per_node N, one GPU each")
     p.add_argument("--kernels", action="store_true", help="also the CUDA kernels of one call")
+    p.add_argument("--general-path", action="store_true",
+                   help="also every call through the general path (no remembered route), rounds alternating")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20, help="calls per round")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -101,16 +106,32 @@ def main(argv=None):
     results = {}
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     say(f"{args.shape}{f' per rank, TP = {args.tp}' if args.tp > 1 else ''} on {where}, µs a call (medians)")
-    say(f"{'method':14s} {'back to back':>13s} {'from idle':>10s} {'host':>8s}" + ("  kernels" if args.kernels else ""))
+    say(f"{'method':24s} {'back to back':>13s} {'from idle':>10s} {'host':>8s}" + ("  kernels" if args.kernels else ""))
     for name in (args.impls or (TP_IMPLS if args.tp > 1 else IMPLS)).split(","):
-        step = make(name)
-        results[name] = dict(zip(("back_to_back_us", "from_idle_us", "host_us"),
-                                 measure(step, device, args.rounds, args.calls)))
-        if args.kernels and device.type == "cuda":
-            results[name]["kernels"] = kernels_per_call(step)
-        r = results[name]
-        say(f"{name:14s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}"
-            + (f"  {r['kernels']:7d}" if "kernels" in r else ""), flush=True)
+        settings = (True, False) if args.general_path else (True,)
+        rounds = {routes: [] for routes in settings}
+        for _ in range(args.rounds if args.general_path else 1):
+            for routes in settings:  # (each setting from its signature's first call on)
+                remembered_routes.ENABLED = routes
+                agreement.forget_signatures()
+                step = make(name)
+                rounds[routes].append(measure(step, device, 1 if args.general_path else args.rounds, args.calls))
+        remembered_routes.ENABLED = True
+        for routes in settings:
+            label = name if routes else f"{name} (general)"
+            results[label] = dict(zip(("back_to_back_us", "from_idle_us", "host_us"),
+                                      (statistics.median(r[k] for r in rounds[routes]) for k in range(3))))
+            if args.kernels and device.type == "cuda":
+                remembered_routes.ENABLED = routes
+                agreement.forget_signatures()
+                step = make(name)
+                for _ in range(3):  # (a signature's first call, then the one that records its route)
+                    step()
+                results[label]["kernels"] = kernels_per_call(step)
+                remembered_routes.ENABLED = True
+            r = results[label]
+            say(f"{label:24s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}"
+                + (f"  {r['kernels']:7d}" if "kernels" in r else ""), flush=True)
     if args.tp > 1:
         ctx.dist.destroy_process_group()
     if args.json and rank == 0:

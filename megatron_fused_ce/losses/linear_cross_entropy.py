@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops import reductions
+from ..ops import reductions, remembered_routes
 from ..ops.agreement import finite_real, flag_argument, integer_argument
 from ..ops.api import LabelledCount, first_product_ahead, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
@@ -100,6 +100,17 @@ def linear_cross_entropy(
     `expected_upstream_grad` (g, known at forward time), goes straight into main_grad times g with
     no buffer; the backward then checks g (see `api.expected_upstream_grad_problem`).
     """
+    # a later call of a route the general path recorded: straight through (remembered_routes.py)
+    route_key = remembered_routes.call_key(
+        "linear_cross_entropy", hidden, weight, labels, tp_group,
+        (vocab_size, ignore_index, reduction, label_smoothing, z_loss_weight, temperature, chunk_size,
+         sequence_parallel, impl, accumulate_into_main_grad, logits_dtype, memory_mode, max_chunk_bytes,
+         expected_upstream_grad))
+    route = remembered_routes.lookup(route_key)
+    if route is not None:
+        loss = route(hidden, weight, labels)
+        if loss is not None:
+            return loss
     ahead = first_product_ahead("linear_cross_entropy", hidden, weight, impl, chunk_size, max_chunk_bytes,
                                 memory_mode, logits_dtype, sequence_parallel, reduction, label_smoothing,
                                 z_loss_weight)
@@ -135,6 +146,9 @@ def linear_cross_entropy(
     if not smoothing and not z_weight and reduction != "none":
         total = stats.negative_logprob_total(mean=reduction == "mean")  # one kernel, where it applies
         if total is not None:
+            if stats.straight is not None:
+                remembered_routes.remember(route_key, remembered_routes.CrossEntropyRoute(
+                    stats.straight, forward_grad, impl))
             return total + stats.anchor
     per_token = stats.negative_logprob()  # (0 in rows of ignored labels)
     masked = True

@@ -29,7 +29,7 @@ from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, 
                         is_int)
 from .forward_grad import ForwardGradLoss
 from .chunked import ChunkSpec, LinearLogprobDlogitsInForward, LinearLossGradInForward, autocast_off, softmax_statistics
-from .fast import FAST_CHUNKS, EarlyProduct, chunk_logits, fused_statistics
+from .fast import FAST_CHUNKS, EarlyProduct, StatsWithDlogits, chunk_logits, fused_statistics
 from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -117,6 +117,8 @@ class _Agreed:
     # the signature's first call had a kept set at every labelled row (and one at least): every call
     # of it then replays without the plain pass, a later one checking on the device that this holds
     mask_sets_everywhere: bool = False
+    # a remembered signature: the signature itself (agreement.still_remembered tells if it still is)
+    signature: Optional[tuple] = None
 
     @property
     def remembered(self) -> bool:
@@ -302,7 +304,8 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
     if agreement.remembered() and may_remember:
         facts = agreement.remembered_facts() or {}
         agreed = _Agreed(true_vocab, None, signature_code=agreement.signature_code(),
-                         mask_sets_everywhere=facts.get("mask_sets_everywhere", False))
+                         mask_sets_everywhere=facts.get("mask_sets_everywhere", False),
+                         signature=agreement.signature())
         if call_key is not None:
             _REMEMBERED_CALLS[call_key] = (agreement.signature(), agreed)
             while len(_REMEMBERED_CALLS) > agreement_memo.REMEMBERED_SIGNATURES:
@@ -376,6 +379,29 @@ def _autocast_inputs(hidden, weight):
 # --------------------------------------------------------------------------------------------
 # The shared pipeline: flatten, drop ignored rows, run the chunked statistics.
 # --------------------------------------------------------------------------------------------
+class StraightFacts(NamedTuple):
+    """What token_statistics decided for a call whose route a later call with the same arguments may
+    run straight (remembered_routes.py): which route, the chunk spec (no first product), the
+    remembered signature, the label kernel's arguments."""
+
+    route: str  # "gradients in forward", "log-probs forward-only", "log-probs dlogits in forward"
+    spec: Any
+    signature: tuple
+    ignore_index: int
+    true_vocab: int
+
+
+def _straight_facts(route: str, agreed: _Agreed, spec, ignore_index, *, tp_group, weight, weight_param, label_mask,
+                    accumulate_into_main_grad, applies: bool = True) -> Optional[StraightFacts]:
+    """StraightFacts where a later call of this call's arguments may run its route straight: a
+    remembered signature, TP = 1, no autocast cast of the weight, no label mask, no main_grad (the
+    spec names that call's weight; and whether a weight has one is not in the route's key)."""
+    if not (applies and agreed.remembered and tp_group is None and weight is weight_param and label_mask is None
+            and not accumulate_into_main_grad):
+        return None
+    return StraightFacts(route, replace(spec, first_product=None), agreed.signature, ignore_index, agreed.true_vocab)
+
+
 @dataclass
 class TokenStats:
     """Differentiable per-token statistics on the labelled rows, plus how to scatter them back."""
@@ -405,6 +431,8 @@ class TokenStats:
     # the differentiable log-probs themselves where the statistics node made them
     # (chunked.LinearLogprobDlogitsInForward; target and lse are then plain values)
     logprob_value: Optional[Tensor] = None
+    # where a later call with the same arguments may run this call's route straight (remembered_routes.py)
+    straight: Optional["StraightFacts"] = None
 
     def logprob(self) -> Tensor:
         """log p_y of the labelled rows (0 in rows of ignored labels, with a zero gradient):
@@ -756,7 +784,11 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         _drop(first_product)
         # (no `poison`: it is in the log-probs, the one result such a call returns)
         return TokenStats(target, lse, None, None, row_index, shape, num_rows, None, row_max, log_sum_exp,
-                          num_labelled=num_labelled, labelled=labelled, backend=backend, logprob_value=logprob)
+                          num_labelled=num_labelled, labelled=labelled, backend=backend, logprob_value=logprob,
+                          straight=_straight_facts(
+                              "log-probs forward-only", agreed, spec, ignore_index, tp_group=tp_group, weight=weight,
+                              weight_param=weight_param, label_mask=label_mask,
+                              accumulate_into_main_grad=accumulate_into_main_grad))
     if replaying:
         spec = replace(spec, tiling=replay_chunks)
         with autocast_off(hidden.device):
@@ -772,9 +804,19 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                 hidden2d, weight, row_index, local_target, spec, forward_grad,
                 None if expected_upstream_grad is None else float(expected_upstream_grad), labelled, num_labelled)
             _drop(first_product)
+            # a route a later call may run straight (remembered_routes.py): one whole-vocab chunk
+            # whose statistics and dlogits came from one launch, nothing beside the labels' checks
+            straight = _straight_facts(
+                "gradients in forward", agreed, spec, ignore_index, tp_group=tp_group, weight=weight,
+                weight_param=weight_param, label_mask=label_mask, accumulate_into_main_grad=accumulate_into_main_grad,
+                applies=(main_grad_param is None and expected_upstream_grad is None and logits_dtype is None
+                         and tiling is FAST_CHUNKS and 0 < num_rows <= chunk_size
+                         and isinstance(FAST_CHUNKS.forward_plan(hidden2d, weight, spec, forward_grad, needs_dx,
+                                                                 num_labelled), StatsWithDlogits)))
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
-                              poison=_device_poison(device_checks, rank_check), backend=backend)
+                              poison=_device_poison(device_checks, rank_check), backend=backend,
+                              straight=straight)
         if dlogits_in_forward:
             logprob, target, lse, row_max, log_sum_exp = LinearLogprobDlogitsInForward.apply(
                 hidden2d, weight, local_target, labelled, spec, partial(_device_poison, device_checks, rank_check))
@@ -782,7 +824,11 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             # (no `poison`: it is in the log-probs, the one result such a call returns)
             return TokenStats(target, lse, None, None, row_index, shape, num_rows, None, row_max, log_sum_exp,
                               num_labelled=num_labelled, labelled=labelled, backend=backend,
-                              logprob_value=logprob)
+                              logprob_value=logprob,
+                              straight=_straight_facts(
+                                  "log-probs dlogits in forward", agreed, spec, ignore_index, tp_group=tp_group,
+                                  weight=weight, weight_param=weight_param, label_mask=label_mask,
+                                  accumulate_into_main_grad=accumulate_into_main_grad))
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         _drop(first_product)
@@ -1038,6 +1084,16 @@ def linear_logprobs(
     an H200); without those kernels (the torch backend), sets of K <= V / 640 on the W rows of
     their kept ids alone (O(rows x K x H)); larger sets on the whole shard with 3 GEMMs per chunk.
     """
+    # a later call of a route the general path recorded: straight through (remembered_routes.py)
+    route_key = None if sampling_mask is not None else remembered_routes.call_key(
+        "linear_logprobs", hidden, weight, labels, tp_group,
+        (vocab_size, temperature, ignore_index, return_entropy, chunk_size, sequence_parallel, impl,
+         accumulate_into_main_grad, logits_dtype, memory_mode, max_chunk_bytes, top_k, top_p, min_p, return_topk))
+    route = remembered_routes.lookup(route_key)
+    if route is not None:
+        out = route(hidden, weight, labels)
+        if out is not None:
+            return out
     ahead = first_product_ahead("linear_logprobs", hidden, weight, impl, chunk_size, max_chunk_bytes, memory_mode,
                                 logits_dtype, sequence_parallel, return_entropy, top_k, top_p, min_p, return_topk,
                                 sampling_mask is not None)
@@ -1068,6 +1124,8 @@ def linear_logprobs(
         memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=False,
         want_entropy=return_entropy, extra_checks=problems,
         sampler=active, mask_check=mask_check, logprob_only=not return_entropy, ahead=ahead)
+    if stats.straight is not None and route_key is not None:
+        remembered_routes.remember(route_key, remembered_routes.LogprobRoute(stats.straight, impl))
     logprobs = stats.logprob()
     if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
         logprobs = torch.where(stats.kept, logprobs, float("-inf"))
@@ -1077,3 +1135,6 @@ def linear_logprobs(
         return LogprobsOutput(logprobs, entropy)
     return LogprobsOutput(logprobs, entropy, stats.to_full(stats.topk_logprobs),
                           stats.to_full(stats.topk_ids, fill=-1))
+
+
+from . import remembered_routes  # noqa: E402  (it imports this module's LabelledCount, StraightFacts)

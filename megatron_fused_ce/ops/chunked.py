@@ -431,16 +431,8 @@ class LinearLossGradInForward(torch.autograd.Function):
             spec.backend.scale_(dx, g_anchor, dw if scaled_with_dx else None)
             grad_hidden = input_grad(dx, row_index, ctx.full_shape, spec)
         elif ctx.needs_input_grad[0]:  # a second backward through the same graph: recompute dX
-            coefs = _scaled_coefs(coef_list, g_anchor)
-            with autocast_off(hidden.device):
-                rows = labelled_rows(reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
-                             else hidden, row_index)
-                dx = rows.new_empty(rows.shape)
-                if rows.shape[0] == 0:
-                    dx.zero_()
-                else:
-                    spec.tiling.recompute_grads(rows, weight, local_target, spec, offsets, coefs, dx, None, False)
-                grad_hidden = input_grad(dx, row_index, ctx.full_shape, spec)
+            grad_hidden = input_grad_from_coefs(spec, hidden, weight, row_index, local_target, offsets, coef_list,
+                                                g_anchor, ctx.full_shape)
         if dw is not None and ctx.into_main_grad:  # fp32 dW of the forward: main_grad += g·dW
             spec.main_grad_param.main_grad.addcmul_(dw, g_anchor.to(torch.float32))
             grad_weight = main_grad_added(spec.main_grad_param, weight)
@@ -453,7 +445,7 @@ class LinearLossGradInForward(torch.autograd.Function):
             main_grad.check_upstream_grad(spec.main_grad_param, float(g_anchor), expected)
             grad_weight = main_grad_added(spec.main_grad_param, weight)
         elif ctx.needs_dw:  # lean mode, or a second backward: g·dW from the coefficients
-            grad_weight = _weight_grad_from_coefs(
+            grad_weight = weight_grad_from_coefs(
                 spec, ctx.into_main_grad, hidden, weight, row_index, local_target, offsets, coef_list, g_anchor)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
@@ -497,12 +489,7 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forw
         merged_chunks.append(merged)
         # the chunk's positions among all rows: indices, or a slice of consecutive rows (no kernel)
         positions = row_index[start:end] if row_index is not None else slice(start, end)
-        grads = forward_grad.token_grads(merged, positions, num_labelled)
-        if not forward_grad.masks_unlabelled and not grads.masked:
-            grads = grads.only_rows(chunk_rows(labelled, start, end))
-        coefs = coefficients(grads.target, grads.lse, grads.sum_logits, grads.entropy, merged.entropy, merged.lse)
-        if coefs is None:
-            coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
+        coefs = token_coefficients(forward_grad, merged, positions, num_labelled, chunk_rows(labelled, start, end))
         coef_chunks.append(coefs)
         dw_last = tiling.forward_grads(
             plan, pending, h, weight, target, spec, merged, coefs, chunk_rows(dx_rows, start, end),
@@ -513,11 +500,40 @@ def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forw
     return merged_chunks, coef_chunks, dw_last
 
 
+def token_coefficients(forward_grad: ForwardGradLoss, merged, positions, num_labelled,
+                       labelled: Optional[Tensor]) -> dict:
+    """A chunk's per-token dlogits coefficients under a unit upstream gradient, from the loss's
+    gradient w.r.t. its statistics (forward_grad.token_grads), 0 in the rows of ignored labels
+    (`labelled`, bool [rows] of the chunk; None: every row)."""
+    grads = forward_grad.token_grads(merged, positions, num_labelled)
+    if not forward_grad.masks_unlabelled and not grads.masked:
+        grads = grads.only_rows(labelled)
+    coefs = coefficients(grads.target, grads.lse, grads.sum_logits, grads.entropy, merged.entropy, merged.lse)
+    if coefs is None:
+        coefs = coefficients(None, torch.zeros_like(merged.lse), None, None, None, merged.lse)
+    return coefs
+
+
 def _scaled_coefs(coef_list, scale: Tensor) -> dict:
     return {k: None if c is None else c * scale for k, c in zip(("p", "pz", "target", "uniform"), coef_list)}
 
 
-def _weight_grad_from_coefs(spec: ChunkSpec, into_main_grad: bool, hidden, weight, row_index, local_target,
+def input_grad_from_coefs(spec: ChunkSpec, hidden, weight, row_index, local_target, offsets, coef_list,
+                          scale: Tensor, full_shape) -> Tensor:
+    """scale x dX from the saved per-token coefficients (a second backward through a retained graph)."""
+    coefs = _scaled_coefs(coef_list, scale)
+    with autocast_off(hidden.device):
+        rows = labelled_rows(reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel
+                             else hidden, row_index)
+        dx = rows.new_empty(rows.shape)
+        if rows.shape[0] == 0:
+            dx.zero_()
+        else:
+            spec.tiling.recompute_grads(rows, weight, local_target, spec, offsets, coefs, dx, None, False)
+        return input_grad(dx, row_index, full_shape, spec)
+
+
+def weight_grad_from_coefs(spec: ChunkSpec, into_main_grad: bool, hidden, weight, row_index, local_target,
                             offsets, coef_list, scale: Tensor):
     """scale x dW from the saved per-token coefficients (LinearLossGradInForward.backward): added
     into main_grad, or returned in the weight dtype (fp32-accumulated over chunks)."""

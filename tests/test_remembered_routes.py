@@ -1,0 +1,229 @@
+"""A remembered signature's route run straight (ops/remembered_routes.py) gives what the general
+path gives, bit for bit, and is taken only where the general path would take that route.
+
+Without a GPU the Triton kernels run under Triton's interpreter (as in test_triton_backend.py),
+with its launch settings shrunk so that the one-launch statistics apply to a few dozen rows."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from triton_interpret import kernel_modules  # noqa: E402
+from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
+import megatron_fused_ce.losses.linear_cross_entropy  # noqa: E402,F401
+from megatron_fused_ce.ops import agreement, deferred_errors, remembered_routes  # noqa: E402
+
+ce_module = sys.modules["megatron_fused_ce.losses.linear_cross_entropy"]  # (the package exports the function)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SMALL_BLOCKS = dict(STATS_BLOCK_N=64, DLOGITS_BLOCK_N=64, MERGE_BLOCK_R=4)
+
+
+@pytest.fixture
+def tb(monkeypatch):
+    if DEVICE.type == "cuda":
+        from megatron_fused_ce.ops.backends import triton_backend as module
+    else:
+        module = kernel_modules()["triton_backend"]
+    for name, value in SMALL_BLOCKS.items():
+        monkeypatch.setattr(module, name, value)
+    agreement.forget_signatures()
+    yield module
+    agreement.forget_signatures()
+
+
+def _count_general_calls(monkeypatch, module) -> list:
+    """One entry per call through the general path (token_statistics, as `module` calls it)."""
+    calls = []
+    original = module.token_statistics
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "token_statistics", counted)
+    return calls
+
+
+@pytest.fixture
+def general_calls(monkeypatch):
+    """linear_cross_entropy's calls through the general path."""
+    return _count_general_calls(monkeypatch, ce_module)
+
+
+@pytest.fixture
+def general_logprob_calls(monkeypatch):
+    """linear_logprobs' calls through the general path."""
+    from megatron_fused_ce.ops import api
+
+    return _count_general_calls(monkeypatch, api)
+
+
+def _inputs(tb, seed, hidden_shape=None):
+    rows = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) + 5  # the one-launch statistics apply
+    g = torch.Generator().manual_seed(seed)
+    hdim, vocab, padded = 16, 140, 150
+    h = torch.randn(rows, hdim, generator=g)
+    w = torch.randn(padded, hdim, generator=g) / math.sqrt(hdim) * 3
+    y = torch.randint(0, vocab, (rows,), generator=g)
+    y[::4] = -100
+    if hidden_shape is not None:
+        h, y = h.reshape(*hidden_shape, hdim), y.reshape(hidden_shape)
+    return h.to(DEVICE), w.to(DEVICE), y.to(DEVICE), vocab
+
+
+def _call(h0, w0, y, vocab, reduction, grad=(True, True), upstream=(3.0,), **extra):
+    h, w = h0.clone().requires_grad_(grad[0]), w0.clone().requires_grad_(grad[1])
+    loss = linear_cross_entropy(h, w, y, vocab_size=vocab, temperature=0.7, impl="triton", reduction=reduction,
+                                **extra)
+    for i, g in enumerate(upstream):  # several: a second backward through the retained graph
+        (loss * g).backward(retain_graph=i + 1 < len(upstream))
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", ["plain", "3-d hidden, int32 labels", "dX only", "dW only",
+                                  "second backward, loss scale 1e-5"])
+def test_cross_entropy_route_equals_the_general_path(tb, general_calls, monkeypatch, reduction, case):
+    """The third call of a signature (the second is the first remembered one, which records the
+    route) skips the general path, and its loss, dX and dW are the general path's bit for bit —
+    with ignored labels, a padded vocab, temperature, and whatever the upstream gradient; they
+    also match a float64 reference."""
+    h, w, y, vocab = _inputs(tb, 1, hidden_shape=(-1, 1) if case.startswith("3-d") else None)
+    if case.startswith("3-d"):
+        y = y.int()
+    kwargs = dict(grad={"dX only": (True, False), "dW only": (False, True)}.get(case, (True, True)),
+                  upstream=(1e-5, 3.0) if case.startswith("second") else (3.0,))
+
+    monkeypatch.setattr(remembered_routes, "ENABLED", False)
+    want = [_call(h, w, y, vocab, reduction, **kwargs) for _ in range(3)]
+    assert len(general_calls) == 3
+    monkeypatch.setattr(remembered_routes, "ENABLED", True)
+    agreement.forget_signatures()
+    general_calls.clear()
+    got = [_call(h, w, y, vocab, reduction, **kwargs) for _ in range(3)]
+    assert len(general_calls) == 2, "the third call runs the route the second recorded"
+    for name, a, b in zip(("loss", "dX", "dW"), got[2], want[2]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{case}: {name}"
+
+    # against float64: fp32 math on fp32 inputs (GEMMs of 16-wide rows, gradients times up to 3)
+    h64, w64 = h.double().reshape(-1, h.shape[-1]).requires_grad_(), w.double().requires_grad_()
+    logits = (h64 @ w64.T)[:, :vocab] / 0.7
+    ref = torch.nn.functional.cross_entropy(logits, y.reshape(-1).long(), ignore_index=-100, reduction=reduction)
+    ref.backward(torch.tensor(sum(kwargs["upstream"]), dtype=torch.float64))
+    torch.testing.assert_close(got[2][0].double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    if got[2][1] is not None:
+        torch.testing.assert_close(got[2][1].double().reshape(-1, h.shape[-1]), h64.grad, rtol=1e-4, atol=1e-5)
+    if got[2][2] is not None:
+        torch.testing.assert_close(got[2][2].double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_cross_entropy_route_checks_the_labels_on_the_device(tb, general_calls):
+    """A routed call with a label outside the vocab returns NaN and the error is raised at the next
+    check (deferred_errors.py), as the general path's later calls do."""
+    h, w, y, vocab = _inputs(tb, 2)
+    for _ in range(3):
+        _call(h, w, y, vocab, "mean")
+    deferred_errors.check_deferred_errors()
+    bad = y.clone()
+    bad[1] = vocab + 3
+    general_calls.clear()
+    loss, dx, dw = _call(h, w, bad, vocab, "mean")
+    assert not general_calls and loss.isnan()
+    with pytest.raises(ValueError, match="labels outside"):
+        deferred_errors.check_deferred_errors()
+
+
+def test_cross_entropy_route_is_taken_only_where_the_general_path_takes_it(tb, general_calls, monkeypatch):
+    """Dropped with its signature (forget_signatures); not taken with the one-launch statistics
+    switched off, under saved-tensor hooks, or for arguments outside its key (other options,
+    another shape, label smoothing, "none")."""
+    h, w, y, vocab = _inputs(tb, 3)
+    for _ in range(3):
+        _call(h, w, y, vocab, "mean")
+    assert len(general_calls) == 2
+    general_calls.clear()
+    agreement.forget_signatures()
+    _call(h, w, y, vocab, "mean")
+    assert len(general_calls) == 1
+    for _ in range(2):
+        _call(h, w, y, vocab, "mean")
+    assert len(general_calls) == 2  # recorded again by the signature's next call, then taken
+    general_calls.clear()
+    monkeypatch.setattr(tb, "STATS_DLOGITS", False)
+    _call(h, w, y, vocab, "mean")
+    monkeypatch.setattr(tb, "STATS_DLOGITS", True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        _call(h, w, y, vocab, "mean")
+    assert len(general_calls) == 2
+    for extra in (dict(label_smoothing=0.1), dict(chunk_size=16), dict(ignore_index=-1)):
+        general_calls.clear()
+        labels = y.masked_fill(y < 0, -1) if "ignore_index" in extra else y
+        for _ in range(3):
+            _call(h, w, labels, vocab, "mean", **extra)
+        assert len(general_calls) == (3 if "label_smoothing" in extra or "chunk_size" in extra else 2), extra
+    general_calls.clear()
+    for _ in range(3):
+        linear_cross_entropy(h, w.clone().requires_grad_(), y, vocab_size=vocab, temperature=0.7, impl="triton",
+                             reduction="none")
+    assert len(general_calls) == 3
+
+
+
+@pytest.mark.parametrize("case", ["forward-only", "forward-only 3-d", "fwd+bwd", "fwd+bwd dW only",
+                                  "fwd+bwd second backward"])
+def test_logprob_routes_equal_the_general_path(tb, general_logprob_calls, monkeypatch, case):
+    """linear_logprobs of one chunk (no entropy, sampler or mask): the third call of a signature runs
+    the route the second recorded, forward-only (reference / old-policy passes) or with its dlogits
+    made in the forward, and its log-probs, dX and dW are the general path's bit for bit."""
+    h0, w0, y, vocab = _inputs(tb, 4, hidden_shape=(-1, 1) if case.endswith("3-d") else None)
+    upstream = torch.linspace(-1.0, 2.0, y.numel(), device=DEVICE).reshape(y.shape)
+
+    def call():
+        grad = not case.startswith("forward-only")
+        h = h0.clone().requires_grad_(grad and "dW only" not in case)
+        w = w0.clone().requires_grad_(grad)
+        out = linear_logprobs(h, w, y, vocab_size=vocab, temperature=0.7, impl="triton")
+        assert out.entropy is None
+        if grad:
+            for i, scale in enumerate((1e-5, 3.0) if "second" in case else (1.0,)):
+                (out.logprobs * upstream * scale).sum().backward(retain_graph=i == 0 and "second" in case)
+        return out.logprobs.detach(), h.grad, w.grad
+
+    monkeypatch.setattr(remembered_routes, "ENABLED", False)
+    want = [call() for _ in range(3)]
+    monkeypatch.setattr(remembered_routes, "ENABLED", True)
+    agreement.forget_signatures()
+    general_logprob_calls.clear()
+    got = [call() for _ in range(3)]
+    assert len(general_logprob_calls) == 2, "the third call runs the route the second recorded"
+    for name, a, b in zip(("log-probs", "dX", "dW"), got[2], want[2]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{case}: {name}"
+    with torch.no_grad():  # the old-policy pass gives the training pass's log-probs (ratio 1)
+        assert torch.equal(linear_logprobs(h0, w0, y, vocab_size=vocab, temperature=0.7, impl="triton").logprobs,
+                           got[2][0])
+    logits = (h0.double().reshape(-1, h0.shape[-1]) @ w0.double().T)[:, :vocab] / 0.7
+    flat = y.reshape(-1)
+    ref = torch.log_softmax(logits, -1).gather(1, flat.clamp(min=0)[:, None])[:, 0].where(flat >= 0, 0.0)
+    torch.testing.assert_close(got[2][0].double().reshape(-1), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_logprob_routes_are_not_taken_for_other_arguments(tb, general_logprob_calls):
+    """Entropy, a sampler setting, a sampling mask, or several chunks keep the general path."""
+    h, w, y, vocab = _inputs(tb, 5)
+    ids = torch.arange(3, device=DEVICE).repeat(y.numel())
+    mask = (ids, torch.arange(0, 3 * y.numel() + 1, 3, device=DEVICE))
+    for extra in (dict(return_entropy=True), dict(top_k=5), dict(sampling_mask=mask), dict(chunk_size=16)):
+        general_logprob_calls.clear()
+        for _ in range(3):
+            with torch.no_grad():
+                linear_logprobs(h, w, y.clamp(min=0) if "sampling_mask" in extra else y, vocab_size=vocab,
+                                impl="triton", **extra)
+        assert len(general_logprob_calls) == 3, extra
