@@ -88,6 +88,24 @@ def _call(h0, w0, y, vocab, reduction, grad=(True, True), upstream=(3.0,), **ext
     return loss.detach(), h.grad, w.grad
 
 
+def _routed_equals_general(monkeypatch, call, general_calls, names, what) -> tuple:
+    """Three calls of one signature through the general path, then three with routes on: the third
+    runs the route the second recorded (the first remembered call), and its outputs (`names`) are
+    the general path's bit for bit. -> the routed call's outputs."""
+    monkeypatch.setattr(remembered_routes, "ENABLED", False)
+    want = [call() for _ in range(3)]
+    monkeypatch.setattr(remembered_routes, "ENABLED", True)
+    agreement.forget_signatures()
+    general_calls.clear()
+    got = [call() for _ in range(3)]
+    assert len(general_calls) == 2, "the third call runs the route the second recorded"
+    assert len(got[2]) == len(want[2])
+    for i, (a, b) in enumerate(zip(got[2], want[2])):
+        name = names[i] if i < len(names) else f"output {i}"
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: {name}"
+    return got[2]
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("case", ["plain", "3-d hidden, int32 labels", "dX only", "dW only",
                                   "second backward, loss scale 1e-5"])
@@ -102,27 +120,19 @@ def test_cross_entropy_route_equals_the_general_path(tb, general_calls, monkeypa
     kwargs = dict(grad={"dX only": (True, False), "dW only": (False, True)}.get(case, (True, True)),
                   upstream=(1e-5, 3.0) if case.startswith("second") else (3.0,))
 
-    monkeypatch.setattr(remembered_routes, "ENABLED", False)
-    want = [_call(h, w, y, vocab, reduction, **kwargs) for _ in range(3)]
-    assert len(general_calls) == 3
-    monkeypatch.setattr(remembered_routes, "ENABLED", True)
-    agreement.forget_signatures()
-    general_calls.clear()
-    got = [_call(h, w, y, vocab, reduction, **kwargs) for _ in range(3)]
-    assert len(general_calls) == 2, "the third call runs the route the second recorded"
-    for name, a, b in zip(("loss", "dX", "dW"), got[2], want[2]):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{case}: {name}"
+    got = _routed_equals_general(monkeypatch, lambda: _call(h, w, y, vocab, reduction, **kwargs), general_calls,
+                                 ("loss", "dX", "dW"), case)
 
     # against float64: fp32 math on fp32 inputs (GEMMs of 16-wide rows, gradients times up to 3)
     h64, w64 = h.double().reshape(-1, h.shape[-1]).requires_grad_(), w.double().requires_grad_()
     logits = (h64 @ w64.T)[:, :vocab] / 0.7
     ref = torch.nn.functional.cross_entropy(logits, y.reshape(-1).long(), ignore_index=-100, reduction=reduction)
     ref.backward(torch.tensor(sum(kwargs["upstream"]), dtype=torch.float64))
-    torch.testing.assert_close(got[2][0].double(), ref.detach(), rtol=1e-5, atol=1e-6)
-    if got[2][1] is not None:
-        torch.testing.assert_close(got[2][1].double().reshape(-1, h.shape[-1]), h64.grad, rtol=1e-4, atol=1e-5)
-    if got[2][2] is not None:
-        torch.testing.assert_close(got[2][2].double(), w64.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[0].double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    if got[1] is not None:
+        torch.testing.assert_close(got[1].double().reshape(-1, h.shape[-1]), h64.grad, rtol=1e-4, atol=1e-5)
+    if got[2] is not None:
+        torch.testing.assert_close(got[2].double(), w64.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_cross_entropy_route_checks_the_labels_on_the_device(tb, general_calls):
@@ -197,22 +207,14 @@ def test_logprob_routes_equal_the_general_path(tb, general_logprob_calls, monkey
                 (out.logprobs * upstream * scale).sum().backward(retain_graph=i == 0 and "second" in case)
         return out.logprobs.detach(), h.grad, w.grad
 
-    monkeypatch.setattr(remembered_routes, "ENABLED", False)
-    want = [call() for _ in range(3)]
-    monkeypatch.setattr(remembered_routes, "ENABLED", True)
-    agreement.forget_signatures()
-    general_logprob_calls.clear()
-    got = [call() for _ in range(3)]
-    assert len(general_logprob_calls) == 2, "the third call runs the route the second recorded"
-    for name, a, b in zip(("log-probs", "dX", "dW"), got[2], want[2]):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{case}: {name}"
+    got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW"), case)
     with torch.no_grad():  # the old-policy pass gives the training pass's log-probs (ratio 1)
         assert torch.equal(linear_logprobs(h0, w0, y, vocab_size=vocab, temperature=0.7, impl="triton").logprobs,
-                           got[2][0])
+                           got[0])
     logits = (h0.double().reshape(-1, h0.shape[-1]) @ w0.double().T)[:, :vocab] / 0.7
     flat = y.reshape(-1)
     ref = torch.log_softmax(logits, -1).gather(1, flat.clamp(min=0)[:, None])[:, 0].where(flat >= 0, 0.0)
-    torch.testing.assert_close(got[2][0].double().reshape(-1), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0].double().reshape(-1), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_logprob_routes_are_not_taken_for_other_arguments(tb, general_logprob_calls):
@@ -227,3 +229,42 @@ def test_logprob_routes_are_not_taken_for_other_arguments(tb, general_logprob_ca
                 linear_logprobs(h, w, y.clamp(min=0) if "sampling_mask" in extra else y, vocab_size=vocab,
                                 impl="triton", **extra)
         assert len(general_logprob_calls) == 3, extra
+
+
+@pytest.fixture
+def general_grpo_calls(monkeypatch):
+    """linear_grpo_loss' calls through the general path."""
+    return _count_general_calls(monkeypatch, sys.modules["megatron_fused_ce.losses.linear_grpo"])
+
+
+@pytest.mark.parametrize("case", ["grpo", "dapo, old and reference log-probs, KL", "sequence-first, normalizer",
+                                  "dW only"])
+def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch, case):
+    """linear_grpo_loss of one chunk at TP = 1: the third call of a signature runs the route the
+    second recorded (the label kernel with the loss's mask, then the general path's node with the
+    call's own GRPOGrads), and its loss, metrics, dX and dW are the general path's bit for bit."""
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    g = torch.Generator().manual_seed(6)
+    batch, length, hdim, vocab = 4, 10, 16, 140
+    h0 = torch.randn(batch, length, hdim, generator=g).to(DEVICE)
+    w0 = (torch.randn(150, hdim, generator=g) / math.sqrt(hdim) * 3).to(DEVICE)
+    y = torch.randint(0, vocab, (batch, length), generator=g).to(DEVICE)
+    mask = (torch.rand(batch, length, generator=g) > 0.2).float().to(DEVICE)
+    advantages = torch.randn(batch, generator=g).to(DEVICE)
+    lp = -torch.rand(batch, length, generator=g).to(DEVICE) * 4
+    first = case.startswith("sequence-first")
+    config = GRPOConfig(loss_type="dapo", beta=0.05) if case.startswith("dapo") else GRPOConfig()
+    extra = dict(old_logprobs=lp + 0.1, reference_logprobs=lp - 0.2) if case.startswith("dapo") else {}
+    if first:
+        extra = dict(sequence_parallel=True, normalizer=17.0, old_logprobs=lp)
+
+    def call():
+        h = (h0.transpose(0, 1).contiguous() if first else h0).clone().requires_grad_("dW only" not in case)
+        w = w0.clone().requires_grad_()
+        loss, metrics = linear_grpo_loss(h, w, y.t() if first else y, advantages, mask, config, vocab_size=vocab,
+                                         temperature=0.7, impl="triton", **extra)
+        (loss * 3.0).backward()
+        return (loss.detach(), h.grad, w.grad) + tuple(m.detach() for m in metrics.values())
+
+    _routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)  # then the metrics

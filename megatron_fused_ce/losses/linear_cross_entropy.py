@@ -146,7 +146,7 @@ def linear_cross_entropy(
     if not smoothing and not z_weight and reduction != "none":
         total = stats.negative_logprob_total(mean=reduction == "mean")  # one kernel, where it applies
         if total is not None:
-            if stats.straight is not None:
+            if stats.straight is not None and stats.straight.route == "gradients in forward, one launch":
                 remembered_routes.remember(route_key, remembered_routes.CrossEntropyRoute(
                     stats.straight, forward_grad, impl))
             return total + stats.anchor

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..ops import reductions
+from ..ops import reductions, remembered_routes
 from ..ops.agreement import flag_argument, integer_argument
 from ..ops.api import first_product_ahead, linear_logprobs, masked_labels, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
@@ -275,6 +275,51 @@ def _gradients_in_forward_or_false(config, old_logprobs, sampling_logprobs) -> b
         return False
 
 
+def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advantages: Tensor, mask: Tensor,
+                old_logprobs, reference_logprobs, sampling_logprobs, normalizer, ignore_index: int,
+                sequence_first: bool, impl: str, cp_group) -> GRPOGrads:
+    """The call's GRPOGrads: its token table and batch totals (`prepare`) and, without CP, its
+    one-chunk terms (`whole_call`), each reading the call's own tensors."""
+    batch, length = mask.shape
+
+    def normalizer_tensor():
+        # a Python-number normalizer as a tensor (a fill kernel): a new count is no new compilation
+        return normalizer if normalizer is None or isinstance(normalizer, Tensor) else torch.full(
+            (), float(normalizer), dtype=torch.float32, device=device)
+
+    # (`labels` below are the caller's: a position whose mask is 0 may hold any label there, and its
+    # weight is 0, so that its terms and gradient are 0 whatever the label; the op's statistics
+    # take it as ignored: label_mask)
+    def prepare():
+        """Everything a token's term needs from other tokens (and other CP ranks), per position."""
+        if cp_group is None:  # one compiled function on CUDA (the totals' CP all-reduce cannot be in one)
+            names = _input_names(config, old_logprobs, reference_logprobs, sampling_logprobs)
+            rows, labelled, *totals = fused(_token_table, config, device, advantages, mask, old_logprobs,
+                                            reference_logprobs, sampling_logprobs, normalizer_tensor(), labels,
+                                            ignore_index, sequence_first)
+            return _TokenTable(names, rows, labelled), BatchTotals(*totals)
+        like = torch.zeros(batch, length, dtype=torch.float32, device=device)  # the log-probs' dtype
+        inputs, totals = token_inputs(advantages, mask, config, like=like, old_logprobs=old_logprobs,
+                                      reference_logprobs=reference_logprobs,
+                                      sampling_logprobs=sampling_logprobs, normalizer=normalizer,
+                                      cp_group=cp_group)
+        return _TokenTable(inputs.present(), _table_rows(inputs, (batch, length), sequence_first),
+                           (labels != ignore_index).reshape(-1)), totals
+
+    def whole_call(target, row_max, log_sum_exp):
+        inputs = (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)
+        if _takes_the_kernel(impl, device, config, mask):
+            try:
+                return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, normalizer, labels,
+                                            ignore_index, sequence_first)
+            except Exception as error:  # noqa: BLE001 - a compiler failure: the definition computes the same
+                _kernel_failed(config, error)
+        return fused(_whole_call_terms, config, device, target, row_max, log_sum_exp, *inputs,
+                     normalizer_tensor(), labels, ignore_index, sequence_first)
+
+    return GRPOGrads(config, prepare, whole_call if cp_group is None else None, batch * length)
+
+
 def linear_grpo_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -321,6 +366,24 @@ def linear_grpo_loss(
     engine's sampling distribution, and a sampled token outside its set is excluded. Recompute
     path (module doc).
     """
+    # a later call of a route the general path recorded: straight through (ops/remembered_routes.py)
+    route_key = None if sampling_mask is not None or cp_group is not None else remembered_routes.call_key(
+        "linear_grpo_loss", hidden, weight, labels, tp_group,
+        (vocab_size, temperature, chunk_size, sequence_parallel, impl, ignore_index, accumulate_into_main_grad,
+         memory_mode, logits_dtype, max_chunk_bytes, expected_upstream_grad,
+         *map(remembered_routes.layout, (config, advantages, mask, old_logprobs, reference_logprobs,
+                                         sampling_logprobs, normalizer))))
+    route = remembered_routes.lookup(route_key)
+    if route is not None and isinstance(mask, Tensor) and mask.dim() == 2:
+        first = bool(sequence_parallel)
+        forward_grad = _grpo_grads(config, hidden.device, labels, advantages, mask, old_logprobs, reference_logprobs,
+                                   sampling_logprobs, normalizer, route.facts.ignore_index, first, impl, None)
+        made = route(hidden, weight, labels, forward_grad=forward_grad, label_mask=mask.t() if first else mask)
+        if made is not None:
+            anchor, num_rows, poison = made
+            with torch.no_grad():
+                metrics = forward_grad.metrics(num_rows, sampling_logprobs is not None, None, poison)
+            return metrics["loss"] + anchor, metrics
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
     sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
@@ -370,44 +433,8 @@ def linear_grpo_loss(
         return grpo_loss(to_batch_layout(logprobs), advantages, mask, config, **loss_kwargs,
                          cp_group=cp_group)
 
-    batch, length = mask.shape
-
-    def normalizer_tensor():
-        # a Python-number normalizer as a tensor (a fill kernel): a new count is no new compilation
-        return normalizer if normalizer is None or isinstance(normalizer, Tensor) else torch.full(
-            (), float(normalizer), dtype=torch.float32, device=hidden.device)
-
-    # (`labels` below are the caller's: a position whose mask is 0 may hold any label there, and its
-    # weight is 0, so that its terms and gradient are 0 whatever the label; the op's statistics
-    # take it as ignored: label_mask)
-    def prepare():
-        """Everything a token's term needs from other tokens (and other CP ranks), per position."""
-        if cp_group is None:  # one compiled function on CUDA (the totals' CP all-reduce cannot be in one)
-            names = _input_names(config, old_logprobs, reference_logprobs, sampling_logprobs)
-            rows, labelled, *totals = fused(_token_table, config, hidden.device, advantages, mask, old_logprobs,
-                                            reference_logprobs, sampling_logprobs, normalizer_tensor(), labels,
-                                            ignore_index, sequence_first)
-            return _TokenTable(names, rows, labelled), BatchTotals(*totals)
-        like = torch.zeros(batch, length, dtype=torch.float32, device=hidden.device)  # the log-probs' dtype
-        inputs, totals = token_inputs(advantages, mask, config, like=like, old_logprobs=old_logprobs,
-                                      reference_logprobs=reference_logprobs,
-                                      sampling_logprobs=sampling_logprobs, normalizer=normalizer,
-                                      cp_group=cp_group)
-        return _TokenTable(inputs.present(), _table_rows(inputs, (batch, length), sequence_first),
-                           (labels != ignore_index).reshape(-1)), totals
-
-    def whole_call(target, row_max, log_sum_exp):
-        inputs = (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)
-        if _takes_the_kernel(impl, hidden.device, config, mask):
-            try:
-                return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, normalizer, labels,
-                                            ignore_index, sequence_first)
-            except Exception as error:  # noqa: BLE001 - a compiler failure: the definition computes the same
-                _kernel_failed(config, error)
-        return fused(_whole_call_terms, config, hidden.device, target, row_max, log_sum_exp, *inputs,
-                     normalizer_tensor(), labels, ignore_index, sequence_first)
-
-    forward_grad = GRPOGrads(config, prepare, whole_call if cp_group is None else None, batch * length)
+    forward_grad = _grpo_grads(config, hidden.device, labels, advantages, mask, old_logprobs, reference_logprobs,
+                               sampling_logprobs, normalizer, ignore_index, sequence_first, impl, cp_group)
     # With cp_group the totals' collectives run here, on every CP rank (a rank may have no labelled
     # chunk). Without, they are computed at the first chunk's merge, while its logits GEMM runs:
     # ~30 small kernels fewer before the first GEMM, where the GPU would wait for the host.
@@ -420,6 +447,8 @@ def linear_grpo_loss(
                              want_sum_logits=False, want_entropy=False, forward_grad=forward_grad,
                              must_agree=must_agree, expected_upstream_grad=expected_upstream_grad, ahead=ahead,
                              label_mask=label_mask)
+    if stats.straight is not None and route_key is not None:
+        remembered_routes.remember(route_key, remembered_routes.ForwardGradRoute(stats.straight, impl))
     with torch.no_grad():
         metrics = forward_grad.metrics(stats.target.shape[0], sampling_logprobs is not None, cp_group, stats.poison)
     return metrics["loss"] + stats.anchor, metrics

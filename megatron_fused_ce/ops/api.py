@@ -384,19 +384,21 @@ class StraightFacts(NamedTuple):
     run straight (remembered_routes.py): which route, the chunk spec (no first product), the
     remembered signature, the label kernel's arguments."""
 
-    route: str  # "gradients in forward", "log-probs forward-only", "log-probs dlogits in forward"
+    # "gradients in forward" (", one launch": its statistics and dlogits from stats_dlogits),
+    # "log-probs forward-only", "log-probs dlogits in forward"
+    route: str
     spec: Any
     signature: tuple
     ignore_index: int
     true_vocab: int
 
 
-def _straight_facts(route: str, agreed: _Agreed, spec, ignore_index, *, tp_group, weight, weight_param, label_mask,
+def _straight_facts(route: str, agreed: _Agreed, spec, ignore_index, *, tp_group, weight, weight_param,
                     accumulate_into_main_grad, applies: bool = True) -> Optional[StraightFacts]:
     """StraightFacts where a later call of this call's arguments may run its route straight: a
-    remembered signature, TP = 1, no autocast cast of the weight, no label mask, no main_grad (the
-    spec names that call's weight; and whether a weight has one is not in the route's key)."""
-    if not (applies and agreed.remembered and tp_group is None and weight is weight_param and label_mask is None
+    remembered signature, TP = 1, no autocast cast of the weight, no main_grad (the spec names that
+    call's weight; and whether a weight has one is not in the route's key)."""
+    if not (applies and agreed.remembered and tp_group is None and weight is weight_param
             and not accumulate_into_main_grad):
         return None
     return StraightFacts(route, replace(spec, first_product=None), agreed.signature, ignore_index, agreed.true_vocab)
@@ -787,8 +789,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                           num_labelled=num_labelled, labelled=labelled, backend=backend, logprob_value=logprob,
                           straight=_straight_facts(
                               "log-probs forward-only", agreed, spec, ignore_index, tp_group=tp_group, weight=weight,
-                              weight_param=weight_param, label_mask=label_mask,
-                              accumulate_into_main_grad=accumulate_into_main_grad))
+                              weight_param=weight_param, accumulate_into_main_grad=accumulate_into_main_grad))
     if replaying:
         spec = replace(spec, tiling=replay_chunks)
         with autocast_off(hidden.device):
@@ -806,13 +807,15 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             _drop(first_product)
             # a route a later call may run straight (remembered_routes.py): one whole-vocab chunk
             # whose statistics and dlogits came from one launch, nothing beside the labels' checks
+            # (a label mask is the loss's own per call: its route passes it to the label kernel)
+            one_chunk = (main_grad_param is None and expected_upstream_grad is None and logits_dtype is None
+                         and tiling is FAST_CHUNKS and 0 < num_rows <= chunk_size)
+            one_launch = one_chunk and isinstance(
+                FAST_CHUNKS.forward_plan(hidden2d, weight, spec, forward_grad, needs_dx, num_labelled), StatsWithDlogits)
             straight = _straight_facts(
-                "gradients in forward", agreed, spec, ignore_index, tp_group=tp_group, weight=weight,
-                weight_param=weight_param, label_mask=label_mask, accumulate_into_main_grad=accumulate_into_main_grad,
-                applies=(main_grad_param is None and expected_upstream_grad is None and logits_dtype is None
-                         and tiling is FAST_CHUNKS and 0 < num_rows <= chunk_size
-                         and isinstance(FAST_CHUNKS.forward_plan(hidden2d, weight, spec, forward_grad, needs_dx,
-                                                                 num_labelled), StatsWithDlogits)))
+                "gradients in forward, one launch" if one_launch else "gradients in forward", agreed, spec,
+                ignore_index, tp_group=tp_group, weight=weight, weight_param=weight_param,
+                accumulate_into_main_grad=accumulate_into_main_grad, applies=one_chunk)
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
                               poison=_device_poison(device_checks, rank_check), backend=backend,
@@ -827,7 +830,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                               logprob_value=logprob,
                               straight=_straight_facts(
                                   "log-probs dlogits in forward", agreed, spec, ignore_index, tp_group=tp_group,
-                                  weight=weight, weight_param=weight_param, label_mask=label_mask,
+                                  weight=weight, weight_param=weight_param,
                                   accumulate_into_main_grad=accumulate_into_main_grad))
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)

@@ -19,8 +19,14 @@ Routes:
   main_grad or an expected upstream gradient, at TP = 1, of one chunk whose statistics and dlogits
   come from the backend's one launch (fast.StatsWithDlogits): the logits GEMM, the label kernel
   (which checks the labels on the device, deferred_errors.py), stats_dlogits, the dX and dW GEMMs,
-  the loss's sum. Its autograd node is the general path's (chunked.LinearLossGradInForward): the
-  same backward, a second backward through a retained graph included.
+  the loss's sum, the loss itself the node's output (`StraightCrossEntropy`: the general path's
+  first backward, and its second through a retained graph, from the same coefficients).
+- `LogprobRoute`: `linear_logprobs` of one chunk at TP = 1 without entropy, sampler or sampling
+  mask: forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
+- `ForwardGradRoute`: a loss on the forward-gradient contract of one chunk at TP = 1 without
+  main_grad (`linear_grpo_loss`): the label kernel with the loss's mask, then the general path's
+  node with the call's own ForwardGradLoss; the loss builds that and its metrics as the general
+  path does.
 
 A route is dropped with its signature (agreement.forget_signatures, or the signature's eviction),
 and not taken where something outside its key decides otherwise: autocast on, saved-tensor hooks
@@ -38,7 +44,7 @@ from torch import Tensor
 
 from . import agreement as agreement_memo, api, backends, deferred_errors
 from .api import LabelledCount, LogprobsOutput, StraightFacts
-from .chunked import (LinearLogprobDlogitsInForward, first_order_only, input_grad_from_coefs, token_coefficients,
+from .chunked import (LinearLogprobDlogitsInForward, LinearLossGradInForward, first_order_only, input_grad_from_coefs, token_coefficients,
                       weight_grad_from_coefs)
 from .fast import StatsWithDlogits, fused_statistics, grad_gemms, runs_stats_dlogits
 from .gemm import gemm_input, logits_gemm
@@ -55,13 +61,24 @@ agreement_memo.MEMOS.append(_ROUTES)
 def call_key(fn_name: str, hidden, weight, labels, tp_group, options: tuple) -> Optional[tuple]:
     """The raw arguments of a call as a route's key: what the general path's decisions depend on
     (shapes, dtypes, devices, requires_grad, grad mode, every Python-level option); None where no
-    route applies (off, TP > 1, something that is not a tensor)."""
+    route applies (off, TP > 1, something that is not a tensor, under torch.compile's tracing)."""
     if not (ENABLED and tp_group is None and isinstance(hidden, Tensor) and isinstance(weight, Tensor)
-            and isinstance(labels, Tensor)):
+            and isinstance(labels, Tensor)) or torch.compiler.is_compiling():  # (traced: the general path)
         return None
     return (fn_name, hidden.shape, hidden.dtype, hidden.device, hidden.requires_grad, weight.shape, weight.dtype,
             weight.device, weight.requires_grad, labels.shape, labels.dtype, labels.device, torch.is_grad_enabled(),
             tuple([(type(v), v) for v in options]))
+
+
+def layout(value):
+    """An argument as a key holds it: a tensor by its shape, dtype and device (not its values), a
+    dataclass (a loss's config) by its fields' values, anything else as it is."""
+    if isinstance(value, Tensor):
+        return ("tensor", value.shape, value.dtype, value.device)
+    fields = getattr(value, "__dataclass_fields__", None)
+    if fields is not None:
+        return (type(value),) + tuple([getattr(value, name) for name in fields])
+    return value
 
 
 def lookup(key: Optional[tuple]):
@@ -102,8 +119,9 @@ class _Route:
     def __init__(self, facts: StraightFacts, impl: str):
         self.facts, self.impl = facts, impl
 
-    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor):
-        """The entry point's result, as the general path makes it; None where the route does not hold."""
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, **call):
+        """The entry point's result, as the general path makes it; None where the route does not hold.
+        `call`: what `run` takes beyond the tensors (a loss's per-call objects)."""
         hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
         if not (agreement_memo.still_remembered(self.facts.signature)
                 and backends.select(self.impl, hidden.device) is self.facts.spec.backend
@@ -111,7 +129,7 @@ class _Route:
             return None
         if labels.dtype == torch.int32:
             labels = labels.long()
-        return self.run(hidden2d, weight, labels if labels.dim() == 1 else labels.reshape(-1), labels.shape)
+        return self.run(hidden2d, weight, labels if labels.dim() == 1 else labels.reshape(-1), labels.shape, **call)
 
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         """Whether the general path would take this route now, beyond the key, the signature, the
@@ -121,12 +139,12 @@ class _Route:
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape):
         raise NotImplementedError
 
-    def label_targets(self, flat_labels: Tensor, weight: Tensor) -> tuple:
+    def label_targets(self, flat_labels: Tensor, weight: Tensor, label_mask: Optional[Tensor] = None) -> tuple:
         """The label kernel as the general path's remembered signature runs it (_DeviceChecks):
         targets on the shard, labelled rows, counts, scalars (poison first); bad labels recorded."""
         facts = self.facts
         return facts.spec.backend.label_targets(flat_labels, facts.ignore_index, facts.true_vocab, 0, weight.shape[0],
-                                                deferred_errors.flags(flat_labels.device))
+                                                deferred_errors.flags(flat_labels.device), label_mask=label_mask)
 
 
 class CrossEntropyRoute(_Route):
@@ -226,3 +244,21 @@ class LogprobRoute(_Route):
             logprob = spec.backend.shard_logprob(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
                                                  scalars[:1])[0]
         return LogprobsOutput(logprob if logprob.shape == shape else logprob.reshape(shape))
+
+
+class ForwardGradRoute(_Route):
+    """A loss on the forward-gradient contract (linear_grpo_loss) of one chunk at TP = 1: the label
+    kernel (with the loss's label mask), then the general path's node
+    (chunked.LinearLossGradInForward, which plans the chunk as the general path does) with the
+    call's own ForwardGradLoss. -> (anchor, rows, poison): the loss adds the anchor to its value."""
+
+    def holds(self, hidden: Tensor, weight: Tensor) -> bool:
+        return not saved_tensors_hooks_active()
+
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, forward_grad,
+            label_mask: Optional[Tensor] = None) -> tuple:
+        local_target, labelled, counts, scalars = self.label_targets(flat_labels, weight, label_mask)
+        anchor, target, *_ = LinearLossGradInForward.apply(
+            hidden, weight, None, local_target, self.facts.spec, forward_grad, None, labelled,
+            LabelledCount(counts, scalars, labelled))
+        return anchor, target.shape[0], scalars[:1]
