@@ -268,3 +268,35 @@ def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch,
         return (loss.detach(), h.grad, w.grad) + tuple(m.detach() for m in metrics.values())
 
     _routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)  # then the metrics
+
+
+def test_grpo_route_follows_the_configs_values(tb, general_grpo_calls):
+    """A config changed in place between calls is another key: the general path runs (and checks)
+    the new values, never the route recorded for the old ones."""
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(2, 8, 16, generator=g).to(DEVICE)
+    w = torch.randn(150, 16, generator=g).to(DEVICE)
+    y = torch.randint(0, 140, (2, 8), generator=g).to(DEVICE)
+    mask, advantages = torch.ones(2, 8, device=DEVICE), torch.tensor([1.0, -0.5], device=DEVICE)
+    config = GRPOConfig()
+
+    def call():
+        hh = h.clone().requires_grad_()
+        loss, _ = linear_grpo_loss(hh, w, y, advantages, mask, config, vocab_size=140, impl="triton",
+                                   old_logprobs=torch.full((2, 8), -5.0, device=DEVICE))
+        loss.backward()
+        return loss.detach(), hh.grad
+
+    for _ in range(3):
+        call()
+    assert len(general_grpo_calls) == 2
+    before = call()
+    config.epsilon_high = config.epsilon_low = 0.01  # a narrower clip: another loss for these log-probs
+    general_grpo_calls.clear()
+    after = call()
+    assert len(general_grpo_calls) == 1 and not torch.equal(before[0], after[0])
+    config.epsilon_high = -1.0
+    with pytest.raises(ValueError, match="epsilon_high"):
+        call()

@@ -370,11 +370,12 @@ def linear_grpo_loss(
     route_key = None if sampling_mask is not None or cp_group is not None else remembered_routes.call_key(
         "linear_grpo_loss", hidden, weight, labels, tp_group,
         (vocab_size, temperature, chunk_size, sequence_parallel, impl, ignore_index, accumulate_into_main_grad,
-         memory_mode, logits_dtype, max_chunk_bytes, expected_upstream_grad,
-         *map(remembered_routes.layout, (config, advantages, mask, old_logprobs, reference_logprobs,
-                                         sampling_logprobs, normalizer))))
+         memory_mode, logits_dtype, max_chunk_bytes, expected_upstream_grad, type(config),
+         field_values(config) if isinstance(config, GRPOConfig) else None,  # (its values: a config may change)
+         *map(remembered_routes.layout, (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs,
+                                         normalizer))))
     route = remembered_routes.lookup(route_key)
-    if route is not None and isinstance(mask, Tensor) and mask.dim() == 2:
+    if route is not None:  # (recorded by a call whose checks passed: mask is a [B, T] tensor)
         first = bool(sequence_parallel)
         forward_grad = _grpo_grads(config, hidden.device, labels, advantages, mask, old_logprobs, reference_logprobs,
                                    sampling_logprobs, normalizer, route.facts.ignore_index, first, impl, None)

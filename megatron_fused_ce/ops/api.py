@@ -808,8 +808,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             # a route a later call may run straight (remembered_routes.py): one whole-vocab chunk
             # whose statistics and dlogits came from one launch, nothing beside the labels' checks
             # (a label mask is the loss's own per call: its route passes it to the label kernel)
-            one_chunk = (main_grad_param is None and expected_upstream_grad is None and logits_dtype is None
-                         and tiling is FAST_CHUNKS and 0 < num_rows <= chunk_size)
+            one_chunk = (agreed.remembered and tp_group is None and main_grad_param is None
+                         and expected_upstream_grad is None and logits_dtype is None and tiling is FAST_CHUNKS
+                         and 0 < num_rows <= chunk_size)
             one_launch = one_chunk and isinstance(
                 FAST_CHUNKS.forward_plan(hidden2d, weight, spec, forward_grad, needs_dx, num_labelled), StatsWithDlogits)
             straight = _straight_facts(

@@ -44,8 +44,8 @@ from torch import Tensor
 
 from . import agreement as agreement_memo, api, backends, deferred_errors
 from .api import LabelledCount, LogprobsOutput, StraightFacts
-from .chunked import (LinearLogprobDlogitsInForward, LinearLossGradInForward, first_order_only, input_grad_from_coefs, token_coefficients,
-                      weight_grad_from_coefs)
+from .chunked import (LinearLogprobDlogitsInForward, LinearLossGradInForward, first_order_only,
+                      input_grad_from_coefs, token_coefficients, weight_grad_from_coefs)
 from .fast import StatsWithDlogits, fused_statistics, grad_gemms, runs_stats_dlogits
 from .gemm import gemm_input, logits_gemm
 from .main_grad import saved_tensors_hooks_active
@@ -53,7 +53,7 @@ from .main_grad import saved_tensors_hooks_active
 ENABLED = True
 
 # call key -> route; bounded like the remembered signatures (a route whose signature was evicted
-# is not taken: `holds`)
+# is not taken: _Route.__call__)
 _ROUTES: "OrderedDict[tuple, object]" = OrderedDict()
 agreement_memo.MEMOS.append(_ROUTES)
 
@@ -71,13 +71,10 @@ def call_key(fn_name: str, hidden, weight, labels, tp_group, options: tuple) -> 
 
 
 def layout(value):
-    """An argument as a key holds it: a tensor by its shape, dtype and device (not its values), a
-    dataclass (a loss's config) by its fields' values, anything else as it is."""
+    """An argument as a key holds it: a tensor by its shape, dtype and device (not its values),
+    anything else as it is."""
     if isinstance(value, Tensor):
         return ("tensor", value.shape, value.dtype, value.device)
-    fields = getattr(value, "__dataclass_fields__", None)
-    if fields is not None:
-        return (type(value),) + tuple([getattr(value, name) for name in fields])
     return value
 
 
