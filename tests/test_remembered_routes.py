@@ -66,8 +66,9 @@ def general_logprob_calls(monkeypatch):
     return _count_general_calls(monkeypatch, api)
 
 
-def _inputs(tb, seed, hidden_shape=None):
-    rows = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) + 5  # the one-launch statistics apply
+def _inputs(tb, seed, hidden_shape=None, rows=None):
+    if rows is None:
+        rows = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) + 5  # the one-launch statistics apply
     g = torch.Generator().manual_seed(seed)
     hdim, vocab, padded = 16, 140, 150
     h = torch.randn(rows, hdim, generator=g)
@@ -108,13 +109,15 @@ def _routed_equals_general(monkeypatch, call, general_calls, names, what) -> tup
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("case", ["plain", "3-d hidden, int32 labels", "dX only", "dW only",
-                                  "second backward, loss scale 1e-5"])
+                                  "second backward, loss scale 1e-5", "fewer rows than one launch needs"])
 def test_cross_entropy_route_equals_the_general_path(tb, general_calls, monkeypatch, reduction, case):
     """The third call of a signature (the second is the first remembered one, which records the
     route) skips the general path, and its loss, dX and dW are the general path's bit for bit —
     with ignored labels, a padded vocab, temperature, and whatever the upstream gradient; they
-    also match a float64 reference."""
-    h, w, y, vocab = _inputs(tb, 1, hidden_shape=(-1, 1) if case.startswith("3-d") else None)
+    also match a float64 reference. Where the one-launch statistics do not apply (fewer rows than
+    they need) the route goes through the general path's node."""
+    h, w, y, vocab = _inputs(tb, 1, hidden_shape=(-1, 1) if case.startswith("3-d") else None,
+                             rows=20 if case.startswith("fewer") else None)
     if case.startswith("3-d"):
         y = y.int()
     kwargs = dict(grad={"dX only": (True, False), "dW only": (False, True)}.get(case, (True, True)),
@@ -122,6 +125,9 @@ def test_cross_entropy_route_equals_the_general_path(tb, general_calls, monkeypa
 
     got = _routed_equals_general(monkeypatch, lambda: _call(h, w, y, vocab, reduction, **kwargs), general_calls,
                                  ("loss", "dX", "dW"), case)
+    through_node = isinstance(next(reversed(remembered_routes._ROUTES.values())),
+                              remembered_routes.CrossEntropyThroughNode)
+    assert through_node == case.startswith("fewer")
 
     # against float64: fp32 math on fp32 inputs (GEMMs of 16-wide rows, gradients times up to 3)
     h64, w64 = h.double().reshape(-1, h.shape[-1]).requires_grad_(), w.double().requires_grad_()

@@ -381,10 +381,9 @@ def linear_grpo_loss(
                                    sampling_logprobs, normalizer, route.facts.ignore_index, first, impl, None)
         made = route(hidden, weight, labels, forward_grad=forward_grad, label_mask=mask.t() if first else mask)
         if made is not None:
-            anchor, num_rows, poison = made
             with torch.no_grad():
-                metrics = forward_grad.metrics(num_rows, sampling_logprobs is not None, None, poison)
-            return metrics["loss"] + anchor, metrics
+                metrics = forward_grad.metrics(made.target.shape[0], sampling_logprobs is not None, None, made.poison)
+            return metrics["loss"] + made.anchor, metrics
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
     sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))

@@ -24,9 +24,10 @@ Routes:
 - `LogprobRoute`: `linear_logprobs` of one chunk at TP = 1 without entropy, sampler or sampling
   mask: forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
 - `ForwardGradRoute`: a loss on the forward-gradient contract of one chunk at TP = 1 without
-  main_grad (`linear_grpo_loss`): the label kernel with the loss's mask, then the general path's
-  node with the call's own ForwardGradLoss; the loss builds that and its metrics as the general
-  path does.
+  main_grad (`linear_grpo_loss`; cross-entropy where the one-launch statistics do not apply,
+  `CrossEntropyThroughNode`): the label kernel with the loss's mask, then the general path's node
+  with the call's own ForwardGradLoss; the loss builds that and its value (GRPO: its metrics) as
+  the general path does.
 
 A route is dropped with its signature (agreement.forget_signatures, or the signature's eviction),
 and not taken where something outside its key decides otherwise: autocast on, saved-tensor hooks
@@ -37,7 +38,7 @@ in force, another backend selected, the one-launch kernel switched off or not ap
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -243,19 +244,49 @@ class LogprobRoute(_Route):
         return LogprobsOutput(logprob if logprob.shape == shape else logprob.reshape(shape))
 
 
+class NodeStatistics(NamedTuple):
+    """What ForwardGradRoute's node gives its loss: as api.TokenStats holds them."""
+
+    anchor: Tensor
+    target: Tensor
+    max: Tensor
+    log_sum_exp: Tensor
+    labelled: Tensor
+    num_labelled: LabelledCount
+    poison: Tensor
+
+
 class ForwardGradRoute(_Route):
-    """A loss on the forward-gradient contract (linear_grpo_loss) of one chunk at TP = 1: the label
-    kernel (with the loss's label mask), then the general path's node
-    (chunked.LinearLossGradInForward, which plans the chunk as the general path does) with the
-    call's own ForwardGradLoss. -> (anchor, rows, poison): the loss adds the anchor to its value."""
+    """A loss on the forward-gradient contract of one chunk at TP = 1 (linear_grpo_loss;
+    cross-entropy where the one-launch statistics do not apply): the label kernel (with the loss's
+    label mask), then the general path's node (chunked.LinearLossGradInForward, which plans the
+    chunk as the general path does) with the call's own ForwardGradLoss; the loss adds the anchor
+    to its value."""
 
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         return not saved_tensors_hooks_active()
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, forward_grad,
-            label_mask: Optional[Tensor] = None) -> tuple:
+            label_mask: Optional[Tensor] = None) -> NodeStatistics:
         local_target, labelled, counts, scalars = self.label_targets(flat_labels, weight, label_mask)
-        anchor, target, *_ = LinearLossGradInForward.apply(
-            hidden, weight, None, local_target, self.facts.spec, forward_grad, None, labelled,
-            LabelledCount(counts, scalars, labelled))
-        return anchor, target.shape[0], scalars[:1]
+        count = LabelledCount(counts, scalars, labelled)
+        anchor, target, _, _, _, row_max, log_sum_exp = LinearLossGradInForward.apply(
+            hidden, weight, None, local_target, self.facts.spec, forward_grad, None, labelled, count)
+        return NodeStatistics(anchor, target, row_max, log_sum_exp, labelled, count, scalars[:1])
+
+
+class CrossEntropyThroughNode(ForwardGradRoute):
+    """linear_cross_entropy's route where the one-launch statistics do not apply (fewer rows than
+    they need, a backend's one-pass row kernel): ForwardGradRoute with the call's
+    CrossEntropyGrads, then the loss kernel as TokenStats.negative_logprob_total calls it."""
+
+    def __init__(self, facts: StraightFacts, forward_grad, impl: str):
+        super().__init__(facts, impl)
+        self.forward_grad = forward_grad
+
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
+        made = super().run(hidden, weight, flat_labels, shape, forward_grad=self.forward_grad)
+        total = self.facts.spec.backend.labelled_loss_sum(
+            made.target, made.max, made.log_sum_exp, made.labelled,
+            made.num_labelled.inverse if self.forward_grad.mean else None, made.poison)
+        return total + made.anchor
