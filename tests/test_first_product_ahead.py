@@ -15,7 +15,7 @@ import torch
 
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
-from megatron_fused_ce.ops import agreement, fast
+from megatron_fused_ce.ops import fast, remembered_routes
 
 N, H, V = 24, 16, 40
 
@@ -34,13 +34,12 @@ def gemms(monkeypatch):
         return original(rows, weight, logits_dtype)
 
     monkeypatch.setattr(fast, "logits_gemm", counting)
-    # (signatures forgotten too: a remembered route, ops/remembered_routes.py, would run a later call
-    # straight, without the product ahead whose bookkeeping is tested here)
-    agreement.forget_signatures()
+    # the general path's product ahead is tested here: no remembered route (ops/remembered_routes.py)
+    # runs a later call straight, without it
+    monkeypatch.setattr(remembered_routes, "ENABLED", False)
     fast.EarlyProduct._REMEMBERED.clear()
     yield calls
     fast.EarlyProduct._REMEMBERED.clear()
-    agreement.forget_signatures()
 
 
 def _inputs(seed, n=N):
