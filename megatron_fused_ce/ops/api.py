@@ -303,11 +303,11 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
         mask_check.register_layout(agreement)
     if agreement.remembered() and may_remember:
         facts = agreement.remembered_facts() or {}
+        signature = agreement.signature()
         agreed = _Agreed(true_vocab, None, signature_code=agreement.signature_code(),
-                         mask_sets_everywhere=facts.get("mask_sets_everywhere", False),
-                         signature=agreement.signature())
+                         mask_sets_everywhere=facts.get("mask_sets_everywhere", False), signature=signature)
         if call_key is not None:
-            _REMEMBERED_CALLS[call_key] = (agreement.signature(), agreed)
+            _REMEMBERED_CALLS[call_key] = (signature, agreed)
             while len(_REMEMBERED_CALLS) > agreement_memo.REMEMBERED_SIGNATURES:
                 _REMEMBERED_CALLS.popitem(last=False)
         return agreed

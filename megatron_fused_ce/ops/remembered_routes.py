@@ -47,8 +47,8 @@ from . import agreement as agreement_memo, api, backends, deferred_errors
 from .api import LabelledCount, LogprobsOutput, StraightFacts
 from .chunked import (LinearLogprobDlogitsInForward, LinearLossGradInForward, first_order_only,
                       input_grad_from_coefs, token_coefficients, weight_grad_from_coefs)
-from .fast import StatsWithDlogits, fused_statistics, grad_gemms, runs_stats_dlogits
-from .gemm import gemm_input, logits_gemm
+from .fast import StatsWithDlogits, chunk_logits, fused_statistics, grad_gemms, runs_stats_dlogits
+from .gemm import gemm_input
 from .main_grad import saved_tensors_hooks_active
 
 ENABLED = True
@@ -172,7 +172,7 @@ class StraightCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, route: CrossEntropyRoute):
         spec, forward_grad = route.facts.spec, route.forward_grad
         backend = spec.backend
-        logits = logits_gemm(hidden, weight, None)
+        logits = chunk_logits(hidden, weight, spec)
         local_target, labelled, counts, scalars = route.label_targets(labels, weight)
         count = LabelledCount(counts, scalars, labelled)
         merged = StatsWithDlogits(forward_grad.scale_before_statistics(count)).run_(logits, local_target, spec,
@@ -237,7 +237,7 @@ class LogprobRoute(_Route):
             logprob = LinearLogprobDlogitsInForward.apply(hidden, weight, local_target, labelled, spec,
                                                           lambda: scalars[:1])[0]
         else:
-            logits = logits_gemm(hidden, weight, spec.logits_dtype)
+            logits = chunk_logits(hidden, weight, spec)
             local_target, _, _, scalars = self.label_targets(flat_labels, weight)
             logprob = spec.backend.shard_logprob(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
                                                  scalars[:1])[0]
