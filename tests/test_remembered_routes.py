@@ -115,7 +115,7 @@ def test_cross_entropy_route_equals_the_general_path(tb, general_calls, monkeypa
     route) skips the general path, and its loss, dX and dW are the general path's bit for bit —
     with ignored labels, a padded vocab, temperature, and whatever the upstream gradient; they
     also match a float64 reference. Where the one-launch statistics do not apply (fewer rows than
-    they need) the route goes through the general path's node."""
+    they need) the route takes the stats and dlogits kernels, as the general path does."""
     h, w, y, vocab = _inputs(tb, 1, hidden_shape=(-1, 1) if case.startswith("3-d") else None,
                              rows=20 if case.startswith("fewer") else None)
     if case.startswith("3-d"):
@@ -125,9 +125,7 @@ def test_cross_entropy_route_equals_the_general_path(tb, general_calls, monkeypa
 
     got = _routed_equals_general(monkeypatch, lambda: _call(h, w, y, vocab, reduction, **kwargs), general_calls,
                                  ("loss", "dX", "dW"), case)
-    through_node = isinstance(next(reversed(remembered_routes._ROUTES.values())),
-                              remembered_routes.CrossEntropyThroughNode)
-    assert through_node == case.startswith("fewer")
+    assert next(reversed(remembered_routes._ROUTES.values())).one_launch == (not case.startswith("fewer"))
 
     # against float64: fp32 math on fp32 inputs (GEMMs of 16-wide rows, gradients times up to 3)
     h64, w64 = h.double().reshape(-1, h.shape[-1]).requires_grad_(), w.double().requires_grad_()
@@ -244,11 +242,12 @@ def general_grpo_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["grpo", "dapo, old and reference log-probs, KL", "sequence-first, normalizer",
-                                  "dW only"])
+                                  "dW only", "second backward, loss scale 1e-5"])
 def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch, case):
     """linear_grpo_loss of one chunk at TP = 1: the third call of a signature runs the route the
-    second recorded (the label kernel with the loss's mask, then the general path's node with the
-    call's own GRPOGrads), and its loss, metrics, dX and dW are the general path's bit for bit."""
+    second recorded (the label kernel with the loss's mask, the statistics, the call's own GRPOGrads
+    and the dlogits in one lean node), and its loss, metrics, dX and dW are the general path's bit
+    for bit, whatever the upstream gradient (a second backward through the retained graph too)."""
     from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 
     g = torch.Generator().manual_seed(6)
@@ -270,7 +269,10 @@ def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch,
         w = w0.clone().requires_grad_()
         loss, metrics = linear_grpo_loss(h, w, y.t() if first else y, advantages, mask, config, vocab_size=vocab,
                                          temperature=0.7, impl="triton", **extra)
-        (loss * 3.0).backward()
+        loss.add_(0.0)  # (the loss may be changed in place, as the general path's)
+        scales = (1e-5, 3.0) if case.startswith("second") else (3.0,)
+        for i, scale in enumerate(scales):
+            (loss * scale).backward(retain_graph=i + 1 < len(scales))
         return (loss.detach(), h.grad, w.grad) + tuple(m.detach() for m in metrics.values())
 
     _routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)  # then the metrics

@@ -143,6 +143,12 @@ def test_shard_logprob_matches_torch(small_blocks, dtype, temperature, n, v, pad
             assert torch.equal(got[2], torch.log(stats.sum_exp))
             merged = (stats.target - stats.max) - torch.log(stats.sum_exp)
             assert torch.equal(got[0], torch.where(target >= 0, merged, 0.0))
+        # what a chunk at TP = 1 takes from these launches (fast.merged_chunk_statistics): the stats
+        # kernel's statistics and merged_tail's log S and lse, bit for bit
+        stats = tb.shard_stats(logits, target, nvc, 1.0 / temperature)
+        log_sum_exp, lse, _ = tb.merged_tail(stats.max, stats.sum_exp, None)
+        for name, a, b in zip(names[1:], got[1:], (stats.max, log_sum_exp, stats.target, lse)):
+            assert torch.equal(a, b), name
     # no rows
     none = tb.shard_logprob(logits[:0], target[:0], nvc, 1.0, torch.zeros(1, device=DEVICE))
     assert all(t.shape == (0,) for t in none)
@@ -153,8 +159,9 @@ def test_forward_only_logprobs_of_one_chunk_take_the_fused_epilogue(small_blocks
     """A forward-only call of one chunk at TP = 1 takes backend.shard_logprob (no merge, no
     elementwise tail); the log-probs equal the float64 reference (ignored labels, a padded vocab,
     temperature) and, on the torch backend and on CUDA, the values of the differentiable call bit
-    for bit (an old-policy pass gives ratio 1 on the policy it came from). Several chunks, and
-    calls that need a gradient, keep the general path."""
+    for bit (an old-policy pass gives ratio 1 on the policy it came from). Several chunks keep
+    the general path; a differentiable call of one chunk takes its statistics from it too, unless
+    they come with its dlogits from one launch (stats_dlogits)."""
     from megatron_fused_ce.ops import api
 
     backend = torch_backend.BACKEND if impl == "torch" else small_blocks.BACKEND
@@ -186,7 +193,9 @@ def test_forward_only_logprobs_of_one_chunk_take_the_fused_epilogue(small_blocks
         assert torch.all(out[y < 0] == 0)
         calls.clear()
         with_grad = linear_logprobs(h.clone().requires_grad_(), w, y, chunk_size=chunk_size, **kwargs).logprobs
-        assert calls == []
+        one_launch = patched.stats_dlogits is not None and patched.stats_dlogits.applies(
+            n, vocab, padded * w.element_size(), w.device)
+        assert calls == ([n] if fused and not one_launch else []), (chunk_size, calls)
         if impl == "torch" or DEVICE.type == "cuda":
             assert torch.equal(out, with_grad.detach())
 

@@ -147,9 +147,8 @@ def linear_cross_entropy(
         total = stats.negative_logprob_total(mean=reduction == "mean")  # one kernel, where it applies
         if total is not None:
             if stats.straight is not None:
-                route = (remembered_routes.CrossEntropyRoute if stats.straight.route == "gradients in forward, one launch"
-                         else remembered_routes.CrossEntropyThroughNode)
-                remembered_routes.remember(route_key, route(stats.straight, forward_grad, impl))
+                remembered_routes.remember(route_key, remembered_routes.CrossEntropyRoute(stats.straight, forward_grad,
+                                                                                          impl))
             return total + stats.anchor
     per_token = stats.negative_logprob()  # (0 in rows of ignored labels)
     masked = True

@@ -115,9 +115,11 @@ class GRPOGrads(ForwardGradLoss):
     (its definition in torch; one compiled function on CUDA), the host's cost of a micro-batch that
     fits one chunk."""
 
-    def __init__(self, config: GRPOConfig, prepare, whole_call=None, num_rows: int = -1):
+    def __init__(self, config: GRPOConfig, prepare, whole_call=None, num_rows: int = -1, has_sampling: bool = False):
         self.config, self.prepare = config, prepare
         self.whole_call, self.num_rows = whole_call, num_rows
+        self.has_sampling = has_sampling  # sampling log-probs given: their metrics are reported
+        self.reported: Optional[Dict[str, Tensor]] = None  # a remembered route's metrics (GRPORoute.loss)
         self.table: Optional[_TokenTable] = None
         self.totals = None
         self.chunk_sums, self.chunk_maxima = [], []
@@ -153,10 +155,11 @@ class GRPOGrads(ForwardGradLoss):
         # times the per-token factor, applied in the GEMMs
         return PER_ROW
 
-    def metrics(self, num_rows: int, has_sampling: bool, cp_group, poison: Optional[Tensor]) -> Dict[str, Tensor]:
+    def metrics(self, num_rows: int, cp_group, poison: Optional[Tensor]) -> Dict[str, Tensor]:
         """The loss value and metrics (grpo.metric_names) from the chunks' sums and the batch totals
         (one all-reduce SUM and one MAX over `cp_group`), NaN where the op's device checks found bad
         contents (`poison`, TokenStats.poison)."""
+        has_sampling = self.has_sampling
         if self.num_tokens != num_rows:  # the loss value is the sum over the chunks: every row once
             raise RuntimeError(f"linear_grpo_loss: {self.num_tokens} rows reached token_grads, "
                                f"expected each of the {num_rows} rows of the chunk loop once")
@@ -317,7 +320,8 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
         return fused(_whole_call_terms, config, device, target, row_max, log_sum_exp, *inputs,
                      normalizer_tensor(), labels, ignore_index, sequence_first)
 
-    return GRPOGrads(config, prepare, whole_call if cp_group is None else None, batch * length)
+    return GRPOGrads(config, prepare, whole_call if cp_group is None else None, batch * length,
+                     sampling_logprobs is not None)
 
 
 def linear_grpo_loss(
@@ -381,9 +385,7 @@ def linear_grpo_loss(
                                    sampling_logprobs, normalizer, route.facts.ignore_index, first, impl, None)
         made = route(hidden, weight, labels, forward_grad=forward_grad, label_mask=mask.t() if first else mask)
         if made is not None:
-            with torch.no_grad():
-                metrics = forward_grad.metrics(made.target.shape[0], sampling_logprobs is not None, None, made.poison)
-            return metrics["loss"] + made.anchor, metrics
+            return made  # (the loss, the metrics)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
         integer_argument, (vocab_size, ignore_index, chunk_size, max_chunk_bytes))
     sequence_parallel, accumulate_into_main_grad = map(flag_argument, (sequence_parallel, accumulate_into_main_grad))
@@ -447,8 +449,9 @@ def linear_grpo_loss(
                              want_sum_logits=False, want_entropy=False, forward_grad=forward_grad,
                              must_agree=must_agree, expected_upstream_grad=expected_upstream_grad, ahead=ahead,
                              label_mask=label_mask)
-    if stats.straight is not None and route_key is not None:
-        remembered_routes.remember(route_key, remembered_routes.ForwardGradRoute(stats.straight, impl))
+    if (stats.straight is not None and route_key is not None
+            and stats.straight.route == "gradients in forward, statistics then dlogits"):
+        remembered_routes.remember(route_key, remembered_routes.GRPORoute(stats.straight, impl))
     with torch.no_grad():
-        metrics = forward_grad.metrics(stats.target.shape[0], sampling_logprobs is not None, cp_group, stats.poison)
+        metrics = forward_grad.metrics(stats.target.shape[0], cp_group, stats.poison)
     return metrics["loss"] + stats.anchor, metrics

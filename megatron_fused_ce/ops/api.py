@@ -384,8 +384,8 @@ class StraightFacts(NamedTuple):
     run straight (remembered_routes.py): which route, the chunk spec (no first product), the
     remembered signature, the label kernel's arguments."""
 
-    # "gradients in forward" (", one launch": its statistics and dlogits from stats_dlogits),
-    # "log-probs forward-only", "log-probs dlogits in forward"
+    # "gradients in forward, one launch" (its statistics and dlogits from stats_dlogits), "gradients
+    # in forward, statistics then dlogits", "log-probs forward-only", "log-probs dlogits in forward"
     route: str
     spec: Any
     signature: tuple
@@ -811,12 +811,15 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             one_chunk = (agreed.remembered and tp_group is None and main_grad_param is None
                          and expected_upstream_grad is None and logits_dtype is None and tiling is FAST_CHUNKS
                          and 0 < num_rows <= chunk_size)
-            one_launch = one_chunk and isinstance(
-                FAST_CHUNKS.forward_plan(hidden2d, weight, spec, forward_grad, needs_dx, num_labelled), StatsWithDlogits)
+            # (its plan: the one launch, or the stats and dlogits kernels; not a one-pass row kernel's)
+            plan = FAST_CHUNKS.forward_plan(hidden2d, weight, spec, forward_grad, needs_dx,
+                                            num_labelled) if one_chunk else None
             straight = _straight_facts(
-                "gradients in forward, one launch" if one_launch else "gradients in forward", agreed, spec,
+                "gradients in forward, one launch" if isinstance(plan, StatsWithDlogits)
+                else "gradients in forward, statistics then dlogits", agreed, spec,
                 ignore_index, tp_group=tp_group, weight=weight, weight_param=weight_param,
-                accumulate_into_main_grad=accumulate_into_main_grad, applies=one_chunk)
+                accumulate_into_main_grad=accumulate_into_main_grad,
+                applies=one_chunk and (plan is None or isinstance(plan, StatsWithDlogits)))
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
                               poison=_device_poison(device_checks, rank_check), backend=backend,

@@ -216,22 +216,7 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison):
-        one_launch = fast.runs_stats_dlogits(spec, hidden, weight)
-        logits, partials = fast.chunk_forward(hidden, weight, local_target, spec, want_stats=not one_launch)
-        if one_launch:  # the statistics, log-probs and D in one launch (fast.StatsWithDlogits' kernel)
-            row_max, target, log_sum_exp, lse, logprob = spec.backend.stats_dlogits.run_(
-                logits, local_target, spec.num_valid_cols, spec.inv_temperature, labelled, logprob=True,
-                poison=call_poison())
-            merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
-            made = fast.DlogitsMadeInForward.of(logits, weight, hidden.requires_grad, labelled)
-        else:
-            merged = reductions.merge_shard_stats(partials, spec.tp_group, spec.backend, spec.rank_check)
-            # the call's poison (api._device_poison) read once the merge has decided the rank check,
-            # added by the same launch that makes the log-probs (their gradient passes through it)
-            logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                                    call_poison())
-            made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad,
-                                                  labelled)
+        logprob, merged, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec, call_poison)
         ctx.spec = replace(spec, tiling=made, first_product=None)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, local_target)
@@ -247,6 +232,33 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
         grad_hidden, grad_weight = recompute_grads(hidden, weight, None, local_target, ctx.spec, (), coefs,
                                                    ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison) -> tuple:
+    """LinearLogprobDlogitsInForward's forward work -> (log-probs, merged statistics,
+    fast.DlogitsMadeInForward): the chunk of logits, its statistics and log-probs (plus the call's
+    poison, `call_poison()`), then D = one_hot - softmax in place of the logits and D·W."""
+    one_launch = fast.runs_stats_dlogits(spec, hidden, weight)
+    logits = fast.chunk_logits(hidden, weight, spec)
+    if one_launch:  # the statistics, log-probs and D in one launch (fast.StatsWithDlogits' kernel)
+        row_max, target, log_sum_exp, lse, logprob = spec.backend.stats_dlogits.run_(
+            logits, local_target, spec.num_valid_cols, spec.inv_temperature, labelled, logprob=True,
+            poison=call_poison())
+        merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+        return logprob, merged, fast.DlogitsMadeInForward.of(logits, weight, hidden.requires_grad, labelled)
+    if reductions.group_size(spec.tp_group) == 1:  # nothing to merge: the stats launch finishes each row
+        logprob, row_max, log_sum_exp, target, lse = spec.backend.shard_logprob(
+            logits, local_target, spec.num_valid_cols, spec.inv_temperature, call_poison())
+        merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+    else:
+        merged = reductions.merge_shard_stats(fast.logits_partials(logits, local_target, spec), spec.tp_group,
+                                              spec.backend, spec.rank_check)
+        # the call's poison (api._device_poison) read once the merge has decided the rank check,
+        # added by the same launch that makes the log-probs (their gradient passes through it)
+        logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                                call_poison())
+    made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad, labelled)
+    return logprob, merged, made
 
 
 def softmax_statistics(hidden: Tensor, weight: Tensor, row_index: Optional[Tensor], local_target: Tensor,
@@ -404,7 +416,7 @@ class LinearLossGradInForward(torch.autograd.Function):
         ctx.mark_non_differentiable(*(out for out in outputs if out is not None))
         # only the anchor's gradient is read: no zero tensors made for the statistics' (none)
         ctx.set_materialize_grads(False)
-        return (_zero_anchor(hidden.device),) + outputs
+        return (fast.device_zero(hidden.device),) + outputs  # (the anchor)
 
     @staticmethod
     @first_order_only
@@ -448,22 +460,6 @@ class LinearLossGradInForward(torch.autograd.Function):
             grad_weight = weight_grad_from_coefs(
                 spec, ctx.into_main_grad, hidden, weight, row_index, local_target, offsets, coef_list, g_anchor)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
-
-
-_ZEROS: dict = {}  # device -> the fp32 0-d zero every anchor on it aliases (never written)
-
-
-def _zero_anchor(device: torch.device) -> Tensor:
-    """A new 0-d fp32 zero tensor (the anchor: a node of its own) without a fill kernel per call:
-    a detached alias of one zero per device. That zero is copied from the host (a synchronous copy)
-    by the first call on the device, one that runs the full argument agreement and its read-back
-    anyway: no later call, CUDA graph capture or other stream sees it before it holds 0."""
-    if torch.compiler.is_compiling():  # (traced: a constant of the graph would be no cheaper)
-        return torch.zeros((), dtype=torch.float32, device=device)
-    zero = _ZEROS.get(device)
-    if zero is None:
-        zero = _ZEROS[device] = torch.tensor(0.0, dtype=torch.float32, device=device)
-    return zero.detach()
 
 
 def _forward_chunks(rows, weight, row_index, local_target, spec: ChunkSpec, forward_grad: ForwardGradLoss, dx_rows,

@@ -165,10 +165,33 @@ def logits_partials(logits: Tensor, local_target: Tensor, spec) -> ShardStats:
                                     want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy)
 
 
-def chunk_forward(h: Tensor, weight: Tensor, local_target: Tensor, spec, want_stats: bool):
-    """A chunk's logits [rows, V_local] and, if asked, its ShardStats."""
-    logits = chunk_logits(h, weight, spec)
-    return logits, logits_partials(logits, local_target, spec) if want_stats else None
+_ZEROS: dict = {}  # device -> the fp32 0-d zero device_zero aliases (never written)
+
+
+def device_zero(device: torch.device) -> Tensor:
+    """A new 0-d fp32 zero tensor (a node of its own where autograd takes it) without a fill kernel
+    per call: a detached alias of one zero per device. That zero is copied from the host (a
+    synchronous copy) by the first call on the device, one that runs the full argument agreement
+    and its read-back anyway: no later call, CUDA graph capture or other stream sees it before it
+    holds 0."""
+    if torch.compiler.is_compiling():  # (traced: a constant of the graph would be no cheaper)
+        return torch.zeros((), dtype=torch.float32, device=device)
+    zero = _ZEROS.get(device)
+    if zero is None:
+        zero = _ZEROS[device] = torch.tensor(0.0, dtype=torch.float32, device=device)
+    return zero.detach()
+
+
+def merged_chunk_statistics(logits: Tensor, local_target: Tensor, spec) -> reductions.MergedStats:
+    """A chunk's statistics merged over TP ranks. At TP = 1 without the sum of logits or the entropy
+    (nothing to merge) the stats launch finishes each row itself: log S and lse as the merge's tail
+    makes them (backend.shard_logprob; its log-probs unused), one launch fewer."""
+    if reductions.group_size(spec.tp_group) == 1 and not (spec.want_sum_logits or spec.want_entropy):
+        _, row_max, log_sum_exp, target, lse = spec.backend.shard_logprob(
+            logits, local_target, spec.num_valid_cols, spec.inv_temperature, device_zero(logits.device))
+        return reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+    return reductions.merge_shard_stats(logits_partials(logits, local_target, spec), spec.tp_group, spec.backend,
+                                        spec.rank_check)
 
 
 
@@ -515,9 +538,9 @@ class FastChunks(MergedAfterLoop):
                            labelled: Optional[Tensor] = None):
         """-> (the chunk's statistics merged over TP ranks, its logits: its dlogits already where the
         `plan` made them). `labelled`: the chunk's rows whose labels are not ignored (None: all)."""
-        logits, stats = chunk_forward(h, weight, local_target, spec, want_stats=plan is None)
+        logits = chunk_logits(h, weight, spec)
         if plan is None:
-            return reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check), logits
+            return merged_chunk_statistics(logits, local_target, spec), logits
         if isinstance(plan, StatsWithDlogits):
             return plan.run_(logits, local_target, spec, labelled), logits
         # the logits become softmax - one_hot in the same pass that takes lse

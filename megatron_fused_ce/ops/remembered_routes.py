@@ -16,18 +16,18 @@ straight: the same backend functions, in the same order, on the same tensors —
 Routes:
 
 - `CrossEntropyRoute`: `linear_cross_entropy` "mean" / "sum" without label smoothing, z-loss,
-  main_grad or an expected upstream gradient, at TP = 1, of one chunk whose statistics and dlogits
-  come from the backend's one launch (fast.StatsWithDlogits): the logits GEMM, the label kernel
-  (which checks the labels on the device, deferred_errors.py), stats_dlogits, the dX and dW GEMMs,
-  the loss's sum, the loss itself the node's output (`StraightCrossEntropy`: the general path's
-  first backward, and its second through a retained graph, from the same coefficients).
+  main_grad or an expected upstream gradient, at TP = 1, of one chunk; `GRPORoute`:
+  `linear_grpo_loss` of one chunk at TP = 1 without context parallelism, a sampling mask or
+  main_grad. Both run one lean node, `StraightLoss`: the logits GEMM, the label kernel (which
+  checks the labels on the device, deferred_errors.py; GRPO's with its mask), the statistics and
+  dlogits (one launch, fast.StatsWithDlogits, where cross-entropy takes it; else the statistics
+  (fast.merged_chunk_statistics), the loss's per-token coefficients — GRPO's per-token kernel with
+  its metrics — and the dlogits kernel), the dX and dW GEMMs, the loss value itself the node's output; the
+  general path's first backward, and its second through a retained graph, from the same
+  coefficients. (A backend whose one-pass row kernel takes the chunk, QuACK's, keeps the general
+  path.)
 - `LogprobRoute`: `linear_logprobs` of one chunk at TP = 1 without entropy, sampler or sampling
   mask: forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
-- `ForwardGradRoute`: a loss on the forward-gradient contract of one chunk at TP = 1 without
-  main_grad (`linear_grpo_loss`; cross-entropy where the one-launch statistics do not apply,
-  `CrossEntropyThroughNode`): the label kernel with the loss's mask, then the general path's node
-  with the call's own ForwardGradLoss; the loss builds that and its value (GRPO: its metrics) as
-  the general path does.
 
 A route is dropped with its signature (agreement.forget_signatures, or the signature's eviction),
 and not taken where something outside its key decides otherwise: autocast on, saved-tensor hooks
@@ -38,16 +38,17 @@ in force, another backend selected, the one-launch kernel switched off or not ap
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import agreement as agreement_memo, api, backends, deferred_errors
 from .api import LabelledCount, LogprobsOutput, StraightFacts
-from .chunked import (LinearLogprobDlogitsInForward, LinearLossGradInForward, first_order_only,
-                      input_grad_from_coefs, token_coefficients, weight_grad_from_coefs)
-from .fast import StatsWithDlogits, chunk_logits, fused_statistics, grad_gemms, runs_stats_dlogits
+from .chunked import (first_order_only, input_grad_from_coefs, logprobs_with_dlogits, token_coefficients,
+                      weight_grad_from_coefs)
+from .fast import (StatsWithDlogits, chunk_dlogits_, chunk_logits, fused_statistics, grad_gemms,
+                   merged_chunk_statistics, runs_stats_dlogits)
 from .gemm import gemm_input
 from .main_grad import saved_tensors_hooks_active
 
@@ -145,47 +146,94 @@ class _Route:
                                                 deferred_errors.flags(flat_labels.device), label_mask=label_mask)
 
 
-class CrossEntropyRoute(_Route):
-    """linear_cross_entropy's route of one whole-vocab chunk (module doc); `forward_grad` the call's
-    CrossEntropyGrads ("mean" / "sum", no smoothing or z-loss)."""
+class _LossRoute(_Route):
+    """A loss on the forward-gradient contract (forward_grad.py) of one whole-vocab chunk at TP = 1:
+    its node is `StraightLoss`; the loss's value from `loss`. `one_launch`: the statistics and dlogits
+    come from the backend's one launch (fast.StatsWithDlogits), else from the statistics'
+    launch(es) and the dlogits kernel (the general path's plan None)."""
+
+    def __init__(self, facts: StraightFacts, impl: str):
+        super().__init__(facts, impl)
+        self.one_launch = facts.route == "gradients in forward, one launch"
+
+    def holds(self, hidden: Tensor, weight: Tensor) -> bool:
+        # (the one-launch kernel is the general path's choice where it runs and the loss takes it)
+        return not saved_tensors_hooks_active() and (
+            not self.may_take_one_launch or runs_stats_dlogits(self.facts.spec, hidden, weight) == self.one_launch)
+
+    may_take_one_launch = True  # the loss's dlogits may come from the one launch (its c is known before)
+
+    def loss(self, forward_grad, merged, labelled: Tensor, count: LabelledCount, poison: Tensor) -> Tensor:
+        """The loss value (a new tensor: the node's output) from the chunk's merged statistics."""
+        raise NotImplementedError
+
+
+class CrossEntropyRoute(_LossRoute):
+    """linear_cross_entropy's route (module doc); `forward_grad` the call's CrossEntropyGrads
+    ("mean" / "sum", no smoothing or z-loss: the same for every call of the key)."""
 
     def __init__(self, facts: StraightFacts, forward_grad, impl: str):
         super().__init__(facts, impl)
         self.forward_grad = forward_grad
 
-    def holds(self, hidden: Tensor, weight: Tensor) -> bool:
-        return not saved_tensors_hooks_active() and runs_stats_dlogits(self.facts.spec, hidden, weight)
-
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
-        return StraightCrossEntropy.apply(hidden, weight, flat_labels, self)
+        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None)
+
+    def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
+        # TokenStats.negative_logprob_total's kernel
+        return self.facts.spec.backend.labelled_loss_sum(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                                         count.inverse if forward_grad.mean else None, poison)
 
 
-class StraightCrossEntropy(torch.autograd.Function):
-    """CrossEntropyRoute's node: the general path's kernels for its one chunk (EarlyProduct's logits
-    GEMM, _DeviceChecks' label kernel, LinearLossGradInForward's step with a StatsWithDlogits plan,
-    TokenStats.negative_logprob_total), the loss itself as the output (the general path adds a zero
-    anchor to it, which changes no bit). Backward: dX and dW made in the forward, scaled by the
-    upstream gradient as LinearLossGradInForward's first backward scales them; a second backward
-    through a retained graph recomputes them from the coefficients, as that node's does."""
+class GRPORoute(_LossRoute):
+    """linear_grpo_loss' route (module doc): the call's GRPOGrads (its own per-token table) and
+    label mask; the loss value and metrics are GRPOGrads.metrics', the loss a copy of that entry
+    (the node's output)."""
+
+    may_take_one_launch = False  # (a GRPO token's coefficient needs its log-prob first)
+
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, forward_grad,
+            label_mask: Tensor) -> tuple:
+        loss = StraightLoss.apply(hidden, weight, flat_labels, self, forward_grad, label_mask)
+        return loss, forward_grad.reported
+
+    def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
+        forward_grad.reported = forward_grad.metrics(labelled.shape[0], None, poison)
+        return forward_grad.reported["loss"].clone()  # (not a view: the output may be changed in place)
+
+
+class StraightLoss(torch.autograd.Function):
+    """A _LossRoute's node: the general path's kernels for its one chunk, in its order — EarlyProduct's
+    logits GEMM, _DeviceChecks' label kernel (with the loss's label mask), the statistics and dlogits
+    of LinearLossGradInForward's step (StatsWithDlogits' one launch, or fast.merged_chunk_statistics,
+    the loss's per-token coefficients and the dlogits kernel), the dX and dW GEMMs
+    — and the loss value as the output (the general path adds a zero anchor to it, which changes
+    no bit). Backward: dX and dW made in the forward, scaled by the upstream gradient as
+    LinearLossGradInForward's first backward scales them; a second backward through a retained
+    graph recomputes them from the coefficients, as that node's does."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, route: CrossEntropyRoute):
-        spec, forward_grad = route.facts.spec, route.forward_grad
-        backend = spec.backend
+    def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask):
+        spec = route.facts.spec
         logits = chunk_logits(hidden, weight, spec)
-        local_target, labelled, counts, scalars = route.label_targets(labels, weight)
+        local_target, labelled, counts, scalars = route.label_targets(labels, weight, label_mask)
         count = LabelledCount(counts, scalars, labelled)
-        merged = StatsWithDlogits(forward_grad.scale_before_statistics(count)).run_(logits, local_target, spec,
-                                                                                   labelled)
+        coefs = None
+        if route.one_launch:  # (the coefficients only if a second backward comes)
+            merged = StatsWithDlogits(forward_grad.scale_before_statistics(count)).run_(logits, local_target, spec,
+                                                                                       labelled)
+        else:
+            merged = merged_chunk_statistics(logits, local_target, spec)
+            coefs = token_coefficients(forward_grad, merged, slice(0, hidden.shape[0]), count, labelled)
+            chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dx = hidden.new_empty(hidden.shape) if hidden.requires_grad else None
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if weight.requires_grad else None
         grad_gemms(gemm_input(logits, hidden), hidden, weight, spec, dx, dw, dw_accumulate=False)
         del logits  # (its dlogits: freed once the GEMMs are queued, as the general path's chunk)
-        loss = backend.labelled_loss_sum(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                         count.inverse if forward_grad.mean else None, scalars[:1])
+        loss = route.loss(forward_grad, merged, labelled, count, scalars[:1])
         ctx.route, ctx.dx, ctx.dw = route, dx, dw
-        # (for a second backward only: the coefficients are made from these there)
-        ctx.merged, ctx.labelled, ctx.count = merged, labelled, count
+        # (for a second backward only)
+        ctx.forward_grad, ctx.merged, ctx.labelled, ctx.count, ctx.coefs = forward_grad, merged, labelled, count, coefs
         ctx.save_for_backward(hidden, weight, local_target)
         return loss
 
@@ -197,11 +245,12 @@ class StraightCrossEntropy(torch.autograd.Function):
             ctx.dx = ctx.dw = None
             backend = ctx.route.facts.spec.backend
             if dx is None:
-                return None, backend.scale_(dw, g), None, None
-            return backend.scale_(dx, g, dw), dw, None, None
+                return None, backend.scale_(dw, g), None, None, None, None
+            return backend.scale_(dx, g, dw), dw, None, None, None, None
         hidden, weight, local_target = ctx.saved_tensors
-        spec, merged = ctx.route.facts.spec, ctx.merged
-        coefs = token_coefficients(ctx.route.forward_grad, merged, slice(0, hidden.shape[0]), ctx.count, ctx.labelled)
+        spec, merged, coefs = ctx.route.facts.spec, ctx.merged, ctx.coefs
+        if coefs is None:
+            coefs = token_coefficients(ctx.forward_grad, merged, slice(0, hidden.shape[0]), ctx.count, ctx.labelled)
         coef_list = [coefs[k] for k in ("p", "pz", "target", "uniform")]
         offsets = (merged.max, merged.log_sum_exp)
         grad_hidden = grad_weight = None
@@ -211,14 +260,14 @@ class StraightCrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = weight_grad_from_coefs(spec, False, hidden, weight, None, local_target, offsets, coef_list,
                                                  g)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 class LogprobRoute(_Route):
     """linear_logprobs' routes of one chunk at TP = 1 without entropy, sampler or sampling mask
     (module doc): forward-only (the reference and old-policy passes: the logits GEMM, the label
     kernel, the stats kernel finishing each row's log-prob), or with the dlogits made in the forward
-    (chunked.LinearLogprobDlogitsInForward, the general path's node)."""
+    (`StraightLogprobs`: the general path's LinearLogprobDlogitsInForward, leaner)."""
 
     def __init__(self, facts: StraightFacts, impl: str):
         super().__init__(facts, impl)
@@ -226,16 +275,14 @@ class LogprobRoute(_Route):
 
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         if self.differentiable:
-            return (not saved_tensors_hooks_active()
+            return (not saved_tensors_hooks_active() and hidden.shape[0] > 0
                     and hidden.shape[0] * weight.shape[0] * weight.element_size() <= api.DLOGITS_IN_FORWARD_MAX_BYTES)
         return not fused_statistics(self.facts.spec.backend, hidden, weight)
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> LogprobsOutput:
         spec = self.facts.spec
         if self.differentiable:
-            local_target, labelled, _, scalars = self.label_targets(flat_labels, weight)
-            logprob = LinearLogprobDlogitsInForward.apply(hidden, weight, local_target, labelled, spec,
-                                                          lambda: scalars[:1])[0]
+            logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self)
         else:
             logits = chunk_logits(hidden, weight, spec)
             local_target, _, _, scalars = self.label_targets(flat_labels, weight)
@@ -244,49 +291,27 @@ class LogprobRoute(_Route):
         return LogprobsOutput(logprob if logprob.shape == shape else logprob.reshape(shape))
 
 
-class NodeStatistics(NamedTuple):
-    """What ForwardGradRoute's node gives its loss: as api.TokenStats holds them."""
+class StraightLogprobs(torch.autograd.Function):
+    """LogprobRoute's node with the dlogits made in the forward: the label kernel, then
+    chunked.LinearLogprobDlogitsInForward's forward work (chunked.logprobs_with_dlogits), the
+    log-probs its only output; its backward that node's (fast.DlogitsMadeInForward: g·(D·W), g·h,
+    then the dW GEMM), without the general backward's bookkeeping."""
 
-    anchor: Tensor
-    target: Tensor
-    max: Tensor
-    log_sum_exp: Tensor
-    labelled: Tensor
-    num_labelled: LabelledCount
-    poison: Tensor
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, route: LogprobRoute):
+        spec = route.facts.spec
+        local_target, labelled, _, scalars = route.label_targets(labels, weight)
+        logprob, _, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec, lambda: scalars[:1])
+        ctx.spec, ctx.made = spec, made
+        ctx.save_for_backward(hidden, weight)
+        return logprob
 
-
-class ForwardGradRoute(_Route):
-    """A loss on the forward-gradient contract of one chunk at TP = 1 (linear_grpo_loss;
-    cross-entropy where the one-launch statistics do not apply): the label kernel (with the loss's
-    label mask), then the general path's node (chunked.LinearLossGradInForward, which plans the
-    chunk as the general path does) with the call's own ForwardGradLoss; the loss adds the anchor
-    to its value."""
-
-    def holds(self, hidden: Tensor, weight: Tensor) -> bool:
-        return not saved_tensors_hooks_active()
-
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, forward_grad,
-            label_mask: Optional[Tensor] = None) -> NodeStatistics:
-        local_target, labelled, counts, scalars = self.label_targets(flat_labels, weight, label_mask)
-        count = LabelledCount(counts, scalars, labelled)
-        anchor, target, _, _, _, row_max, log_sum_exp = LinearLossGradInForward.apply(
-            hidden, weight, None, local_target, self.facts.spec, forward_grad, None, labelled, count)
-        return NodeStatistics(anchor, target, row_max, log_sum_exp, labelled, count, scalars[:1])
-
-
-class CrossEntropyThroughNode(ForwardGradRoute):
-    """linear_cross_entropy's route where the one-launch statistics do not apply (fewer rows than
-    they need, a backend's one-pass row kernel): ForwardGradRoute with the call's
-    CrossEntropyGrads, then the loss kernel as TokenStats.negative_logprob_total calls it."""
-
-    def __init__(self, facts: StraightFacts, forward_grad, impl: str):
-        super().__init__(facts, impl)
-        self.forward_grad = forward_grad
-
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
-        made = super().run(hidden, weight, flat_labels, shape, forward_grad=self.forward_grad)
-        total = self.facts.spec.backend.labelled_loss_sum(
-            made.target, made.max, made.log_sum_exp, made.labelled,
-            made.num_labelled.inverse if self.forward_grad.mean else None, made.poison)
-        return total + made.anchor
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        hidden, weight = ctx.saved_tensors
+        dx = hidden.new_empty(hidden.shape) if ctx.needs_input_grad[0] else None
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        # (g in the rows of ignored labels is taken as 0 by the scaling launches)
+        ctx.made.recompute_grads(hidden, weight, None, ctx.spec, (), {"target": g}, dx, dw, False)
+        return dx, dw, None, None

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...losses.grpo import applies_correction, metric_names  # the options' meaning and the metrics' order
+from ...losses.grpo import applies_correction, field_values, metric_names  # the options' meaning, the metrics' order
 from .triton_common import cached_launch, f32 as _f32, next_power_of_2
 
 TILE_ELEMENTS = 1024  # tokens per tile of the walk
@@ -369,33 +369,21 @@ def supported(config, mask: Tensor) -> bool:
     return config.importance_sampling_level == "token" and mask.numel() > 0
 
 
-def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old, reference, sampling,
-                     normalizer, labels, ignore_index: int, sequence_first: bool):
-    """linear_grpo._whole_call_terms' (d loss / d lp, its negative, metric vector), in one launch.
-    `normalizer`: None, a one-element tensor or a number (a kernel argument: no fill kernel, no
-    new compilation when it changes)."""
-    num_rows, row_length = mask.shape
-    on_policy = old is None or config.force_on_policy_ratio
-    has_sampling = sampling is not None
-    corrected = applies_correction(config, has_sampling)
+_OPTIONS: dict = {}  # what _options gives, by its arguments (a config by its field values)
+
+
+def _options(config, has_sampling: bool, on_policy: bool, sequence_first: bool, normalizer_kind: int) -> tuple:
+    """(the metric names, the kernel's constexpr options) of a config and the call's kinds of inputs:
+    made once per config values (forty options from the config's fields were host time on every
+    call of an RL micro-batch)."""
+    key = (type(config), field_values(config), has_sampling, on_policy, sequence_first, normalizer_kind)
+    found = _OPTIONS.get(key)
+    if found is not None:
+        return found
     names = metric_names(config, has_sampling)
-    device = target.device
-    grad = torch.empty(target.shape[0], dtype=torch.float32, device=device)
-    neg_grad = torch.empty_like(grad)
-    metrics = torch.empty(len(names), dtype=torch.float32, device=device)
-    scratch = torch.empty(2 * num_rows, dtype=torch.float32, device=device)
-    block_t = min(next_power_of_2(row_length), TILE_ELEMENTS)
-    block_b = max(TILE_ELEMENTS // block_t, 1)
-    old = None if on_policy else old
-    dummy = grad  # stands for the inputs that are not given (never read)
-    optional = [(x, *_strides(x)) if x is not None else (dummy, 0, 0) for x in (old, reference, sampling)]
+    corrected = applies_correction(config, has_sampling)
     ppo = config.loss_type not in _LOSS_CODES
-    _whole_call_kernel[(1,)](
-        _f32(target), _f32(row_max), _f32(log_sum_exp), labels.reshape(-1), ignore_index,
-        advantages, *_strides(advantages), mask, *_strides(mask), *optional[0], *optional[1], *optional[2],
-        normalizer if isinstance(normalizer, Tensor) else dummy,
-        0.0 if normalizer is None or isinstance(normalizer, Tensor) else float(normalizer), scratch, grad, neg_grad, metrics,
-        num_rows, row_length, float(num_rows),
+    options = dict(
         LOSS=_LOSS_CODES.get(config.loss_type, 0),
         CLIP_LOW=1.0 - config.epsilon_low, CLIP_HIGH=1.0 + config.epsilon_high,
         HAS_DELTA=ppo and config.delta is not None, DELTA=float(config.delta or 0.0),
@@ -413,12 +401,43 @@ def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old
         HAS_IS_HI=config.is_clip_max is not None, IS_HI=float(config.is_clip_max or 0.0),
         NORM=1 if config.per_sequence_mean else (2 if config.loss_type == "dr_grpo" else 0),
         COUNT_EMPTY=config.count_empty_sequences,
-        NORMALIZER=0 if normalizer is None else 1 if isinstance(normalizer, Tensor) else 2,
+        NORMALIZER=normalizer_kind,
         MAX_LENGTH=int(config.max_completion_length or 0), SEQUENCE_FIRST=sequence_first,
         AT_DUAL=names.index("dual_clip_ratio") if "dual_clip_ratio" in names else 0,
         AT_IS=names.index("is_ratio_mean") if "is_ratio_mean" in names else 0,
         AT_ERROR=names.index("token_mult_prob_error") if "token_mult_prob_error" in names else 0,
         AT_EXCLUDED=names.index("num_excluded_tokens"),
-        BLOCK_B=block_b, BLOCK_T=block_t, num_warps=WARPS,
+    )
+    if len(_OPTIONS) >= 256:  # (configs made anew with other values, call after call: bounded)
+        _OPTIONS.clear()
+    found = _OPTIONS[key] = (names, options)
+    return found
+
+
+def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old, reference, sampling,
+                     normalizer, labels, ignore_index: int, sequence_first: bool):
+    """linear_grpo._whole_call_terms' (d loss / d lp, its negative, metric vector), in one launch.
+    `normalizer`: None, a one-element tensor or a number (a kernel argument: no fill kernel, no
+    new compilation when it changes)."""
+    num_rows, row_length = mask.shape
+    on_policy = old is None or config.force_on_policy_ratio
+    normalizer_kind = 0 if normalizer is None else 1 if isinstance(normalizer, Tensor) else 2
+    names, options = _options(config, sampling is not None, on_policy, sequence_first, normalizer_kind)
+    device = target.device
+    grad = torch.empty(target.shape[0], dtype=torch.float32, device=device)
+    neg_grad = torch.empty_like(grad)
+    metrics = torch.empty(len(names), dtype=torch.float32, device=device)
+    scratch = torch.empty(2 * num_rows, dtype=torch.float32, device=device)
+    block_t = min(next_power_of_2(row_length), TILE_ELEMENTS)
+    block_b = max(TILE_ELEMENTS // block_t, 1)
+    old = None if on_policy else old
+    dummy = grad  # stands for the inputs that are not given (never read)
+    optional = [(x, *_strides(x)) if x is not None else (dummy, 0, 0) for x in (old, reference, sampling)]
+    _whole_call_kernel[(1,)](
+        _f32(target), _f32(row_max), _f32(log_sum_exp), labels.reshape(-1), ignore_index,
+        advantages, *_strides(advantages), mask, *_strides(mask), *optional[0], *optional[1], *optional[2],
+        normalizer if isinstance(normalizer, Tensor) else dummy,
+        0.0 if normalizer is None or isinstance(normalizer, Tensor) else float(normalizer), scratch, grad, neg_grad, metrics,
+        num_rows, row_length, float(num_rows), **options, BLOCK_B=block_b, BLOCK_T=block_t, num_warps=WARPS,
     )
     return grad, neg_grad, metrics
