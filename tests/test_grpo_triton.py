@@ -15,6 +15,7 @@ and gradients, so that the kernel's wiring into the chunk loop is covered as wel
 
 import os
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -160,9 +161,9 @@ def test_linear_grpo_loss_takes_the_kernel(triton_grpo, name, monkeypatch):
     calls = []
     kernel = triton_grpo.whole_call_terms
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(1)
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(linear_grpo, "_whole_call_kernel", lambda: counted)
     config = GRPOConfig(**CONFIGS[name])
@@ -195,6 +196,24 @@ def test_linear_grpo_loss_takes_the_kernel(triton_grpo, name, monkeypatch):
     torch.testing.assert_close(dw_triton, dw_torch, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["dapo", "dapo_k3_bias", "sequence_truncate"])
+def test_the_poison_given_to_the_kernel(triton_grpo, name):
+    """With the call's poison (a remembered route's), the kernel adds it to every metric, as
+    GRPOGrads.metrics adds it, and writes the loss on its own: 0 changes no bit, NaN reaches every
+    metric and the loss."""
+    config = GRPOConfig(**CONFIGS[name])
+    x = _inputs(8, 5, 11, sequence_first=False, per_token_adv=False, bool_mask=True)
+    kw = dict(with_old=True, with_sampling=config.is_correction != "none", normalizer=None, sequence_first=False)
+    plain = _run(triton_grpo.whole_call_terms, config, x, **kw)
+    assert plain[3] is None
+    for value in (0.0, float("nan")):
+        poison = torch.full((1,), value, device=DEVICE)
+        grad, neg, metrics, loss = _run(partial(triton_grpo.whole_call_terms, poison=poison), config, x, **kw)
+        assert torch.equal(grad, plain[0]) and torch.equal(neg, plain[1])
+        assert loss.shape == () and torch.equal(metrics, plain[2] + poison) == (value == 0.0)
+        assert torch.equal(loss, metrics[0]) if value == 0.0 else (metrics.isnan().all() and loss.isnan())
+
+
 def test_config_mutation_is_seen(triton_grpo):
     """The options are the kernel's constants: a changed option gives another kernel, not the
     first one's values."""
@@ -213,7 +232,7 @@ def test_a_kernel_that_fails_falls_back_to_the_definition(monkeypatch):
     attempts = []
 
     def broken():
-        def kernel(*args):
+        def kernel(*args, **kwargs):
             attempts.append(1)
             raise RuntimeError("PassManager::run failed")
         return kernel

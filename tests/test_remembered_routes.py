@@ -308,3 +308,35 @@ def test_grpo_route_follows_the_configs_values(tb, general_grpo_calls):
     config.epsilon_high = -1.0
     with pytest.raises(ValueError, match="epsilon_high"):
         call()
+
+
+def test_grpo_route_checks_the_labels_on_the_device(tb, general_grpo_calls):
+    """A routed GRPO call with a label outside the vocab: its loss and every metric are NaN (the
+    per-token kernel adds the label kernel's poison and writes the loss), and the error is raised at
+    the next check, as the general path's later calls do."""
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(2, 8, 16, generator=g).to(DEVICE)
+    w = torch.randn(150, 16, generator=g).to(DEVICE)
+    y = torch.randint(0, 140, (2, 8), generator=g).to(DEVICE)
+    mask, advantages = torch.ones(2, 8, device=DEVICE), torch.tensor([1.0, -0.5], device=DEVICE)
+
+    def call(labels):
+        hh = h.clone().requires_grad_()
+        loss, metrics = linear_grpo_loss(hh, w, labels, advantages, mask, GRPOConfig(), vocab_size=140,
+                                         impl="triton")
+        loss.backward()
+        return loss.detach(), metrics
+
+    for _ in range(3):
+        loss, metrics = call(y)
+    assert len(general_grpo_calls) == 2 and torch.isfinite(loss)
+    deferred_errors.check_deferred_errors()
+    bad = y.clone()
+    bad[0, 1] = 143
+    general_grpo_calls.clear()
+    loss, metrics = call(bad)
+    assert not general_grpo_calls and loss.isnan() and all(m.isnan() for m in metrics.values())
+    with pytest.raises(ValueError, match="labels outside"):
+        deferred_errors.check_deferred_errors()

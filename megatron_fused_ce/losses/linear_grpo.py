@@ -120,6 +120,10 @@ class GRPOGrads(ForwardGradLoss):
         self.whole_call, self.num_rows = whole_call, num_rows
         self.has_sampling = has_sampling  # sampling log-probs given: their metrics are reported
         self.reported: Optional[Dict[str, Tensor]] = None  # a remembered route's metrics (GRPORoute.loss)
+        # the call's poison where a remembered route knows it before the chunk (GRPORoute): the
+        # kernel adds it to the metrics and writes the loss on its own (`loss_value`)
+        self.poison: Optional[Tensor] = None
+        self.loss_value: Optional[Tensor] = None
         self.table: Optional[_TokenTable] = None
         self.totals = None
         self.chunk_sums, self.chunk_maxima = [], []
@@ -136,7 +140,8 @@ class GRPOGrads(ForwardGradLoss):
     def token_grads(self, stats, positions, num_labelled) -> TokenGrads:
         if (self.whole_call is not None and self.num_tokens == 0
                 and isinstance(positions, slice) and positions == slice(0, self.num_rows)):
-            grad, negative_grad, self.metric_values = self.whole_call(stats.target, stats.max, stats.log_sum_exp)
+            grad, negative_grad, self.metric_values, self.loss_value = self.whole_call(
+                stats.target, stats.max, stats.log_sum_exp, self.poison)
             self.num_tokens = self.num_rows
             return TokenGrads(target=grad, lse=negative_grad)
         table = self.prepared()
@@ -163,8 +168,9 @@ class GRPOGrads(ForwardGradLoss):
         if self.num_tokens != num_rows:  # the loss value is the sum over the chunks: every row once
             raise RuntimeError(f"linear_grpo_loss: {self.num_tokens} rows reached token_grads, "
                                f"expected each of the {num_rows} rows of the chunk loop once")
-        if self.metric_values is not None:  # whole_call's
-            values = self.metric_values if poison is None else self.metric_values + poison
+        if self.metric_values is not None:  # whole_call's (the poison in them where it wrote loss_value)
+            poisoned = poison is None or self.loss_value is not None
+            values = self.metric_values if poisoned else self.metric_values + poison
             return dict(zip(metric_names(self.config, has_sampling), values.unbind()))
         self.prepared()
         if not self.chunk_sums:  # no row at all: the terms of an empty block
@@ -309,16 +315,18 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
         return _TokenTable(inputs.present(), _table_rows(inputs, (batch, length), sequence_first),
                            (labels != ignore_index).reshape(-1)), totals
 
-    def whole_call(target, row_max, log_sum_exp):
+    def whole_call(target, row_max, log_sum_exp, poison=None):
+        """-> (d loss / d lp, its negative, metric vector, the loss on its own or None): the kernel
+        adds `poison` (where given) to the metrics and writes the loss apart."""
         inputs = (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)
         if _takes_the_kernel(impl, device, config, mask):
             try:
                 return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, normalizer, labels,
-                                            ignore_index, sequence_first)
+                                            ignore_index, sequence_first, poison=poison)
             except Exception as error:  # noqa: BLE001 - a compiler failure: the definition computes the same
                 _kernel_failed(config, error)
         return fused(_whole_call_terms, config, device, target, row_max, log_sum_exp, *inputs,
-                     normalizer_tensor(), labels, ignore_index, sequence_first)
+                     normalizer_tensor(), labels, ignore_index, sequence_first) + (None,)
 
     return GRPOGrads(config, prepare, whole_call if cp_group is None else None, batch * length,
                      sampling_logprobs is not None)

@@ -163,6 +163,9 @@ class _LossRoute(_Route):
 
     may_take_one_launch = True  # the loss's dlogits may come from the one launch (its c is known before)
 
+    def before_statistics(self, forward_grad, poison: Tensor) -> None:
+        """What the loss takes before the chunk's statistics: the call's poison (the label kernel's)."""
+
     def loss(self, forward_grad, merged, labelled: Tensor, count: LabelledCount, poison: Tensor) -> Tensor:
         """The loss value (a new tensor: the node's output) from the chunk's merged statistics."""
         raise NotImplementedError
@@ -197,8 +200,13 @@ class GRPORoute(_LossRoute):
         loss = StraightLoss.apply(hidden, weight, flat_labels, self, forward_grad, label_mask)
         return loss, forward_grad.reported
 
+    def before_statistics(self, forward_grad, poison: Tensor) -> None:
+        forward_grad.poison = poison  # (the per-token kernel adds it and writes the loss apart)
+
     def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
         forward_grad.reported = forward_grad.metrics(labelled.shape[0], None, poison)
+        if forward_grad.loss_value is not None:
+            return forward_grad.loss_value
         return forward_grad.reported["loss"].clone()  # (not a view: the output may be changed in place)
 
 
@@ -218,6 +226,7 @@ class StraightLoss(torch.autograd.Function):
         logits = chunk_logits(hidden, weight, spec)
         local_target, labelled, counts, scalars = route.label_targets(labels, weight, label_mask)
         count = LabelledCount(counts, scalars, labelled)
+        route.before_statistics(forward_grad, scalars[:1])
         coefs = None
         if route.one_launch:  # (the coefficients only if a second backward comes)
             merged = StatsWithDlogits(forward_grad.scale_before_statistics(count)).run_(logits, local_target, spec,

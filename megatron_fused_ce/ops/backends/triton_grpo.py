@@ -27,6 +27,8 @@ Math in fp32, as the torch definition computes on fp32 log-probs.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -71,13 +73,22 @@ def _safe(denominator):
     return tl.where(denominator != 0, denominator, 1.0)
 
 
+@triton.jit
+def _put(ptr, value, poison_ptr, HAS_POISON: tl.constexpr):
+    """Store a metric, plus the call's poison (NaN where the device checks found bad contents,
+    else 0) where the kernel is given it."""
+    if HAS_POISON:
+        value = value + tl.load(poison_ptr)
+    tl.store(ptr, value)
+
+
 @cached_launch
 @triton.jit
 def _whole_call_kernel(
     target_ptr, row_max_ptr, lse_ptr, labels_ptr, ignore_index,
     adv_ptr, adv_sb, adv_st, mask_ptr, mask_sb, mask_st,
     old_ptr, old_sb, old_st, ref_ptr, ref_sb, ref_st, samp_ptr, samp_sb, samp_st,
-    normalizer_ptr, normalizer_value, scratch_ptr, grad_ptr, neg_grad_ptr, metrics_ptr,
+    normalizer_ptr, normalizer_value, scratch_ptr, grad_ptr, neg_grad_ptr, metrics_ptr, poison_ptr, loss_ptr,
     num_rows, row_length, num_rows_f,
     LOSS: tl.constexpr, CLIP_LOW: tl.constexpr, CLIP_HIGH: tl.constexpr,
     HAS_DELTA: tl.constexpr, DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, DUAL_C: tl.constexpr,
@@ -89,7 +100,7 @@ def _whole_call_kernel(
     NORM: tl.constexpr, COUNT_EMPTY: tl.constexpr, NORMALIZER: tl.constexpr, MAX_LENGTH: tl.constexpr,
     SEQUENCE_FIRST: tl.constexpr,
     AT_DUAL: tl.constexpr, AT_IS: tl.constexpr, AT_ERROR: tl.constexpr, AT_EXCLUDED: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, HAS_POISON: tl.constexpr = False,
 ):
     offs_b = tl.arange(0, BLOCK_B)
     offs_t = tl.arange(0, BLOCK_T)
@@ -334,28 +345,33 @@ def _whole_call_kernel(
     any_valid = tl.max(tl.max(any_max, 1), 0) > 0
     pg = tl.sum(tl.sum(pg_sum, 1), 0)
     kl_total = tl.sum(tl.sum(kl_sum, 1), 0)
+    weight = _safe(total_weight)
+    loss = pg
     if KL != 0:
-        tl.store(metrics_ptr, pg + BETA * kl_total)
-    else:
-        tl.store(metrics_ptr, pg)
-    tl.store(metrics_ptr + 1, pg)
-    tl.store(metrics_ptr + 2, kl_total)
-    tl.store(metrics_ptr + 3, tl.sum(tl.sum(ratio_sum, 1), 0) / _safe(total_weight))
-    tl.store(metrics_ptr + 4, tl.where(any_valid, -tl.max(tl.max(ratio_min, 1), 0), 0.0))
-    tl.store(metrics_ptr + 5, tl.where(any_valid, tl.max(tl.max(ratio_max, 1), 0), 0.0))
-    tl.store(metrics_ptr + 6, tl.sum(tl.sum(clip_low_sum, 1), 0) / _safe(total_weight))
-    tl.store(metrics_ptr + 7, tl.sum(tl.sum(clip_high_sum, 1), 0) / _safe(total_weight))
-    tl.store(metrics_ptr + 8, tl.sum(tl.sum(clip_sum, 1), 0) / _safe(total_weight))
+        loss = pg + BETA * kl_total
+    _put(metrics_ptr, loss, poison_ptr, HAS_POISON)
+    if HAS_POISON:  # (the loss on its own too: a remembered route's output, remembered_routes.py)
+        _put(loss_ptr, loss, poison_ptr, HAS_POISON)
+    _put(metrics_ptr + 1, pg, poison_ptr, HAS_POISON)
+    _put(metrics_ptr + 2, kl_total, poison_ptr, HAS_POISON)
+    _put(metrics_ptr + 3, tl.sum(tl.sum(ratio_sum, 1), 0) / weight, poison_ptr, HAS_POISON)
+    _put(metrics_ptr + 4, tl.where(any_valid, -tl.max(tl.max(ratio_min, 1), 0), 0.0), poison_ptr, HAS_POISON)
+    _put(metrics_ptr + 5, tl.where(any_valid, tl.max(tl.max(ratio_max, 1), 0), 0.0), poison_ptr, HAS_POISON)
+    _put(metrics_ptr + 6, tl.sum(tl.sum(clip_low_sum, 1), 0) / weight, poison_ptr, HAS_POISON)
+    _put(metrics_ptr + 7, tl.sum(tl.sum(clip_high_sum, 1), 0) / weight, poison_ptr, HAS_POISON)
+    _put(metrics_ptr + 8, tl.sum(tl.sum(clip_sum, 1), 0) / weight, poison_ptr, HAS_POISON)
     if HAS_DUAL:
-        tl.store(metrics_ptr + AT_DUAL, tl.sum(tl.sum(dual_sum, 1), 0) / _safe(total_weight))
+        _put(metrics_ptr + AT_DUAL, tl.sum(tl.sum(dual_sum, 1), 0) / weight, poison_ptr, HAS_POISON)
     if CORRECTION != 0:
-        tl.store(metrics_ptr + AT_IS, tl.sum(tl.sum(rho_sum, 1), 0) / _safe(total_weight))
-        tl.store(metrics_ptr + AT_IS + 1, tl.where(any_valid, -tl.max(tl.max(rho_min, 1), 0), 0.0))
-        tl.store(metrics_ptr + AT_IS + 2, tl.where(any_valid, tl.max(tl.max(rho_max, 1), 0), 0.0))
-        tl.store(metrics_ptr + AT_IS + 3, tl.sum(tl.sum(rho_clip_sum, 1), 0) / _safe(total_weight))
+        _put(metrics_ptr + AT_IS, tl.sum(tl.sum(rho_sum, 1), 0) / weight, poison_ptr, HAS_POISON)
+        _put(metrics_ptr + AT_IS + 1, tl.where(any_valid, -tl.max(tl.max(rho_min, 1), 0), 0.0), poison_ptr,
+             HAS_POISON)
+        _put(metrics_ptr + AT_IS + 2, tl.where(any_valid, tl.max(tl.max(rho_max, 1), 0), 0.0), poison_ptr,
+             HAS_POISON)
+        _put(metrics_ptr + AT_IS + 3, tl.sum(tl.sum(rho_clip_sum, 1), 0) / weight, poison_ptr, HAS_POISON)
     if HAS_SAMPLING:
-        tl.store(metrics_ptr + AT_ERROR, tl.sum(tl.sum(error_sum, 1), 0) / _safe(total_weight))
-    tl.store(metrics_ptr + AT_EXCLUDED, num_excluded)
+        _put(metrics_ptr + AT_ERROR, tl.sum(tl.sum(error_sum, 1), 0) / weight, poison_ptr, HAS_POISON)
+    _put(metrics_ptr + AT_EXCLUDED, num_excluded, poison_ptr, HAS_POISON)
 
 
 def _strides(t: Tensor):
@@ -415,8 +431,10 @@ def _options(config, has_sampling: bool, on_policy: bool, sequence_first: bool, 
 
 
 def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old, reference, sampling,
-                     normalizer, labels, ignore_index: int, sequence_first: bool):
-    """linear_grpo._whole_call_terms' (d loss / d lp, its negative, metric vector), in one launch.
+                     normalizer, labels, ignore_index: int, sequence_first: bool, poison: Optional[Tensor] = None):
+    """linear_grpo._whole_call_terms' (d loss / d lp, its negative, metric vector), in one launch,
+    and the loss on its own where `poison` is given (fp32 [1], the call's: added to every metric
+    and to the loss, as GRPOGrads.metrics adds it), else None.
     `normalizer`: None, a one-element tensor or a number (a kernel argument: no fill kernel, no
     new compilation when it changes)."""
     num_rows, row_length = mask.shape
@@ -428,6 +446,7 @@ def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old
     neg_grad = torch.empty_like(grad)
     metrics = torch.empty(len(names), dtype=torch.float32, device=device)
     scratch = torch.empty(2 * num_rows, dtype=torch.float32, device=device)
+    loss = None if poison is None else torch.empty((), dtype=torch.float32, device=device)
     block_t = min(next_power_of_2(row_length), TILE_ELEMENTS)
     block_b = max(TILE_ELEMENTS // block_t, 1)
     old = None if on_policy else old
@@ -438,6 +457,8 @@ def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old
         advantages, *_strides(advantages), mask, *_strides(mask), *optional[0], *optional[1], *optional[2],
         normalizer if isinstance(normalizer, Tensor) else dummy,
         0.0 if normalizer is None or isinstance(normalizer, Tensor) else float(normalizer), scratch, grad, neg_grad, metrics,
-        num_rows, row_length, float(num_rows), **options, BLOCK_B=block_b, BLOCK_T=block_t, num_warps=WARPS,
+        dummy if poison is None else _f32(poison), dummy if loss is None else loss,
+        num_rows, row_length, float(num_rows), **options, BLOCK_B=block_b, BLOCK_T=block_t,
+        HAS_POISON=poison is not None, num_warps=WARPS,
     )
-    return grad, neg_grad, metrics
+    return grad, neg_grad, metrics, loss
