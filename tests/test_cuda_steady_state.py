@@ -38,9 +38,10 @@ MAX_KERNELS = {"cross_entropy": 30, "logprobs": 30, "logprobs_entropy": 30, "for
 # kernels; 10 before its epilogue went into the statistics kernel), log-probs 12 (23 with entropy; 17
 # before their statistics and dlogits came from one launch, 21 before the labelled log-prob took the
 # poison and the backward's row scaling the label mask), cross-entropy 10 (12 with the statistics and
-# dlogits kernels apart), GRPO 10 with each option set (its per-token terms: one kernel, triton_grpo.py;
-# 12 before the stats launch finished its rows at TP = 1 and its remembered route returned the loss
-# without a zero anchor, 14 before the label kernel read its mask).
+# dlogits kernels apart), GRPO 9 with each option set (its per-token terms: one kernel, triton_grpo.py;
+# 12 before its remembered route's lean node: the stats launch finishing its rows at TP = 1, no zero
+# anchor, the poison and the loss written by the per-token kernel; 14 before the label kernel read
+# its mask).
 
 
 def _inputs(seed):
