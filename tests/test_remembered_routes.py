@@ -242,12 +242,13 @@ def general_grpo_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["grpo", "dapo, old and reference log-probs, KL", "sequence-first, normalizer",
-                                  "dW only", "second backward, loss scale 1e-5"])
+                                  "dW only", "second backward, loss scale 1e-5", "torch backend"])
 def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch, case):
     """linear_grpo_loss of one chunk at TP = 1: the third call of a signature runs the route the
     second recorded (the label kernel with the loss's mask, the statistics, the call's own GRPOGrads
     and the dlogits in one lean node), and its loss, metrics, dX and dW are the general path's bit
-    for bit, whatever the upstream gradient (a second backward through the retained graph too)."""
+    for bit, whatever the upstream gradient (a second backward through the retained graph too), on
+    the Triton backend (the per-token kernel writes the loss) and on torch's (its definition)."""
     from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 
     g = torch.Generator().manual_seed(6)
@@ -268,7 +269,8 @@ def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch,
         h = (h0.transpose(0, 1).contiguous() if first else h0).clone().requires_grad_("dW only" not in case)
         w = w0.clone().requires_grad_()
         loss, metrics = linear_grpo_loss(h, w, y.t() if first else y, advantages, mask, config, vocab_size=vocab,
-                                         temperature=0.7, impl="triton", **extra)
+                                         temperature=0.7, impl="torch" if case.startswith("torch") else "triton",
+                                         **extra)
         loss.add_(0.0)  # (the loss may be changed in place, as the general path's)
         scales = (1e-5, 3.0) if case.startswith("second") else (3.0,)
         for i, scale in enumerate(scales):

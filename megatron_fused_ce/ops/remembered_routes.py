@@ -22,10 +22,10 @@ Routes:
   checks the labels on the device, deferred_errors.py; GRPO's with its mask), the statistics and
   dlogits (one launch, fast.StatsWithDlogits, where cross-entropy takes it; else the statistics
   (fast.merged_chunk_statistics), the loss's per-token coefficients — GRPO's per-token kernel with
-  its metrics — and the dlogits kernel), the dX and dW GEMMs, the loss value itself the node's output; the
-  general path's first backward, and its second through a retained graph, from the same
-  coefficients. (A backend whose one-pass row kernel takes the chunk, QuACK's, keeps the general
-  path.)
+  its metrics — and the dlogits kernel), the dX and dW GEMMs, the loss value itself the node's
+  output; the general path's first backward, and its second through a retained graph, from the
+  same coefficients. (A backend whose one-pass row kernel takes the chunk, QuACK's, keeps the
+  general path.)
 - `LogprobRoute`: `linear_logprobs` of one chunk at TP = 1 without entropy, sampler or sampling
   mask: forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
 
@@ -190,8 +190,9 @@ class CrossEntropyRoute(_LossRoute):
 
 class GRPORoute(_LossRoute):
     """linear_grpo_loss' route (module doc): the call's GRPOGrads (its own per-token table) and
-    label mask; the loss value and metrics are GRPOGrads.metrics', the loss a copy of that entry
-    (the node's output)."""
+    label mask; the metrics are GRPOGrads.metrics', the loss (the node's output) the per-token
+    kernel's own, given the call's poison before the statistics (where the torch definition runs
+    instead: a copy of the metrics' entry)."""
 
     may_take_one_launch = False  # (a GRPO token's coefficient needs its log-prob first)
 
