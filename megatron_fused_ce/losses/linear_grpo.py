@@ -391,7 +391,11 @@ def linear_grpo_loss(
         first = bool(sequence_parallel)
         forward_grad = _grpo_grads(config, hidden.device, labels, advantages, mask, old_logprobs, reference_logprobs,
                                    sampling_logprobs, normalizer, route.facts.ignore_index, first, impl, None)
-        made = route(hidden, weight, labels, forward_grad=forward_grad, label_mask=mask.t() if first else mask)
+        # (what every TP rank must share, in the order of the general path's must_agree)
+        agree = tuple(t for t in (old_logprobs, reference_logprobs, sampling_logprobs, normalizer, advantages, mask)
+                      if isinstance(t, Tensor))
+        made = route(hidden, weight, labels, forward_grad=forward_grad, label_mask=mask.t() if first else mask,
+                     agree_tensors=agree)
         if made is not None:
             return made  # (the loss, the metrics)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(

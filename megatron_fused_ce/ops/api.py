@@ -381,27 +381,34 @@ def _autocast_inputs(hidden, weight):
 # --------------------------------------------------------------------------------------------
 class StraightFacts(NamedTuple):
     """What token_statistics decided for a call whose route a later call with the same arguments may
-    run straight (remembered_routes.py): which route, the chunk spec (no first product), the
-    remembered signature, the label kernel's arguments."""
+    run straight (remembered_routes.py): which route, the chunk spec (no first product, no rank
+    check: a call makes its own), the remembered signature, the label kernel's arguments."""
 
     # "gradients in forward, one launch" (its statistics and dlogits from stats_dlogits), "gradients
-    # in forward, statistics then dlogits", "log-probs forward-only", "log-probs dlogits in forward"
+    # in forward, statistics then dlogits", "log-probs forward-only" (TP = 1: the stats launch
+    # finishes each row), "log-probs forward-only, merged" (TP > 1), "log-probs dlogits in forward"
     route: str
     spec: Any
     signature: tuple
     ignore_index: int
     true_vocab: int
+    vocab_start: int = 0  # this rank's first column
+    # TP > 1: the signature's code, the rank check's first piece (the labels' and the must-agree
+    # tensors' fingerprints follow, from the label kernel); None at TP = 1 (nothing to compare)
+    signature_code: Optional[int] = None
 
 
 def _straight_facts(route: str, agreed: _Agreed, spec, ignore_index, *, tp_group, weight, weight_param,
                     accumulate_into_main_grad, applies: bool = True) -> Optional[StraightFacts]:
     """StraightFacts where a later call of this call's arguments may run its route straight: a
-    remembered signature, TP = 1, no autocast cast of the weight, no main_grad (the spec names that
-    call's weight; and whether a weight has one is not in the route's key)."""
-    if not (applies and agreed.remembered and tp_group is None and weight is weight_param
-            and not accumulate_into_main_grad):
+    remembered signature, no autocast cast of the weight, no main_grad (the spec names that call's
+    weight; and whether a weight has one is not in the route's key)."""
+    if not (applies and agreed.remembered and weight is weight_param and not accumulate_into_main_grad):
         return None
-    return StraightFacts(route, replace(spec, first_product=None), agreed.signature, ignore_index, agreed.true_vocab)
+    tp_size = reductions.group_size(tp_group)
+    return StraightFacts(route, replace(spec, first_product=None, rank_check=None), agreed.signature, ignore_index,
+                         agreed.true_vocab, reductions.group_rank(tp_group) * weight.shape[0],
+                         agreed.signature_code if tp_size > 1 else None)
 
 
 @dataclass
@@ -808,7 +815,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             # a route a later call may run straight (remembered_routes.py): one whole-vocab chunk
             # whose statistics and dlogits came from one launch, nothing beside the labels' checks
             # (a label mask is the loss's own per call: its route passes it to the label kernel)
-            one_chunk = (agreed.remembered and tp_group is None and main_grad_param is None
+            one_chunk = (agreed.remembered and main_grad_param is None
                          and expected_upstream_grad is None and logits_dtype is None and tiling is FAST_CHUNKS
                          and 0 < num_rows <= chunk_size)
             # (its plan: the one launch, or the stats and dlogits kernels; not a one-pass row kernel's)
@@ -844,9 +851,16 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             # GEMM): the labelled log-probs with the device checks' poison in one launch
             logprob = backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
                                                _device_poison(device_checks, rank_check))
+            # a route a later call may run straight (remembered_routes.py): one chunk at TP > 1
+            one_chunk = (tp_size > 1 and tiling is FAST_CHUNKS and logits_dtype is None and 0 < num_rows <= chunk_size
+                         and not fused_statistics(backend, hidden2d, weight))
             return TokenStats(merged.target, merged.lse, None, None, row_index, shape, num_rows, None, merged.max,
                               merged.log_sum_exp, num_labelled=num_labelled, labelled=labelled, backend=backend,
-                              logprob_value=logprob)
+                              logprob_value=logprob,
+                              straight=_straight_facts(
+                                  "log-probs forward-only, merged", agreed, spec, ignore_index, tp_group=tp_group,
+                                  weight=weight, weight_param=weight_param,
+                                  accumulate_into_main_grad=accumulate_into_main_grad, applies=one_chunk))
     target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
     if forward_grad is not None and needs_grad:  # fp16: the same contract, gradients on the recompute path
         anchor = _anchor_from_token_grads(forward_grad, target, lse, sum_logits, entropy, merged.max,

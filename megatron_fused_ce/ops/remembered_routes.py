@@ -16,18 +16,24 @@ straight: the same backend functions, in the same order, on the same tensors —
 Routes:
 
 - `CrossEntropyRoute`: `linear_cross_entropy` "mean" / "sum" without label smoothing, z-loss,
-  main_grad or an expected upstream gradient, at TP = 1, of one chunk; `GRPORoute`:
-  `linear_grpo_loss` of one chunk at TP = 1 without context parallelism, a sampling mask or
-  main_grad. Both run one lean node, `StraightLoss`: the logits GEMM, the label kernel (which
-  checks the labels on the device, deferred_errors.py; GRPO's with its mask), the statistics and
-  dlogits (one launch, fast.StatsWithDlogits, where cross-entropy takes it; else the statistics
-  (fast.merged_chunk_statistics), the loss's per-token coefficients — GRPO's per-token kernel with
-  its metrics — and the dlogits kernel), the dX and dW GEMMs, the loss value itself the node's
-  output; the general path's first backward, and its second through a retained graph, from the
-  same coefficients. (A backend whose one-pass row kernel takes the chunk, QuACK's, keeps the
-  general path.)
-- `LogprobRoute`: `linear_logprobs` of one chunk at TP = 1 without entropy, sampler or sampling
-  mask: forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
+  main_grad or an expected upstream gradient, of one chunk; `GRPORoute`: `linear_grpo_loss` of one
+  chunk without context parallelism, a sampling mask or main_grad. Both run one lean node,
+  `StraightLoss`: (under sequence parallelism the gather of the sequence,) the logits GEMM, the
+  label kernel (which checks the labels on the device, deferred_errors.py; GRPO's with its mask),
+  the statistics and dlogits (at TP = 1 one launch, fast.StatsWithDlogits, where cross-entropy
+  takes it; else the statistics (fast.merged_chunk_statistics), the loss's per-token coefficients
+  — GRPO's per-token kernel with its metrics — and the dlogits kernel), the dX GEMM and the start
+  of dX's TP sum, the dW GEMM, the loss value itself the node's output; the general path's first
+  backward, and its second through a retained graph, from the same coefficients. (A backend whose
+  one-pass row kernel takes the chunk, QuACK's, keeps the general path.)
+- `LogprobRoute`: `linear_logprobs` of one chunk without entropy, sampler or sampling mask:
+  forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
+
+At TP > 1 a route makes what the general path's remembered signature makes for the ranks to agree
+on: the label kernel's fingerprints of the signature, the labels and the loss's must-agree
+tensors, riding on the statistics' first all-reduce (reductions.RankCheck), whose verdict poisons
+the results; the same collectives in the same order, so a rank whose call takes the general path
+meets its peers' routed calls.
 
 A route is dropped with its signature (agreement.forget_signatures, or the signature's eviction),
 and not taken where something outside its key decides otherwise: autocast on, saved-tensor hooks
@@ -38,19 +44,21 @@ in force, another backend selected, the one-launch kernel switched off or not ap
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import agreement as agreement_memo, api, backends, deferred_errors
+from . import agreement as agreement_memo, api, backends, deferred_errors, reductions
 from .api import LabelledCount, LogprobsOutput, StraightFacts
 from .chunked import (first_order_only, input_grad_from_coefs, logprobs_with_dlogits, token_coefficients,
                       weight_grad_from_coefs)
-from .fast import (StatsWithDlogits, chunk_dlogits_, chunk_logits, fused_statistics, grad_gemms,
-                   merged_chunk_statistics, runs_stats_dlogits)
+from .fast import (FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_dlogits_, chunk_logits, fused_statistics,
+                   grad_gemms, logits_partials, merged_chunk_statistics, runs_stats_dlogits)
 from .gemm import gemm_input
 from .main_grad import saved_tensors_hooks_active
+from .reductions import merge_shard_stats
 
 ENABLED = True
 
@@ -62,14 +70,15 @@ agreement_memo.MEMOS.append(_ROUTES)
 
 def call_key(fn_name: str, hidden, weight, labels, tp_group, options: tuple) -> Optional[tuple]:
     """The raw arguments of a call as a route's key: what the general path's decisions depend on
-    (shapes, dtypes, devices, requires_grad, grad mode, every Python-level option); None where no
-    route applies (off, TP > 1, something that is not a tensor, under torch.compile's tracing)."""
-    if not (ENABLED and tp_group is None and isinstance(hidden, Tensor) and isinstance(weight, Tensor)
+    (shapes, dtypes, devices, requires_grad, grad mode, the TP group, every Python-level option);
+    None where no route applies (off, something that is not a tensor, under torch.compile's
+    tracing)."""
+    if not (ENABLED and isinstance(hidden, Tensor) and isinstance(weight, Tensor)
             and isinstance(labels, Tensor)) or torch.compiler.is_compiling():  # (traced: the general path)
         return None
     return (fn_name, hidden.shape, hidden.dtype, hidden.device, hidden.requires_grad, weight.shape, weight.dtype,
             weight.device, weight.requires_grad, labels.shape, labels.dtype, labels.device, torch.is_grad_enabled(),
-            tuple([(type(v), v) for v in options]))
+            None if tp_group is None else id(tp_group), tuple([(type(v), v) for v in options]))
 
 
 def layout(value):
@@ -138,19 +147,35 @@ class _Route:
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape):
         raise NotImplementedError
 
-    def label_targets(self, flat_labels: Tensor, weight: Tensor, label_mask: Optional[Tensor] = None) -> tuple:
-        """The label kernel as the general path's remembered signature runs it (_DeviceChecks):
-        targets on the shard, labelled rows, counts, scalars (poison first); bad labels recorded."""
+    def device_checks(self, flat_labels: Tensor, weight: Tensor, label_mask: Optional[Tensor] = None,
+                      agree_tensors: tuple = ()) -> tuple:
+        """The label kernel as the general path's remembered signature runs it (_DeviceChecks) and,
+        at TP > 1, the rank check its pieces ride on (token_statistics'): (targets on the shard,
+        labelled rows, counts, scalars (poison first), the call's spec (with its rank check)); bad
+        labels recorded. `agree_tensors`: the loss's tensors every rank must share, in the general
+        path's order (its must_agree's)."""
         facts = self.facts
-        return facts.spec.backend.label_targets(flat_labels, facts.ignore_index, facts.true_vocab, 0, weight.shape[0],
-                                                deferred_errors.flags(flat_labels.device), label_mask=label_mask)
+        flags = deferred_errors.flags(flat_labels.device)
+        local_target, labelled, counts, scalars = facts.spec.backend.label_targets(
+            flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, weight.shape[0], flags,
+            facts.signature_code, agree_tensors if facts.signature_code is not None else (), label_mask)
+        spec = facts.spec
+        if facts.signature_code is not None:
+            spec = replace(spec, rank_check=reductions.RankCheck(scalars[3:], poison=scalars[:1], flags=flags))
+        return local_target, labelled, counts, scalars, spec
+
+    @staticmethod
+    def poison(scalars: Tensor, spec) -> Tensor:
+        """The call's poison once its statistics are merged: the rank check's (with its verdict), or
+        the label kernel's."""
+        return scalars[:1] if spec.rank_check is None else spec.rank_check.poison
 
 
 class _LossRoute(_Route):
-    """A loss on the forward-gradient contract (forward_grad.py) of one whole-vocab chunk at TP = 1:
-    its node is `StraightLoss`; the loss's value from `loss`. `one_launch`: the statistics and dlogits
-    come from the backend's one launch (fast.StatsWithDlogits), else from the statistics'
-    launch(es) and the dlogits kernel (the general path's plan None)."""
+    """A loss on the forward-gradient contract (forward_grad.py) of one whole-vocab chunk: its node
+    is `StraightLoss`; the loss's value from `loss`. `one_launch` (TP = 1): the statistics and
+    dlogits come from the backend's one launch (fast.StatsWithDlogits), else from the statistics'
+    launch(es) (merged over TP ranks) and the dlogits kernel (the general path's plan None)."""
 
     def __init__(self, facts: StraightFacts, impl: str):
         super().__init__(facts, impl)
@@ -163,8 +188,8 @@ class _LossRoute(_Route):
 
     may_take_one_launch = True  # the loss's dlogits may come from the one launch (its c is known before)
 
-    def before_statistics(self, forward_grad, poison: Tensor) -> None:
-        """What the loss takes before the chunk's statistics: the call's poison (the label kernel's)."""
+    def before_coefficients(self, forward_grad, poison: Tensor) -> None:
+        """What the loss takes before its per-token coefficients: the call's poison."""
 
     def loss(self, forward_grad, merged, labelled: Tensor, count: LabelledCount, poison: Tensor) -> Tensor:
         """The loss value (a new tensor: the node's output) from the chunk's merged statistics."""
@@ -180,7 +205,7 @@ class CrossEntropyRoute(_LossRoute):
         self.forward_grad = forward_grad
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
-        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None)
+        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None, ())
 
     def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
         # TokenStats.negative_logprob_total's kernel
@@ -189,19 +214,20 @@ class CrossEntropyRoute(_LossRoute):
 
 
 class GRPORoute(_LossRoute):
-    """linear_grpo_loss' route (module doc): the call's GRPOGrads (its own per-token table) and
-    label mask; the metrics are GRPOGrads.metrics', the loss (the node's output) the per-token
-    kernel's own, given the call's poison before the statistics (where the torch definition runs
-    instead: a copy of the metrics' entry)."""
+    """linear_grpo_loss' route (module doc): the call's GRPOGrads (its own per-token table), label
+    mask and the tensors every TP rank must share (`agree_tensors`, in the general path's order);
+    the metrics are GRPOGrads.metrics', the loss (the node's output) the per-token kernel's own,
+    given the call's poison before the coefficients (where the torch definition runs instead: a
+    copy of the metrics' entry)."""
 
     may_take_one_launch = False  # (a GRPO token's coefficient needs its log-prob first)
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, forward_grad,
-            label_mask: Tensor) -> tuple:
-        loss = StraightLoss.apply(hidden, weight, flat_labels, self, forward_grad, label_mask)
+            label_mask: Tensor, agree_tensors: tuple) -> tuple:
+        loss = StraightLoss.apply(hidden, weight, flat_labels, self, forward_grad, label_mask, agree_tensors)
         return loss, forward_grad.reported
 
-    def before_statistics(self, forward_grad, poison: Tensor) -> None:
+    def before_coefficients(self, forward_grad, poison: Tensor) -> None:
         forward_grad.poison = poison  # (the per-token kernel adds it and writes the loss apart)
 
     def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
@@ -212,38 +238,48 @@ class GRPORoute(_LossRoute):
 
 
 class StraightLoss(torch.autograd.Function):
-    """A _LossRoute's node: the general path's kernels for its one chunk, in its order — EarlyProduct's
-    logits GEMM, _DeviceChecks' label kernel (with the loss's label mask), the statistics and dlogits
-    of LinearLossGradInForward's step (StatsWithDlogits' one launch, or fast.merged_chunk_statistics,
-    the loss's per-token coefficients and the dlogits kernel), the dX and dW GEMMs
-    — and the loss value as the output (the general path adds a zero anchor to it, which changes
-    no bit). Backward: dX and dW made in the forward, scaled by the upstream gradient as
-    LinearLossGradInForward's first backward scales them; a second backward through a retained
-    graph recomputes them from the coefficients, as that node's does."""
+    """A _LossRoute's node: the general path's work for its one chunk, in its order —
+    LinearLossGradInForward's gather of the sequence (sequence parallelism), EarlyProduct's logits
+    GEMM, _DeviceChecks' label kernel (with the loss's label mask; at TP > 1 with the rank check's
+    pieces), the statistics and dlogits of LinearLossGradInForward's step (StatsWithDlogits' one
+    launch, or fast.merged_chunk_statistics — over TP ranks, the rank check riding on the merge —
+    the loss's per-token coefficients and the dlogits kernel), the dX GEMM and the start of dX's TP
+    sum, the dW GEMM — and the loss value as the output (the general path adds a zero anchor to
+    it, which changes no bit). Backward: dX (summed over TP ranks) and dW made in the forward,
+    scaled by the upstream gradient as LinearLossGradInForward's first backward scales them; a
+    second backward through a retained graph recomputes them from the coefficients, as that node's
+    does."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask):
+    def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask, agree_tensors):
         spec = route.facts.spec
-        logits = chunk_logits(hidden, weight, spec)
-        local_target, labelled, counts, scalars = route.label_targets(labels, weight, label_mask)
+        full = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
+        logits = chunk_logits(full, weight, spec)
+        local_target, labelled, counts, scalars, spec = route.device_checks(labels, weight, label_mask,
+                                                                            agree_tensors)
         count = LabelledCount(counts, scalars, labelled)
-        route.before_statistics(forward_grad, scalars[:1])
         coefs = None
         if route.one_launch:  # (the coefficients only if a second backward comes)
             merged = StatsWithDlogits(forward_grad.scale_before_statistics(count)).run_(logits, local_target, spec,
                                                                                        labelled)
         else:
             merged = merged_chunk_statistics(logits, local_target, spec)
-            coefs = token_coefficients(forward_grad, merged, slice(0, hidden.shape[0]), count, labelled)
+            route.before_coefficients(forward_grad, route.poison(scalars, spec))
+            coefs = token_coefficients(forward_grad, merged, slice(0, full.shape[0]), count, labelled)
             chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
-        dx = hidden.new_empty(hidden.shape) if hidden.requires_grad else None
+        dx = full.new_empty(full.shape) if hidden.requires_grad else None
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if weight.requires_grad else None
-        grad_gemms(gemm_input(logits, hidden), hidden, weight, spec, dx, dw, dw_accumulate=False)
+        # (dX's sum over TP ranks starts right after its GEMM, beside the dW GEMM)
+        dx_sum = None if dx is None or spec.tp_group is None else reductions.InputGradSum(dx, spec.tp_group,
+                                                                                           spec.sequence_parallel)
+        grad_gemms(gemm_input(logits, full), full, weight, spec, dx, dw, dw_accumulate=False,
+                   after_dx=None if dx_sum is None else dx_sum.start)
         del logits  # (its dlogits: freed once the GEMMs are queued, as the general path's chunk)
-        loss = route.loss(forward_grad, merged, labelled, count, scalars[:1])
-        ctx.route, ctx.dx, ctx.dw = route, dx, dw
+        loss = route.loss(forward_grad, merged, labelled, count, route.poison(scalars, spec))
+        ctx.route, ctx.dx, ctx.dw = route, dx if dx_sum is None else dx_sum, dw
         # (for a second backward only)
         ctx.forward_grad, ctx.merged, ctx.labelled, ctx.count, ctx.coefs = forward_grad, merged, labelled, count, coefs
+        ctx.full_shape = full.shape
         ctx.save_for_backward(hidden, weight, local_target)
         return loss
 
@@ -255,64 +291,81 @@ class StraightLoss(torch.autograd.Function):
             ctx.dx = ctx.dw = None
             backend = ctx.route.facts.spec.backend
             if dx is None:
-                return None, backend.scale_(dw, g), None, None, None, None
-            return backend.scale_(dx, g, dw), dw, None, None, None, None
+                return None, backend.scale_(dw, g), None, None, None, None, None
+            if isinstance(dx, reductions.InputGradSum):  # (summed over TP ranks: started in the forward)
+                dx = dx.result()
+            return backend.scale_(dx, g, dw), dw, None, None, None, None, None
         hidden, weight, local_target = ctx.saved_tensors
         spec, merged, coefs = ctx.route.facts.spec, ctx.merged, ctx.coefs
         if coefs is None:
-            coefs = token_coefficients(ctx.forward_grad, merged, slice(0, hidden.shape[0]), ctx.count, ctx.labelled)
+            coefs = token_coefficients(ctx.forward_grad, merged, slice(0, ctx.full_shape[0]), ctx.count,
+                                       ctx.labelled)
         coef_list = [coefs[k] for k in ("p", "pz", "target", "uniform")]
         offsets = (merged.max, merged.log_sum_exp)
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_hidden = input_grad_from_coefs(spec, hidden, weight, None, local_target, offsets, coef_list, g,
-                                                hidden.shape)
+                                                ctx.full_shape)
         if ctx.needs_input_grad[1]:
             grad_weight = weight_grad_from_coefs(spec, False, hidden, weight, None, local_target, offsets, coef_list,
                                                  g)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 class LogprobRoute(_Route):
-    """linear_logprobs' routes of one chunk at TP = 1 without entropy, sampler or sampling mask
-    (module doc): forward-only (the reference and old-policy passes: the logits GEMM, the label
-    kernel, the stats kernel finishing each row's log-prob), or with the dlogits made in the forward
-    (`StraightLogprobs`: the general path's LinearLogprobDlogitsInForward, leaner)."""
+    """linear_logprobs' routes of one chunk without entropy, sampler or sampling mask (module doc):
+    forward-only (the reference and old-policy passes: the logits GEMM, the label kernel, then at
+    TP = 1 the stats kernel finishing each row's log-prob, at TP > 1 the statistics merged over
+    the ranks — the rank check riding on the merge — and the labelled log-probs' kernel), or with
+    the dlogits made in the forward (`StraightLogprobs`: the general path's
+    LinearLogprobDlogitsInForward, leaner)."""
 
     def __init__(self, facts: StraightFacts, impl: str):
         super().__init__(facts, impl)
         self.differentiable = facts.route == "log-probs dlogits in forward"
+        self.merged = facts.route == "log-probs forward-only, merged"
 
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         if self.differentiable:
             return (not saved_tensors_hooks_active() and hidden.shape[0] > 0
                     and hidden.shape[0] * weight.shape[0] * weight.element_size() <= api.DLOGITS_IN_FORWARD_MAX_BYTES)
+        if self.facts.spec.sequence_parallel:  # (the gathered rows: below the fused statistics' bound)
+            rows = hidden.shape[0] * reductions.group_size(self.facts.spec.tp_group)
+            return rows * weight.shape[0] * weight.element_size() <= FUSED_STATS_MIN_BYTES
         return not fused_statistics(self.facts.spec.backend, hidden, weight)
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> LogprobsOutput:
-        spec = self.facts.spec
         if self.differentiable:
             logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self)
         else:
-            logits = chunk_logits(hidden, weight, spec)
-            local_target, _, _, scalars = self.label_targets(flat_labels, weight)
-            logprob = spec.backend.shard_logprob(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
-                                                 scalars[:1])[0]
+            spec = self.facts.spec
+            full = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
+            logits = chunk_logits(full, weight, spec)
+            local_target, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
+            if self.merged:
+                merged = merge_shard_stats(logits_partials(logits, local_target, spec), spec.tp_group, spec.backend,
+                                           spec.rank_check)
+                logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                                        self.poison(scalars, spec))
+            else:
+                logprob = spec.backend.shard_logprob(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
+                                                     scalars[:1])[0]
         return LogprobsOutput(logprob if logprob.shape == shape else logprob.reshape(shape))
 
 
 class StraightLogprobs(torch.autograd.Function):
     """LogprobRoute's node with the dlogits made in the forward: the label kernel, then
-    chunked.LinearLogprobDlogitsInForward's forward work (chunked.logprobs_with_dlogits), the
-    log-probs its only output; its backward that node's (fast.DlogitsMadeInForward: g·(D·W), g·h,
-    then the dW GEMM), without the general backward's bookkeeping."""
+    chunked.LinearLogprobDlogitsInForward's forward work (chunked.logprobs_with_dlogits; at TP > 1
+    the rank check rides on its merge), the log-probs its only output; its backward that node's
+    (fast.DlogitsMadeInForward: g·(D·W) summed over TP ranks, g·h, then the dW GEMM), without the
+    general backward's bookkeeping."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, route: LogprobRoute):
-        spec = route.facts.spec
-        local_target, labelled, _, scalars = route.label_targets(labels, weight)
-        logprob, _, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec, lambda: scalars[:1])
-        ctx.spec, ctx.made = spec, made
+        local_target, labelled, _, scalars, spec = route.device_checks(labels, weight)
+        logprob, _, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec,
+                                                 lambda: route.poison(scalars, spec))
+        ctx.spec, ctx.made = route.facts.spec, made
         ctx.save_for_backward(hidden, weight)
         return logprob
 
@@ -324,4 +377,6 @@ class StraightLogprobs(torch.autograd.Function):
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
         # (g in the rows of ignored labels is taken as 0 by the scaling launches)
         ctx.made.recompute_grads(hidden, weight, None, ctx.spec, (), {"target": g}, dx, dw, False)
+        if dx is not None and ctx.spec.tp_group is not None:  # this rank's part: summed over TP ranks
+            dx = reductions.InputGradSum(dx, ctx.spec.tp_group, False).result()
         return dx, dw, None, None

@@ -1,0 +1,224 @@
+"""Remembered routes at TP > 1 (ops/remembered_routes.py), over gloo: a later call of a remembered
+signature runs its route straight and gives the general path's values, dX and dW bit for bit —
+with the rank check's fingerprints riding on the statistics' all-reduce as the general path's do,
+so that labels or per-token inputs that differ across ranks still poison every rank's results and
+raise at the next check, and a rank whose call takes the general path meets its peers' routed
+calls in the same collectives. The torch backend, and Triton's (its interpreter on a CPU machine:
+GRPO's per-token kernel adding the rank check's poison)."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from dist import run_workers  # noqa: E402
+from megatron_fused_ce import check_deferred_errors, linear_cross_entropy, linear_logprobs  # noqa: E402
+from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss  # noqa: E402
+from megatron_fused_ce.ops import agreement, api, remembered_routes  # noqa: E402
+
+BATCH, LENGTH, HDIM, VOCAB = 2, 12, 16, 70  # 24 rows; the vocab padded to 72 = 2 x 36 = 4 x 18
+
+
+def _inputs(world, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = BATCH * LENGTH
+    hidden = torch.randn(rows, HDIM, generator=g)
+    weight = torch.randn(72, HDIM, generator=g) / math.sqrt(HDIM) * 3
+    labels = torch.randint(0, VOCAB, (rows,), generator=g)
+    labels[::5] = -100
+    rollout = dict(mask=(torch.rand(BATCH, LENGTH, generator=g) > 0.2).float(), adv=torch.randn(BATCH, generator=g),
+                   old=-torch.rand(BATCH, LENGTH, generator=g) * 4, upstream=torch.linspace(-1.0, 2.0, rows))
+    return hidden, weight, labels, rollout
+
+
+def _shard(rank, world, hidden, weight, sequence_parallel):
+    v_local = weight.shape[0] // world
+    w = weight[rank * v_local:(rank + 1) * v_local].clone()
+    if sequence_parallel:  # this rank's slice of the sequence-first rows
+        s_local = hidden.shape[0] // world
+        hidden = hidden[rank * s_local:(rank + 1) * s_local]
+    return hidden.clone(), w
+
+
+def _calls(rank, world, labels_of_rank=None, impl="torch"):
+    """name -> call(): each returns the values, dX and dW of one call (a fresh leaf each time)."""
+    group = dist.group.WORLD
+    hidden, weight, labels, rollout = _inputs(world)
+    if labels_of_rank is not None:
+        labels = labels_of_rank(rank, labels)
+
+    def ce(sp, reduction="mean", scales=(3.0,)):
+        def call():
+            h, w = (t.requires_grad_() for t in _shard(rank, world, hidden, weight, sp))
+            # sequence-first [T, B] rows under sequence parallelism (B = 1 here)
+            loss = linear_cross_entropy(h, w, labels, tp_group=group, vocab_size=VOCAB, temperature=0.7,
+                                        reduction=reduction, sequence_parallel=sp, impl=impl)
+            for i, scale in enumerate(scales):
+                (loss * scale).backward(retain_graph=i + 1 < len(scales))
+            return loss.detach(), h.grad, w.grad
+        return call
+
+    def grpo(sp):
+        config = GRPOConfig(loss_type="dapo", beta=0.05)
+        mask, adv, old = rollout["mask"], rollout["adv"], rollout["old"]
+
+        def call():
+            h, w = _shard(rank, world, hidden, weight, False)
+            y = labels.reshape(BATCH, LENGTH)
+            h = h.reshape(BATCH, LENGTH, HDIM)
+            if sp:  # Megatron's sequence-first [T, B] layout, this rank's T / TP slice of the hidden states
+                full = h.transpose(0, 1).contiguous()
+                s_local = LENGTH // world
+                h, y = full[rank * s_local:(rank + 1) * s_local].clone(), y.t().contiguous()
+            h, w = h.requires_grad_(), w.requires_grad_()
+            loss, metrics = linear_grpo_loss(h, w, y, adv, mask, config, tp_group=group, vocab_size=VOCAB,
+                                             temperature=0.7, sequence_parallel=sp, impl=impl, old_logprobs=old,
+                                             reference_logprobs=old - 0.2)
+            (loss * 3.0).backward()
+            return (loss.detach(), h.grad, w.grad) + tuple(m.detach() for m in metrics.values())
+        return call
+
+    def logprobs(sp, grad):
+        def call():
+            h, w = _shard(rank, world, hidden, weight, sp)
+            h, w = h.requires_grad_(grad), w.requires_grad_(grad)
+            with torch.set_grad_enabled(grad):
+                out = linear_logprobs(h, w, labels, tp_group=group, vocab_size=VOCAB, temperature=0.7,
+                                      sequence_parallel=sp, impl=impl)
+            if grad:
+                (out.logprobs * rollout["upstream"]).sum().backward()
+            return out.logprobs.detach(), h.grad, w.grad
+        return call
+
+    return {"cross-entropy": ce(False), "cross-entropy, sum, sequence parallel": ce(True, "sum"),
+            "cross-entropy, second backward at 1e-5": ce(False, scales=(1e-5, 3.0)),
+            "grpo": grpo(False), "grpo, sequence parallel": grpo(True),
+            "log-probs forward-only": logprobs(False, False),
+            "log-probs forward-only, sequence parallel": logprobs(True, False),
+            "log-probs, dlogits in the forward": logprobs(False, True)}
+
+
+class _GeneralCalls:
+    """Counts the calls through the general path (token_statistics, as each entry point calls it)."""
+
+    def __init__(self):
+        self.count = 0
+        self.modules = [api, sys.modules["megatron_fused_ce.losses.linear_cross_entropy"],
+                        sys.modules["megatron_fused_ce.losses.linear_grpo"]]
+        self.original = api.token_statistics
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        for module in self.modules:
+            module.token_statistics = counted
+
+    def restore(self):
+        for module in self.modules:
+            module.token_statistics = self.original
+
+
+def _routes_worker(rank, world, impl="torch", only=None):
+    """Per case: three calls of one signature through the general path, then three with routes on
+    (the third runs the route the second recorded) -> (general calls of the routed run, whether the
+    third calls agree bit for bit, the routed outputs)."""
+    general = _GeneralCalls()
+    results = {}
+    try:
+        for name, call in _calls(rank, world, impl=impl).items():
+            if only is not None and name not in only:
+                continue
+            remembered_routes.ENABLED = False
+            agreement.forget_signatures()
+            want = [call() for _ in range(3)][2]
+            remembered_routes.ENABLED = True
+            agreement.forget_signatures()
+            general.count = 0
+            got = [call() for _ in range(3)][2]
+            same = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                       for a, b in zip(got, want))
+            backend = next(reversed(remembered_routes._ROUTES.values())).facts.spec.backend.name
+            results[name] = (general.count, same, got, backend)
+        check_deferred_errors()
+    finally:
+        general.restore()
+        remembered_routes.ENABLED = True
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_routes_at_tp_equal_the_general_path(world):
+    results = run_workers(_routes_worker, world, timeout=240)
+    _check_routed(results)
+    # against float64: the cross-entropy's loss, dX (summed over ranks) and dW (each rank's shard)
+    hidden, weight, labels, _ = _inputs(world)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy((h64 @ w64.T)[:, :VOCAB] / 0.7, labels, ignore_index=-100)
+    (ref * 3.0).backward()
+    v_local = weight.shape[0] // world
+    for rank, per_rank in enumerate(results):
+        loss, dx, dw = per_rank["cross-entropy"][2]
+        torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dx.double(), h64.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dw.double(), w64.grad[rank * v_local:(rank + 1) * v_local], rtol=1e-4, atol=1e-5)
+
+
+def _check_routed(results, impl="torch"):
+    for rank, per_rank in enumerate(results):
+        assert per_rank, "no case ran"
+        for name, (general_calls, same, got, backend) in per_rank.items():
+            assert backend == impl, (name, backend)
+            assert general_calls == 2, f"rank {rank}, {name}: the third call runs the route the second recorded"
+            assert same, f"rank {rank}, {name}: the route's results are the general path's bit for bit"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo harness runs on CPU tensors")
+def test_routes_at_tp_on_the_triton_backend():
+    pytest.importorskip("triton")
+    _check_routed(run_workers(_routes_worker, 2, "triton", ("cross-entropy", "grpo"), timeout=240), "triton")
+
+
+def _differing_worker(rank, world, case):
+    """Routes recorded, then a routed call whose labels (or GRPO's advantages) differ on the last
+    rank: every rank's results are NaN and every rank raises at the next check."""
+    general = _GeneralCalls()
+    try:
+        agreement.forget_signatures()
+        call = _calls(rank, world)[case]
+        for _ in range(3):
+            call()
+        check_deferred_errors()
+
+        def differ(r, labels):
+            labels = labels.clone()
+            if r == world - 1:
+                labels[1] = (labels[1] + 1) % VOCAB
+            return labels
+
+        general.count = 0
+        got = _calls(rank, world, labels_of_rank=differ)[case]()
+        routed = general.count == 0
+        poisoned = bool(got[0].isnan().all())
+        try:
+            check_deferred_errors()
+            raised = ""
+        except ValueError as error:
+            raised = str(error)
+        return routed, poisoned, raised
+    finally:
+        general.restore()
+
+
+@pytest.mark.parametrize("case", ["cross-entropy", "grpo", "log-probs forward-only"])
+def test_routes_at_tp_still_compare_the_ranks(case):
+    for rank, (routed, poisoned, raised) in enumerate(run_workers(_differing_worker, 2, case, timeout=120)):
+        assert routed, f"rank {rank}: the differing call ran the route"
+        assert poisoned, f"rank {rank}: NaN results where the ranks' labels differ"
+        assert "differ across" in raised, f"rank {rank}: {raised!r}"
