@@ -222,3 +222,40 @@ def test_routes_at_tp_still_compare_the_ranks(case):
         assert routed, f"rank {rank}: the differing call ran the route"
         assert poisoned, f"rank {rank}: NaN results where the ranks' labels differ"
         assert "differ across" in raised, f"rank {rank}: {raised!r}"
+
+
+def _group_lifetime_worker(rank, world):
+    """A route recorded on a group of its own, then the group destroyed: nothing of the op keeps it
+    alive (a route holds its group weakly: a group kept until the interpreter's teardown made gloo
+    abort there), and a later call with another group of the same layout runs the general path's
+    agreement again on that group."""
+    import gc
+    import weakref
+
+    agreement.forget_signatures()
+    group = dist.new_group(list(range(world)))
+    hidden, weight, labels, _ = _inputs(world)
+    h, w = _shard(rank, world, hidden, weight, False)
+
+    def call(g):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_cross_entropy(hh, ww, labels, tp_group=g, vocab_size=VOCAB, impl="torch")
+        loss.backward()
+        return loss.detach()
+
+    losses = [call(group) for _ in range(3)]
+    recorded = len(remembered_routes._ROUTES)
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    freed = alive() is None
+    again = call(dist.new_group(list(range(world))))
+    return recorded, freed, torch.equal(again, losses[0])
+
+
+def test_a_route_does_not_keep_its_group_alive():
+    for rank, (recorded, freed, same) in enumerate(run_workers(_group_lifetime_worker, 2, timeout=120)):
+        assert recorded >= 1, f"rank {rank}: a route was recorded"
+        assert freed, f"rank {rank}: the destroyed group was freed"
+        assert same, f"rank {rank}: a new group's call gives the same loss"

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple, Optional
+import weakref
 
 import torch
 from torch import Tensor
@@ -396,6 +397,9 @@ class StraightFacts(NamedTuple):
     # TP > 1: the signature's code, the rank check's first piece (the labels' and the must-agree
     # tensors' fingerprints follow, from the label kernel); None at TP = 1 (nothing to compare)
     signature_code: Optional[int] = None
+    # TP > 1: the group, held weakly (a route must not keep a destroyed group alive until the
+    # interpreter's teardown: gloo aborted there); `spec` holds none
+    group: Optional[weakref.ref] = None
 
 
 def _straight_facts(route: str, agreed: _Agreed, spec, ignore_index, *, tp_group, weight, weight_param,
@@ -405,10 +409,10 @@ def _straight_facts(route: str, agreed: _Agreed, spec, ignore_index, *, tp_group
     weight; and whether a weight has one is not in the route's key)."""
     if not (applies and agreed.remembered and weight is weight_param and not accumulate_into_main_grad):
         return None
-    tp_size = reductions.group_size(tp_group)
-    return StraightFacts(route, replace(spec, first_product=None, rank_check=None), agreed.signature, ignore_index,
-                         agreed.true_vocab, reductions.group_rank(tp_group) * weight.shape[0],
-                         agreed.signature_code if tp_size > 1 else None)
+    several = reductions.group_size(tp_group) > 1
+    return StraightFacts(route, replace(spec, first_product=None, rank_check=None, tp_group=None), agreed.signature,
+                         ignore_index, agreed.true_vocab, reductions.group_rank(tp_group) * weight.shape[0],
+                         agreed.signature_code if several else None, weakref.ref(tp_group) if several else None)
 
 
 @dataclass

@@ -132,6 +132,7 @@ class _Route:
         `call`: what `run` takes beyond the tensors (a loss's per-call objects)."""
         hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
         if not (agreement_memo.still_remembered(self.facts.signature)
+                and (self.facts.group is None or self.facts.group() is not None)
                 and backends.select(self.impl, hidden.device) is self.facts.spec.backend
                 and not _autocast_on(hidden.device) and self.holds(hidden2d, weight)):
             return None
@@ -160,9 +161,14 @@ class _Route:
             flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, weight.shape[0], flags,
             facts.signature_code, agree_tensors if facts.signature_code is not None else (), label_mask)
         spec = facts.spec
-        if facts.signature_code is not None:
-            spec = replace(spec, rank_check=reductions.RankCheck(scalars[3:], poison=scalars[:1], flags=flags))
+        if facts.group is not None:  # (TP > 1: the group, and the call's rank check)
+            spec = replace(spec, tp_group=self.group(), rank_check=reductions.RankCheck(scalars[3:],
+                                                                                        poison=scalars[:1], flags=flags))
         return local_target, labelled, counts, scalars, spec
+
+    def group(self):
+        """The TP group (None at TP = 1)."""
+        return None if self.facts.group is None else self.facts.group()
 
     @staticmethod
     def poison(scalars: Tensor, spec) -> Tensor:
@@ -184,7 +190,8 @@ class _LossRoute(_Route):
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         # (the one-launch kernel is the general path's choice where it runs and the loss takes it)
         return not saved_tensors_hooks_active() and (
-            not self.may_take_one_launch or runs_stats_dlogits(self.facts.spec, hidden, weight) == self.one_launch)
+            not self.may_take_one_launch or self.facts.group is not None  # (one launch: TP = 1 only)
+            or runs_stats_dlogits(self.facts.spec, hidden, weight) == self.one_launch)
 
     may_take_one_launch = True  # the loss's dlogits may come from the one launch (its c is known before)
 
@@ -252,9 +259,9 @@ class StraightLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask, agree_tensors):
-        spec = route.facts.spec
-        full = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-        logits = chunk_logits(full, weight, spec)
+        facts = route.facts
+        full = reductions.gather_sequence(hidden, route.group()) if facts.spec.sequence_parallel else hidden
+        logits = chunk_logits(full, weight, facts.spec)
         local_target, labelled, counts, scalars, spec = route.device_checks(labels, weight, label_mask,
                                                                             agree_tensors)
         count = LabelledCount(counts, scalars, labelled)
@@ -276,7 +283,7 @@ class StraightLoss(torch.autograd.Function):
                    after_dx=None if dx_sum is None else dx_sum.start)
         del logits  # (its dlogits: freed once the GEMMs are queued, as the general path's chunk)
         loss = route.loss(forward_grad, merged, labelled, count, route.poison(scalars, spec))
-        ctx.route, ctx.dx, ctx.dw = route, dx if dx_sum is None else dx_sum, dw
+        ctx.route, ctx.spec, ctx.dx, ctx.dw = route, spec, dx if dx_sum is None else dx_sum, dw
         # (for a second backward only)
         ctx.forward_grad, ctx.merged, ctx.labelled, ctx.count, ctx.coefs = forward_grad, merged, labelled, count, coefs
         ctx.full_shape = full.shape
@@ -296,7 +303,7 @@ class StraightLoss(torch.autograd.Function):
                 dx = dx.result()
             return backend.scale_(dx, g, dw), dw, None, None, None, None, None
         hidden, weight, local_target = ctx.saved_tensors
-        spec, merged, coefs = ctx.route.facts.spec, ctx.merged, ctx.coefs
+        spec, merged, coefs = ctx.spec, ctx.merged, ctx.coefs
         if coefs is None:
             coefs = token_coefficients(ctx.forward_grad, merged, slice(0, ctx.full_shape[0]), ctx.count,
                                        ctx.labelled)
@@ -330,7 +337,7 @@ class LogprobRoute(_Route):
             return (not saved_tensors_hooks_active() and hidden.shape[0] > 0
                     and hidden.shape[0] * weight.shape[0] * weight.element_size() <= api.DLOGITS_IN_FORWARD_MAX_BYTES)
         if self.facts.spec.sequence_parallel:  # (the gathered rows: below the fused statistics' bound)
-            rows = hidden.shape[0] * reductions.group_size(self.facts.spec.tp_group)
+            rows = hidden.shape[0] * reductions.group_size(self.group())
             return rows * weight.shape[0] * weight.element_size() <= FUSED_STATS_MIN_BYTES
         return not fused_statistics(self.facts.spec.backend, hidden, weight)
 
@@ -338,9 +345,8 @@ class LogprobRoute(_Route):
         if self.differentiable:
             logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self)
         else:
-            spec = self.facts.spec
-            full = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
-            logits = chunk_logits(full, weight, spec)
+            full = reductions.gather_sequence(hidden, self.group()) if self.facts.spec.sequence_parallel else hidden
+            logits = chunk_logits(full, weight, self.facts.spec)
             local_target, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
             if self.merged:
                 merged = merge_shard_stats(logits_partials(logits, local_target, spec), spec.tp_group, spec.backend,
@@ -365,7 +371,7 @@ class StraightLogprobs(torch.autograd.Function):
         local_target, labelled, _, scalars, spec = route.device_checks(labels, weight)
         logprob, _, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec,
                                                  lambda: route.poison(scalars, spec))
-        ctx.spec, ctx.made = route.facts.spec, made
+        ctx.spec, ctx.made = spec, made
         ctx.save_for_backward(hidden, weight)
         return logprob
 
