@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops import reductions, remembered_routes
 from ..ops.agreement import flag_argument, integer_argument
-from ..ops.api import first_product_ahead, linear_logprobs, masked_labels, token_statistics
+from ..ops.api import first_product_ahead, linear_logprobs, masked_labels, must_agree_tensors, token_statistics
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, field_values, fused, grpo_loss,
                    loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
@@ -267,6 +267,14 @@ def _metrics(config: GRPOConfig, total, largest, total_weight, num_excluded, poi
     return values if poison is None else values + poison
 
 
+def _must_agree(advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs, normalizer) -> dict:
+    """What every TP rank's per-token gradients depend on beside the labels (ranks that differ would
+    sum unrelated dX parts): the agreement's on a signature's first call, the rank check's later
+    (its tensors in this order, a remembered route's too)."""
+    return dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs, sampling_logprobs=sampling_logprobs,
+                normalizer=normalizer, advantages=advantages, mask=mask)
+
+
 def gradients_in_forward_apply(config: GRPOConfig, old_logprobs, sampling_logprobs) -> bool:
     """Whether each token's loss gradient is known once its own log-prob is (see module doc)."""
     if config.importance_sampling_level != "token":
@@ -391,11 +399,9 @@ def linear_grpo_loss(
         first = bool(sequence_parallel)
         forward_grad = _grpo_grads(config, hidden.device, labels, advantages, mask, old_logprobs, reference_logprobs,
                                    sampling_logprobs, normalizer, route.facts.ignore_index, first, impl, None)
-        # (what every TP rank must share, in the order of the general path's must_agree)
-        agree = tuple(t for t in (old_logprobs, reference_logprobs, sampling_logprobs, normalizer, advantages, mask)
-                      if isinstance(t, Tensor))
+        must_agree = _must_agree(advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs, normalizer)
         made = route(hidden, weight, labels, forward_grad=forward_grad, label_mask=mask.t() if first else mask,
-                     agree_tensors=agree)
+                     agree_tensors=must_agree_tensors(must_agree))
         if made is not None:
             return made  # (the loss, the metrics)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(
@@ -455,8 +461,7 @@ def linear_grpo_loss(
     if cp_group is not None:
         forward_grad.prepared()
 
-    # every per-token gradient depends on these: TP ranks that differ would sum unrelated dX parts
-    must_agree = dict(loss_kwargs, advantages=advantages, mask=mask)
+    must_agree = _must_agree(advantages, mask, **loss_kwargs)
     stats = token_statistics("linear_grpo_loss", hidden, weight, labels, **op_kwargs,
                              want_sum_logits=False, want_entropy=False, forward_grad=forward_grad,
                              must_agree=must_agree, expected_upstream_grad=expected_upstream_grad, ahead=ahead,

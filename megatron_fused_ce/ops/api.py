@@ -743,7 +743,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     row_index, row_labels = None, flat_labels
     compare_ranks = tp_size > 1 and agreed.remembered
     # the tensors whose fingerprints join the rank check beside the labels' (GRPO's advantages, mask)
-    agree_tensors = tuple(v for v in (must_agree or {}).values() if isinstance(v, Tensor)) if compare_ranks else ()
+    agree_tensors = must_agree_tensors(must_agree) if compare_ranks else ()
     device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
                                   check=agreed.remembered,
                                   signature_code=agreed.signature_code if compare_ranks else None,
@@ -961,6 +961,12 @@ class LabelledCount:
         # a product, not a select with a Python 0.0: the inverses are finite, and a select with
         # a scalar costs twice a product's host time
         return (self.scalars[1:3, None] * labelled).unbind(0)
+
+
+def must_agree_tensors(must_agree: Optional[dict]) -> tuple:
+    """The tensors among `must_agree`'s values, in its order: their fingerprints join the rank check
+    after the labels' (a remembered route's too, remembered_routes.py)."""
+    return tuple(v for v in (must_agree or {}).values() if isinstance(v, Tensor))
 
 
 class _DeviceChecks:
