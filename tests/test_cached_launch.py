@@ -10,6 +10,8 @@ the cache across those specializations (misaligned views, ints of 1, 16, 17, 2**
 torch's values, as does a launch replayed from a CUDA graph.
 """
 
+import gc
+
 import pytest
 import torch
 
@@ -151,6 +153,7 @@ def test_a_cached_launch_is_captured_by_a_cuda_graph(launcher):
     for _ in range(2):  # compiled and cached before the capture
         launcher[(4,)](x, y, out, 256, 1, 2.0, BLOCK=64)
     torch.cuda.synchronize()
+    gc.collect()  # earlier graphs freed now, not by a collection during the capture (docs/performance.md)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launcher[(4,)](x, y, out, 256, 1, 2.0, BLOCK=64)

@@ -6,6 +6,8 @@ otherwise run) and would fail on the code before the fix it covers (see the comm
 Multi-rank cases run at TP=2 (with sequence parallelism) over forked gloo workers.
 """
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -406,6 +408,7 @@ def test_fingerprint_weights_made_in_a_graph_capture_are_not_kept(monkeypatch):
     large = torch.randint(0, 2**40, (4096,), device="cuda")
     agreement.tensor_fingerprint(small)  # a table of 16, made eagerly
     torch.cuda.synchronize()
+    gc.collect()  # earlier graphs freed now, not by a collection during the capture (docs/performance.md)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = agreement.tensor_fingerprint(large)
