@@ -246,17 +246,9 @@ def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpe
             poison=call_poison())
         merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
         return logprob, merged, fast.DlogitsMadeInForward.of(logits, weight, hidden.requires_grad, labelled)
-    if reductions.group_size(spec.tp_group) == 1:  # nothing to merge: the stats launch finishes each row
-        logprob, row_max, log_sum_exp, target, lse = spec.backend.shard_logprob(
-            logits, local_target, spec.num_valid_cols, spec.inv_temperature, call_poison())
-        merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
-    else:
-        merged = reductions.merge_shard_stats(fast.logits_partials(logits, local_target, spec), spec.tp_group,
-                                              spec.backend, spec.rank_check)
-        # the call's poison (api._device_poison) read once the merge has decided the rank check,
-        # added by the same launch that makes the log-probs (their gradient passes through it)
-        logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                                call_poison())
+    # (at TP > 1 the call's poison, api._device_poison, is read once the merge has decided the rank
+    # check: added by the launch that makes the log-probs, their gradient passing through it)
+    merged, logprob = fast.merged_chunk_statistics(logits, local_target, spec, labelled, call_poison())
     made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad, labelled)
     return logprob, merged, made
 
