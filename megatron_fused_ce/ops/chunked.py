@@ -246,9 +246,8 @@ def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpe
             poison=call_poison())
         merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
         return logprob, merged, fast.DlogitsMadeInForward.of(logits, weight, hidden.requires_grad, labelled)
-    # (at TP > 1 the call's poison, api._device_poison, is read once the merge has decided the rank
-    # check: added by the launch that makes the log-probs, their gradient passing through it)
-    merged, logprob = fast.merged_chunk_statistics(logits, local_target, spec, labelled, call_poison())
+    # (the poison added by the launch that makes the log-probs: their gradient passes through it)
+    merged, logprob = fast.merged_chunk_statistics(logits, local_target, spec, labelled, call_poison)
     made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad, labelled)
     return logprob, merged, made
 

@@ -183,24 +183,26 @@ def device_zero(device: torch.device) -> Tensor:
 
 
 def merged_chunk_statistics(logits: Tensor, local_target: Tensor, spec, labelled: Optional[Tensor] = None,
-                            poison: Optional[Tensor] = None):
+                            call_poison: Optional[Callable[[], Tensor]] = None):
     """A chunk's statistics merged over TP ranks. At TP = 1 without the sum of logits or the entropy
     (nothing to merge) the stats launch finishes each row itself: log S and lse as the merge's tail
-    makes them (backend.shard_logprob), one launch fewer. With the call's `poison` (fp32 [1]) ->
-    (statistics, the `labelled` rows' log-probs plus the poison): the stats launch's own at TP = 1,
-    else one launch after the merge, which decides the rank check the poison holds."""
+    makes them (backend.shard_logprob), one launch fewer. With `call_poison` -> (statistics, the
+    `labelled` rows' log-probs plus the call's poison, fp32 [1]): the stats launch's own at TP = 1,
+    else one launch after the merge, the poison taken only then (api._device_poison: the merge
+    decides the rank check it holds)."""
     logprob = None
     if reductions.group_size(spec.tp_group) == 1 and not (spec.want_sum_logits or spec.want_entropy):
         logprob, row_max, log_sum_exp, target, lse = spec.backend.shard_logprob(
             logits, local_target, spec.num_valid_cols, spec.inv_temperature,
-            device_zero(logits.device) if poison is None else poison)
+            device_zero(logits.device) if call_poison is None else call_poison())
         merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
     else:
         merged = reductions.merge_shard_stats(logits_partials(logits, local_target, spec), spec.tp_group,
                                               spec.backend, spec.rank_check)
-        if poison is not None:
-            logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled, poison)
-    return merged if poison is None else (merged, logprob)
+        if call_poison is not None:
+            logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                                    call_poison())
+    return merged if call_poison is None else (merged, logprob)
 
 
 def chunk_dlogits_(logits: Tensor, local_target: Tensor, spec, offsets: tuple, coefs: dict) -> Tensor:
