@@ -277,7 +277,7 @@ def test_stats_dlogits_equals_the_stats_and_dlogits_kernels(small_blocks, dtype,
     with the coefficients the chunk loop builds (ignored rows, padded vocab, temperature); it
     applies where the stats kernel takes each row in one program."""
     tb = small_blocks
-    n = 8 * tb._sm_count(DEVICE) + 5
+    n = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) + 5
     v, pad = 150, 13
     nvc = v - pad
     row_bytes = v * logits_bytes(dtype)
@@ -327,7 +327,7 @@ def test_calls_of_whole_vocab_chunks_take_one_launch_for_statistics_and_dlogits(
 
     patched = dataclasses.replace(tb.BACKEND, stats_dlogits=dataclasses.replace(original, run_=spy))
     monkeypatch.setattr(api.backends, "select", lambda impl, device: patched)
-    rows = 8 * tb._sm_count(DEVICE)
+    rows = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE)
     g = torch.Generator().manual_seed(5)
     n, hdim, vocab, padded = 2 * rows + 4, 16, 140, 150
     h0 = torch.randn(n, hdim, generator=g).to(DEVICE)
