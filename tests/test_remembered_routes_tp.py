@@ -218,7 +218,8 @@ def _differing_worker(rank, world, case):
 
 # (log-probs with dlogits in the forward: their poison must be read after the merge, which decides
 # the rank check; read before, the differing call gave finite log-probs)
-@pytest.mark.parametrize("case", ["cross-entropy", "grpo", "log-probs forward-only", "log-probs, dlogits in the forward"])
+@pytest.mark.parametrize("case", ["cross-entropy", "grpo", "log-probs forward-only",
+                                  "log-probs, dlogits in the forward"])
 def test_routes_at_tp_still_compare_the_ranks(case):
     for rank, (routed, poisoned, raised) in enumerate(run_workers(_differing_worker, 2, case, timeout=120)):
         assert routed, f"rank {rank}: the differing call ran the route"

@@ -186,10 +186,10 @@ def merged_chunk_statistics(logits: Tensor, local_target: Tensor, spec, labelled
                             call_poison: Optional[Callable[[], Tensor]] = None):
     """A chunk's statistics merged over TP ranks. At TP = 1 without the sum of logits or the entropy
     (nothing to merge) the stats launch finishes each row itself: log S and lse as the merge's tail
-    makes them (backend.shard_logprob), one launch fewer. With `call_poison` -> (statistics, the
-    `labelled` rows' log-probs plus the call's poison, fp32 [1]): the stats launch's own at TP = 1,
-    else one launch after the merge, the poison taken only then (api._device_poison: the merge
-    decides the rank check it holds)."""
+    makes them (backend.shard_logprob), one launch fewer. -> (statistics, log-probs): with
+    `call_poison`, the `labelled` rows' log-probs plus the call's poison (fp32 [1]) — the stats
+    launch's own at TP = 1, else one launch after the merge, the poison taken only then
+    (api._device_poison: the merge decides the rank check it holds); without it, None at TP > 1."""
     logprob = None
     if reductions.group_size(spec.tp_group) == 1 and not (spec.want_sum_logits or spec.want_entropy):
         logprob, row_max, log_sum_exp, target, lse = spec.backend.shard_logprob(
@@ -202,7 +202,7 @@ def merged_chunk_statistics(logits: Tensor, local_target: Tensor, spec, labelled
         if call_poison is not None:
             logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
                                                     call_poison())
-    return merged if call_poison is None else (merged, logprob)
+    return merged, logprob
 
 
 def chunk_dlogits_(logits: Tensor, local_target: Tensor, spec, offsets: tuple, coefs: dict) -> Tensor:
@@ -550,7 +550,7 @@ class FastChunks(MergedAfterLoop):
         `plan` made them). `labelled`: the chunk's rows whose labels are not ignored (None: all)."""
         logits = chunk_logits(h, weight, spec)
         if plan is None:
-            return merged_chunk_statistics(logits, local_target, spec), logits
+            return merged_chunk_statistics(logits, local_target, spec)[0], logits
         if isinstance(plan, StatsWithDlogits):
             return plan.run_(logits, local_target, spec, labelled), logits
         # the logits become softmax - one_hot in the same pass that takes lse

@@ -270,7 +270,7 @@ class StraightLoss(torch.autograd.Function):
             merged = StatsWithDlogits(forward_grad.scale_before_statistics(count)).run_(logits, local_target, spec,
                                                                                        labelled)
         else:
-            merged = merged_chunk_statistics(logits, local_target, spec)
+            merged, _ = merged_chunk_statistics(logits, local_target, spec)
             route.before_coefficients(forward_grad, route.poison(scalars, spec))
             coefs = token_coefficients(forward_grad, merged, slice(0, full.shape[0]), count, labelled)
             chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)

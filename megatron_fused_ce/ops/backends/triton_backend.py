@@ -58,13 +58,8 @@ STATS_BLOCK_N = 4096  # columns per step of the online softmax
 STATS_WARPS = 4  # (8 read 10-15 % slower on an H200: design.md §10.6)
 DLOGITS_BLOCK_N = 2048  # columns per program of the dlogits kernel
 DLOGITS_WARPS = 8
-# split columns until the stats grid has at least this many programs per SM. 4, not 8: from 4 x SMs
-# rows on, a row is one program's, so the merge's launch is saved and cross-entropy and log-probs
-# take the statistics with their dlogits in one launch (stats_dlogits_applies): on an H200 at 1024
-# rows (in one process, 4 alternating rounds, µs back to back / on the host) cross-entropy
-# 1245 -> 685 / 1342 -> 1012 at H 2048, V 19008 and 1280 -> 1027 / 1378 -> 1128 at H 4096,
-# log-probs 1370 -> 1221 / 1610 -> 1399, forward-only 426 -> 327 / 309 -> 263; 1024 x 2048 x 64128,
-# where the GPU sets the time, within 1.5 %
+# split columns until the stats grid has this many programs per SM (4, not 8: from 4 x SMs rows a
+# row is one program's, and cross-entropy and log-probs take their one launch: design.md §10.6)
 PROGRAMS_PER_SM = 4
 MERGE_BLOCK_R = 64
 GEMM_DLOGITS = True  # dlogits from the logits GEMM's epilogue where it runs (off: GEMM + dlogits kernel)
