@@ -242,7 +242,7 @@ def test_nccl_second_call_makes_no_host_synchronization(path, monkeypatch):
 def test_nccl_steady_inputs_that_differ_give_nan_and_raise_on_every_rank(what):
     """TP over NCCL, bf16, Triton: in a steady GRPO call (its signature agreed by a first call),
     labels, advantages or a mask that differ on one rank are caught by the rank check riding on the
-    statistics' all-reduce MAX (the labels' and the loss inputs' fingerprints from the label launch,
+    statistics' all-gather (the labels' and the loss inputs' fingerprints from the label launch,
     the verdict from the merge's kernel): the loss is NaN on every rank and the next check raises
     on every rank; the same inputs everywhere give a finite loss and no error."""
     from megatron_fused_ce import check_deferred_errors
@@ -331,8 +331,8 @@ NCCL_MAX_KERNELS = {"forward_only": 12, "logprobs": 24, "cross_entropy": 20, "gr
 def test_nccl_kernels_per_call_are_bounded(path):
     """TP over NCCL, bf16, Triton: the kernels of a steady call (the profiler's CUDA kernels, the
     collectives among them; copies and memsets aside) are at most NCCL_MAX_KERNELS: the TP merge
-    is one launch between its two all-reduces and one after, a forward-only call's log-probs one
-    more."""
+    is its partials' packing, one all-gather and one launch after, a forward-only call's log-probs
+    one more."""
     tp, rank = dist.get_world_size(), dist.get_rank()
 
     def call(h, w, y, rollout):

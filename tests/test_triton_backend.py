@@ -1076,56 +1076,81 @@ def test_labelled_loss_sum_matches_torch(tb, n):
 
 @pytest.mark.parametrize("n", [1, 7, 2500])
 def test_tp_merge_kernels_match_torch(tb, n):
-    """The TP merge's per-row math, one launch each, against its torch definition: the partials
-    moved to the global max (a shard without valid columns, max -inf, contributes 0; with and
-    without sum z and the entropy's sum), the rank check's verdict (the poison NaN and the flag
-    recorded only where v differs; a poison already NaN stays NaN), the merged rows' log S, lse
-    and entropy, and a forward-only call's labelled log-probs (0 at ignored rows, NaN everywhere
-    under a NaN poison). On CUDA everything but the entropy's sums is equal bit for bit (libdevice's
-    expf and logf are torch's)."""
+    """The TP merge's per-row math, one launch each, against its torch definition and a float64
+    merge: every rank's packed partials (reductions.packed_partials, gathered in rank order) merged
+    into M, log S, lse, z_y, sum z and the entropy (a rank without valid columns of a row, max -inf,
+    contributes 0; with and without sum z and the entropy's sum; 2 and 4 ranks), the rank check's
+    verdict (the poison NaN and the flag recorded only where one rank's values differ from rank
+    0's; a poison already NaN stays NaN), a whole-vocab shard's log S, lse and entropy, and a
+    forward-only call's labelled log-probs (0 at ignored rows, NaN everywhere under a NaN poison).
+    On CUDA every output is equal bit for bit (the sums in rank order, unfused products, and
+    libdevice's expf and logf are torch's)."""
     from megatron_fused_ce.ops.backends import ShardStats
+    from megatron_fused_ce.ops.reductions import packed_partials
 
     g = torch.Generator().manual_seed(n)
-    row_max = torch.randn(n, generator=g) * 5
-    row_max[::3] = float("-inf")  # this shard holds no valid column of these rows
-    global_max = torch.maximum(row_max, torch.randn(n, generator=g) * 5)
-    sum_exp = torch.where(torch.isfinite(row_max), torch.rand(n, generator=g) * 50 + 1, 0.0)
-    stats = ShardStats(max=row_max, sum_exp=sum_exp, target=torch.randn(n, generator=g),
-                       sum_logits=torch.randn(n, generator=g) * 100, sum_exp_shifted=-torch.rand(n, generator=g) * 9)
-    v = torch.randint(0, 2**21, (6,), generator=g).float()
     cuda = DEVICE.type == "cuda"
+    v = torch.randint(0, 2**21, (6,), generator=g).float()
+    for ranks in (2, 4):
+        shards = []
+        for rank in range(ranks):
+            row_max = torch.randn(n, generator=g) * 5
+            if rank > 0:
+                row_max[rank::3] = float("-inf")  # this shard holds no valid column of these rows
+            sum_exp = torch.where(torch.isfinite(row_max), torch.rand(n, generator=g) * 50 + 1, 0.0)
+            shards.append(ShardStats(max=row_max, sum_exp=sum_exp, target=torch.randn(n, generator=g),
+                                     sum_logits=torch.randn(n, generator=g) * 100,
+                                     sum_exp_shifted=-torch.rand(n, generator=g) * 9))
+        # the float64 merge
+        maxes = torch.stack([s.max for s in shards]).double()
+        want_max = maxes.amax(0)
+        rescale = torch.exp(maxes - want_max)
+        sums = torch.stack([s.sum_exp for s in shards]).double()
+        want_s = (sums * rescale).sum(0)
+        shift = torch.where(torch.isfinite(maxes), maxes - want_max, 0.0)
+        shifted = ((torch.stack([s.sum_exp_shifted for s in shards]).double() + shift * sums) * rescale).sum(0)
+        want64 = {"max": want_max, "log_sum_exp": want_s.log(), "lse": want_max + want_s.log(),
+                  "target": torch.stack([s.target for s in shards]).double().sum(0),
+                  "sum_logits": torch.stack([s.sum_logits for s in shards]).double().sum(0),
+                  "entropy": want_s.log() - shifted / want_s}
+        names = ("max", "log_sum_exp", "lse", "target", "sum_logits", "entropy")
+        for fields in (("sum_logits", "sum_exp_shifted"), ("sum_exp_shifted",), ()):
+            dropped = {f: None for f in ("sum_logits", "sum_exp_shifted") if f not in fields}
+            for differ, poison_so_far in ((False, 0.0), (True, 0.0), (False, float("nan"))):
+                checks = [v.clone() for _ in range(ranks)]
+                if differ:
+                    checks[-1][2] += 1  # the last rank's values differ at one place
+                gathered = torch.stack([packed_partials(dataclasses.replace(s, **dropped), c)
+                                        for s, c in zip(shards, checks)]).to(DEVICE)
+                flags, results = {}, {}
+                for name, backend in (("torch", torch_backend), ("triton", tb)):
+                    flags[name] = torch.full((1,), 4, dtype=torch.int64, device=DEVICE)
+                    verdict = (torch.full((1,), poison_so_far, device=DEVICE), flags[name], 2)
+                    results[name] = backend.merge_gathered(gathered, n, "sum_logits" in fields,
+                                                           "sum_exp_shifted" in fields, verdict)
+                got, want = results["triton"], results["torch"]
+                for name, a, b in zip(names, got, want):
+                    expected = ((name == "sum_logits" and "sum_logits" not in fields)
+                                or (name == "entropy" and "sum_exp_shifted" not in fields))
+                    assert (a is None) == (b is None) == expected, (name, fields)
+                    if a is None:
+                        continue
+                    _close(a, b, what=f"{name} {fields} at {ranks} ranks")
+                    if cuda:
+                        assert torch.equal(a, b), (name, fields, ranks)
+                    torch.testing.assert_close(b.cpu().double(), want64[name], rtol=1e-5, atol=1e-5)
+                poison, want_poison = got[-1], want[-1]
+                assert torch.isnan(poison).item() == (differ or poison_so_far != 0.0), (differ, poison_so_far)
+                assert torch.equal(poison.isnan(), want_poison.isnan())
+                assert flags["triton"].item() == flags["torch"].item() == 4 | (2 if differ else 0)
+        # without a verdict: no poison
+        gathered = torch.stack([packed_partials(s) for s in shards]).to(DEVICE)
+        assert tb.merge_gathered(gathered, n, True, True)[-1] is None
 
     def on_device(x):
         return None if x is None else x.to(DEVICE)
 
-    for fields in (("sum_logits", "sum_exp_shifted"), ("sum_exp_shifted",), ()):
-        partial = dataclasses.replace(stats, **{f: None for f in ("sum_logits", "sum_exp_shifted") if f not in fields})
-        for differ, poison_so_far in ((False, 0.0), (True, 0.0), (False, float("nan"))):
-            reduced = torch.cat([v, -v])
-            if differ:
-                reduced[2] += 1  # max(v) != -max(-v) at one place
-            flags = {}
-            results = {}
-            for name, backend in (("torch", torch_backend), ("triton", tb)):
-                flags[name] = torch.full((1,), 4, dtype=torch.int64, device=DEVICE)
-                verdict = (reduced.to(DEVICE), torch.full((1,), poison_so_far, device=DEVICE), flags[name], 2)
-                on = ShardStats(**{k: on_device(getattr(partial, k)) for k in ShardStats.__dataclass_fields__})
-                results[name] = backend.rescaled_partials(on, global_max.to(DEVICE), verdict)
-            (payload, poison), (want_payload, want_poison) = results["triton"], results["torch"]
-            assert payload.shape == want_payload.shape == (2 + len(fields), n)
-            _close(payload, want_payload, what=f"payload {fields}")
-            assert torch.all(payload[0].cpu()[~torch.isfinite(row_max)] == 0)
-            assert torch.equal(payload[1:1 + ("sum_logits" in fields) + 1].cpu(),
-                               want_payload[1:1 + ("sum_logits" in fields) + 1].cpu())  # copies
-            if cuda:
-                assert torch.equal(payload[0], want_payload[0])
-            assert torch.isnan(poison).item() == (differ or poison_so_far != 0.0), (differ, poison_so_far)
-            assert torch.equal(poison.isnan(), want_poison.isnan())
-            assert flags["triton"].item() == flags["torch"].item() == 4 | (2 if differ else 0)
-    # without a verdict: no poison
-    assert tb.rescaled_partials(ShardStats(**{k: on_device(getattr(stats, k)) for k in ShardStats.__dataclass_fields__}),
-                                global_max.to(DEVICE))[1] is None
-
+    global_max = torch.randn(n, generator=g) * 5
     total = torch.rand(n, generator=g) * 1e4 + 1
     shifted = torch.rand(n, generator=g) * 1e3
     for with_entropy in (True, False):
@@ -1204,7 +1229,7 @@ def _forward_only_worker(rank, world, case, impl, chunk_size):
 @pytest.mark.parametrize("chunk_size", [None, 7])
 def test_forward_only_logprobs_over_tp_ranks_end_in_one_launch(small_blocks, impl, chunk_size):
     """A forward-only log-prob call at TP = 2 (one chunk, several) ends in backend.labelled_logprob
-    after the merge's two launches: values equal to the float64 reference (ignored labels, a padded
+    after the merge's launch: values equal to the float64 reference (ignored labels, a padded
     vocab, temperature) and to the differentiable call's (bit for bit on the torch backend); labels
     that differ across ranks on a remembered signature give NaN on every rank and raise at the
     next check (the merge's kernel records the verdict)."""

@@ -406,7 +406,7 @@ def forget_signatures() -> None:
 
 def fingerprint_pieces(codes: Tensor) -> Tensor:
     """int64 codes (any shape; fingerprints, a signature code) -> fp32 pieces of 21 bits each, exact
-    in fp32, for a comparison across ranks by an all-reduce MAX of fp32 values (reductions.RankCheck)."""
+    in fp32, for an exact comparison across ranks of fp32 values gathered with the statistics (reductions.RankCheck)."""
     flat = codes.reshape(-1).to(torch.int64)
     mask = 2**21 - 1  # (python scalars only: no host-to-device copy, which would synchronize)
     return torch.cat([flat & mask, (flat >> 21) & mask, (flat >> 42) & mask]).to(torch.float32)

@@ -13,7 +13,7 @@ cross-entropy with label smoothing and z-loss, ... lse also comes in its two par
 and log S = log sum_k exp(z_k - M) (not differentiable): log p_k = (z_k - M) - log S keeps digits
 that rounding M + log S to fp32 loses (saturated tokens, |z| ~ 50), in values and in dlogits.
 
-Forward: the per-token partials of this shard, merged across TP ranks with two collectives after
+Forward: the per-token partials of this shard, merged across TP ranks with one all-gather after
 the loop. Where the backend has it (Triton, bf16/fp16), the logits GEMM's epilogue computes them:
 no logits in memory at all. Otherwise the tiling walks the rows (fast.py: for each chunk of rows,
 logits = h_chunk @ W.T, the only [chunk, V_local] tensor, reduced by backend.shard_stats). Only

@@ -12,7 +12,7 @@ checked on the device instead:
   records both (backends/replay_triton.kept_layout);
 - values that differ across tensor-parallel ranks (labels, a sampling mask, per-token inputs of the
   loss, the call's Python-level arguments), compared by fingerprints riding on the statistics'
-  all-reduce MAX (reductions.RankCheck), so every rank computes the same verdict.
+  all-gather (reductions.RankCheck), so every rank computes the same verdict.
 
 A call that finds one returns NaN (never a silently wrong value) and records it here, in one int64
 word of flags per device. The flags are read, and a ValueError naming what was found raised on

@@ -504,7 +504,7 @@ def shard_partials(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, sp
 
 class MergedAfterLoop:
     """The statistics of fast chunks and lean tiles: this shard's partials over all rows, merged
-    over TP ranks once after the loop (two collectives per call, reductions.py)."""
+    over TP ranks once after the loop (one all-gather per call, reductions.py)."""
 
     statistics_type = reductions.MergedStats
 

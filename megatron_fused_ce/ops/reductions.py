@@ -3,11 +3,12 @@ tensor-parallel group, the sequence-parallel gather/scatter of hidden states, th
 the pre-flight agreement on arguments (agreement.py builds its vector). No other module of the op
 calls torch.distributed.
 
-A forward pass makes two O(tokens) collectives whatever the number of chunks: all chunks' partials
-are merged at once (one all-reduce MAX of the row maxima, one all-reduce SUM of the rescaled
-partials stacked into one tensor). The dX sum over the group is the third: in the backward, or,
-where the gradients are made in the forward, started there beside the last dW GEMM
-(`InputGradSum`).
+A forward pass makes one O(tokens) collective whatever the number of chunks: all chunks' partials
+are merged at once, by an all-gather of every rank's partials packed into one vector (each rank
+then merges them in rank order: the same bits everywhere, and one collective where an all-reduce
+MAX of the maxima and an all-reduce SUM of the rescaled partials would make two). The dX sum over
+the group is the second: in the backward, or, where the gradients are made in the forward,
+started there beside the last dW GEMM (`InputGradSum`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def group_size(group) -> int:
 
 def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
+
+
+def all_gather_rows(out: Tensor, local: Tensor, group) -> None:
+    """Every rank's `local` (contiguous) into `out`, concatenated along dim 0 in rank order: torch's
+    all_gather_into_tensor, which torch >= 2.13 names all_gather_single."""
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, local, group=group)
 
 
 @dataclass
@@ -86,7 +93,7 @@ def labelled_log_prob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labe
 
 def combine_blocks(parts: list) -> ShardStats:
     """Merge the ShardStats of disjoint column blocks of one shard (same rows: lean mode's tiles)
-    into one, exactly as merge_shard_stats merges shards (without a collective)."""
+    into one, with the math merge_shard_stats merges shards with (without a collective)."""
     if len(parts) == 1:
         return parts[0]
     maxes = torch.stack([p.max for p in parts])
@@ -110,12 +117,11 @@ def combine_blocks(parts: list) -> ShardStats:
 
 class RankCheck:
     """Values that must be equal on every rank of the group (fp32 pieces of fingerprints, exact
-    integers), compared on the device by riding on the first all-reduce MAX of a call's statistics:
-    [row maxima | v | -v] reduced at once, and v differs somewhere iff max(v) != -max(-v). Every
-    rank computes the same verdict without a collective or a host read of its own
-    (deferred_errors.py): the merge replaces `poison` (fp32 [1], the call's device checks so far:
-    NaN where they found bad contents, else 0) by one with the verdict in it, and records the
-    verdict in `flags` (the device's word of deferred errors)."""
+    integers), compared on the device by riding on the merge's all-gather: packed after the
+    partials, every rank sees every rank's values and computes the same verdict without a
+    collective or a host read of its own (deferred_errors.py): the merge replaces `poison` (fp32
+    [1], the call's device checks so far: NaN where they found bad contents, else 0) by one with
+    the verdict in it, and records the verdict in `flags` (the device's word of deferred errors)."""
 
     def __init__(self, values: Tensor, poison: Tensor, flags: Optional[Tensor]):
         self.values: Optional[Tensor] = values
@@ -126,39 +132,41 @@ class RankCheck:
         values, self.values = self.values, None
         return values
 
-    def verdict_inputs(self, reduced: Tensor) -> tuple:
-        """backend.rescaled_partials' `rank_verdict`, from the reduced [v | -v]."""
-        return reduced, self.poison, self.flags, deferred_errors.RANKS_DIFFER
+    def verdict_inputs(self) -> tuple:
+        """backend.merge_gathered's `rank_verdict`."""
+        return self.poison, self.flags, deferred_errors.RANKS_DIFFER
+
+
+def packed_partials(stats: ShardStats, check: Optional[Tensor] = None) -> Tensor:
+    """A shard's partials as one fp32 vector for the merge's all-gather (one launch): [m |
+    sum exp(z - m) | z_y | (sum z) | (sum exp(z - m)(z - m)) | (the rank check's values)], the
+    fields n long each (backend.merge_gathered's layout)."""
+    parts = [stats.max, stats.sum_exp, stats.target]
+    parts += [t for t in (stats.sum_logits, stats.sum_exp_shifted) if t is not None]
+    if check is not None:
+        parts.append(check)
+    return torch.cat(parts)
 
 
 def merge_shard_stats(stats: ShardStats, group, backend, rank_check: Optional[RankCheck] = None) -> MergedStats:
-    """This shard's partials -> the statistics over the whole vocab, identical on every rank: an
-    all-reduce MAX of the row maxima (with the rank check's values riding on it), the backend's
-    rescaling of the partials to the global max (one launch), an all-reduce SUM, the backend's
-    log S / lse / entropy (one launch). At TP = 1 the tail alone."""
-    global_max = stats.max
-    sum_exp, target, sum_logits, sum_exp_shifted = stats.sum_exp, stats.target, stats.sum_logits, stats.sum_exp_shifted
-    if group_size(group) > 1:
-        check = rank_check.take() if rank_check is not None else None
-        verdict = None
-        if check is None:
-            global_max = stats.max.clone()
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        else:  # the rank check rides on this all-reduce
-            rows = stats.max.numel()
-            payload = torch.cat([stats.max, check, -check])
-            dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=group)
-            global_max, verdict = payload[:rows], rank_check.verdict_inputs(payload[rows:])
-        summed, poison = backend.rescaled_partials(stats, global_max, verdict)
-        if poison is not None:
-            rank_check.poison = poison
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
-        summed = summed.unbind(0)
-        sum_exp, target = summed[0], summed[1]
-        sum_logits = summed[2] if stats.sum_logits is not None else None
-        sum_exp_shifted = summed[-1] if stats.sum_exp_shifted is not None else None
-    log_sum_exp, lse, entropy = backend.merged_tail(global_max, sum_exp, sum_exp_shifted)
-    return MergedStats(lse=lse, target=target, sum_logits=sum_logits, entropy=entropy, max=global_max,
+    """This shard's partials -> the statistics over the whole vocab, identical on every rank: the
+    partials packed with the rank check's values (one launch), one all-gather, the backend's merge
+    in rank order with log S / lse / entropy and the verdict (one launch). At TP = 1 the tail alone."""
+    if group_size(group) == 1:
+        log_sum_exp, lse, entropy = backend.merged_tail(stats.max, stats.sum_exp, stats.sum_exp_shifted)
+        return MergedStats(lse=lse, target=stats.target, sum_logits=stats.sum_logits, entropy=entropy,
+                           max=stats.max, log_sum_exp=log_sum_exp)
+    check = rank_check.take() if rank_check is not None else None
+    payload = packed_partials(stats, check)
+    ranks = dist.get_world_size(group)
+    gathered = payload.new_empty(ranks * payload.numel())
+    all_gather_rows(gathered, payload, group)
+    row_max, log_sum_exp, lse, target, sum_logits, entropy, poison = backend.merge_gathered(
+        gathered.view(ranks, -1), stats.max.numel(), stats.sum_logits is not None, stats.sum_exp_shifted is not None,
+        rank_check.verdict_inputs() if check is not None else None)
+    if poison is not None:
+        rank_check.poison = poison
+    return MergedStats(lse=lse, target=target, sum_logits=sum_logits, entropy=entropy, max=row_max,
                        log_sum_exp=log_sum_exp)
 
 
@@ -212,7 +220,7 @@ def gather_sequence(local: Tensor, group) -> Tensor:
     if world == 1:
         return local
     out = local.new_empty((local.shape[0] * world,) + tuple(local.shape[1:]))
-    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    all_gather_rows(out, local.contiguous(), group)
     return out
 
 
@@ -249,7 +257,7 @@ def gather_over_ranks(values: Tensor, group) -> Tensor:
     if world == 1:
         return values.unsqueeze(0)
     out = values.new_empty((world * values.shape[0],) + tuple(values.shape[1:]))
-    dist.all_gather_into_tensor(out, values.contiguous(), group=group)
+    all_gather_rows(out, values.contiguous(), group)
     return out.view((world,) + tuple(values.shape))
 
 
@@ -333,8 +341,7 @@ class _GatherContextRanks(torch.autograd.Function):
         local = local.contiguous()
         flat = local.reshape((1,) + tuple(local.shape)) if local.dim() == 0 else local
         out = flat.new_empty((group_size(group) * flat.shape[0],) + tuple(flat.shape[1:]))
-        # (concatenated along dim 0; torch >= 2.13 names it all_gather_single)
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group)
+        all_gather_rows(out, flat, group)
         return out.view((group_size(group),) + tuple(local.shape))
 
     @staticmethod

@@ -23,7 +23,7 @@ one agreement (`MaskCheck.register`: a clear ValueError on every rank) and reads
 labelled rows have a set and how many have none; the signature remembers whether none lacked one
 (api.py). A later call reads nothing: `deferred_poison` checks the offsets, ids and duplicates on
 the device (NaN results, the error raised at the next host synchronization, deferred_errors.py)
-and the mask's fingerprint rides on the statistics' all-reduce MAX (reductions.RankCheck). Every
+and the mask's fingerprint rides on the statistics' all-gather (reductions.RankCheck). Every
 call of a signature, the first included, is sized from what the host knows (at most min(rows, E)
 rows with a set; `layout_offsets` keeps a bad mask's indexing in range), so that they compute
 alike, bit for bit.

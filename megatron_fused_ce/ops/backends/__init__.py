@@ -6,7 +6,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 
 | capability | what it replaces | who has it |
 |---|---|---|
-| `shard_stats`, `shard_logprob`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, the TP merge's `rescaled_partials` / `merged_tail`, `labelled_logprob`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
+| `shard_stats`, `shard_logprob`, `shard_dlogits_`, `scale_`, `scale_cast`, `exp_tile_`, `label_targets`, `labelled_loss_sum`, the TP merge's `merge_gathered` / `merged_tail`, `labelled_logprob`, sampling kernels (required) | - | torch (reference, any device), Triton (CUDA) |
 | `kept_stats`, `kept_grads`, `entry_stats`, `entry_dlogits`: sampling-mask replay's kept entries (gathered W rows, their dots, statistics, dlogits, dX, dW) (required) | - | torch (replay_torch.py), Triton (replay_triton.py) |
 | `union_logits`, `union_sum_rows`: replay's union tiles (a tile of rows times the W rows its kept sets name, gathered in the GEMM) | the dense route's whole-shard GEMMs | Triton (replay_union_triton.py) |
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
@@ -140,10 +140,11 @@ class Backend:
     # [rows, H] rows times a per-row upstream gradient (0 outside an optional row mask), rounded
     # once into an output
     row_scale: Callable
-    # the TP merge's per-row math (reductions.merge_shard_stats): the partials moved to the global
-    # max for the all-reduce SUM (with the rank check's verdict), the merged rows' log S, lse and
-    # entropy; a forward-only call's labelled log-probs with the device checks' poison
-    rescaled_partials: Callable
+    # the TP merge's per-row math (reductions.merge_shard_stats): every rank's gathered partials
+    # merged in rank order into M, log S, lse, z_y, sum z and the entropy (with the rank check's
+    # verdict); a whole-vocab shard's log S, lse and entropy; a forward-only call's labelled
+    # log-probs with the device checks' poison
+    merge_gathered: Callable
     merged_tail: Callable
     labelled_logprob: Callable
     # bytes of scratch per element of a lean tile beyond the tile itself (fp32 copies)

@@ -9,7 +9,7 @@ Two functions make the core of a backend (triton_backend.py has the same two, wi
 arguments; the interface and the other capabilities: backends/__init__.py):
 
 - `shard_stats` -> `ShardStats`: this shard's per-token partials, to be merged across tensor-parallel
-  ranks by `reductions.merge_shard_stats`.
+  ranks by `reductions.merge_shard_stats` (one all-gather, then `merge_gathered`).
 - `shard_dlogits_`: overwrite the chunk with d(loss)/d(logits), given per-token coefficients that
   the chunk loop derived from the upstream gradients. With p = softmax(z) over the *global* vocab
   (p_k = exp(z_k - lse)) and y the target column on this shard (-1 if elsewhere):
@@ -95,30 +95,47 @@ def finish_logprob(stats: ShardStats, local_target: Tensor, num_valid_cols: int,
     return logprob, stats.max, log_sum_exp, stats.target, lse
 
 
-def rescaled_partials(stats: ShardStats, global_max: Tensor, rank_verdict: Optional[tuple] = None) -> tuple:
-    """A shard's partials moved to the rows' max over the TP group M (`global_max`), stacked for
-    the all-reduce SUM: [sum exp(z - M), z_y, (sum z), (sum exp(z - M)(z - M))] x n, fp32. A shard
-    without valid columns (m = -inf) contributes exp(-inf) = 0. With `rank_verdict`
-    (reductions.RankCheck.verdict_inputs: the rank check's reduced [v | -v], the call's poison so
-    far, the flags word and the flag to record) also the poison with the verdict in it (NaN where
-    v differed across ranks, recorded), else None: (payload, poison)."""
-    rescale = torch.exp(stats.max - global_max)
-    parts = [stats.sum_exp * rescale, stats.target]
-    if stats.sum_logits is not None:
-        parts.append(stats.sum_logits)
-    if stats.sum_exp_shifted is not None:
-        # sum exp(z - M)(z - M) = exp(m - M) (sum exp(z - m)(z - m) + (m - M) sum exp(z - m))
-        shift = torch.where(torch.isfinite(stats.max), stats.max - global_max, 0.0)
-        parts.append((stats.sum_exp_shifted + shift * stats.sum_exp) * rescale)
+def _in_rank_order(values: Tensor) -> Tensor:
+    """values[0] + values[1] + ... over the ranks (dim 0), one addition at a time: the order the Triton
+    kernel sums in, so that both backends give the same bits on every rank."""
+    total = values[0]
+    for part in values[1:]:
+        total = total + part
+    return total
+
+
+def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy: bool,
+                   rank_verdict: Optional[tuple] = None) -> tuple:
+    """The TP merge of every rank's packed partials (reductions.packed_partials; `gathered`: [ranks, length], rank order), the
+    same on every rank: M = the rows' max over the ranks, S = sum of sum exp(z - m) exp(m - M) (a rank
+    without valid columns, m = -inf, contributes exp(-inf) = 0), z_y and sum z summed, the entropy's
+    sum exp(z - M)(z - M) = exp(m - M) (sum exp(z - m)(z - m) + (m - M) sum exp(z - m)), then
+    merged_tail's log S, lse and entropy. With `rank_verdict` (reductions.RankCheck.verdict_inputs:
+    the call's poison so far, the flags word and the flag to record) also the poison with the
+    verdict in it: NaN where any rank's check values differ from rank 0's (recorded), else None.
+    Returns (M, log S, lse, z_y, sum z or None, entropy or None, poison)."""
+    fields = 3 + want_sum_logits + want_entropy
+    rows = gathered[:, :fields * n].reshape(gathered.shape[0], fields, n)
+    maxes, sums = rows[:, 0], rows[:, 1]
+    row_max = maxes.amax(0)
+    rescale = torch.exp(maxes - row_max)
+    sum_exp = _in_rank_order(sums * rescale)
+    target = _in_rank_order(rows[:, 2])
+    sum_logits = _in_rank_order(rows[:, 3]) if want_sum_logits else None
+    sum_exp_shifted = None
+    if want_entropy:
+        shift = torch.where(torch.isfinite(maxes), maxes - row_max, 0.0)
+        sum_exp_shifted = _in_rank_order((rows[:, fields - 1] + shift * sums) * rescale)
+    log_sum_exp, lse, entropy = merged_tail(row_max, sum_exp, sum_exp_shifted)
     poison = None
     if rank_verdict is not None:
-        reduced, poison_so_far, flags, flag = rank_verdict
-        width = reduced.numel() // 2
-        differ = (reduced[:width] != -reduced[width:]).any()  # max(v) != -max(-v): v differs somewhere
+        poison_so_far, flags, flag = rank_verdict
+        checks = gathered[:, fields * n:]
+        differ = (checks != checks[:1]).any()
         if flags is not None:
             flags.bitwise_or_((differ.to(torch.int64) * flag).reshape(1))
         poison = poison_so_far + torch.where(differ, float("nan"), 0.0)
-    return torch.stack(parts), poison
+    return row_max, log_sum_exp, lse, target, sum_logits, entropy, poison
 
 
 def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor]) -> tuple:
@@ -332,7 +349,7 @@ BACKEND = Backend(
     kept_sums=sampling_torch.kept_sums, kept_dlogits_=sampling_torch.kept_dlogits_,
     kept_stats=replay_torch.kept_stats, kept_grads=replay_torch.kept_grads, label_targets=label_targets,
     entry_stats=replay_torch.entry_stats, entry_dlogits=replay_torch.entry_dlogits,
-    labelled_loss_sum=labelled_loss_sum, row_scale=row_scale, rescaled_partials=rescaled_partials,
+    labelled_loss_sum=labelled_loss_sum, row_scale=row_scale, merge_gathered=merge_gathered,
     merged_tail=merged_tail, labelled_logprob=labelled_logprob,
     tile_scratch_bytes=12,  # fp32 copies of a tile: the scaled logits, exp, and a product
 )

@@ -758,63 +758,103 @@ def _exp(x, PRECISE: tl.constexpr):
     return tl.exp(x)
 
 
+@triton.jit
+def _rank_terms(base, rows, ok, n, row_max, shifted_field, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+                PRECISE: tl.constexpr):
+    """One rank's packed partials moved to the rows' max over the ranks: sum exp(z - m) exp(m - M) (a
+    rank without valid columns, m = -inf: exp(-inf) = 0), z_y, sum z, and the entropy's
+    exp(m - M) (sum exp(z - m)(z - m) + (m - M) sum exp(z - m)) (zeros where not asked)."""
+    m = tl.load(base + rows, mask=ok, other=0.0)
+    s = tl.load(base + n + rows, mask=ok, other=0.0)
+    rescale = _exp(m - row_max, PRECISE)
+    z_sum = tl.zeros_like(s)
+    shifted = tl.zeros_like(s)
+    if WANT_SUM:
+        z_sum = tl.load(base + 3 * n + rows, mask=ok, other=0.0)
+    if WANT_ENTROPY:
+        shift = tl.where((m > float("-inf")) & (m < float("inf")), m - row_max, 0.0)
+        shifted = (tl.load(base + shifted_field * n + rows, mask=ok, other=0.0) + shift * s) * rescale
+    return s * rescale, tl.load(base + 2 * n + rows, mask=ok, other=0.0), z_sum, shifted
+
+
 @cached_launch
 @triton.jit
-def _rescaled_partials_kernel(max_ptr, global_max_ptr, sum_exp_ptr, target_ptr, sum_logits_ptr, shifted_ptr, out_ptr,
-                              n, entropy_row, reduced_ptr, width, poison_ptr, poison_out_ptr, flags_ptr, flag,
-                              WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, VERDICT: tl.constexpr,
-                              HAS_FLAGS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
-                              PRECISE: tl.constexpr):
+def _merge_gathered_kernel(gathered_ptr, length, ranks, n, max_out, log_sum_exp_out, lse_out, target_out, sum_logits_out,
+                           entropy_out, poison_ptr, poison_out, flags_ptr, flag, check_width,
+                           WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, VERDICT: tl.constexpr,
+                           HAS_FLAGS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                           PRECISE: tl.constexpr):
+    # (launched without FMA contraction: each product rounds before it is added, as in torch)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n
-    m = tl.load(max_ptr + rows, mask=ok, other=0.0)
-    global_m = tl.load(global_max_ptr + rows, mask=ok, other=0.0)
-    rescale = _exp(m - global_m, PRECISE)  # a shard without valid columns: exp(-inf) = 0
-    s = tl.load(sum_exp_ptr + rows, mask=ok, other=0.0)
-    tl.store(out_ptr + rows, s * rescale, mask=ok)
-    tl.store(out_ptr + n + rows, tl.load(target_ptr + rows, mask=ok, other=0.0), mask=ok)
+    row_max = tl.load(gathered_ptr + rows, mask=ok, other=0.0)
+    for rank in range(1, ranks):
+        row_max = tl.maximum(row_max, tl.load(gathered_ptr + rank * length + rows, mask=ok, other=0.0))
+    # rank 0's terms, then the others' added in rank order (as torch_backend._in_rank_order)
+    sum_exp, target, sum_logits, sum_shifted = _rank_terms(gathered_ptr, rows, ok, n, row_max, 3 + WANT_SUM,
+                                                           WANT_SUM, WANT_ENTROPY, PRECISE)
+    for rank in range(1, ranks):
+        s, t, z_sum, shifted = _rank_terms(gathered_ptr + rank * length, rows, ok, n, row_max, 3 + WANT_SUM,
+                                           WANT_SUM, WANT_ENTROPY, PRECISE)
+        sum_exp, target = sum_exp + s, target + t
+        if WANT_SUM:
+            sum_logits = sum_logits + z_sum
+        if WANT_ENTROPY:
+            sum_shifted = sum_shifted + shifted
+    tl.store(max_out + rows, row_max, mask=ok)
+    tl.store(target_out + rows, target, mask=ok)
+    log_s = _log(tl.where(ok, sum_exp, 1.0), PRECISE)
+    tl.store(log_sum_exp_out + rows, log_s, mask=ok)
+    tl.store(lse_out + rows, row_max + log_s, mask=ok)
     if WANT_SUM:
-        tl.store(out_ptr + 2 * n + rows, tl.load(sum_logits_ptr + rows, mask=ok, other=0.0), mask=ok)
-    if WANT_ENTROPY:  # the last row of the payload
-        shift = tl.where((m > float("-inf")) & (m < float("inf")), m - global_m, 0.0)
-        shifted = tl.load(shifted_ptr + rows, mask=ok, other=0.0)
-        tl.store(out_ptr + entropy_row * n + rows, (shifted + shift * s) * rescale, mask=ok)
+        tl.store(sum_logits_out + rows, sum_logits, mask=ok)
+    if WANT_ENTROPY:
+        # (div_rn: torch's division, rounded to nearest; `/` is the approximate division)
+        tl.store(entropy_out + rows, log_s - tl.div_rn(sum_shifted, tl.where(ok, sum_exp, 1.0)), mask=ok)
     if VERDICT:
         if tl.program_id(0) == 0:
             i = tl.arange(0, BLOCK_W)
-            in_width = i < width
-            v = tl.load(reduced_ptr + i, mask=in_width, other=0.0)
-            minus_v = tl.load(reduced_ptr + width + i, mask=in_width, other=0.0)
-            differ = tl.max((v != -minus_v).to(tl.int32), axis=0)  # max(v) != -max(-v) somewhere
-            tl.store(poison_out_ptr, tl.load(poison_ptr) + tl.where(differ != 0, float("nan"), 0.0))
+            in_width = i < check_width
+            checks = (3 + WANT_SUM + WANT_ENTROPY) * n
+            first = tl.load(gathered_ptr + checks + i, mask=in_width, other=0.0)
+            differ = tl.zeros([BLOCK_W], dtype=tl.int32)
+            for rank in range(1, ranks):
+                other = tl.load(gathered_ptr + rank * length + checks + i, mask=in_width, other=0.0)
+                differ = differ | (other != first).to(tl.int32)
+            differs = tl.max(differ, axis=0)
+            tl.store(poison_out, tl.load(poison_ptr) + tl.where(differs != 0, float("nan"), 0.0))
             if HAS_FLAGS:
-                tl.store(flags_ptr, tl.load(flags_ptr) | (differ.to(tl.int64) * flag))
+                tl.store(flags_ptr, tl.load(flags_ptr) | (differs.to(tl.int64) * flag))
 
 
-def rescaled_partials(stats: ShardStats, global_max: Tensor, rank_verdict: Optional[tuple] = None) -> tuple:
-    """torch_backend.rescaled_partials in one launch (with the rank check's verdict: it replaces
-    ten elementwise launches and reductions between the TP merge's two all-reduces)."""
-    if not _runs_kernel(global_max):
-        return torch_backend.rescaled_partials(stats, global_max, rank_verdict)
-    n = global_max.numel()
-    want_sum, want_entropy = stats.sum_logits is not None, stats.sum_exp_shifted is not None
-    out = torch.empty(2 + want_sum + want_entropy, n, dtype=torch.float32, device=global_max.device)
-    row_max, global_max = _f32(stats.max), _f32(global_max)
-    verdict_args, poison = (row_max, 0, row_max, row_max, row_max, 0), None
+def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy: bool,
+                   rank_verdict: Optional[tuple] = None) -> tuple:
+    """torch_backend.merge_gathered in one launch, the same bits on CUDA (the rank-order sums, and
+    libdevice's expf and logf are torch's)."""
+    if not _runs_kernel(gathered):
+        return torch_backend.merge_gathered(gathered, n, want_sum_logits, want_entropy, rank_verdict)
+    ranks, length = gathered.shape
+    gathered = _f32(gathered)
+    f32 = dict(dtype=torch.float32, device=gathered.device)
+    outputs = [torch.empty(n, **f32) for _ in range(4 + want_sum_logits + want_entropy)]
+    row_max, log_sum_exp, lse, target = outputs[:4]
+    sum_logits = outputs[4] if want_sum_logits else None
+    entropy = outputs[-1] if want_entropy else None
+    check_width = length - (3 + want_sum_logits + want_entropy) * n
+    verdict_args, poison = (row_max, row_max, row_max, 0), None
     if rank_verdict is not None:
-        reduced, poison_so_far, flags, flag = rank_verdict
-        poison = torch.empty(1, dtype=torch.float32, device=global_max.device)
-        verdict_args = (_f32(reduced), reduced.numel() // 2, _f32(poison_so_far), poison,
-                        flags if flags is not None else poison, int(flag))
+        poison_so_far, flags, flag = rank_verdict
+        poison = torch.empty(1, **f32)
+        verdict_args = (_f32(poison_so_far), poison, flags if flags is not None else poison, int(flag))
     block = 1024
-    _rescaled_partials_kernel[(max(1, cdiv(n, block)),)](
-        row_max, global_max, _f32(stats.sum_exp), _f32(stats.target),
-        _f32(stats.sum_logits) if want_sum else row_max, _f32(stats.sum_exp_shifted) if want_entropy else row_max,
-        out, n, 2 + want_sum, *verdict_args,
-        WANT_SUM=want_sum, WANT_ENTROPY=want_entropy, VERDICT=rank_verdict is not None,
-        HAS_FLAGS=rank_verdict is not None and rank_verdict[2] is not None, BLOCK=block,
-        BLOCK_W=next_power_of_2(max(verdict_args[1], 1)), PRECISE=not _interpreting(), num_warps=4)
-    return out, poison
+    _merge_gathered_kernel[(max(1, cdiv(n, block)),)](
+        gathered, length, ranks, n, row_max, log_sum_exp, lse, target,
+        sum_logits if want_sum_logits else row_max, entropy if want_entropy else row_max, *verdict_args,
+        check_width, WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy, VERDICT=rank_verdict is not None,
+        HAS_FLAGS=rank_verdict is not None and rank_verdict[1] is not None, BLOCK=block,
+        BLOCK_W=next_power_of_2(max(check_width, 1)), PRECISE=not _interpreting(), num_warps=4,
+        enable_fp_fusion=False)
+    return row_max, log_sum_exp, lse, target, sum_logits, entropy, poison
 
 
 @cached_launch
@@ -929,7 +969,7 @@ BACKEND = Backend(
     union_sum_rows=replay_union_triton.union_sum_rows, union_layout=replay_union_triton.union_layout,
     columns_by_use=replay_union_triton.columns_by_use,
     labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,
-    rescaled_partials=rescaled_partials, merged_tail=merged_tail, labelled_logprob=labelled_logprob,
+    merge_gathered=merge_gathered, merged_tail=merged_tail, labelled_logprob=labelled_logprob,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
     stats_dlogits=StatsDlogits(applies=stats_dlogits_applies, run_=stats_dlogits_),
