@@ -1081,8 +1081,9 @@ def test_tp_merge_kernels_match_torch(tb, n):
     into M, log S, lse, z_y, sum z and the entropy (a rank without valid columns of a row, max -inf,
     contributes 0; with and without sum z and the entropy's sum; 2 and 4 ranks), the rank check's
     verdict (the poison NaN and the flag recorded only where one rank's values differ from rank
-    0's; a poison already NaN stays NaN), a whole-vocab shard's log S, lse and entropy, and a
-    forward-only call's labelled log-probs (0 at ignored rows, NaN everywhere under a NaN poison).
+    0's; a poison already NaN stays NaN), the forward-only log-probs the merge's launch writes
+    (0 at ignored rows; NaN everywhere under the verdict's or a given NaN poison), a whole-vocab
+    shard's log S, lse and entropy, and a forward-only call's labelled log-probs apart.
     On CUDA every output is equal bit for bit (the sums in rank order, unfused products, and
     libdevice's expf and logf are torch's)."""
     from megatron_fused_ce.ops.backends import ShardStats
@@ -1091,6 +1092,7 @@ def test_tp_merge_kernels_match_torch(tb, n):
     g = torch.Generator().manual_seed(n)
     cuda = DEVICE.type == "cuda"
     v = torch.randint(0, 2**21, (6,), generator=g).float()
+    labelled = torch.rand(n, generator=g) > 0.3
     for ranks in (2, 4):
         shards = []
         for rank in range(ranks):
@@ -1127,7 +1129,8 @@ def test_tp_merge_kernels_match_torch(tb, n):
                     flags[name] = torch.full((1,), 4, dtype=torch.int64, device=DEVICE)
                     verdict = (torch.full((1,), poison_so_far, device=DEVICE), flags[name], 2)
                     results[name] = backend.merge_gathered(gathered, n, "sum_logits" in fields,
-                                                           "sum_exp_shifted" in fields, verdict)
+                                                           "sum_exp_shifted" in fields, verdict, True,
+                                                           labelled.to(DEVICE))
                 got, want = results["triton"], results["torch"]
                 for name, a, b in zip(names, got, want):
                     expected = ((name == "sum_logits" and "sum_logits" not in fields)
@@ -1139,13 +1142,34 @@ def test_tp_merge_kernels_match_torch(tb, n):
                     if cuda:
                         assert torch.equal(a, b), (name, fields, ranks)
                     torch.testing.assert_close(b.cpu().double(), want64[name], rtol=1e-5, atol=1e-5)
-                poison, want_poison = got[-1], want[-1]
-                assert torch.isnan(poison).item() == (differ or poison_so_far != 0.0), (differ, poison_so_far)
+                (poison, logprob), (want_poison, want_logprob) = got[6:], want[6:]
+                poisoned = differ or poison_so_far != 0.0
+                assert torch.isnan(poison).item() == poisoned, (differ, poison_so_far)
                 assert torch.equal(poison.isnan(), want_poison.isnan())
                 assert flags["triton"].item() == flags["torch"].item() == 4 | (2 if differ else 0)
-        # without a verdict: no poison
+                # the log-probs in the same launch take the verdict: NaN everywhere, else the
+                # labelled rows' (z_y - M) - log S and 0 at the others
+                if poisoned:
+                    assert torch.isnan(logprob).all() and torch.isnan(want_logprob).all()
+                else:
+                    _close(logprob, want_logprob, what=f"log-probs {fields} at {ranks} ranks")
+                    if cuda:
+                        assert torch.equal(logprob, want_logprob)
+                    want_lp = torch.where(labelled, (want64["target"] - want_max) - want64["log_sum_exp"], 0.0)
+                    torch.testing.assert_close(want_logprob.cpu().double(), want_lp, rtol=1e-5, atol=1e-5)
         gathered = torch.stack([packed_partials(s) for s in shards]).to(DEVICE)
-        assert tb.merge_gathered(gathered, n, True, True)[-1] is None
+        for poison_value in (None, 0.0, float("nan")):  # without a verdict: the log-probs take `poison`
+            poison = None if poison_value is None else torch.full((1,), poison_value, device=DEVICE)
+            got = tb.merge_gathered(gathered, n, True, True, None, True, None, poison)
+            want = torch_backend.merge_gathered(gathered, n, True, True, None, True, None, poison)
+            assert got[6] is None and want[6] is None  # no verdict, no poison out
+            if poison_value is not None and poison_value != 0:
+                assert torch.isnan(got[7]).all() and torch.isnan(want[7]).all()
+            else:
+                _close(got[7], want[7], what="log-probs without a verdict")
+                if cuda:
+                    assert torch.equal(got[7], want[7])
+        assert tb.merge_gathered(gathered, n, True, True)[6:] == (None, None)
 
     def on_device(x):
         return None if x is None else x.to(DEVICE)
@@ -1229,10 +1253,11 @@ def _forward_only_worker(rank, world, case, impl, chunk_size):
 @pytest.mark.parametrize("chunk_size", [None, 7])
 def test_forward_only_logprobs_over_tp_ranks_end_in_one_launch(small_blocks, impl, chunk_size):
     """A forward-only log-prob call at TP = 2 (one chunk, several) ends in backend.labelled_logprob
-    after the merge's launch: values equal to the float64 reference (ignored labels, a padded
-    vocab, temperature) and to the differentiable call's (bit for bit on the torch backend); labels
-    that differ across ranks on a remembered signature give NaN on every rank and raise at the
-    next check (the merge's kernel records the verdict)."""
+    after the merge's launch (a signature's first call; later one-chunk calls, on their route, in the
+    merge's launch itself): values equal to the float64 reference (ignored labels, a padded vocab,
+    temperature) and to the differentiable call's (bit for bit on the torch backend); labels that
+    differ across ranks on a remembered signature give NaN on every rank and raise at the next
+    check (the merge's kernel records the verdict and poisons the log-probs it writes)."""
     if DEVICE.type == "cuda":
         pytest.skip("the gloo harness runs on CPU tensors; tests/test_multigpu.py runs NCCL")
     tp = 2

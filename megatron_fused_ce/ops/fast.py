@@ -188,20 +188,20 @@ def merged_chunk_statistics(logits: Tensor, local_target: Tensor, spec, labelled
     (nothing to merge) the stats launch finishes each row itself: log S and lse as the merge's tail
     makes them (backend.shard_logprob), one launch fewer. -> (statistics, log-probs): with
     `call_poison`, the `labelled` rows' log-probs plus the call's poison (fp32 [1]) — the stats
-    launch's own at TP = 1, else one launch after the merge, the poison taken only then
-    (api._device_poison: the merge decides the rank check it holds); without it, None at TP > 1."""
+    launch's own at TP = 1, else the merge's (reductions.merged_logprobs: the poison taken after the
+    merge decides the rank check it holds); without it, None at TP > 1."""
     logprob = None
     if reductions.group_size(spec.tp_group) == 1 and not (spec.want_sum_logits or spec.want_entropy):
         logprob, row_max, log_sum_exp, target, lse = spec.backend.shard_logprob(
             logits, local_target, spec.num_valid_cols, spec.inv_temperature,
             device_zero(logits.device) if call_poison is None else call_poison())
         merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+    elif call_poison is not None:
+        merged, logprob = reductions.merged_logprobs(logits_partials(logits, local_target, spec), spec.tp_group,
+                                                     spec.backend, spec.rank_check, labelled, call_poison)
     else:
         merged = reductions.merge_shard_stats(logits_partials(logits, local_target, spec), spec.tp_group,
                                               spec.backend, spec.rank_check)
-        if call_poison is not None:
-            logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                                    call_poison())
     return merged, logprob
 
 

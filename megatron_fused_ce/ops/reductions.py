@@ -14,7 +14,7 @@ started there beside the last dW GEMM (`InputGradSum`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -156,18 +156,40 @@ def merge_shard_stats(stats: ShardStats, group, backend, rank_check: Optional[Ra
         log_sum_exp, lse, entropy = backend.merged_tail(stats.max, stats.sum_exp, stats.sum_exp_shifted)
         return MergedStats(lse=lse, target=stats.target, sum_logits=stats.sum_logits, entropy=entropy,
                            max=stats.max, log_sum_exp=log_sum_exp)
+    return _gathered_merge(stats, group, backend, rank_check)[0]
+
+
+def merged_logprobs(stats: ShardStats, group, backend, rank_check: Optional[RankCheck], labelled: Optional[Tensor],
+                    call_poison: Callable[[], Tensor]) -> tuple:
+    """merge_shard_stats, and a forward-only call's result: the `labelled` rows' log-probs (0
+    elsewhere) plus the call's poison, `call_poison()` read after the merge (the rank check it
+    holds is decided there). At TP > 1 in the merge's own launch (one launch fewer), the rank
+    check's poison taken in the kernel. -> (statistics, log-probs)."""
+    if group_size(group) == 1:
+        merged = merge_shard_stats(stats, group, backend)
+        return merged, backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                                call_poison())
+    return _gathered_merge(stats, group, backend, rank_check, labelled=labelled, call_poison=call_poison)
+
+
+def _gathered_merge(stats: ShardStats, group, backend, rank_check: Optional[RankCheck], labelled=None,
+                    call_poison: Optional[Callable[[], Tensor]] = None) -> tuple:
+    """TP > 1: pack, all-gather, merge (with the log-probs where `call_poison` is given). -> (statistics,
+    log-probs or None)."""
     check = rank_check.take() if rank_check is not None else None
     payload = packed_partials(stats, check)
     ranks = dist.get_world_size(group)
     gathered = payload.new_empty(ranks * payload.numel())
     all_gather_rows(gathered, payload, group)
-    row_max, log_sum_exp, lse, target, sum_logits, entropy, poison = backend.merge_gathered(
+    # the log-probs' poison: the verdict's where the rank check rides here, else the call's own
+    poison = call_poison() if call_poison is not None and check is None else None
+    row_max, log_sum_exp, lse, target, sum_logits, entropy, verdict_poison, logprob = backend.merge_gathered(
         gathered.view(ranks, -1), stats.max.numel(), stats.sum_logits is not None, stats.sum_exp_shifted is not None,
-        rank_check.verdict_inputs() if check is not None else None)
-    if poison is not None:
-        rank_check.poison = poison
+        rank_check.verdict_inputs() if check is not None else None, call_poison is not None, labelled, poison)
+    if verdict_poison is not None:
+        rank_check.poison = verdict_poison
     return MergedStats(lse=lse, target=target, sum_logits=sum_logits, entropy=entropy, max=row_max,
-                       log_sum_exp=log_sum_exp)
+                       log_sum_exp=log_sum_exp), logprob
 
 
 class InputGradSum:

@@ -58,7 +58,7 @@ from .fast import (FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_dlogits_, chun
                    grad_gemms, logits_partials, merged_chunk_statistics, runs_stats_dlogits)
 from .gemm import gemm_input
 from .main_grad import saved_tensors_hooks_active
-from .reductions import merge_shard_stats
+from .reductions import merged_logprobs
 
 ENABLED = True
 
@@ -348,11 +348,9 @@ class LogprobRoute(_Route):
             full = reductions.gather_sequence(hidden, self.group()) if self.facts.spec.sequence_parallel else hidden
             logits = chunk_logits(full, weight, self.facts.spec)
             local_target, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
-            if self.merged:
-                merged = merge_shard_stats(logits_partials(logits, local_target, spec), spec.tp_group, spec.backend,
-                                           spec.rank_check)
-                logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                                        self.poison(scalars, spec))
+            if self.merged:  # (the log-probs in the merge's launch)
+                _, logprob = merged_logprobs(logits_partials(logits, local_target, spec), spec.tp_group, spec.backend,
+                                             spec.rank_check, labelled, lambda: self.poison(scalars, spec))
             else:
                 logprob = spec.backend.shard_logprob(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
                                                      scalars[:1])[0]

@@ -105,15 +105,18 @@ def _in_rank_order(values: Tensor) -> Tensor:
 
 
 def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy: bool,
-                   rank_verdict: Optional[tuple] = None) -> tuple:
-    """The TP merge of every rank's packed partials (reductions.packed_partials; `gathered`: [ranks, length], rank order), the
-    same on every rank: M = the rows' max over the ranks, S = sum of sum exp(z - m) exp(m - M) (a rank
+                   rank_verdict: Optional[tuple] = None, want_logprob: bool = False,
+                   labelled: Optional[Tensor] = None, poison: Optional[Tensor] = None) -> tuple:
+    """The TP merge of every rank's packed partials (reductions.packed_partials; `gathered`: [ranks,
+    length], rank order), the same on every rank: M = the rows' max over the ranks, S = sum of sum exp(z - m) exp(m - M) (a rank
     without valid columns, m = -inf, contributes exp(-inf) = 0), z_y and sum z summed, the entropy's
     sum exp(z - M)(z - M) = exp(m - M) (sum exp(z - m)(z - m) + (m - M) sum exp(z - m)), then
     merged_tail's log S, lse and entropy. With `rank_verdict` (reductions.RankCheck.verdict_inputs:
     the call's poison so far, the flags word and the flag to record) also the poison with the
     verdict in it: NaN where any rank's check values differ from rank 0's (recorded), else None.
-    Returns (M, log S, lse, z_y, sum z or None, entropy or None, poison)."""
+    `want_logprob`: also a forward-only call's result, labelled_logprob's of the merged rows (the
+    `labelled` rows', 0 elsewhere), plus the verdict's poison, or without a verdict `poison`.
+    Returns (M, log S, lse, z_y, sum z or None, entropy or None, poison, log-probs or None)."""
     fields = 3 + want_sum_logits + want_entropy
     rows = gathered[:, :fields * n].reshape(gathered.shape[0], fields, n)
     maxes, sums = rows[:, 0], rows[:, 1]
@@ -127,7 +130,6 @@ def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy
         shift = torch.where(torch.isfinite(maxes), maxes - row_max, 0.0)
         sum_exp_shifted = _in_rank_order((rows[:, fields - 1] + shift * sums) * rescale)
     log_sum_exp, lse, entropy = merged_tail(row_max, sum_exp, sum_exp_shifted)
-    poison = None
     if rank_verdict is not None:
         poison_so_far, flags, flag = rank_verdict
         checks = gathered[:, fields * n:]
@@ -135,7 +137,11 @@ def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy
         if flags is not None:
             flags.bitwise_or_((differ.to(torch.int64) * flag).reshape(1))
         poison = poison_so_far + torch.where(differ, float("nan"), 0.0)
-    return row_max, log_sum_exp, lse, target, sum_logits, entropy, poison
+    else:
+        poison, logprob_poison = None, poison
+    logprob = labelled_logprob(target, row_max, log_sum_exp, labelled, poison if rank_verdict is not None
+                               else logprob_poison) if want_logprob else None
+    return row_max, log_sum_exp, lse, target, sum_logits, entropy, poison, logprob
 
 
 def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor]) -> tuple:

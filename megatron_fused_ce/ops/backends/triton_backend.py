@@ -780,9 +780,10 @@ def _rank_terms(base, rows, ok, n, row_max, shifted_field, WANT_SUM: tl.constexp
 @cached_launch
 @triton.jit
 def _merge_gathered_kernel(gathered_ptr, length, ranks, n, max_out, log_sum_exp_out, lse_out, target_out, sum_logits_out,
-                           entropy_out, poison_ptr, poison_out, flags_ptr, flag, check_width,
-                           WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, VERDICT: tl.constexpr,
-                           HAS_FLAGS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                           entropy_out, poison_ptr, poison_out, flags_ptr, flag, check_width, labelled_ptr, logprob_out,
+                           WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr, HAS_POISON: tl.constexpr,
+                           VERDICT: tl.constexpr, HAS_FLAGS: tl.constexpr, WANT_LOGPROB: tl.constexpr,
+                           HAS_LABELLED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
                            PRECISE: tl.constexpr):
     # (launched without FMA contraction: each product rounds before it is added, as in torch)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -811,50 +812,67 @@ def _merge_gathered_kernel(gathered_ptr, length, ranks, n, max_out, log_sum_exp_
     if WANT_ENTROPY:
         # (div_rn: torch's division, rounded to nearest; `/` is the approximate division)
         tl.store(entropy_out + rows, log_s - tl.div_rn(sum_shifted, tl.where(ok, sum_exp, 1.0)), mask=ok)
-    if VERDICT:
+    poison = 0.0
+    if HAS_POISON:
+        poison = tl.load(poison_ptr)
+    if VERDICT:  # (every program decides it: the log-probs of its rows take it)
+        i = tl.arange(0, BLOCK_W)
+        in_width = i < check_width
+        checks = (3 + WANT_SUM + WANT_ENTROPY) * n
+        first = tl.load(gathered_ptr + checks + i, mask=in_width, other=0.0)
+        differ = tl.zeros([BLOCK_W], dtype=tl.int32)
+        for rank in range(1, ranks):
+            other = tl.load(gathered_ptr + rank * length + checks + i, mask=in_width, other=0.0)
+            differ = differ | (other != first).to(tl.int32)
+        differs = tl.max(differ, axis=0)
+        poison = poison + tl.where(differs != 0, float("nan"), 0.0)
         if tl.program_id(0) == 0:
-            i = tl.arange(0, BLOCK_W)
-            in_width = i < check_width
-            checks = (3 + WANT_SUM + WANT_ENTROPY) * n
-            first = tl.load(gathered_ptr + checks + i, mask=in_width, other=0.0)
-            differ = tl.zeros([BLOCK_W], dtype=tl.int32)
-            for rank in range(1, ranks):
-                other = tl.load(gathered_ptr + rank * length + checks + i, mask=in_width, other=0.0)
-                differ = differ | (other != first).to(tl.int32)
-            differs = tl.max(differ, axis=0)
-            tl.store(poison_out, tl.load(poison_ptr) + tl.where(differs != 0, float("nan"), 0.0))
+            tl.store(poison_out, poison)
             if HAS_FLAGS:
                 tl.store(flags_ptr, tl.load(flags_ptr) | (differs.to(tl.int64) * flag))
+    if WANT_LOGPROB:  # labelled_logprob's: (z_y - M) - log S, 0 where not labelled, plus the poison
+        value = (target - row_max) - log_s
+        if HAS_LABELLED:
+            value = tl.where(tl.load(labelled_ptr + rows, mask=ok, other=0) != 0, value, 0.0)
+        if HAS_POISON or VERDICT:
+            value = value + poison
+        tl.store(logprob_out + rows, value, mask=ok)
 
 
 def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy: bool,
-                   rank_verdict: Optional[tuple] = None) -> tuple:
+                   rank_verdict: Optional[tuple] = None, want_logprob: bool = False,
+                   labelled: Optional[Tensor] = None, poison: Optional[Tensor] = None) -> tuple:
     """torch_backend.merge_gathered in one launch, the same bits on CUDA (the rank-order sums, and
     libdevice's expf and logf are torch's)."""
     if not _runs_kernel(gathered):
-        return torch_backend.merge_gathered(gathered, n, want_sum_logits, want_entropy, rank_verdict)
+        return torch_backend.merge_gathered(gathered, n, want_sum_logits, want_entropy, rank_verdict, want_logprob,
+                                            labelled, poison)
     ranks, length = gathered.shape
     gathered = _f32(gathered)
     f32 = dict(dtype=torch.float32, device=gathered.device)
-    outputs = [torch.empty(n, **f32) for _ in range(4 + want_sum_logits + want_entropy)]
+    outputs = [torch.empty(n, **f32) for _ in range(4 + want_sum_logits + want_entropy + want_logprob)]
     row_max, log_sum_exp, lse, target = outputs[:4]
     sum_logits = outputs[4] if want_sum_logits else None
-    entropy = outputs[-1] if want_entropy else None
+    entropy = outputs[4 + want_sum_logits] if want_entropy else None
+    logprob = outputs[-1] if want_logprob else None
     check_width = length - (3 + want_sum_logits + want_entropy) * n
-    verdict_args, poison = (row_max, row_max, row_max, 0), None
+    poison_out, flags, flag = None, None, 0
     if rank_verdict is not None:
-        poison_so_far, flags, flag = rank_verdict
-        poison = torch.empty(1, **f32)
-        verdict_args = (_f32(poison_so_far), poison, flags if flags is not None else poison, int(flag))
+        poison, flags, flag = rank_verdict
+        poison_out = torch.empty(1, **f32)
     block = 1024
     _merge_gathered_kernel[(max(1, cdiv(n, block)),)](
         gathered, length, ranks, n, row_max, log_sum_exp, lse, target,
-        sum_logits if want_sum_logits else row_max, entropy if want_entropy else row_max, *verdict_args,
-        check_width, WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy, VERDICT=rank_verdict is not None,
-        HAS_FLAGS=rank_verdict is not None and rank_verdict[1] is not None, BLOCK=block,
-        BLOCK_W=next_power_of_2(max(check_width, 1)), PRECISE=not _interpreting(), num_warps=4,
-        enable_fp_fusion=False)
-    return row_max, log_sum_exp, lse, target, sum_logits, entropy, poison
+        sum_logits if want_sum_logits else row_max, entropy if want_entropy else row_max,
+        row_max if poison is None else _f32(poison), row_max if poison_out is None else poison_out,
+        row_max if flags is None else flags, int(flag), check_width,
+        row_max if labelled is None else labelled.contiguous().view(torch.uint8),
+        row_max if logprob is None else logprob,
+        WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy, HAS_POISON=poison is not None,
+        VERDICT=rank_verdict is not None, HAS_FLAGS=flags is not None, WANT_LOGPROB=want_logprob,
+        HAS_LABELLED=labelled is not None, BLOCK=block, BLOCK_W=next_power_of_2(max(check_width, 1)),
+        PRECISE=not _interpreting(), num_warps=4, enable_fp_fusion=False)
+    return row_max, log_sum_exp, lse, target, sum_logits, entropy, poison_out, logprob
 
 
 @cached_launch
