@@ -1031,11 +1031,13 @@ def test_scale_matches_torch_math(tb, dtype, numel):
         assert torch_backend.scale_(t, s, o) is t
         assert torch.equal(t, want) and torch.equal(o, other * s), f"torch backend, g = {scale}"
         if DEVICE.type == "cuda" or dtype == torch.float32:
-            t, o = src.clone().to(DEVICE), other.clone().to(DEVICE)
             blocks = -(-numel // 1024)
-            tb._scale_kernel[(blocks + 1,)](t, o, s.reshape(1).to(DEVICE), numel, o.numel(), blocks, BLOCK=1024)
-            assert torch.equal(t.cpu(), want), f"Triton kernel, g = {scale}"
-            assert torch.equal(o.cpu(), other * s), f"Triton kernel, second tensor, g = {scale}"
+            for programs in (blocks + 1, 2):  # a program per block, and two walking all the blocks
+                t, o = src.clone().to(DEVICE), other.clone().to(DEVICE)
+                tb._scale_kernel[(programs,)](t, o, s.reshape(1).to(DEVICE), numel, o.numel(), blocks, blocks + 1,
+                                              BLOCK=1024)
+                assert torch.equal(t.cpu(), want), f"Triton kernel, g = {scale}, {programs} programs"
+                assert torch.equal(o.cpu(), other * s), f"Triton kernel, second tensor, g = {scale}"
             if DEVICE.type == "cuda":  # the launcher, one tensor and two
                 t, o = src.clone().to(DEVICE), other.clone().to(DEVICE)
                 assert tb.scale_(t, s.to(DEVICE), o) is t
