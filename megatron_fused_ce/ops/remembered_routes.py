@@ -269,9 +269,11 @@ class StraightLoss(torch.autograd.Function):
         if route.one_launch:  # (the coefficients only if a second backward comes)
             merged = StatsWithDlogits(forward_grad.scale_before_statistics(count)).run_(logits, local_target, spec,
                                                                                        labelled)
+            poison = route.poison(scalars, spec)
         else:
             merged, _ = merged_chunk_statistics(logits, local_target, spec)
-            route.before_coefficients(forward_grad, route.poison(scalars, spec))
+            poison = route.poison(scalars, spec)  # (after the merge: the rank check's verdict in it)
+            route.before_coefficients(forward_grad, poison)
             coefs = token_coefficients(forward_grad, merged, slice(0, full.shape[0]), count, labelled)
             chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dx = full.new_empty(full.shape) if hidden.requires_grad else None
@@ -282,7 +284,7 @@ class StraightLoss(torch.autograd.Function):
         grad_gemms(gemm_input(logits, full), full, weight, spec, dx, dw, dw_accumulate=False,
                    after_dx=None if dx_sum is None else dx_sum.start)
         del logits  # (its dlogits: freed once the GEMMs are queued, as the general path's chunk)
-        loss = route.loss(forward_grad, merged, labelled, count, route.poison(scalars, spec))
+        loss = route.loss(forward_grad, merged, labelled, count, poison)
         ctx.route, ctx.spec, ctx.dx, ctx.dw = route, spec, dx if dx_sum is None else dx_sum, dw
         # (for a second backward only)
         ctx.forward_grad, ctx.merged, ctx.labelled, ctx.count, ctx.coefs = forward_grad, merged, labelled, count, coefs
