@@ -1208,6 +1208,35 @@ def test_tp_merge_kernels_match_torch(tb, n):
                 assert torch.all(got.cpu()[~mask] == 0)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_merged_logprobs_without_a_group_is_the_tail_and_the_labelled_logprobs(impl):
+    """reductions.merged_logprobs at TP = 1 (nothing to gather): merge_shard_stats' tail and the
+    labelled rows' log-probs plus the call's poison, read when the call asks for it (NaN everywhere
+    under a NaN poison)."""
+    from megatron_fused_ce.ops import backends, reductions
+    from megatron_fused_ce.ops.backends import ShardStats
+
+    backend = backends.select(impl, DEVICE)
+    g = torch.Generator().manual_seed(5)
+    n = 37
+    stats = ShardStats(max=torch.randn(n, generator=g).to(DEVICE), sum_exp=(torch.rand(n, generator=g) + 1).to(DEVICE),
+                       target=torch.randn(n, generator=g).to(DEVICE))
+    labelled = (torch.rand(n, generator=g) > 0.3).to(DEVICE)
+    for poison_value in (0.0, float("nan")):
+        read = []
+        poison = torch.full((1,), poison_value, device=DEVICE)
+        merged, logprob = reductions.merged_logprobs(stats, None, backend, None, labelled,
+                                                     lambda: read.append(1) or poison)
+        assert read == [1]
+        want = reductions.merge_shard_stats(stats, None, backend)
+        for name in ("max", "log_sum_exp", "lse", "target"):
+            assert torch.equal(getattr(merged, name), getattr(want, name)), name
+        expected = backend.labelled_logprob(want.target, want.max, want.log_sum_exp, labelled, poison)
+        assert torch.equal(logprob.isnan(), expected.isnan())
+        if poison_value == 0.0:
+            assert torch.equal(logprob, expected) and torch.all(logprob.cpu()[~labelled.cpu()] == 0)
+
+
 def _forward_only_worker(rank, world, case, impl, chunk_size):
     import torch.distributed as dist
 
