@@ -190,7 +190,7 @@ def _steady_call_inputs(seed, kept_sets=False):
 def test_nccl_second_call_makes_no_host_synchronization(path, monkeypatch):
     """TP over NCCL, bf16, Triton: the second call of a signature runs under
     torch.cuda.set_sync_debug_mode("error") (no agreement read-back, nothing sized by a count; the
-    rank check rides on the statistics' all-reduce) and gives finite values (replay's union tiles:
+    rank check rides on the statistics' all-gather) and gives finite values (replay's union tiles:
     their layout sized from what the host knows)."""
     from megatron_fused_ce import check_deferred_errors
     from megatron_fused_ce.ops import replay

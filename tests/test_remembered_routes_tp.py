@@ -1,6 +1,6 @@
 """Remembered routes at TP > 1 (ops/remembered_routes.py), over gloo: a later call of a remembered
 signature runs its route straight and gives the general path's values, dX and dW bit for bit —
-with the rank check's fingerprints riding on the statistics' all-reduce as the general path's do,
+with the rank check's fingerprints riding on the statistics' all-gather as the general path's do,
 so that labels or per-token inputs that differ across ranks still poison every rank's results and
 raise at the next check, and a rank whose call takes the general path meets its peers' routed
 calls in the same collectives. The torch backend, and Triton's (its interpreter on a CPU machine:

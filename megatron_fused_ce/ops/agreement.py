@@ -365,7 +365,7 @@ class Agreement:
 
     def signature_code(self) -> int:
         """A process-independent 32-bit code of the signature's values (the part every rank must
-        share: not the rank), for the fingerprint that rides on the statistics' all-reduce."""
+        share: not the rank), for the fingerprint that rides on the statistics' all-gather."""
         return zlib.crc32(repr((self.fn_name, self.checks, self._key[-1])).encode())
 
 

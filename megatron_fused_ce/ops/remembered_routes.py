@@ -31,7 +31,7 @@ Routes:
 
 At TP > 1 a route makes what the general path's remembered signature makes for the ranks to agree
 on: the label kernel's fingerprints of the signature, the labels and the loss's must-agree
-tensors, riding on the statistics' first all-reduce (reductions.RankCheck), whose verdict poisons
+tensors, riding on the statistics' all-gather (reductions.RankCheck), whose verdict poisons
 the results; the same collectives in the same order, so a rank whose call takes the general path
 meets its peers' routed calls.
 
