@@ -130,18 +130,16 @@ def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy
         shift = torch.where(torch.isfinite(maxes), maxes - row_max, 0.0)
         sum_exp_shifted = _in_rank_order((rows[:, fields - 1] + shift * sums) * rescale)
     log_sum_exp, lse, entropy = merged_tail(row_max, sum_exp, sum_exp_shifted)
+    verdict_poison = None
     if rank_verdict is not None:
         poison_so_far, flags, flag = rank_verdict
         checks = gathered[:, fields * n:]
         differ = (checks != checks[:1]).any()
         if flags is not None:
             flags.bitwise_or_((differ.to(torch.int64) * flag).reshape(1))
-        poison = poison_so_far + torch.where(differ, float("nan"), 0.0)
-    else:
-        poison, logprob_poison = None, poison
-    logprob = labelled_logprob(target, row_max, log_sum_exp, labelled, poison if rank_verdict is not None
-                               else logprob_poison) if want_logprob else None
-    return row_max, log_sum_exp, lse, target, sum_logits, entropy, poison, logprob
+        verdict_poison = poison = poison_so_far + torch.where(differ, float("nan"), 0.0)
+    logprob = labelled_logprob(target, row_max, log_sum_exp, labelled, poison) if want_logprob else None
+    return row_max, log_sum_exp, lse, target, sum_logits, entropy, verdict_poison, logprob
 
 
 def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor]) -> tuple:

@@ -764,7 +764,7 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _rank_terms(base, rows, ok, n, row_max, shifted_field, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+def _rank_terms(base, rows, ok, n, row_max, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
                 PRECISE: tl.constexpr):
     """One rank's packed partials moved to the rows' max over the ranks: sum exp(z - m) exp(m - M) (a
     rank without valid columns, m = -inf: exp(-inf) = 0), z_y, sum z, and the entropy's
@@ -778,7 +778,7 @@ def _rank_terms(base, rows, ok, n, row_max, shifted_field, WANT_SUM: tl.constexp
         z_sum = tl.load(base + 3 * n + rows, mask=ok, other=0.0)
     if WANT_ENTROPY:
         shift = tl.where((m > float("-inf")) & (m < float("inf")), m - row_max, 0.0)
-        shifted = (tl.load(base + shifted_field * n + rows, mask=ok, other=0.0) + shift * s) * rescale
+        shifted = (tl.load(base + (3 + WANT_SUM) * n + rows, mask=ok, other=0.0) + shift * s) * rescale
     return s * rescale, tl.load(base + 2 * n + rows, mask=ok, other=0.0), z_sum, shifted
 
 
@@ -797,11 +797,11 @@ def _merge_gathered_kernel(gathered_ptr, length, ranks, n, max_out, log_sum_exp_
     for rank in range(1, ranks):
         row_max = tl.maximum(row_max, tl.load(gathered_ptr + rank * length + rows, mask=ok, other=0.0))
     # rank 0's terms, then the others' added in rank order (as torch_backend._in_rank_order)
-    sum_exp, target, sum_logits, sum_shifted = _rank_terms(gathered_ptr, rows, ok, n, row_max, 3 + WANT_SUM,
-                                                           WANT_SUM, WANT_ENTROPY, PRECISE)
+    sum_exp, target, sum_logits, sum_shifted = _rank_terms(gathered_ptr, rows, ok, n, row_max, WANT_SUM,
+                                                           WANT_ENTROPY, PRECISE)
     for rank in range(1, ranks):
-        s, t, z_sum, shifted = _rank_terms(gathered_ptr + rank * length, rows, ok, n, row_max, 3 + WANT_SUM,
-                                           WANT_SUM, WANT_ENTROPY, PRECISE)
+        s, t, z_sum, shifted = _rank_terms(gathered_ptr + rank * length, rows, ok, n, row_max, WANT_SUM,
+                                           WANT_ENTROPY, PRECISE)
         sum_exp, target = sum_exp + s, target + t
         if WANT_SUM:
             sum_logits = sum_logits + z_sum
@@ -862,7 +862,7 @@ def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy
     logprob = outputs[-1] if want_logprob else None
     check_width = length - (3 + want_sum_logits + want_entropy) * n
     poison_out, flags, flag = None, None, 0
-    if rank_verdict is not None:
+    if rank_verdict is not None:  # the log-probs take the verdict's poison (the call's so far, + NaN)
         poison, flags, flag = rank_verdict
         poison_out = torch.empty(1, **f32)
     block = 1024
