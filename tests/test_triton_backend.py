@@ -1014,6 +1014,26 @@ def test_row_scale_matches_torch_math(tb, src_dtype, out_dtype, rows, cols, mask
     assert out_wide[:, cols:].isnan().all()  # nothing written past the columns
 
 
+@pytest.mark.parametrize("layout", ["expanded", "strided", "bf16"])
+def test_row_scale_reads_the_scale_as_given(tb, layout):
+    """`row_scale` reads g in its own layout: an upstream gradient of a sum (or a mean) arrives
+    expanded from one element (stride 0), a per-token one may be a strided view or in bf16; the
+    result is torch's product with that g, bit for bit, whatever the layout (no copy made first)."""
+    rows, cols = 37, 1500
+    g = torch.Generator().manual_seed(7)
+    src = (torch.randn(rows, cols, generator=g) * 3).to(DEVICE)
+    if layout == "expanded":
+        scale = torch.tensor([0.37]).to(DEVICE).expand(rows)
+    elif layout == "strided":
+        scale = torch.randn(2 * rows, generator=g).to(DEVICE)[::2]
+    else:
+        scale = torch.randn(rows, generator=g).to(torch.bfloat16).to(DEVICE)
+    want = torch.mul(src, scale.float().unsqueeze(1))
+    out = torch.full((rows, cols), float("nan"), device=DEVICE)
+    assert tb.row_scale(out, src, scale) is out
+    assert torch.equal(out, want)
+
+
 # ------------------------------------------------------------ the upstream gradient g in backward
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("numel", [1, 4096, 3 * 4096 + 17])

@@ -950,13 +950,13 @@ def _runs_kernel(t: Tensor) -> bool:
 
 @cached_launch
 @triton.jit
-def _row_scale_kernel(out_ptr, out_stride, src_ptr, src_stride, scale_ptr, keep_ptr, cols, HAS_KEEP: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _row_scale_kernel(out_ptr, out_stride, src_ptr, src_stride, scale_ptr, scale_stride, keep_ptr, cols,
+                      HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_range = offsets < cols
     value = tl.load(src_ptr + row.to(tl.int64) * src_stride + offsets, mask=in_range).to(tl.float32)
-    scale = tl.load(scale_ptr + row)
+    scale = tl.load(scale_ptr + row.to(tl.int64) * scale_stride).to(tl.float32)
     if HAS_KEEP:
         scale = tl.where(tl.load(keep_ptr + row) != 0, scale, 0.0)
     scaled = value * scale
@@ -966,17 +966,21 @@ def _row_scale_kernel(out_ptr, out_stride, src_ptr, src_stride, scale_ptr, keep_
 def row_scale(out: Tensor, src: Tensor, scale: Tensor, keep: Optional[Tensor] = None) -> Tensor:
     """torch_backend.row_scale at the memory's speed: torch's broadcast product of mixed dtypes
     runs its slow strided kernel (~37 us for 2048 x 4096 on an H200, ~2.5x the traffic's time);
-    `keep` read in the same launch."""
+    `keep` read in the same launch; `scale` read as it is, in its dtype and with its stride (an
+    upstream gradient of a sum arrives expanded from one element: no copy launch to make it
+    contiguous fp32)."""
     rows, cols = src.shape
     # (the interpreter's cast to bf16 / fp16 truncates: there only fp32 outputs run the kernel)
     kernel = src.is_cuda or (_interpreting() and out.dtype == torch.float32)
     if not kernel or rows == 0 or cols == 0 or src.stride(1) != 1 or out.stride(1) != 1:
         return torch_backend.row_scale(out, src, scale, keep)
     block = 1024
-    scale = _f32(scale)
+    if scale.dim() != 1 or not scale.is_floating_point():
+        scale = _f32(scale).reshape(rows)
     _row_scale_kernel[(rows, cdiv(cols, block))](
-        out, out.stride(0), src, src.stride(0), scale, scale if keep is None else keep.contiguous().view(torch.uint8),
-        cols, HAS_KEEP=keep is not None, BLOCK=block, num_warps=4)
+        out, out.stride(0), src, src.stride(0), scale, scale.stride(0),
+        scale if keep is None else keep.contiguous().view(torch.uint8), cols, HAS_KEEP=keep is not None, BLOCK=block,
+        num_warps=4)
     return out
 
 
