@@ -328,6 +328,9 @@ def _bad_mask_worker(rank, world, what):
         ids[1] = ids[0]  # an id twice in the first set
     elif what == "out_of_range":
         ids[4] = 75
+    elif what == "sizes_differ":
+        if rank == 1:  # one id fewer on one rank only: the same signature, another mask
+            ids, offsets = _fewer_ids((ids, offsets), 3)
     elif rank == 1:  # a mask that differs on one rank only (still a valid mask there)
         ids[2] = (ids[2] + 1) % 75
     report = _steady_call_report(lambda: linear_logprobs(h, w, y, **common, sampling_mask=(ids, offsets)).logprobs)
@@ -336,15 +339,68 @@ def _bad_mask_worker(rank, world, what):
     return report
 
 
-@pytest.mark.parametrize("what", ["duplicate", "out_of_range", "ranks_differ"])
+@pytest.mark.parametrize("what", ["duplicate", "out_of_range", "ranks_differ", "sizes_differ"])
 def test_a_bad_sampling_mask_in_a_steady_call_gives_nan_and_raises_on_every_rank(what):
     """Before: a call with a mask ran the full agreement on every call (its host read and
-    all-reduce); now a steady call checks the mask on the device."""
-    expected = "differ across tensor-parallel ranks" if what == "ranks_differ" else "a bad sampling_mask"
+    all-reduce); now a steady call checks the mask on the device. A mask keeping fewer ids on one
+    rank (its count of ids is not in the signature) is caught by the mask's fingerprint, no
+    hang: no collective depends on that count."""
+    expected = ("differ across tensor-parallel ranks" if what in ("ranks_differ", "sizes_differ")
+                else "a bad sampling_mask")
     for rank, report in enumerate(run_workers(_bad_mask_worker, 2, what)):
         assert report["all_nan"], rank
         assert report["raised"] is not None and expected in report["raised"], (rank, report["raised"])
         assert report["next"], rank
+
+
+def _fewer_ids(mask, position):
+    """The mask with the last id of `position`'s set dropped (its label, the set's first id, kept):
+    one id fewer in all, the same positions."""
+    ids, offsets = mask
+    end = int(offsets[position + 1])
+    offsets = offsets.clone()
+    offsets[position + 1:] -= 1
+    return torch.cat([ids[:end - 1], ids[end:]]), offsets
+
+
+def _kept_count_worker(rank, world):
+    group = dist.group.WORLD if world > 1 else None
+    h, w_full, y = _inputs(41)
+    w_shard = w_full[rank * 40:(rank + 1) * 40] if world > 1 else w_full
+    common = dict(tp_group=group, vocab_size=75)
+
+    def call(mask):
+        hh, ww = h.clone().requires_grad_(), w_shard.clone().requires_grad_()
+        out = linear_logprobs(hh, ww, y, **common, return_entropy=True, sampling_mask=mask)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        return torch.cat([out.logprobs.detach().reshape(-1), hh.grad.reshape(-1), ww.grad.reshape(-1)])
+
+    call(_sampling_mask(y, 41, k=3, every=True))  # the signature's first call: 3 ids at each labelled position
+    report = []
+    for mask in (_sampling_mask(y, 42, k=5, every=True), _fewer_ids(_sampling_mask(y, 43, k=3, every=True), 8)):
+        with _counting() as (collectives, reads):
+            out = call(mask)
+        agreement.forget_signatures()
+        first = call(mask)  # the same mask as a signature's first call (its full agreement)
+        lp = out[:y.numel()].reshape(y.shape).double()
+        error = (lp - _reference_logprobs(h, w_full, y, mask)).abs().max().item()
+        report.append((len(collectives), list(reads), bool(torch.equal(out, first)), error))
+    return report
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_mask_keeping_more_or_fewer_ids_needs_no_new_agreement(tp):
+    """A sampler's kept sets change size from step to step (top-p, min-p, how many tokens were
+    generated): how many ids a mask keeps is not part of the call's signature, so a later call with
+    more or fewer ids reads nothing back and makes only the math's collectives, with the values, dX
+    and dW of a signature's first call, bit for bit. (Before: a new count of ids was a new
+    signature, and every such call ran the full agreement, a host synchronization.)"""
+    for rank, report in enumerate(run_workers(_kept_count_worker, tp)):
+        for collectives, reads, same_as_first, error in report:
+            assert reads == [], (rank, reads)
+            assert collectives == (EXPECTED_COLLECTIVES["replay_every_logprobs_sparse"] if tp > 1 else 0), rank
+            assert same_as_first, rank
+            assert error < 1e-5, (rank, error)
 
 
 def _reference_logprobs(h, w, y, mask):

@@ -208,12 +208,13 @@ def _call_key(fn_name, hidden, weight, labels, tp_group, plain: tuple, extra_che
 
 
 def _mask_layout(mask_check) -> Optional[tuple]:
-    """A sampling mask's part of a call key: its presence and sizes (its contents are not in it)."""
+    """A sampling mask's part of a call key: its presence and layout, as in the signature (not its
+    contents, nor how many ids it keeps: replay.layout_key)."""
     if mask_check is None:
         return None
     if not mask_check.usable:
         return (mask_check.present,)
-    return (True, tuple(mask_check.ids.shape), tuple(mask_check.offsets.shape), mask_check.ids.device)
+    return (True,) + replay.layout_key(mask_check)
 
 
 def masked_labels(labels, label_mask: Optional[Tensor], ignore_index):

@@ -17,8 +17,9 @@ made on the device: no host sync), and `ReplayChunks`, the tiling of the one chu
 (chunked.py; the methods fast.FastChunks, lean.LeanTiles and sampling.SamplerChunks have) that
 scores them.
 
-Checks, as for the other paths (api.py, agreement.py): the mask's sizes and presence are part of
-the call's signature, its contents are not. The first call of a signature checks everything in the
+Checks, as for the other paths (api.py, agreement.py): the mask's presence, its positions and
+whether it keeps any id are part of the call's signature; its contents and how many ids it keeps
+are not (a sampler's sets change size every step: `layout_key`). The first call of a signature checks everything in the
 one agreement (`MaskCheck.register`: a clear ValueError on every rank) and reads back how many
 labelled rows have a set and how many have none; the signature remembers whether none lacked one
 (api.py). A later call reads nothing: `deferred_poison` checks the offsets, ids and duplicates on
@@ -188,13 +189,19 @@ def as_sampling_mask(mask) -> SamplingMask:
     return SamplingMask(ids, offsets)
 
 
+def layout_key(mask_check: "MaskCheck") -> tuple:
+    """A usable mask's part of a call's signature and of its call key: whether it keeps any id
+    (a mask without one is not replayed), its number of positions, its device (MaskCheck.register_layout)."""
+    return (mask_check.ids.numel() > 0, tuple(mask_check.offsets.shape), mask_check.ids.device.type)
+
+
 _DIFFER = ("sampling_mask: differs across tensor-parallel ranks (token ids or offsets, or a rank passed "
            "none); every rank of tp_group must pass the same mask")
 
 
 class MaskCheck:
     """linear_logprobs' checks of `sampling_mask`. Host checks are read at construction
-    (`problem`); the mask's sizes join the signature (`register_layout`); the ones on the device
+    (`problem`); the mask's layout joins the signature (`register_layout`); the ones on the device
     (offsets, ids, duplicates) and the mask's fingerprint join the one agreement of a signature's
     first call (`register_contents`), the same entries on every rank whether or not it holds a
     mask, so that a rank without a mask raises with its peers instead of hanging. A later call
@@ -240,9 +247,14 @@ class MaskCheck:
         self.register_contents(agreement, device)
 
     def register_layout(self, agreement) -> None:
-        """The mask's sizes (or its absence): plain values, part of the call's signature."""
-        agreement.equal("sampling_mask", (tuple(self.ids.shape), tuple(self.offsets.shape), self.ids.device.type)
-                        if self.usable else ("no mask", self.present), _DIFFER)
+        """The mask's layout (or its absence): plain values, part of the call's signature — its
+        positions and whether it keeps any id, not how many: a sampler's sets change size from one
+        step to the next (top-p, min-p, the number of generated tokens), and a signature per size
+        would run the full agreement, a host synchronization, on every call. What the number of
+        ids decides (the route, the layout's sizes) is decided from it on every call, and no
+        collective depends on it; the ids themselves are checked on the device and compared
+        across ranks by the mask's fingerprint (MaskCheck.fingerprint)."""
+        agreement.equal("sampling_mask", layout_key(self) if self.usable else ("no mask", self.present), _DIFFER)
 
     def register_contents(self, agreement, device) -> None:
         """The mask's values (fingerprint) and the counts of its bad entries, computed on the
