@@ -105,6 +105,9 @@ def _case(name, rank):
     elif name == "advantages_differ":
         fn, h, y = _grpo, h.reshape(2, 3, 8), y.reshape(2, 3)
         kw["advantages"] = torch.tensor([1.0, -1.0 + rank])
+    elif name == "normalizer_differs":  # a number: compared across ranks, not part of the signature
+        fn, h, y = _grpo, h.reshape(2, 3, 8), y.reshape(2, 3)
+        kw["advantages"], kw["normalizer"] = torch.tensor([1.0, -1.0]), 6.0 + rank
     # -- values that would crash one rank before the agreement -----------------------------------
     elif name == "ignore_index_none_on_rank1":
         kw["ignore_index"] = None if rank == 1 else -100
@@ -143,7 +146,7 @@ CASES = {
     "logits_dtype_differs": "logits_dtype", "dtype_differs": "hidden",
     "sequence_parallel_differs": "sequence_parallel", "requires_grad_differs": "requires_grad",
     "reduction_differs": "reduction", "label_smoothing_differs": "label_smoothing",
-    "z_loss_weight_differs": "z_loss_weight", "advantages_differ": "advantages",
+    "z_loss_weight_differs": "z_loss_weight", "advantages_differ": "advantages", "normalizer_differs": "normalizer",
     "ignore_index_none_on_rank1": "ignore_index", "ignore_index_str_on_rank1": "ignore_index",
     "ignore_index_too_large": "ignore_index", "int8_labels": "labels", "int16_labels": "labels",
     "uint8_labels": "labels", "temperature_inf": "temperature", "temperature_nan_on_rank1": "temperature",

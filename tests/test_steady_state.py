@@ -510,6 +510,56 @@ def test_grpo_inputs_that_differ_across_ranks_are_caught_in_steady_state():
         assert raised is not None and "differ across tensor-parallel ranks" in raised
 
 
+def _number_normalizer_worker(rank, world):
+    group = dist.group.WORLD if world > 1 else None
+    h, w, y = _inputs(17)
+    w = w[rank * 40:(rank + 1) * 40] if world > 1 else w
+    g = torch.Generator().manual_seed(18)
+    adv, old = torch.randn(4, generator=g), -torch.rand(y.shape, generator=g) * 3
+    mask = (y != -100).float()
+
+    def call(normalizer):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, _ = linear_grpo_loss(hh, ww, y.clamp(min=0), adv, mask, GRPOConfig(), old_logprobs=old,
+                                   normalizer=normalizer, tp_group=group, vocab_size=75)
+        loss.backward()
+        return torch.cat([loss.detach().reshape(1), hh.grad.reshape(-1), ww.grad.reshape(-1)])
+
+    call(40.0)  # the signature's first call
+    report = []
+    for normalizer in (41.0, 43.5, 47.0):  # the general path of a remembered signature, then its route
+        with _counting() as (collectives, reads):
+            out = call(normalizer)
+        report.append((len(collectives), list(reads), out))
+    agreement.forget_signatures()
+    firsts = [call(n) for n in (41.0, 43.5, 47.0)]  # each as a signature's first call
+    same = [bool(torch.equal(out, first)) for (_, _, out), first in zip(report, firsts)]
+    differ = None
+    if world > 1:  # a later call whose normalizer differs on one rank: NaN and an error on every rank
+        call(40.0)
+        call(41.0)
+        differ = _steady_call_report(lambda: call(42.0 if rank == 0 else 42.5)[:1])
+    return [(n, r) for n, r, _ in report], same, differ
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_number_normalizer_that_changes_needs_no_new_agreement(tp):
+    """GRPO's `normalizer` given as a number (a global token count) changes from step to step: its
+    value is compared across ranks, not part of the signature, so a later call with another value
+    reads nothing back and makes only the math's collectives, with the loss, dX and dW of a
+    signature's first call, bit for bit; a value that differs across ranks is caught by the rank
+    check. (Before: every new value was a new signature, and its call ran the full agreement, a
+    host synchronization.)"""
+    for rank, (calls, same, differ) in enumerate(run_workers(_number_normalizer_worker, tp)):
+        for collectives, reads in calls:
+            assert reads == [], (rank, reads)
+            assert collectives == (EXPECTED_COLLECTIVES["grpo"] if tp > 1 else 0), rank
+        assert all(same), (rank, same)
+        if tp > 1:
+            assert differ["all_nan"], rank
+            assert differ["raised"] is not None and "differ across tensor-parallel ranks" in differ["raised"], differ
+
+
 def test_forget_signatures_brings_back_the_full_agreement():
     h, w, y = _inputs(9)
     linear_logprobs(h, w, y)

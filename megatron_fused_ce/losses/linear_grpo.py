@@ -51,7 +51,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops import reductions, remembered_routes
 from ..ops.agreement import flag_argument, integer_argument
-from ..ops.api import first_product_ahead, linear_logprobs, masked_labels, must_agree_tensors, token_statistics
+from ..ops.api import (CallValue, call_values, first_product_ahead, linear_logprobs, masked_labels,
+                       must_agree_tensors, token_statistics)
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, field_values, fused, grpo_loss,
                    loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
@@ -271,6 +272,10 @@ def _must_agree(advantages, mask, old_logprobs, reference_logprobs, sampling_log
     """What every TP rank's per-token gradients depend on beside the labels (ranks that differ would
     sum unrelated dX parts): the agreement's on a signature's first call, the rank check's later
     (its tensors in this order, a remembered route's too)."""
+    # (a number normalizer, a global token count, changes from step to step: compared across
+    # ranks, not part of the call's signature)
+    if normalizer is not None and not isinstance(normalizer, Tensor):
+        normalizer = CallValue(normalizer)
     return dict(old_logprobs=old_logprobs, reference_logprobs=reference_logprobs, sampling_logprobs=sampling_logprobs,
                 normalizer=normalizer, advantages=advantages, mask=mask)
 
@@ -392,8 +397,10 @@ def linear_grpo_loss(
         (vocab_size, temperature, chunk_size, sequence_parallel, impl, ignore_index, accumulate_into_main_grad,
          memory_mode, logits_dtype, max_chunk_bytes, expected_upstream_grad, type(config),
          field_values(config) if isinstance(config, GRPOConfig) else None,  # (its values: a config may change)
-         *map(remembered_routes.layout, (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs,
-                                         normalizer))))
+         *map(remembered_routes.layout, (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)),
+         # (a number normalizer by its type: its value changes from step to step, api.CallValue)
+         type(normalizer) if normalizer is None or not isinstance(normalizer, Tensor)
+         else remembered_routes.layout(normalizer)))
     route = remembered_routes.lookup(route_key)
     if route is not None:  # (recorded by a call whose checks passed: mask is a [B, T] tensor)
         first = bool(sequence_parallel)
@@ -401,7 +408,7 @@ def linear_grpo_loss(
                                    sampling_logprobs, normalizer, route.facts.ignore_index, first, impl, None)
         must_agree = _must_agree(advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs, normalizer)
         made = route(hidden, weight, labels, forward_grad=forward_grad, label_mask=mask.t() if first else mask,
-                     agree_tensors=must_agree_tensors(must_agree))
+                     agree_tensors=must_agree_tensors(must_agree), call_values=call_values(must_agree))
         if made is not None:
             return made  # (the loss, the metrics)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(

@@ -209,6 +209,17 @@ class Agreement:
             return None
         return self._add_host("equal", name, message, [code, ~code], show_range)
 
+    def equal_per_call(self, name: str, value, message: Optional[str] = None):
+        """A plain number that must be the same on every rank but may change from call to call (a
+        global token count): its type joins the signature, its value this agreement only (a
+        remembered signature's later calls compare it in the rank check: api.call_code)."""
+        assert not isinstance(value, Tensor), "use equal_count / equal_tensor for tensors"
+        self._signature.append((name, ("per call", type(value).__name__)))
+        if self.single_rank:
+            return None
+        code = value_code(value)
+        return self._add_host("equal", name, message, [code, ~code], False)
+
     def equal_count(self, name: str, count, message: Optional[str] = None):
         """An integer computed on the device (a 0-d tensor; an int where a rank has none) that
         must be the same on every rank; kept on the device (no host synchronization here)."""

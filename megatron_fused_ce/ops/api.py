@@ -21,13 +21,14 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple, Optional
 import weakref
+import zlib
 
 import torch
 from torch import Tensor
 
 from . import agreement as agreement_memo, backends, deferred_errors, lean, reductions, replay, sampling
 from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, flag_argument, integer_argument,
-                        is_int)
+                        is_int, value_code)
 from .forward_grad import ForwardGradLoss
 from .chunked import ChunkSpec, LinearLogprobDlogitsInForward, LinearLossGradInForward, autocast_off, softmax_statistics
 from .fast import FAST_CHUNKS, EarlyProduct, StatsWithDlogits, chunk_logits, fused_statistics
@@ -201,6 +202,7 @@ def _call_key(fn_name, hidden, weight, labels, tp_group, plain: tuple, extra_che
         if message is not None:
             return None
     agreed = tuple([(name, "tensor", tuple(value.shape), value.dtype) if isinstance(value, Tensor)
+                    else (name, CallValue, type(value.value)) if isinstance(value, CallValue)
                     else (name, type(value), value) for name, value in must_agree.items()])
     return (fn_name, id(tp_group), hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
             weight.device, labels.shape, labels.dtype, labels.device, tuple([(type(v), v) for v in plain]),
@@ -299,6 +301,8 @@ def _check_arguments(fn_name, hidden, weight, labels, tp_group, *, vocab_size, t
         if isinstance(value, Tensor):
             agreement.equal_layout(name, value)
             tensors_to_agree[name] = value
+        elif isinstance(value, CallValue):
+            agreement.equal_per_call(name, value.value)
         else:
             agreement.equal(name, value)
     if mask_check is not None:  # linear_logprobs: the sampling mask's sizes, on every rank
@@ -747,7 +751,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     agree_tensors = must_agree_tensors(must_agree) if compare_ranks else ()
     device_checks = _DeviceChecks(backend, flat_labels, ignore_index, agreed.true_vocab, vocab_start, v_local,
                                   check=agreed.remembered,
-                                  signature_code=agreed.signature_code if compare_ranks else None,
+                                  signature_code=(call_code(agreed.signature_code, call_values(must_agree))
+                                                  if compare_ranks else None),
                                   agree_tensors=agree_tensors, label_mask=label_mask)
     local_target, num_labelled = device_checks.local_target, device_checks.num_labelled
     replaying = mask_entries and (agreed.mask_rows is None or agreed.mask_rows[0] > 0)
@@ -962,6 +967,28 @@ class LabelledCount:
         # a product, not a select with a Python 0.0: the inverses are finite, and a select with
         # a scalar costs twice a product's host time
         return (self.scalars[1:3, None] * labelled).unbind(0)
+
+
+class CallValue(NamedTuple):
+    """A number in `must_agree` that every TP rank must share but that may change from call to
+    call (GRPO's `normalizer`, a global token count): its type joins the call's signature, its value
+    the signature's first agreement and, on later calls, the rank check's code (`call_code`). A new
+    value is then no new signature: no agreement, no host synchronization."""
+
+    value: Any
+
+
+def call_values(must_agree: Optional[dict]) -> tuple:
+    """The values of `must_agree`'s CallValues, in its order."""
+    return tuple(v.value for v in (must_agree or {}).values() if isinstance(v, CallValue))
+
+
+def call_code(signature_code: Optional[int], values: tuple) -> Optional[int]:
+    """The code a call's rank check compares (TP > 1): its signature's, with `values` (call_values)
+    mixed in, so that ranks passing different ones get the rank check's verdict."""
+    if signature_code is None or not values:
+        return signature_code
+    return zlib.crc32(repr([value_code(v) for v in values]).encode(), signature_code)
 
 
 def must_agree_tensors(must_agree: Optional[dict]) -> tuple:

@@ -149,17 +149,19 @@ class _Route:
         raise NotImplementedError
 
     def device_checks(self, flat_labels: Tensor, weight: Tensor, label_mask: Optional[Tensor] = None,
-                      agree_tensors: tuple = ()) -> tuple:
+                      agree_tensors: tuple = (), call_values: tuple = ()) -> tuple:
         """The label kernel as the general path's remembered signature runs it (_DeviceChecks) and,
         at TP > 1, the rank check its pieces ride on (token_statistics'): (targets on the shard,
         labelled rows, counts, scalars (poison first), the call's spec (with its rank check)); bad
         labels recorded. `agree_tensors`: the loss's tensors every rank must share, in the general
-        path's order (its must_agree's)."""
+        path's order (its must_agree's); `call_values`: its numbers that may change per call
+        (api.call_values), mixed into the rank check's code as the general path mixes them."""
         facts = self.facts
         flags = deferred_errors.flags(flat_labels.device)
         local_target, labelled, counts, scalars = facts.spec.backend.label_targets(
             flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, weight.shape[0], flags,
-            facts.signature_code, agree_tensors if facts.signature_code is not None else (), label_mask)
+            api.call_code(facts.signature_code, call_values), agree_tensors if facts.signature_code is not None else (),
+            label_mask)
         spec = facts.spec
         if facts.group is not None:  # (TP > 1: the group, and the call's rank check)
             spec = replace(spec, tp_group=self.group(), rank_check=reductions.RankCheck(scalars[3:],
@@ -212,7 +214,7 @@ class CrossEntropyRoute(_LossRoute):
         self.forward_grad = forward_grad
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
-        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None, ())
+        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None, (), ())
 
     def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
         # TokenStats.negative_logprob_total's kernel
@@ -230,8 +232,9 @@ class GRPORoute(_LossRoute):
     may_take_one_launch = False  # (a GRPO token's coefficient needs its log-prob first)
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, forward_grad,
-            label_mask: Tensor, agree_tensors: tuple) -> tuple:
-        loss = StraightLoss.apply(hidden, weight, flat_labels, self, forward_grad, label_mask, agree_tensors)
+            label_mask: Tensor, agree_tensors: tuple, call_values: tuple) -> tuple:
+        loss = StraightLoss.apply(hidden, weight, flat_labels, self, forward_grad, label_mask, agree_tensors,
+                                  call_values)
         return loss, forward_grad.reported
 
     def before_coefficients(self, forward_grad, poison: Tensor) -> None:
@@ -258,12 +261,12 @@ class StraightLoss(torch.autograd.Function):
     does."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask, agree_tensors):
+    def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask, agree_tensors, call_values):
         facts = route.facts
         full = reductions.gather_sequence(hidden, route.group()) if facts.spec.sequence_parallel else hidden
         logits = chunk_logits(full, weight, facts.spec)
         local_target, labelled, counts, scalars, spec = route.device_checks(labels, weight, label_mask,
-                                                                            agree_tensors)
+                                                                            agree_tensors, call_values)
         count = LabelledCount(counts, scalars, labelled)
         coefs = None
         if route.one_launch:  # (the coefficients only if a second backward comes)
@@ -300,10 +303,10 @@ class StraightLoss(torch.autograd.Function):
             ctx.dx = ctx.dw = None
             backend = ctx.route.facts.spec.backend
             if dx is None:
-                return None, backend.scale_(dw, g), None, None, None, None, None
+                return None, backend.scale_(dw, g), None, None, None, None, None, None
             if isinstance(dx, reductions.InputGradSum):  # (summed over TP ranks: started in the forward)
                 dx = dx.result()
-            return backend.scale_(dx, g, dw), dw, None, None, None, None, None
+            return backend.scale_(dx, g, dw), dw, None, None, None, None, None, None
         hidden, weight, local_target = ctx.saved_tensors
         spec, merged, coefs = ctx.spec, ctx.merged, ctx.coefs
         if coefs is None:
@@ -318,7 +321,7 @@ class StraightLoss(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = weight_grad_from_coefs(spec, False, hidden, weight, None, local_target, offsets, coef_list,
                                                  g)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class LogprobRoute(_Route):
