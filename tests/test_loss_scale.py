@@ -140,6 +140,54 @@ def test_micro_batches_with_different_upstream_grads_accumulate_exactly():
             assert errors[target] <= bound(torch.float32, errors["grad"]), (entry, target, errors)
 
 
+def test_a_new_expected_upstream_grad_needs_no_new_agreement(monkeypatch):
+    """Megatron's g divides by each micro-batch's token count: the loss funcs pass a new
+    `expected_upstream_grad` on every call. Its value is compared across ranks, not part of the
+    call's signature: after a signature's first call, micro-batches with other g's run no
+    agreement (before: one each, with its host synchronization), and main_grad stays exact
+    (test_micro_batches_with_different_upstream_grads_accumulate_exactly)."""
+    from megatron_fused_ce.ops import agreement
+
+    runs = []
+    original = agreement.Agreement.agree
+    monkeypatch.setattr(agreement.Agreement, "agree", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    case = make_case(seed=20)
+    for entry in ("ce", "grpo"):
+        agreement.forget_signatures()
+        runs.clear()
+        _, w = leaves(case["h"], case["w"], torch.float32, "main_grad_expected")
+        for g in (1 / 1000, 1 / 37, 1e-6, 2.5):
+            h = case["h"].float().clone().requires_grad_()
+            (fused(entry, case, h, w, "main_grad_expected", g) * g).backward()
+        assert len(runs) == 1, (entry, len(runs))
+
+
+def _differing_g_worker(rank, world):
+    import torch.distributed as dist
+    from megatron_fused_ce import check_deferred_errors
+
+    case = make_case(seed=21)
+    v_local = VOCAB // world
+    _, w = leaves(case["h"], case["w"][rank * v_local:(rank + 1) * v_local], torch.float32, "main_grad_expected")
+    for g in (0.1, 0.2 if rank == 0 else 0.3):  # the signature's first call, then g differing on one rank
+        h = case["h"].float().clone().requires_grad_()
+        loss = fused("ce", case, h, w, "main_grad_expected", g, dist.group.WORLD)
+        (loss * g).backward()
+    try:
+        check_deferred_errors()
+        return bool(torch.isnan(loss)), None
+    except ValueError as error:
+        return bool(torch.isnan(loss)), str(error)
+
+
+def test_an_expected_upstream_grad_that_differs_across_ranks_is_caught():
+    """A later call whose expected g differs on one rank (its value rides on the rank check, not
+    on a new agreement): NaN and the same error on every rank, no hang."""
+    for nan, raised in run_workers(_differing_g_worker, 2):
+        assert nan
+        assert raised is not None and "differ across tensor-parallel ranks" in raised, raised
+
+
 # ------------------------------------------------------------------ TP=2, sequence parallelism
 def _tp_worker(rank, world, case, entry, dtype):
     import torch.distributed as dist

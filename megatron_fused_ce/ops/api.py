@@ -663,7 +663,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     extra_checks["main_grad"] = unpaired_forward_error(main_grad_param) if needs_grad else None
     extra_checks["expected_upstream_grad"] = expected_upstream_grad_problem(expected_upstream_grad)
     if not extra_checks["expected_upstream_grad"] and expected_upstream_grad is not None:
-        must_agree = {**(must_agree or {}), "expected_upstream_grad": float(expected_upstream_grad)}
+        # (Megatron's g divides by the micro-batch's token count: a new value every call, compared
+        # across ranks, not part of the signature)
+        must_agree = {**(must_agree or {}), "expected_upstream_grad": CallValue(float(expected_upstream_grad))}
     # Sampler settings run the full agreement on every call (its checks guard their collectives);
     # every other call, a sampling mask's included, runs it on the first call of its signature only
     # and then checks the contents on the device. The rows of ignored labels go through the chunk
