@@ -879,6 +879,56 @@ def test_good_normalizers_are_accepted():
         assert_close(loss, ref_nll(data["lp"], data["mask"], float(normalizer)), "nll")
 
 
+@pytest.fixture
+def counts_checked_on_the_device(monkeypatch):
+    """Normalizer tensors checked as a GPU tensor is, on its device (nll.given_count), on the CPU."""
+    from megatron_fused_ce import check_deferred_errors
+    from megatron_fused_ce.losses import nll
+
+    monkeypatch.setattr(nll, "read_on_host", lambda count: False)
+    yield check_deferred_errors
+    try:  # nothing left pending for the next test, whatever this one found
+        check_deferred_errors()
+    except ValueError:
+        pass
+
+
+def _normalizer_calls(data, normalizer):
+    return {
+        "nll": lambda: nll_loss(data["lp"], data["mask"], normalizer=normalizer),
+        "dpo": lambda: dpo_loss(data["lp"], data["ref"], data["mask"], normalizer=normalizer),
+        "dpo_sft": lambda: dpo_loss(data["lp"], data["ref"], data["mask"], sft_weight=1.0, sft_normalizer=normalizer),
+        **{lt: lambda lt=lt: grpo_loss(data["lp"], data["adv"], data["mask"],
+                                       GRPOConfig(loss_type=lt, max_completion_length=L), normalizer=normalizer)
+           for lt in GRPO_LOSS_TYPES},
+    }
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, math.nan], ids=repr)
+def test_a_bad_gpu_normalizer_gives_nan_and_raises_at_the_next_check(counts_checked_on_the_device, value):
+    """A normalizer tensor on a GPU (a global token count, given every micro-batch) is not read on
+    the host, which would synchronize every loss call: a bad value gives a NaN loss and the error
+    at the package's next host synchronization, never a loss silently scaled by it."""
+    check = counts_checked_on_the_device
+    data = make_batch(seed=4)
+    for name, call in _normalizer_calls(data, torch.tensor(value)).items():
+        loss, _ = call()
+        assert torch.isnan(loss), name
+        with pytest.raises(ValueError, match="normalizer"):
+            check()
+
+
+def test_a_good_gpu_normalizer_gives_the_host_checked_values(counts_checked_on_the_device, monkeypatch):
+    check = counts_checked_on_the_device
+    data = make_batch(seed=4)
+    on_device = {name: call()[0] for name, call in _normalizer_calls(data, torch.tensor(3.0)).items()}
+    check()  # nothing found
+    monkeypatch.undo()
+    on_host = {name: call()[0] for name, call in _normalizer_calls(data, torch.tensor(3.0)).items()}
+    for name in on_host:
+        assert torch.equal(on_device[name], on_host[name]), name
+
+
 # ---- conventions where peers differ (GRPOConfig) -------------------------------------------------------
 
 

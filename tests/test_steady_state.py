@@ -560,6 +560,37 @@ def test_a_number_normalizer_that_changes_needs_no_new_agreement(tp):
             assert differ["raised"] is not None and "differ across tensor-parallel ranks" in differ["raised"], differ
 
 
+def test_a_gpu_normalizer_is_checked_on_the_device(monkeypatch):
+    """GRPO's normalizer given as a GPU tensor (a global token count from an all-reduce) is not read
+    on the host (one synchronization per call, on the general path; none at all on the remembered
+    route, which skipped the checks): later calls read nothing back, and a bad value there gives a
+    NaN loss and the error at the next check. (A CPU tensor is read on the host, where that costs
+    nothing; here the CPU stands for the GPU.)"""
+    from megatron_fused_ce.losses import nll
+
+    monkeypatch.setattr(nll, "read_on_host", lambda count: False)
+    h, w, y = _inputs(23)
+    g = torch.Generator().manual_seed(24)
+    adv, old = torch.randn(4, generator=g), -torch.rand(y.shape, generator=g) * 3
+    mask = (y != -100).float()
+
+    def call(normalizer):
+        loss, _ = linear_grpo_loss(h.clone().requires_grad_(), w.clone().requires_grad_(), y.clamp(min=0), adv, mask,
+                                   GRPOConfig(), old_logprobs=old, normalizer=normalizer, vocab_size=75)
+        loss.backward()
+        return loss.detach()
+
+    call(torch.tensor(20.0))  # the signature's first call
+    for normalizer in (torch.tensor(21.0), torch.tensor(22.0)):  # the general path, then the route
+        with _counting() as (_, reads):
+            loss = call(normalizer)
+        assert reads == [] and torch.isfinite(loss), (normalizer, reads)
+    check_deferred_errors()  # nothing found
+    for bad in (torch.tensor(0.0), torch.tensor(-3.0), torch.tensor(float("nan"))):
+        report = _steady_call_report(lambda: call(bad).reshape(1))
+        assert report["all_nan"] and "normalizer" in (report["raised"] or ""), (bad, report)
+
+
 def test_forget_signatures_brings_back_the_full_agreement():
     h, w, y = _inputs(9)
     linear_logprobs(h, w, y)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..ops.agreement import flag_argument
 from .context_parallel import agree_on_inputs, sum_over_cp
 from .nll import (Normalizer, as_weights, check_bool, check_normalizer, check_number,
-                  exclude_impossible_tokens, masked_sum, safe_divide)
+                  exclude_impossible_tokens, given_count, masked_sum, safe_divide)
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -152,9 +152,10 @@ def dpo_loss(
 
     num_pairs = margin.shape[0]
     per_pair = preference_loss_per_pair(margin, beta, loss_type, label_smoothing)
-    preference = safe_divide(per_pair.sum(), num_pairs if normalizer is None else normalizer)
+    preference = safe_divide(per_pair.sum(), num_pairs if normalizer is None else given_count(normalizer, margin))
     chosen_tokens = sums["tokens"][0::2].sum()
-    sft = safe_divide(-sums["policy"][0::2].sum(), chosen_tokens if sft_normalizer is None else sft_normalizer)
+    sft = safe_divide(-sums["policy"][0::2].sum(),
+                      chosen_tokens if sft_normalizer is None else given_count(sft_normalizer, margin))
 
     loss = preference_weight * preference
     if sft_weight != 0.0:  # skip the term entirely so it cannot leak into the gradient

@@ -56,6 +56,7 @@ from .nll import (
     check_normalizer,
     check_number,
     exclude_impossible_tokens,
+    given_count,
     masked_sum,
     safe_divide,
 )
@@ -451,11 +452,9 @@ def _batch_totals(tokens: _Tokens, config: GRPOConfig, cp_group) -> BatchTotals:
 
 
 def _count(value: Normalizer, like: Tensor) -> Tensor:
-    """A count as a 0-dim tensor of ``like``'s dtype and device. A Python number is written by a
-    fill kernel: copying it from the host would make the host wait for the device."""
-    if isinstance(value, Tensor):
-        return value.detach().to(dtype=like.dtype, device=like.device).reshape(())
-    return torch.full((), float(value), dtype=like.dtype, device=like.device)
+    """A count as a 0-dim tensor of ``like``'s dtype and device (nll.given_count: a given GPU
+    count checked on its device)."""
+    return given_count(value, like)
 
 
 def _normalization_weight(totals: BatchTotals, config: GRPOConfig, normalizer: Optional[Normalizer],

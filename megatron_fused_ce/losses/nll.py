@@ -24,6 +24,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from ..ops import deferred_errors
 from .context_parallel import agree_on_inputs, sum_over_cp
 
 Normalizer = Union[int, float, torch.Tensor]
@@ -32,6 +33,7 @@ __all__ = [
     "nll_loss",
     "as_weights",
     "check_normalizer",
+    "given_count",
     "check_number",
     "check_bool",
     "exclude_impossible_tokens",
@@ -63,8 +65,10 @@ def check_bool(name: str, value) -> None:
 def check_normalizer(name: str, value: Optional[Normalizer]) -> None:
     """A normalizer is a count: a finite number > 0 (or None = the loss's default).
 
-    A tensor must have one element; it is read with ``.item()``, one host sync per loss call
-    (harmless outside CUDA-graph capture, which these losses do not support anyway).
+    A tensor must have one real element. Its value is read here where that costs no host
+    synchronization (a CPU tensor); a count on a GPU (a global token count from an all-reduce,
+    given on every micro-batch) is checked where it is used instead (`given_count`): NaN results
+    and a ValueError at the package's next host synchronization, as the op's contents checks.
     """
     if value is None:
         return
@@ -72,6 +76,8 @@ def check_normalizer(name: str, value: Optional[Normalizer]) -> None:
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
             raise ValueError(f"{name} must be a number or a one-element real tensor, got a "
                              f"{value.dtype} tensor of shape {tuple(value.shape)}")
+        if not read_on_host(value):
+            return
         number = value.detach().item()
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         number = value
@@ -79,6 +85,30 @@ def check_normalizer(name: str, value: Optional[Normalizer]) -> None:
         raise ValueError(f"{name} must be a number > 0 or a one-element tensor, got {value!r}")
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {number!r}")
+
+
+def read_on_host(count: torch.Tensor) -> bool:
+    """Whether a normalizer tensor's value is checked on the host (check_normalizer) rather than on
+    its device (given_count): where reading it is no host synchronization."""
+    return count.device.type == "cpu"
+
+
+def given_count(value: Normalizer, like: Optional[torch.Tensor] = None, *, dtype: Optional[torch.dtype] = None,
+                device: Optional[torch.device] = None) -> torch.Tensor:
+    """A given normalizer as a 0-d tensor of ``like``'s dtype and device (or those given; a Python
+    number by a fill kernel: a copy from the host would make the host wait). A tensor that
+    check_normalizer did not read is checked here, on its device: NaN where it is not a finite
+    count > 0, recorded for the next host synchronization (ops/deferred_errors.py), so that no loss
+    is silently scaled by it."""
+    dtype, device = (like.dtype, like.device) if like is not None else (dtype, device)
+    if not isinstance(value, torch.Tensor):
+        return torch.full((), float(value), dtype=dtype, device=device)
+    count = value.detach().to(dtype=dtype, device=device).reshape(())
+    if read_on_host(value):
+        return count
+    ok = (count > 0).logical_and_(count < math.inf)  # (NaN fails both)
+    deferred_errors.record(torch.where(ok, 0, deferred_errors.BAD_NORMALIZER))
+    return torch.where(ok, count, math.nan)
 
 
 def exclude_impossible_tokens(weights: torch.Tensor, *logprobs: Optional[torch.Tensor]):
@@ -158,7 +188,7 @@ def nll_loss(
     weights, excluded = exclude_impossible_tokens(as_weights(mask, logprobs), logprobs)
     sums = sum_over_cp({"total": masked_sum(logprobs, weights), "tokens": weights.sum(),
                         "excluded": excluded.sum().to(weights.dtype)}, cp_group)
-    loss = safe_divide(-sums["total"], sums["tokens"] if normalizer is None else normalizer)
+    loss = safe_divide(-sums["total"], sums["tokens"] if normalizer is None else given_count(normalizer, logprobs))
     metrics = {"loss": loss.detach(), "num_tokens": sums["tokens"].detach(),
                "num_excluded_tokens": sums["excluded"].detach()}
     return loss, metrics

@@ -10,6 +10,8 @@ checked on the device instead:
   first call had a set at every labelled position (its later calls skip the plain pass such a
   position needs: replay.ReplayChunks.missing_set_poison); on the Triton backend one kernel
   records both (backends/replay_triton.kept_layout);
+- a loss's normalizer given as a GPU tensor (a global token count) that is not a finite count > 0
+  (losses/nll.given_count: reading it on the host would synchronize every loss call);
 - values that differ across tensor-parallel ranks (labels, a sampling mask, per-token inputs of the
   loss, the call's Python-level arguments), compared by fingerprints riding on the statistics'
   all-gather (reductions.RankCheck), so every rank computes the same verdict.
@@ -32,6 +34,7 @@ LABELS_OUT_OF_RANGE = 1
 RANKS_DIFFER = 2
 SAMPLING_MASK_BAD = 4
 SAMPLING_MASK_NEW_EMPTY_SET = 8
+BAD_NORMALIZER = 16
 MESSAGES = {
     LABELS_OUT_OF_RANGE: "labels outside [0, vocab_size) that are not ignore_index",
     RANKS_DIFFER: ("labels, sampling masks, per-token loss inputs or arguments that differ across "
@@ -44,6 +47,7 @@ MESSAGES = {
         "calls skip the plain log-prob pass such a position needs; pass masks with such positions from "
         "a signature's first call on, or call megatron_fused_ce.ops.agreement.forget_signatures() "
         "before the call that has them"),
+    BAD_NORMALIZER: "a loss normalizer (a count given as a GPU tensor) that is not a finite number > 0",
 }
 
 _FLAGS: Dict[torch.device, Tensor] = {}  # per device: the OR of the flags recorded since the last read
@@ -91,5 +95,5 @@ def check_deferred_errors() -> None:
             word.zero_()
             found |= value
     if found:
-        raise ValueError("megatron_fused_ce: a fused call after the first of its signature found "
+        raise ValueError("megatron_fused_ce: a fused call after the first of its signature, or a loss, found "
                          + "; ".join(messages_of(found)) + " (its results were NaN)")
