@@ -3,8 +3,10 @@ and capturable in a CUDA graph (tests/test_steady_state.py says why and checks t
 CPU; tests/test_multigpu.py at TP = 2 over NCCL).
 
 - Each path (cross-entropy, log-probs with and without entropy, forward-only log-probs, GRPO with
-  every option on, forward-only and forward + backward log-probs with a sampling mask) runs its
-  second call under torch.cuda.set_sync_debug_mode("error").
+  every option on, GRPO whose normalizer — a CUDA tensor or a number — changes every call,
+  forward-only and forward + backward log-probs with a sampling mask, and with masks keeping
+  another number of ids every call) runs its second call under
+  torch.cuda.set_sync_debug_mode("error").
 - CUDA kernels per call, from the profiler: at most 30 for cross-entropy, log-probs and
   forward-only, at most 40 for GRPO whatever its options (the counts are printed).
 - torch.cuda.graph captures the forward-only log-probs (with and without a sampling mask) and
@@ -36,13 +38,15 @@ GRPO_OPTION_SETS = {
 }
 MAX_KERNELS = {"cross_entropy": 30, "logprobs": 30, "logprobs_entropy": 30, "forward_only": 30, "grpo": 40}
 # Measured on an H200 (torch 2.11, Triton 3.6): forward-only 3 at TP = 1 (the GEMM, the label and statistics
-# kernels; 10 before its epilogue went into the statistics kernel), log-probs 12 (23 with entropy; 17
-# before their statistics and dlogits came from one launch, 21 before the labelled log-prob took the
-# poison and the backward's row scaling the label mask), cross-entropy 10 (12 with the statistics and
+# kernels; 10 before its epilogue went into the statistics kernel), log-probs 10 (23 with entropy; 12
+# before the row scaling read the upstream gradient of the sum in place, 17 before their statistics
+# and dlogits came from one launch, 21 before the labelled log-prob took the poison and the
+# backward's row scaling the label mask), cross-entropy 10 (12 with the statistics and
 # dlogits kernels apart), GRPO 9 with each option set (its per-token terms: one kernel, triton_grpo.py;
 # 12 before its remembered route's lean node: the stats launch finishing its rows at TP = 1, no zero
 # anchor, the poison and the loss written by the per-token kernel; 14 before the label kernel read
-# its mask).
+# its mask; 18 with a normalizer given as a CUDA tensor, whose check on the device takes nine small
+# kernels, 9 with one given as a number).
 
 
 def _inputs(seed):
@@ -81,10 +85,21 @@ def _paths():
         loss.backward()
         return loss
 
+    def grpo_normalizer(inputs, kind):
+        # a global token count, another every call: a CUDA tensor (checked on the device) or a number
+        # (compared across ranks, not in the signature)
+        h, w, y, r = inputs
+        loss, _ = linear_grpo_loss(h, w, r["labels"], r["adv"], r["mask"], GRPO_OPTION_SETS["dapo"],
+                                   old_logprobs=r["old"], normalizer=r["count"] if kind == "tensor" else r["count_value"])
+        loss.backward()
+        return loss
+
     paths = {"forward_only": forward_only, "logprobs": logprobs,
              "logprobs_entropy": lambda inputs: logprobs(inputs, True), "cross_entropy": cross_entropy}
     for name, config in GRPO_OPTION_SETS.items():
         paths[f"grpo:{name}"] = lambda inputs, config=config: grpo(inputs, config)
+    for kind in ("tensor", "number"):
+        paths[f"grpo:normalizer_{kind}_changing"] = lambda inputs, kind=kind: grpo_normalizer(inputs, kind)
     return paths
 
 
@@ -115,7 +130,14 @@ def _replay_paths():
         with _route("sparse"):
             return logprobs(inputs)
 
-    return {"replay_forward_only": forward_only, "replay_logprobs": logprobs, "replay_sparse_logprobs": sparse}
+    def other_count(inputs):  # another number of kept ids every call (a sampler's sets change size)
+        h, w, y, r = inputs
+        out = linear_logprobs(h, w, y, sampling_mask=r["sampling_mask_other_count"])
+        out.logprobs.sum().backward()
+        return out.logprobs
+
+    return {"replay_forward_only": forward_only, "replay_logprobs": logprobs, "replay_sparse_logprobs": sparse,
+            "replay_logprobs_another_count_of_ids": other_count}
 
 
 @contextlib.contextmanager
@@ -133,7 +155,9 @@ def _route(pieces):
 def _leaves(seed):
     h, w, y, rollout = _inputs(seed)
     rollout.update(labels=y.clamp(min=0), mask=(y != -100).float(), reference=rollout["old"] - 0.1,
-                   sampling=rollout["old"] + 0.05, sampling_mask=_sampling_mask(y, seed))
+                   sampling=rollout["old"] + 0.05, sampling_mask=_sampling_mask(y, seed),
+                   sampling_mask_other_count=_sampling_mask(y, seed, k=6 + seed), count_value=1500.0 + seed,
+                   count=torch.full((), 1500.0 + seed, device="cuda"))
     return h.requires_grad_(), w.requires_grad_(), y, rollout
 
 
