@@ -45,7 +45,7 @@ MAX_KERNELS = {"cross_entropy": 30, "logprobs": 30, "logprobs_entropy": 30, "for
 # dlogits kernels apart), GRPO 9 with each option set (its per-token terms: one kernel, triton_grpo.py;
 # 12 before its remembered route's lean node: the stats launch finishing its rows at TP = 1, no zero
 # anchor, the poison and the loss written by the per-token kernel; 14 before the label kernel read
-# its mask; 18 with a normalizer given as a CUDA tensor, whose check on the device takes nine small
+# its mask; 14 with a normalizer given as a CUDA tensor, whose check on the device takes five small
 # kernels, 9 with one given as a number).
 
 

@@ -106,9 +106,12 @@ def given_count(value: Normalizer, like: Optional[torch.Tensor] = None, *, dtype
     count = value.detach().to(dtype=dtype, device=device).reshape(())
     if read_on_host(value):
         return count
-    ok = (count > 0).logical_and_(count < math.inf)  # (NaN fails both)
-    deferred_errors.record(torch.where(ok, 0, deferred_errors.BAD_NORMALIZER))
-    return torch.where(ok, count, math.nan)
+    # not in (0, inf) where clamping into [the smallest normal, the largest finite] changes it (NaN
+    # too): five small kernels, with no scalar tensor made on the device
+    limits = torch.finfo(count.dtype)
+    bad = count.clamp(min=limits.tiny, max=limits.max).ne(count)
+    deferred_errors.record(bad * deferred_errors.BAD_NORMALIZER)
+    return count.masked_fill(bad, math.nan)
 
 
 def exclude_impossible_tokens(weights: torch.Tensor, *logprobs: Optional[torch.Tensor]):
