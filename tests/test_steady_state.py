@@ -534,12 +534,15 @@ def _number_normalizer_worker(rank, world):
     agreement.forget_signatures()
     firsts = [call(n) for n in (41.0, 43.5, 47.0)]  # each as a signature's first call
     same = [bool(torch.equal(out, first)) for (_, _, out), first in zip(report, firsts)]
+    call(40.0)
+    call(41.0)  # (the route recorded)
+    # a bad number on the route, which skips the entry point's checks: NaN and an error, not a loss
+    # scaled by it (on every rank alike)
+    bad = _steady_call_report(lambda: call(-2.0)[:1])
     differ = None
     if world > 1:  # a later call whose normalizer differs on one rank: NaN and an error on every rank
-        call(40.0)
-        call(41.0)
         differ = _steady_call_report(lambda: call(42.0 if rank == 0 else 42.5)[:1])
-    return [(n, r) for n, r, _ in report], same, differ
+    return [(n, r) for n, r, _ in report], same, bad, differ
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -550,11 +553,12 @@ def test_a_number_normalizer_that_changes_needs_no_new_agreement(tp):
     signature's first call, bit for bit; a value that differs across ranks is caught by the rank
     check. (Before: every new value was a new signature, and its call ran the full agreement, a
     host synchronization.)"""
-    for rank, (calls, same, differ) in enumerate(run_workers(_number_normalizer_worker, tp)):
+    for rank, (calls, same, bad, differ) in enumerate(run_workers(_number_normalizer_worker, tp)):
         for collectives, reads in calls:
             assert reads == [], (rank, reads)
             assert collectives == (EXPECTED_COLLECTIVES["grpo"] if tp > 1 else 0), rank
         assert all(same), (rank, same)
+        assert bad["all_nan"] and "normalizer" in (bad["raised"] or ""), (rank, bad)
         if tp > 1:
             assert differ["all_nan"], rank
             assert differ["raised"] is not None and "differ across tensor-parallel ranks" in differ["raised"], differ

@@ -452,9 +452,12 @@ def _batch_totals(tokens: _Tokens, config: GRPOConfig, cp_group) -> BatchTotals:
 
 
 def _count(value: Normalizer, like: Tensor) -> Tensor:
-    """A count as a 0-dim tensor of ``like``'s dtype and device (nll.given_count: a given GPU
-    count checked on its device)."""
-    return given_count(value, like)
+    """A count as a 0-dim tensor of ``like``'s dtype and device. A Python number is written by a
+    fill kernel: copying it from the host would make the host wait for the device. (A given
+    normalizer was checked by its entry point: grpo_loss, linear_grpo's _grpo_grads.)"""
+    if isinstance(value, Tensor):
+        return value.detach().to(dtype=like.dtype, device=like.device).reshape(())
+    return torch.full((), float(value), dtype=like.dtype, device=like.device)
 
 
 def _normalization_weight(totals: BatchTotals, config: GRPOConfig, normalizer: Optional[Normalizer],
@@ -924,6 +927,8 @@ def grpo_loss(
                          entropy=entropy, normalizer=normalizer, cp_group=cp_group)
     tokens = _tokens(logprobs, advantages, mask, config, old_logprobs, reference_logprobs,
                      sampling_logprobs)
+    if isinstance(normalizer, Tensor):  # a count on a GPU, checked there (nll.given_count)
+        normalizer = given_count(normalizer, tokens.logprobs)
     totals = _batch_totals(tokens, config, cp_group)
     inputs = _token_inputs(tokens, totals, config, normalizer)
     mean_log_ratio = None

@@ -56,7 +56,7 @@ from ..ops.api import (CallValue, call_values, first_product_ahead, linear_logpr
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, field_values, fused, grpo_loss,
                    loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
-from .nll import Normalizer, given_count
+from .nll import Normalizer, given_count, is_count
 
 
 class _TokenTable:
@@ -303,7 +303,10 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
     """The call's GRPOGrads: its token table and batch totals (`prepare`) and, without CP, its
     one-chunk terms (`whole_call`), each reading the call's own tensors."""
     batch, length = mask.shape
-    if isinstance(normalizer, Tensor):  # a GPU count checked on its device (nll.given_count)
+    # a count on a GPU checked on its device; a bad number (on a remembered route, which skips the
+    # entry point's checks) NaN with its error recorded (nll.given_count); a good number stays one
+    # (a kernel argument)
+    if isinstance(normalizer, Tensor) or (normalizer is not None and not is_count(float(normalizer))):
         normalizer = given_count(normalizer, dtype=torch.float32, device=device)
 
     def normalizer_tensor():

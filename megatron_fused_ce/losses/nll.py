@@ -93,25 +93,37 @@ def read_on_host(count: torch.Tensor) -> bool:
     return count.device.type == "cpu"
 
 
+def is_count(number: float) -> bool:
+    """Whether a normalizer's value is a finite number > 0."""
+    return math.isfinite(number) and number > 0
+
+
 def given_count(value: Normalizer, like: Optional[torch.Tensor] = None, *, dtype: Optional[torch.dtype] = None,
                 device: Optional[torch.device] = None) -> torch.Tensor:
     """A given normalizer as a 0-d tensor of ``like``'s dtype and device (or those given; a Python
-    number by a fill kernel: a copy from the host would make the host wait). A tensor that
-    check_normalizer did not read is checked here, on its device: NaN where it is not a finite
-    count > 0, recorded for the next host synchronization (ops/deferred_errors.py), so that no loss
-    is silently scaled by it."""
+    number by a fill kernel: a copy from the host would make the host wait), NaN where it is not a
+    finite count > 0, recorded for the next host synchronization (ops/deferred_errors.py), so that
+    no loss is silently scaled by it: a count on a GPU checked there (check_normalizer did not read
+    it), a number or a CPU count on the host where a path skipped check_normalizer (a remembered
+    route; raising on one rank alone would leave its peers in the next collective)."""
     dtype, device = (like.dtype, like.device) if like is not None else (dtype, device)
-    if not isinstance(value, torch.Tensor):
-        return torch.full((), float(value), dtype=dtype, device=device)
-    count = value.detach().to(dtype=dtype, device=device).reshape(())
-    if read_on_host(value):
-        return count
-    # not in (0, inf) where clamping into [the smallest normal, the largest finite] changes it (NaN
-    # too): five small kernels, with no scalar tensor made on the device
-    limits = torch.finfo(count.dtype)
-    bad = count.clamp(min=limits.tiny, max=limits.max).ne(count)
-    deferred_errors.record(bad * deferred_errors.BAD_NORMALIZER)
-    return count.masked_fill(bad, math.nan)
+    if isinstance(value, torch.Tensor):
+        count = value.detach().to(dtype=dtype, device=device).reshape(())
+        if not read_on_host(value):
+            # not in (0, inf) where clamping into [the smallest normal, the largest finite]
+            # changes it (NaN too): five small kernels, no scalar tensor made on the device
+            limits = torch.finfo(count.dtype)
+            bad = count.clamp(min=limits.tiny, max=limits.max).ne(count)
+            deferred_errors.record(bad * deferred_errors.BAD_NORMALIZER)
+            return count.masked_fill(bad, math.nan)
+        good = is_count(float(value.detach().item()))  # (a CPU value: no synchronization)
+    else:
+        good = is_count(float(value))
+        count = torch.full((), float(value) if good else math.nan, dtype=dtype, device=device)
+    if not good:
+        deferred_errors.record(torch.full((), deferred_errors.BAD_NORMALIZER, dtype=torch.int64, device=device))
+        count = torch.full((), math.nan, dtype=dtype, device=device)
+    return count
 
 
 def exclude_impossible_tokens(weights: torch.Tensor, *logprobs: Optional[torch.Tensor]):
