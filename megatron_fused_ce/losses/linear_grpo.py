@@ -404,8 +404,7 @@ def linear_grpo_loss(
          field_values(config) if isinstance(config, GRPOConfig) else None,  # (its values: a config may change)
          *map(remembered_routes.layout, (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)),
          # (a number normalizer by its type: its value changes from step to step, api.CallValue)
-         type(normalizer) if normalizer is None or not isinstance(normalizer, Tensor)
-         else remembered_routes.layout(normalizer)))
+         remembered_routes.layout(normalizer) if isinstance(normalizer, Tensor) else type(normalizer)))
     route = remembered_routes.lookup(route_key)
     if route is not None:  # (recorded by a call whose checks passed: mask is a [B, T] tensor)
         first = bool(sequence_parallel)

@@ -83,7 +83,7 @@ def check_normalizer(name: str, value: Optional[Normalizer]) -> None:
         number = value
     else:
         raise ValueError(f"{name} must be a number > 0 or a one-element tensor, got {value!r}")
-    if not (math.isfinite(number) and number > 0):
+    if not is_count(number):
         raise ValueError(f"{name} must be a finite number > 0, got {number!r}")
 
 
@@ -116,14 +116,12 @@ def given_count(value: Normalizer, like: Optional[torch.Tensor] = None, *, dtype
             bad = count.clamp(min=limits.tiny, max=limits.max).ne(count)
             deferred_errors.record(bad * deferred_errors.BAD_NORMALIZER)
             return count.masked_fill(bad, math.nan)
-        good = is_count(float(value.detach().item()))  # (a CPU value: no synchronization)
-    else:
-        good = is_count(float(value))
-        count = torch.full((), float(value) if good else math.nan, dtype=dtype, device=device)
-    if not good:
-        deferred_errors.record(torch.full((), deferred_errors.BAD_NORMALIZER, dtype=torch.int64, device=device))
-        count = torch.full((), math.nan, dtype=dtype, device=device)
-    return count
+        if is_count(float(value.detach().item())):  # (a CPU value: no synchronization)
+            return count
+    elif is_count(float(value)):
+        return torch.full((), float(value), dtype=dtype, device=device)
+    deferred_errors.record(torch.full((), deferred_errors.BAD_NORMALIZER, dtype=torch.int64, device=device))
+    return torch.full((), math.nan, dtype=dtype, device=device)
 
 
 def exclude_impossible_tokens(weights: torch.Tensor, *logprobs: Optional[torch.Tensor]):
