@@ -222,17 +222,110 @@ def test_logprob_routes_equal_the_general_path(tb, general_logprob_calls, monkey
 
 
 def test_logprob_routes_are_not_taken_for_other_arguments(tb, general_logprob_calls):
-    """Entropy, a sampler setting, a sampling mask, or several chunks keep the general path."""
+    """Entropy (with a sampling mask too), a sampler setting, or several chunks keep the general path."""
     h, w, y, vocab = _inputs(tb, 5)
     ids = torch.arange(3, device=DEVICE).repeat(y.numel())
     mask = (ids, torch.arange(0, 3 * y.numel() + 1, 3, device=DEVICE))
-    for extra in (dict(return_entropy=True), dict(top_k=5), dict(sampling_mask=mask), dict(chunk_size=16)):
+    for extra in (dict(return_entropy=True), dict(top_k=5), dict(sampling_mask=mask, return_entropy=True),
+                  dict(chunk_size=16)):
         general_logprob_calls.clear()
         for _ in range(3):
             with torch.no_grad():
                 linear_logprobs(h, w, y.clamp(min=0) if "sampling_mask" in extra else y, vocab_size=vocab,
                                 impl="triton", **extra)
         assert len(general_logprob_calls) == 3, extra
+
+
+def _kept_sets(labels, vocab, seed, sizes, without_set=()):
+    """(token_ids, offsets): at each position a set of sizes[i % len(sizes)] ids holding the label
+    at two of every three labelled positions (the others' log-probs are -inf); no set at the
+    positions `without_set`."""
+    g = torch.Generator().manual_seed(seed)
+    sets = []
+    for i, label in enumerate(labels.reshape(-1).tolist()):
+        ids = torch.randperm(vocab, generator=g)[:0 if i in without_set else sizes[i % len(sizes)]]
+        if label >= 0 and i % 3 and ids.numel() and not bool((ids == label).any()):
+            ids[0] = label
+        sets.append(ids)
+    offsets = torch.tensor([0] + [t.numel() for t in sets]).cumsum(0)
+    return torch.cat(sets).to(DEVICE), offsets.to(DEVICE)
+
+
+@pytest.mark.parametrize("case", ["by sizes", "tiles", "dense", "sparse", "forward-only", "dW only",
+                                  "a labelled row without a set"])
+def test_replay_route_equals_the_general_path(tb, general_logprob_calls, monkeypatch, case):
+    """linear_logprobs with a sampling mask (no entropy): the third call of a signature runs the
+    route the second recorded, its mask keeping another number of ids than the calls before (as a
+    sampler's do, step to step), on the pieces its sizes choose (or those forced), and its
+    log-probs, dX and dW are the general path's bit for bit; with the plain pass where the
+    signature's first call had a labelled row without a set. The log-probs match a float64
+    reference over the kept sets (-inf where the label is not kept)."""
+    from megatron_fused_ce.ops import replay
+
+    if case in ("tiles", "dense", "sparse"):
+        monkeypatch.setattr(replay, "FORCE_PIECES", case)
+    h0, w0, y, vocab = _inputs(tb, 6, rows=40)
+    missing = (1,) if case.startswith("a labelled row") else ()
+    assert y[1] >= 0
+    masks = [_kept_sets(y, vocab, seed, sizes, missing) for seed, sizes in ((1, (2, 5)), (2, (3, 7, 1)), (3, (4,)))]
+    upstream = torch.linspace(-1.0, 2.0, y.numel(), device=DEVICE)
+    calls = []
+
+    def call():
+        mask = masks[len(calls) % 3]
+        calls.append(1)
+        grad = case != "forward-only"
+        h, w = h0.clone().requires_grad_(grad and case != "dW only"), w0.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out = linear_logprobs(h, w, y, vocab_size=vocab, temperature=0.7, impl="triton", sampling_mask=mask)
+        if grad:
+            (torch.where(out.logprobs.isfinite(), out.logprobs, 0.0) * upstream).sum().backward()
+        return out.logprobs.detach(), h.grad, w.grad
+
+    got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW"), case)
+    route = next(reversed(remembered_routes._ROUTES.values()))
+    assert type(route).__name__ == "ReplayRoute" and route.plain_pass == bool(missing)
+    ids, offsets = (t.cpu() for t in masks[2])
+    z = (h0.double() @ w0.double().T)[:, :vocab].cpu() / 0.7
+    ref = torch.zeros(y.numel(), dtype=torch.float64)
+    for i, label in enumerate(y.tolist()):
+        kept = ids[offsets[i]:offsets[i + 1]]
+        if label < 0:
+            continue
+        if kept.numel() == 0:
+            ref[i] = torch.log_softmax(z[i], 0)[label]
+        else:
+            ref[i] = z[i, label] - torch.logsumexp(z[i, kept], 0) if bool((kept == label).any()) else float("-inf")
+    torch.testing.assert_close(got[0].double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    deferred_errors.check_deferred_errors()
+
+
+def test_replay_route_checks_the_mask_on_the_device(tb, general_logprob_calls):
+    """A routed replay call whose mask lists an id twice at a position: its log-probs are NaN and
+    the error is raised at the next check, as the general path's later calls do; a mask keeping no
+    id takes the general path (nothing to replay)."""
+    h0, w0, y, vocab = _inputs(tb, 7, rows=24)
+    ids, offsets = _kept_sets(y, vocab, 4, (3, 5))
+
+    def call(mask):
+        h = h0.clone().requires_grad_()
+        out = linear_logprobs(h, w0, y, vocab_size=vocab, impl="triton", sampling_mask=mask)
+        torch.where(out.logprobs.isfinite(), out.logprobs, 0.0).sum().backward()
+        return out.logprobs.detach()
+
+    for _ in range(3):
+        call((ids, offsets))
+    assert len(general_logprob_calls) == 2
+    deferred_errors.check_deferred_errors()
+    bad = ids.clone()
+    bad[1] = bad[0]  # (the first set holds at least 3 ids)
+    general_logprob_calls.clear()
+    assert call((bad, offsets)).isnan().all() and not general_logprob_calls
+    with pytest.raises(ValueError, match="listed twice|sampling_mask"):
+        deferred_errors.check_deferred_errors()
+    general_logprob_calls.clear()
+    call((ids[:0], torch.zeros_like(offsets)))
+    assert len(general_logprob_calls) == 1
 
 
 @pytest.fixture

@@ -96,12 +96,36 @@ def _calls(rank, world, labels_of_rank=None, impl="torch"):
             return out.logprobs.detach(), h.grad, w.grad
         return call
 
+    def replay(grad):
+        # kept sets of 3-8 ids, the label in two of every three labelled rows' (the others' log-probs -inf)
+        original = _inputs(world)[2]
+        sets = []
+        for i in range(original.numel()):
+            ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(100 + i))[:3 + i % 6]
+            if original[i] >= 0 and i % 3:
+                ids[0] = original[i] if not bool((ids == original[i]).any()) else ids[0]
+            sets.append(ids)
+        mask = (torch.cat(sets), torch.tensor([0] + [s.numel() for s in sets]).cumsum(0))
+
+        def call():
+            h, w = _shard(rank, world, hidden, weight, False)
+            h, w = h.requires_grad_(grad), w.requires_grad_(grad)
+            with torch.set_grad_enabled(grad):
+                out = linear_logprobs(h, w, labels, tp_group=group, vocab_size=VOCAB, temperature=0.7, impl=impl,
+                                      sampling_mask=mask)
+            if grad:
+                kept = out.logprobs.isfinite()
+                (torch.where(kept, out.logprobs, 0.0) * rollout["upstream"]).sum().backward()
+            return out.logprobs.detach(), h.grad, w.grad
+        return call
+
     return {"cross-entropy": ce(False), "cross-entropy, sum, sequence parallel": ce(True, "sum"),
             "cross-entropy, second backward at 1e-5": ce(False, scales=(1e-5, 3.0)),
             "grpo": grpo(False), "grpo, sequence parallel": grpo(True),
             "log-probs forward-only": logprobs(False, False),
             "log-probs forward-only, sequence parallel": logprobs(True, False),
-            "log-probs, dlogits in the forward": logprobs(False, True)}
+            "log-probs, dlogits in the forward": logprobs(False, True),
+            "log-probs, sampling mask replay": replay(True), "log-probs forward-only, sampling mask replay": replay(False)}
 
 
 class _GeneralCalls:
@@ -182,7 +206,8 @@ def _check_routed(results, impl="torch"):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo harness runs on CPU tensors")
 def test_routes_at_tp_on_the_triton_backend():
     pytest.importorskip("triton")
-    _check_routed(run_workers(_routes_worker, 2, "triton", ("cross-entropy", "grpo"), timeout=240), "triton")
+    _check_routed(run_workers(_routes_worker, 2, "triton", ("cross-entropy", "grpo", "log-probs, sampling mask replay"),
+                              timeout=240), "triton")
 
 
 def _differing_worker(rank, world, case):
@@ -219,7 +244,7 @@ def _differing_worker(rank, world, case):
 # (log-probs with dlogits in the forward: their poison must be read after the merge, which decides
 # the rank check; read before, the differing call gave finite log-probs)
 @pytest.mark.parametrize("case", ["cross-entropy", "grpo", "log-probs forward-only",
-                                  "log-probs, dlogits in the forward"])
+                                  "log-probs, dlogits in the forward", "log-probs, sampling mask replay"])
 def test_routes_at_tp_still_compare_the_ranks(case):
     for rank, (routed, poisoned, raised) in enumerate(run_workers(_differing_worker, 2, case, timeout=120)):
         assert routed, f"rank {rank}: the differing call ran the route"

@@ -1213,19 +1213,25 @@ def test_tp_merge_kernels_match_torch(tb, n):
     target = torch.randn(n, generator=g) + global_max
     log_sum_exp = torch.rand(n, generator=g) * 5
     labelled = torch.rand(n, generator=g) > 0.3
+    # replay's: the label not in its kept set gives -inf (an ignored row's 0 where kept is True there)
+    label_kept = (torch.rand(n, generator=g) > 0.2) | ~labelled
     for mask in (labelled, None):
         for poison_value in (0.0, float("nan"), None):
-            poison = None if poison_value is None else torch.full((1,), poison_value, device=DEVICE)
-            args = (target.to(DEVICE), global_max.to(DEVICE), log_sum_exp.to(DEVICE), on_device(mask), poison)
-            got, want = tb.labelled_logprob(*args), torch_backend.labelled_logprob(*args)
-            if poison_value is not None and poison_value != 0:
-                assert torch.isnan(got).all()
-                continue
-            _close(got, want, what="labelled_logprob")
-            if cuda:
-                assert torch.equal(got, want)
-            if mask is not None:
-                assert torch.all(got.cpu()[~mask] == 0)
+            for kept in (None, label_kept):
+                poison = None if poison_value is None else torch.full((1,), poison_value, device=DEVICE)
+                args = (target.to(DEVICE), global_max.to(DEVICE), log_sum_exp.to(DEVICE), on_device(mask), poison,
+                        on_device(kept))
+                got, want = tb.labelled_logprob(*args), torch_backend.labelled_logprob(*args)
+                if poison_value is not None and poison_value != 0:
+                    assert torch.isnan(got).all()
+                    continue
+                _close(got, want, what="labelled_logprob")
+                if cuda:
+                    assert torch.equal(got, want)
+                if mask is not None:
+                    assert torch.all(got.cpu()[~mask] == 0)
+                if kept is not None:
+                    assert torch.all(got.cpu()[~kept] == float("-inf"))
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

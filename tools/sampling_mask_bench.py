@@ -25,7 +25,9 @@ the columns a tile's sets name) or "dense" (GEMMs over the whole shard). "lp err
 replay's log-probs against float64 on 64 tokens. Targets: K <= 50 at most 0.25x plain with zipf
 sets, 0.40x with random ones; larger K at most 0.8x; every row at most 1x. `--pieces sparse` /
 `tiles` / `dense` overrides the choice made from sizes (replay.FORCE_PIECES): run each to see
-whether it was the fastest.
+whether it was the fastest. `--general-path` sends every call through the general path, as the
+first calls of a signature go (a later call runs its remembered route straight:
+ops/remembered_routes.py).
 
 `--breakdown` adds, under each row, replay's time per phase: the kept entries' layout
 (replay.KeptEntries), the forward (ReplayChunks.merged_statistics) and the backward
@@ -62,7 +64,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_fused_ce import linear_logprobs  # noqa: E402
 from megatron_fused_ce.cuda_graphs import thread_local_capture  # noqa: E402
-from megatron_fused_ce.ops import replay  # noqa: E402
+from megatron_fused_ce.ops import remembered_routes, replay  # noqa: E402
 
 SHAPES = "8192x4096x128256,8192x2304x256000,16384x3584x152064"
 ZIPF_EXPONENT = 1.1
@@ -295,6 +297,7 @@ def benchmark(args):
     device, group, rank = tp_setup(args.tp, torch.device(args.device))
     say = print if rank == 0 else (lambda *a, **k: None)
     replay.FORCE_PIECES = None if args.pieces == "auto" else args.pieces
+    remembered_routes.ENABLED = not args.general_path
     say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
         f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}, tp {args.tp}")
     say("| shape NxHxV | sets | K | K / V | route | plain ms | replay ms | replay / plain | target | lp err |")
@@ -422,6 +425,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--pieces", choices=("auto", "sparse", "tiles", "dense"), default="auto",
                    help="auto: chosen from sizes; sparse / tiles / dense: every row with a set so")
+    p.add_argument("--general-path", action="store_true",
+                   help="every call through the general path (no remembered route run straight: "
+                        "ops/remembered_routes.py), for the routes' share of an eager call")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--breakdown", action="store_true",
                    help="under each row, replay's time per phase (entries, forward, backward; synchronized) and "

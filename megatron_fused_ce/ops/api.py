@@ -814,10 +814,18 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         with autocast_off(hidden.device):
             out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         _drop(first_product)
+        # a route a later call may run straight (remembered_routes.ReplayRoute): log-probs without
+        # entropy or sequence parallelism (its spec without this call's layout: each call makes its own)
+        straight = _straight_facts(
+            "log-probs replay" + (", plain pass" if replay_chunks.plain_pass else ""), agreed,
+            replace(spec, tiling=FAST_CHUNKS), ignore_index, tp_group=tp_group, weight=weight,
+            weight_param=weight_param, accumulate_into_main_grad=accumulate_into_main_grad,
+            applies=logprob_only and not sequence_parallel and main_grad_param is None)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,
                           None, out.max, out.log_sum_exp, kept=out.kept, kept_at_ignored=True,
                           num_labelled=num_labelled, labelled=labelled,
-                          poison=_device_poison(device_checks, rank_check, mask_poison), backend=backend)
+                          poison=_device_poison(device_checks, rank_check, mask_poison), backend=backend,
+                          straight=straight)
     with autocast_off(hidden.device):
         if grad_in_forward:
             anchor, target, lse, sum_logits, entropy, row_max, log_sum_exp = LinearLossGradInForward.apply(
@@ -1146,13 +1154,17 @@ def linear_logprobs(
     their kept ids alone (O(rows x K x H)); larger sets on the whole shard with 3 GEMMs per chunk.
     """
     # a later call of a route the general path recorded: straight through (remembered_routes.py)
-    route_key = None if sampling_mask is not None else remembered_routes.call_key(
+    # (with a sampling mask: the mask's tensors' layout joins the key, not how many ids it keeps)
+    mask_key = None if sampling_mask is None else replay.route_key(sampling_mask)
+    route_key = None if sampling_mask is not None and mask_key is None else remembered_routes.call_key(
         "linear_logprobs", hidden, weight, labels, tp_group,
         (vocab_size, temperature, ignore_index, return_entropy, chunk_size, sequence_parallel, impl,
-         accumulate_into_main_grad, logits_dtype, memory_mode, max_chunk_bytes, top_k, top_p, min_p, return_topk))
+         accumulate_into_main_grad, logits_dtype, memory_mode, max_chunk_bytes, top_k, top_p, min_p, return_topk,
+         mask_key))
     route = remembered_routes.lookup(route_key)
     if route is not None:
-        out = route(hidden, weight, labels)
+        out = route(hidden, weight, labels) if mask_key is None else route(hidden, weight, labels,
+                                                                          sampling_mask=sampling_mask)
         if out is not None:
             return out
     ahead = first_product_ahead("linear_logprobs", hidden, weight, impl, chunk_size, max_chunk_bytes, memory_mode,
@@ -1186,7 +1198,8 @@ def linear_logprobs(
         want_entropy=return_entropy, extra_checks=problems,
         sampler=active, mask_check=mask_check, logprob_only=not return_entropy, ahead=ahead)
     if stats.straight is not None and route_key is not None:
-        remembered_routes.remember(route_key, remembered_routes.LogprobRoute(stats.straight, impl))
+        remembered_routes.remember(route_key, (remembered_routes.ReplayRoute if mask_key is not None
+                                               else remembered_routes.LogprobRoute)(stats.straight, impl))
     logprobs = stats.logprob()
     if stats.kept is not None:  # a label outside the kept set: -inf, and no gradient
         logprobs = torch.where(stats.kept, logprobs, float("-inf"))

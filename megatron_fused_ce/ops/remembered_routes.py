@@ -28,6 +28,10 @@ Routes:
   one-pass row kernel takes the chunk, QuACK's, keeps the general path.)
 - `LogprobRoute`: `linear_logprobs` of one chunk without entropy, sampler or sampling mask:
   forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
+- `ReplayRoute`: `linear_logprobs` with a sampling mask (replay.py), without entropy or sequence
+  parallelism: its key holds the mask's layout, not how many ids it keeps; each call makes its
+  layout, device checks and pieces from its own mask (replay.replay_tiling), then the statistics,
+  the log-probs (one launch) and `StraightReplay`'s backward, the general path's two nodes' in one.
 
 At TP > 1 a route makes what the general path's remembered signature makes for the ranks to agree
 on: the label kernel's fingerprints of the signature, the labels and the loss's must-agree
@@ -50,10 +54,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import agreement as agreement_memo, api, backends, deferred_errors, reductions
+from . import agreement as agreement_memo, api, backends, deferred_errors, reductions, replay
 from .api import LabelledCount, LogprobsOutput, StraightFacts
-from .chunked import (first_order_only, input_grad_from_coefs, logprobs_with_dlogits, token_coefficients,
-                      weight_grad_from_coefs)
+from .chunked import (coefficients, first_order_only, forward_stats, input_grad_from_coefs,
+                      logprobs_with_dlogits, recompute_grads, token_coefficients, weight_grad_from_coefs)
 from .fast import (FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_dlogits_, chunk_logits, fused_statistics,
                    grad_gemms, logits_partials, merged_chunk_statistics, runs_stats_dlogits)
 from .gemm import gemm_input
@@ -389,3 +393,85 @@ class StraightLogprobs(torch.autograd.Function):
         if dx is not None and ctx.spec.tp_group is not None:  # this rank's part: summed over TP ranks
             dx = reductions.InputGradSum(dx, ctx.spec.tp_group, False).result()
         return dx, dw, None, None
+
+
+class ReplayRoute(_Route):
+    """linear_logprobs' route with a sampling mask (replay.py), without entropy or sequence
+    parallelism: the general path's replay branch of token_statistics without its argument
+    handling. Each call makes its own layout and checks from its mask (replay.replay_tiling:
+    whatever number of ids it keeps, the route the sizes choose, the device checks of a remembered
+    signature), then the label kernel's targets, the kept sets' statistics (at TP > 1 the rank
+    check, the labels' and the mask's fingerprints in it, riding on the merge), the labelled
+    log-probs, -inf where the label is not kept, plus the call's poison; `StraightReplay`'s
+    backward is the general path's two nodes' (the coefficients of target - lse, the tiling's
+    recompute_grads). A mask that is not usable, or keeps no id, takes the general path (its
+    errors are raised there)."""
+
+    def __init__(self, facts: StraightFacts, impl: str):
+        super().__init__(facts, impl)
+        self.plain_pass = facts.route.endswith("plain pass")
+
+    def holds(self, hidden: Tensor, weight: Tensor) -> bool:
+        return hidden.shape[0] > 0
+
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, sampling_mask) -> Optional[LogprobsOutput]:
+        facts = self.facts
+        mask_check = replay.MaskCheck(sampling_mask, flat_labels, facts.ignore_index, facts.true_vocab)
+        if not mask_check.usable or mask_check.ids.numel() == 0:
+            return None
+        spec, group = facts.spec, self.group()
+        flags = deferred_errors.flags(flat_labels.device)
+        local_target, labelled, _, scalars = spec.backend.label_targets(
+            flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, weight.shape[0], flags,
+            api.call_code(facts.signature_code, ()), (), None)
+        needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        tiling = replay.replay_tiling(mask_check, flat_labels, labelled, facts.vocab_start, spec.num_valid_cols,
+                                      facts.true_vocab, needs_grad, plain_pass=self.plain_pass, backend=spec.backend,
+                                      check=True, num_cols=weight.shape[0], fingerprint=group is not None,
+                                      label_poison=scalars[:1], max_elements=spec.chunk_size * weight.shape[0])
+        rank_check = None
+        if group is not None:  # (the labels' pieces from the label launch, then the mask's fingerprint)
+            rank_check = reductions.RankCheck(api._rank_check_values(scalars[3:], tiling.fingerprint),
+                                              poison=tiling.poison, flags=flags)
+        spec = replace(spec, tp_group=group, rank_check=rank_check, tiling=tiling)
+        if needs_grad:
+            logprob = StraightReplay.apply(hidden, weight, local_target, labelled, spec)
+        else:
+            logprob = replay_logprobs(forward_stats(hidden, weight, local_target, spec), labelled, spec)
+        return LogprobsOutput(logprob if logprob.shape == shape else logprob.reshape(shape))
+
+
+def replay_logprobs(merged, labelled: Tensor, spec) -> Tensor:
+    """The general path's log-probs of a replay call from its merged statistics (TokenStats'
+    logprob, where and poison), in the labelled log-probs' one launch: -inf where the label is not
+    kept, plus the call's poison (the rank check's once merged, else the mask's, the labels' in it)."""
+    return spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
+                                         spec.tiling.poison if spec.rank_check is None else spec.rank_check.poison,
+                                         kept=merged.kept)
+
+
+class StraightReplay(torch.autograd.Function):
+    """ReplayRoute's node: chunked.LinearSoftmaxStats' forward and the log-probs made from it
+    (api.TokenStats' logprob, where and poison); backward: the upstream gradient where the label
+    is kept and labelled, as the coefficients of target - lse, into the tiling's recompute_grads,
+    as LinearSoftmaxStats' backward does."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, local_target, labelled, spec):
+        merged = forward_stats(hidden, weight, local_target, spec)
+        ctx.spec, ctx.kept, ctx.labelled = spec, merged.kept, labelled
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, local_target, *merged.grad_offsets())
+        return replay_logprobs(merged, labelled, spec)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        if g is None:
+            return None, None, None, None, None
+        hidden, weight, local_target, *offsets = ctx.saved_tensors
+        grad = torch.where(ctx.labelled, torch.where(ctx.kept, g, 0.0), 0.0)
+        coefs = coefficients(grad, -grad, None, None, None, None)
+        grad_hidden, grad_weight = recompute_grads(hidden, weight, None, local_target, ctx.spec, tuple(offsets), coefs,
+                                                   ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return grad_hidden, grad_weight, None, None, None

@@ -27,7 +27,9 @@ the device (NaN results, the error raised at the next host synchronization, defe
 and the mask's fingerprint rides on the statistics' all-gather (reductions.RankCheck). Every
 call of a signature, the first included, is sized from what the host knows (at most min(rows, E)
 rows with a set; `layout_offsets` keeps a bad mask's indexing in range), so that they compute
-alike, bit for bit.
+alike, bit for bit. The next call with the same arguments (no entropy; the mask's layout, not how
+many ids it keeps: `route_key`) runs them straight, without the argument handling
+(remembered_routes.ReplayRoute).
 
 The layout (`KeptEntries`) and the later calls' checks are defined here in torch: the CPU path and
 the reference. A backend with `kept_layout` (Triton: backends/replay_triton.py) makes the same
@@ -193,6 +195,17 @@ def layout_key(mask_check: "MaskCheck") -> tuple:
     """A usable mask's part of a call's signature and of its call key: whether it keeps any id
     (a mask without one is not replayed), its number of positions, its device (MaskCheck.register_layout)."""
     return (mask_check.ids.numel() > 0, tuple(mask_check.offsets.shape), mask_check.ids.device.type)
+
+
+def route_key(mask) -> Optional[tuple]:
+    """A mask's part of a remembered route's key (remembered_routes.ReplayRoute): its tensors'
+    dtypes and devices and its number of positions, not how many ids it keeps (a sampler's sets
+    change size every step: layout_key); None where it is not two tensors (the general path)."""
+    fields = _fields(mask)
+    if fields is None or not all(isinstance(t, Tensor) for t in fields):
+        return None
+    ids, offsets = fields
+    return ("sampling mask", ids.dtype, ids.device, ids.dim(), offsets.shape, offsets.dtype, offsets.device)
 
 
 _DIFFER = ("sampling_mask: differs across tensor-parallel ranks (token ids or offsets, or a rank passed "

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..deferred_errors import SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
 from . import ShardStats
 from .triton_common import cached_launch, cdiv, interpreting as _interpreting, next_power_of_2
 from .triton_gemm_stats import round_bf16_by_hand
@@ -570,8 +571,6 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                                   num_warps=2)
     poison = None
     if flags is not None:
-        from ..deferred_errors import SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
-
         poison = torch.empty(1, dtype=torch.float32, device=device)
         _mask_verdict_kernel[(1,)](counts, flags, poison, poison if base_poison is None else base_poison,
                                    BAD_FLAG=SAMPLING_MASK_BAD, MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET,

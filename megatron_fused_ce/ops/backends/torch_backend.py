@@ -152,13 +152,16 @@ def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tens
 
 
 def labelled_logprob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
-                     poison: Optional[Tensor]) -> Tensor:
+                     poison: Optional[Tensor], kept: Optional[Tensor] = None) -> Tensor:
     """A forward-only call's result: log p_y = (z_y - M) - log S, 0 where the label is ignored
-    (`labelled` False; None: every row), plus `poison` ([1]: NaN where the device checks found bad
-    contents, else 0; None: nothing to add)."""
+    (`labelled` False; None: every row), -inf where `kept` is False (replay: the label is not in
+    its row's kept set), plus `poison` ([1]: NaN where the device checks found bad contents, else
+    0; None: nothing to add)."""
     value = (target - row_max) - log_sum_exp
     if labelled is not None:
         value = torch.where(labelled, value, 0.0)
+    if kept is not None:
+        value = torch.where(kept, value, float("-inf"))
     return value if poison is None else value + poison
 
 

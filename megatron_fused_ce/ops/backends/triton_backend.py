@@ -913,32 +913,36 @@ def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tens
 
 @cached_launch
 @triton.jit
-def _labelled_logprob_kernel(target_ptr, max_ptr, log_sum_exp_ptr, labelled_ptr, poison_ptr, out_ptr, n,
-                             HAS_LABELLED: tl.constexpr, HAS_POISON: tl.constexpr, BLOCK: tl.constexpr):
+def _labelled_logprob_kernel(target_ptr, max_ptr, log_sum_exp_ptr, labelled_ptr, kept_ptr, poison_ptr, out_ptr, n,
+                             HAS_LABELLED: tl.constexpr, HAS_KEPT: tl.constexpr, HAS_POISON: tl.constexpr,
+                             BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n
     value = ((tl.load(target_ptr + rows, mask=ok, other=0.0) - tl.load(max_ptr + rows, mask=ok, other=0.0))
              - tl.load(log_sum_exp_ptr + rows, mask=ok, other=0.0))
     if HAS_LABELLED:
         value = tl.where(tl.load(labelled_ptr + rows, mask=ok, other=0) != 0, value, 0.0)
+    if HAS_KEPT:
+        value = tl.where(tl.load(kept_ptr + rows, mask=ok, other=0) != 0, value, float("-inf"))
     if HAS_POISON:
         value = value + tl.load(poison_ptr)
     tl.store(out_ptr + rows, value, mask=ok)
 
 
 def labelled_logprob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
-                     poison: Optional[Tensor]) -> Tensor:
-    """torch_backend.labelled_logprob in one launch (four elementwise ones there)."""
+                     poison: Optional[Tensor], kept: Optional[Tensor] = None) -> Tensor:
+    """torch_backend.labelled_logprob in one launch (four to six elementwise ones there)."""
     if not _runs_kernel(target):
-        return torch_backend.labelled_logprob(target, row_max, log_sum_exp, labelled, poison)
+        return torch_backend.labelled_logprob(target, row_max, log_sum_exp, labelled, poison, kept)
     n = target.numel()
     out = torch.empty(n, dtype=torch.float32, device=target.device)
     args = [_f32(t) for t in (target, row_max, log_sum_exp)]
     block = 1024
     _labelled_logprob_kernel[(max(1, cdiv(n, block)),)](
         *args, args[0] if labelled is None else labelled.contiguous().view(torch.uint8),
-        args[0] if poison is None else _f32(poison), out, n,
-        HAS_LABELLED=labelled is not None, HAS_POISON=poison is not None, BLOCK=block, num_warps=4)
+        args[0] if kept is None else kept.contiguous().view(torch.uint8), args[0] if poison is None else _f32(poison),
+        out, n, HAS_LABELLED=labelled is not None, HAS_KEPT=kept is not None, HAS_POISON=poison is not None,
+        BLOCK=block, num_warps=4)
     return out
 
 
