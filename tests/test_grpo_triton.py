@@ -13,6 +13,7 @@ Then linear_grpo_loss with impl="triton" (the kernel) against impl="torch" (the 
 and gradients, so that the kernel's wiring into the chunk loop is covered as well.
 """
 
+import math
 import os
 from dataclasses import replace
 from functools import partial
@@ -194,6 +195,83 @@ def test_linear_grpo_loss_takes_the_kernel(triton_grpo, name, monkeypatch):
         torch.testing.assert_close(m_triton[key], m_torch[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     torch.testing.assert_close(dx_triton, dx_torch, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dw_triton, dw_torch, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [7.0, 0.0, -1.0, math.inf, math.nan], ids=repr)
+@pytest.mark.parametrize("name", ["dapo", "grpo", "dr_grpo_k2"])
+def test_the_kernel_checks_a_tensor_normalizer(triton_grpo, name, value):
+    """A normalizer tensor on the call's device reaches the kernel as given (any dtype) and is
+    checked there as nll.given_count checks it (five launches otherwise): a good one gives
+    given_count's values bit for bit, a bad one the NaN that given_count's gives (never a result
+    scaled by it) and the error at the next check."""
+    from megatron_fused_ce import check_deferred_errors
+    from megatron_fused_ce.losses.nll import given_count
+
+    config = GRPOConfig(**CONFIGS[name])
+    x = _inputs(9, 5, 11, sequence_first=False, per_token_adv=False, bool_mask=True)
+    kw = dict(with_old=True, with_sampling=False, sequence_first=False)
+    for dtype in (torch.float64, torch.float32) + ((torch.int64,) if value == 7.0 else ()):
+        raw = torch.tensor(value, dtype=dtype, device=DEVICE)
+        want = _run(triton_grpo.whole_call_terms, config, x, normalizer=given_count(raw, dtype=torch.float32,
+                                                                                      device=DEVICE), **kw)
+        if math.isnan(value) or value <= 0 or math.isinf(value):
+            with pytest.raises(ValueError, match="normalizer"):
+                check_deferred_errors()
+        got = _run(partial(triton_grpo.whole_call_terms, check_normalizer=True), config, x, normalizer=raw, **kw)
+        for a, b in zip(got[:3], want[:3]):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), dtype
+        if value == 7.0:
+            check_deferred_errors()  # nothing found
+            assert not got[2].isnan().any()
+        else:
+            assert got[2][0].isnan(), "the loss"
+            with pytest.raises(ValueError, match="normalizer"):
+                check_deferred_errors()
+
+
+def test_linear_grpo_loss_leaves_a_gpu_normalizer_to_the_kernel(triton_grpo, monkeypatch):
+    """linear_grpo_loss (impl="triton", one chunk) hands a normalizer tensor on the call's device to
+    the per-token kernel unchecked (no given_count launches) and gives impl="torch"'s values, on
+    the general path and on the remembered route; a bad one gives a NaN loss and the error. (On a
+    CPU machine the CPU stands for the GPU: nll.read_on_host says no.)"""
+    from megatron_fused_ce import check_deferred_errors
+    from megatron_fused_ce.losses import nll
+    from megatron_fused_ce.ops import agreement
+
+    monkeypatch.setattr(linear_grpo, "read_on_host", lambda count: False)
+    monkeypatch.setattr(nll, "read_on_host", lambda count: False)
+    checks = []
+    original = linear_grpo.given_count
+    monkeypatch.setattr(linear_grpo, "given_count", lambda *a, **k: checks.append(1) or original(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    batch, length, hidden, vocab = 3, 8, 16, 40
+    h = torch.randn(batch, length, hidden, generator=g).to(DEVICE)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.3).to(DEVICE)
+    labels = torch.randint(0, vocab, (batch, length), generator=g).to(DEVICE)
+    mask = (torch.rand(batch, length, generator=g) > 0.2).to(DEVICE)
+    adv = torch.randn(batch, generator=g).to(DEVICE)
+    old = (torch.randn(batch, length, generator=g) * 0.3 - 3.5).to(DEVICE)
+
+    def call(impl, normalizer):
+        hh = h.clone().requires_grad_()
+        loss, _ = linear_grpo_loss(hh, w, labels, adv, mask, GRPOConfig(), impl=impl, old_logprobs=old,
+                                   normalizer=normalizer, vocab_size=vocab)
+        loss.backward()
+        return loss.detach(), hh.grad
+
+    agreement.forget_signatures()
+    for count in (17.0, 18.0, 19.0):  # the first call, the general path, the route
+        checks.clear()
+        got = call("triton", torch.tensor(count, device=DEVICE))
+        assert checks == [], count
+        want = call("torch", torch.tensor(count, device=DEVICE))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    check_deferred_errors()
+    loss, dx = call("triton", torch.tensor(0.0, device=DEVICE))
+    assert loss.isnan() and dx.isnan().all()
+    with pytest.raises(ValueError, match="normalizer"):
+        check_deferred_errors()
+    agreement.forget_signatures()
 
 
 @pytest.mark.parametrize("name", ["dapo", "dapo_k3_bias", "sequence_truncate"])

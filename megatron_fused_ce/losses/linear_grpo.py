@@ -56,7 +56,7 @@ from ..ops.api import (CallValue, call_values, first_product_ahead, linear_logpr
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
 from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, field_values, fused, grpo_loss,
                    loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
-from .nll import Normalizer, given_count, is_count
+from .nll import Normalizer, given_count, is_count, read_on_host
 
 
 class _TokenTable:
@@ -303,14 +303,27 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
     """The call's GRPOGrads: its token table and batch totals (`prepare`) and, without CP, its
     one-chunk terms (`whole_call`), each reading the call's own tensors."""
     batch, length = mask.shape
-    # a count on a GPU checked on its device; a bad number (on a remembered route, which skips the
-    # entry point's checks) NaN with its error recorded (nll.given_count); a good number stays one
-    # (a kernel argument)
-    if isinstance(normalizer, Tensor) or (normalizer is not None and not is_count(float(normalizer))):
-        normalizer = given_count(normalizer, dtype=torch.float32, device=device)
+    given = normalizer
+    # the per-token kernel checks a count on this GPU itself, as it reads it (a bad one: NaN and the
+    # error), where nll.given_count takes five launches
+    kernel_checks = (isinstance(given, Tensor) and given.numel() == 1 and given.device == device
+                     and not read_on_host(given))
+    checked = []
+
+    def checked_normalizer():
+        """A count on a GPU checked on its device; a bad number (on a remembered route, which skips
+        the entry point's checks) NaN with its error recorded (nll.given_count); a good number stays
+        one (a kernel argument)."""
+        if not checked:
+            value = given
+            if isinstance(value, Tensor) or (value is not None and not is_count(float(value))):
+                value = given_count(value, dtype=torch.float32, device=device)
+            checked.append(value)
+        return checked[0]
 
     def normalizer_tensor():
         # a Python-number normalizer as a tensor (a fill kernel): a new count is no new compilation
+        normalizer = checked_normalizer()
         return normalizer if normalizer is None or isinstance(normalizer, Tensor) else torch.full(
             (), float(normalizer), dtype=torch.float32, device=device)
 
@@ -328,7 +341,7 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
         like = torch.zeros(batch, length, dtype=torch.float32, device=device)  # the log-probs' dtype
         inputs, totals = token_inputs(advantages, mask, config, like=like, old_logprobs=old_logprobs,
                                       reference_logprobs=reference_logprobs,
-                                      sampling_logprobs=sampling_logprobs, normalizer=normalizer,
+                                      sampling_logprobs=sampling_logprobs, normalizer=checked_normalizer(),
                                       cp_group=cp_group)
         return _TokenTable(inputs.present(), _table_rows(inputs, (batch, length), sequence_first),
                            (labels != ignore_index).reshape(-1)), totals
@@ -339,8 +352,11 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
         inputs = (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)
         if _takes_the_kernel(impl, device, config, mask):
             try:
-                return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, normalizer, labels,
-                                            ignore_index, sequence_first, poison=poison)
+                if kernel_checks:
+                    return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, given, labels,
+                                                ignore_index, sequence_first, poison=poison, check_normalizer=True)
+                return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, checked_normalizer(),
+                                            labels, ignore_index, sequence_first, poison=poison)
             except Exception as error:  # noqa: BLE001 - a compiler failure: the definition computes the same
                 _kernel_failed(config, error)
         return fused(_whole_call_terms, config, device, target, row_max, log_sum_exp, *inputs,

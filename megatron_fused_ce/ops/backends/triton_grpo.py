@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...losses.grpo import applies_correction, field_values, metric_names  # the options' meaning, the metrics' order
+from .. import deferred_errors
 from .triton_common import cached_launch, f32 as _f32, next_power_of_2
 
 TILE_ELEMENTS = 1024  # tokens per tile of the walk
@@ -89,7 +90,7 @@ def _whole_call_kernel(
     adv_ptr, adv_sb, adv_st, mask_ptr, mask_sb, mask_st,
     old_ptr, old_sb, old_st, ref_ptr, ref_sb, ref_st, samp_ptr, samp_sb, samp_st,
     normalizer_ptr, normalizer_value, scratch_ptr, grad_ptr, neg_grad_ptr, metrics_ptr, poison_ptr, loss_ptr,
-    num_rows, row_length, num_rows_f,
+    flags_ptr, num_rows, row_length, num_rows_f,
     LOSS: tl.constexpr, CLIP_LOW: tl.constexpr, CLIP_HIGH: tl.constexpr,
     HAS_DELTA: tl.constexpr, DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, DUAL_C: tl.constexpr,
     CISPO_LOW: tl.constexpr, CISPO_MAX: tl.constexpr, SAPO_POS: tl.constexpr, SAPO_NEG: tl.constexpr,
@@ -101,6 +102,9 @@ def _whole_call_kernel(
     SEQUENCE_FIRST: tl.constexpr,
     AT_DUAL: tl.constexpr, AT_IS: tl.constexpr, AT_ERROR: tl.constexpr, AT_EXCLUDED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, HAS_POISON: tl.constexpr = False,
+    BAD_NORMALIZER: tl.constexpr = deferred_errors.BAD_NORMALIZER,
+    FP32_TINY: tl.constexpr = float(torch.finfo(torch.float32).tiny),
+    FP32_MAX: tl.constexpr = float(torch.finfo(torch.float32).max),
 ):
     offs_b = tl.arange(0, BLOCK_B)
     offs_t = tl.arange(0, BLOCK_T)
@@ -138,8 +142,12 @@ def _whole_call_kernel(
     tl.debug_barrier()  # the scratch rows are read back by other threads of this program
 
     # ---- the normalization weight s (grpo._normalization_weight)
-    if NORMALIZER == 1:  # a tensor
+    if NORMALIZER == 1 or NORMALIZER == 3:  # a tensor
         given = tl.load(normalizer_ptr).to(tl.float32)
+        if NORMALIZER == 3:  # as given, checked here as nll.given_count checks it: NaN, and the error
+            count_ok = (given >= FP32_TINY) & (given <= FP32_MAX)  # (a finite count > 0 in fp32; NaN is not)
+            given = tl.where(count_ok, given, float("nan"))
+            tl.store(flags_ptr, tl.load(flags_ptr) | tl.where(count_ok, 0, BAD_NORMALIZER).to(tl.int64))
     elif NORMALIZER == 2:  # a number
         given = normalizer_value
     if NORM == 1:  # per-sequence mean: s = 1 / (Σ_t m · N_sequences)
@@ -431,15 +439,19 @@ def _options(config, has_sampling: bool, on_policy: bool, sequence_first: bool, 
 
 
 def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old, reference, sampling,
-                     normalizer, labels, ignore_index: int, sequence_first: bool, poison: Optional[Tensor] = None):
+                     normalizer, labels, ignore_index: int, sequence_first: bool, poison: Optional[Tensor] = None,
+                     check_normalizer: bool = False):
     """linear_grpo._whole_call_terms' (d loss / d lp, its negative, metric vector), in one launch,
     and the loss on its own where `poison` is given (fp32 [1], the call's: added to every metric
     and to the loss, as GRPOGrads.metrics adds it), else None.
     `normalizer`: None, a one-element tensor or a number (a kernel argument: no fill kernel, no
-    new compilation when it changes)."""
+    new compilation when it changes). `check_normalizer` (a tensor on this device, as the caller
+    gave it): the kernel checks it as nll.given_count does — NaN where it is not a finite count
+    > 0, the error recorded in deferred_errors' flags — instead of given_count's five launches."""
     num_rows, row_length = mask.shape
     on_policy = old is None or config.force_on_policy_ratio
-    normalizer_kind = 0 if normalizer is None else 1 if isinstance(normalizer, Tensor) else 2
+    normalizer_kind = (0 if normalizer is None else (3 if check_normalizer else 1) if isinstance(normalizer, Tensor)
+                       else 2)
     names, options = _options(config, sampling is not None, on_policy, sequence_first, normalizer_kind)
     device = target.device
     grad = torch.empty(target.shape[0], dtype=torch.float32, device=device)
@@ -458,7 +470,7 @@ def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old
         normalizer if isinstance(normalizer, Tensor) else dummy,
         0.0 if normalizer is None or isinstance(normalizer, Tensor) else float(normalizer), scratch, grad, neg_grad, metrics,
         dummy if poison is None else _f32(poison), dummy if loss is None else loss,
-        num_rows, row_length, float(num_rows), **options, BLOCK_B=block_b, BLOCK_T=block_t,
+        deferred_errors.flags(device) if normalizer_kind == 3 else scratch, num_rows, row_length, float(num_rows), **options, BLOCK_B=block_b, BLOCK_T=block_t,
         HAS_POISON=poison is not None, num_warps=WARPS,
     )
     return grad, neg_grad, metrics, loss
