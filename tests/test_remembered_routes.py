@@ -211,7 +211,8 @@ def test_logprob_routes_equal_the_general_path(tb, general_logprob_calls, monkey
                 (out.logprobs * upstream * scale).sum().backward(retain_graph=i == 0 and "second" in case)
         return out.logprobs.detach(), h.grad, w.grad
 
-    got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW"), case)
+    got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW", "entropy"),
+                                 case)
     with torch.no_grad():  # the old-policy pass gives the training pass's log-probs (ratio 1)
         assert torch.equal(linear_logprobs(h0, w0, y, vocab_size=vocab, temperature=0.7, impl="triton").logprobs,
                            got[0])
@@ -222,17 +223,13 @@ def test_logprob_routes_equal_the_general_path(tb, general_logprob_calls, monkey
 
 
 def test_logprob_routes_are_not_taken_for_other_arguments(tb, general_logprob_calls):
-    """Entropy (with a sampling mask too), a sampler setting, or several chunks keep the general path."""
+    """Entropy (without a sampling mask), a sampler setting, or several chunks keep the general path."""
     h, w, y, vocab = _inputs(tb, 5)
-    ids = torch.arange(3, device=DEVICE).repeat(y.numel())
-    mask = (ids, torch.arange(0, 3 * y.numel() + 1, 3, device=DEVICE))
-    for extra in (dict(return_entropy=True), dict(top_k=5), dict(sampling_mask=mask, return_entropy=True),
-                  dict(chunk_size=16)):
+    for extra in (dict(return_entropy=True), dict(top_k=5), dict(chunk_size=16)):
         general_logprob_calls.clear()
         for _ in range(3):
             with torch.no_grad():
-                linear_logprobs(h, w, y.clamp(min=0) if "sampling_mask" in extra else y, vocab_size=vocab,
-                                impl="triton", **extra)
+                linear_logprobs(h, w, y, vocab_size=vocab, impl="triton", **extra)
         assert len(general_logprob_calls) == 3, extra
 
 
@@ -252,14 +249,15 @@ def _kept_sets(labels, vocab, seed, sizes, without_set=()):
 
 
 @pytest.mark.parametrize("case", ["by sizes", "tiles", "dense", "sparse", "forward-only", "dW only",
-                                  "a labelled row without a set"])
+                                  "a labelled row without a set", "entropy", "entropy, its gradient only",
+                                  "entropy, forward-only"])
 def test_replay_route_equals_the_general_path(tb, general_logprob_calls, monkeypatch, case):
-    """linear_logprobs with a sampling mask (no entropy): the third call of a signature runs the
-    route the second recorded, its mask keeping another number of ids than the calls before (as a
-    sampler's do, step to step), on the pieces its sizes choose (or those forced), and its
-    log-probs, dX and dW are the general path's bit for bit; with the plain pass where the
-    signature's first call had a labelled row without a set. The log-probs match a float64
-    reference over the kept sets (-inf where the label is not kept)."""
+    """linear_logprobs with a sampling mask: the third call of a signature runs the route the
+    second recorded, its mask keeping another number of ids than the calls before (as a sampler's
+    do, step to step), on the pieces its sizes choose (or those forced), and its log-probs (and
+    entropy), dX and dW are the general path's bit for bit, whichever results the loss uses; with
+    the plain pass where the signature's first call had a labelled row without a set. The
+    log-probs match a float64 reference over the kept sets (-inf where the label is not kept)."""
     from megatron_fused_ce.ops import replay
 
     if case in ("tiles", "dense", "sparse"):
@@ -274,13 +272,20 @@ def test_replay_route_equals_the_general_path(tb, general_logprob_calls, monkeyp
     def call():
         mask = masks[len(calls) % 3]
         calls.append(1)
-        grad = case != "forward-only"
+        grad = not case.endswith("forward-only")
+        entropy = case.startswith("entropy")
         h, w = h0.clone().requires_grad_(grad and case != "dW only"), w0.clone().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
-            out = linear_logprobs(h, w, y, vocab_size=vocab, temperature=0.7, impl="triton", sampling_mask=mask)
+            out = linear_logprobs(h, w, y, vocab_size=vocab, temperature=0.7, impl="triton", sampling_mask=mask,
+                                  return_entropy=entropy)
+        assert (out.entropy is not None) == entropy
         if grad:
-            (torch.where(out.logprobs.isfinite(), out.logprobs, 0.0) * upstream).sum().backward()
-        return out.logprobs.detach(), h.grad, w.grad
+            loss = 0.0 if case == "entropy, its gradient only" else (torch.where(out.logprobs.isfinite(), out.logprobs, 0.0)
+                                                      * upstream).sum()
+            if entropy:
+                loss = loss + (out.entropy * upstream.flip(0)).sum()
+            loss.backward()
+        return out.logprobs.detach(), h.grad, w.grad, None if out.entropy is None else out.entropy.detach()
 
     got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW"), case)
     route = next(reversed(remembered_routes._ROUTES.values()))

@@ -96,7 +96,7 @@ def _calls(rank, world, labels_of_rank=None, impl="torch"):
             return out.logprobs.detach(), h.grad, w.grad
         return call
 
-    def replay(grad):
+    def replay(grad, entropy=False):
         # kept sets of 3-8 ids, the label in two of every three labelled rows' (the others' log-probs -inf)
         original = _inputs(world)[2]
         sets = []
@@ -112,11 +112,11 @@ def _calls(rank, world, labels_of_rank=None, impl="torch"):
             h, w = h.requires_grad_(grad), w.requires_grad_(grad)
             with torch.set_grad_enabled(grad):
                 out = linear_logprobs(h, w, labels, tp_group=group, vocab_size=VOCAB, temperature=0.7, impl=impl,
-                                      sampling_mask=mask)
+                                      sampling_mask=mask, return_entropy=entropy)
             if grad:
-                kept = out.logprobs.isfinite()
-                (torch.where(kept, out.logprobs, 0.0) * rollout["upstream"]).sum().backward()
-            return out.logprobs.detach(), h.grad, w.grad
+                loss = (torch.where(out.logprobs.isfinite(), out.logprobs, 0.0) * rollout["upstream"]).sum()
+                (loss + (out.entropy.sum() if entropy else 0.0)).backward()
+            return out.logprobs.detach(), h.grad, w.grad, None if out.entropy is None else out.entropy.detach()
         return call
 
     return {"cross-entropy": ce(False), "cross-entropy, sum, sequence parallel": ce(True, "sum"),
@@ -125,7 +125,8 @@ def _calls(rank, world, labels_of_rank=None, impl="torch"):
             "log-probs forward-only": logprobs(False, False),
             "log-probs forward-only, sequence parallel": logprobs(True, False),
             "log-probs, dlogits in the forward": logprobs(False, True),
-            "log-probs, sampling mask replay": replay(True), "log-probs forward-only, sampling mask replay": replay(False)}
+            "log-probs, sampling mask replay": replay(True), "log-probs forward-only, sampling mask replay": replay(False),
+            "log-probs and entropy, sampling mask replay": replay(True, True)}
 
 
 class _GeneralCalls:

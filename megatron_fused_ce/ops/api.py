@@ -814,13 +814,14 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
         with autocast_off(hidden.device):
             out = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         _drop(first_product)
-        # a route a later call may run straight (remembered_routes.ReplayRoute): log-probs without
-        # entropy or sequence parallelism (its spec without this call's layout: each call makes its own)
+        # a route a later call may run straight (remembered_routes.ReplayRoute): log-probs (with
+        # entropy or not) without sequence parallelism (its spec without this call's layout: each
+        # call makes its own)
         straight = _straight_facts(
             "log-probs replay" + (", plain pass" if replay_chunks.plain_pass else ""), agreed,
             replace(spec, tiling=FAST_CHUNKS), ignore_index, tp_group=tp_group, weight=weight,
             weight_param=weight_param, accumulate_into_main_grad=accumulate_into_main_grad,
-            applies=logprob_only and not sequence_parallel and main_grad_param is None)
+            applies=not want_sum_logits and not sequence_parallel and main_grad_param is None)
         return TokenStats(out.target, out.lse, None, out.entropy, row_index, shape, num_rows,
                           None, out.max, out.log_sum_exp, kept=out.kept, kept_at_ignored=True,
                           num_labelled=num_labelled, labelled=labelled,

@@ -28,10 +28,11 @@ Routes:
   one-pass row kernel takes the chunk, QuACK's, keeps the general path.)
 - `LogprobRoute`: `linear_logprobs` of one chunk without entropy, sampler or sampling mask:
   forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
-- `ReplayRoute`: `linear_logprobs` with a sampling mask (replay.py), without entropy or sequence
-  parallelism: its key holds the mask's layout, not how many ids it keeps; each call makes its
-  layout, device checks and pieces from its own mask (replay.replay_tiling), then the statistics,
-  the log-probs (one launch) and `StraightReplay`'s backward, the general path's two nodes' in one.
+- `ReplayRoute`: `linear_logprobs` with a sampling mask (replay.py), with or without entropy,
+  without sequence parallelism: its key holds the mask's layout, not how many ids it keeps; each
+  call makes its layout, device checks and pieces from its own mask (replay.replay_tiling), then
+  the statistics, the log-probs (one launch) and `StraightReplay`'s backward, the general path's
+  nodes' in one.
 
 At TP > 1 a route makes what the general path's remembered signature makes for the ranks to agree
 on: the label kernel's fingerprints of the signature, the labels and the loss's must-agree
@@ -396,16 +397,16 @@ class StraightLogprobs(torch.autograd.Function):
 
 
 class ReplayRoute(_Route):
-    """linear_logprobs' route with a sampling mask (replay.py), without entropy or sequence
-    parallelism: the general path's replay branch of token_statistics without its argument
-    handling. Each call makes its own layout and checks from its mask (replay.replay_tiling:
-    whatever number of ids it keeps, the route the sizes choose, the device checks of a remembered
-    signature), then the label kernel's targets, the kept sets' statistics (at TP > 1 the rank
-    check, the labels' and the mask's fingerprints in it, riding on the merge), the labelled
-    log-probs, -inf where the label is not kept, plus the call's poison; `StraightReplay`'s
-    backward is the general path's two nodes' (the coefficients of target - lse, the tiling's
-    recompute_grads). A mask that is not usable, or keeps no id, takes the general path (its
-    errors are raised there)."""
+    """linear_logprobs' route with a sampling mask (replay.py), with or without entropy, without
+    sequence parallelism: the general path's replay branch of token_statistics without its
+    argument handling. Each call makes its own layout and checks from its mask
+    (replay.replay_tiling: whatever number of ids it keeps, the pieces the sizes choose, the device
+    checks of a remembered signature), then the label kernel's targets, the kept sets' statistics
+    (at TP > 1 the rank check, the labels' and the mask's fingerprints in it, riding on the merge),
+    the labelled log-probs, -inf where the label is not kept, and the entropy, 0 where the label is
+    ignored, each plus the call's poison; `StraightReplay`'s backward is the general path's nodes'
+    (the coefficients of target - lse and of the entropy, the tiling's recompute_grads). A mask
+    that is not usable, or keeps no id, takes the general path (its errors are raised there)."""
 
     def __init__(self, facts: StraightFacts, impl: str):
         super().__init__(facts, impl)
@@ -435,43 +436,52 @@ class ReplayRoute(_Route):
                                               poison=tiling.poison, flags=flags)
         spec = replace(spec, tp_group=group, rank_check=rank_check, tiling=tiling)
         if needs_grad:
-            logprob = StraightReplay.apply(hidden, weight, local_target, labelled, spec)
+            outputs = StraightReplay.apply(hidden, weight, local_target, labelled, spec)
         else:
-            logprob = replay_logprobs(forward_stats(hidden, weight, local_target, spec), labelled, spec)
-        return LogprobsOutput(logprob if logprob.shape == shape else logprob.reshape(shape))
+            outputs = replay_outputs(forward_stats(hidden, weight, local_target, spec), labelled, spec)
+        logprob, entropy = outputs if spec.want_entropy else (outputs, None)
+        return LogprobsOutput(*(t if t is None or t.shape == shape else t.reshape(shape) for t in (logprob, entropy)))
 
 
-def replay_logprobs(merged, labelled: Tensor, spec) -> Tensor:
-    """The general path's log-probs of a replay call from its merged statistics (TokenStats'
-    logprob, where and poison), in the labelled log-probs' one launch: -inf where the label is not
-    kept, plus the call's poison (the rank check's once merged, else the mask's, the labels' in it)."""
-    return spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                         spec.tiling.poison if spec.rank_check is None else spec.rank_check.poison,
-                                         kept=merged.kept)
+def replay_outputs(merged, labelled: Tensor, spec):
+    """The general path's results of a replay call from its merged statistics (TokenStats' logprob,
+    where and to_full): the log-probs in the labelled log-probs' one launch, -inf where the label is
+    not kept, plus the call's poison (the rank check's once merged, else the mask's, the labels' in
+    it); with entropy, (log-probs, the entropy with 0 where the label is ignored, plus the poison)."""
+    poison = spec.tiling.poison if spec.rank_check is None else spec.rank_check.poison
+    logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled, poison,
+                                            kept=merged.kept)
+    if not spec.want_entropy:
+        return logprob
+    return logprob, torch.where(labelled, merged.entropy, 0) + poison
 
 
 class StraightReplay(torch.autograd.Function):
-    """ReplayRoute's node: chunked.LinearSoftmaxStats' forward and the log-probs made from it
-    (api.TokenStats' logprob, where and poison); backward: the upstream gradient where the label
-    is kept and labelled, as the coefficients of target - lse, into the tiling's recompute_grads,
-    as LinearSoftmaxStats' backward does."""
+    """ReplayRoute's node: chunked.LinearSoftmaxStats' forward and the results made from it
+    (`replay_outputs`); backward: the log-probs' upstream gradient where the label is kept and
+    labelled, as the coefficients of target - lse, and the entropy's where the label is labelled
+    (the gradients of the general path's where, _LabelledLogprob and to_full), into the tiling's
+    recompute_grads, as LinearSoftmaxStats' backward does."""
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec):
         merged = forward_stats(hidden, weight, local_target, spec)
         ctx.spec, ctx.kept, ctx.labelled = spec, merged.kept, labelled
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, local_target, *merged.grad_offsets())
-        return replay_logprobs(merged, labelled, spec)
+        ctx.save_for_backward(hidden, weight, local_target, merged.lse, merged.entropy if spec.want_entropy else None,
+                              *merged.grad_offsets())
+        return replay_outputs(merged, labelled, spec)
 
     @staticmethod
     @first_order_only
-    def backward(ctx, g):
-        if g is None:
+    def backward(ctx, g, g_entropy=None):
+        if g is None and g_entropy is None:
             return None, None, None, None, None
-        hidden, weight, local_target, *offsets = ctx.saved_tensors
-        grad = torch.where(ctx.labelled, torch.where(ctx.kept, g, 0.0), 0.0)
-        coefs = coefficients(grad, -grad, None, None, None, None)
+        hidden, weight, local_target, lse, entropy, *offsets = ctx.saved_tensors
+        grad = None if g is None else torch.where(ctx.labelled, torch.where(ctx.kept, g, 0.0), 0.0)
+        if g_entropy is not None:
+            g_entropy = torch.where(ctx.labelled, g_entropy, 0.0)
+        coefs = coefficients(grad, None if grad is None else -grad, None, g_entropy, entropy, lse)
         grad_hidden, grad_weight = recompute_grads(hidden, weight, None, local_target, ctx.spec, tuple(offsets), coefs,
                                                    ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_hidden, grad_weight, None, None, None

@@ -27,7 +27,7 @@ the device (NaN results, the error raised at the next host synchronization, defe
 and the mask's fingerprint rides on the statistics' all-gather (reductions.RankCheck). Every
 call of a signature, the first included, is sized from what the host knows (at most min(rows, E)
 rows with a set; `layout_offsets` keeps a bad mask's indexing in range), so that they compute
-alike, bit for bit. The next call with the same arguments (no entropy; the mask's layout, not how
+alike, bit for bit. The next call with the same arguments (the mask's layout, not how
 many ids it keeps: `route_key`) runs them straight, without the argument handling
 (remembered_routes.ReplayRoute).
 
