@@ -415,7 +415,8 @@ class ReplayRoute(_Route):
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         return hidden.shape[0] > 0
 
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, sampling_mask) -> Optional[LogprobsOutput]:
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *,
+            sampling_mask) -> Optional[LogprobsOutput]:
         facts = self.facts
         mask_check = replay.MaskCheck(sampling_mask, flat_labels, facts.ignore_index, facts.true_vocab)
         if not mask_check.usable or mask_check.ids.numel() == 0:

@@ -470,7 +470,8 @@ def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old
         normalizer if isinstance(normalizer, Tensor) else dummy,
         0.0 if normalizer is None or isinstance(normalizer, Tensor) else float(normalizer), scratch, grad, neg_grad, metrics,
         dummy if poison is None else _f32(poison), dummy if loss is None else loss,
-        deferred_errors.flags(device) if normalizer_kind == 3 else scratch, num_rows, row_length, float(num_rows), **options, BLOCK_B=block_b, BLOCK_T=block_t,
+        deferred_errors.flags(device) if normalizer_kind == 3 else scratch,  # (read only where it checks)
+        num_rows, row_length, float(num_rows), **options, BLOCK_B=block_b, BLOCK_T=block_t,
         HAS_POISON=poison is not None, num_warps=WARPS,
     )
     return grad, neg_grad, metrics, loss
