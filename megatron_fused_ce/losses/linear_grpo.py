@@ -308,18 +308,15 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
     # error), where nll.given_count takes five launches
     kernel_checks = (isinstance(given, Tensor) and given.numel() == 1 and given.device == device
                      and not read_on_host(given))
-    checked = []
 
+    @functools.cache
     def checked_normalizer():
         """A count on a GPU checked on its device; a bad number (on a remembered route, which skips
         the entry point's checks) NaN with its error recorded (nll.given_count); a good number stays
-        one (a kernel argument)."""
-        if not checked:
-            value = given
-            if isinstance(value, Tensor) or (value is not None and not is_count(float(value))):
-                value = given_count(value, dtype=torch.float32, device=device)
-            checked.append(value)
-        return checked[0]
+        one (a kernel argument). Once a call."""
+        if isinstance(given, Tensor) or (given is not None and not is_count(float(given))):
+            return given_count(given, dtype=torch.float32, device=device)
+        return given
 
     def normalizer_tensor():
         # a Python-number normalizer as a tensor (a fill kernel): a new count is no new compilation

@@ -162,16 +162,25 @@ class _Route:
         path's order (its must_agree's); `call_values`: its numbers that may change per call
         (api.call_values), mixed into the rank check's code as the general path mixes them."""
         facts = self.facts
-        flags = deferred_errors.flags(flat_labels.device)
-        local_target, labelled, counts, scalars = facts.spec.backend.label_targets(
-            flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, weight.shape[0], flags,
-            api.call_code(facts.signature_code, call_values), agree_tensors if facts.signature_code is not None else (),
-            label_mask)
+        local_target, labelled, counts, scalars, flags = self.label_checks(flat_labels, weight, label_mask,
+                                                                           agree_tensors, call_values)
         spec = facts.spec
         if facts.group is not None:  # (TP > 1: the group, and the call's rank check)
             spec = replace(spec, tp_group=self.group(), rank_check=reductions.RankCheck(scalars[3:],
                                                                                         poison=scalars[:1], flags=flags))
         return local_target, labelled, counts, scalars, spec
+
+    def label_checks(self, flat_labels: Tensor, weight: Tensor, label_mask: Optional[Tensor] = None,
+                     agree_tensors: tuple = (), call_values: tuple = ()) -> tuple:
+        """The label kernel alone (device_checks' first step): (targets on the shard, labelled rows,
+        counts, scalars (poison first, then at TP > 1 the rank check's pieces), the flags word)."""
+        facts = self.facts
+        flags = deferred_errors.flags(flat_labels.device)
+        local_target, labelled, counts, scalars = facts.spec.backend.label_targets(
+            flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, weight.shape[0], flags,
+            api.call_code(facts.signature_code, call_values), agree_tensors if facts.signature_code is not None else (),
+            label_mask)
+        return local_target, labelled, counts, scalars, flags
 
     def group(self):
         """The TP group (None at TP = 1)."""
@@ -422,10 +431,8 @@ class ReplayRoute(_Route):
         if not mask_check.usable or mask_check.ids.numel() == 0:
             return None
         spec, group = facts.spec, self.group()
-        flags = deferred_errors.flags(flat_labels.device)
-        local_target, labelled, _, scalars = spec.backend.label_targets(
-            flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, weight.shape[0], flags,
-            api.call_code(facts.signature_code, ()), (), None)
+        # (the rank check is made below: the mask's fingerprint joins the labels' pieces)
+        local_target, labelled, _, scalars, flags = self.label_checks(flat_labels, weight)
         needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
         tiling = replay.replay_tiling(mask_check, flat_labels, labelled, facts.vocab_start, spec.num_valid_cols,
                                       facts.true_vocab, needs_grad, plain_pass=self.plain_pass, backend=spec.backend,
