@@ -440,3 +440,49 @@ def test_grpo_route_checks_the_labels_on_the_device(tb, general_grpo_calls):
     assert not general_grpo_calls and loss.isnan() and all(m.isnan() for m in metrics.values())
     with pytest.raises(ValueError, match="labels outside"):
         deferred_errors.check_deferred_errors()
+
+
+@pytest.mark.parametrize("path", ["cross-entropy", "log-probs", "grpo"])
+def test_a_route_launches_its_logits_gemm_first(tb, monkeypatch, path):
+    """A routed call launches its logits GEMM before the rest of its host work (autograd's node,
+    the label kernel, GRPO's per-call objects): an eager call that finds the GPU idle waits for
+    whatever the host does before that launch. The node takes those logits over: one logits GEMM
+    a call, none of its own."""
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo, linear_grpo_loss
+    from megatron_fused_ce.ops import fast
+
+    events = []
+
+    def recording(module, name, event):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            events.append(event)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    recording(remembered_routes, "logits_gemm", "gemm")
+    recording(fast, "logits_gemm", "the node's gemm")
+    recording(deferred_errors, "flags", "label checks")
+    recording(linear_grpo, "_grpo_grads", "GRPO's per-call objects")
+    h0, w0, y, vocab = _inputs(tb, 31)
+
+    def call():
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if path == "cross-entropy":
+            out = linear_cross_entropy(h, w, y, vocab_size=vocab, impl="triton")
+        elif path == "log-probs":
+            out = linear_logprobs(h, w, y, vocab_size=vocab, impl="triton").logprobs.sum()
+        else:
+            out, _ = linear_grpo_loss(h.view(1, *h.shape), w, y.clamp(min=0).view(1, -1), torch.ones(1),
+                                      (y != -100).float().view(1, -1), GRPOConfig(), vocab_size=vocab, impl="triton")
+        out.backward()
+        return out.detach(), h.grad, w.grad
+
+    calls = [call() for _ in range(2)]  # (the second records the route)
+    events.clear()
+    calls.append(call())
+    assert events[0] == "gemm" and events.count("gemm") == 1 and "the node's gemm" not in events, events
+    assert "label checks" in events and (path != "grpo" or "GRPO's per-call objects" in events), events
+    for a, b in zip(calls[2], calls[1]):  # the same inputs: the same bits
+        assert torch.equal(a, b)

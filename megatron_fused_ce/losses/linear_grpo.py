@@ -421,11 +421,15 @@ def linear_grpo_loss(
     route = remembered_routes.lookup(route_key)
     if route is not None:  # (recorded by a call whose checks passed: mask is a [B, T] tensor)
         first = bool(sequence_parallel)
-        forward_grad = _grpo_grads(config, hidden.device, labels, advantages, mask, old_logprobs, reference_logprobs,
-                                   sampling_logprobs, normalizer, route.facts.ignore_index, first, impl, None)
-        must_agree = _must_agree(advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs, normalizer)
-        made = route(hidden, weight, labels, forward_grad=forward_grad, label_mask=mask.t() if first else mask,
-                     agree_tensors=must_agree_tensors(must_agree), call_values=call_values(must_agree))
+
+        def per_call():  # (made while the route's logits GEMM runs)
+            forward_grad = _grpo_grads(config, hidden.device, labels, advantages, mask, old_logprobs,
+                                       reference_logprobs, sampling_logprobs, normalizer, route.facts.ignore_index,
+                                       first, impl, None)
+            must_agree = _must_agree(advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs, normalizer)
+            return (forward_grad, mask.t() if first else mask, must_agree_tensors(must_agree),
+                    call_values(must_agree))
+        made = route(hidden, weight, labels, per_call=per_call)
         if made is not None:
             return made  # (the loss, the metrics)
     vocab_size, ignore_index, chunk_size, max_chunk_bytes = map(

@@ -234,12 +234,15 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison) -> tuple:
+def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison,
+                          logits: Optional[Tensor] = None) -> tuple:
     """LinearLogprobDlogitsInForward's forward work -> (log-probs, merged statistics,
-    fast.DlogitsMadeInForward): the chunk of logits, its statistics and log-probs (plus the call's
-    poison, `call_poison()`), then D = one_hot - softmax in place of the logits and D·W."""
+    fast.DlogitsMadeInForward): the chunk of logits (`logits` where the caller launched them), its
+    statistics and log-probs (plus the call's poison, `call_poison()`), then D = one_hot - softmax
+    in place of the logits and D·W."""
     one_launch = fast.runs_stats_dlogits(spec, hidden, weight)
-    logits = fast.chunk_logits(hidden, weight, spec)
+    if logits is None:
+        logits = fast.chunk_logits(hidden, weight, spec)
     if one_launch:  # the statistics, log-probs and D in one launch (fast.StatsWithDlogits' kernel)
         row_max, target, log_sum_exp, lse, logprob = spec.backend.stats_dlogits.run_(
             logits, local_target, spec.num_valid_cols, spec.inv_temperature, labelled, logprob=True,

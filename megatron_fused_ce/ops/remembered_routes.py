@@ -61,7 +61,7 @@ from .chunked import (coefficients, first_order_only, forward_stats, input_grad_
                       logprobs_with_dlogits, recompute_grads, token_coefficients, weight_grad_from_coefs)
 from .fast import (FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_dlogits_, chunk_logits, fused_statistics,
                    grad_gemms, logits_partials, merged_chunk_statistics, runs_stats_dlogits)
-from .gemm import gemm_input
+from .gemm import gemm_input, logits_gemm
 from .main_grad import saved_tensors_hooks_active
 from .reductions import merged_logprobs
 
@@ -182,6 +182,17 @@ class _Route:
             label_mask)
         return local_target, labelled, counts, scalars, flags
 
+    def first_logits(self, hidden: Tensor, weight: Tensor) -> Optional[Tensor]:
+        """The call's logits GEMM, launched before the rest of its host work (the node, the label
+        kernel, a loss's per-call objects): an eager call from an idle GPU waits for whatever the
+        host does before this launch. None under sequence parallelism (the node gathers the
+        sequence first)."""
+        spec = self.facts.spec
+        if spec.sequence_parallel:
+            return None
+        with torch.no_grad():
+            return logits_gemm(hidden, weight, spec.logits_dtype)
+
     def group(self):
         """The TP group (None at TP = 1)."""
         return None if self.facts.group is None else self.facts.group()
@@ -228,7 +239,8 @@ class CrossEntropyRoute(_LossRoute):
         self.forward_grad = forward_grad
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
-        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None, (), ())
+        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None, (), (),
+                                  self.first_logits(hidden, weight))
 
     def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
         # TokenStats.negative_logprob_total's kernel
@@ -245,10 +257,13 @@ class GRPORoute(_LossRoute):
 
     may_take_one_launch = False  # (a GRPO token's coefficient needs its log-prob first)
 
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, forward_grad,
-            label_mask: Tensor, agree_tensors: tuple, call_values: tuple) -> tuple:
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, per_call) -> tuple:
+        """`per_call()`: the call's (GRPOGrads, label mask, agree_tensors, call_values), made while
+        the logits GEMM runs."""
+        logits = self.first_logits(hidden, weight)
+        forward_grad, label_mask, agree_tensors, call_values = per_call()
         loss = StraightLoss.apply(hidden, weight, flat_labels, self, forward_grad, label_mask, agree_tensors,
-                                  call_values)
+                                  call_values, logits)
         return loss, forward_grad.reported
 
     def before_coefficients(self, forward_grad, poison: Tensor) -> None:
@@ -275,10 +290,12 @@ class StraightLoss(torch.autograd.Function):
     does."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask, agree_tensors, call_values):
+    def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask, agree_tensors, call_values,
+                logits):
         facts = route.facts
         full = reductions.gather_sequence(hidden, route.group()) if facts.spec.sequence_parallel else hidden
-        logits = chunk_logits(full, weight, facts.spec)
+        if logits is None:  # (route.first_logits' where it launched them)
+            logits = chunk_logits(full, weight, facts.spec)
         local_target, labelled, counts, scalars, spec = route.device_checks(labels, weight, label_mask,
                                                                             agree_tensors, call_values)
         count = LabelledCount(counts, scalars, labelled)
@@ -317,10 +334,10 @@ class StraightLoss(torch.autograd.Function):
             ctx.dx = ctx.dw = None
             backend = ctx.route.facts.spec.backend
             if dx is None:
-                return None, backend.scale_(dw, g), None, None, None, None, None, None
+                return None, backend.scale_(dw, g), None, None, None, None, None, None, None
             if isinstance(dx, reductions.InputGradSum):  # (summed over TP ranks: started in the forward)
                 dx = dx.result()
-            return backend.scale_(dx, g, dw), dw, None, None, None, None, None, None
+            return backend.scale_(dx, g, dw), dw, None, None, None, None, None, None, None
         hidden, weight, local_target = ctx.saved_tensors
         spec, merged, coefs = ctx.spec, ctx.merged, ctx.coefs
         if coefs is None:
@@ -335,7 +352,7 @@ class StraightLoss(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = weight_grad_from_coefs(spec, False, hidden, weight, None, local_target, offsets, coef_list,
                                                  g)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 class LogprobRoute(_Route):
@@ -362,7 +379,7 @@ class LogprobRoute(_Route):
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> LogprobsOutput:
         if self.differentiable:
-            logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self)
+            logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self, self.first_logits(hidden, weight))
         else:
             full = reductions.gather_sequence(hidden, self.group()) if self.facts.spec.sequence_parallel else hidden
             logits = chunk_logits(full, weight, self.facts.spec)
@@ -384,10 +401,10 @@ class StraightLogprobs(torch.autograd.Function):
     general backward's bookkeeping."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, route: LogprobRoute):
+    def forward(ctx, hidden, weight, labels, route: LogprobRoute, logits):
         local_target, labelled, _, scalars, spec = route.device_checks(labels, weight)
         logprob, _, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec,
-                                                 lambda: route.poison(scalars, spec))
+                                                 lambda: route.poison(scalars, spec), logits)
         ctx.spec, ctx.made = spec, made
         ctx.save_for_backward(hidden, weight)
         return logprob
@@ -402,7 +419,7 @@ class StraightLogprobs(torch.autograd.Function):
         ctx.made.recompute_grads(hidden, weight, None, ctx.spec, (), {"target": g}, dx, dw, False)
         if dx is not None and ctx.spec.tp_group is not None:  # this rank's part: summed over TP ranks
             dx = reductions.InputGradSum(dx, ctx.spec.tp_group, False).result()
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class ReplayRoute(_Route):
