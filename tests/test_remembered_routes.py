@@ -486,3 +486,55 @@ def test_a_route_launches_its_logits_gemm_first(tb, monkeypatch, path):
     assert "label checks" in events and (path != "grpo" or "GRPO's per-call objects" in events), events
     for a, b in zip(calls[2], calls[1]):  # the same inputs: the same bits
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 16])
+def test_forward_only_route_with_the_fused_statistics_gemm(tb, general_logprob_calls, monkeypatch, chunk_size):
+    """Forward-only log-probs whose statistics come from the fused statistics GEMM (above
+    fast.FUSED_STATS_MIN_BYTES of logits: none in memory) run a route too: that GEMM launched first
+    (it reads the labels itself), then the label kernel, the merge and the log-probs; the general
+    path's log-probs bit for bit, in one chunk or several (the GEMM takes every row at once)."""
+    from megatron_fused_ce.ops import fast
+    import megatron_fused_ce.ops.backends.triton_gemm_stats as gemm_stats  # (the interpreted one on a CPU)
+
+    monkeypatch.setattr(fast, "FUSED_STATS_MIN_BYTES", 0)  # (the fused GEMM at this small shape)
+    monkeypatch.setattr(gemm_stats, "TILE", (16, 32, 16, 4, 1))
+    monkeypatch.setattr(gemm_stats, "MERGE_BLOCK_T", 4)
+    events = []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                events.append("statistics GEMM")
+                return launch(*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(gemm_stats, "_gemm_stats_tma", Recorded(gemm_stats._gemm_stats_tma))
+    monkeypatch.setattr(gemm_stats, "_gemm_stats_ptr", Recorded(gemm_stats._gemm_stats_ptr))
+    flags = deferred_errors.flags
+    monkeypatch.setattr(deferred_errors, "flags", lambda device: events.append("label checks") or flags(device))
+    h0, w0, y, vocab = _inputs(tb, 8)
+    h0, w0 = h0.bfloat16(), w0.bfloat16()
+
+    def call():
+        with torch.no_grad():
+            return (linear_logprobs(h0, w0, y, vocab_size=vocab, temperature=0.7, impl="triton",
+                                    chunk_size=chunk_size).logprobs,)
+
+    events.clear()
+    got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs",), f"chunk_size {chunk_size}")
+    assert remembered_routes.lookup(next(reversed(remembered_routes._ROUTES))).fused
+    assert events.count("statistics GEMM") == 6  # (every call's statistics from the fused GEMM)
+    events.clear()
+    assert torch.equal(call()[0], got[0])  # routed again
+    assert events[0] == "statistics GEMM" and events.count("statistics GEMM") == 1 and "label checks" in events, events
+    # float64, from the logits rounded to bf16 as the GEMM rounds them (its fp32 sum may round the
+    # other way where float64's lies at a rounding boundary: a bf16 step, 2^-8 of the logit)
+    logits = (h0.double() @ w0.double().T).bfloat16().double()[:, :vocab] / 0.7
+    ref = torch.log_softmax(logits, -1).gather(1, y.clamp(min=0)[:, None])[:, 0].where(y >= 0, 0.0)
+    torch.testing.assert_close(got[0].double(), ref, rtol=0, atol=3e-2)

@@ -119,7 +119,25 @@ def _calls(rank, world, labels_of_rank=None, impl="torch"):
             return out.logprobs.detach(), h.grad, w.grad, None if out.entropy is None else out.entropy.detach()
         return call
 
-    return {"cross-entropy": ce(False), "cross-entropy, sum, sequence parallel": ce(True, "sum"),
+    def fused_logprobs():  # forward-only, the statistics from the fused statistics GEMM (bf16 inputs)
+        from megatron_fused_ce.ops import fast
+        from megatron_fused_ce.ops.backends import triton_gemm_stats
+
+        def call():
+            settings = fast.FUSED_STATS_MIN_BYTES, triton_gemm_stats.TILE, triton_gemm_stats.MERGE_BLOCK_T
+            # (the fused GEMM at this small shape, in tiles that fit it)
+            fast.FUSED_STATS_MIN_BYTES, triton_gemm_stats.TILE, triton_gemm_stats.MERGE_BLOCK_T = 0, (16, 32, 16, 4, 1), 4
+            try:
+                h, w = (t.bfloat16() for t in _shard(rank, world, hidden, weight, False))
+                with torch.no_grad():
+                    out = linear_logprobs(h, w, labels, tp_group=group, vocab_size=VOCAB, temperature=0.7, impl=impl)
+            finally:
+                fast.FUSED_STATS_MIN_BYTES, triton_gemm_stats.TILE, triton_gemm_stats.MERGE_BLOCK_T = settings
+            return out.logprobs, None, None
+        return call
+
+    fused = {"log-probs forward-only, fused statistics GEMM": fused_logprobs()} if impl == "triton" else {}
+    return {**fused, "cross-entropy": ce(False), "cross-entropy, sum, sequence parallel": ce(True, "sum"),
             "cross-entropy, second backward at 1e-5": ce(False, scales=(1e-5, 3.0)),
             "grpo": grpo(False), "grpo, sequence parallel": grpo(True),
             "log-probs forward-only": logprobs(False, False),
@@ -169,8 +187,8 @@ def _routes_worker(rank, world, impl="torch", only=None):
             got = [call() for _ in range(3)][2]
             same = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                        for a, b in zip(got, want))
-            backend = next(reversed(remembered_routes._ROUTES.values())).facts.spec.backend.name
-            results[name] = (general.count, same, got, backend)
+            facts = next(reversed(remembered_routes._ROUTES.values())).facts
+            results[name] = (general.count, same, got, facts.spec.backend.name, facts.route)
         check_deferred_errors()
     finally:
         general.restore()
@@ -198,7 +216,7 @@ def test_routes_at_tp_equal_the_general_path(world):
 def _check_routed(results, impl="torch"):
     for rank, per_rank in enumerate(results):
         assert per_rank, "no case ran"
-        for name, (general_calls, same, got, backend) in per_rank.items():
+        for name, (general_calls, same, got, backend, _) in per_rank.items():
             assert backend == impl, (name, backend)
             assert general_calls == 2, f"rank {rank}, {name}: the third call runs the route the second recorded"
             assert same, f"rank {rank}, {name}: the route's results are the general path's bit for bit"
@@ -207,17 +225,20 @@ def _check_routed(results, impl="torch"):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo harness runs on CPU tensors")
 def test_routes_at_tp_on_the_triton_backend():
     pytest.importorskip("triton")
-    _check_routed(run_workers(_routes_worker, 2, "triton", ("cross-entropy", "grpo", "log-probs, sampling mask replay"),
-                              timeout=240), "triton")
+    fused = "log-probs forward-only, fused statistics GEMM"
+    results = run_workers(_routes_worker, 2, "triton", ("cross-entropy", "grpo", "log-probs, sampling mask replay", fused),
+                          timeout=240)
+    _check_routed(results, "triton")
+    assert all(per_rank[fused][4] == "log-probs forward-only, fused statistics" for per_rank in results)
 
 
-def _differing_worker(rank, world, case):
+def _differing_worker(rank, world, case, impl="torch"):
     """Routes recorded, then a routed call whose labels (or GRPO's advantages) differ on the last
     rank: every rank's results are NaN and every rank raises at the next check."""
     general = _GeneralCalls()
     try:
         agreement.forget_signatures()
-        call = _calls(rank, world)[case]
+        call = _calls(rank, world, impl=impl)[case]
         for _ in range(3):
             call()
         check_deferred_errors()
@@ -229,7 +250,7 @@ def _differing_worker(rank, world, case):
             return labels
 
         general.count = 0
-        got = _calls(rank, world, labels_of_rank=differ)[case]()
+        got = _calls(rank, world, labels_of_rank=differ, impl=impl)[case]()
         routed = general.count == 0
         poisoned = bool(got[0].isnan().all())
         try:
@@ -247,7 +268,18 @@ def _differing_worker(rank, world, case):
 @pytest.mark.parametrize("case", ["cross-entropy", "grpo", "log-probs forward-only",
                                   "log-probs, dlogits in the forward", "log-probs, sampling mask replay"])
 def test_routes_at_tp_still_compare_the_ranks(case):
-    for rank, (routed, poisoned, raised) in enumerate(run_workers(_differing_worker, 2, case, timeout=120)):
+    _check_compared(run_workers(_differing_worker, 2, case, timeout=120))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo harness runs on CPU tensors")
+def test_the_fused_statistics_route_at_tp_still_compares_the_ranks():
+    pytest.importorskip("triton")
+    _check_compared(run_workers(_differing_worker, 2, "log-probs forward-only, fused statistics GEMM", "triton",
+                                timeout=120))
+
+
+def _check_compared(results):
+    for rank, (routed, poisoned, raised) in enumerate(results):
         assert routed, f"rank {rank}: the differing call ran the route"
         assert poisoned, f"rank {rank}: NaN results where the ranks' labels differ"
         assert "differ across" in raised, f"rank {rank}: {raised!r}"

@@ -872,16 +872,20 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             # GEMM): the labelled log-probs with the device checks' poison in one launch
             logprob = backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
                                                _device_poison(device_checks, rank_check))
-            # a route a later call may run straight (remembered_routes.py): one chunk at TP > 1
-            one_chunk = (tp_size > 1 and tiling is FAST_CHUNKS and logits_dtype is None and 0 < num_rows <= chunk_size
-                         and not fused_statistics(backend, hidden2d, weight))
+            # a route a later call may run straight (remembered_routes.py): one chunk at TP > 1, or
+            # the fused statistics GEMM (without sequence parallelism) at any TP size
+            fused = fused_statistics(backend, hidden2d, weight)
+            applies = tiling is FAST_CHUNKS and (
+                (fused and not sequence_parallel)
+                or (not fused and tp_size > 1 and logits_dtype is None and 0 < num_rows <= chunk_size))
             return TokenStats(merged.target, merged.lse, None, None, row_index, shape, num_rows, None, merged.max,
                               merged.log_sum_exp, num_labelled=num_labelled, labelled=labelled, backend=backend,
                               logprob_value=logprob,
                               straight=_straight_facts(
-                                  "log-probs forward-only, merged", agreed, spec, ignore_index, tp_group=tp_group,
+                                  "log-probs forward-only, fused statistics" if fused
+                                  else "log-probs forward-only, merged", agreed, spec, ignore_index, tp_group=tp_group,
                                   weight=weight, weight_param=weight_param,
-                                  accumulate_into_main_grad=accumulate_into_main_grad, applies=one_chunk))
+                                  accumulate_into_main_grad=accumulate_into_main_grad, applies=applies))
     target, lse, sum_logits, entropy = merged.target, merged.lse, merged.sum_logits, merged.entropy
     if forward_grad is not None and needs_grad:  # fp16: the same contract, gradients on the recompute path
         anchor = _anchor_from_token_grads(forward_grad, target, lse, sum_logits, entropy, merged.max,

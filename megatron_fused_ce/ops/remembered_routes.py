@@ -367,6 +367,7 @@ class LogprobRoute(_Route):
         super().__init__(facts, impl)
         self.differentiable = facts.route == "log-probs dlogits in forward"
         self.merged = facts.route == "log-probs forward-only, merged"
+        self.fused = facts.route == "log-probs forward-only, fused statistics"
 
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         if self.differentiable:
@@ -375,14 +376,23 @@ class LogprobRoute(_Route):
         if self.facts.spec.sequence_parallel:  # (the gathered rows: below the fused statistics' bound)
             rows = hidden.shape[0] * reductions.group_size(self.group())
             return rows * weight.shape[0] * weight.element_size() <= FUSED_STATS_MIN_BYTES
-        return not fused_statistics(self.facts.spec.backend, hidden, weight)
+        return fused_statistics(self.facts.spec.backend, hidden, weight) == self.fused
 
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> LogprobsOutput:
+        facts = self.facts
         if self.differentiable:
             logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self, self.first_logits(hidden, weight))
+        elif self.fused:  # the statistics GEMM first (it reads the labels itself), as fast.EarlyProduct launches it
+            spec = facts.spec
+            partials = spec.backend.gemm_stats.run(
+                hidden, weight, flat_labels, spec.num_valid_cols, spec.inv_temperature, round_logits=spec.logits_dtype
+                is None, label_offset=facts.vocab_start, ignore_index=facts.ignore_index)
+            _, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
+            _, logprob = merged_logprobs(partials, spec.tp_group, spec.backend, spec.rank_check, labelled,
+                                         lambda: self.poison(scalars, spec))
         else:
-            full = reductions.gather_sequence(hidden, self.group()) if self.facts.spec.sequence_parallel else hidden
-            logits = chunk_logits(full, weight, self.facts.spec)
+            full = reductions.gather_sequence(hidden, self.group()) if facts.spec.sequence_parallel else hidden
+            logits = chunk_logits(full, weight, facts.spec)
             local_target, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
             if self.merged:  # (the log-probs in the merge's launch)
                 _, logprob = merged_logprobs(logits_partials(logits, local_target, spec), spec.tp_group, spec.backend,
