@@ -27,12 +27,17 @@ Routes:
   backward, and its second through a retained graph, from the same coefficients. (A backend whose
   one-pass row kernel takes the chunk, QuACK's, keeps the general path.)
 - `LogprobRoute`: `linear_logprobs` of one chunk without entropy, sampler or sampling mask:
-  forward-only (the reference and old-policy passes) or with the dlogits made in the forward.
+  forward-only (the reference and old-policy passes) or with the dlogits made in the forward; and
+  forward-only from the fused statistics GEMM (no logits in memory), in any number of chunks.
 - `ReplayRoute`: `linear_logprobs` with a sampling mask (replay.py), with or without entropy,
   without sequence parallelism: its key holds the mask's layout, not how many ids it keeps; each
   call makes its layout, device checks and pieces from its own mask (replay.replay_tiling), then
   the statistics, the log-probs (one launch) and `StraightReplay`'s backward, the general path's
   nodes' in one.
+
+Every route but the replay's launches its call's first GEMM (the logits, or the fused statistics)
+before the rest of its host work: at RL row counts an eager call from an idle GPU waits for what
+the host does before that launch.
 
 At TP > 1 a route makes what the general path's remembered signature makes for the ranks to agree
 on: the label kernel's fingerprints of the signature, the labels and the loss's must-agree
@@ -359,7 +364,9 @@ class LogprobRoute(_Route):
     """linear_logprobs' routes of one chunk without entropy, sampler or sampling mask (module doc):
     forward-only (the reference and old-policy passes: the logits GEMM, the label kernel, then at
     TP = 1 the stats kernel finishing each row's log-prob, at TP > 1 the statistics merged over
-    the ranks — the rank check riding on the merge — and the labelled log-probs' kernel), or with
+    the ranks — the rank check riding on the merge — and the labelled log-probs' kernel; or, above
+    fast.FUSED_STATS_MIN_BYTES of logits, the fused statistics GEMM over every row, the label
+    kernel, the merge and the log-probs), or with
     the dlogits made in the forward (`StraightLogprobs`: the general path's
     LinearLogprobDlogitsInForward, leaner)."""
 
