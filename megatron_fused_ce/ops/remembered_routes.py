@@ -392,8 +392,8 @@ class LogprobRoute(_Route):
         elif self.fused:  # the statistics GEMM first (it reads the labels itself), as fast.EarlyProduct launches it
             spec = facts.spec
             partials = spec.backend.gemm_stats.run(
-                hidden, weight, flat_labels, spec.num_valid_cols, spec.inv_temperature, round_logits=spec.logits_dtype
-                is None, label_offset=facts.vocab_start, ignore_index=facts.ignore_index)
+                hidden, weight, flat_labels, spec.num_valid_cols, spec.inv_temperature,
+                round_logits=spec.logits_dtype is None, label_offset=facts.vocab_start, ignore_index=facts.ignore_index)
             _, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
             _, logprob = merged_logprobs(partials, spec.tp_group, spec.backend, spec.rank_check, labelled,
                                          lambda: self.poison(scalars, spec))
