@@ -95,10 +95,8 @@ class EarlyProduct:
             ahead_value, ahead.value = ahead.value, None
         if statistics and fused_statistics(backend, rows, weight):
             ahead_value = None  # (freed before the fused GEMM's outputs are allocated)
-            self.kind, self.value = self.STATISTICS, backend.gemm_stats.run(
-                rows, weight, labels, spec.num_valid_cols, spec.inv_temperature,
-                want_sum_logits=spec.want_sum_logits, want_entropy=spec.want_entropy,
-                round_logits=spec.logits_dtype is None, label_offset=label_offset, ignore_index=ignore_index)
+            self.kind, self.value = self.STATISTICS, labelled_gemm_statistics(rows, weight, labels, spec, label_offset,
+                                                                              ignore_index)
         else:
             rows = chunk_rows(rows, 0, min(spec.chunk_size, rows.shape[0]))
             self.kind, self.logits_dtype = self.LOGITS, spec.logits_dtype
@@ -484,6 +482,17 @@ def concat_partials(partials: list, hidden_rows: Tensor, spec) -> ShardStats:
         name: None if getattr(partials[0], name) is None else torch.cat([getattr(p, name) for p in partials])
         for name in ShardStats.__dataclass_fields__
     })
+
+
+def labelled_gemm_statistics(rows: Tensor, weight: Tensor, labels: Tensor, spec, label_offset: int,
+                             ignore_index: int) -> ShardStats:
+    """This shard's statistics of `rows` from the fused statistics GEMM, reading the labels
+    themselves (the shard's first id `label_offset`, `ignore_index`): the product a call launches
+    before its label kernel has made the targets (EarlyProduct, the forward-only route)."""
+    return spec.backend.gemm_stats.run(
+        rows, weight, labels, spec.num_valid_cols, spec.inv_temperature, want_sum_logits=spec.want_sum_logits,
+        want_entropy=spec.want_entropy, round_logits=spec.logits_dtype is None, label_offset=label_offset,
+        ignore_index=ignore_index)
 
 
 def shard_partials(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, spec) -> ShardStats:

@@ -65,7 +65,7 @@ from .api import LabelledCount, LogprobsOutput, StraightFacts
 from .chunked import (coefficients, first_order_only, forward_stats, input_grad_from_coefs,
                       logprobs_with_dlogits, recompute_grads, token_coefficients, weight_grad_from_coefs)
 from .fast import (FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_dlogits_, chunk_logits, fused_statistics,
-                   grad_gemms, logits_partials, merged_chunk_statistics, runs_stats_dlogits)
+                   grad_gemms, labelled_gemm_statistics, logits_partials, merged_chunk_statistics, runs_stats_dlogits)
 from .gemm import gemm_input, logits_gemm
 from .main_grad import saved_tensors_hooks_active
 from .reductions import merged_logprobs
@@ -390,10 +390,8 @@ class LogprobRoute(_Route):
         if self.differentiable:
             logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self, self.first_logits(hidden, weight))
         elif self.fused:  # the statistics GEMM first (it reads the labels itself), as fast.EarlyProduct launches it
-            spec = facts.spec
-            partials = spec.backend.gemm_stats.run(
-                hidden, weight, flat_labels, spec.num_valid_cols, spec.inv_temperature,
-                round_logits=spec.logits_dtype is None, label_offset=facts.vocab_start, ignore_index=facts.ignore_index)
+            partials = labelled_gemm_statistics(hidden, weight, flat_labels, facts.spec, facts.vocab_start,
+                                                facts.ignore_index)
             _, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
             _, logprob = merged_logprobs(partials, spec.tp_group, spec.backend, spec.rank_check, labelled,
                                          lambda: self.poison(scalars, spec))
