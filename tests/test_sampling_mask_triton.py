@@ -184,6 +184,64 @@ def test_entry_kernels_match_the_torch_math(triton_kernels, terms, monkeypatch):
         assert bool((got[~entries.valid] == 0).all()) and bool((got[entries.valid] != 0).any())
 
 
+def test_entry_kernels_gather_gate_and_write_blocks(triton_kernels, monkeypatch):
+    """The union tiles' forward and backward take their entries' z and dlogits straight from and
+    into the tiles' blocks: entry_stats reading z at each entry's place in a block of products
+    (and storing it), entry_dlogits with the log-probs' upstream gradient gated by two row masks
+    (labelled, label kept; coef_p None: minus the gated target) and written into two blocks at the
+    entries' places. Triton against the torch definitions, and the gated form bit for bit the
+    explicit one (two wheres and a negation: what the general path's coefficients are)."""
+    from megatron_fused_ce.ops.backends import replay_torch
+
+    replay_triton = triton_kernels["replay_triton"]
+    monkeypatch.setattr(replay_triton, "STATS_BLOCK_E", 4)
+    monkeypatch.setattr(replay_triton, "DLOGITS_BLOCK", 64)
+    entries, _, _, g = _kept_entries(21, dtype=torch.float32, pool=97)
+    rows, total = entries.labelled.numel(), entries.ids.numel()
+    width = 8
+    products = torch.randn(total, width, generator=g).to(torch.bfloat16).to(DEVICE)
+    place = torch.where(entries.valid, torch.randperm(total * width, generator=g)[:total].to(DEVICE), -1)
+    z_ref = torch.zeros(total, device=DEVICE)
+    entries.gather_places(z_ref, products, place, 0, 1 / 0.7)
+    stats = {}
+    for math in (replay_triton, replay_torch):
+        z = torch.zeros(total, device=DEVICE)
+        stats[math] = math.entry_stats(z, entries, True, gather=(products, place, 1 / 0.7))
+        assert torch.equal(z, z_ref)
+    for field in ("max", "sum_exp", "target", "sum_exp_shifted"):
+        torch.testing.assert_close(getattr(stats[replay_triton], field), getattr(stats[replay_torch], field),
+                                   rtol=1e-5, atol=1e-6)
+    # the offsets each row's dlogits take: its set's statistics, placeholders where it has none
+    row_max = torch.zeros(rows, device=DEVICE).index_copy(0, entries.set_dest.clamp(max=rows - 1),
+                                                          stats[replay_torch].max.nan_to_num(neginf=0.0))
+    log_sum_exp = torch.ones(rows, device=DEVICE)
+    upstream = torch.randn(rows, generator=g).to(DEVICE)
+    gate = (entries.labelled, entries.kept)
+    assert not bool(entries.kept.all()) and not bool(entries.labelled.all())
+    explicit = torch.where(entries.labelled, torch.where(entries.kept, upstream, 0.0), 0.0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+        want = replay_torch.entry_dlogits(z_ref, entries, 1 / 0.7, row_max, log_sum_exp, -explicit, None, explicit,
+                                          dtype)
+        gated = replay_torch.entry_dlogits(z_ref, entries, 1 / 0.7, row_max, log_sum_exp, None, None, upstream,
+                                           dtype, gate=gate)
+        assert torch.equal(gated, want)
+        got = replay_triton.entry_dlogits(z_ref, entries, 1 / 0.7, row_max, log_sum_exp, None, None, upstream,
+                                          dtype, gate=gate)
+        torch.testing.assert_close(got, want, rtol=tol, atol=1e-6)
+        assert bool((got[entries.valid] != 0).any())
+        # into two blocks at two sets of places: the entries' dlogits there, the blocks' zeros elsewhere
+        other = torch.where(entries.valid, torch.randperm(total * width, generator=g)[:total].to(DEVICE), -1)
+        for math in (replay_triton, replay_torch):
+            blocks = [torch.zeros(total, width, dtype=dtype, device=DEVICE) for _ in range(2)]
+            assert math.entry_dlogits(z_ref, entries, 1 / 0.7, row_max, log_sum_exp, None, None, upstream, dtype,
+                                      gate=gate, into=((place, blocks[0]), (other, blocks[1]))) is None
+            d = got if math is replay_triton else want
+            for block, at in zip(blocks, (place, other)):
+                expected = torch.zeros(total * width, dtype=dtype, device=DEVICE)
+                expected[at[entries.valid]] = d[entries.valid]
+                assert torch.equal(block.reshape(-1), expected)
+
+
 # ---------------------------------------------------------------- the layout and checks kernels against torch's
 _LAYOUT_FIELDS = ("offsets", "has_set", "set_dest", "set_rows", "starts", "ends", "set_labels", "kept", "slot", "col",
                   "position", "valid", "is_label", "set_positions")
@@ -198,7 +256,7 @@ def _layouts(replay_triton, ids, offsets, labels, labelled, vocab, vocab_start, 
     torch_entries = replay.KeptEntries(ids, check.layout_offsets(), labels, labelled, vocab_start, num_valid,
                                        max_set_rows)
     kernel = partial(replay_triton.kept_layout, vocab=vocab, num_cols=num_valid + 2, flags=flags,
-                     check_missing=check_missing, fingerprint=True)
+                     check_missing=check_missing, fingerprint=True, count_use=True)
     kernel_entries = replay.KeptEntries(ids, offsets, labels, labelled, vocab_start, num_valid, max_set_rows,
                                         kernel=kernel)
     counts = torch.cat([check._device_counts(), check._row_counts()])
@@ -240,6 +298,10 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     assert torch.equal(got.row_place[1], torch.where(ref.valid, ref.position * (num_valid + 2) + ref.col, -1))
     assert torch.equal(got.counts[:5], counts) and int(got.counts[6]) == missing, (got.counts, counts, missing)
     assert got.poison is None
+    # each column's valid entries, counted with the layout (dW's column tiles order by them)
+    use = torch.bincount(ref.col[ref.valid], minlength=num_valid + 2)
+    assert got.column_use.dtype == torch.int32 and torch.equal(got.column_use.long(), use)
+    assert ref.column_use is None
     # the dense route's chunks: the kernels read and write the places torch does
     cols = num_valid + 2
     logits = torch.randn(max_set_rows, cols, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -418,10 +480,12 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     dlogits kernel and its output, the dX and dW kernels and the sort, and the zeros of dX and dW
     that stand in for the plain pass), at most 24; the dense route 11-12 more per chunk of rows (its
     row gathers, GEMMs, entry gathers and dlogits block), at most 12, and 14 besides, at most 21; the
-    union tiles 36, at most 38 (each of their two layouts six ops: two allocations, three
-    launches and a cumsum; dW's columns ordered by use five: the counts and their launch, the
-    sort, the ranks and their launch; the forward's product, the backward's two products and their
-    dlogits' scatters).
+    union tiles 31 (each of their two layouts six ops: two allocations, three launches and a
+    cumsum; dW's columns ordered by use four: two allocations and two launches, the counts made
+    by the layout kernel; the forward's product and the statistics reading z off it; the
+    backward's dlogits written into both products' blocks, one zeroed allocation, and the two
+    products; 36 with the counts, the sort and the ranks apart, the z gather and the dlogits
+    scattered into each block).
     Protects the per-call host cost of replay: every op costs a launch and its Python while the
     GPU idles (about 100 ops in these phases with the layout and checks in torch; 32, and 54
     fixed, with the entries' dlogits and the dense statistics in torch)."""
@@ -438,8 +502,9 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     assert per_chunk <= 12 and dense[1] - per_chunk <= 21, (dense, sparse.replay_ops())
     monkeypatch.setattr(replay, "TILE_ROWS", 16)
     monkeypatch.setattr(replay, "COLUMN_TILE", 16)
-    tiles = _dispatched_call(monkeypatch, "tiles", 32)
-    assert tiles.replay_ops() <= 38 and len(tiles.ops["entries"]) <= 8, dict(tiles.ops)
+    tiles = _dispatched_call(monkeypatch, "tiles", 64)  # (both blocks of dlogits within a chunk of logits)
+    assert tiles.replay_ops() <= 31 and len(tiles.ops["entries"]) <= 7, dict(tiles.ops)
+    assert len(tiles.ops["backward"]) <= 16, tiles.ops["backward"]
     assert len(tiles.ops["other"]) <= len(sparse.ops["other"]) + 6, tiles.ops["other"]  # (the slots' layout)
 
 
@@ -489,9 +554,46 @@ def test_column_tiles_put_the_columns_most_sets_name_together():
     # besides, a (tile, row) pair for each row whose own id is not among the first tile's other
     # width - 2 columns (in column order: 89 pairs, every row in two tiles)
     assert sum(union_sizes) == rows + rows - (width - 2), union_sizes
-    # the order is by use, ties by column
+    # the order is by class of use, ties by column (here the classes of 32, 1 and 0 uses)
     named = torch.bincount(ids, minlength=vocab)
     assert torch.equal(tiles.out_rows, torch.sort(named, descending=True, stable=True).indices)
+    assert replay.use_class(named.int()).unique().tolist() == [0, 1, 11]
+
+
+def test_use_classes_are_two_an_octave():
+    """replay.use_class, which dW's column tiles order by: 0 unused, 1 for one use, then two
+    classes an octave ([2, 3), [3, 4), [4, 6), [6, 8), ...), so that the columns of a class are used
+    within a factor of 1.5 of each other; the last class holds every count from 2^15 on."""
+    counts = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 2**15 - 1, 2**15, 2**20], dtype=torch.int32)
+    assert replay.use_class(counts).tolist() == [0, 1, 3, 4, 5, 5, 6, 6, 7, 7, 8, 30, 31, 31]
+
+
+@pytest.mark.parametrize("order_block", [16, 2048])
+def test_columns_by_use_kernels_match_the_torch_order(triton_kernels, order_block, monkeypatch):
+    """replay_union_triton.columns_by_use (two launches over blocks of columns: their histograms of
+    classes, then each block's places from a sort of its own keys) gives replay.columns_by_use's
+    order and ranks exactly: every class from unused to the last (2^15 entries and more), columns
+    of one class spread over many blocks, a partial last block, entries that are not valid, and
+    the counts given (the layout kernel's) or counted here."""
+    module = triton_kernels.get("replay_union_triton", replay_union_triton)
+    monkeypatch.setattr(module, "ORDER_BLOCK", order_block)
+    g = torch.Generator().manual_seed(order_block)
+    num_cols = 203
+    uses = torch.randint(0, 40, (num_cols,), generator=g)
+    uses[torch.randperm(num_cols, generator=g)[:30]] = 0
+    uses[5], uses[150] = 2**16, 2**15  # (about 90 % of them valid: the last class, and the one below)
+    col = torch.repeat_interleave(torch.arange(num_cols), uses)
+    col = col[torch.randperm(col.numel(), generator=g)]
+    valid = torch.rand(col.numel(), generator=g) > 0.1
+    col, valid = col.to(DEVICE), valid.to(DEVICE)
+    order, rank = replay.columns_by_use(col, valid, num_cols)
+    counts = torch.bincount(col[valid], minlength=num_cols).int()
+    assert len(set(replay.use_class(counts).tolist())) >= 12 and int(replay.use_class(counts)[5]) == 31
+    for given in (None, counts):
+        got_order, got_rank = module.columns_by_use(col, valid, num_cols, counts=given)
+        assert torch.equal(got_order, order) and torch.equal(got_rank, rank)
+    assert torch.equal(rank[order], torch.arange(num_cols, device=DEVICE))
+    assert int(order[0]) == 5 and int(order[1]) == 150
 
 
 # ---------------------------------------------------------------- union tiles, end to end against float64

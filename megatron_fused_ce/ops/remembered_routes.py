@@ -518,10 +518,15 @@ class StraightReplay(torch.autograd.Function):
         if g is None and g_entropy is None:
             return None, None, None, None, None
         hidden, weight, local_target, lse, entropy, *offsets = ctx.saved_tensors
-        grad = None if g is None else torch.where(ctx.labelled, torch.where(ctx.kept, g, 0.0), 0.0)
-        if g_entropy is not None:
-            g_entropy = torch.where(ctx.labelled, g_entropy, 0.0)
-        coefs = coefficients(grad, None if grad is None else -grad, None, g_entropy, entropy, lse)
+        if g_entropy is None and not ctx.spec.tiling.plain_pass:
+            # the log-probs' gradient alone, read where the label is labelled and kept by the
+            # entries' dlogits kernel itself (coefficients' target and -target)
+            coefs = {"p": None, "target": g, "gate": (ctx.labelled, ctx.kept)}
+        else:
+            grad = None if g is None else torch.where(ctx.labelled, torch.where(ctx.kept, g, 0.0), 0.0)
+            if g_entropy is not None:
+                g_entropy = torch.where(ctx.labelled, g_entropy, 0.0)
+            coefs = coefficients(grad, None if grad is None else -grad, None, g_entropy, entropy, lse)
         grad_hidden, grad_weight = recompute_grads(hidden, weight, None, local_target, ctx.spec, tuple(offsets), coefs,
                                                    ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_hidden, grad_weight, None, None, None

@@ -55,8 +55,8 @@ Per call, on each TP rank (every row of labels, ignored ones included, as in the
                              replay_union_triton.py): the set rows in tiles of TILE_ROWS slots,
                              each tile's rows times the W rows of the union of its sets' columns
                              (`UnionTiles`, gathered in the GEMM: a tensor-core product over the
-                             ids the tile names, not the shard), the entries' z read off those
-                             products, then `entry_stats` as dense; or
+                             ids the tile names, not the shard), then `entry_stats` as dense,
+                             its launch reading the entries' z off those products; or
                              sparse: the backend's `kept_stats` (Triton: one kernel, a program per
                              row gathering the W rows of its kept ids and taking their dots, the
                              online max / sum-exp / entropy sums and the label's z; torch: the
@@ -73,9 +73,12 @@ over the entries, each reading its row's offsets and coefficients; torch: a doze
 and gathers, replay_torch.entry_dlogits, the reference), then sparse: the backend's `kept_grads`
 (Triton: dX per row from the gathered W rows; dW from the entries sorted by id on the device, a
 segmented sum per block and one fp32 atomic add per id and block, into the fp32 dW or Megatron's
-main_grad) or tiles: the entries' dlogits written into the tiles' [unions, TILE_ROWS] block, dX of
-each tile's rows from its union's W rows, and dW by tiles of COLUMN_TILE columns, each from the
-hidden rows whose sets name one of them (`UnionTiles.of_columns`): every output row written by one
+main_grad) or tiles: the entries' dlogits written by that launch straight into the [unions,
+TILE_ROWS] block of the slots' tiles and the [unions, COLUMN_TILE] block of the columns' (where a
+log-prob's gradient alone comes back, the launch gates it by the rows' labelled and kept masks
+itself: StraightReplay), dX of each tile's rows from its union's W rows, and dW by tiles of
+COLUMN_TILE columns, each from the hidden rows whose sets name one of them
+(`UnionTiles.of_columns`, the columns by classes of use): every output row written by one
 program, no atomic adds (`union_sum_rows`) or dense: each chunk's dlogits block (zeros, the
 entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the plain recompute
 backward. The dense route finds each chunk's entries by their place in the set rows' [slots,
@@ -131,9 +134,10 @@ SPARSE_MAX_SHARE = 1 / 640
 # sets (0.34 against 0.39 ms).
 TILE_ROWS = 32
 TILES_MAX_SHARE = 0.25
-# dW's tiles: blocks of COLUMN_TILE columns (in the order of their use), each against the rows
-# whose sets name one of them
+# dW's tiles: blocks of COLUMN_TILE columns (in the order of their use: columns_by_use), each
+# against the rows whose sets name one of them
 COLUMN_TILE = 32
+USE_CLASSES = 32  # columns_by_use's classes (use_class: 2^15 or more entries share the last)
 # The plain backward's row offset in rows with a set (ReplayChunks.recompute_grads): exp(z - it) = 0.
 _ABOVE_EVERY_LOGIT = 3.0e38
 # Tests and the benchmark force one kind: None (by sizes), "sparse", "tiles" or "dense" ("tiles"
@@ -513,7 +517,7 @@ class UnionTiles(NamedTuple):
     fields in three launches and a cumsum, from a table of a byte per pair packed into bits
     (about fifteen torch ops here, each a launch and its Python).
 
-    `of_columns` tiles the columns in the order of how many entries name them, most first: where
+    `of_columns` tiles the columns by how many entries name them (`columns_by_use`), most first: where
     sets overlap (a trained model's: the frequent ids are in most sets) the frequent columns share
     a few tiles whose unions are nearly every row, and the others' unions stay small; in column
     order each tile would hold a frequent id or two and its union nearly every row (dW as dense:
@@ -540,8 +544,12 @@ class UnionTiles(NamedTuple):
         """uids: rows of the hidden states (the slots' set_rows, or with `by_rows` the entries'
         positions); the columns by use (class doc)."""
         kernels = UnionTiles._kernels(entries, backend)
-        order, rank = (getattr(kernels, "columns_by_use", None) or columns_by_use)(entries.col, entries.valid,
-                                                                                   num_cols)
+        if getattr(kernels, "columns_by_use", None) is not None:  # (with the layout's counts, where it made them)
+            counts = entries.column_use if entries.column_use is not None and entries.column_use.numel() == num_cols \
+                else None
+            order, rank = kernels.columns_by_use(entries.col, entries.valid, num_cols, counts=counts)
+        else:
+            order, rank = columns_by_use(entries.col, entries.valid, num_cols)
         tiles = UnionTiles._build(entries, by_rows, rank, -(-num_cols // width), entries.set_rows.numel(), width,
                                   kernels)
         return tiles._replace(out_rows=order)
@@ -587,13 +595,25 @@ class UnionTiles(NamedTuple):
         return UnionTiles(tile_start, uids, place, capacity, min(total, members))
 
 
+def use_class(counts: Tensor) -> Tensor:
+    """A column's class of use from how many valid entries name it (int32): 0 for none, else
+    1 + 2 floor(log2 count) + the bit below the leading one (two classes an octave), at most
+    USE_CLASSES - 1; read off the count's float32 exponent and first mantissa bit (exact below
+    2^24), as the backend's kernels read it."""
+    classes = (counts.float().view(torch.int32) >> 22) - 253
+    return torch.where(counts > 0, classes.clamp(max=USE_CLASSES - 1), 0)
+
+
 def columns_by_use(col: Tensor, valid: Tensor, num_cols: int) -> tuple:
-    """(order, rank): the shard's `num_cols` columns by how many valid entries name them, most first
-    (ties by column: a stable sort), and each column's place in that order."""
+    """(order, rank): the shard's `num_cols` columns by their class of use (`use_class`), most used
+    first, ties by column, and each column's place in that order. Classes, not the counts: within
+    a factor of 1.5 of each other columns cost a tile alike, and classes let a backend order the
+    columns by blocks in two launches (no sort of the shard's counts)."""
     counts = torch.zeros(num_cols, dtype=torch.int32, device=col.device)
     counts.index_add_(0, col.clamp(0, num_cols - 1), valid.to(torch.int32))
-    order = torch.sort(counts, descending=True, stable=True).indices
-    return order, torch.empty_like(order).scatter_(0, order, torch.arange(num_cols, device=col.device))
+    columns = torch.arange(num_cols, device=col.device)
+    order = torch.sort((USE_CLASSES - 1 - use_class(counts)) * num_cols + columns).indices  # (distinct keys)
+    return order, torch.empty_like(order).scatter_(0, order, columns)
 
 
 class KeptEntries:
@@ -621,6 +641,7 @@ class KeptEntries:
         self.labelled = labelled
         self._row_of_entry = None
         self.counts = self.poison = self.fingerprint = None
+        self.column_use = None  # int32 [num_cols] where the kernel counted each column's valid entries
         # the dense route's (cols, places) of slots and of rows, and its (gather, scatter, block of
         # rows) kernels (None: torch, made here)
         self.chunk_place = self.row_place = self.chunk_kernels = None
@@ -834,21 +855,22 @@ class ReplayChunks:
                                                  into=into)
             return
         z = torch.zeros(entries.ids.numel(), dtype=torch.float32, device=rows.device)
+        self._z = z if self.want_z else None
         if self.route == "tiles":  # each tile's rows times its union's W rows, gathered in the kernel
             tiles = self.tiles
             logits = torch.empty(tiles.capacity, TILE_ROWS, dtype=spec.logits_dtype or rows.dtype, device=rows.device)
             spec.backend.union_logits(rows, weight, None if self.by_rows else entries.set_rows, tiles.tile_start,
                                       tiles.uids, logits, tiles.max_union, TILE_ROWS)
-            entries.gather_places(z, logits, tiles.place, 0, spec.inv_temperature)
+            # (the entries' z read off the products by the statistics' launch)
+            spec.backend.entry_stats(z, entries, spec.want_entropy, into,
+                                     gather=(logits, tiles.place, spec.inv_temperature))
+            return
+        by_rows = self.by_rows
+        for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
+            chunk = rows[start:end] if by_rows else rows.index_select(0, entries.set_rows[start:end])
+            logits = chunk_logits(chunk, weight, spec)
+            entries.gather_chunk(z, logits, start, spec.inv_temperature, by_rows)
             del logits
-        else:
-            by_rows = self.by_rows
-            for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
-                chunk = rows[start:end] if by_rows else rows.index_select(0, entries.set_rows[start:end])
-                logits = chunk_logits(chunk, weight, spec)
-                entries.gather_chunk(z, logits, start, spec.inv_temperature, by_rows)
-                del logits
-        self._z = z if self.want_z else None
         spec.backend.entry_stats(z, entries, spec.want_entropy, into)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
@@ -873,28 +895,20 @@ class ReplayChunks:
             if dw_out is not None and not accumulate and not one_gemm:
                 dw_out.zero_()
         set_rows = entries.set_rows
-        # (dense: in the GEMMs' input dtype)
-        d = spec.backend.entry_dlogits(z, entries, spec.inv_temperature, row_max, log_sum_exp, coefs["p"],
-                                       coefs.get("pz"), coefs.get("target"),
-                                       torch.float32 if self.sparse else rows.dtype)
+
+        def entry_dlogits(dtype, into=()):  # the entries' dlogits (in `dtype`), or written into blocks
+            return spec.backend.entry_dlogits(z, entries, spec.inv_temperature, row_max, log_sum_exp, coefs["p"],
+                                              coefs.get("pz"), coefs.get("target"), dtype, gate=coefs.get("gate", ()),
+                                              into=into)
+
         if self.sparse:
-            spec.backend.kept_grads(rows, weight, entries, d, dx_rows, dw_out, self._max_elements(weight, spec))
+            spec.backend.kept_grads(rows, weight, entries, entry_dlogits(torch.float32), dx_rows, dw_out,
+                                    self._max_elements(weight, spec))
             return None
         if self.route == "tiles":
-            by_rows = self.by_rows
-            if dx_rows is not None:  # by rows written whole; else added: the plain pass (or the zeroing
-                # above) wrote zeros there (padding slots add zeros)
-                tiles = self.tiles
-                dlogits = entries.scatter_places(d, tiles.place, 0, (tiles.capacity, TILE_ROWS))
-                spec.backend.union_sum_rows(dlogits, weight, tiles.tile_start, tiles.uids, dx_rows, TILE_ROWS,
-                                            out_rows=None if by_rows else set_rows, accumulate=not by_rows)
-                del dlogits
-            if dw_out is not None:  # every row of dW by one program: added, or written (one_gemm)
-                columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend, by_rows)
-                dlogits = entries.scatter_places(d, columns.place, 0, (columns.capacity, COLUMN_TILE))
-                spec.backend.union_sum_rows(dlogits, rows, columns.tile_start, columns.uids, dw_out, COLUMN_TILE,
-                                            out_rows=columns.out_rows, accumulate=accumulate or self.plain_pass)
+            self._tile_grads(rows, weight, spec, entry_dlogits, dx_rows, dw_out, accumulate)
             return None
+        d = entry_dlogits(rows.dtype)  # (in the GEMMs' input dtype)
         cols = weight.shape[0]
         by_rows = self.by_rows
         for start, end in row_chunks(set_rows.numel(), spec.chunk_size):
@@ -913,6 +927,38 @@ class ReplayChunks:
             else:  # copied: a row is one slot's, or padding's (zeros, onto a row that has no set)
                 dx_rows.index_copy_(0, set_rows[start:end], dx_chunk)
         return None
+
+    def _tile_grads(self, rows: Tensor, weight: Tensor, spec, entry_dlogits, dx_rows: Optional[Tensor],
+                    dw_out: Optional[Tensor], accumulate: bool) -> None:
+        """The union tiles' backward: the entries' dlogits written straight into the [unions, width]
+        blocks of the slots' tiles (dX) and of the columns' (dW), one zeroed allocation and one
+        launch for both where they fit in a chunk of logits together (else one block at a time),
+        then the two products. dX by rows is written whole; else added: the plain pass (or the
+        zeroing before) wrote zeros there (padding slots add zeros). dW: every row by one program,
+        added, or written (one product)."""
+        entries, by_rows = self.entries, self.by_rows
+        products = []
+        if dx_rows is not None:
+            tiles = self.tiles
+            products.append((tiles, TILE_ROWS, partial(
+                spec.backend.union_sum_rows, src=weight, tile_start=tiles.tile_start, uids=tiles.uids, out=dx_rows,
+                tile_rows=TILE_ROWS, out_rows=None if by_rows else entries.set_rows, accumulate=not by_rows)))
+        if dw_out is not None:
+            columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend, by_rows)
+            products.append((columns, COLUMN_TILE, partial(
+                spec.backend.union_sum_rows, src=rows, tile_start=columns.tile_start, uids=columns.uids, out=dw_out,
+                tile_rows=COLUMN_TILE, out_rows=columns.out_rows, accumulate=accumulate or self.plain_pass)))
+        sizes = [layout.capacity * width for layout, width, _ in products]
+        groups = [products] if sum(sizes) <= self._max_elements(weight, spec) else [[p] for p in products]
+        for group in groups:
+            sizes = [layout.capacity * width for layout, width, _ in group]
+            flat = torch.zeros(sum(sizes), dtype=rows.dtype, device=rows.device)
+            blocks = [block.view(layout.capacity, width) for block, (layout, width, _)
+                      in zip(flat.split(sizes), group)]
+            entry_dlogits(rows.dtype, tuple((layout.place, block) for block, (layout, _, _) in zip(blocks, group)))
+            for block, (_, _, product) in zip(blocks, group):
+                product(block)
+            del flat, blocks
 
 
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
@@ -933,11 +979,19 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
     no tiles)."""
     ids = mask_check.ids
     max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
+    # against the rank's own shard: every rank's set kernels walk every entry (the ids off its shard
+    # masked), while the dense route's GEMMs shrink with the shard
+    route = replay_route(ids.numel(), max(max_set_rows, 1), num_valid_cols, backend,
+                         -1 if max_elements is None else max_elements)
+    if route == "tiles" and (max_set_rows == 0 or not (ids.is_cuda or _interpreting())):
+        route = "dense"  # (the union kernels run on CUDA, or on CPU under Triton's interpreter)
     layout = getattr(backend, "kept_layout", None)
     if layout is not None and (ids.is_cuda or _interpreting()):
+        # (the columns' use counted with the layout where dW's tiles by columns will order them)
         kernel = partial(layout, vocab=true_vocab, num_cols=num_cols,
                          flags=deferred_errors.flags(ids.device) if check else None, check_missing=not plain_pass,
-                         fingerprint=fingerprint, base_poison=label_poison)
+                         fingerprint=fingerprint, base_poison=label_poison,
+                         count_use=route == "tiles" and needs_grad and num_cols is not None)
         entries = KeptEntries(ids, mask_check.offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows,
                               kernel=kernel)
         poison = entries.poison
@@ -945,12 +999,6 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
         entries = KeptEntries(ids, mask_check.layout_offsets(), labels, labelled, vocab_start, num_valid_cols,
                               max_set_rows)
         poison = None
-    # against the rank's own shard: every rank's set kernels walk every entry (the ids off its shard
-    # masked), while the dense route's GEMMs shrink with the shard
-    route = replay_route(ids.numel(), max(max_set_rows, 1), num_valid_cols, backend,
-                         -1 if max_elements is None else max_elements)
-    if route == "tiles" and (max_set_rows == 0 or not (ids.is_cuda or _interpreting())):
-        route = "dense"  # (the union kernels run on CUDA, or on CPU under Triton's interpreter)
     tiling = ReplayChunks(entries, route, want_z=needs_grad, plain_pass=plain_pass)
     if route == "tiles":
         tiling.tiles = UnionTiles.of_slots(entries, num_valid_cols if num_cols is None else num_cols, TILE_ROWS,

@@ -57,10 +57,17 @@ def entry_logits(rows: Tensor, weight: Tensor, entries, inv_temperature: float, 
     return z
 
 
-def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None) -> Optional[ShardStats]:
+def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None, *,
+                gather: Optional[tuple] = None) -> Optional[ShardStats]:
     """ShardStats of the set rows (in set_rows order) over their valid entries, from the entries' z;
-    with `into`, written there instead (`into_columns`) and None returned."""
+    with `into`, written there instead (`into_columns`) and None returned. With `gather` (values,
+    place [E], 1 / T): the valid entries' z read first, z[e] = fp32(values.flat[place[e]]) / T
+    (the union tiles' products; KeptEntries.gather_places)."""
     valid, offsets = entries.valid, entries.offsets
+    if gather is not None:
+        values, place, inv_temperature = gather
+        read = values.reshape(-1).index_select(0, place.clamp(0, values.numel() - 1)).float()
+        torch.where(valid & (place >= 0) & (place < values.numel()), read * inv_temperature, z, out=z)
     per_position_max = torch.segment_reduce(torch.where(valid, z, float("-inf")), "max", offsets=offsets)
     safe = torch.where(torch.isfinite(per_position_max), per_position_max, 0.0)
     shifted = torch.where(valid, z - safe.index_select(0, entries.position), 0.0)
@@ -94,16 +101,25 @@ def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, ro
     return entry_stats(z, entries, want_entropy, into), z if want_z else None
 
 
-def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor,
-                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor],
-                  dtype: torch.dtype = torch.float32) -> Tensor:
+def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor,
+                  coef_p: Optional[Tensor], coef_pz: Optional[Tensor], coef_target: Optional[Tensor],
+                  dtype: torch.dtype = torch.float32, *, gate: tuple = (), into: tuple = ()) -> Optional[Tensor]:
     """[E] dlogits of every entry (0 at invalid ones; computed in fp32, returned in `dtype`); the
-    per-row tensors over the call's rows."""
+    per-row tensors over the call's rows. `gate` (bool [rows] tensors): the rows whose target
+    coefficient counts (0 in the others); `coef_p` None: minus the (gated) target coefficient (a
+    log-prob's upstream gradient: target - lse). With `into` ((place [E], block), ...): each valid
+    entry's dlogit written at block.view(-1)[place] in the block's dtype instead (the blocks'
+    other elements left), and None returned."""
     row_of = entries.row_of_entry()  # (an entry outside a set reads a row: it is not valid)
 
     def per_entry(t):  # (one [E] gather each: no [fields, E] block past a chunk of logits)
         return t.index_select(0, row_of)
 
+    if coef_target is not None:
+        for open_rows in gate:
+            coef_target = torch.where(open_rows, coef_target, 0.0)
+    if coef_p is None:
+        coef_p = -coef_target
     log_q = (z - per_entry(row_max)) - per_entry(log_sum_exp)
     coef = per_entry(coef_p)
     if coef_pz is not None:
@@ -113,7 +129,13 @@ def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, l
         grad = grad + torch.where(entries.is_label, per_entry(coef_target), 0.0)
     if inv_temperature != 1.0:
         grad = grad * inv_temperature
-    return grad.to(dtype)
+    if not into:
+        return grad.to(dtype)
+    for place, block in into:  # (the entries that are not valid land on one spare element past the block)
+        spare = torch.cat([block.reshape(-1), block.new_zeros(1)])
+        spare.index_put_((torch.where(place >= 0, place, block.numel()),), grad.to(block.dtype))
+        block.view(-1).copy_(spare[:-1])
+    return None
 
 
 def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],

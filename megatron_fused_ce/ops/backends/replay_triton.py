@@ -78,7 +78,8 @@ def _kept_stats_kernel(
     z_ptr, max_ptr, sum_ptr, target_ptr, shifted_ptr, dest_ptr,
     H, vocab_start, num_valid_cols, inv_temperature,
     ROUND: tl.constexpr, BF16_BY_HAND: tl.constexpr, WANT_ENTROPY: tl.constexpr, STORE_Z: tl.constexpr,
-    TO_DEST: tl.constexpr, FROM_Z: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    TO_DEST: tl.constexpr, FROM_Z: tl.constexpr, GATHER: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     i = tl.program_id(0)
     at = i
@@ -98,7 +99,11 @@ def _kept_stats_kernel(
         ids = tl.load(ids_ptr + e, mask=inside, other=-1)
         col = ids - vocab_start
         valid = inside & (col >= 0) & (col < num_valid_cols)
-        if FROM_Z:  # the dense route's z, read off its chunks of logits (entry_stats)
+        if GATHER:  # the union tiles' z: read at each entry's place in their products (w_ptr), and stored
+            place = tl.load(w_ptr + e, mask=valid, other=0)
+            z = tl.load(h_ptr + place, mask=valid, other=0.0).to(tl.float32) * inv_temperature
+            tl.store(z_ptr + e, tl.where(valid, z, 0.0), mask=inside)
+        elif FROM_Z:  # the dense route's z, read off its chunks of logits (entry_stats)
             z = tl.load(z_ptr + e, mask=valid, other=0.0)
         else:
             acc = _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E, BLOCK_H)
@@ -149,26 +154,31 @@ def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, ro
             entries.ends, entries.set_labels, z, row_max, sum_exp, target, shifted, entries.set_dest,
             rows.shape[1], entries.vocab_start, entries.num_valid_cols, float(inv_temperature),
             ROUND=_ROUND.get(round_to, 0), BF16_BY_HAND=by_hand, WANT_ENTROPY=want_entropy, STORE_Z=want_z,
-            TO_DEST=into is not None, FROM_Z=False, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
+            TO_DEST=into is not None, FROM_Z=False, GATHER=False, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H,
+            num_warps=WARPS)
     stats = None if into is not None else ShardStats(max=row_max, sum_exp=sum_exp, target=target,
                                                      sum_exp_shifted=shifted if want_entropy else None)
     return stats, z if want_z else None
 
 
-def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None) -> Optional[ShardStats]:
+def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None, *,
+                gather: Optional[tuple] = None) -> Optional[ShardStats]:
     """replay_torch.entry_stats (the dense route's statistics from the entries' z) in one launch:
-    the kept-stats kernel reading z instead of taking dots; with `into`, written at set_dest."""
+    the kept-stats kernel reading z instead of taking dots; with `into`, written at set_dest; with
+    `gather`, z read at the entries' places first (and stored), in the same launch."""
     count = entries.set_rows.numel()
     out = into if into is not None else torch.empty(4 if want_entropy else 3, count, dtype=torch.float32,
                                                     device=z.device)
     row_max, sum_exp, target = out[0], out[1], out[2]
     shifted = out[3] if want_entropy else row_max
     if count:
+        values, place, inv_temperature = gather if gather is not None else (z, z, 1.0)
         _kept_stats_kernel[(count,)](
-            z, 0, z, 0, entries.ids, entries.set_rows, entries.starts, entries.ends, entries.set_labels, z, row_max,
-            sum_exp, target, shifted, entries.set_dest, 0, entries.vocab_start, entries.num_valid_cols, 1.0,
-            ROUND=0, BF16_BY_HAND=False, WANT_ENTROPY=want_entropy, STORE_Z=False, TO_DEST=into is not None,
-            FROM_Z=True, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
+            values, 0, place, 0, entries.ids, entries.set_rows, entries.starts, entries.ends, entries.set_labels, z,
+            row_max, sum_exp, target, shifted, entries.set_dest, 0, entries.vocab_start, entries.num_valid_cols,
+            float(inv_temperature), ROUND=0, BF16_BY_HAND=False, WANT_ENTROPY=want_entropy, STORE_Z=False,
+            TO_DEST=into is not None, FROM_Z=True, GATHER=gather is not None, BLOCK_E=STATS_BLOCK_E,
+            BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
     if into is not None:
         return None
     return ShardStats(max=row_max, sum_exp=sum_exp, target=target, sum_exp_shifted=shifted if want_entropy else None)
@@ -181,9 +191,10 @@ DLOGITS_BLOCK = 1024
 @cached_launch
 @triton.jit
 def _entry_dlogits_kernel(z_ptr, row_of_ptr, valid_ptr, is_label_ptr, max_ptr, lse_ptr, p_ptr, pz_ptr, target_ptr,
-                          d_ptr, total, stride_max, stride_lse, stride_p, stride_pz, stride_target, inv_temperature,
-                          HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, SCALE: tl.constexpr,
-                          BF16_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+                          gate_a_ptr, gate_b_ptr, d_ptr, place_a_ptr, place_b_ptr, block_b_ptr,
+                          total, stride_max, stride_lse, stride_p, stride_pz, stride_target, inv_temperature,
+                          HAS_P: tl.constexpr, HAS_PZ: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_GATE: tl.constexpr,
+                          INTO: tl.constexpr, SCALE: tl.constexpr, BF16_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = e < total
     row = tl.load(row_of_ptr + e, mask=inside, other=0)
@@ -192,36 +203,59 @@ def _entry_dlogits_kernel(z_ptr, row_of_ptr, valid_ptr, is_label_ptr, max_ptr, l
     # (the same operations in the same order as the torch definition)
     log_q = (z - tl.load(max_ptr + row * stride_max, mask=valid, other=0.0)) - tl.load(
         lse_ptr + row * stride_lse, mask=valid, other=0.0)
-    coef = tl.load(p_ptr + row * stride_p, mask=valid, other=0.0).to(tl.float32)
+    if HAS_TARGET:
+        target = tl.load(target_ptr + row * stride_target, mask=valid, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            open_row = (tl.load(gate_a_ptr + row, mask=valid, other=0) != 0) & (
+                tl.load(gate_b_ptr + row, mask=valid, other=0) != 0)
+            target = tl.where(open_row, target, 0.0)
+    if HAS_P:
+        coef = tl.load(p_ptr + row * stride_p, mask=valid, other=0.0).to(tl.float32)
+    else:
+        coef = -target
     if HAS_PZ:
         coef = coef + tl.load(pz_ptr + row * stride_pz, mask=valid, other=0.0).to(tl.float32) * log_q
     grad = tl.where(valid, tl.exp(log_q) * coef, 0.0)
     if HAS_TARGET:
         hit = valid & (tl.load(is_label_ptr + e, mask=inside, other=0) != 0)
-        grad = grad + tl.where(hit, tl.load(target_ptr + row * stride_target, mask=hit, other=0.0).to(tl.float32),
-                               0.0)
+        grad = grad + tl.where(hit, target, 0.0)
     if SCALE:
         grad = grad * inv_temperature
     if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates
         grad = round_bf16_by_hand(grad)
-    tl.store(d_ptr + e, grad.to(d_ptr.dtype.element_ty), mask=inside)
+    grad = grad.to(d_ptr.dtype.element_ty)
+    if INTO == 0:
+        tl.store(d_ptr + e, grad, mask=inside)
+    else:  # each entry at its place in one or two blocks (d_ptr the first), none where the place is -1
+        place = tl.load(place_a_ptr + e, mask=inside, other=-1)
+        tl.store(d_ptr + place, grad, mask=place >= 0)
+        if INTO == 2:
+            place = tl.load(place_b_ptr + e, mask=inside, other=-1)
+            tl.store(block_b_ptr + place, grad, mask=place >= 0)
 
 
-def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor, coef_p: Tensor,
-                  coef_pz: Optional[Tensor], coef_target: Optional[Tensor],
-                  dtype: torch.dtype = torch.float32) -> Tensor:
-    """replay_torch.entry_dlogits in one launch (`dtype`: the result's, rounded from fp32)."""
+def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, log_sum_exp: Tensor,
+                  coef_p: Optional[Tensor], coef_pz: Optional[Tensor], coef_target: Optional[Tensor],
+                  dtype: torch.dtype = torch.float32, *, gate: tuple = (), into: tuple = ()) -> Optional[Tensor]:
+    """replay_torch.entry_dlogits in one launch (`dtype`: the result's, rounded from fp32); with
+    `into`, the dlogits written straight into those blocks (at most two, of one dtype)."""
     total = entries.ids.numel()
-    d = torch.empty(total, dtype=dtype, device=z.device)
+    if len(gate) not in (0, 2) or len(into) > 2 or len({block.dtype for _, block in into}) > 1 or (
+            coef_p is None and coef_target is None):
+        raise ValueError("entry_dlogits: two gates or none, at most two blocks of one dtype, coef_p or coef_target")
+    d = torch.empty(total, dtype=dtype, device=z.device) if not into else into[0][1]
     if total:
         # (a coefficient may be an expanded scalar: its stride is 0)
-        per_row = [t if t is not None else coef_p for t in (row_max, log_sum_exp, coef_p, coef_pz, coef_target)]
+        per_row = [t if t is not None else row_max for t in (row_max, log_sum_exp, coef_p, coef_pz, coef_target)]
+        gates = [g.view(torch.uint8) for g in gate] or [entries.valid.view(torch.uint8)] * 2
+        (place_a, _), (place_b, block_b) = (tuple(into) + ((entries.col, d),) * 2)[:2]
         _entry_dlogits_kernel[(cdiv(total, DLOGITS_BLOCK),)](
             z, entries.row_of_entry(), entries.valid.view(torch.uint8), entries.is_label.view(torch.uint8), *per_row,
-            d, total, *(t.stride(0) for t in per_row), float(inv_temperature),
-            HAS_PZ=coef_pz is not None, HAS_TARGET=coef_target is not None, SCALE=inv_temperature != 1.0,
-            BF16_BY_HAND=_interpreting() and dtype == torch.bfloat16, BLOCK=DLOGITS_BLOCK, num_warps=4)
-    return d
+            *gates, d, place_a, place_b, block_b, total, *(t.stride(0) for t in per_row), float(inv_temperature),
+            HAS_P=coef_p is not None, HAS_PZ=coef_pz is not None, HAS_TARGET=coef_target is not None,
+            HAS_GATE=bool(gate), INTO=len(into), SCALE=inv_temperature != 1.0,
+            BF16_BY_HAND=_interpreting() and d.dtype == torch.bfloat16, BLOCK=DLOGITS_BLOCK, num_warps=4)
+    return None if into else d
 
 
 @cached_launch
@@ -424,14 +458,16 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
 def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr, counts_ptr,
                          set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
                          slot_ptr, col_ptr, position_ptr, row_of_ptr, table_ptr, dw_key_ptr, place_ptr, row_place_ptr,
-                         valid_ptr, is_label_ptr,
+                         valid_ptr, is_label_ptr, use_ptr,
                          rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols,
-                         FINGERPRINT: tl.constexpr, BLOCK_E: tl.constexpr, SORT_BLOCK: tl.constexpr):
+                         FINGERPRINT: tl.constexpr, COUNT_USE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         SORT_BLOCK: tl.constexpr):
     """One program per row: its slot (or a padding slot), and its entries over its layout range.
     An id twice in the row's set: a set of at most SORT_BLOCK ids is sorted in the program (equal
-    neighbours); a larger one is inserted into the row's own hash table (`table_ptr`, int32, -1
-    where empty: 2 slots per entry at 2 x the row's layout start, open addressing), where an insert
-    that finds its id already there is a duplicate. No sort of the call's entries."""
+    neighbours); a larger one is inserted into the row's own hash table (`table_ptr`, int32, 0
+    where empty, an id stored as id + 1: 2 slots per entry at 2 x the row's layout start, open
+    addressing), where an insert that finds its id already there is a duplicate. No sort of the
+    call's entries. COUNT_USE: each column's valid entries counted into `use_ptr` (int32, zeros)."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.load(layout_ptr + r)
     hi = tl.load(layout_ptr + r + 1)
@@ -476,6 +512,9 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         tl.store(row_place_ptr + e, tl.where(valid, r * num_cols + col, -1), mask=inside)
         tl.store(valid_ptr + e, valid.to(tl.uint8), mask=inside)
         tl.store(is_label_ptr + e, (hit & valid).to(tl.uint8), mask=inside)
+        if COUNT_USE:  # (its mask a comparison: the interpreter refuses an atomic's mask and-ed with a scalar)
+            named = tl.where(inside & valid, col, -1)
+            tl.atomic_add(use_ptr + named, tl.full([BLOCK_E], 1, tl.int32), mask=named >= 0, sem="relaxed")
         found += tl.sum(hit.to(tl.int64), axis=0)
         bad_ids += tl.sum((inside & ((ids < 0) | (ids >= vocab))).to(tl.int64), axis=0)
         if FINGERPRINT:  # the ids follow the offsets in the fingerprinted vector
@@ -501,11 +540,12 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
             # (a lane that is done, or outside the set, swaps its key for itself: no change;
             # tl.atomic_cas has no mask)
             probe = tl.where(inside, ((key.to(tl.int64) * 2654435761) & 2147483647) % size, (e - lo) % size)
+            key = key + 1  # (0: empty)
             pending = inside
             while tl.sum(pending.to(tl.int32), axis=0) > 0:
-                before = tl.atomic_cas(table + probe, tl.where(pending, -1, key), key)
+                before = tl.atomic_cas(table + probe, tl.where(pending, 0, key), key)
                 duplicates += tl.sum((pending & (before == key)).to(tl.int64), axis=0)
-                pending = pending & (before != -1) & (before != key)
+                pending = pending & (before != 0) & (before != key)
                 probe = tl.where(pending, (probe + 1) % size, probe)
     tl.store(kept_ptr + r, ((~has) | (found > 0)).to(tl.uint8))
     tl.atomic_add(counts_ptr + 1, bad_ids, mask=bad_ids > 0)
@@ -534,7 +574,8 @@ def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: 
 
 def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
                 num_valid_cols: int, max_set_rows: int, vocab: int, num_cols: int, flags: Optional[Tensor],
-                check_missing: bool, fingerprint: bool = False, base_poison: Optional[Tensor] = None) -> dict:
+                check_missing: bool, fingerprint: bool = False, base_poison: Optional[Tensor] = None,
+                count_use: bool = False) -> dict:
     """replay.KeptEntries' fields from the mask's raw offsets (the layout offsets made here, as
     MaskCheck.layout_offsets makes them), the counts of MaskCheck's device checks, and with
     `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison; `dw_key`,
@@ -542,7 +583,9 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     `row_place`, the dense route's place of each entry in the [slots, num_cols] / [rows,
     num_cols] logits, and its kernels; with
     `fingerprint`, counts[9:11] are MaskCheck.fingerprint()'s; `base_poison` (fp32 [1]) is added
-    into the poison."""
+    into the poison; with `count_use`, `column_use` (int32 [num_cols]): how many valid entries name
+    each column (replay_union_triton.columns_by_use's counts, counted here while the entries are
+    read)."""
     device = ids.device
     total, rows = ids.numel(), offsets.numel() - 1
     ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
@@ -555,7 +598,8 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
         5, m).unbind(0)
     slot, col, position, row_of, dw_key, place, row_place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
         7, total).unbind(0)
-    table = torch.full((2 * total,), -1, dtype=torch.int32, device=device)  # each row's duplicate check
+    # each row's duplicate check, then the columns' use
+    table = torch.zeros(2 * total + (num_cols if count_use else 0), dtype=torch.int32, device=device)
     bits = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device)
     has_set, kept = bits[:rows], bits[rows:2 * rows]
     valid, is_label = bits[2 * rows:].view(2, total).unbind(0)
@@ -563,10 +607,10 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                             FINGERPRINT=fingerprint, BLOCK=ROWS_SCAN_BLOCK, num_warps=ROWS_SCAN_WARPS)
     _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
                                   set_labels, kept, slot, col, position, row_of, table, dw_key, place, row_place, valid,
-                                  is_label,
+                                  is_label, table[2 * total:] if count_use else table,
                                   rows,
                                   total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
-                                  FINGERPRINT=fingerprint, BLOCK_E=LAYOUT_BLOCK_E,
+                                  FINGERPRINT=fingerprint, COUNT_USE=count_use, BLOCK_E=LAYOUT_BLOCK_E,
                                   SORT_BLOCK=min(LAYOUT_SORT_BLOCK, next_power_of_2(-(-total // max(rows, 1)))),
                                   num_warps=2)
     poison = None
@@ -581,6 +625,7 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                 valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
                 dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place),
                 row_place=(int(num_cols), row_place), counts=counts,
+                column_use=table[2 * total:] if count_use else None,
                 poison=poison, chunk_kernels=(gather_chunk, scatter_chunk, slot_rows))
 
 

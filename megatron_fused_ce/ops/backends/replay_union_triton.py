@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_common import cached_launch, cdiv, interpreting as _interpreting
+from .triton_common import cached_launch, cdiv, interpreting as _interpreting, next_power_of_2
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API). Every tl.dot
@@ -208,11 +208,14 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
 # Three launches and torch's cumsum over [tiles x members / 32] words. (An int32 table and its
 # prefix sum read and wrote 20 bytes a pair: the two layouts of a call at 8192 x 4096 x 19008
 # with tiles of 32 took 155 us of kernels, now 65, on an H200; bits set by atomic or-s stalled
-# on Zipf sets' shared pairs.) dW's tiles by columns first order the columns by use (two launches
-# and torch's sort).
+# on Zipf sets' shared pairs.) dW's tiles by columns first order the columns by use (two launches,
+# three where the entries are counted here: columns_by_use).
 # ---------------------------------------------------------------------------------------------
 LAYOUT_BLOCK = 1024
 PACK_BLOCK_WORDS = 64
+# columns_by_use: columns a block (a power of 2), classes of use (replay.USE_CLASSES)
+ORDER_BLOCK = 2048
+USE_CLASSES = 32
 
 
 @triton.jit
@@ -237,25 +240,79 @@ def _column_use_kernel(col_ptr, valid_ptr, counts_ptr, total, BLOCK: tl.constexp
     tl.atomic_add(counts_ptr + col, tl.full([BLOCK], 1, tl.int32), mask=ok, sem="relaxed")
 
 
+@triton.jit
+def _use_class(count, CLASSES: tl.constexpr):
+    """replay.use_class: from the float32 count's exponent and first mantissa bit."""
+    classes = (count.to(tl.float32).to(tl.int32, bitcast=True) >> 22) - 253
+    return tl.where(count > 0, tl.minimum(classes, CLASSES - 1), 0)
+
+
 @cached_launch
 @triton.jit
-def _rank_kernel(order_ptr, rank_ptr, count, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < count
-    tl.store(rank_ptr + tl.load(order_ptr + i, mask=ok, other=0), i, mask=ok)
+def _use_histogram_kernel(counts_ptr, table_ptr, num_cols, CLASSES: tl.constexpr, BLOCK: tl.constexpr):
+    """table[b, c]: the columns of block b in class c."""
+    b = tl.program_id(0)
+    c = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < num_cols
+    classes = _use_class(tl.load(counts_ptr + c, mask=ok, other=0), CLASSES)  # (past the columns: class 0)
+    histogram = tl.histogram(classes, CLASSES)
+    histogram -= tl.where(tl.arange(0, CLASSES) == 0, tl.sum((~ok).to(tl.int32), axis=0), 0)
+    tl.store(table_ptr + b * CLASSES + tl.arange(0, CLASSES), histogram)
 
 
-def columns_by_use(col: Tensor, valid: Tensor, num_cols: int) -> tuple:
+@cached_launch
+@triton.jit
+def _use_order_kernel(counts_ptr, table_ptr, order_ptr, rank_ptr, num_cols, blocks, CLASSES: tl.constexpr,
+                      BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+    """Block b's columns at their places: its (class, column) keys sorted, a key at position p
+    going to base[class] + p, where base[c] = the columns of classes above c + those of class c in
+    the blocks before b - those of classes above c in b (every block's histogram read here)."""
+    b = tl.program_id(0)
+    j = tl.arange(0, BLOCKS)[:, None]
+    k = tl.arange(0, CLASSES)
+    table = tl.load(table_ptr + j * CLASSES + k[None, :], mask=j < blocks, other=0)
+    total = tl.sum(table, axis=0)
+    mine = tl.sum(tl.where(j == b, table, 0), axis=0)
+    base = (tl.sum(total, axis=0) - tl.cumsum(total, 0)) + tl.sum(tl.where(j < b, table, 0), axis=0) - (
+        tl.sum(mine, axis=0) - tl.cumsum(mine, 0))
+    base_ptr = table_ptr + (blocks + b) * CLASSES  # (this block's row past the histograms)
+    tl.store(base_ptr + k, base)
+    tl.debug_barrier()  # (the row stored before its threads read it)
+    i = tl.arange(0, BLOCK)
+    c = b.to(tl.int64) * BLOCK + i
+    ok = c < num_cols
+    classes = tl.where(ok, _use_class(tl.load(counts_ptr + c, mask=ok, other=0), CLASSES), -1)
+    ordered = tl.sort(((CLASSES - 1 - classes) << LOG_BLOCK) | i, 0)  # (past the columns: last)
+    rank_class = CLASSES - 1 - (ordered >> LOG_BLOCK)
+    valid = rank_class >= 0
+    col = b.to(tl.int64) * BLOCK + (ordered & (BLOCK - 1))
+    place = tl.load(base_ptr + rank_class, mask=valid, other=0).to(tl.int64) + i
+    tl.store(rank_ptr + col, place, mask=valid)
+    tl.store(order_ptr + place, col, mask=valid)
+
+
+def columns_by_use(col: Tensor, valid: Tensor, num_cols: int, counts: Optional[Tensor] = None) -> tuple:
     """replay.columns_by_use's (order, rank), rank by column (the layout kernels read it): the valid
-    entries counted per column with integer atomics (exact, in any order), torch's stable sort."""
-    total = valid.numel()
-    counts = torch.zeros(num_cols, dtype=torch.int32, device=col.device)
-    if total:
-        _column_use_kernel[(cdiv(total, LAYOUT_BLOCK),)](col, valid.view(torch.uint8), counts, total,
-                                                         BLOCK=LAYOUT_BLOCK, num_warps=4)
-    order = torch.sort(counts, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    _rank_kernel[(cdiv(num_cols, LAYOUT_BLOCK),)](order, rank, num_cols, BLOCK=LAYOUT_BLOCK, num_warps=4)
+    entries counted per column with integer atomics (exact, in any order; or int32 `counts` given,
+    kept_layout's), then two launches over blocks of ORDER_BLOCK columns (their histograms of
+    classes; each block's places). torch's sort of the counts and the inverse took 16 launches."""
+    device = col.device
+    if counts is None:
+        counts = torch.zeros(num_cols, dtype=torch.int32, device=device)
+        total = valid.numel()
+        if total:
+            _column_use_kernel[(cdiv(total, LAYOUT_BLOCK),)](col, valid.view(torch.uint8), counts, total,
+                                                             BLOCK=LAYOUT_BLOCK, num_warps=4)
+    blocks = cdiv(num_cols, ORDER_BLOCK)
+    table = torch.empty(2 * blocks * USE_CLASSES, dtype=torch.int32, device=device)  # histograms, bases
+    order_rank = torch.empty(2 * num_cols, dtype=torch.int64, device=device)
+    order, rank = order_rank[:num_cols], order_rank[num_cols:]
+    if blocks:
+        _use_histogram_kernel[(blocks,)](counts, table, num_cols, CLASSES=USE_CLASSES, BLOCK=ORDER_BLOCK,
+                                         num_warps=4)
+        _use_order_kernel[(blocks,)](counts, table, order, rank, num_cols, blocks, CLASSES=USE_CLASSES,
+                                     BLOCK=ORDER_BLOCK, LOG_BLOCK=ORDER_BLOCK.bit_length() - 1,
+                                     BLOCKS=next_power_of_2(blocks), num_warps=8)
     return order, rank
 
 
