@@ -12,8 +12,8 @@ rounds; one process, one shape.
 `--kernels` adds the CUDA kernels of one call (torch.profiler; copies and memsets aside, the
 collectives among them). `--general-path` adds each method with every call through the general
 path (ops/remembered_routes.py off: no route run straight), in rounds alternating with the default
-in the same process. For an A/B of two trees, run it from each in turn a few times (hosts drift
-between processes).
+in the same process. For an A/B of two trees, tools/host_ab.py runs both in one process, their
+calls alternating (hosts drift between processes by more than most changes of host time).
 """
 
 import argparse
