@@ -127,6 +127,57 @@ def test_nccl_large_bf16_cross_entropy_and_logprobs(impl, sp):
             assert err < 2e-2, (name, err)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1000], ids=["one-chunk", "chunks"])
+def test_nccl_forward_only_route_of_the_fused_statistics_gemm(chunk_size, monkeypatch):
+    """TP over NCCL, bf16, Triton: forward-only log-probs whose statistics come from the fused
+    statistics GEMM (every call here: its bound at 0 bytes) take the remembered route once the
+    signature is remembered (the GEMM first, then the label kernel, the merge and the log-probs):
+    the same bits as the general path's call, float64 within the bf16 tolerance of the large case,
+    and a routed call whose labels differ on one rank gives NaN on every rank, and every rank
+    raises at the next check."""
+    from megatron_fused_ce import check_deferred_errors
+    from megatron_fused_ce.ops import agreement, fast, remembered_routes
+
+    monkeypatch.setattr(fast, "FUSED_STATS_MIN_BYTES", 0)
+    routed_calls = []
+    run = remembered_routes.LogprobRoute.run
+    monkeypatch.setattr(remembered_routes.LogprobRoute, "run",
+                        lambda self, *a, **k: routed_calls.append(self.fused) or run(self, *a, **k))
+    agreement.forget_signatures()
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator(device="cuda").manual_seed(77)
+    n, h_size, vocab = 4096, 1024, 32000
+    v_local = -(-vocab // tp) + 64
+    hidden = torch.randn(n, h_size, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v_local * tp, h_size, device="cuda", generator=g) / h_size**0.5 * 2).bfloat16()
+    labels = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    labels[::7] = -100
+    shard = weight[rank * v_local:(rank + 1) * v_local]
+
+    def call(y):
+        with torch.no_grad():
+            return linear_logprobs(hidden, shard, y, tp_group=dist.group.WORLD, vocab_size=vocab,
+                                   chunk_size=chunk_size, impl="triton").logprobs
+
+    call(labels)  # (the signature's first call: its agreement)
+    general = call(labels)  # (a remembered signature's call through the general path: the route recorded)
+    routed = call(labels)
+    ref_lp, _, _ = reference.dense_stats(hidden.double(), weight.double(), labels, vocab_size=vocab)
+    err = reference.rel_err(routed, ref_lp)
+    other = labels.clone()
+    if rank == 1:
+        other[5] = (other[5] + 1) % vocab
+    nan_everywhere = bool(torch.isnan(call(other)).all())
+    try:
+        check_deferred_errors()
+        raised = ""
+    except ValueError as error:
+        raised = str(error)
+    results = _gather((routed_calls, torch.equal(general, routed), err, nan_everywhere, raised))
+    for calls, same, rank_err, nan, error in results:
+        assert calls == [True, True] and same and rank_err < 2e-2 and nan and "differ across" in error, results
+
+
 @pytest.mark.parametrize("case", ["labels_swapped", "temperature", "sequence_parallel", "bad_label"])
 def test_nccl_arguments_that_differ_raise_on_every_rank(case):
     """The agreement collective over NCCL: an argument that differs on the last rank (or a bad label
