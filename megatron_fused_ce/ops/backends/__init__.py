@@ -130,7 +130,8 @@ class Backend:
     # gradients (dX written, dW added in fp32)
     kept_stats: Callable
     kept_grads: Callable
-    # the statistics from the entries' z (the dense route), and each entry's dlogits (backward)
+    # the statistics from the entries' z (the dense route; or z read first off the union tiles'
+    # products), and each entry's dlogits (backward; or written straight into the tiles' blocks)
     entry_stats: Callable
     entry_dlogits: Callable
     # each row's target on this shard, which rows are labelled, their count and a bad-label flag
@@ -162,8 +163,8 @@ class Backend:
     # columns (gathered in the kernel), and the backward's gathered sums of rows (dX, dW)
     union_logits: Optional[Callable] = None
     union_sum_rows: Optional[Callable] = None
-    # their layout in kernels, and dW's columns ordered by use (None: replay.UnionTiles' and
-    # replay.columns_by_use's torch definitions)
+    # their layout in kernels, and dW's columns ordered by classes of use (from the layout's counts
+    # where it made them; None: replay.UnionTiles' and replay.columns_by_use's torch definitions)
     union_layout: Optional[Callable] = None
     columns_by_use: Optional[Callable] = None
 

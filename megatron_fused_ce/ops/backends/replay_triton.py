@@ -10,10 +10,13 @@ mask's CSR and gathers the weight rows itself.
   entry's dot h_row . W_id over H in blocks of BLOCK_H (fp32), rounded to the input dtype as the
   chunk GEMM's logits are, then an online max / sum exp / entropy sum over the blocks and the
   label's z; it writes each entry's z for the backward. With FROM_Z it reads the entries' z
-  instead (`entry_stats`: the dense route, whose z come off its chunks of logits).
+  instead (`entry_stats`: the dense route, whose z come off its chunks of logits), or with GATHER
+  reads them at the entries' places in the union tiles' products (and writes them).
 - `_entry_dlogits_kernel`, one program per block of entries: each entry's dlogit from its z, its
   row's merged max and log-sum-exp and the upstream coefficients (`entry_dlogits`), in fp32 or
-  rounded to the dense route's GEMM dtype.
+  rounded to the dense route's GEMM dtype; a log-prob's upstream gradient gated by two row masks
+  (labelled, label kept) where the caller passes them, and the result written into one or two
+  blocks at the entries' places (the union tiles' products) instead of a vector.
 - `_kept_input_grad_kernel`, one program per (row with a set, block of H): dX = sum_e d_e W_id.
 - `_kept_weight_grad_kernel`: the entries sorted by column (one device sort, no host sync), one
   program per (block of sorted entries, block of H): d_e h_row for each entry, a segmented scan
@@ -21,7 +24,8 @@ mask's CSR and gathers the weight rows itself.
   op's fp32 buffer or Megatron's main_grad). A frequent id (in most sets: Zipf) costs one add per
   block of its entries, not one per entry.
 - `kept_layout`: replay.KeptEntries' fields and MaskCheck's device checks (replay.py's module doc)
-  in three launches and a fill; `gather_chunk` / `scatter_chunk`: the dense route's entries of one
+  in three launches and a fill, and where asked each column's count of valid entries (dW's column
+  order: replay_union_triton.columns_by_use); `gather_chunk` / `scatter_chunk`: the dense route's entries of one
   chunk of logits in one launch each, `slot_rows` its block of dlogits (zeros and the entries) in
   one. These move values only (no arithmetic but z = fp32(logit) / T's one multiply, as torch's),
   so they give torch's results bit for bit.
