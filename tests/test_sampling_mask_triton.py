@@ -566,6 +566,7 @@ def test_use_classes_are_two_an_octave():
     within a factor of 1.5 of each other; the last class holds every count from 2^15 on."""
     counts = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 2**15 - 1, 2**15, 2**20], dtype=torch.int32)
     assert replay.use_class(counts).tolist() == [0, 1, 3, 4, 5, 5, 6, 6, 7, 7, 8, 30, 31, 31]
+    assert replay_union_triton.USE_CLASSES == replay.USE_CLASSES  # (the kernels' classes are these)
 
 
 @pytest.mark.parametrize("order_block", [16, 2048])

@@ -948,9 +948,8 @@ class ReplayChunks:
             products.append((columns, COLUMN_TILE, partial(
                 spec.backend.union_sum_rows, src=rows, tile_start=columns.tile_start, uids=columns.uids, out=dw_out,
                 tile_rows=COLUMN_TILE, out_rows=columns.out_rows, accumulate=accumulate or self.plain_pass)))
-        sizes = [layout.capacity * width for layout, width, _ in products]
-        groups = [products] if sum(sizes) <= self._max_elements(weight, spec) else [[p] for p in products]
-        for group in groups:
+        together = sum(layout.capacity * width for layout, width, _ in products) <= self._max_elements(weight, spec)
+        for group in [products] if together else [[product] for product in products]:
             sizes = [layout.capacity * width for layout, width, _ in group]
             flat = torch.zeros(sum(sizes), dtype=rows.dtype, device=rows.device)
             blocks = [block.view(layout.capacity, width) for block, (layout, width, _)
