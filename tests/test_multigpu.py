@@ -82,18 +82,27 @@ def test_nccl_logprobs_match_dense_reference(impl, sp, dtype):
     check_against_reference(case, results, what_prefix="nccl ")
 
 
+def _large_bf16_case(seed: int) -> tuple:
+    """N=4096, H=1024, V=32000 (+64 padding columns a rank) bf16 on the GPU, every 7th label
+    ignored: (vocab, v_local, hidden, the whole weight, labels, the generator for more draws)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, h_size, vocab = 4096, 1024, 32000
+    v_local = -(-vocab // dist.get_world_size()) + 64
+    hidden = torch.randn(n, h_size, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v_local * dist.get_world_size(), h_size, device="cuda", generator=g) / h_size**0.5
+              * 2).bfloat16()
+    labels = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    labels[::7] = -100
+    return vocab, v_local, hidden, weight, labels, g
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("sp", [False, True])
 def test_nccl_large_bf16_cross_entropy_and_logprobs(impl, sp):
     """N=4096, H=1024, V=32000 (+pad) bf16 against float64 math on the GPU."""
     tp, rank = dist.get_world_size(), dist.get_rank()
-    g = torch.Generator(device="cuda").manual_seed(123)
-    n, h_size, vocab = 4096, 1024, 32000
-    v_local = -(-vocab // tp) + 64
-    hidden = torch.randn(n, h_size, device="cuda", generator=g).bfloat16()
-    weight = (torch.randn(v_local * tp, h_size, device="cuda", generator=g) / h_size**0.5 * 2).bfloat16()
-    labels = torch.randint(0, vocab, (n,), device="cuda", generator=g)
-    labels[::7] = -100
+    vocab, v_local, hidden, weight, labels, g = _large_bf16_case(123)
+    n = hidden.shape[0]
     grad_lp = torch.randn(n, device="cuda", generator=g)
 
     n_local = n // tp
@@ -144,14 +153,8 @@ def test_nccl_forward_only_route_of_the_fused_statistics_gemm(chunk_size, monkey
     monkeypatch.setattr(remembered_routes.LogprobRoute, "run",
                         lambda self, *a, **k: routed_calls.append(self.fused) or run(self, *a, **k))
     agreement.forget_signatures()
-    tp, rank = dist.get_world_size(), dist.get_rank()
-    g = torch.Generator(device="cuda").manual_seed(77)
-    n, h_size, vocab = 4096, 1024, 32000
-    v_local = -(-vocab // tp) + 64
-    hidden = torch.randn(n, h_size, device="cuda", generator=g).bfloat16()
-    weight = (torch.randn(v_local * tp, h_size, device="cuda", generator=g) / h_size**0.5 * 2).bfloat16()
-    labels = torch.randint(0, vocab, (n,), device="cuda", generator=g)
-    labels[::7] = -100
+    rank = dist.get_rank()
+    vocab, v_local, hidden, weight, labels, _ = _large_bf16_case(77)
     shard = weight[rank * v_local:(rank + 1) * v_local]
 
     def call(y):
