@@ -213,8 +213,11 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
 # ---------------------------------------------------------------------------------------------
 LAYOUT_BLOCK = 1024
 PACK_BLOCK_WORDS = 64
-# columns_by_use: columns a block (a power of 2), classes of use (replay.USE_CLASSES)
+# columns_by_use: columns a block (a power of 2; the order is the same for any), classes of use
+# (replay.USE_CLASSES). The interpreter runs a sort network step by step (about a second a program
+# at 1024 keys): small blocks there.
 ORDER_BLOCK = 2048
+INTERPRETED_ORDER_BLOCK = 64
 USE_CLASSES = 32
 
 
@@ -303,16 +306,15 @@ def columns_by_use(col: Tensor, valid: Tensor, num_cols: int, counts: Optional[T
         if total:
             _column_use_kernel[(cdiv(total, LAYOUT_BLOCK),)](col, valid.view(torch.uint8), counts, total,
                                                              BLOCK=LAYOUT_BLOCK, num_warps=4)
-    blocks = cdiv(num_cols, ORDER_BLOCK)
+    block = min(ORDER_BLOCK, INTERPRETED_ORDER_BLOCK) if _interpreting() else ORDER_BLOCK
+    blocks = cdiv(num_cols, block)
     table = torch.empty(2 * blocks * USE_CLASSES, dtype=torch.int32, device=device)  # histograms, bases
     order_rank = torch.empty(2 * num_cols, dtype=torch.int64, device=device)
     order, rank = order_rank[:num_cols], order_rank[num_cols:]
     if blocks:
-        _use_histogram_kernel[(blocks,)](counts, table, num_cols, CLASSES=USE_CLASSES, BLOCK=ORDER_BLOCK,
-                                         num_warps=4)
-        _use_order_kernel[(blocks,)](counts, table, order, rank, num_cols, blocks, CLASSES=USE_CLASSES,
-                                     BLOCK=ORDER_BLOCK, LOG_BLOCK=ORDER_BLOCK.bit_length() - 1,
-                                     BLOCKS=next_power_of_2(blocks), num_warps=8)
+        _use_histogram_kernel[(blocks,)](counts, table, num_cols, CLASSES=USE_CLASSES, BLOCK=block, num_warps=4)
+        _use_order_kernel[(blocks,)](counts, table, order, rank, num_cols, blocks, CLASSES=USE_CLASSES, BLOCK=block,
+                                     LOG_BLOCK=block.bit_length() - 1, BLOCKS=next_power_of_2(blocks), num_warps=8)
     return order, rank
 
 
