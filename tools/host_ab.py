@@ -83,7 +83,7 @@ def kernels_per_call(step, cuda: bool):
     return len(events) / 3, sum(e.device_time_total for e in events) / 3
 
 
-def compare(method: str, steps: dict, calls: int, cuda: bool) -> dict:
+def compare(steps: dict, calls: int, cuda: bool) -> tuple:
     """{version: (host µs list, from-idle µs list, kernels, kernel µs)} and the results' distance."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     results = {name: step() for name, step in steps.items()}  # (each signature's first call)
@@ -117,7 +117,8 @@ def quartiles(values) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--against", required=True, help="a git revision of this checkout, or a folder with megatron_fused_ce/")
+    p.add_argument("--against", required=True,
+                   help="a git revision of this checkout, or a folder with megatron_fused_ce/")
     p.add_argument("--shape", default="2048x4096x19008", help="NxHxV")
     p.add_argument("--method", default="replay", help="comma list of replay, logprobs, ce")
     p.add_argument("--sets", default="zipf", choices=("zipf", "random"))
@@ -133,7 +134,8 @@ def main(argv=None):
         g = torch.Generator(device=device).manual_seed(0)
         dtype = torch.bfloat16 if cuda else torch.float32
         h = torch.randn(n, hidden, device=device, generator=g).to(dtype).requires_grad_()
-        w = (torch.randn(vocab, hidden, device=device, generator=g) * (2 / math.sqrt(hidden))).to(dtype).requires_grad_()
+        w = (torch.randn(vocab, hidden, device=device, generator=g) * (2 / math.sqrt(hidden))).to(dtype)
+        w.requires_grad_()
         ids, offsets, labels = kept_sets(args.sets, n, vocab, args.k, device, g)
         print(f"{args.shape} on {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}; "
               f"this tree against {label}; {args.calls} calls of each, alternating")
@@ -142,10 +144,11 @@ def main(argv=None):
         for method in args.method.split(","):
             steps = {"this tree": make_step(megatron_fused_ce, method, h, w, labels, (ids, offsets)),
                      label: make_step(other, method, h, w, labels, (ids, offsets))}
-            table, apart = compare(method, steps, args.calls, cuda)
+            table, apart = compare(steps, args.calls, cuda)
             name = f"replay ({args.sets}, K = {args.k})" if method == "replay" else method
             for version, (host, idle, kernels, kernel_us) in table.items():
-                print(f"| {name} | {version} | {quartiles(host)} | {quartiles(idle)} | {kernels:.0f} | {kernel_us:.0f} |")
+                print(f"| {name} | {version} | {quartiles(host)} | {quartiles(idle)} | {kernels:.0f} | "
+                      f"{kernel_us:.0f} |")
             print(f"  {name}: dX apart {apart[0]:.1e}, dW apart {apart[1]:.1e} (max |difference| / max |value|)")
     return 0
 

@@ -25,9 +25,9 @@ mask's CSR and gathers the weight rows itself.
   block of its entries, not one per entry.
 - `kept_layout`: replay.KeptEntries' fields and MaskCheck's device checks (replay.py's module doc)
   in three launches and a fill, and where asked each column's count of valid entries (dW's column
-  order: replay_union_triton.columns_by_use); `gather_chunk` / `scatter_chunk`: the dense route's entries of one
-  chunk of logits in one launch each, `slot_rows` its block of dlogits (zeros and the entries) in
-  one. These move values only (no arithmetic but z = fp32(logit) / T's one multiply, as torch's),
+  order: replay_union_triton.columns_by_use); `gather_chunk` / `scatter_chunk`: the dense route's
+  entries of one chunk of logits in one launch each, `slot_rows` its block of dlogits (zeros and
+  the entries) in one. These move values only (no arithmetic but z = fp32(logit) / T's one multiply, as torch's),
   so they give torch's results bit for bit.
 """
 
@@ -252,6 +252,7 @@ def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, l
         # (a coefficient may be an expanded scalar: its stride is 0)
         per_row = [t if t is not None else row_max for t in (row_max, log_sum_exp, coef_p, coef_pz, coef_target)]
         gates = [g.view(torch.uint8) for g in gate] or [entries.valid.view(torch.uint8)] * 2
+        # (where fewer blocks are given, the kernel does not read the pointers standing for the others)
         (place_a, _), (place_b, block_b) = (tuple(into) + ((entries.col, d),) * 2)[:2]
         _entry_dlogits_kernel[(cdiv(total, DLOGITS_BLOCK),)](
             z, entries.row_of_entry(), entries.valid.view(torch.uint8), entries.is_label.view(torch.uint8), *per_row,
