@@ -24,7 +24,6 @@ import importlib.util
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import megatron_fused_ce  # noqa: E402
+from real_loop_curves import package_source  # noqa: E402  (a revision's or a checkout's package code)
 from sampling_mask_bench import kept_sets  # noqa: E402
 
 OTHER = "megatron_fused_ce_against"
@@ -42,15 +42,8 @@ OTHER = "megatron_fused_ce_against"
 
 def import_against(spec: str, work: str):
     """(the other version's package, its label): `spec` a git revision or a folder with megatron_fused_ce/."""
-    if os.path.isdir(spec):
-        folder, label = os.path.join(spec, "megatron_fused_ce"), os.path.abspath(spec)
-    else:
-        archive = subprocess.run(["git", "-C", REPO, "archive", spec, "megatron_fused_ce"], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", work], input=archive, check=True)
-        folder = os.path.join(work, "megatron_fused_ce")
-        label = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", spec], check=True, capture_output=True,
-                               text=True).stdout.strip()
+    label = package_source(spec, work)
+    folder = os.path.join(work, "megatron_fused_ce")
     module_spec = importlib.util.spec_from_file_location(OTHER, os.path.join(folder, "__init__.py"),
                                                          submodule_search_locations=[folder])
     package = importlib.util.module_from_spec(module_spec)

@@ -524,6 +524,21 @@ def interchange_entry(resumed, fused_run, unfused_run, writer_run, k):
     return entry
 
 
+def package_source(spec, dest) -> str:
+    """dest/megatron_fused_ce: the package code of `spec` (a git revision of this checkout, or a
+    folder holding a checkout's megatron_fused_ce/), copied there; -> its label (the short
+    revision, or the folder's path). Also tools/host_ab.py's."""
+    dest, source = Path(dest), Path(spec)
+    if source.is_dir():
+        shutil.copytree(source / "megatron_fused_ce", dest / "megatron_fused_ce")
+        return str(source.resolve())
+    git = ["git", "-C", str(REPO)]
+    archive = subprocess.run(git + ["archive", spec, "megatron_fused_ce"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return subprocess.run(git + ["rev-parse", "--short", spec], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def prepare_old_code(spec, work):
     """(folder, label): the package code of `spec` (a git revision of this checkout, or a folder
     holding an older checkout's megatron_fused_ce/) under work/old_code, with this version's
@@ -533,17 +548,7 @@ def prepare_old_code(spec, work):
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
-    source = Path(spec)
-    if source.is_dir():
-        shutil.copytree(source / "megatron_fused_ce", tree / "megatron_fused_ce")
-        label = str(source.resolve())
-    else:
-        git = ["git", "-C", str(REPO)]
-        archive = subprocess.run(git + ["archive", spec, "megatron_fused_ce"], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-        label = subprocess.run(git + ["rev-parse", "--short", spec], check=True, capture_output=True,
-                               text=True).stdout.strip()
+    label = package_source(spec, tree)
     (tree / "examples").mkdir(exist_ok=True)
     shutil.copy2(SCRIPT, tree / "examples" / SCRIPT.name)
     standin = tree / "megatron_fused_ce" / "megatron" / "grad_accum_fusion.py"

@@ -729,9 +729,10 @@ class KeptEntries:
             return self.chunk_kernels[2](self, d, start, end, cols, by_rows)
         return self.scatter_places(d, self._place(cols, by_rows), start * cols, (end - start, cols))
 
-    def scatter_places(self, d: Tensor, place: Tensor, lo: int, shape: tuple) -> Tensor:
-        """A block of `shape`: zeros, d[e] (in the block's dtype) at place[e] - lo where inside."""
-        block = torch.zeros(shape, dtype=d.dtype, device=d.device)
+    def scatter_places(self, d: Tensor, place: Tensor, lo: int, shape: tuple, into: Optional[Tensor] = None) -> Tensor:
+        """A block of `shape`: zeros (or `into`, its other elements left), d[e] (in the block's
+        dtype) at place[e] - lo where inside."""
+        block = torch.zeros(shape, dtype=d.dtype, device=d.device) if into is None else into
         hi = lo + block.numel()
         if self.chunk_kernels is not None:
             self.chunk_kernels[1](place, d, block, lo, hi)
@@ -740,7 +741,9 @@ class KeptEntries:
         # (the others' writes land on one spare element past the block)
         spare = torch.cat([block.reshape(-1), block.new_zeros(1)])
         spare.index_put_((torch.where(inside, place - lo, hi - lo),), d)
-        return spare[:-1].view(shape)
+        if into is None:
+            return spare[:-1].view(shape)
+        return into.view(-1).copy_(spare[:-1]).view(shape)
 
 
 @dataclass

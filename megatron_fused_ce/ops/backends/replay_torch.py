@@ -131,10 +131,8 @@ def entry_dlogits(z: Tensor, entries, inv_temperature: float, row_max: Tensor, l
         grad = grad * inv_temperature
     if not into:
         return grad.to(dtype)
-    for place, block in into:  # (the entries that are not valid land on one spare element past the block)
-        spare = torch.cat([block.reshape(-1), block.new_zeros(1)])
-        spare.index_put_((torch.where(place >= 0, place, block.numel()),), grad.to(block.dtype))
-        block.view(-1).copy_(spare[:-1])
+    for place, block in into:  # (an entry that is not valid has place -1: outside every block)
+        entries.scatter_places(grad.to(block.dtype), place, 0, block.shape, into=block)
     return None
 
 
