@@ -480,12 +480,14 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     dlogits kernel and its output, the dX and dW kernels and the sort, and the zeros of dX and dW
     that stand in for the plain pass), at most 24; the dense route 11-12 more per chunk of rows (its
     row gathers, GEMMs, entry gathers and dlogits block), at most 12, and 14 besides, at most 21; the
-    union tiles 31 (each of their two layouts six ops: two allocations, three launches and a
-    cumsum; dW's columns ordered by use four: two allocations and two launches, the counts made
-    by the layout kernel; the forward's product and the statistics reading z off it; the
-    backward's dlogits written into both products' blocks, one zeroed allocation, and the two
-    products; 36 with the counts, the sort and the ranks apart, the z gather and the dlogits
-    scattered into each block).
+    union tiles 20 (the forward's product and the statistics reading z off it; the backward's
+    dlogits written into both products' blocks, one zeroed allocation, and the two products) and 11
+    before the forward, with the tiling: both tilings' layouts in one set of launches, as a call
+    that will need dW makes them (the zeroed flags, two allocations and their split, three
+    launches), and dW's columns ordered by use (two allocations and two launches, the counts made
+    by the layout kernel); 37 with each layout made apart with a cumsum of its own (the columns'
+    in the backward), 42 with the counts, the sort and the ranks apart, the z gather and the
+    dlogits scattered into each block.
     Protects the per-call host cost of replay: every op costs a launch and its Python while the
     GPU idles (about 100 ops in these phases with the layout and checks in torch; 32, and 54
     fixed, with the entries' dlogits and the dense statistics in torch)."""
@@ -503,34 +505,81 @@ def test_replay_dispatches_a_fixed_handful_of_ops(triton_kernels, monkeypatch):
     monkeypatch.setattr(replay, "TILE_ROWS", 16)
     monkeypatch.setattr(replay, "COLUMN_TILE", 16)
     tiles = _dispatched_call(monkeypatch, "tiles", 64)  # (both blocks of dlogits within a chunk of logits)
-    assert tiles.replay_ops() <= 31 and len(tiles.ops["entries"]) <= 7, dict(tiles.ops)
-    assert len(tiles.ops["backward"]) <= 16, tiles.ops["backward"]
-    assert len(tiles.ops["other"]) <= len(sparse.ops["other"]) + 6, tiles.ops["other"]  # (the slots' layout)
+    assert tiles.replay_ops() <= 20 and len(tiles.ops["entries"]) <= 7, dict(tiles.ops)
+    assert len(tiles.ops["backward"]) <= 5, tiles.ops["backward"]
+    assert len(tiles.ops["other"]) <= len(sparse.ops["other"]) + 11, tiles.ops["other"]  # (the tilings)
+
+
+def _same_layout(got, want, by_columns):
+    used = int(want.tile_start[-1])
+    assert torch.equal(got.tile_start, want.tile_start)
+    assert torch.equal(got.uids[:used], want.uids[:used]) and torch.equal(got.place, want.place)
+    assert (got.capacity, got.max_union) == (want.capacity, want.max_union)
+    assert 0 < used <= want.capacity
+    assert (got.out_rows is None) == (want.out_rows is None) == (not by_columns)
+    if by_columns:
+        assert torch.equal(got.out_rows, want.out_rows)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("by_columns", [False, True], ids=["slot-tiles", "column-tiles"])
-def test_union_layout_kernels_match_the_torch_layout(triton_kernels, seed, by_columns):
-    """replay_union_triton.union_layout (and columns_by_use) give replay.UnionTiles' torch layout
-    field by field: ids shared by many rows or spread, off this shard, in the padding, rows without
-    a set (slot -1), padding slots, tiles of 2 (many, some with empty unions) and of 16 (a partial
-    last one)."""
+@pytest.mark.parametrize("by_columns", [False, True, "both"], ids=["slot-tiles", "column-tiles", "both"])
+def test_union_layout_kernels_match_the_torch_layout(triton_kernels, seed, by_columns, monkeypatch):
+    """replay_union_triton.union_layouts (and columns_by_use) give replay.UnionTiles' torch layout
+    field by field, one tiling at a time or both in one set of launches (the second table numbered
+    from the first's total): ids shared by many rows or spread, off this shard, in the padding,
+    rows without a set (slot -1), padding slots, tiles of 2 (many, some with empty unions) and of
+    16 (a partial last one); the pack launch's prefix sum over blocks of 2 words (many blocks, each
+    adding the ones before it)."""
     from types import SimpleNamespace
 
     entries, _, w, _ = _kept_entries(seed, dtype=torch.float32, pool=6 if seed == 0 else 97)
     module = triton_kernels.get("replay_union_triton", replay_union_triton)
-    kernels = SimpleNamespace(union_layout=module.union_layout, columns_by_use=module.columns_by_use)
-    make = replay.UnionTiles.of_columns if by_columns else replay.UnionTiles.of_slots
+    monkeypatch.setattr(module, "PACK_BLOCK_WORDS", 2)
+    kernels = SimpleNamespace(union_layouts=module.union_layouts, columns_by_use=module.columns_by_use)
     for width in (2, 16):
-        want, got = make(entries, w.shape[0], width), make(entries, w.shape[0], width, kernels)
-        used = int(want.tile_start[-1])
-        assert torch.equal(got.tile_start, want.tile_start), width
-        assert torch.equal(got.uids[:used], want.uids[:used]) and torch.equal(got.place, want.place), width
-        assert (got.capacity, got.max_union) == (want.capacity, want.max_union)
-        assert 0 < used <= want.capacity
-        assert (got.out_rows is None) == (want.out_rows is None) == (not by_columns)
-        if by_columns:
-            assert torch.equal(got.out_rows, want.out_rows), width
+        if by_columns == "both":
+            want = (replay.UnionTiles.of_slots(entries, w.shape[0], width),
+                    replay.UnionTiles.of_columns(entries, w.shape[0], 16 // width))
+            got = replay.UnionTiles.of_slots_and_columns(entries, w.shape[0], width, 16 // width, kernels)
+            _same_layout(got[0], want[0], False)
+            _same_layout(got[1], want[1], True)
+            continue
+        make = replay.UnionTiles.of_columns if by_columns else replay.UnionTiles.of_slots
+        _same_layout(make(entries, w.shape[0], width, kernels), make(entries, w.shape[0], width), by_columns)
+
+
+def test_union_pack_looks_back_over_blocks_that_have_not_finished(triton_kernels):
+    """The pack launch's prefix sum where the blocks before one have published only their own
+    counts, or their inclusive sums, in any mix (on a GPU they run at once; under the interpreter
+    one after another, so this sets their published sums by hand and runs one block): its words'
+    running counts add every block before it, read back window by window to the nearest
+    inclusive sum, whichever window holds it."""
+    module = triton_kernels.get("replay_union_triton", replay_union_triton)
+    words_a_block, window, block = 2, 4, 11
+    bits = module.SUM_BITS
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 64, (block,), generator=g)
+    for inclusive_at in (None, 0, 3, 6, 9, 10):  # (None: only block 0's, which is always inclusive)
+        status = torch.zeros(block + 1, dtype=torch.int64)
+        for j in range(block):
+            if j == 0 or j == inclusive_at:
+                status[j] = (2 << bits) | int(counts[:j + 1].sum())
+            else:
+                status[j] = (1 << bits) | int(counts[j])
+        named = torch.zeros((block + 1) * words_a_block * 32, dtype=torch.int8)
+        mine = named.view(block + 1, words_a_block * 32)[block]
+        mine[torch.tensor([0, 5, 31, 40, 63])] = 1  # (its two words: 3 and 2 pairs named)
+        ticket = torch.tensor([block, 0], dtype=torch.int32)
+        table = torch.zeros(2 * (block + 1) * words_a_block, dtype=torch.int32)
+        num_words = (block + 1) * words_a_block
+        kernel = module._union_pack_kernel
+        kernel[(1,)](named.to(DEVICE), table[:num_words].to(DEVICE), upto := table[num_words:].to(DEVICE),
+                     status := status.to(DEVICE), ticket.to(DEVICE), num_words, BLOCK_W=words_a_block, WINDOW=window,
+                     SUM_BITS=bits)
+        before = int(counts.sum())
+        got = upto.cpu()[block * words_a_block:]
+        assert got.tolist() == [before + 3, before + 5], inclusive_at
+        assert int(status.cpu()[block]) == (2 << bits) | (before + 5)
 
 
 def test_column_tiles_put_the_columns_most_sets_name_together():
@@ -617,20 +666,20 @@ def _tiles_worker(rank, world, cases):
 
     before = replay.PIECE_COUNTS["tiles_rows"]
     # which cases' tiles were the rows themselves (no plain pass, a slot per row: dX written whole)
-    of_slots, by_rows = replay.UnionTiles.of_slots, []
+    build, by_rows = replay.UnionTiles._build, []
 
-    def spy(*args, **kwargs):
-        by_rows[-1] |= bool(args[4] if len(args) > 4 else kwargs.get("by_rows", False))
-        return of_slots(*args, **kwargs)
+    def spy(entries, rows, *args, **kwargs):
+        by_rows[-1] |= bool(rows)
+        return build(entries, rows, *args, **kwargs)
 
-    replay.UnionTiles.of_slots = staticmethod(spy)
+    replay.UnionTiles._build = staticmethod(spy)
     try:
         results = []
         for case in cases:
             by_rows.append(False)
             results.append(run_case(rank, world, case, "tiles", impl="triton"))
     finally:
-        replay.UnionTiles.of_slots = staticmethod(of_slots)
+        replay.UnionTiles._build = staticmethod(build)
     # Megatron's main_grad: the tiles' dW added into it
     hidden, weight = local_inputs(rank, cases[0])
     weight.main_grad, weight.grad_added_to_main_grad = torch.full(weight.shape, 0.5), False

@@ -768,7 +768,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                              needs_grad, plain_pass=not agreed.mask_sets_everywhere, backend=backend,
                                              check=agreed.remembered, num_cols=v_local, fingerprint=compare_ranks,
                                              label_poison=device_checks.poison,
-                                             max_elements=spec.chunk_size * v_local)
+                                             max_elements=spec.chunk_size * v_local,
+                                             weight_grad=weight.requires_grad)
         mask_poison = replay_chunks.poison
         if replay_chunks.route == "dense" and replay_chunks.by_rows and not sequence_parallel:
             # its first chunk is this call's first rows' logits, as the fast chunks' is: remembered,

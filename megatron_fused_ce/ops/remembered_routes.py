@@ -469,7 +469,8 @@ class ReplayRoute(_Route):
         tiling = replay.replay_tiling(mask_check, flat_labels, labelled, facts.vocab_start, spec.num_valid_cols,
                                       facts.true_vocab, needs_grad, plain_pass=self.plain_pass, backend=spec.backend,
                                       check=True, num_cols=weight.shape[0], fingerprint=group is not None,
-                                      label_poison=scalars[:1], max_elements=spec.chunk_size * weight.shape[0])
+                                      label_poison=scalars[:1], max_elements=spec.chunk_size * weight.shape[0],
+                                      weight_grad=weight.requires_grad)
         rank_check = None
         if group is not None:  # (the labels' pieces from the label launch, then the mask's fingerprint)
             rank_check = reductions.RankCheck(api._rank_check_values(scalars[3:], tiling.fingerprint),

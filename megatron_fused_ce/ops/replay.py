@@ -513,9 +513,10 @@ class UnionTiles(NamedTuple):
 
     No sort: a [tiles, members] int32 table marks the (tile, member) pairs the entries name, and
     its prefix sum numbers them in (tile, member) order, which is the unions' layout (the table's
-    bytes: 2 / width of the set rows' bf16 logits'). A backend's `union_layout` makes the same
-    fields in three launches and a cumsum, from a table of a byte per pair packed into bits
-    (about fifteen torch ops here, each a launch and its Python).
+    bytes: 2 / width of the set rows' bf16 logits'). A backend's `union_layouts` makes the same
+    fields in three launches and a fill, from a table of a byte per pair packed into bits and
+    numbered by the packing launch, for one tiling or for both (`of_slots_and_columns`; about
+    fifteen torch ops each here, each a launch and its Python).
 
     `of_columns` tiles the columns by how many entries name them (`columns_by_use`), most first: where
     sets overlap (a trained model's: the frequent ids are in most sets) the frequent columns share
@@ -535,8 +536,8 @@ class UnionTiles(NamedTuple):
     def of_slots(entries: "KeptEntries", num_cols: int, width: int, backend=None,
                  by_rows: bool = False) -> "UnionTiles":
         """With `by_rows` the slots are the rows (ReplayChunks.by_rows)."""
-        return UnionTiles._build(entries, by_rows, None, -(-entries.set_rows.numel() // width), num_cols, width,
-                                 UnionTiles._kernels(entries, backend))
+        return UnionTiles._build(entries, by_rows, [UnionTiles._slot_layout(entries, num_cols, width)],
+                                 UnionTiles._kernels(entries, backend))[0]
 
     @staticmethod
     def of_columns(entries: "KeptEntries", num_cols: int, width: int, backend=None,
@@ -544,36 +545,67 @@ class UnionTiles(NamedTuple):
         """uids: rows of the hidden states (the slots' set_rows, or with `by_rows` the entries'
         positions); the columns by use (class doc)."""
         kernels = UnionTiles._kernels(entries, backend)
+        layout, order = UnionTiles._column_layout(entries, num_cols, width, kernels)
+        return UnionTiles._build(entries, by_rows, [layout], kernels)[0]._replace(out_rows=order)
+
+    @staticmethod
+    def of_slots_and_columns(entries: "KeptEntries", num_cols: int, slot_width: int, column_width: int,
+                             backend=None, by_rows: bool = False) -> tuple:
+        """(of_slots, of_columns) in one set of the backend's launches (a call that will need dW
+        makes both in its forward: three launches and a fill fewer than one at a time)."""
+        kernels = UnionTiles._kernels(entries, backend)
+        columns, order = UnionTiles._column_layout(entries, num_cols, column_width, kernels)
+        slots, columns = UnionTiles._build(entries, by_rows, [UnionTiles._slot_layout(entries, num_cols, slot_width),
+                                                              columns], kernels)
+        return slots, columns._replace(out_rows=order)
+
+    @staticmethod
+    def _slot_layout(entries: "KeptEntries", num_cols: int, width: int) -> tuple:
+        """(rank, tiles, members, width): tiles of `width` slots, their members columns."""
+        return None, -(-entries.set_rows.numel() // width), num_cols, width
+
+    @staticmethod
+    def _column_layout(entries: "KeptEntries", num_cols: int, width: int, kernels) -> tuple:
+        """((rank, tiles, members, width), order): tiles of `width` columns in the order of their
+        use (`columns_by_use`), their members slots."""
         if getattr(kernels, "columns_by_use", None) is not None:  # (with the layout's counts, where it made them)
             counts = entries.column_use if entries.column_use is not None and entries.column_use.numel() == num_cols \
                 else None
             order, rank = kernels.columns_by_use(entries.col, entries.valid, num_cols, counts=counts)
         else:
             order, rank = columns_by_use(entries.col, entries.valid, num_cols)
-        tiles = UnionTiles._build(entries, by_rows, rank, -(-num_cols // width), entries.set_rows.numel(), width,
-                                  kernels)
-        return tiles._replace(out_rows=order)
+        return (rank, -(-num_cols // width), entries.set_rows.numel(), width), order
 
     @staticmethod
     def _kernels(entries: "KeptEntries", backend):
         """The backend's layout kernels (replay_union_triton) where they run on these entries, else None."""
-        if getattr(backend, "union_layout", None) is not None and (entries.ids.is_cuda or _interpreting()):
+        if getattr(backend, "union_layouts", None) is not None and (entries.ids.is_cuda or _interpreting()):
             return backend
         return None
 
     @staticmethod
-    def _build(entries: "KeptEntries", by_rows: bool, rank: Optional[Tensor], tiles: int, members: int, width: int,
-               kernels) -> "UnionTiles":
-        """Tiles of slots (rank None) or of columns in the order `rank` gives (their places); the
-        slots the set rows', or with `by_rows` the rows themselves (KeptEntries.slots)."""
+    def _build(entries: "KeptEntries", by_rows: bool, layouts: list, kernels) -> list:
+        """The tiles of each of `layouts` ((rank, tiles, members, width): tiles of slots where rank
+        is None, else of columns in the order `rank` gives (their places)); the slots the set
+        rows', or with `by_rows` the rows themselves (KeptEntries.slots). The backend's kernels
+        make them all in one set of launches."""
         slot, set_rows = entries.slots(by_rows)
         total = entries.ids.numel()
-        capacity = min(total, tiles * members)
-        by_columns = rank is not None
+        capacities = [min(total, tiles * members) for _, tiles, members, _ in layouts]
         if kernels is not None:
-            fields = kernels.union_layout(slot, entries.col, entries.valid, set_rows, rank, tiles, members, width,
-                                          capacity)
-            return UnionTiles(*fields, capacity, min(total, members))
+            fields = kernels.union_layouts(slot, entries.col, entries.valid, set_rows,
+                                           [(*layout, capacity) for layout, capacity in zip(layouts, capacities)])
+            return [UnionTiles(*f, capacity, min(total, members))
+                    for f, capacity, (_, _, members, _) in zip(fields, capacities, layouts)]
+        return [UnionTiles._torch_layout(entries, slot, set_rows, *layout, capacity)
+                for layout, capacity in zip(layouts, capacities)]
+
+    @staticmethod
+    def _torch_layout(entries: "KeptEntries", slot: Tensor, set_rows: Optional[Tensor], rank: Optional[Tensor],
+                      tiles: int, members: int, width: int, capacity: int) -> "UnionTiles":
+        """The layout's definition in torch (about fifteen ops)."""
+        total = entries.ids.numel()
+        by_columns = rank is not None
         slot, col = slot.clamp(min=0), entries.col
         if by_columns:  # (a column off the shard is not valid: any place stands for it)
             col = rank.index_select(0, col.clamp(0, rank.numel() - 1))
@@ -775,6 +807,9 @@ class ReplayChunks:
     poison: Optional[Tensor] = None
     fingerprint: Optional[Tensor] = None
     tiles: Optional[UnionTiles] = None
+    # dW's tiles of columns, made with `tiles` in the forward where dW would be needed (else None:
+    # the backward makes them)
+    column_tiles: Optional[UnionTiles] = None
     statistics_type = ReplayStats
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
@@ -947,7 +982,9 @@ class ReplayChunks:
                 spec.backend.union_sum_rows, src=weight, tile_start=tiles.tile_start, uids=tiles.uids, out=dx_rows,
                 tile_rows=TILE_ROWS, out_rows=None if by_rows else entries.set_rows, accumulate=not by_rows)))
         if dw_out is not None:
-            columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend, by_rows)
+            columns = self.column_tiles
+            if columns is None:
+                columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend, by_rows)
             products.append((columns, COLUMN_TILE, partial(
                 spec.backend.union_sum_rows, src=rows, tile_start=columns.tile_start, uids=columns.uids, out=dw_out,
                 tile_rows=COLUMN_TILE, out_rows=columns.out_rows, accumulate=accumulate or self.plain_pass)))
@@ -966,7 +1003,8 @@ class ReplayChunks:
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
                   true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False,
                   num_cols: Optional[int] = None, fingerprint: bool = False,
-                  label_poison: Optional[Tensor] = None, max_elements: Optional[int] = None) -> ReplayChunks:
+                  label_poison: Optional[Tensor] = None, max_elements: Optional[int] = None,
+                  weight_grad: bool = False) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
     (every position of labels), sized from what the host knows on every call of a signature, the
     first included, so that they all compute alike: at most min(rows, E) rows with a set (each
@@ -978,7 +1016,8 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
     tiling's `fingerprint` is MaskCheck.fingerprint()'s value. `label_poison` (fp32 [1], the label
     checks'): added into `poison`, so that the call's poison is this one (the kernel adds it).
     `max_elements`: a chunk of logits' elements, the most the union tiles' logits may take (None:
-    no tiles)."""
+    no tiles). `weight_grad`: the backward will make dW (the union tiles of columns are then made
+    here, with the slots' in one set of launches)."""
     ids = mask_check.ids
     max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
     # against the rank's own shard: every rank's set kernels walk every entry (the ids off its shard
@@ -1003,8 +1042,12 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
         poison = None
     tiling = ReplayChunks(entries, route, want_z=needs_grad, plain_pass=plain_pass)
     if route == "tiles":
-        tiling.tiles = UnionTiles.of_slots(entries, num_valid_cols if num_cols is None else num_cols, TILE_ROWS,
-                                           backend, tiling.by_rows)
+        cols = num_valid_cols if num_cols is None else num_cols
+        if weight_grad and needs_grad:
+            tiling.tiles, tiling.column_tiles = UnionTiles.of_slots_and_columns(entries, cols, TILE_ROWS, COLUMN_TILE,
+                                                                                backend, tiling.by_rows)
+        else:
+            tiling.tiles = UnionTiles.of_slots(entries, cols, TILE_ROWS, backend, tiling.by_rows)
     if check and poison is None:
         poison = mask_check.deferred_poison()
         if not plain_pass:

@@ -163,9 +163,10 @@ class Backend:
     # columns (gathered in the kernel), and the backward's gathered sums of rows (dX, dW)
     union_logits: Optional[Callable] = None
     union_sum_rows: Optional[Callable] = None
-    # their layout in kernels, and dW's columns ordered by classes of use (from the layout's counts
-    # where it made them; None: replay.UnionTiles' and replay.columns_by_use's torch definitions)
-    union_layout: Optional[Callable] = None
+    # their layouts in kernels (one, or a call's two in one set of launches), and dW's columns ordered
+    # by classes of use (from the layout's counts where it made them; None: replay.UnionTiles' and
+    # replay.columns_by_use's torch definitions)
+    union_layouts: Optional[Callable] = None
     columns_by_use: Optional[Callable] = None
 
     def stats_in_gemm(self, h, weight) -> bool:

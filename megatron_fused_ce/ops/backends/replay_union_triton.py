@@ -27,7 +27,7 @@ bf16 by hand (its cast truncates); compiled kernels take bf16 / fp16 operands in
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -201,15 +201,17 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
 
 
 # ---------------------------------------------------------------------------------------------
-# The tiles' layout (replay.UnionTiles defines it in torch): the (tile, member) pairs the entries
-# name, flagged in a byte table, packed into words of 32 bits with each word's count, numbered by
-# the counts' prefix sum and the bits below a pair in its word; the entries then write their
-# places, their pairs' union ids (every entry of a pair writes the same) and the tiles' starts.
-# Three launches and torch's cumsum over [tiles x members / 32] words. (An int32 table and its
-# prefix sum read and wrote 20 bytes a pair: the two layouts of a call at 8192 x 4096 x 19008
-# with tiles of 32 took 155 us of kernels, now 65, on an H200; bits set by atomic or-s stalled
-# on Zipf sets' shared pairs.) dW's tiles by columns first order the columns by use (two launches,
-# three where the entries are counted here: columns_by_use).
+# The tiles' layouts (replay.UnionTiles defines one in torch): the (tile, member) pairs the entries
+# name, flagged in a byte table, packed into words of 32 bits and numbered by a prefix sum of the
+# words' counts (the pack launch's: each block of words adds the blocks before it, read back from
+# their published sums) and the bits below a pair in its word; the entries then write their places,
+# their pairs' union ids (every entry of a pair writes the same) and the tiles' starts. Three
+# launches and one zero fill, for one layout or for both of a call's (the slots' and dW's columns':
+# their tables end to end, the second numbered from the first's total). (An int32 table and its
+# prefix sum read and wrote 20 bytes a pair: the two layouts of a call at 8192 x 4096 x 19008 with
+# tiles of 32 took 155 us of kernels, 65 with the bits and torch's cumsum, on an H200; bits set by
+# atomic or-s stalled on Zipf sets' shared pairs.) dW's tiles by columns first order the columns by
+# use (two launches, three where the entries are counted here: columns_by_use).
 # ---------------------------------------------------------------------------------------------
 LAYOUT_BLOCK = 1024
 PACK_BLOCK_WORDS = 64
@@ -338,75 +340,166 @@ def _named_before(bits_ptr, upto_ptr, pair, ok):
     return before + _bits_below(word, (pair % 32).to(tl.int32))
 
 
+@triton.jit
+def _name_pairs(slot_ptr, col_ptr, valid_ptr, rank_ptr, named_ptr, e, inside, members, width, first_pair,
+                BY_COLUMNS: tl.constexpr):
+    ok, pair, _, _ = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, inside, members, width, BY_COLUMNS)
+    tl.store(named_ptr + first_pair + pair, tl.full(e.shape, 1, tl.int8), mask=ok)  # (entries of one pair store alike)
+
+
 @cached_launch
 @triton.jit
-def _union_name_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, named_ptr, total, members, width,
-                       BY_COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+def _union_name_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, named_ptr, total, members, width, members_b, width_b,
+                       first_pair_b, BY_COLUMNS: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    """The pairs each entry names in the first layout (by columns or slots) and, with HAS_B, in
+    the second (by columns), whose table starts at pair `first_pair_b`."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok, pair, _, _ = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, e < total, members, width,
-                                    BY_COLUMNS)
-    tl.store(named_ptr + pair, tl.full([BLOCK], 1, tl.int8), mask=ok)  # (entries of one pair store alike)
+    inside = e < total
+    _name_pairs(slot_ptr, col_ptr, valid_ptr, rank_ptr, named_ptr, e, inside, members, width, 0, BY_COLUMNS)
+    if HAS_B:
+        _name_pairs(slot_ptr, col_ptr, valid_ptr, rank_ptr, named_ptr, e, inside, members_b, width_b, first_pair_b,
+                    True)
+
+
+# a block's published sum in the pack launch: its value in the low SUM_BITS bits, a flag above
+# them (1: the block's own count; 2: with every block before it)
+SUM_BITS = 40
+LOOK_BACK = 128  # blocks read at a time, looking back
 
 
 @cached_launch
 @triton.jit
-def _union_pack_kernel(named_ptr, bits_ptr, word_count_ptr, pairs, num_words, BLOCK_W: tl.constexpr):
-    w = tl.program_id(0).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
+def _union_pack_kernel(named_ptr, bits_ptr, upto_ptr, status_ptr, ticket_ptr, num_words, BLOCK_W: tl.constexpr,
+                       WINDOW: tl.constexpr, SUM_BITS: tl.constexpr):
+    """Words of 32 pairs' flags, and `upto`: the pairs named up to each word's end (a prefix sum
+    over the whole table). A block takes its number from a ticket (so every block before it has
+    started: one that waits on them cannot wait forever), publishes its count, reads the blocks
+    before it back to the last that has published its inclusive sum (windows of WINDOW; it waits
+    for a block of the window that has not published yet), then publishes its own inclusive sum
+    (a decoupled look-back, as CUB's scans do)."""
+    b = tl.atomic_add(ticket_ptr, 1)
+    w = b.to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
     bit = tl.arange(0, 32)
-    pair = w[:, None] * 32 + bit[None, :]
-    named = tl.load(named_ptr + pair, mask=pair < pairs, other=0).to(tl.uint32)
+    w_ok = w < num_words
+    named = tl.load(named_ptr + w[:, None] * 32 + bit[None, :], mask=w_ok[:, None], other=0).to(tl.uint32)
     word = tl.sum(named << bit[None, :].to(tl.uint32), axis=1)  # (distinct bits: their sum is their or)
-    tl.store(bits_ptr + w, word.to(tl.int32, bitcast=True), mask=w < num_words)
-    tl.store(word_count_ptr + w, tl.sum(named, axis=1).to(tl.int32), mask=w < num_words)
+    count = tl.sum(named, axis=1).to(tl.int64)
+    block_sum = tl.sum(count, axis=0)
+    value_mask = (tl.full([WINDOW], 1, tl.int64) << SUM_BITS) - 1
+    inclusive = tl.full([WINDOW], 2, tl.int64) << SUM_BITS  # (blocks before the first: a sum of 0)
+    tl.atomic_xchg(status_ptr + b, (tl.where(b == 0, 2, 1).to(tl.int64) << SUM_BITS) | block_sum)
+    before = block_sum * 0
+    hi = b
+    looking = b > 0
+    while looking:
+        j = hi - WINDOW + tl.arange(0, WINDOW)
+        status = tl.load(status_ptr + j, mask=j >= 0, other=inclusive, volatile=True)
+        while tl.min(status >> SUM_BITS, axis=0) == 0:  # (a block of the window not published yet)
+            status = tl.load(status_ptr + j, mask=j >= 0, other=inclusive, volatile=True)
+        last_inclusive = tl.max(tl.where((status >> SUM_BITS) == 2, j, hi - WINDOW - 1), axis=0)
+        before += tl.sum(tl.where(j >= last_inclusive, status & value_mask, 0), axis=0)
+        looking = last_inclusive < hi - WINDOW
+        hi -= WINDOW
+    if b > 0:
+        tl.atomic_xchg(status_ptr + b, (tl.full([], 2, tl.int64) << SUM_BITS) | (before + block_sum))
+    tl.store(bits_ptr + w, word.to(tl.int32, bitcast=True), mask=w_ok)
+    tl.store(upto_ptr + w, (before + tl.cumsum(count, 0)).to(tl.int32), mask=w_ok)
 
 
-@cached_launch
 @triton.jit
-def _union_place_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, bits_ptr, upto_ptr, values_ptr, place_ptr, uids_ptr,
-                        tile_start_ptr, total, members, width, pairs, tiles, BY_COLUMNS: tl.constexpr,
-                        HAS_VALUES: tl.constexpr, BLOCK: tl.constexpr):
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _place_entries(e, slot_ptr, col_ptr, valid_ptr, rank_ptr, bits_ptr, upto_ptr, values_ptr, place_ptr, uids_ptr,
+                   tile_start_ptr, total, members, width, pairs, tiles, first_pair, BY_COLUMNS: tl.constexpr,
+                   HAS_VALUES: tl.constexpr, FIRST: tl.constexpr):
+    """One layout's places, union ids and tile starts (its table from pair `first_pair` on, a
+    whole word, numbered from the pairs named before it: none where FIRST)."""
     inside = e < total
     ok, pair, member, within = _pair_of_entry(slot_ptr, col_ptr, valid_ptr, rank_ptr, e, inside, members, width,
                                               BY_COLUMNS)
-    before = _named_before(bits_ptr, upto_ptr, pair, ok)
+    if FIRST:
+        first_count = 0
+    else:
+        first_count = tl.load(upto_ptr + first_pair // 32 - 1).to(tl.int64)
+    before = _named_before(bits_ptr, upto_ptr, first_pair + pair, ok) - first_count
     tl.store(place_ptr + e, tl.where(ok, before * width + within, -1), mask=inside)
     if HAS_VALUES:  # (dW's tiles: a slot's row of the hidden states)
         member = tl.load(values_ptr + member, mask=ok, other=0)
     tl.store(uids_ptr + before, member, mask=ok)  # (entries of one pair store alike)
     # tile t starts after the pairs named before its first pair; the last one ends at their total
     # (e here a tile)
-    tl.store(tile_start_ptr + e, _named_before(bits_ptr, upto_ptr, e * members, e < tiles), mask=e < tiles)
-    named_total = tl.load(upto_ptr + (pairs - 1) // 32).to(tl.int64)
+    tl.store(tile_start_ptr + e, _named_before(bits_ptr, upto_ptr, first_pair + e * members, e < tiles) - first_count,
+             mask=e < tiles)
+    named_total = tl.load(upto_ptr + (first_pair + pairs - 1) // 32).to(tl.int64) - first_count
     tl.store(tile_start_ptr + e, tl.where(e == tiles, named_total, 0), mask=e == tiles)
 
 
-def union_layout(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Optional[Tensor], rank: Optional[Tensor],
-                 tiles: int, members: int, width: int, capacity: int) -> tuple:
+@cached_launch
+@triton.jit
+def _union_place_kernel(slot_ptr, col_ptr, valid_ptr, rank_ptr, bits_ptr, upto_ptr, values_ptr, place_ptr, uids_ptr,
+                        tile_start_ptr, total, members, width, pairs, tiles, place_b_ptr, uids_b_ptr,
+                        tile_start_b_ptr, members_b, width_b, pairs_b, tiles_b, first_pair_b,
+                        BY_COLUMNS: tl.constexpr, HAS_VALUES: tl.constexpr, HAS_B: tl.constexpr,
+                        VALUES_B: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _place_entries(e, slot_ptr, col_ptr, valid_ptr, rank_ptr, bits_ptr, upto_ptr, values_ptr, place_ptr, uids_ptr,
+                   tile_start_ptr, total, members, width, pairs, tiles, 0, BY_COLUMNS, HAS_VALUES, True)
+    if HAS_B:
+        _place_entries(e, slot_ptr, col_ptr, valid_ptr, rank_ptr, bits_ptr, upto_ptr, values_ptr, place_b_ptr,
+                       uids_b_ptr, tile_start_b_ptr, total, members_b, width_b, pairs_b, tiles_b, first_pair_b, True,
+                       VALUES_B, False)
+
+
+class Layout(NamedTuple):
+    """What union_layouts makes one layout from: the columns' `rank` (their places in
+    columns_by_use's order: tiles of `width` places whose members are slots) or None (tiles of
+    `width` slots whose members are columns); `capacity`: the most union entries of all its tiles."""
+
+    rank: Optional[Tensor]
+    tiles: int
+    members: int
+    width: int
+    capacity: int
+
+
+def union_layouts(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Optional[Tensor], layouts) -> list:
     """replay.UnionTiles' (tile_start, uids, place) of the entries (their slot, col and valid, as
-    replay.KeptEntries holds them): tiles of `width` slots whose members are columns, or given the
-    columns' `rank` (their places in columns_by_use's order) tiles of `width` places of that order
-    whose members are slots (uids: their set_rows; the slots themselves where `set_rows` is None)."""
-    by_columns = rank is not None
-    total, pairs, device = valid.numel(), tiles * members, valid.device
-    words = torch.empty(tiles + 1 + capacity + 1 + total, dtype=torch.int64, device=device)
-    tile_start, uids, place = words[:tiles + 1], words[tiles + 1:tiles + capacity + 2], words[tiles + capacity + 2:]
-    # a flag per (tile, member) pair, packed into words of 32 bits with a count of each (replay
-    # takes tiles with a slot: pairs > 0)
-    num_words = cdiv(pairs, 32)
-    named = torch.zeros(pairs, dtype=torch.int8, device=device)
+    replay.KeptEntries holds them) for each of `layouts` (`Layout`s or their tuples: one, or two,
+    the first by slots and the second by columns), in one set of launches; a layout by columns'
+    uids are the slots' set_rows (the slots themselves where `set_rows` is None)."""
+    layouts = [Layout(*layout) for layout in layouts]
+    first = layouts[0]
+    second = layouts[1] if len(layouts) > 1 else None
+    assert len(layouts) <= 2 and (second is None or (first.rank is None and second.rank is not None))
+    total, device = valid.numel(), valid.device
+    # the tables end to end, each from a whole word (replay takes tiles with a slot: pairs > 0)
+    pairs = [layout.tiles * layout.members for layout in layouts]
+    first_words = cdiv(pairs[0], 32)
+    num_words = first_words + (cdiv(pairs[1], 32) if second is not None else 0)
+    blocks = cdiv(num_words, PACK_BLOCK_WORDS)
+    # one zero fill: the flags (a byte a pair), the pack launch's published sums and its ticket
+    zeroed = torch.zeros(num_words * 4 + blocks + 1, dtype=torch.int64, device=device)
+    named, status, ticket = zeroed[:num_words * 4].view(torch.int8), zeroed[num_words * 4:-1], zeroed[-1:]
     table = torch.empty(2 * num_words, dtype=torch.int32, device=device)
-    bits, word_count = table[:num_words], table[num_words:]
+    bits, upto = table[:num_words], table[num_words:]
+    sizes = [size for layout in layouts for size in (layout.tiles + 1, layout.capacity + 1, total)]
+    outputs = torch.empty(sum(sizes), dtype=torch.int64, device=device).split(sizes)
     valid = valid.view(torch.uint8)
-    columns = rank if by_columns else col
+    by_columns = first.rank is not None
+    columns = first.rank if by_columns else col
+    b = second if second is not None else first
+    rank_b = b.rank if b.rank is not None else columns
     if total:
-        _union_name_kernel[(cdiv(total, LAYOUT_BLOCK),)](slot, col, valid, columns, named, total, members, width,
-                                                         BY_COLUMNS=by_columns, BLOCK=LAYOUT_BLOCK, num_warps=4)
-    _union_pack_kernel[(cdiv(num_words, PACK_BLOCK_WORDS),)](named, bits, word_count, pairs, num_words,
-                                                             BLOCK_W=PACK_BLOCK_WORDS, num_warps=4)
-    upto = torch.cumsum(word_count, 0, dtype=torch.int32)  # pairs named up to each word's end
-    _union_place_kernel[(cdiv(max(total, tiles + 1), LAYOUT_BLOCK),)](
-        slot, col, valid, columns, bits, upto, slot if set_rows is None else set_rows, place, uids, tile_start, total,
-        members, width, pairs, tiles, BY_COLUMNS=by_columns, HAS_VALUES=by_columns and set_rows is not None,
-        BLOCK=LAYOUT_BLOCK, num_warps=4)
-    return tile_start, uids, place
+        _union_name_kernel[(cdiv(total, LAYOUT_BLOCK),)](
+            slot, col, valid, rank_b if second is not None else columns, named, total, first.members, first.width,
+            b.members, b.width, first_words * 32, BY_COLUMNS=by_columns, HAS_B=second is not None,
+            BLOCK=LAYOUT_BLOCK, num_warps=4)
+    _union_pack_kernel[(blocks,)](named, bits, upto, status, ticket.view(torch.int32), num_words,
+                                  BLOCK_W=PACK_BLOCK_WORDS, WINDOW=LOOK_BACK, SUM_BITS=SUM_BITS, num_warps=4)
+    values = slot if set_rows is None else set_rows
+    out_b = outputs[3:] if second is not None else outputs[:3]
+    _union_place_kernel[(cdiv(max(total, first.tiles + 1, b.tiles + 1), LAYOUT_BLOCK),)](
+        slot, col, valid, rank_b if second is not None else columns, bits, upto, values, outputs[2], outputs[1],
+        outputs[0], total, first.members, first.width, pairs[0], first.tiles, out_b[2], out_b[1], out_b[0],
+        b.members, b.width, pairs[-1], b.tiles, first_words * 32, BY_COLUMNS=by_columns,
+        HAS_VALUES=by_columns and set_rows is not None, HAS_B=second is not None,
+        VALUES_B=set_rows is not None, BLOCK=LAYOUT_BLOCK, num_warps=4)
+    return [tuple(outputs[3 * i:3 * i + 3]) for i in range(len(layouts))]

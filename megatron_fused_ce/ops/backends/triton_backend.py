@@ -997,7 +997,7 @@ BACKEND = Backend(
     kept_stats=replay_triton.kept_stats, kept_grads=replay_triton.kept_grads, label_targets=label_targets,
     entry_stats=replay_triton.entry_stats, entry_dlogits=replay_triton.entry_dlogits,
     kept_layout=replay_triton.kept_layout, union_logits=replay_union_triton.union_logits,
-    union_sum_rows=replay_union_triton.union_sum_rows, union_layout=replay_union_triton.union_layout,
+    union_sum_rows=replay_union_triton.union_sum_rows, union_layouts=replay_union_triton.union_layouts,
     columns_by_use=replay_union_triton.columns_by_use,
     labelled_loss_sum=labelled_loss_sum, row_scale=row_scale,
     merge_gathered=merge_gathered, merged_tail=merged_tail, labelled_logprob=labelled_logprob,
