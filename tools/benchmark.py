@@ -158,6 +158,8 @@ def main(argv=None):
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(markdown(results))
         plot(results, args.out)
+        if args.grid or "--grid" in results.get("command", ""):
+            grid_plot(results, args.out)
         print(markdown(results))
         return 0
     if args.tp:
