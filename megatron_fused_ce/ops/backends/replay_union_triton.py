@@ -388,7 +388,7 @@ def _union_pack_kernel(named_ptr, bits_ptr, upto_ptr, status_ptr, ticket_ptr, nu
     value_mask = (tl.full([WINDOW], 1, tl.int64) << SUM_BITS) - 1
     inclusive = tl.full([WINDOW], 2, tl.int64) << SUM_BITS  # (blocks before the first: a sum of 0)
     tl.atomic_xchg(status_ptr + b, (tl.where(b == 0, 2, 1).to(tl.int64) << SUM_BITS) | block_sum)
-    before = block_sum * 0
+    before = tl.full([], 0, tl.int64)
     hi = b
     looking = b > 0
     while looking:
@@ -484,20 +484,18 @@ def union_layouts(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Optional[T
     outputs = torch.empty(sum(sizes), dtype=torch.int64, device=device).split(sizes)
     valid = valid.view(torch.uint8)
     by_columns = first.rank is not None
-    columns = first.rank if by_columns else col
-    b = second if second is not None else first
-    rank_b = b.rank if b.rank is not None else columns
+    b = second if second is not None else first  # (without a second layout, the kernels' b arguments unused)
+    rank = b.rank if b.rank is not None else col  # (the one layout by columns reads: at most one does)
     if total:
         _union_name_kernel[(cdiv(total, LAYOUT_BLOCK),)](
-            slot, col, valid, rank_b if second is not None else columns, named, total, first.members, first.width,
-            b.members, b.width, first_words * 32, BY_COLUMNS=by_columns, HAS_B=second is not None,
-            BLOCK=LAYOUT_BLOCK, num_warps=4)
+            slot, col, valid, rank, named, total, first.members, first.width, b.members, b.width, first_words * 32,
+            BY_COLUMNS=by_columns, HAS_B=second is not None, BLOCK=LAYOUT_BLOCK, num_warps=4)
     _union_pack_kernel[(blocks,)](named, bits, upto, status, ticket.view(torch.int32), num_words,
                                   BLOCK_W=PACK_BLOCK_WORDS, WINDOW=LOOK_BACK, SUM_BITS=SUM_BITS, num_warps=4)
     values = slot if set_rows is None else set_rows
     out_b = outputs[3:] if second is not None else outputs[:3]
     _union_place_kernel[(cdiv(max(total, first.tiles + 1, b.tiles + 1), LAYOUT_BLOCK),)](
-        slot, col, valid, rank_b if second is not None else columns, bits, upto, values, outputs[2], outputs[1],
+        slot, col, valid, rank, bits, upto, values, outputs[2], outputs[1],
         outputs[0], total, first.members, first.width, pairs[0], first.tiles, out_b[2], out_b[1], out_b[0],
         b.members, b.width, pairs[-1], b.tiles, first_words * 32, BY_COLUMNS=by_columns,
         HAS_VALUES=by_columns and set_rows is not None, HAS_B=second is not None,
