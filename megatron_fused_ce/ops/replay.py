@@ -78,8 +78,9 @@ TILE_ROWS] block of the slots' tiles and the [unions, COLUMN_TILE] block of the 
 log-prob's gradient alone comes back, the launch gates it by the rows' labelled and kept masks
 itself: StraightReplay), dX of each tile's rows from its union's W rows, and dW by tiles of
 COLUMN_TILE columns, each from the hidden rows whose sets name one of them
-(`UnionTiles.of_columns`, the columns by classes of use): every output row written by one
-program, no atomic adds (`union_sum_rows`) or dense: each chunk's dlogits block (zeros, the
+(`UnionTiles.of_columns`, the columns by classes of use; its layout made in the forward with
+the slots', in one set of launches): every output row written by one program, no atomic adds
+(`union_sum_rows`) or dense: each chunk's dlogits block (zeros, the
 entries written in) times W and h, fast.py's GEMMs. Rows with an empty set take the plain recompute
 backward. The dense route finds each chunk's entries by their place in the set rows' [slots,
 V_local] logits (`KeptEntries.gather_chunk` / `scatter_chunk`: one launch per chunk with the layout
