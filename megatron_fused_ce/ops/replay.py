@@ -546,8 +546,8 @@ class UnionTiles(NamedTuple):
         """uids: rows of the hidden states (the slots' set_rows, or with `by_rows` the entries'
         positions); the columns by use (class doc)."""
         kernels = UnionTiles._kernels(entries, backend)
-        layout, order = UnionTiles._column_layout(entries, num_cols, width, kernels)
-        return UnionTiles._build(entries, by_rows, [layout], kernels)[0]._replace(out_rows=order)
+        return UnionTiles._build(entries, by_rows, [UnionTiles._column_layout(entries, num_cols, width, kernels)],
+                                 kernels)[0]
 
     @staticmethod
     def of_slots_and_columns(entries: "KeptEntries", num_cols: int, slot_width: int, column_width: int,
@@ -555,27 +555,26 @@ class UnionTiles(NamedTuple):
         """(of_slots, of_columns) in one set of the backend's launches (a call that will need dW
         makes both in its forward: three launches and a fill fewer than one at a time)."""
         kernels = UnionTiles._kernels(entries, backend)
-        columns, order = UnionTiles._column_layout(entries, num_cols, column_width, kernels)
-        slots, columns = UnionTiles._build(entries, by_rows, [UnionTiles._slot_layout(entries, num_cols, slot_width),
-                                                              columns], kernels)
-        return slots, columns._replace(out_rows=order)
+        return tuple(UnionTiles._build(entries, by_rows, [UnionTiles._slot_layout(entries, num_cols, slot_width),
+                                                          UnionTiles._column_layout(entries, num_cols, column_width,
+                                                                                    kernels)], kernels))
 
     @staticmethod
     def _slot_layout(entries: "KeptEntries", num_cols: int, width: int) -> tuple:
-        """(rank, tiles, members, width): tiles of `width` slots, their members columns."""
-        return None, -(-entries.set_rows.numel() // width), num_cols, width
+        """(rank, tiles, members, width, out_rows): tiles of `width` slots, their members columns."""
+        return None, -(-entries.set_rows.numel() // width), num_cols, width, None
 
     @staticmethod
     def _column_layout(entries: "KeptEntries", num_cols: int, width: int, kernels) -> tuple:
-        """((rank, tiles, members, width), order): tiles of `width` columns in the order of their
-        use (`columns_by_use`), their members slots."""
+        """(rank, tiles, members, width, out_rows): tiles of `width` columns in the order of their
+        use (`columns_by_use`; out_rows the order), their members slots."""
         if getattr(kernels, "columns_by_use", None) is not None:  # (with the layout's counts, where it made them)
             counts = entries.column_use if entries.column_use is not None and entries.column_use.numel() == num_cols \
                 else None
             order, rank = kernels.columns_by_use(entries.col, entries.valid, num_cols, counts=counts)
         else:
             order, rank = columns_by_use(entries.col, entries.valid, num_cols)
-        return (rank, -(-num_cols // width), entries.set_rows.numel(), width), order
+        return rank, -(-num_cols // width), entries.set_rows.numel(), width, order
 
     @staticmethod
     def _kernels(entries: "KeptEntries", backend):
@@ -586,26 +585,26 @@ class UnionTiles(NamedTuple):
 
     @staticmethod
     def _build(entries: "KeptEntries", by_rows: bool, layouts: list, kernels) -> list:
-        """The tiles of each of `layouts` ((rank, tiles, members, width): tiles of slots where rank
-        is None, else of columns in the order `rank` gives (their places)); the slots the set
-        rows', or with `by_rows` the rows themselves (KeptEntries.slots). The backend's kernels
-        make them all in one set of launches."""
+        """The tiles of each of `layouts` ((rank, tiles, members, width, out_rows): tiles of slots
+        where rank is None, else of columns in the order `rank` gives (their places)); the slots
+        the set rows', or with `by_rows` the rows themselves (KeptEntries.slots). The backend's
+        kernels make them all in one set of launches."""
         slot, set_rows = entries.slots(by_rows)
         total = entries.ids.numel()
-        capacities = [min(total, tiles * members) for _, tiles, members, _ in layouts]
+        capacities = [min(total, tiles * members) for _, tiles, members, _, _ in layouts]
         if kernels is not None:
             fields = kernels.union_layouts(slot, entries.col, entries.valid, set_rows,
-                                           [(*layout, capacity) for layout, capacity in zip(layouts, capacities)])
-            return [UnionTiles(*f, capacity, min(total, members))
-                    for f, capacity, (_, _, members, _) in zip(fields, capacities, layouts)]
-        return [UnionTiles._torch_layout(entries, slot, set_rows, *layout, capacity)
-                for layout, capacity in zip(layouts, capacities)]
+                                           [(*layout[:4], capacity) for layout, capacity in zip(layouts, capacities)])
+        else:
+            fields = [UnionTiles._torch_layout(entries, slot, set_rows, *layout[:4], capacity)
+                      for layout, capacity in zip(layouts, capacities)]
+        return [UnionTiles(*f, capacity, min(total, members), out_rows)
+                for f, capacity, (_, _, members, _, out_rows) in zip(fields, capacities, layouts)]
 
     @staticmethod
     def _torch_layout(entries: "KeptEntries", slot: Tensor, set_rows: Optional[Tensor], rank: Optional[Tensor],
-                      tiles: int, members: int, width: int, capacity: int) -> "UnionTiles":
-        """The layout's definition in torch (about fifteen ops)."""
-        total = entries.ids.numel()
+                      tiles: int, members: int, width: int, capacity: int) -> tuple:
+        """The layout's (tile_start, uids, place), defined in torch (about fifteen ops)."""
         by_columns = rank is not None
         slot, col = slot.clamp(min=0), entries.col
         if by_columns:  # (a column off the shard is not valid: any place stands for it)
@@ -625,7 +624,7 @@ class UnionTiles(NamedTuple):
         tile_start = torch.cat([count.new_zeros(1), count.view(tiles, members)[:, -1]]).to(torch.int64)
         place = torch.where(entries.valid, (count.index_select(0, key.clamp(max=tiles * members - 1)) - 1) * width
                             + within, -1)
-        return UnionTiles(tile_start, uids, place, capacity, min(total, members))
+        return tile_start, uids, place
 
 
 def use_class(counts: Tensor) -> Tensor:
