@@ -271,7 +271,6 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     unlabelled rows, padding slots, ids off this shard, labels in and out of their sets, several
     blocks of rows and of entries), MaskCheck's device counts and the mask's fingerprint."""
     replay_triton = triton_kernels["replay_triton"]
-    monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK", 16)
     monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)
     monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_V", 16)  # (the dense blocks' rows in several blocks)
     monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_E", 4)

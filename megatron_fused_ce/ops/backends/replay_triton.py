@@ -351,7 +351,6 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
 # The mask's layout and checks (replay.KeptEntries, replay.MaskCheck: the torch definitions are
 # the reference): three launches and a fill instead of some eighty elementwise ops.
 # ---------------------------------------------------------------------------------------------
-LAYOUT_BLOCK = 1024
 LAYOUT_BLOCK_E = 64
 # The rows' scan (one program, a carry from block to block): blocks of ROWS_SCAN_BLOCK positions.
 # On an H200 (Zipf sets of 50 ids): 2048 by 8 warps 51 -> 36 us at 8192 rows, 112 -> 75 at 16384

@@ -213,12 +213,20 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
 # atomic or-s stalled on Zipf sets' shared pairs.) dW's tiles by columns first order the columns by
 # use (two launches, three where the entries are counted here: columns_by_use).
 # ---------------------------------------------------------------------------------------------
-LAYOUT_BLOCK = 1024
-PACK_BLOCK_WORDS = 64
-# columns_by_use: columns a block (a power of 2; the order is the same for any), classes of use
-# (replay.USE_CLASSES). The interpreter runs a sort network step by step (about a second a program
-# at 1024 keys): small blocks there.
-ORDER_BLOCK = 2048
+# Entries a program of the layout launches, words a block of the pack launch. On an H200 (a replay
+# step at 2048 and 8192 x 4096 x 19008 / 32064, K = 50, torch.profiler): the name and place
+# launches 21 -> 12 us at 2048 rows and 47 -> 29 at 8192 with 256 entries against 1024; the pack
+# 10-15 -> 7-10 and 27 -> 17 us with 128 words against 64 (32: slower).
+LAYOUT_BLOCK = 256
+PACK_BLOCK_WORDS = 128
+# columns_by_use: columns a block (a power of 2; the order is the same for any): at least
+# ORDER_BLOCK, more where the columns would make more than ORDER_MAX_BLOCKS blocks (every block
+# reads every block's histogram). Each block sorts its keys: 2048 columns a block made the order
+# launch 18 us at 19008-32064 columns, 256 made it 4 (one H200). Classes of use: replay.USE_CLASSES.
+# The interpreter runs a sort network step by step (about a second a program at 1024 keys): small
+# blocks there.
+ORDER_BLOCK = 256
+ORDER_MAX_BLOCKS = 128
 INTERPRETED_ORDER_BLOCK = 64
 USE_CLASSES = 32
 
@@ -308,7 +316,8 @@ def columns_by_use(col: Tensor, valid: Tensor, num_cols: int, counts: Optional[T
         if total:
             _column_use_kernel[(cdiv(total, LAYOUT_BLOCK),)](col, valid.view(torch.uint8), counts, total,
                                                              BLOCK=LAYOUT_BLOCK, num_warps=4)
-    block = min(ORDER_BLOCK, INTERPRETED_ORDER_BLOCK) if _interpreting() else ORDER_BLOCK
+    block = (min(ORDER_BLOCK, INTERPRETED_ORDER_BLOCK) if _interpreting()
+             else max(ORDER_BLOCK, next_power_of_2(cdiv(num_cols, ORDER_MAX_BLOCKS))))
     blocks = cdiv(num_cols, block)
     table = torch.empty(2 * blocks * USE_CLASSES, dtype=torch.int32, device=device)  # histograms, bases
     order_rank = torch.empty(2 * num_cols, dtype=torch.int64, device=device)
