@@ -51,15 +51,18 @@ def test_host_time_runs_on_cpu(tmp_path):
 def test_host_ab_runs_two_versions_in_one_process_on_cpu():
     """tools/host_ab.py (docs/benchmarks.md's in-process A/B of host time) on the CPU, against this
     checkout's own folder: the second copy of the package imports under another name beside the
-    first, every method runs in both, and the two compute alike (dX and dW 0 apart)."""
+    first, every method runs in both, and the two compute alike (dX and dW 0 apart; the forward
+    pass's log-probs)."""
     out = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "host_ab.py"), "--against", REPO, "--device", "cpu",
-         "--shape", "64x32x300", "--k", "4", "--calls", "2", "--method", "replay,logprobs,ce"],
+         "--shape", "64x32x300", "--k", "4", "--calls", "2", "--method", "replay,logprobs,ce,forward"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "µs" not in line]
-    assert [row[1].strip().split()[0] for row in rows] == ["replay", "replay", "logprobs", "logprobs", "ce", "ce"]
+    assert [row[1].strip().split()[0] for row in rows] == ["replay", "replay", "logprobs", "logprobs", "ce", "ce",
+                                                           "forward", "forward"]
     assert out.stdout.count("dX apart 0.0e+00, dW apart 0.0e+00") == 3, out.stdout
+    assert out.stdout.count("forward: log-probs apart 0.0e+00") == 1, out.stdout
 
 
 def test_host_time_runs_at_tp2_on_cpu(tmp_path):

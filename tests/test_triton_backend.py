@@ -541,9 +541,17 @@ def small_tiles(tb, monkeypatch):
 def test_gemm_shard_stats_matches_chunked_stats(small_tiles, monkeypatch, dtype, temperature, round_logits, tma):
     """The logits GEMM with the statistics in its epilogue == GEMM (rounded to the input dtype, or
     fp32 logits) + shard_stats, for every ShardStats field; rows in several launches (the
-    partials bound), padding columns, labels on other shards, both the TMA and pointer kernels."""
+    partials bound), padding columns, labels on other shards, both the TMA and pointer kernels.
+    Fresh memory holds NaN: every field is written whole by the launches (a row whose label is on
+    another shard gets its 0 from a store, not from a fill)."""
     gs = small_tiles
     monkeypatch.setattr(gs, "PARTIALS_BYTES", 4 * 4 * 10 * 16 * 2)  # 10 column tiles -> 2 row slices
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
     monkeypatch.setattr(gs, "_use_tma", lambda device: tma)
     g = torch.Generator().manual_seed(3 + tma)
     n, hdim, v, nv = 45, 64, 310, 290

@@ -13,9 +13,10 @@ one process after the other cannot see a 10 % change; one process can.
 megatron_fused_ce/; its package is imported under another name (the package imports itself
 relatively), beside this tree's. Methods (forward + backward of a mean over the tokens, bf16 on
 GPUs): `replay` (linear_logprobs with a sampling mask of K ids a token, `--sets` zipf or random as
-tools/sampling_mask_bench.py draws them), `logprobs`, `ce` (linear_cross_entropy). Per method and
-version: medians (and quartiles) over `--calls` calls of each, and how far the two versions'
-dX and dW are apart (max |difference| / max |value|): 0 where they compute alike.
+tools/sampling_mask_bench.py draws them), `logprobs`, `ce` (linear_cross_entropy), and `forward`
+(log-probs under no_grad, a forward pass alone). Per method and version: medians (and quartiles)
+over `--calls` calls of each, and how far the two versions' dX and dW (forward: log-probs) are
+apart (max |difference| / max |value|): 0 where they compute alike.
 """
 
 import argparse
@@ -54,6 +55,9 @@ def import_against(spec: str, work: str):
 
 def make_step(package, method: str, h, w, y, mask):
     def step():
+        if method == "forward":  # the reference / old-policy pass: its log-probs, no graph
+            with torch.no_grad():
+                return (package.linear_logprobs(h, w, y).logprobs,)
         if method == "ce":
             loss = package.linear_cross_entropy(h, w, y)
         else:
@@ -113,7 +117,7 @@ def main(argv=None):
     p.add_argument("--against", required=True,
                    help="a git revision of this checkout, or a folder with megatron_fused_ce/")
     p.add_argument("--shape", default="2048x4096x19008", help="NxHxV")
-    p.add_argument("--method", default="replay", help="comma list of replay, logprobs, ce")
+    p.add_argument("--method", default="replay", help="comma list of replay, logprobs, ce, forward")
     p.add_argument("--sets", default="zipf", choices=("zipf", "random"))
     p.add_argument("--k", type=int, default=50, help="kept ids a token (replay)")
     p.add_argument("--calls", type=int, default=200, help="calls of each version, alternating")
@@ -142,7 +146,9 @@ def main(argv=None):
             for version, (host, idle, kernels, kernel_us) in table.items():
                 print(f"| {name} | {version} | {quartiles(host)} | {quartiles(idle)} | {kernels:.0f} | "
                       f"{kernel_us:.0f} |")
-            print(f"  {name}: dX apart {apart[0]:.1e}, dW apart {apart[1]:.1e} (max |difference| / max |value|)")
+            outputs = ("log-probs",) if method == "forward" else ("dX", "dW")
+            print(f"  {name}: " + ", ".join(f"{o} apart {a:.1e}" for o, a in zip(outputs, apart))
+                  + " (max |difference| / max |value|)")
     return 0
 
 

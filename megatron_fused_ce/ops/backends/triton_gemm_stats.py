@@ -122,8 +122,11 @@ def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
     label = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore)
     t = label - label_offset
     t = tl.where((label != ignore) & (t >= 0) & (t < NV), t, -1)
-    z_t = tl.sum(tl.where(cols[None, :] == t[:, None], z, 0.0), axis=1)
-    tl.store(tz_ptr + rows, z_t, mask=row_ok & (t >= pid_n * BN) & (t < pid_n * BN + BN))
+    z_t = tl.sum(tl.where(cols[None, :] == t[:, None], z, 0.0), axis=1)  # (0 where t = -1)
+    # each row's target stored by one tile: its label's, or the first where the label is not on
+    # this shard (its 0: no fill of the output before the launch)
+    owner = tl.where(t < 0, 0, t) // BN
+    tl.store(tz_ptr + rows, z_t, mask=row_ok & (owner == pid_n))
 
 
 @cached_launch
@@ -241,12 +244,14 @@ def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, 
         return ShardStats.empty(n, hidden_rows.device, want_sum_logits, want_entropy)
     bm, bn, bk, warps, stages = TILE
     tiles_n = cdiv(num_valid_cols, bn)
-    per_row = 4 * tiles_n * (2 + want_sum_logits + want_entropy)
-    slice_rows = max(bm, PARTIALS_BYTES // per_row // bm * bm)
-    out = {name: torch.empty(n, **f32) for name in ("max", "sum_exp")}
-    out["target"] = torch.zeros(n, **f32)
-    out["sum_logits"] = torch.empty(n, **f32) if want_sum_logits else None
-    out["sum_exp_shifted"] = torch.empty(n, **f32) if want_entropy else None
+    per_tile = 2 + want_sum_logits + want_entropy  # the partials of a row and column tile
+    slice_rows = max(bm, PARTIALS_BYTES // (4 * tiles_n * per_tile) // bm * bm)
+    # the row statistics in one allocation (each a row of it), the partials of a slice in another:
+    # a call's host time before its GEMM is launched is the GPU's idle time at RL row counts
+    fields = torch.empty(3 + want_sum_logits + want_entropy, n, **f32).unbind(0)
+    out = dict(max=fields[0], sum_exp=fields[1], target=fields[2],
+               sum_logits=fields[3] if want_sum_logits else None,
+               sum_exp_shifted=fields[-1] if want_entropy else None)
     tma = _use_tma(hidden_rows.device)
     if tma:
         descriptor_scratch(hidden_rows.device)
@@ -254,9 +259,10 @@ def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, 
     for r0 in range(0, n, slice_rows):
         r1 = min(n, r0 + slice_rows)
         rows = r1 - r0
-        pm, ps = torch.empty(tiles_n, rows, **f32), torch.empty(tiles_n, rows, **f32)
-        pl = torch.empty(tiles_n, rows, **f32) if want_sum_logits else pm
-        pe = torch.empty(tiles_n, rows, **f32) if want_entropy else pm
+        parts = torch.empty(per_tile, tiles_n, rows, **f32).unbind(0)
+        pm, ps = parts[0], parts[1]
+        pl = parts[2] if want_sum_logits else pm
+        pe = parts[-1] if want_entropy else pm
         h = chunk_rows(hidden_rows, r0, r1)
         args = (h, weight, chunk_rows(target, r0, r1), int(label_offset), int(ignore_index), pm, ps, pl, pe,
                 chunk_rows(out["target"], r0, r1), rows,
