@@ -987,7 +987,8 @@ class ReplayChunks:
                 columns = UnionTiles.of_columns(entries, weight.shape[0], COLUMN_TILE, spec.backend, by_rows)
             products.append((columns, COLUMN_TILE, partial(
                 spec.backend.union_sum_rows, src=rows, tile_start=columns.tile_start, uids=columns.uids, out=dw_out,
-                tile_rows=COLUMN_TILE, out_rows=columns.out_rows, accumulate=accumulate or self.plain_pass)))
+                tile_rows=COLUMN_TILE, out_rows=columns.out_rows, accumulate=accumulate or self.plain_pass,
+                by_columns=True)))
         together = sum(layout.capacity * width for layout, width, _ in products) <= self._max_elements(weight, spec)
         for group in [products] if together else [[product] for product in products]:
             sizes = [layout.capacity * width for layout, width, _ in group]

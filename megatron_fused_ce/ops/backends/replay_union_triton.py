@@ -38,22 +38,31 @@ from .triton_common import cached_launch, cdiv, interpreting as _interpreting, n
 from .triton_gemm_stats import round_bf16_by_hand
 
 # Launch settings (module-level so that tests can shrink them; not a public API). Every tl.dot
-# dimension must stay >= 16. Measured on an H200 at BM = 32 (replay's tiles; 8192 x 4096 x 19008,
-# K = 50, torch.profiler, each kernel's time in one call): the sums of rows with SUM_BLOCK_H 128
-# against 256 744 -> 704 us with Zipf sets, 1069 -> 1052 with random ones (2048 rows: within 3 %);
-# SUM_BLOCK_U 128 (1297) or 4 warps (836) slower, 2 or 4 stages within 5 %; the logits with
-# LOGITS_BLOCK_U 64 (249 -> 302 us) or LOGITS_BLOCK_K 128 (322) slower, 8 warps or 4 stages within
-# 4 % at 8192 rows. With bf16 / fp16 operands no register spills on sm_90; 4-byte operands' stages
-# fit in shared memory at these blocks.
+# dimension must stay >= 16. Measured on an H200 at BM = 32 (replay's tiles, K = 50), each product
+# alone from its captured arguments (CUDA events, L2 flushed before each), the layouts of a step
+# at 2048 x 4096 x 19008 / 8192 x 4096 x 19008 with Zipf / random sets:
+# - the logits with 256 union entries a block and 8 warps (was 128 and 4): 96 -> 62 / 134 -> 125 us
+#   at 2048 rows, 257 -> 245 / 449 -> 445 at 8192 (2048 x 4096 x 32064 random 154 -> 136; fewer
+#   programs reading each tile's hidden rows). 512 entries won with random sets only, 128-wide
+#   steps over H, 4 stages or 8 / 32 programs a tile were level or slower.
+# - the sums with 32 union entries a step and 4 warps (was 64 and 8): dX 86 -> 78 / 142 -> 132 at
+#   2048 rows, 291 -> 272 / 497 -> 477 at 8192; dW by tiles of columns 175 -> 130 / 225 -> 158 at
+#   2048 rows with 2 stages (141 / 176 with 3), 421 -> 412 / 544 -> 492 at 8192, 2048 x 4096 x 32064
+#   random 290 -> 192: its unions are mostly a few dozen rows (a column named by few sets), where
+#   a shallower pipeline leaves room for more programs on an SM; dX's are the tile's whole union
+#   (3 stages: 2 were 1-3 % slower). 16 entries a step, 2 warps, 64- or 256-wide blocks of H slower.
+# With bf16 / fp16 operands no register spills on sm_90; 4-byte operands' stages fit in shared
+# memory at these blocks.
 MAX_PROGRAMS_PER_TILE = 16  # P's bound: programs of one tile striding over its union blocks
-LOGITS_BLOCK_U = 128  # union entries per block: the [BLOCK_U, BM] accumulator's rows
+LOGITS_BLOCK_U = 256  # union entries per block: the [BLOCK_U, BM] accumulator's rows
 LOGITS_BLOCK_K = 64  # steps over H
-LOGITS_WARPS = 4
+LOGITS_WARPS = 8
 LOGITS_STAGES = 3
-SUM_BLOCK_U = 64  # the reduction's step over the tile's union
+SUM_BLOCK_U = 32  # the reduction's step over the tile's union
 SUM_BLOCK_H = 128
-SUM_WARPS = 8
-SUM_STAGES = 3
+SUM_WARPS = 4
+SUM_STAGES = 3  # dX: the slots' tiles
+SUM_STAGES_BY_COLUMNS = 2  # dW: tiles of columns
 # fp32 operands (fp32 inputs, or an fp32 dZ with the other side upcast): "tf32x3" keeps about fp32
 # accuracy on tensor cores; "ieee" (exact fp32 FMAs) spilled registers in these tiles (Triton 3.9, sm_90)
 FP32_PRECISION = "tf32x3"
@@ -176,14 +185,14 @@ def union_logits(rows: Tensor, weight: Tensor, set_rows: Optional[Tensor], tile_
 
 
 def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, out: Tensor, tile_rows: int, *,
-                   out_rows: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+                   out_rows: Optional[Tensor] = None, accumulate: bool = False, by_columns: bool = False) -> Tensor:
     """out[r(t * BM + s)] (+)= sum over tile t's union entries g of dz[g, s] * src[uids[g]] (BM =
     tile_rows; r: `out_rows`, or the slot itself), fp32 sums rounded once to out's dtype, added to
     what out holds with `accumulate` (else overwritten; zeros for a tile whose union is empty).
     The tiles are the slots [0, S): S = out_rows' length, or out's rows. Two uses: dX of the slots'
     rows (src the weight, uids columns, out_rows the slots' rows) and dW of blocks of columns (src
     the hidden rows, uids rows, out_rows the columns in their tiles' order, out the weight's
-    gradient). Each output row is written by one
+    gradient; `by_columns`: its launch settings). Each output row is written by one
     program per H block: no atomics (a row that several slots name may only be added zeros:
     replay's padding slots)."""
     count = out.shape[0] if out_rows is None else out_rows.numel()
@@ -196,7 +205,7 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
             UPCAST=_interpreting() or dz.dtype != src.dtype,
             BF16_BY_HAND=_interpreting() and out.dtype == torch.bfloat16, PRECISION=FP32_PRECISION,
             HAS_OUT_ROWS=out_rows is not None, ACCUMULATE=accumulate, num_warps=SUM_WARPS,
-            num_stages=SUM_STAGES)
+            num_stages=SUM_STAGES_BY_COLUMNS if by_columns else SUM_STAGES)
     return out
 
 
