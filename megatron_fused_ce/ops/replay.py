@@ -100,9 +100,9 @@ an H200 (tools/sampling_mask_bench.py, Zipf and random sets, K / V from 1/5120 t
 of sparse rows costs about 0.03 + 380 x K / V of plain log-probs (the backward's gathers and fp32
 dW adds dominate), the dense route 0.70-0.88 (3 GEMMs per chunk against plain's 4): they cross
 near K = V / 530. The tiles cost what their unions do (a tile of 32 Zipf sets of K = 50 names
-4.4 % of a 19008-id shard, of random ones 8.1 %): on an H200 at K = 50 0.04-0.08 of plain on
-the large shapes and 0.20-0.35 from CUDA graphs at N = 4096-8192, V = 19008-32064 (0.58-0.76
-eager, the host's time), at K = 512 on the large shapes 0.13-0.35 (replay_route's doc).
+4.4 % of a 19008-id shard, of random ones 8.1 %): on an H200 at K = 50 0.03-0.06 of plain on
+the large shapes and 0.15-0.34 from CUDA graphs at N = 4096-8192, V = 19008-32064 (0.50-0.56
+eager, the host's time), at K = 512 on the large shapes 0.11-0.32 (replay_route's doc).
 """
 
 from __future__ import annotations
@@ -488,11 +488,11 @@ def replay_route(num_entries: int, num_set_rows: int, vocab: int, backend, max_e
     of the dense route's columns, their [unions, TILE_ROWS] products and their layouts' [tiles,
     members] tables (the kernels' a byte a pair: half an element) within a chunk's `max_elements`;
     else sparse below SPARSE_MAX_SHARE (module doc); else dense. Measured on an
-    H200 (tools/sampling_mask_bench.py, x plain log-probs) at K = 50: the tiles 0.58-0.76 eager
-    (0.20-0.35 from CUDA graphs) at N 4096-8192 and V 19008-32064, where the sparse kernels took
-    0.96-1.38 and the dense route 1.06-1.21; 0.04-0.08 on the large shapes, where sparse took
-    0.11-0.17; at K = 512 on the large shapes (K <= V / 250) 0.13-0.35, where the dense route
-    took 0.68-0.73."""
+    H200 (tools/sampling_mask_bench.py, x plain log-probs) at K = 50: the tiles 0.50-0.56 eager
+    (0.15-0.34 from CUDA graphs) at N 4096-8192 and V 19008-32064, where the sparse kernels took
+    0.96-1.38 and the dense route 1.06-1.21 (both measured against earlier tiles, 0.58-0.76
+    then); 0.03-0.06 on the large shapes, where sparse took 0.11-0.17; at K = 512 on the large
+    shapes (K <= V / 250) 0.11-0.32, where the dense route took 0.68-0.73."""
     has_tiles = getattr(backend, "union_logits", None) is not None
     if FORCE_PIECES is not None:
         return "dense" if FORCE_PIECES == "tiles" and not has_tiles else FORCE_PIECES
