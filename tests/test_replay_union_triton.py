@@ -179,13 +179,20 @@ def test_union_logits(case):
         assert written.any() and not written.all()
 
 
+@pytest.mark.parametrize("order", ["blocks-of-h", "groups-of-1", "groups-of-2"])
 @pytest.mark.parametrize("into", ["slots", "rows-added"])
-def test_union_sum_rows(case, into):
+def test_union_sum_rows(case, into, order, monkeypatch):
     """out[r(t * BM + s)] (+)= sum_g dZ[g, s] src[uids[g]]: "slots" overwrites out's rows in slot
     order (dW's use: a tile of columns, its rows of dW), "rows-added" adds into the rows the slots
     name (dX's use: out_rows = the slots' rows, a prefilled buffer; repeated rows only ever get
-    zeros added, as replay's padding slots)."""
+    zeros added, as replay's padding slots). Each program order (`by_columns`: groups of tiles,
+    each group's blocks of H together; the last group partial where the tiles do not divide)
+    writes every (tile, block of H) once: a block left out stays NaN or unchanged, one taken twice
+    adds twice."""
     union_triton, inst = case
+    by_columns = order != "blocks-of-h"
+    if by_columns:
+        monkeypatch.setattr(union_triton, "SUM_GROUP_TILES_BY_COLUMNS", int(order[-1]))
     w = inst["weight"].double().cpu()
     start = inst["tile_start"].cpu()
     dtype = inst["spec"]["dtype"]
@@ -203,11 +210,12 @@ def test_union_sum_rows(case, into):
             out = wide[:, 4:4 + HIDDEN] if inst["spec"]["strided"] else wide[:, :HIDDEN]
             before = out.clone().cpu().double()
             union_triton.union_sum_rows(dz, inst["weight"], inst["tile_start"], inst["uids"], out, inst["bm"],
-                                        out_rows=out_rows.to(DEVICE), accumulate=True)
+                                        out_rows=out_rows.to(DEVICE), accumulate=True, by_columns=by_columns)
         else:
             wide = torch.full((slots, HIDDEN + 8), NAN, dtype=dtype, device=DEVICE)
             out = wide[:, 4:4 + HIDDEN] if inst["spec"]["strided"] else wide[:, :HIDDEN].contiguous()
-            union_triton.union_sum_rows(dz, inst["weight"], inst["tile_start"], inst["uids"], out, inst["bm"])
+            union_triton.union_sum_rows(dz, inst["weight"], inst["tile_start"], inst["uids"], out, inst["bm"],
+                                        by_columns=by_columns)
         dz64, got = dz.double().cpu(), out.cpu()
         for t in range(inst["tiles"]):
             a, b = int(start[t]), int(start[t + 1])
