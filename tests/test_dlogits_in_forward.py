@@ -1,16 +1,22 @@
-"""Log-probs of one fast chunk: the dlogits and their product with W made in the forward.
+"""Log-probs of fast chunks: the dlogits of the chunk held from forward to backward, and their
+product with W, made in the forward.
 
-`linear_logprobs` without entropy, whose rows fit one chunk (an RL micro-batch), makes
-d log p / d logits = one_hot - softmax and D·W in the forward (chunked.LinearLogprobDlogitsInForward),
-the backward scaling them by each row's upstream gradient. Protected here:
+`linear_logprobs` without entropy makes d log p / d logits = one_hot - softmax and D·W in the
+forward (chunked.LinearLogprobDlogitsInForward) for its only chunk (an RL micro-batch) or, with
+several chunks, its last one; the backward scales them by each row's upstream gradient and makes
+the other chunks' dlogits again. Protected here:
 
-* which calls take it (one fast chunk of at most api.DLOGITS_IN_FORWARD_MAX_BYTES, the default
+* which calls take it (a held chunk of at most api.DLOGITS_IN_FORWARD_MAX_BYTES, the default
   chunk budget; no entropy, no sequence parallelism, not fp16, gradients wanted, no saved-tensor
   hooks) and which keep the recompute path;
 * values, dX and dW against float64 dense math at TP 1/2/4 over gloo, with ignored labels, padded
-  vocab, temperature and non-uniform upstream gradients (the tolerances of tests/test_ops.py);
+  vocab, temperature and non-uniform upstream gradients (the tolerances of tests/test_ops.py), in
+  one chunk and in several whose size does not divide the rows;
 * Megatron's main_grad at loss scales 1 to 1e-5 (dW added in the backward, from the exact g);
-* three GEMMs in forward + backward (the chunk of logits made once, turned into D in place);
+* three GEMMs in forward + backward for one chunk (its logits made once, turned into D in place),
+  one fewer than the recompute path's for several;
+* with several chunks, one chunk of logits alive at a time (D freed before the others are made
+  again): tests/test_chunk_policy.py's test_one_chunk_of_logits_alive_at_a_time;
 * a second backward through a retained graph, and a graph freed without backward (nothing written);
 * the Triton backend (its dlogits kernel with unit coefficients) equal to the torch one.
 """
@@ -61,13 +67,15 @@ def _worker(rank, world, case):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_chunk_matches_dense_reference(tp, dtype):
-    seed = zlib.crc32(repr(("dlogits_in_forward", tp, str(dtype))).encode()) % 10_000
-    case = make_case(seed, tp, dtype=dtype, chunk_size=None, ignored=0.3)
+@pytest.mark.parametrize("chunk_size", [None, 13], ids=["one_chunk", "chunks_of_13"])
+def test_matches_dense_reference(tp, dtype, chunk_size):
+    """60 rows: one chunk, or chunks of 13 (the held last chunk 8 rows)."""
+    seed = zlib.crc32(repr(("dlogits_in_forward", tp, str(dtype), chunk_size)).encode()) % 10_000
+    case = make_case(seed, tp, dtype=dtype, chunk_size=chunk_size, ignored=0.3)
     case["grad_ent"] = torch.zeros_like(case["grad_ent"])
     results = run_workers(_worker, tp, case)
     assert all(took for *_, took in results), "the call did not make its dlogits in the forward"
-    check_against_reference(case, [r[:4] for r in results], what_prefix="one-chunk ")
+    check_against_reference(case, [r[:4] for r in results], what_prefix=f"chunk_size={chunk_size} ")
 
 
 def _takes_the_path(**kwargs) -> bool:
@@ -83,7 +91,7 @@ def test_which_calls_make_their_dlogits_in_the_forward():
     assert _takes_the_path()
     assert _takes_the_path(chunk_size=12)
     assert _takes_the_path(dtype=torch.bfloat16)
-    assert not _takes_the_path(chunk_size=5)  # several chunks: D of every chunk would be the logits
+    assert _takes_the_path(chunk_size=5)  # several chunks: the last one's D held
     assert not _takes_the_path(return_entropy=True)  # the entropy's gradient is not one per row
     assert not _takes_the_path(dtype=torch.float16)
     assert not _takes_the_path(memory_mode="lean")
@@ -109,18 +117,44 @@ def test_three_gemms_make_values_and_gradients():
     assert gemms.count == 3, gemms.count
 
 
+@pytest.mark.parametrize("chunk_size", [5, 4], ids=["last_chunk_shorter", "chunks_divide_the_rows"])
+def test_several_chunks_make_one_gemm_fewer_than_recompute(chunk_size):
+    """With several chunks the last one is made once and turned into D: 3 GEMMs for it, 4 for each
+    of the others (statistics, then logits again, dX and dW), against 4 each on the recompute path
+    (the call with entropy, whose gradient is zero here)."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(12, 8, generator=g).requires_grad_()
+    w = torch.randn(30, 8, generator=g).requires_grad_()
+    y = torch.randint(0, 30, (12,), generator=g)
+    upstream = torch.randn(12, generator=g)
+    chunks = -(-12 // chunk_size)
+    counts = []
+    for entropy in (False, True):
+        with CountMatmuls() as gemms:
+            out = linear_logprobs(h, w, y, chunk_size=chunk_size, return_entropy=entropy)
+            assert (_path_node(out.logprobs) is not None) != entropy
+            (out.logprobs * upstream).sum().backward()
+        counts.append(gemms.count)
+    assert counts == [4 * chunks - 1, 4 * chunks], counts
+
+
 def test_a_chunk_above_the_bound_keeps_the_recompute_path(monkeypatch):
     """D and D·W are held from forward to backward: only for chunks of dlogits up to
-    api.DLOGITS_IN_FORWARD_MAX_BYTES (12 rows x 30 fp32 columns = 1440 bytes here)."""
+    api.DLOGITS_IN_FORWARD_MAX_BYTES (12 rows x 30 fp32 columns = 1440 bytes here); with several
+    chunks the held one is the last (chunks of 5 rows: 2 rows, 240 bytes)."""
     monkeypatch.setattr(api, "DLOGITS_IN_FORWARD_MAX_BYTES", 1440)
     assert _takes_the_path()
     monkeypatch.setattr(api, "DLOGITS_IN_FORWARD_MAX_BYTES", 1439)
     assert not _takes_the_path()
+    assert _takes_the_path(chunk_size=5)
+    monkeypatch.setattr(api, "DLOGITS_IN_FORWARD_MAX_BYTES", 239)
+    assert not _takes_the_path(chunk_size=5)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 16], ids=["one_chunk", "chunks_of_16"])
 @pytest.mark.parametrize("scale", [1.0, 1e-2, 1e-5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_main_grad_gets_the_exact_weight_gradient(scale, dtype):
+def test_main_grad_gets_the_exact_weight_gradient(scale, dtype, chunk_size):
     """dW goes into main_grad in the backward, from the exact upstream gradient (no difference of
     large terms at a loss scale of 1e-5): as close to float64 as the same op without main_grad."""
     g = torch.Generator().manual_seed(11)
@@ -137,7 +171,7 @@ def test_main_grad_gets_the_exact_weight_gradient(scale, dtype):
         h, w = h64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()
         if main_grad:  # (zero: an fp32 sum with O(1) entries would round a 1e-5 dW by itself)
             w.main_grad = torch.zeros(70, 16)
-        out = linear_logprobs(h, w, y, vocab_size=64, accumulate_into_main_grad=main_grad)
+        out = linear_logprobs(h, w, y, vocab_size=64, accumulate_into_main_grad=main_grad, chunk_size=chunk_size)
         assert _path_node(out.logprobs) is not None
         (out.logprobs * upstream.to(torch.float32)).sum().backward()
         dw = w.main_grad if main_grad else w.grad.float()
@@ -164,32 +198,39 @@ def test_the_row_product_is_freed_once_dx_is_made():
     assert made.product is None and made.dlogits is not None
 
 
-def test_second_backward_and_freed_graph():
+@pytest.mark.parametrize("chunk_size", [None, 7], ids=["one_chunk", "chunks_of_7"])
+def test_second_backward_and_freed_graph(chunk_size):
+    """One chunk: the saved dlogits are read, not consumed. Several: the first backward frees the
+    held chunk's D (one chunk alive at the peak), a second one makes every chunk again."""
     g = torch.Generator().manual_seed(12)
     h = torch.randn(20, 8, generator=g, requires_grad=True)
     w = torch.randn(30, 8, generator=g, requires_grad=True)
     y = torch.randint(0, 30, (20,), generator=g)
+    y[::3] = -100
     upstream = torch.randn(20, generator=g)
-    out = linear_logprobs(h, w, y)
+    out = linear_logprobs(h, w, y, chunk_size=chunk_size)
+    assert _path_node(out.logprobs) is not None
     loss = (out.logprobs * upstream).sum()
     loss.backward(retain_graph=True)
     first = (h.grad.clone(), w.grad.clone())
-    loss.backward()  # the saved dlogits are read, not consumed
+    loss.backward()
     torch.testing.assert_close(h.grad, 2 * first[0])
     torch.testing.assert_close(w.grad, 2 * first[1])
     h.grad = w.grad = None
     w.main_grad = torch.zeros(30, 8)
-    out = linear_logprobs(h, w, y, accumulate_into_main_grad=True)
+    out = linear_logprobs(h, w, y, accumulate_into_main_grad=True, chunk_size=chunk_size)
     del out  # a graph freed without backward: the forward wrote nothing
     assert h.grad is None and w.grad is None and torch.equal(w.main_grad, torch.zeros(30, 8))
-    out = linear_logprobs(h, w, y, accumulate_into_main_grad=True)
+    out = linear_logprobs(h, w, y, accumulate_into_main_grad=True, chunk_size=chunk_size)
     (out.logprobs * upstream).sum().backward()
     torch.testing.assert_close(w.main_grad, first[1])
 
 
-def test_triton_backend_matches_torch():
+@pytest.mark.parametrize("chunk_size", [None, 10], ids=["one_chunk", "chunks_of_10"])
+def test_triton_backend_matches_torch(chunk_size):
     """The Triton backend's statistics and dlogits kernels (D made in place on the chunk of
-    logits) and D·W against the torch backend's, values and gradients."""
+    logits; with several chunks, the others' dlogits made again in the backward) and D·W against
+    the torch backend's, values and gradients."""
     pytest.importorskip("triton")
     from triton_interpret import kernel_modules
 
@@ -205,7 +246,7 @@ def test_triton_backend_matches_torch():
     results = []
     for impl in ("torch", "triton"):
         hh, ww = h.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
-        out = linear_logprobs(hh, ww, y.to(device), vocab_size=61, temperature=0.7, impl=impl)
+        out = linear_logprobs(hh, ww, y.to(device), vocab_size=61, temperature=0.7, impl=impl, chunk_size=chunk_size)
         assert _path_node(out.logprobs) is not None
         (out.logprobs * upstream.to(device)).sum().backward()
         results.append((out.logprobs.detach().cpu(), hh.grad.float().cpu(), ww.grad.float().cpu()))

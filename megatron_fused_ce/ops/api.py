@@ -31,7 +31,7 @@ from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, 
                         is_int, value_code)
 from .forward_grad import ForwardGradLoss
 from .chunked import ChunkSpec, LinearLogprobDlogitsInForward, LinearLossGradInForward, autocast_off, softmax_statistics
-from .fast import FAST_CHUNKS, EarlyProduct, StatsWithDlogits, chunk_logits, fused_statistics
+from .fast import FAST_CHUNKS, EarlyProduct, StatsWithDlogits, chunk_logits, fused_statistics, last_chunk_start
 from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -630,7 +630,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     mask: its sizes join the signature, its entries the agreement, or the device checks on a
     remembered signature); a mask with entries switches to replay.py's statistics.
     `logprob_only`: the caller differentiates `logprob()` alone (linear_logprobs without entropy):
-    a call of one fast chunk then makes its dlogits in the forward
+    a call of fast chunks then makes the dlogits of its only or last chunk in the forward
     (chunked.LinearLogprobDlogitsInForward).
     `ahead`: first_product_ahead's (key, product), where the entry point launched it before its own
     argument handling (None: launched here).
@@ -718,8 +718,9 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     dlogits_in_forward = (
         logprob_only and needs_grad and forward_grad is None and tiling is FAST_CHUNKS
         and not sequence_parallel and not want_entropy and not want_sum_logits
-        and logits_dtype is None and hidden.dtype != torch.float16 and 0 < num_rows <= chunk_size
-        and num_rows * v_local * weight.element_size() <= DLOGITS_IN_FORWARD_MAX_BYTES
+        and logits_dtype is None and hidden.dtype != torch.float16 and num_rows > 0
+        and (num_rows - last_chunk_start(num_rows, chunk_size)) * v_local * weight.element_size()
+        <= DLOGITS_IN_FORWARD_MAX_BYTES
         and not saved_tensors_hooks_active())
     first_product = (EarlyProduct() if tiling is FAST_CHUNKS and not sequence_parallel and not mask_entries
                      and num_rows > 0 else None)
@@ -864,7 +865,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                               straight=_straight_facts(
                                   "log-probs dlogits in forward", agreed, spec, ignore_index, tp_group=tp_group,
                                   weight=weight, weight_param=weight_param,
-                                  accumulate_into_main_grad=accumulate_into_main_grad))
+                                  accumulate_into_main_grad=accumulate_into_main_grad,
+                                  applies=num_rows <= chunk_size))
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         _drop(first_product)
@@ -901,20 +903,21 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                       labelled=labelled, poison=_device_poison(device_checks, rank_check), backend=backend)
 
 
-# Log-probs make their dlogits in the forward (chunked.LinearLogprobDlogitsInForward) only where the
-# call is one chunk of logits and that chunk is at most this large: as large as a default chunk
-# (DEFAULT_MAX_CHUNK_BYTES), so that every call of one chunk under the default budget takes it.
-# What it wins is a GEMM (three instead of the recompute path's four) and host time: on one H200,
-# 2048x4096x19008 went 1.66 -> 1.28-1.36x the floor and 8192x4096x19008 1.49 -> 1.13-1.14x; the
-# bound at 1 GiB instead of 512 MiB (calls of 0.5-1 GiB of logits) 16384x2048x19008 1.56-1.58 ->
-# 1.13-1.14x, 16384x2048x32064 1.45-1.54 -> 1.13-1.23x, 8192x2048x64128 1.44-1.49 -> 1.12-1.16x,
-# 16384x4096x19008 1.37-1.39 -> 1.04-1.08x. What it costs is memory: D (the chunk, which the
-# recompute path's backward allocates too) is held from the forward to the backward with D·W
-# ([rows, H] fp32, freed once dX is made): a peak of 1.43x the chunk's bf16 logits at H = 4096,
-# V = 19008 (1.22x at H = 2048; 1.03-1.13x at 64k-128k-wide shards) where recompute's is 1.00x.
-# Megatron runs a micro-batch's backward right after its forward on the stage with the output
-# layer, so what is held is one micro-batch's. Calls of several chunks keep the recompute path's
-# bounded chunks (held from forward to backward, their dlogits would be the whole logits).
+# Log-probs make their dlogits in the forward (chunked.LinearLogprobDlogitsInForward) for the chunk
+# they hold from forward to backward (a call's only chunk, or its last one) where that chunk is at
+# most this large: as large as a default chunk (DEFAULT_MAX_CHUNK_BYTES), so that every call under
+# the default budget takes it. What it wins is a GEMM (three for that chunk instead of the
+# recompute path's four) and host time: on one H200, 2048x4096x19008 went 1.66 -> 1.28-1.36x the
+# floor and 8192x4096x19008 1.49 -> 1.13-1.14x; the bound at 1 GiB instead of 512 MiB (calls of
+# 0.5-1 GiB of logits) 16384x2048x19008 1.56-1.58 -> 1.13-1.14x, 16384x2048x32064 1.45-1.54 ->
+# 1.13-1.23x, 8192x2048x64128 1.44-1.49 -> 1.12-1.16x, 16384x4096x19008 1.37-1.39 -> 1.04-1.08x.
+# What it costs is memory: D (the chunk, which the recompute path's backward allocates too) is held
+# from the forward to the backward with D·W ([rows, H] fp32, freed once dX is made): a peak of 1.43x
+# the chunk's bf16 logits at H = 4096, V = 19008 (1.22x at H = 2048; 1.03-1.13x at 64k-128k-wide
+# shards) where recompute's is 1.00x. Megatron runs a micro-batch's backward right after its
+# forward on the stage with the output layer, so what is held is one micro-batch's. A call of
+# several chunks holds its last one only (its backward frees it before it makes the others'
+# dlogits again): one chunk at the peak, as the bounded chunks promise.
 DLOGITS_IN_FORWARD_MAX_BYTES = DEFAULT_MAX_CHUNK_BYTES
 
 

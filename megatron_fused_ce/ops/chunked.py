@@ -202,7 +202,7 @@ class LinearSoftmaxStats(torch.autograd.Function):
 
 
 class LinearLogprobDlogitsInForward(torch.autograd.Function):
-    """(hidden [n, H], weight [V_local, H]) of a call of one fast chunk -> (log p_y of every row, 0
+    """(hidden [n, H], weight [V_local, H]) of a call of fast chunks -> (log p_y of every row, 0
     where `labelled` is False, plus the call's poison, `call_poison()`; differentiable), then plain
     values: target, lse, max, log_sum_exp.
 
@@ -210,9 +210,10 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     then turns that chunk into the dlogits of log p_y and multiplies them by W
     (fast.DlogitsMadeInForward: they do not depend on the upstream gradient); the backward scales
     them by each row's upstream gradient and makes dW: three GEMMs, as cross-entropy's, where the
-    recompute path makes four (the logits again in the backward). For log-probs without entropy,
-    no sequence parallelism, no sampler or sampling mask, a chunk of dlogits of at most
-    api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics decides, from its `logprob_only`)."""
+    recompute path makes four (the logits again in the backward). A call of several chunks does so
+    for its last chunk and makes the others' dlogits again in the backward. For log-probs without
+    entropy, no sequence parallelism, no sampler or sampling mask, a held chunk of dlogits of at
+    most api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics decides, from its `logprob_only`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison):
@@ -239,7 +240,10 @@ def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpe
     """LinearLogprobDlogitsInForward's forward work -> (log-probs, merged statistics,
     fast.DlogitsMadeInForward): the chunk of logits (`logits` where the caller launched them), its
     statistics and log-probs (plus the call's poison, `call_poison()`), then D = one_hot - softmax
-    in place of the logits and D·W."""
+    in place of the logits and D·W. A call of several chunks takes every chunk's statistics
+    (merged once, as the recompute path's) and keeps the last chunk for D."""
+    if hidden.shape[0] > spec.chunk_size:
+        return _several_chunks_with_last_dlogits(hidden, weight, local_target, labelled, spec, call_poison)
     one_launch = fast.runs_stats_dlogits(spec, hidden, weight)
     if logits is None:
         logits = fast.chunk_logits(hidden, weight, spec)
@@ -251,7 +255,32 @@ def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpe
         return logprob, merged, fast.DlogitsMadeInForward.of(logits, weight, hidden.requires_grad, labelled)
     # (the poison added by the launch that makes the log-probs: their gradient passes through it)
     merged, logprob = fast.merged_chunk_statistics(logits, local_target, spec, labelled, call_poison)
-    made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, merged, hidden.requires_grad, labelled)
+    made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, (merged.max, merged.log_sum_exp),
+                                          hidden.requires_grad, labelled)
+    return logprob, merged, made
+
+
+def _several_chunks_with_last_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison) -> tuple:
+    """logprobs_with_dlogits of several chunks: each chunk's logits (cuBLAS) and this shard's
+    partials, the last chunk's logits kept; the partials merged over TP ranks once with the
+    log-probs; then that chunk turned into D and D·W (fast.DlogitsMadeInForward, `held_from` its
+    first row). One chunk of logits alive at a time, as in the recompute path's forward."""
+    num_rows = hidden.shape[0]
+    held_from = fast.last_chunk_start(num_rows, spec.chunk_size)
+    partials = []
+    for start, end in fast.row_chunks(num_rows, spec.chunk_size):
+        logits = fast.chunk_logits(chunk_rows(hidden, start, end), weight, spec)
+        partials.append(fast.logits_partials(logits, chunk_rows(local_target, start, end), spec))
+        if start < held_from:
+            del logits  # freed before the next chunk is made
+    last = logits
+    merged, logprob = reductions.merged_logprobs(fast.concat_partials(partials, hidden, spec), spec.tp_group,
+                                                 spec.backend, spec.rank_check, labelled, call_poison)
+    offsets = (merged.max, merged.log_sum_exp)
+    made = fast.DlogitsMadeInForward.make(last, weight, local_target[held_from:], spec,
+                                          tuple(o[held_from:] for o in offsets), hidden.requires_grad,
+                                          labelled[held_from:])
+    made.labelled, made.held_from, made.offsets = labelled, held_from, offsets
     return logprob, merged, made
 
 

@@ -50,6 +50,11 @@ def row_chunks(num_rows: int, chunk_size: int):
         yield start, min(start + chunk_size, num_rows)
 
 
+def last_chunk_start(num_rows: int, chunk_size: int) -> int:
+    """The first row of row_chunks' last chunk (0 for one chunk)."""
+    return (num_rows - 1) // chunk_size * chunk_size if num_rows > 0 else 0
+
+
 def _weight_grad_dtype(weight: Tensor, num_rows: int, spec) -> torch.dtype:
     """dW summed over chunks is kept in fp32 (low-precision accumulation drifts: axolotl #1601,
     Liger #827); one GEMM over all rows writes the weight's dtype (cuBLAS accumulates in fp32)."""
@@ -264,8 +269,8 @@ def row_scaled_grad_gemms(dlogits: Tensor, h: Tensor, weight: Tensor, spec, dx_o
 
 
 class DlogitsMadeInForward:
-    """The backward of a one-chunk log-prob call whose dlogits were made in the forward: the
-    tiling its backward's recompute_grads goes through (LinearLogprobDlogitsInForward).
+    """The backward of a log-prob call whose dlogits were made in the forward: the tiling its
+    backward's recompute_grads goes through (LinearLogprobDlogitsInForward).
 
     d log p_y / d logits = one_hot(y) - softmax does not depend on the upstream gradient g, which
     only scales each row: dX = g · (D W), dW = D^T (g · h). So the forward, its statistics known,
@@ -276,18 +281,28 @@ class DlogitsMadeInForward:
     once from fp32, g·h once to the input dtype), g taken as 0 in the rows of ignored labels
     (`labelled` False: their D is not zero) by those two scaling launches. Held from forward to
     backward: D ([rows, V_local], the chunk of logits the backward would allocate) and D W ([rows,
-    H] fp32, freed once dX is made)."""
+    H] fp32, freed once dX is made).
 
-    def __init__(self, dlogits: Tensor, product: Optional[Tensor], labelled: Optional[Tensor]):
+    A call of several chunks holds the last chunk's D this way (rows from `held_from` on, one
+    chunk: the bound of the chunk loop) and the softmax offsets of every row (`offsets`: max,
+    log_sum_exp); its backward takes the held chunk first, frees D, then makes the other chunks'
+    dlogits again as the recompute path does (coefficients -g on the softmax, g on the one-hot),
+    so one chunk is alive at the peak and the call makes one logits GEMM fewer than the recompute
+    path's. A second backward through a retained graph recomputes every chunk."""
+
+    def __init__(self, dlogits: Tensor, product: Optional[Tensor], labelled: Optional[Tensor], held_from: int = 0,
+                 offsets: tuple = ()):
         self.dlogits, self.product, self.labelled = dlogits, product, labelled
+        self.held_from, self.offsets = held_from, offsets
 
     @staticmethod
-    def make(logits: Tensor, weight: Tensor, local_target: Tensor, spec, merged,
+    def make(logits: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
              needs_dx: bool, labelled: Optional[Tensor]) -> "DlogitsMadeInForward":
-        """From the chunk of logits (in the input dtype), overwritten."""
+        """From the chunk of logits (in the input dtype), overwritten; `offsets` its rows' (max,
+        log_sum_exp)."""
         ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
         coefs = {"p": -ones, "pz": None, "target": ones, "uniform": None}  # one_hot - softmax
-        dlogits = chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
+        dlogits = chunk_dlogits_(logits, local_target, spec, offsets, coefs)
         return DlogitsMadeInForward.of(dlogits, weight, needs_dx, labelled)
 
     @staticmethod
@@ -296,27 +311,46 @@ class DlogitsMadeInForward:
         return DlogitsMadeInForward(dlogits, matmul_fp32(dlogits, weight) if needs_dx else None, labelled)
 
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
-        return weight.dtype  # one chunk: one GEMM writes dW
+        # one chunk: one GEMM writes dW; several: their fp32 sum
+        return weight.dtype if self.held_from == 0 else _weight_grad_dtype(weight, num_rows, spec)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor],
                         accumulate: bool) -> Optional[Tensor]:
+        num_rows, held = rows.shape[0], self.held_from
         scale = coefs["target"]  # g of each row (taken as 0 where unlabelled)
-        if dx_rows is not None:
-            # made again by a second backward through a retained graph
-            product = self.product if self.product is not None else matmul_fp32(self.dlogits, weight)
-            spec.backend.row_scale(dx_rows, product, scale, self.labelled)  # fp32 math, one rounding
-            self.product = product = None  # freed before g·h is made: one of the two [rows, H] alive
-        if dw_out is not None:
-            scaled_h = spec.backend.row_scale(torch.empty_like(rows), rows, scale, self.labelled)
-            grad_gemms(self.dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate=accumulate)
-        return None
+        summed = False  # whether dw_out holds a chunk's dW already
+        if self.dlogits is not None:
+            g, keep = chunk_rows(scale, held, num_rows), chunk_rows(self.labelled, held, num_rows)
+            if dx_rows is not None:
+                # made again by a second backward through a retained graph
+                product = self.product if self.product is not None else matmul_fp32(self.dlogits, weight)
+                spec.backend.row_scale(chunk_rows(dx_rows, held, num_rows), product, g, keep)  # fp32 math, one rounding
+                self.product = product = None  # freed before g·h is made: one of the two [rows, H] alive
+            if dw_out is not None:
+                h = chunk_rows(rows, held, num_rows)
+                scaled_h = spec.backend.row_scale(torch.empty_like(h), h, g, keep)
+                grad_gemms(self.dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate=accumulate)
+                summed = True
+            if held == 0:  # one chunk: D kept for a second backward
+                return None
+            self.dlogits = None  # freed before the other chunks' logits are made again
+            num_rows = held
+        # the other chunks (every chunk after D was freed): log p_y's dlogits g (one_hot - softmax)
+        g = torch.where(self.labelled[:num_rows], scale[:num_rows], 0.0)
+        rest = {"p": -g, "pz": None, "target": g, "uniform": None}
+        return backward_grads(rows[:num_rows], weight, local_target[:num_rows], spec,
+                              tuple(o[:num_rows] for o in self.offsets), rest, chunk_rows(dx_rows, 0, num_rows),
+                              dw_out, dw_accumulate=accumulate or summed,
+                              cast_dw_to=weight_grad_cast_target(dw_out, weight, accumulate), summed_before=summed)
 
 
-def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int) -> Optional[torch.dtype]:
+def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int,
+                    summed_before: bool = False) -> Optional[torch.dtype]:
     """grad_gemms' `cast_dw_to` for chunk `index` ending at row `end`: set on the last chunk of
-    several only (one chunk writes dW in the weight dtype by itself)."""
-    return cast_dw_to if index > 0 and end == num_rows else None
+    several only (one chunk writes dW in the weight dtype by itself; `summed_before`: the sum
+    holds another chunk's dW already)."""
+    return cast_dw_to if (index > 0 or summed_before) and end == num_rows else None
 
 
 
@@ -353,6 +387,7 @@ def backward_grads(
     dw_accumulate: bool,
     cast_dw_to: Optional[torch.dtype] = None,
     chunk_dlogits=recomputed_dlogits,
+    summed_before: bool = False,
 ) -> Optional[Tensor]:
     """Chunk loop of the backward pass: writes dX rows, and dW into `dw_out` (adding to what it
     holds if `dw_accumulate`, e.g. Megatron's main_grad; else the first chunk overwrites).
@@ -360,7 +395,8 @@ def backward_grads(
     MergedStats.grad_offsets), sliced with the chunk. `chunk_dlogits(h, weight, local_target,
     spec, offsets, coefs)` makes a chunk's dlogits (the softmax's by default; the kept set's for
     the sampler). With `cast_dw_to` (dw_out an fp32 sum over chunks), the last chunk may write dW
-    in that dtype (last_weight_grad): returned, else None."""
+    in that dtype (last_weight_grad): returned, else None (`summed_before`: dw_out holds a chunk
+    made elsewhere, so even a loop of one chunk ends with that GEMM)."""
     dw_last = None
     for index, (start, end) in enumerate(row_chunks(hidden_rows.shape[0], spec.chunk_size)):
         h = chunk_rows(hidden_rows, start, end)
@@ -368,7 +404,7 @@ def backward_grads(
                                 tuple(chunk_rows(o, start, end) for o in offsets), _slice_coefs(coefs, start, end))
         dw_last = grad_gemms(dlogits, h, weight, spec, chunk_rows(dx_rows, start, end), dw_out,
                              dw_accumulate=dw_accumulate or index > 0,
-                             cast_dw_to=last_of_several(cast_dw_to, index, end, hidden_rows.shape[0]))
+                             cast_dw_to=last_of_several(cast_dw_to, index, end, hidden_rows.shape[0], summed_before))
         del dlogits  # free this chunk before the next one's GEMM: one chunk alive at the peak
     return dw_last
 
