@@ -91,6 +91,8 @@ def _run(entry, n, **kw):
         out = linear_logprobs(h, w, y, impl="torch", **kw).logprobs.sum()
     elif entry == "ce":
         out = linear_cross_entropy(h, w, y, impl="torch", **kw)
+    elif entry == "ce_per_token":  # (Megatron's output layer: the last chunk's dlogits held from the forward)
+        out = linear_cross_entropy(h, w, y, impl="torch", reduction="none", **kw).sum()
     else:
         b = n // 16
         out = linear_grpo_loss(h.view(b, 16, H), w, y.clamp(min=0).view(b, 16), torch.randn(b, generator=g),
@@ -99,7 +101,7 @@ def _run(entry, n, **kw):
     return out.detach(), h.grad, w.grad
 
 
-@pytest.mark.parametrize("entry", ["logprobs", "ce", "grpo"])
+@pytest.mark.parametrize("entry", ["logprobs", "ce", "ce_per_token", "grpo"])
 def test_largest_logits_tensor_is_bounded_and_flat_in_tokens(entry):
     sizes = {}
     for n in (512, 4096):
@@ -134,7 +136,7 @@ class _ChunksAlive:
         monkeypatch.setattr(fast, "logits_gemm", counted)
 
 
-@pytest.mark.parametrize("entry", ["logprobs", "ce", "ce_main_grad", "grpo"])
+@pytest.mark.parametrize("entry", ["logprobs", "ce", "ce_per_token", "ce_main_grad", "grpo"])
 def test_one_chunk_of_logits_alive_at_a_time(monkeypatch, entry):
     """Each chunk's logits (and the dlogits made from them in place) are released before the next
     chunk is made, in the forward loop and the backward's recompute: the peak is one chunk."""

@@ -7,11 +7,13 @@ several chunks, its last one; the backward scales them by each row's upstream gr
 the other chunks' dlogits again. Protected here:
 
 * which calls take it (a held chunk of at most api.DLOGITS_IN_FORWARD_MAX_BYTES, the default
-  chunk budget; no entropy, no sequence parallelism, not fp16, gradients wanted, no saved-tensor
-  hooks) and which keep the recompute path;
-* values, dX and dW against float64 dense math at TP 1/2/4 over gloo, with ignored labels, padded
-  vocab, temperature and non-uniform upstream gradients (the tolerances of tests/test_ops.py), in
-  one chunk and in several whose size does not divide the rows;
+  chunk budget; no entropy, not fp16, gradients wanted, no saved-tensor hooks) and which keep the
+  recompute path; linear_cross_entropy's per-token losses (reduction="none", Megatron's output
+  layer) without smoothing or z-loss take it too, as -log p_y;
+* values, dX and dW against float64 dense math at TP 1/2/4 over gloo (with and without sequence
+  parallelism), with ignored labels, padded vocab, temperature and non-uniform upstream gradients
+  (the tolerances of tests/test_ops.py), in one chunk and in several whose size does not divide
+  the rows;
 * Megatron's main_grad at loss scales 1 to 1e-5 (dW added in the backward, from the exact g);
 * three GEMMs in forward + backward for one chunk (its logits made once, turned into D in place),
   one fewer than the recompute path's for several;
@@ -32,7 +34,7 @@ if not torch.cuda.is_available():
 
 import reference
 from dist import run_workers
-from megatron_fused_ce import linear_logprobs
+from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.ops import api
 from op_cases import TOL, CountMatmuls, autograd_nodes, check_against_reference, local_inputs, make_case, world_group
 
@@ -65,17 +67,74 @@ def _worker(rank, world, case):
     return out.logprobs.detach(), entropy, hidden.grad, weight.grad, took
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)],
+                         ids=["tp1", "tp2", "tp4", "tp2_sp", "tp4_sp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk_size", [None, 13], ids=["one_chunk", "chunks_of_13"])
-def test_matches_dense_reference(tp, dtype, chunk_size):
-    """60 rows: one chunk, or chunks of 13 (the held last chunk 8 rows)."""
-    seed = zlib.crc32(repr(("dlogits_in_forward", tp, str(dtype), chunk_size)).encode()) % 10_000
-    case = make_case(seed, tp, dtype=dtype, chunk_size=chunk_size, ignored=0.3)
+def test_matches_dense_reference(tp, sp, dtype, chunk_size):
+    """60 rows: one chunk, or chunks of 13 (the held last chunk 8 rows); under sequence
+    parallelism each rank holds 60 / TP of the rows, gathered in the forward and again in the
+    backward, dX reduce-scattered."""
+    seed = zlib.crc32(repr(("dlogits_in_forward", tp, sp, str(dtype), chunk_size)).encode()) % 10_000
+    case = make_case(seed, tp, dtype=dtype, chunk_size=chunk_size, ignored=0.3, sp=sp)
     case["grad_ent"] = torch.zeros_like(case["grad_ent"])
     results = run_workers(_worker, tp, case)
     assert all(took for *_, took in results), "the call did not make its dlogits in the forward"
-    check_against_reference(case, [r[:4] for r in results], what_prefix=f"chunk_size={chunk_size} ")
+    check_against_reference(case, [r[:4] for r in results], what_prefix=f"chunk_size={chunk_size}{' SP' if sp else ''} ")
+
+
+def _per_token_ce_worker(rank, world, case):
+    """linear_cross_entropy(reduction="none") as the log-probs it negates: (-loss, the entropy of
+    the recompute path, dX, dW of Σ loss · (-grad_lp), whether it made its dlogits in the forward)."""
+    hidden, weight = local_inputs(rank, case)
+    kwargs = dict(tp_group=world_group(world), vocab_size=case["vocab"], temperature=case["T"],
+                  chunk_size=case["chunk_size"], sequence_parallel=case["sp"], impl="torch")
+    loss = linear_cross_entropy(hidden, weight, case["labels"], reduction="none", **kwargs)
+    took = _path_node(loss) is not None
+    (loss * -case["grad_lp"]).sum().backward()
+    with torch.no_grad():
+        entropy = linear_logprobs(hidden, weight, case["labels"], **kwargs, return_entropy=True).entropy
+    return -loss.detach(), entropy, hidden.grad, weight.grad, took
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)],
+                         ids=["tp1", "tp2", "tp4", "tp2_sp", "tp4_sp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_size", [None, 13], ids=["one_chunk", "chunks_of_13"])
+def test_per_token_cross_entropy_matches_dense_reference(tp, sp, dtype, chunk_size):
+    """Megatron's output layer asks for per-token losses (reduction="none", with sequence
+    parallelism where TP > 1): -log p_y, whose dlogits -(one_hot - softmax) are made in the
+    forward as log-probs' are."""
+    seed = zlib.crc32(repr(("per_token_ce", tp, sp, str(dtype), chunk_size)).encode()) % 10_000
+    case = make_case(seed, tp, dtype=dtype, chunk_size=chunk_size, ignored=0.3, sp=sp)
+    case["grad_ent"] = torch.zeros_like(case["grad_ent"])
+    results = run_workers(_per_token_ce_worker, tp, case)
+    assert all(took for *_, took in results), "the call did not make its dlogits in the forward"
+    check_against_reference(case, [r[:4] for r in results],
+                            what_prefix=f"per-token CE chunk_size={chunk_size}{' SP' if sp else ''} ")
+
+
+def test_per_token_cross_entropy_is_minus_the_log_probs():
+    """The same bits as -linear_logprobs, values and gradients (the same node, negated); with
+    smoothing or z-loss (another gradient per token) the recompute path."""
+    g = torch.Generator().manual_seed(16)
+    h = torch.randn(12, 8, generator=g)
+    w = torch.randn(30, 8, generator=g)
+    y = torch.randint(0, 30, (12,), generator=g)
+    y[::4] = -100
+    upstream = torch.randn(12, generator=g)
+    results = []
+    for entry in ("ce", "logprobs"):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = (linear_cross_entropy(hh, ww, y, reduction="none", chunk_size=5) if entry == "ce"
+               else -linear_logprobs(hh, ww, y, chunk_size=5).logprobs)
+        (out * upstream).sum().backward()
+        results.append((out.detach(), hh.grad, ww.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    for extra in (dict(label_smoothing=0.1), dict(z_loss_weight=1e-3)):
+        hh = h.clone().requires_grad_()
+        assert _path_node(linear_cross_entropy(hh, w, y, reduction="none", **extra)) is None
 
 
 def _takes_the_path(**kwargs) -> bool:
@@ -201,7 +260,8 @@ def test_the_row_product_is_freed_once_dx_is_made():
 @pytest.mark.parametrize("chunk_size", [None, 7], ids=["one_chunk", "chunks_of_7"])
 def test_second_backward_and_freed_graph(chunk_size):
     """One chunk: the saved dlogits are read, not consumed. Several: the first backward frees the
-    held chunk's D (one chunk alive at the peak), a second one makes every chunk again."""
+    held chunk's D (one chunk alive at the peak), a second one makes it again as the forward did:
+    the same gradients, bit for bit."""
     g = torch.Generator().manual_seed(12)
     h = torch.randn(20, 8, generator=g, requires_grad=True)
     w = torch.randn(30, 8, generator=g, requires_grad=True)
@@ -213,6 +273,9 @@ def test_second_backward_and_freed_graph(chunk_size):
     loss = (out.logprobs * upstream).sum()
     loss.backward(retain_graph=True)
     first = (h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    loss.backward(retain_graph=True)
+    assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
     loss.backward()
     torch.testing.assert_close(h.grad, 2 * first[0])
     torch.testing.assert_close(w.grad, 2 * first[1])

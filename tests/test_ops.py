@@ -232,15 +232,19 @@ def test_main_grad_dummy_gradient_follows_megatron(monkeypatch, fn, tied):
 # ---------------------------------------------------------------- gradients in the forward pass
 
 
-@pytest.mark.parametrize("reduction,gemms_per_chunk", [("mean", 3), ("sum", 3), ("none", 4)])
-def test_cross_entropy_gradients_in_forward_use_three_gemms(reduction, gemms_per_chunk):
+@pytest.mark.parametrize("reduction,label_smoothing,gemms", [("mean", 0.0, 12), ("sum", 0.0, 12), ("none", 0.0, 15),
+                                                               ("none", 0.1, 16)])
+def test_cross_entropy_gradients_in_forward_use_three_gemms(reduction, label_smoothing, gemms):
+    """4 chunks: 3 GEMMs each with the gradients made in the forward ("mean", "sum"); per-token
+    losses ("none": any upstream gradient) hold the last chunk's dlogits of -log p_y from the
+    forward and recompute the others (4 GEMMs each); with smoothing every chunk is recomputed."""
     h = torch.randn(40, 8, requires_grad=True)
     w = torch.randn(30, 8, requires_grad=True)
     y = torch.randint(0, 30, (40,))
     with CountMatmuls() as mode:
-        loss = linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=10)
+        loss = linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=10, label_smoothing=label_smoothing)
         loss.sum().backward()
-    assert mode.count == 4 * gemms_per_chunk  # 4 chunks; "none" must recompute (arbitrary upstream)
+    assert mode.count == gemms
 
 
 def test_cross_entropy_gradients_in_forward_into_main_grad():

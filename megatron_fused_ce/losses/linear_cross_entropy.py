@@ -133,6 +133,9 @@ def linear_cross_entropy(
         if isinstance(weight, Tensor) and weight.dim() == 2 else 1)
     forward_grad = (CrossEntropyGrads(reduction == "mean", smoothing, z_weight, true_vocab)
                     if reduction in ("mean", "sum") and isinstance(labels, Tensor) else None)
+    # per-token losses -log p_y (Megatron's output layer): d(-log p_y)/dz = -(one_hot - softmax)
+    # whatever each token's upstream gradient, so they take log-probs' dlogits made in the forward
+    per_token_logprob = reduction == "none" and not smoothing and not z_weight
 
     stats = token_statistics(
         "linear_cross_entropy", hidden, weight, labels, tp_group=tp_group, vocab_size=vocab_size,
@@ -141,7 +144,8 @@ def linear_cross_entropy(
         accumulate_into_main_grad=accumulate_into_main_grad, logits_dtype=logits_dtype,
         memory_mode=memory_mode, max_chunk_bytes=max_chunk_bytes, want_sum_logits=smoothing > 0.0,
         want_entropy=False, extra_checks=extra,
-        must_agree=must_agree, forward_grad=forward_grad, expected_upstream_grad=expected_upstream_grad, ahead=ahead)
+        must_agree=must_agree, forward_grad=forward_grad, expected_upstream_grad=expected_upstream_grad,
+        logprob_only=per_token_logprob, ahead=ahead)
 
     if not smoothing and not z_weight and reduction != "none":
         total = stats.negative_logprob_total(mean=reduction == "mean")  # one kernel, where it applies

@@ -462,7 +462,10 @@ class TokenStats:
                                  backend=self.backend)
 
     def negative_logprob(self) -> Tensor:
-        """-logprob(): the cross-entropy of each labelled row, (max - target) + log_sum_exp."""
+        """-logprob(): the cross-entropy of each labelled row, (max - target) + log_sum_exp (the
+        negated log-probs where the statistics node made them: the same bits)."""
+        if self.logprob_value is not None:
+            return -self.logprob_value
         return _labelled_logprob(self.target, self.lse, self.max, self.log_sum_exp, self.labelled, True)
 
     def negative_logprob_total(self, mean: bool) -> Optional[Tensor]:
@@ -629,7 +632,8 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     `mask_check`: linear_logprobs' replay.MaskCheck (every rank passes one, with or without a
     mask: its sizes join the signature, its entries the agreement, or the device checks on a
     remembered signature); a mask with entries switches to replay.py's statistics.
-    `logprob_only`: the caller differentiates `logprob()` alone (linear_logprobs without entropy):
+    `logprob_only`: the caller differentiates `logprob()` alone (linear_logprobs without entropy,
+    linear_cross_entropy's per-token losses without smoothing or z-loss):
     a call of fast chunks then makes the dlogits of its only or last chunk in the forward
     (chunked.LinearLogprobDlogitsInForward).
     `ahead`: first_product_ahead's (key, product), where the entry point launched it before its own
@@ -717,7 +721,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     # leaves of h; saved-tensor hooks: a checkpoint would run the forward's GEMMs again)
     dlogits_in_forward = (
         logprob_only and needs_grad and forward_grad is None and tiling is FAST_CHUNKS
-        and not sequence_parallel and not want_entropy and not want_sum_logits
+        and not want_entropy and not want_sum_logits
         and logits_dtype is None and hidden.dtype != torch.float16 and num_rows > 0
         and (num_rows - last_chunk_start(num_rows, chunk_size)) * v_local * weight.element_size()
         <= DLOGITS_IN_FORWARD_MAX_BYTES
@@ -866,7 +870,7 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                   "log-probs dlogits in forward", agreed, spec, ignore_index, tp_group=tp_group,
                                   weight=weight, weight_param=weight_param,
                                   accumulate_into_main_grad=accumulate_into_main_grad,
-                                  applies=num_rows <= chunk_size))
+                                  applies=num_rows <= chunk_size and not sequence_parallel))
         # differentiable when needed; else (reference / old log-prob passes) plain values, nothing saved
         merged = softmax_statistics(hidden2d, weight, row_index, local_target, spec, differentiable=needs_grad)
         _drop(first_product)

@@ -211,13 +211,18 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
     (fast.DlogitsMadeInForward: they do not depend on the upstream gradient); the backward scales
     them by each row's upstream gradient and makes dW: three GEMMs, as cross-entropy's, where the
     recompute path makes four (the logits again in the backward). A call of several chunks does so
-    for its last chunk and makes the others' dlogits again in the backward. For log-probs without
-    entropy, no sequence parallelism, no sampler or sampling mask, a held chunk of dlogits of at
-    most api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics decides, from its `logprob_only`)."""
+    for its last chunk and makes the others' dlogits again in the backward. Under sequence
+    parallelism the forward gathers the rows, the backward gathers them again. For log-probs
+    without entropy, no sampler or sampling mask, a held chunk of dlogits of at most
+    api.DLOGITS_IN_FORWARD_MAX_BYTES (api.token_statistics decides, from its `logprob_only`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison):
-        logprob, merged, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec, call_poison)
+        # (under SP the gathered rows are the forward's only: backward gathers them again, as
+        # LinearSoftmaxStats does, instead of holding the tp-times larger copy)
+        full_hidden = reductions.gather_sequence(hidden, spec.tp_group) if spec.sequence_parallel else hidden
+        logprob, merged, made = logprobs_with_dlogits(full_hidden, weight, local_target, labelled, spec, call_poison,
+                                                      needs_dx=ctx.needs_input_grad[0])
         ctx.spec = replace(spec, tiling=made, first_product=None)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, local_target)
@@ -236,14 +241,17 @@ class LinearLogprobDlogitsInForward(torch.autograd.Function):
 
 
 def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison,
-                          logits: Optional[Tensor] = None) -> tuple:
+                          logits: Optional[Tensor] = None, needs_dx: Optional[bool] = None) -> tuple:
     """LinearLogprobDlogitsInForward's forward work -> (log-probs, merged statistics,
     fast.DlogitsMadeInForward): the chunk of logits (`logits` where the caller launched them), its
     statistics and log-probs (plus the call's poison, `call_poison()`), then D = one_hot - softmax
-    in place of the logits and D·W. A call of several chunks takes every chunk's statistics
-    (merged once, as the recompute path's) and keeps the last chunk for D."""
+    in place of the logits and D·W (where `needs_dx`; None: hidden.requires_grad). A call of
+    several chunks takes every chunk's statistics (merged once, as the recompute path's) and keeps
+    the last chunk for D."""
+    if needs_dx is None:
+        needs_dx = hidden.requires_grad
     if hidden.shape[0] > spec.chunk_size:
-        return _several_chunks_with_last_dlogits(hidden, weight, local_target, labelled, spec, call_poison)
+        return _several_chunks_with_last_dlogits(hidden, weight, local_target, labelled, spec, call_poison, needs_dx)
     one_launch = fast.runs_stats_dlogits(spec, hidden, weight)
     if logits is None:
         logits = fast.chunk_logits(hidden, weight, spec)
@@ -252,15 +260,16 @@ def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpe
             logits, local_target, spec.num_valid_cols, spec.inv_temperature, labelled, logprob=True,
             poison=call_poison())
         merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
-        return logprob, merged, fast.DlogitsMadeInForward.of(logits, weight, hidden.requires_grad, labelled)
+        return logprob, merged, fast.DlogitsMadeInForward.of(logits, weight, needs_dx, labelled)
     # (the poison added by the launch that makes the log-probs: their gradient passes through it)
     merged, logprob = fast.merged_chunk_statistics(logits, local_target, spec, labelled, call_poison)
     made = fast.DlogitsMadeInForward.make(logits, weight, local_target, spec, (merged.max, merged.log_sum_exp),
-                                          hidden.requires_grad, labelled)
+                                          needs_dx, labelled)
     return logprob, merged, made
 
 
-def _several_chunks_with_last_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison) -> tuple:
+def _several_chunks_with_last_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison,
+                                      needs_dx: bool) -> tuple:
     """logprobs_with_dlogits of several chunks: each chunk's logits (cuBLAS) and this shard's
     partials, the last chunk's logits kept; the partials merged over TP ranks once with the
     log-probs; then that chunk turned into D and D·W (fast.DlogitsMadeInForward, `held_from` its
@@ -277,10 +286,8 @@ def _several_chunks_with_last_dlogits(hidden, weight, local_target, labelled, sp
     merged, logprob = reductions.merged_logprobs(fast.concat_partials(partials, hidden, spec), spec.tp_group,
                                                  spec.backend, spec.rank_check, labelled, call_poison)
     offsets = (merged.max, merged.log_sum_exp)
-    made = fast.DlogitsMadeInForward.make(last, weight, local_target[held_from:], spec,
-                                          tuple(o[held_from:] for o in offsets), hidden.requires_grad,
-                                          labelled[held_from:])
-    made.labelled, made.held_from, made.offsets = labelled, held_from, offsets
+    dlogits = fast.log_prob_dlogits_(last, local_target[held_from:], spec, tuple(o[held_from:] for o in offsets))
+    made = fast.DlogitsMadeInForward.of(dlogits, weight, needs_dx, labelled, held_from, offsets)
     return logprob, merged, made
 
 

@@ -288,7 +288,8 @@ class DlogitsMadeInForward:
     log_sum_exp); its backward takes the held chunk first, frees D, then makes the other chunks'
     dlogits again as the recompute path does (coefficients -g on the softmax, g on the one-hot),
     so one chunk is alive at the peak and the call makes one logits GEMM fewer than the recompute
-    path's. A second backward through a retained graph recomputes every chunk."""
+    path's. A second backward through a retained graph makes the held chunk's D again as the
+    forward made it (then as above): the same gradients, bit for bit."""
 
     def __init__(self, dlogits: Tensor, product: Optional[Tensor], labelled: Optional[Tensor], held_from: int = 0,
                  offsets: tuple = ()):
@@ -300,15 +301,15 @@ class DlogitsMadeInForward:
              needs_dx: bool, labelled: Optional[Tensor]) -> "DlogitsMadeInForward":
         """From the chunk of logits (in the input dtype), overwritten; `offsets` its rows' (max,
         log_sum_exp)."""
-        ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
-        coefs = {"p": -ones, "pz": None, "target": ones, "uniform": None}  # one_hot - softmax
-        dlogits = chunk_dlogits_(logits, local_target, spec, offsets, coefs)
-        return DlogitsMadeInForward.of(dlogits, weight, needs_dx, labelled)
+        return DlogitsMadeInForward.of(log_prob_dlogits_(logits, local_target, spec, offsets), weight, needs_dx,
+                                       labelled)
 
     @staticmethod
-    def of(dlogits: Tensor, weight: Tensor, needs_dx: bool, labelled: Optional[Tensor]) -> "DlogitsMadeInForward":
+    def of(dlogits: Tensor, weight: Tensor, needs_dx: bool, labelled: Optional[Tensor], held_from: int = 0,
+           offsets: tuple = ()) -> "DlogitsMadeInForward":
         """From D itself (one_hot - softmax in the input dtype)."""
-        return DlogitsMadeInForward(dlogits, matmul_fp32(dlogits, weight) if needs_dx else None, labelled)
+        return DlogitsMadeInForward(dlogits, matmul_fp32(dlogits, weight) if needs_dx else None, labelled, held_from,
+                                    offsets)
 
     def weight_grad_dtype(self, weight: Tensor, num_rows: int, spec) -> torch.dtype:
         # one chunk: one GEMM writes dW; several: their fp32 sum
@@ -319,30 +320,37 @@ class DlogitsMadeInForward:
                         accumulate: bool) -> Optional[Tensor]:
         num_rows, held = rows.shape[0], self.held_from
         scale = coefs["target"]  # g of each row (taken as 0 where unlabelled)
-        summed = False  # whether dw_out holds a chunk's dW already
-        if self.dlogits is not None:
-            g, keep = chunk_rows(scale, held, num_rows), chunk_rows(self.labelled, held, num_rows)
-            if dx_rows is not None:
-                # made again by a second backward through a retained graph
-                product = self.product if self.product is not None else matmul_fp32(self.dlogits, weight)
-                spec.backend.row_scale(chunk_rows(dx_rows, held, num_rows), product, g, keep)  # fp32 math, one rounding
-                self.product = product = None  # freed before g·h is made: one of the two [rows, H] alive
-            if dw_out is not None:
-                h = chunk_rows(rows, held, num_rows)
-                scaled_h = spec.backend.row_scale(torch.empty_like(h), h, g, keep)
-                grad_gemms(self.dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate=accumulate)
-                summed = True
-            if held == 0:  # one chunk: D kept for a second backward
-                return None
-            self.dlogits = None  # freed before the other chunks' logits are made again
-            num_rows = held
-        # the other chunks (every chunk after D was freed): log p_y's dlogits g (one_hot - softmax)
-        g = torch.where(self.labelled[:num_rows], scale[:num_rows], 0.0)
+        if self.dlogits is None:  # a second backward: the held chunk made again as the forward made it
+            self.dlogits = log_prob_dlogits_(chunk_logits(chunk_rows(rows, held, num_rows), weight, spec),
+                                              chunk_rows(local_target, held, num_rows), spec,
+                                              tuple(chunk_rows(o, held, num_rows) for o in self.offsets))
+        # the held chunk first (every backward sums dW in the same order), then the others
+        g, keep = chunk_rows(scale, held, num_rows), chunk_rows(self.labelled, held, num_rows)
+        if dx_rows is not None:
+            # made again by a second backward through a retained graph
+            product = self.product if self.product is not None else matmul_fp32(self.dlogits, weight)
+            spec.backend.row_scale(chunk_rows(dx_rows, held, num_rows), product, g, keep)  # fp32 math, one rounding
+            self.product = product = None  # freed before g·h is made: one of the two [rows, H] alive
+        if dw_out is not None:
+            h = chunk_rows(rows, held, num_rows)
+            scaled_h = spec.backend.row_scale(torch.empty_like(h), h, g, keep)
+            grad_gemms(self.dlogits, scaled_h, weight, spec, None, dw_out, dw_accumulate=accumulate)
+        if held == 0:  # one chunk: D kept for a second backward
+            return None
+        self.dlogits = None  # freed before the other chunks' logits are made again
+        # the other chunks: log p_y's dlogits g (one_hot - softmax)
+        g = torch.where(self.labelled[:held], scale[:held], 0.0)
         rest = {"p": -g, "pz": None, "target": g, "uniform": None}
-        return backward_grads(rows[:num_rows], weight, local_target[:num_rows], spec,
-                              tuple(o[:num_rows] for o in self.offsets), rest, chunk_rows(dx_rows, 0, num_rows),
-                              dw_out, dw_accumulate=accumulate or summed,
-                              cast_dw_to=weight_grad_cast_target(dw_out, weight, accumulate), summed_before=summed)
+        return backward_grads(rows[:held], weight, local_target[:held], spec, tuple(o[:held] for o in self.offsets),
+                              rest, chunk_rows(dx_rows, 0, held), dw_out, dw_accumulate=True,
+                              cast_dw_to=weight_grad_cast_target(dw_out, weight, accumulate), summed_before=True)
+
+
+def log_prob_dlogits_(logits: Tensor, local_target: Tensor, spec, offsets: tuple) -> Tensor:
+    """D = one_hot - softmax in place of a chunk of logits (the dlogits kernel with unit
+    coefficients), `offsets` its rows' (max, log_sum_exp)."""
+    ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+    return chunk_dlogits_(logits, local_target, spec, offsets, {"p": -ones, "pz": None, "target": ones, "uniform": None})
 
 
 def last_of_several(cast_dw_to: Optional[torch.dtype], index: int, end: int, num_rows: int,

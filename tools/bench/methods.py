@@ -55,6 +55,14 @@ def make_ours_ce(h, w, y, chunk, memory_mode="fast"):
     return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode), h, w)
 
 
+def make_ours_ce_per_token(h, w, y, chunk):
+    """Megatron's output layer with the fused loss: per-token losses (reduction="none"), then the
+    loss function's mean over the tokens."""
+    n = h.shape[0]
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), reduction="none").sum() / n,
+                          h, w)
+
+
 def make_ours_ce_torch(h, w, y, chunk):
     return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl="torch"), h, w)
 
@@ -258,7 +266,7 @@ def _makers(namespace):
 
 
 MAKERS = {**_makers(vars(measure)), **_makers(vars(peers)), **_makers(globals())}
-CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_graphed", "ours_logprobs_graphed", "ours_grpo_graphed",
+CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_per_token", "ours_ce_graphed", "ours_logprobs_graphed", "ours_grpo_graphed",
            "ours_fwd_graphed", "ours_ce_torch", "ours_ce_main_grad", "ours_ce_main_grad_buffer", "ours_grpo",
            "ours_grpo_every_option",
            "ours_fwd",
