@@ -34,7 +34,7 @@ TP_IMPLS = ("floor,ours_ce,ours_ce_lean,ours_logprobs,ours_logprobs_lean,megatro
 TP1_IMPLS = ("floor", "ours_ce", "ours_ce_lean", "ours_logprobs", "ours_logprobs_lean", "ours_ce_graphed",
              "ours_logprobs_graphed")
 SCALED = TP1_IMPLS
-TP_CHUNKED = ("ours_ce", "ours_logprobs", "ours_ce_graphed", "ours_logprobs_graphed")
+TP_CHUNKED = ("ours_ce", "ours_ce_per_token", "ours_logprobs", "ours_ce_graphed", "ours_logprobs_graphed")
 
 
 class _TPCtx:
@@ -58,6 +58,13 @@ def tp_make_allreduce(h, w, y, chunk, ctx):
 def tp_make_ours_ce(h, w, y, chunk, ctx, memory_mode="fast"):
     return lambda: _grads(linear_cross_entropy(h, w, y, tp_group=ctx.group, chunk_size=chunk, impl=_impl(),
                                                memory_mode=memory_mode), h, w)
+
+
+def tp_make_ours_ce_per_token(h, w, y, chunk, ctx):
+    """Megatron's output layer with the fused loss: per-token losses, then their mean."""
+    n = h.shape[0]
+    return lambda: _grads(linear_cross_entropy(h, w, y, tp_group=ctx.group, chunk_size=chunk, impl=_impl(),
+                                               reduction="none").sum() / n, h, w)
 
 
 def tp_make_ours_logprobs(h, w, y, chunk, ctx, memory_mode="fast"):
