@@ -270,23 +270,25 @@ def logprobs_with_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpe
 
 def _several_chunks_with_last_dlogits(hidden, weight, local_target, labelled, spec: ChunkSpec, call_poison,
                                       needs_dx: bool) -> tuple:
-    """logprobs_with_dlogits of several chunks: each chunk's logits (cuBLAS) and this shard's
-    partials, the last chunk's logits kept; the partials merged over TP ranks once with the
-    log-probs; then that chunk turned into D and D·W (fast.DlogitsMadeInForward, `held_from` its
-    first row). One chunk of logits alive at a time, as in the recompute path's forward."""
+    """logprobs_with_dlogits of several chunks: the forward's chunk loop (fast.map_chunk_logits:
+    each chunk's logits and this shard's partials, one chunk alive at a time) keeping the last
+    chunk's logits; the partials merged over TP ranks once with the log-probs; then that chunk
+    turned into D and D·W (fast.DlogitsMadeInForward, `held_from` its first row)."""
     num_rows = hidden.shape[0]
     held_from = fast.last_chunk_start(num_rows, spec.chunk_size)
-    partials = []
-    for start, end in fast.row_chunks(num_rows, spec.chunk_size):
-        logits = fast.chunk_logits(chunk_rows(hidden, start, end), weight, spec)
-        partials.append(fast.logits_partials(logits, chunk_rows(local_target, start, end), spec))
-        if start < held_from:
-            del logits  # freed before the next chunk is made
-    last = logits
+    last = []
+
+    def partials_keeping_the_last(start, end, logits):
+        if end == num_rows:
+            last.append(logits)
+        return fast.logits_partials(logits, chunk_rows(local_target, start, end), spec)
+
+    partials = fast.map_chunk_logits(hidden, weight, spec, partials_keeping_the_last)
     merged, logprob = reductions.merged_logprobs(fast.concat_partials(partials, hidden, spec), spec.tp_group,
                                                  spec.backend, spec.rank_check, labelled, call_poison)
     offsets = (merged.max, merged.log_sum_exp)
-    dlogits = fast.log_prob_dlogits_(last, local_target[held_from:], spec, tuple(o[held_from:] for o in offsets))
+    dlogits = fast.log_prob_dlogits_(last.pop(), local_target[held_from:], spec,
+                                     tuple(o[held_from:] for o in offsets))
     made = fast.DlogitsMadeInForward.of(dlogits, weight, needs_dx, labelled, held_from, offsets)
     return logprob, merged, made
 
