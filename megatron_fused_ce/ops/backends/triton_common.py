@@ -81,11 +81,14 @@ class CachedLaunch:
     itself takes ~12. At the row counts RL runs a call of the op is bound by its host time, and it
     makes several such launches. Here the first call of each specialization goes through Triton
     (compiling it if needed) and keeps its compiled kernel; later calls with the same
-    specialization key launch that kernel directly on the current stream. The key holds at least
-    what Triton specializes on (`_launch_key`), so two calls share a kernel only where Triton
-    would give them the same one. Under the interpreter (CPU tests), with Triton's launch hooks
-    (its profiler), a callable grid, an argument of another kind or a Triton older than 3.4 (another
-    launch convention), Triton launches as usual."""
+    specialization key launch that kernel directly on the current stream, their tensors passed as
+    the addresses the key read (the launcher otherwise calls each tensor's data_ptr again and asks
+    the driver whether it is a device pointer: ~1 us of host time a tensor). The key holds at least
+    what Triton specializes on (`_launch_key`) and whether each tensor is on a CUDA device (a call
+    with another tensor goes through Triton, which refuses it), so two calls share a kernel only
+    where Triton would give them the same one. Under the interpreter (CPU tests), with Triton's
+    launch hooks (its profiler), a callable grid, an argument of another kind or a Triton older
+    than 3.4 (another launch convention), Triton launches as usual."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -102,11 +105,14 @@ class CachedLaunch:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **options):
-        key = _launch_key(args, options) if self._direct and not callable(grid) else None
+        key, values = _specialization(args, options) if self._direct and not callable(grid) else (None, None)
         if key is None or _launch_hooks_set():
             return self.kernel[grid](*args, **options)
         device = _current_device()
-        entry = self._compiled.get((device, key))
+        try:
+            entry = self._compiled.get((device, key))
+        except TypeError:  # an unhashable option
+            return self.kernel[grid](*args, **options)
         if entry is None:
             compiled = self.kernel[grid](*args, **options)
             tail = self._trailing_arguments(len(args), options)
@@ -116,7 +122,7 @@ class CachedLaunch:
         run, function, metadata, tail = entry
         grid_size = len(grid)
         run(grid[0], grid[1] if grid_size > 1 else 1, grid[2] if grid_size > 2 else 1,
-            _current_stream(device), function, metadata, None, None, None, *args, *tail)
+            _current_stream(device), function, metadata, None, None, None, *values, *tail)
         return None
 
     def _trailing_arguments(self, num_positional: int, options: dict):
@@ -150,35 +156,43 @@ def cached_launch(kernel) -> CachedLaunch:
 
 
 def _launch_key(args: tuple, options: dict):
-    """What Triton's specialization of these arguments depends on, or None where an argument is
-    of a kind not covered here: a tensor's dtype and whether its address is a multiple of 16; an
-    int's being 1, its width (i32 / i64 / u64) and whether it is a multiple of 16; the type of a
-    float or a bool, None; then the options (constexprs, num_warps, ...) by name and value. One
-    flat tuple (a tensor adds two items, its dtype and a bool, which nothing else adds; an i32
-    adds 32 or 48, the latter a multiple of 16): a few microseconds of host time a launch, on
-    every launch."""
-    key = []
-    append = key.append
-    for arg in args:
-        kind = type(arg)
-        if kind is Tensor or isinstance(arg, Tensor):
-            append(arg.dtype)
-            append(not arg.data_ptr() & 15)
-        elif kind is int:
-            if arg == 1:
-                append(1)
-            elif -2147483648 <= arg <= 2147483647:
-                append(32 if arg & 15 else 48)
-            else:
-                append((64 if arg < 2**63 else 65, not arg & 15))
-        elif kind is float or kind is bool or arg is None:
-            append(kind)
-        else:
-            return None
-    append(tuple(options.items()))
-    key = tuple(key)
+    """What Triton's specialization of these arguments depends on (`_specialization`'s key), or
+    None where an argument or an option is of a kind not covered here."""
+    key = _specialization(args, options)[0]
     try:
         hash(key)
     except TypeError:  # an unhashable option
         return None
     return key
+
+
+def _specialization(args: tuple, options: dict) -> tuple:
+    """(key, values): what Triton's specialization of these arguments depends on, and the
+    arguments as the compiled kernel's launcher takes them (a tensor as its address); (None, None)
+    where an argument is of a kind not covered here. The key: a tensor's dtype, then whether its
+    address is a multiple of 16 plus 2 where it is on a CUDA device; an int's being 1, its width
+    (i32 / i64 / u64) and whether it is a multiple of 16; the type of a float or a bool, None; then
+    the options (constexprs, num_warps, ...) by name and value (unhashable where an option is). One
+    flat tuple (a tensor adds two items, its dtype, which nothing else adds, and a number 0-3; an
+    i32 adds 32 or 48, the latter a multiple of 16): a few microseconds of host time a launch, on
+    every launch."""
+    key = []
+    values = list(args)
+    append = key.append
+    index = -1
+    for arg in args:
+        index += 1
+        kind = type(arg)
+        if kind is Tensor or (kind is not int and isinstance(arg, Tensor)):
+            address = arg.data_ptr()
+            key += (arg.dtype, (not address & 15) + 2 * arg.is_cuda)
+            values[index] = address
+        elif kind is int:
+            append(1 if arg == 1 else (32 if arg & 15 else 48) if -2147483648 <= arg <= 2147483647
+                   else (64 if arg < 2**63 else 65, not arg & 15))
+        elif kind is float or kind is bool or arg is None:
+            append(kind)
+        else:
+            return None, None
+    append(tuple(options.items()))
+    return tuple(key), values

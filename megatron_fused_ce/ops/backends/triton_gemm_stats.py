@@ -96,10 +96,14 @@ def round_bf16_by_hand(x):
 
 
 @triton.jit
-def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
-              pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, parts_ptr, part_stride, tz_ptr, tz_offset,
               BM: tl.constexpr, BN: tl.constexpr, ROUND: tl.constexpr, WANT_SUM: tl.constexpr,
               WANT_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    # the partials: [max, sum exp, (sum z), (sum exp shifted)] x [column tiles, M], `part_stride` apart
+    pm_ptr = parts_ptr
+    ps_ptr = parts_ptr + part_stride
+    pl_ptr = parts_ptr + 2 * part_stride
+    pe_ptr = parts_ptr + (2 + WANT_SUM) * part_stride
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < M
@@ -126,12 +130,12 @@ def _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
     # each row's target stored by one tile: its label's, or the first where the label is not on
     # this shard (its 0: no fill of the output before the launch)
     owner = tl.where(t < 0, 0, t) // BN
-    tl.store(tz_ptr + rows, z_t, mask=row_ok & (owner == pid_n))
+    tl.store(tz_ptr + tz_offset + rows, z_t, mask=row_ok & (owner == pid_n))
 
 
 @cached_launch
 @triton.jit
-def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, parts_ptr, part_stride, tz_ptr, tz_offset,
                     M, NV, K, stride_h, stride_w, inv_t, num_progs,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                     ROUND: tl.constexpr, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
@@ -142,14 +146,13 @@ def _gemm_stats_tma(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr,
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_progs, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP)
         acc = tile_product(a_desc, b_desc, pid_m, pid_n, K, BM, BN, BK, DOT_F32)
-        _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
-                  pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
-                  BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
+        _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, parts_ptr, part_stride, tz_ptr,
+                  tz_offset, BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
 @cached_launch
 @triton.jit
-def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, parts_ptr, part_stride, tz_ptr, tz_offset,
                     M, NV, K, stride_h, stride_w, inv_t,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                     ROUND: tl.constexpr, WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
@@ -169,17 +172,26 @@ def _gemm_stats_ptr(h_ptr, w_ptr, tgt_ptr, label_offset, ignore, pm_ptr, ps_ptr,
         acc = tl.dot(a, b, acc)
         a_ptrs += BK
         b_ptrs += BK
-    _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore,
-              pm_ptr, ps_ptr, pl_ptr, pe_ptr, tz_ptr,
+    _epilogue(acc, pid_m, pid_n, M, NV, inv_t, tgt_ptr, label_offset, ignore, parts_ptr, part_stride, tz_ptr, tz_offset,
               BM, BN, ROUND, WANT_SUM, WANT_ENTROPY, h_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
 @cached_launch
 @triton.jit
-def _merge_tiles_kernel(pm_ptr, ps_ptr, pl_ptr, pe_ptr, m_ptr, s_ptr, l_ptr, e_ptr, M, T,
+def _merge_tiles_kernel(parts_ptr, stats_ptr, stats_stride, M, T,
                         WANT_SUM: tl.constexpr, WANT_ENTROPY: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
-    """[T, M] column-tile partials -> [M] row partials (online over T, like the stats kernel)."""
+    """[T, M] column-tile partials -> [M] row partials (online over T, like the stats kernel): the
+    partials as the GEMM wrote them from `parts_ptr`, the row statistics [max, sum exp, target,
+    (sum z), (sum exp shifted)] `stats_stride` apart from `stats_ptr` (the target the GEMM's)."""
+    pm_ptr = parts_ptr
+    ps_ptr = parts_ptr + T * M
+    pl_ptr = parts_ptr + 2 * T * M
+    pe_ptr = parts_ptr + (2 + WANT_SUM) * T * M
+    m_ptr = stats_ptr
+    s_ptr = stats_ptr + stats_stride
+    l_ptr = stats_ptr + 3 * stats_stride
+    e_ptr = stats_ptr + (3 + WANT_SUM) * stats_stride
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -246,41 +258,38 @@ def gemm_shard_stats(hidden_rows: Tensor, weight: Tensor, local_target: Tensor, 
     tiles_n = cdiv(num_valid_cols, bn)
     per_tile = 2 + want_sum_logits + want_entropy  # the partials of a row and column tile
     slice_rows = max(bm, PARTIALS_BYTES // (4 * tiles_n * per_tile) // bm * bm)
-    # the row statistics in one allocation (each a row of it), the partials of a slice in another:
-    # a call's host time before its GEMM is launched is the GPU's idle time at RL row counts
-    fields = torch.empty(3 + want_sum_logits + want_entropy, n, **f32).unbind(0)
-    out = dict(max=fields[0], sum_exp=fields[1], target=fields[2],
-               sum_logits=fields[3] if want_sum_logits else None,
-               sum_exp_shifted=fields[-1] if want_entropy else None)
+    # the row statistics in one allocation, the partials of a slice in another, each passed whole
+    # (base and stride) and split into views after the launches: a call's host time before its
+    # GEMM is launched is the GPU's idle time at RL row counts
+    stats = torch.empty(3 + want_sum_logits + want_entropy, n, **f32)
     tma = _use_tma(hidden_rows.device)
     if tma:
         descriptor_scratch(hidden_rows.device)
-    target = local_target.contiguous()
+    interpreted = _interpreting()
+    meta = dict(BM=bm, BN=bn, BK=bk, GROUP=GROUP_M, ROUND=round_logits, WANT_SUM=want_sum_logits,
+                WANT_ENTROPY=want_entropy, DOT_F32=interpreted,
+                BF16_BY_HAND=round_logits and interpreted and hidden_rows.dtype == torch.bfloat16,
+                num_warps=warps, num_stages=stages)
+    target = local_target if local_target.is_contiguous() else local_target.contiguous()
     for r0 in range(0, n, slice_rows):
         r1 = min(n, r0 + slice_rows)
         rows = r1 - r0
-        parts = torch.empty(per_tile, tiles_n, rows, **f32).unbind(0)
-        pm, ps = parts[0], parts[1]
-        pl = parts[2] if want_sum_logits else pm
-        pe = parts[-1] if want_entropy else pm
+        parts = torch.empty(per_tile * tiles_n * rows, **f32)
         h = chunk_rows(hidden_rows, r0, r1)
-        args = (h, weight, chunk_rows(target, r0, r1), int(label_offset), int(ignore_index), pm, ps, pl, pe,
-                chunk_rows(out["target"], r0, r1), rows,
-                num_valid_cols, h.shape[1], h.stride(0), weight.stride(0), float(inv_temperature))
-        meta = dict(BM=bm, BN=bn, BK=bk, GROUP=GROUP_M, ROUND=round_logits, WANT_SUM=want_sum_logits,
-                    WANT_ENTROPY=want_entropy, DOT_F32=_interpreting(),
-                    BF16_BY_HAND=round_logits and _interpreting() and h.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+        # (the GEMM writes the target, row r0 on at 2 n + r0 in `stats`: the merge leaves it)
+        args = (h, weight, chunk_rows(target, r0, r1), int(label_offset), int(ignore_index), parts, tiles_n * rows,
+                stats, 2 * n + r0, rows, num_valid_cols, h.shape[1], h.stride(0), weight.stride(0),
+                float(inv_temperature))
         tiles = cdiv(rows, bm) * tiles_n
         if tma:
             progs = min(tiles, _programs(h.device))
             _gemm_stats_tma[(progs,)](*args, progs, **meta)
         else:
             _gemm_stats_ptr[(tiles,)](*args, **meta)
-        dummy = out["max"]
         _merge_tiles_kernel[(cdiv(rows, MERGE_BLOCK_R),)](
-            pm, ps, pl, pe, chunk_rows(out["max"], r0, r1), chunk_rows(out["sum_exp"], r0, r1),
-            dummy if out["sum_logits"] is None else chunk_rows(out["sum_logits"], r0, r1),
-            dummy if out["sum_exp_shifted"] is None else chunk_rows(out["sum_exp_shifted"], r0, r1),
-            rows, tiles_n, WANT_SUM=want_sum_logits, WANT_ENTROPY=want_entropy,
-            BLOCK_R=MERGE_BLOCK_R, BLOCK_T=MERGE_BLOCK_T, num_warps=4)
-    return ShardStats(**out)
+            parts, stats if r0 == 0 else stats[:, r0:], n, rows, tiles_n, WANT_SUM=want_sum_logits,
+            WANT_ENTROPY=want_entropy, BLOCK_R=MERGE_BLOCK_R, BLOCK_T=MERGE_BLOCK_T, num_warps=4)
+    fields = stats.unbind(0)
+    return ShardStats(max=fields[0], sum_exp=fields[1], target=fields[2],
+                      sum_logits=fields[3] if want_sum_logits else None,
+                      sum_exp_shifted=fields[-1] if want_entropy else None)
