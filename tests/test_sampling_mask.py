@@ -437,3 +437,19 @@ def test_sampling_mask_bench_runs_on_cpu():
     assert len(lines) == 4, out.stdout  # {zipf, random} x K
     for line in lines:  # union / V of the (forced) sparse tiles, replay / plain
         assert 0 < float(line.split("|")[4]) <= 1 and math.isfinite(float(line.split("|")[8])), out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+@pytest.mark.parametrize("mode", [[], ["step"]], ids=["forward-and-backward-graphs", "one-graph-a-step"])
+def test_sampling_mask_bench_replays_from_cuda_graphs(mode):
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "sampling_mask_bench.py"), "--graphed", *mode,
+         "--shapes", "512x256x3000", "--ks", "5,50", "--reps", "2"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"CUDA graphs ({mode[0] if mode else 'callables'})" in out.stdout, out.stdout
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| 512x256x3000")]
+    assert len(lines) == 4, out.stdout  # {zipf, random} x K
+    for line in lines:  # replay / plain, and replay's log-probs against float64
+        ratio, err = float(line.split("|")[8]), float(line.split("|")[10])
+        assert 0 < ratio < 100 and err < 0.1, out.stdout

@@ -9,6 +9,7 @@ linear_logprobs(...) fwd+bwd, same inputs, same process, bf16.
     python tools/sampling_mask_bench.py --smoke           # CPU smoke test (one small shape)
     python tools/sampling_mask_bench.py --fidelity       # the drift table of docs/design.md §8.3 (CPU)
     python tools/sampling_mask_bench.py --graphed        # both ops replayed from CUDA graphs (GPU)
+    python tools/sampling_mask_bench.py --graphed step   # ... each step (forward + backward) one graph
     torchrun --nproc_per_node 4 tools/sampling_mask_bench.py --tp 4 --shapes 8192x4096x32064  # V: per rank
 
 Kept sets (K ids per token, the sampled label one of them):
@@ -37,6 +38,12 @@ phase's time: the GPU waited for the launches), "ops" the torch ops it dispatche
 one more call, counted), "rest" what the call spent outside them (argument and mask checks,
 autograd); how many rows each kind scored; and once per shape the plain op's forward and backward.
 The synchronizations cost some overlap: the phases add up to a little more than the row's time.
+
+`--graphed`: both ops' forward and backward replayed from the CUDA graphs
+torch.cuda.make_graphed_callables captures (a training loop's autograd between them: the host's
+bookkeeping between the two graphs remains, ~150 us at 2048 tokens on an H200 host); `--graphed
+step`: each step's forward and backward captured in one graph (as a whole-iteration capture
+replays them: the GPU's cost alone).
 
 `--smoke`: a CPU run of one small shape (the CI's check that the tool and the path run).
 
@@ -234,6 +241,8 @@ def make_step(h, w, y, chunk, mask=None, group=None, graphed=False):
     if graphed:  # leaves of its own: no autograd node of an earlier step's graph on them
         h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
     inputs = (h, w, y) + tuple(mask or ())
+    if graphed == "step":
+        return step_graph(lambda: torch.autograd.grad(loss_of(*inputs), (h, w)), h.device)
     loss = loss_of
     if graphed:
         # an earlier row's graphs destroyed now, not by a garbage collection during this capture
@@ -247,6 +256,26 @@ def make_step(h, w, y, chunk, mask=None, group=None, graphed=False):
     def step():
         return torch.autograd.grad(loss(*inputs), (h, w))
     step.device = h.device
+    return step
+
+
+def step_graph(body, device):
+    """`body` (a forward + backward) captured in one CUDA graph after warm-up calls on a side stream
+    (the routes remembered, the kernels compiled); the step replays it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    gc.collect()  # (an earlier row's graphs destroyed now, not during this capture: make_step)
+    graph = torch.cuda.CUDAGraph()
+    with thread_local_capture(), torch.cuda.graph(graph):
+        body()
+
+    def step():
+        graph.replay()
+    step.device, step.graph = device, graph
     return step
 
 
@@ -299,7 +328,8 @@ def benchmark(args):
     replay.FORCE_PIECES = None if args.pieces == "auto" else args.pieces
     remembered_routes.ENABLED = not args.general_path
     say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-        f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}, tp {args.tp}")
+        f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}, tp {args.tp}"
+        + (f", CUDA graphs ({args.graphed})" if args.graphed else ""))
     say("| shape NxHxV | sets | K | K / V | route | plain ms | replay ms | replay / plain | target | lp err |")
     say("|---|---|---|---|---|---|---|---|---|---|")
     failed = 0
@@ -432,8 +462,10 @@ def main(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="under each row, replay's time per phase (entries, forward, backward; synchronized) and "
                         "its ops, and the plain op's forward / backward")
-    p.add_argument("--graphed", action="store_true",
-                   help="both ops replayed from CUDA graphs (make_graphed_callables): the GPU's cost without the host's")
+    p.add_argument("--graphed", nargs="?", const="callables", choices=("callables", "step"),
+                   help="both ops replayed from CUDA graphs: make_graphed_callables' forward and backward graphs "
+                        "(autograd between them), or with 'step' each forward + backward one graph (the GPU's cost "
+                        "alone)")
     p.add_argument("--fidelity", action="store_true", help="print the engine/trainer drift table instead")
     p.add_argument("--smoke", action="store_true", help="a CPU run of one small shape, both kinds of rows")
     p.add_argument("--tp", type=int, default=1,
