@@ -36,7 +36,8 @@ GRPO_OPTION_SETS = {
     "grpo_k2_sequence_mask": GRPOConfig(loss_type="grpo", beta=0.1, kl_estimator="k2",
                                         is_correction="sequence_mask", is_clip_min=0.5, is_clip_max=2.0),
 }
-MAX_KERNELS = {"cross_entropy": 30, "logprobs": 30, "logprobs_entropy": 30, "forward_only": 30, "grpo": 40}
+MAX_KERNELS = {"cross_entropy": 30, "cross_entropy_per_token": 30, "logprobs": 30, "logprobs_entropy": 30,
+               "forward_only": 30, "grpo": 40}
 # Measured on an H200 (torch 2.11, Triton 3.6): forward-only 3 at TP = 1 (the GEMM, the label and statistics
 # kernels; 10 before its epilogue went into the statistics kernel), log-probs 10 (23 with entropy; 12
 # before the row scaling read the upstream gradient of the sum in place, 17 before their statistics
@@ -78,6 +79,12 @@ def _paths():
         loss.backward()
         return loss
 
+    def cross_entropy_per_token(inputs):  # (Megatron's output layer: per-token losses, its loss function's sum)
+        h, w, y, _ = inputs
+        losses = linear_cross_entropy(h, w, y, reduction="none")
+        losses.sum().backward()
+        return losses
+
     def grpo(inputs, config):
         h, w, y, r = inputs
         loss, metrics = linear_grpo_loss(h, w, r["labels"], r["adv"], r["mask"], config, old_logprobs=r["old"],
@@ -95,7 +102,8 @@ def _paths():
         return loss
 
     paths = {"forward_only": forward_only, "logprobs": logprobs,
-             "logprobs_entropy": lambda inputs: logprobs(inputs, True), "cross_entropy": cross_entropy}
+             "logprobs_entropy": lambda inputs: logprobs(inputs, True), "cross_entropy": cross_entropy,
+             "cross_entropy_per_token": cross_entropy_per_token}
     for name, config in GRPO_OPTION_SETS.items():
         paths[f"grpo:{name}"] = lambda inputs, config=config: grpo(inputs, config)
     for kind in ("tensor", "number"):

@@ -158,7 +158,7 @@ def test_cross_entropy_route_checks_the_labels_on_the_device(tb, general_calls):
 def test_cross_entropy_route_is_taken_only_where_the_general_path_takes_it(tb, general_calls, monkeypatch):
     """Dropped with its signature (forget_signatures); not taken with the one-launch statistics
     switched off, under saved-tensor hooks, or for arguments outside its key (other options,
-    another shape, label smoothing, "none")."""
+    another shape, label smoothing); "none" takes the per-token route, but not with smoothing."""
     h, w, y, vocab = _inputs(tb, 3)
     for _ in range(3):
         _call(h, w, y, vocab, "mean")
@@ -183,11 +183,12 @@ def test_cross_entropy_route_is_taken_only_where_the_general_path_takes_it(tb, g
         for _ in range(3):
             _call(h, w, labels, vocab, "mean", **extra)
         assert len(general_calls) == (3 if "label_smoothing" in extra or "chunk_size" in extra else 2), extra
-    general_calls.clear()
-    for _ in range(3):
-        linear_cross_entropy(h, w.clone().requires_grad_(), y, vocab_size=vocab, temperature=0.7, impl="triton",
-                             reduction="none")
-    assert len(general_calls) == 3
+    for extra, general in ((dict(), 2), (dict(label_smoothing=0.1), 3), (dict(z_loss_weight=1e-4), 3)):
+        general_calls.clear()
+        for _ in range(3):
+            linear_cross_entropy(h, w.clone().requires_grad_(), y, vocab_size=vocab, temperature=0.7, impl="triton",
+                                 reduction="none", **extra)
+        assert len(general_calls) == general, extra
 
 
 
@@ -218,6 +219,34 @@ def test_logprob_routes_equal_the_general_path(tb, general_logprob_calls, monkey
     logits = (h0.double().reshape(-1, h0.shape[-1]) @ w0.double().T)[:, :vocab] / 0.7
     flat = y.reshape(-1)
     ref = torch.log_softmax(logits, -1).gather(1, flat.clamp(min=0)[:, None])[:, 0].where(flat >= 0, 0.0)
+    torch.testing.assert_close(got[0].double().reshape(-1), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["forward-only", "fwd+bwd", "fwd+bwd 3-d", "fwd+bwd dW only",
+                                  "fwd+bwd second backward"])
+def test_per_token_cross_entropy_route_equals_the_general_path(tb, general_calls, monkeypatch, case):
+    """linear_cross_entropy(reduction="none") without smoothing or z-loss (Megatron's output layer):
+    the third call of a signature runs the log-prob route the second recorded, negated, and its
+    losses, dX and dW are the general path's bit for bit (and -log p_y of float64)."""
+    h0, w0, y, vocab = _inputs(tb, 6, hidden_shape=(-1, 1) if "3-d" in case else None)
+    upstream = torch.linspace(-1.0, 2.0, y.numel(), device=DEVICE).reshape(y.shape)
+
+    def call():
+        grad = not case.startswith("forward-only")
+        h = h0.clone().requires_grad_(grad and "dW only" not in case)
+        w = w0.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            loss = linear_cross_entropy(h, w, y, vocab_size=vocab, temperature=0.7, impl="triton", reduction="none")
+        assert loss.shape == y.shape
+        if grad:
+            for i, scale in enumerate((1e-5, 3.0) if "second" in case else (1.0,)):
+                (loss * upstream * scale).sum().backward(retain_graph=i == 0 and "second" in case)
+        return loss.detach(), h.grad, w.grad
+
+    got = _routed_equals_general(monkeypatch, call, general_calls, ("losses", "dX", "dW"), case)
+    logits = (h0.double().reshape(-1, h0.shape[-1]) @ w0.double().T)[:, :vocab] / 0.7
+    flat = y.reshape(-1)
+    ref = -torch.log_softmax(logits, -1).gather(1, flat.clamp(min=0)[:, None])[:, 0].where(flat >= 0, 0.0)
     torch.testing.assert_close(got[0].double().reshape(-1), ref, rtol=1e-5, atol=1e-5)
 
 

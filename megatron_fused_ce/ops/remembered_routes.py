@@ -29,6 +29,8 @@ Routes:
 - `LogprobRoute`: `linear_logprobs` of one chunk without entropy, sampler or sampling mask:
   forward-only (the reference and old-policy passes) or with the dlogits made in the forward; and
   forward-only from the fused statistics GEMM (no logits in memory), in any number of chunks.
+  `PerTokenLossRoute`: `linear_cross_entropy`'s per-token losses ("none" without label smoothing
+  or z-loss: Megatron's output layer) on the same routes, negated.
 - `ReplayRoute`: `linear_logprobs` with a sampling mask (replay.py), with or without entropy,
   without sequence parallelism: its key holds the mask's layout, not how many ids it keeps; each
   call makes its layout, device checks and pieces from its own mask (replay.replay_tiling), then
@@ -360,6 +362,11 @@ class StraightLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
+# the general path's log-prob routes (StraightFacts.route) LogprobRoute runs
+LOGPROB_ROUTES = ("log-probs forward-only", "log-probs forward-only, merged", "log-probs forward-only, fused statistics",
+                  "log-probs dlogits in forward")
+
+
 class LogprobRoute(_Route):
     """linear_logprobs' routes of one chunk without entropy, sampler or sampling mask (module doc):
     forward-only (the reference and old-policy passes: the logits GEMM, the label kernel, then at
@@ -406,6 +413,15 @@ class LogprobRoute(_Route):
                 logprob = spec.backend.shard_logprob(logits, local_target, spec.num_valid_cols, spec.inv_temperature,
                                                      scalars[:1])[0]
         return LogprobsOutput(logprob if logprob.shape == shape else logprob.reshape(shape))
+
+
+class PerTokenLossRoute(LogprobRoute):
+    """linear_cross_entropy's per-token losses (reduction="none", no label smoothing or z-loss:
+    Megatron's output layer and MTP heads) on LogprobRoute's routes: -log p_y, as the general path
+    makes them (TokenStats.negative_logprob of the log-prob routes' values: the same bits)."""
+
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
+        return -super().run(hidden, weight, flat_labels, shape).logprobs
 
 
 class StraightLogprobs(torch.autograd.Function):
