@@ -64,6 +64,18 @@ def _calls(rank, world, labels_of_rank=None, impl="torch"):
             return loss.detach(), h.grad, w.grad
         return call
 
+    def ce_per_token(grad):  # reduction="none" (Megatron's output layer): log-probs' route, negated
+        def call():
+            h, w = _shard(rank, world, hidden, weight, False)
+            h, w = h.requires_grad_(grad), w.requires_grad_(grad)
+            with torch.set_grad_enabled(grad):
+                losses = linear_cross_entropy(h, w, labels, tp_group=group, vocab_size=VOCAB, temperature=0.7,
+                                              reduction="none", impl=impl)
+            if grad:
+                (losses * rollout["upstream"]).sum().backward()
+            return losses.detach(), h.grad, w.grad
+        return call
+
     def grpo(sp):
         config = GRPOConfig(loss_type="dapo", beta=0.05)
         mask, adv, old = rollout["mask"], rollout["adv"], rollout["old"]
@@ -139,6 +151,7 @@ def _calls(rank, world, labels_of_rank=None, impl="torch"):
     fused = {"log-probs forward-only, fused statistics GEMM": fused_logprobs()} if impl == "triton" else {}
     return {**fused, "cross-entropy": ce(False), "cross-entropy, sum, sequence parallel": ce(True, "sum"),
             "cross-entropy, second backward at 1e-5": ce(False, scales=(1e-5, 3.0)),
+            "cross-entropy per token": ce_per_token(True), "cross-entropy per token, forward-only": ce_per_token(False),
             "grpo": grpo(False), "grpo, sequence parallel": grpo(True),
             "log-probs forward-only": logprobs(False, False),
             "log-probs forward-only, sequence parallel": logprobs(True, False),
@@ -201,7 +214,7 @@ def test_routes_at_tp_equal_the_general_path(world):
     results = run_workers(_routes_worker, world, timeout=240)
     _check_routed(results)
     # against float64: the cross-entropy's loss, dX (summed over ranks) and dW (each rank's shard)
-    hidden, weight, labels, _ = _inputs(world)
+    hidden, weight, labels, rollout = _inputs(world)
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     ref = torch.nn.functional.cross_entropy((h64 @ w64.T)[:, :VOCAB] / 0.7, labels, ignore_index=-100)
     (ref * 3.0).backward()
@@ -211,6 +224,17 @@ def test_routes_at_tp_equal_the_general_path(world):
         torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(dx.double(), h64.grad, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(dw.double(), w64.grad[rank * v_local:(rank + 1) * v_local], rtol=1e-4, atol=1e-5)
+    # the per-token losses (0 at ignored labels) and their gradients under a per-token upstream
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    per_token = torch.nn.functional.cross_entropy((h64 @ w64.T)[:, :VOCAB] / 0.7, labels, ignore_index=-100,
+                                                  reduction="none")
+    (per_token * rollout["upstream"].double()).sum().backward()
+    for rank, per_rank in enumerate(results):
+        losses, dx, dw = per_rank["cross-entropy per token"][2]
+        torch.testing.assert_close(losses.double(), per_token.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dx.double(), h64.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dw.double(), w64.grad[rank * v_local:(rank + 1) * v_local], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(per_rank["cross-entropy per token, forward-only"][2][0], losses, rtol=0, atol=0)
 
 
 def _check_routed(results, impl="torch"):

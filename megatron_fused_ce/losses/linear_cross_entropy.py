@@ -166,7 +166,7 @@ def linear_cross_entropy(
         straight = stats.straight
         if per_token_logprob and straight is not None and straight.route in remembered_routes.LOGPROB_ROUTES:
             # a later call runs the log-prob route this call took, negated (remembered_routes.py)
-            remembered_routes.remember(route_key, remembered_routes.PerTokenLossRoute(stats.straight, impl))
+            remembered_routes.remember(route_key, remembered_routes.PerTokenLossRoute(straight, impl))
         return stats.to_full(per_token, masked=masked)
     total = (per_token if masked else stats.only_labelled(per_token)).sum()
     if reduction == "mean":

@@ -179,9 +179,7 @@ def _specialization(args: tuple, options: dict) -> tuple:
     key = []
     values = list(args)
     append = key.append
-    index = -1
-    for arg in args:
-        index += 1
+    for index, arg in enumerate(args):
         kind = type(arg)
         if kind is Tensor or (kind is not int and isinstance(arg, Tensor)):
             address = arg.data_ptr()
