@@ -274,6 +274,7 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)
     monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_V", 16)  # (the dense blocks' rows in several blocks)
     monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_E", 4)
+    monkeypatch.setattr(replay_triton, "ROWS_SCAN_BLOCK", 2048 if seed == 0 else 16)  # (the scan's carries)
     g = torch.Generator().manual_seed(seed)
     vocab, positions = 97, 60
     sizes = torch.randint(1, 12, (positions,), generator=g)
@@ -323,13 +324,16 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
         assert not block[~ref.has_set[start:end]].any()
 
 
+@pytest.mark.parametrize("scan_block", [2048, 4])
 @pytest.mark.parametrize("bad", ["none", "offsets", "ids", "duplicate", "missing"])
-def test_layout_kernels_check_the_mask(triton_kernels, bad):
+def test_layout_kernels_check_the_mask(triton_kernels, bad, scan_block, monkeypatch):
     """The kernels' verdict (deferred_errors' flags, NaN poison) is MaskCheck.deferred_poison's and
-    missing_set_poison's, and the layout of a bad mask stays in range."""
+    missing_set_poison's, and the layout of a bad mask stays in range, in one block of rows or
+    carried from block to block (an offset that falls back across blocks among them)."""
     from megatron_fused_ce.ops import deferred_errors
 
     replay_triton = triton_kernels["replay_triton"]
+    monkeypatch.setattr(replay_triton, "ROWS_SCAN_BLOCK", scan_block)
     g = torch.Generator().manual_seed(5)
     vocab, positions, k = 50, 12, 4
     ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(positions)]).reshape(-1)
@@ -337,7 +341,7 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad):
     labels = ids[offsets[:-1]].clone()
     labelled = torch.ones(positions, dtype=torch.bool)
     if bad == "offsets":
-        offsets[5] = offsets[7] + 2
+        offsets[4] = offsets[6] + 2  # (falls back across a block of 4 rows: the carried running max)
     elif bad == "ids":
         ids[9] = vocab + 3
     elif bad == "duplicate":

@@ -355,7 +355,10 @@ LAYOUT_BLOCK_E = 64
 # The rows' scan (one program, a carry from block to block): blocks of ROWS_SCAN_BLOCK positions.
 # On an H200 (Zipf sets of 50 ids): 2048 by 8 warps 51 -> 36 us at 8192 rows, 112 -> 75 at 16384
 # against 1024 by 4; 4096 or 8192 by 8-32 warps were slower (each block's reductions and scans
-# wait on the one before)
+# wait on the one before). A block's two running maxima in one scan and its eight totals in one
+# reduction (each had its own): 11.2 -> 9.7 us at 2048 rows, 40.9 -> 34.9 at 8192, 80.4 -> 68.1 at
+# 16384; with the fingerprint (TP > 1) 10.4 -> 8.4, 35.6 -> 27.6, 70.7 -> 55.1 (the same outputs);
+# 2048 by 8 warps still the fastest of 512-4096 by 2-16 at 2048-16384 rows.
 ROWS_SCAN_BLOCK = 2048
 ROWS_SCAN_WARPS = 8
 # A set is checked for duplicates by a sort in its program where it holds at most the sort's block of
@@ -387,15 +390,24 @@ def fingerprint_terms(values, index, inside, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
+def _running_max_pair(end_a, start_a, end_b, start_b):
+    return tl.maximum(end_a, end_b), tl.maximum(start_a, start_b)
+
+
+@triton.jit
+def _block_totals(bad_a, with_a, without_a, missing_a, count_a, plain_a, set_a, top_a,
+                  bad_b, with_b, without_b, missing_b, count_b, plain_b, set_b, top_b):
+    return (bad_a + bad_b, with_a + with_b, without_a + without_b, missing_a + missing_b, count_a + count_b,
+            tl.minimum(plain_a, plain_b), tl.minimum(set_a, set_b), tl.maximum(top_a, top_b))
 
 
 @cached_launch
 @triton.jit
 def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_ptr, counts_ptr, rows, total,
                       FINGERPRINT: tl.constexpr, BLOCK: tl.constexpr):
-    """One program over the positions in blocks (a scan: the layout offsets are a running max)."""
+    """One program over the positions in blocks (a scan: the layout offsets are a running max).
+    A block's two running maxima are one scan and its eight totals one reduction: each pass is a
+    round of the block's warps through shared memory, which the next block waits for."""
     first = tl.load(offsets_ptr)
     bad = (first != 0).to(tl.int64)
     tl.store(layout_ptr, first * 0)
@@ -421,26 +433,33 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
         inside = j <= rows
         raw = tl.load(offsets_ptr + j, mask=inside, other=0)
         before = tl.load(offsets_ptr + j - 1, mask=inside, other=0)
-        bad += tl.sum((inside & (raw < before)).to(tl.int64), axis=0)
         # clamped into [0, E], the last one E; L[j] its running max, L[j - 1] the one before
         clamped = tl.where(j == rows, total, tl.minimum(tl.maximum(raw, 0), total))
         clamped_before = tl.where(j == 1, 0, tl.minimum(tl.maximum(before, 0), total))
-        end = tl.maximum(tl.associative_scan(tl.where(inside, clamped, 0), 0, _maximum), carry)
-        start = tl.maximum(tl.associative_scan(tl.where(inside, clamped_before, 0), 0, _maximum), carry)
+        end, start = tl.associative_scan((tl.where(inside, clamped, 0), tl.where(inside, clamped_before, 0)), 0,
+                                         _running_max_pair)
+        end = tl.maximum(end, carry)
+        start = tl.maximum(start, carry)
         r = j - 1
         labelled = inside & (tl.load(labelled_ptr + r, mask=inside, other=0) != 0)
         has = labelled & (end > start)
-        has64 = has.to(tl.int64)
+        has32 = has.to(tl.int32)
         tl.store(layout_ptr + j, end, mask=inside)
         tl.store(has_set_ptr + r, has.to(tl.uint8), mask=inside)
-        tl.store(rank_ptr + r, count + tl.cumsum(has64, 0) - has64, mask=inside)
-        with_set += tl.sum((labelled & (raw > before)).to(tl.int64), axis=0)
-        without_set += tl.sum((labelled & (raw <= before)).to(tl.int64), axis=0)
-        missing += tl.sum((labelled & (end <= start)).to(tl.int64), axis=0)
-        first_plain = tl.minimum(first_plain, tl.min(tl.where(inside & ~has, r, rows), axis=0))
-        first_set = tl.minimum(first_set, tl.min(tl.where(has, r, rows), axis=0))
-        count += tl.sum(has64, axis=0)
-        carry = tl.maximum(carry, tl.max(tl.where(inside, clamped, 0), axis=0))
+        tl.store(rank_ptr + r, count + (tl.cumsum(has32, 0) - has32).to(tl.int64), mask=inside)
+        block_bad, block_with, block_without, block_missing, block_count, block_plain, block_set, block_top = \
+            tl.reduce(((inside & (raw < before)).to(tl.int32), (labelled & (raw > before)).to(tl.int32),
+                       (labelled & (raw <= before)).to(tl.int32), (labelled & (end <= start)).to(tl.int32), has32,
+                       tl.where(inside & ~has, r, rows), tl.where(has, r, rows), tl.where(inside, clamped, 0)),
+                      0, _block_totals)
+        bad += block_bad.to(tl.int64)
+        with_set += block_with.to(tl.int64)
+        without_set += block_without.to(tl.int64)
+        missing += block_missing.to(tl.int64)
+        count += block_count.to(tl.int64)
+        first_plain = tl.minimum(first_plain, block_plain)
+        first_set = tl.minimum(first_set, block_set)
+        carry = tl.maximum(carry, block_top)
     bad += (tl.load(offsets_ptr + rows) != total).to(tl.int64)
     tl.store(layout_ptr + rows + 1, first * 0 + total)  # the spare position's (empty) set
     first_plain = tl.where(first_plain == rows, 0, first_plain)  # (none: padding needs none)
