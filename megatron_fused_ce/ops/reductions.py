@@ -50,6 +50,8 @@ class MergedStats:
     # rounding M + log S to fp32 loses (|z| ~ 50, or log p_y ~ -1e-5 next to M ~ 8).
     max: Optional[Tensor] = None  # M = max_k z_k
     log_sum_exp: Optional[Tensor] = None  # log S = log sum_k exp(z_k - M)
+    # a forward's labelled log-probs, where the tail's launch made them (merge_shard_stats' logprob_of)
+    forward_logprob: Optional[Tensor] = None
 
     # the fields an autograd Function differentiates; the others are plain values
     DIFFERENTIABLE = ("target", "lse", "sum_logits", "entropy")
@@ -148,14 +150,18 @@ def packed_partials(stats: ShardStats, check: Optional[Tensor] = None) -> Tensor
     return torch.cat(parts)
 
 
-def merge_shard_stats(stats: ShardStats, group, backend, rank_check: Optional[RankCheck] = None) -> MergedStats:
+def merge_shard_stats(stats: ShardStats, group, backend, rank_check: Optional[RankCheck] = None,
+                      logprob_of: Optional[tuple] = None) -> MergedStats:
     """This shard's partials -> the statistics over the whole vocab, identical on every rank: the
     partials packed with the rank check's values (one launch), one all-gather, the backend's merge
-    in rank order with log S / lse / entropy and the verdict (one launch). At TP = 1 the tail alone."""
+    in rank order with log S / lse / entropy and the verdict (one launch). At TP = 1 the tail alone,
+    and with `logprob_of` (labelled, kept, poison: backend.labelled_logprob's) the labelled
+    log-probs in the tail's launch (`forward_logprob`)."""
     if group_size(group) == 1:
-        log_sum_exp, lse, entropy = backend.merged_tail(stats.max, stats.sum_exp, stats.sum_exp_shifted)
-        return MergedStats(lse=lse, target=stats.target, sum_logits=stats.sum_logits, entropy=entropy,
-                           max=stats.max, log_sum_exp=log_sum_exp)
+        tail = backend.merged_tail(stats.max, stats.sum_exp, stats.sum_exp_shifted,
+                                   None if logprob_of is None else (stats.target, *logprob_of))
+        return MergedStats(lse=tail[1], target=stats.target, sum_logits=stats.sum_logits, entropy=tail[2],
+                           max=stats.max, log_sum_exp=tail[0], forward_logprob=tail[3] if len(tail) > 3 else None)
     return _gathered_merge(stats, group, backend, rank_check)[0]
 
 
@@ -166,9 +172,8 @@ def merged_logprobs(stats: ShardStats, group, backend, rank_check: Optional[Rank
     holds is decided there). At TP > 1 in the merge's own launch (one launch fewer), the rank
     check's poison taken in the kernel. -> (statistics, log-probs)."""
     if group_size(group) == 1:
-        merged = merge_shard_stats(stats, group, backend)
-        return merged, backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled,
-                                                call_poison())
+        merged = merge_shard_stats(stats, group, backend, logprob_of=(labelled, None, call_poison()))
+        return merged, merged.forward_logprob
     return _gathered_merge(stats, group, backend, rank_check, labelled=labelled, call_poison=call_poison)
 
 

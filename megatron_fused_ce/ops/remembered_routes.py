@@ -491,6 +491,8 @@ class ReplayRoute(_Route):
         if group is not None:  # (the labels' pieces from the label launch, then the mask's fingerprint)
             rank_check = reductions.RankCheck(api._rank_check_values(scalars[3:], tiling.fingerprint),
                                               poison=tiling.poison, flags=flags)
+        else:  # (the log-probs in the statistics' tail launch: replay_outputs)
+            tiling.logprobs_in_tail = True
         spec = replace(spec, tp_group=group, rank_check=rank_check, tiling=tiling)
         if needs_grad:
             outputs = StraightReplay.apply(hidden, weight, local_target, labelled, spec)
@@ -502,12 +504,13 @@ class ReplayRoute(_Route):
 
 def replay_outputs(merged, labelled: Tensor, spec):
     """The general path's results of a replay call from its merged statistics (TokenStats' logprob,
-    where and to_full): the log-probs in the labelled log-probs' one launch, -inf where the label is
-    not kept, plus the call's poison (the rank check's once merged, else the mask's, the labels' in
-    it); with entropy, (log-probs, the entropy with 0 where the label is ignored, plus the poison)."""
+    where and to_full): the log-probs in the labelled log-probs' one launch (at TP = 1 the
+    statistics' tail launch, ReplayChunks.logprobs_in_tail), -inf where the label is not kept, plus
+    the call's poison (the rank check's once merged, else the mask's, the labels' in it); with
+    entropy, (log-probs, the entropy with 0 where the label is ignored, plus the poison)."""
     poison = spec.tiling.poison if spec.rank_check is None else spec.rank_check.poison
-    logprob = spec.backend.labelled_logprob(merged.target, merged.max, merged.log_sum_exp, labelled, poison,
-                                            kept=merged.kept)
+    logprob = merged.forward_logprob if merged.forward_logprob is not None else spec.backend.labelled_logprob(
+        merged.target, merged.max, merged.log_sum_exp, labelled, poison, kept=merged.kept)
     if not spec.want_entropy:
         return logprob
     return logprob, torch.where(labelled, merged.entropy, 0) + poison

@@ -810,6 +810,9 @@ class ReplayChunks:
     # dW's tiles of columns, made with `tiles` in the forward where dW would be needed (else None:
     # the backward makes them)
     column_tiles: Optional[UnionTiles] = None
+    # the forward's labelled log-probs made in the statistics' tail launch (TP = 1: the route's
+    # forward, remembered_routes.replay_outputs, takes them there)
+    logprobs_in_tail: bool = False
     statistics_type = ReplayStats
     _z = None  # the entries' z between _kept_partials and merged_statistics
 
@@ -879,7 +882,9 @@ class ReplayChunks:
         z = self._z
         self._z = None
         stats = ShardStats(**{name: per_row[i, :num_rows] for i, name in enumerate(names)})
-        merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check)
+        merged = reductions.merge_shard_stats(
+            stats, spec.tp_group, spec.backend, spec.rank_check,
+            logprob_of=(entries.labelled, entries.kept, self.poison) if self.logprobs_in_tail else None)
         return ReplayStats(**vars(merged), kept=entries.kept, entry_z=z)
 
     def _kept_partials(self, rows: Tensor, weight: Tensor, spec, into: Tensor) -> None:
@@ -892,7 +897,10 @@ class ReplayChunks:
                                                  spec.want_entropy, self.want_z, self._max_elements(weight, spec),
                                                  into=into)
             return
-        z = torch.zeros(entries.ids.numel(), dtype=torch.float32, device=rows.device)
+        # (the tiles' statistics launch stores every set entry's z, 0 where not valid; an entry of a
+        # row without a set is read by no launch: no fill there)
+        z = (torch.empty if self.route == "tiles" else torch.zeros)(entries.ids.numel(), dtype=torch.float32,
+                                                                    device=rows.device)
         self._z = z if self.want_z else None
         if self.route == "tiles":  # each tile's rows times its union's W rows, gathered in the kernel
             tiles = self.tiles

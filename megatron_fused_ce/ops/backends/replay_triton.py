@@ -24,7 +24,8 @@ mask's CSR and gathers the weight rows itself.
   op's fp32 buffer or Megatron's main_grad). A frequent id (in most sets: Zipf) costs one add per
   block of its entries, not one per entry.
 - `kept_layout`: replay.KeptEntries' fields and MaskCheck's device checks (replay.py's module doc)
-  in three launches and a fill, and where asked each column's count of valid entries (dW's column
+  in two launches and a fill (the verdict recorded by the last of the entries' programs), and
+  where asked each column's count of valid entries (dW's column
   order: replay_union_triton.columns_by_use); `gather_chunk` / `scatter_chunk`: the dense route's
   entries of one chunk of logits in one launch each, `slot_rows` its block of dlogits (zeros and
   the entries) in one. These move values only (no arithmetic but z = fp32(logit) / T's one multiply, as torch's),
@@ -349,7 +350,7 @@ def kept_grads(rows: Tensor, weight: Tensor, entries, d: Tensor, dx_rows: Option
 
 # ---------------------------------------------------------------------------------------------
 # The mask's layout and checks (replay.KeptEntries, replay.MaskCheck: the torch definitions are
-# the reference): three launches and a fill instead of some eighty elementwise ops.
+# the reference): two launches and a fill instead of some eighty elementwise ops.
 # ---------------------------------------------------------------------------------------------
 LAYOUT_BLOCK_E = 64
 # The rows' scan (one program, a carry from block to block): blocks of ROWS_SCAN_BLOCK positions.
@@ -481,16 +482,19 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
 def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr, counts_ptr,
                          set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
                          slot_ptr, col_ptr, position_ptr, row_of_ptr, table_ptr, dw_key_ptr, place_ptr, row_place_ptr,
-                         valid_ptr, is_label_ptr, use_ptr,
+                         valid_ptr, is_label_ptr, use_ptr, ticket_ptr, flags_ptr, poison_ptr, base_ptr,
                          rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols,
                          FINGERPRINT: tl.constexpr, COUNT_USE: tl.constexpr, BLOCK_E: tl.constexpr,
-                         SORT_BLOCK: tl.constexpr):
+                         SORT_BLOCK: tl.constexpr, VERDICT: tl.constexpr, BAD_FLAG: tl.constexpr,
+                         MISSING_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
     """One program per row: its slot (or a padding slot), and its entries over its layout range.
     An id twice in the row's set: a set of at most SORT_BLOCK ids is sorted in the program (equal
     neighbours); a larger one is inserted into the row's own hash table (`table_ptr`, int32, 0
     where empty, an id stored as id + 1: 2 slots per entry at 2 x the row's layout start, open
     addressing), where an insert that finds its id already there is a duplicate. No sort of the
-    call's entries. COUNT_USE: each column's valid entries counted into `use_ptr` (int32, zeros)."""
+    call's entries. COUNT_USE: each column's valid entries counted into `use_ptr` (int32, zeros).
+    VERDICT: the last program to finish (`ticket_ptr`, int32, zero) records the mask's verdict
+    from every program's counts (`_record_verdict`): no launch of its own."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.load(layout_ptr + r)
     hi = tl.load(layout_ptr + r + 1)
@@ -576,23 +580,36 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
     if FINGERPRINT:
         tl.atomic_add(counts_ptr + 9, by_position, mask=hi > lo)
         tl.atomic_add(counts_ptr + 10, by_hash, mask=hi > lo)
+    if VERDICT:  # (the ticket's acquire orders every earlier program's counts before the reads)
+        if tl.atomic_add(ticket_ptr, 1) == rows - 1:
+            _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG, MISSING_FLAG, CHECK_MISSING,
+                            HAS_BASE)
 
 
-@cached_launch
 @triton.jit
-def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr,
-                         MISSING_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
-    """deferred_errors' flags and the call's fp32 poison from the counts (plus the labels' poison)."""
-    bad = (tl.load(counts_ptr + 0) + tl.load(counts_ptr + 1) + tl.load(counts_ptr + 2)) > 0
+def _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr, MISSING_FLAG: tl.constexpr,
+                    CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
+    """deferred_errors' flags and the call's fp32 poison from the counts (plus the labels' poison).
+    The counts read by atomics: other programs of the same launch added to them (a plain load
+    could return a line this program's cache held from before)."""
+    bad = (tl.atomic_add(counts_ptr + 0, 0) + tl.atomic_add(counts_ptr + 1, 0) + tl.atomic_add(counts_ptr + 2, 0)) > 0
     flags = tl.where(bad, BAD_FLAG, 0).to(tl.int64)
     if CHECK_MISSING:
-        missing = tl.load(counts_ptr + 6) > 0
+        missing = tl.atomic_add(counts_ptr + 6, 0) > 0
         flags = flags | tl.where(missing, MISSING_FLAG, 0).to(tl.int64)
     tl.store(flags_ptr, tl.load(flags_ptr) | flags)
     poison = tl.where(flags != 0, float("nan"), 0.0)
     if HAS_BASE:  # (base + 0 is base, base + NaN is NaN: torch's sum)
         poison = tl.load(base_ptr) + poison
     tl.store(poison_ptr, poison)
+
+
+@cached_launch
+@triton.jit
+def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr,
+                         MISSING_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
+    """The verdict where the mask has no rows (no entries' program to record it)."""
+    _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG, MISSING_FLAG, CHECK_MISSING, HAS_BASE)
 
 
 def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
@@ -621,34 +638,37 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
         5, m).unbind(0)
     slot, col, position, row_of, dw_key, place, row_place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
         7, total).unbind(0)
-    # each row's duplicate check, then the columns' use
-    table = torch.zeros(2 * total + (num_cols if count_use else 0), dtype=torch.int32, device=device)
+    # each row's duplicate check, then the columns' use, then the verdict's ticket
+    use_cols = num_cols if count_use else 0
+    table = torch.zeros(2 * total + use_cols + 1, dtype=torch.int32, device=device)
     bits = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device)
     has_set, kept = bits[:rows], bits[rows:2 * rows]
     valid, is_label = bits[2 * rows:].view(2, total).unbind(0)
+    poison = None if flags is None else torch.empty(1, dtype=torch.float32, device=device)
+    verdict = dict(BAD_FLAG=SAMPLING_MASK_BAD, MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing,
+                   HAS_BASE=base_poison is not None)
+    verdict_args = (counts, counts if flags is None else flags, poison if poison is not None else counts,
+                    base_poison if base_poison is not None else counts)
     _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
                             FINGERPRINT=fingerprint, BLOCK=ROWS_SCAN_BLOCK, num_warps=ROWS_SCAN_WARPS)
     _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
                                   set_labels, kept, slot, col, position, row_of, table, dw_key, place, row_place, valid,
-                                  is_label, table[2 * total:] if count_use else table,
+                                  is_label, table[2 * total:2 * total + use_cols] if count_use else table,
+                                  table[2 * total + use_cols:], *verdict_args[1:],
                                   rows,
                                   total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
                                   FINGERPRINT=fingerprint, COUNT_USE=count_use, BLOCK_E=LAYOUT_BLOCK_E,
                                   SORT_BLOCK=min(LAYOUT_SORT_BLOCK, next_power_of_2(-(-total // max(rows, 1)))),
-                                  num_warps=2)
-    poison = None
-    if flags is not None:
-        poison = torch.empty(1, dtype=torch.float32, device=device)
-        _mask_verdict_kernel[(1,)](counts, flags, poison, poison if base_poison is None else base_poison,
-                                   BAD_FLAG=SAMPLING_MASK_BAD, MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET,
-                                   CHECK_MISSING=check_missing, HAS_BASE=base_poison is not None)
+                                  VERDICT=flags is not None and rows > 0, **verdict, num_warps=2)
+    if flags is not None and rows == 0:
+        _mask_verdict_kernel[(1,)](*verdict_args, **verdict)
     return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
                 starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
                 position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None,
                 valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
                 dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place),
                 row_place=(int(num_cols), row_place), counts=counts,
-                column_use=table[2 * total:] if count_use else None,
+                column_use=table[2 * total:2 * total + use_cols] if count_use else None,
                 poison=poison, chunk_kernels=(gather_chunk, scatter_chunk, slot_rows))
 
 

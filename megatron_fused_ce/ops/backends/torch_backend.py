@@ -142,13 +142,20 @@ def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy
     return row_max, log_sum_exp, lse, target, sum_logits, entropy, verdict_poison, logprob
 
 
-def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor]) -> tuple:
+def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor],
+                logprob_of: Optional[tuple] = None) -> tuple:
     """The merged statistics' last step: (log S, lse = M + log S, entropy or None), fp32 [n], from
     the rows' max M, S = sum exp(z - M) and sum exp(z - M)(z - M) over the whole vocab. The entropy
-    H = lse - E[z] = log S - E[z - M]: two non-negative terms, no cancellation at large |z|."""
+    H = lse - E[z] = log S - E[z - M]: two non-negative terms, no cancellation at large |z|.
+    `logprob_of` (target, labelled, kept, poison): labelled_logprob's arguments beside M and
+    log S, its result a fourth value (a forward's log-probs at TP = 1, from the same launch)."""
     log_sum_exp = torch.log(sum_exp)
     entropy = None if sum_exp_shifted is None else log_sum_exp - sum_exp_shifted / sum_exp
-    return log_sum_exp, row_max + log_sum_exp, entropy
+    if logprob_of is None:
+        return log_sum_exp, row_max + log_sum_exp, entropy
+    target, labelled, kept, poison = logprob_of
+    return (log_sum_exp, row_max + log_sum_exp, entropy,
+            labelled_logprob(target, row_max, log_sum_exp, labelled, poison, kept))
 
 
 def labelled_logprob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],

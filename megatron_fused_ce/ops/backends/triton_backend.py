@@ -882,33 +882,65 @@ def merge_gathered(gathered: Tensor, n: int, want_sum_logits: bool, want_entropy
 
 @cached_launch
 @triton.jit
-def _merged_tail_kernel(max_ptr, sum_exp_ptr, shifted_ptr, log_sum_exp_ptr, lse_ptr, entropy_ptr, n,
-                        WANT_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+def _merged_tail_kernel(max_ptr, sum_exp_ptr, shifted_ptr, log_sum_exp_ptr, lse_ptr, entropy_ptr,
+                        target_ptr, labelled_ptr, kept_ptr, poison_ptr, logprob_ptr, n,
+                        WANT_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+                        LOGPROB: tl.constexpr = False, HAS_LABELLED: tl.constexpr = False,
+                        HAS_KEPT: tl.constexpr = False, HAS_POISON: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n
     s = tl.load(sum_exp_ptr + rows, mask=ok, other=1.0)
     log_s = _log(s, PRECISE)
+    row_max = tl.load(max_ptr + rows, mask=ok, other=0.0)
     tl.store(log_sum_exp_ptr + rows, log_s, mask=ok)
-    tl.store(lse_ptr + rows, tl.load(max_ptr + rows, mask=ok, other=0.0) + log_s, mask=ok)
+    tl.store(lse_ptr + rows, row_max + log_s, mask=ok)
     if WANT_ENTROPY:
         # (div_rn: torch's division, rounded to nearest; `/` is the approximate division)
         tl.store(entropy_ptr + rows, log_s - tl.div_rn(tl.load(shifted_ptr + rows, mask=ok, other=0.0), s), mask=ok)
+    if LOGPROB:  # _labelled_logprob_kernel's math on the values just made
+        _store_labelled_logprob(rows, ok, tl.load(target_ptr + rows, mask=ok, other=0.0), row_max, log_s,
+                                labelled_ptr, kept_ptr, poison_ptr, logprob_ptr, HAS_LABELLED, HAS_KEPT, HAS_POISON)
 
 
-def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor]) -> tuple:
-    """torch_backend.merged_tail in one launch."""
+def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor],
+                logprob_of: Optional[tuple] = None) -> tuple:
+    """torch_backend.merged_tail in one launch (with `logprob_of`, labelled_logprob's in it too)."""
     if not _runs_kernel(row_max):
-        return torch_backend.merged_tail(row_max, sum_exp, sum_exp_shifted)
+        return torch_backend.merged_tail(row_max, sum_exp, sum_exp_shifted, logprob_of)
     n = row_max.numel()
     f32 = dict(dtype=torch.float32, device=row_max.device)
     log_sum_exp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
     entropy = torch.empty(n, **f32) if sum_exp_shifted is not None else None
+    logprob, extra, flags = None, (lse,) * 5, {}
+    if logprob_of is not None:
+        target, labelled, kept, poison = logprob_of
+        logprob = torch.empty(n, **f32)
+        extra = (_f32(target), lse if labelled is None else labelled.contiguous().view(torch.uint8),
+                 lse if kept is None else kept.contiguous().view(torch.uint8), lse if poison is None else _f32(poison),
+                 logprob)
+        flags = dict(LOGPROB=True, HAS_LABELLED=labelled is not None, HAS_KEPT=kept is not None,
+                     HAS_POISON=poison is not None)
     block = 1024
     _merged_tail_kernel[(max(1, cdiv(n, block)),)](
         _f32(row_max), _f32(sum_exp), _f32(sum_exp_shifted) if entropy is not None else lse, log_sum_exp, lse,
-        entropy if entropy is not None else lse, n, WANT_ENTROPY=entropy is not None, BLOCK=block,
-        PRECISE=not _interpreting(), num_warps=4)
-    return log_sum_exp, lse, entropy
+        entropy if entropy is not None else lse, *extra, n, WANT_ENTROPY=entropy is not None, BLOCK=block,
+        PRECISE=not _interpreting(), **flags, num_warps=4)
+    return (log_sum_exp, lse, entropy) if logprob_of is None else (log_sum_exp, lse, entropy, logprob)
+
+
+@triton.jit
+def _store_labelled_logprob(rows, ok, target, row_max, log_sum_exp, labelled_ptr, kept_ptr, poison_ptr, out_ptr,
+                            HAS_LABELLED: tl.constexpr, HAS_KEPT: tl.constexpr, HAS_POISON: tl.constexpr):
+    """torch_backend.labelled_logprob of the rows' values: (z_y - M) - log S, 0 where not
+    labelled, -inf where the label is not kept, plus the poison."""
+    value = (target - row_max) - log_sum_exp
+    if HAS_LABELLED:
+        value = tl.where(tl.load(labelled_ptr + rows, mask=ok, other=0) != 0, value, 0.0)
+    if HAS_KEPT:
+        value = tl.where(tl.load(kept_ptr + rows, mask=ok, other=0) != 0, value, float("-inf"))
+    if HAS_POISON:
+        value = value + tl.load(poison_ptr)
+    tl.store(out_ptr + rows, value, mask=ok)
 
 
 @cached_launch
@@ -918,15 +950,10 @@ def _labelled_logprob_kernel(target_ptr, max_ptr, log_sum_exp_ptr, labelled_ptr,
                              BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n
-    value = ((tl.load(target_ptr + rows, mask=ok, other=0.0) - tl.load(max_ptr + rows, mask=ok, other=0.0))
-             - tl.load(log_sum_exp_ptr + rows, mask=ok, other=0.0))
-    if HAS_LABELLED:
-        value = tl.where(tl.load(labelled_ptr + rows, mask=ok, other=0) != 0, value, 0.0)
-    if HAS_KEPT:
-        value = tl.where(tl.load(kept_ptr + rows, mask=ok, other=0) != 0, value, float("-inf"))
-    if HAS_POISON:
-        value = value + tl.load(poison_ptr)
-    tl.store(out_ptr + rows, value, mask=ok)
+    _store_labelled_logprob(rows, ok, tl.load(target_ptr + rows, mask=ok, other=0.0),
+                            tl.load(max_ptr + rows, mask=ok, other=0.0), tl.load(log_sum_exp_ptr + rows, mask=ok,
+                                                                                 other=0.0),
+                            labelled_ptr, kept_ptr, poison_ptr, out_ptr, HAS_LABELLED, HAS_KEPT, HAS_POISON)
 
 
 def labelled_logprob(target: Tensor, row_max: Tensor, log_sum_exp: Tensor, labelled: Optional[Tensor],
