@@ -1246,7 +1246,8 @@ def test_tp_merge_kernels_match_torch(tb, n):
 def test_merged_logprobs_without_a_group_is_the_tail_and_the_labelled_logprobs(impl):
     """reductions.merged_logprobs at TP = 1 (nothing to gather): merge_shard_stats' tail and the
     labelled rows' log-probs plus the call's poison, read when the call asks for it (NaN everywhere
-    under a NaN poison)."""
+    under a NaN poison), in the tail's launch: bit for bit backend.labelled_logprob's, with
+    replay's kept sets too."""
     from megatron_fused_ce.ops import backends, reductions
     from megatron_fused_ce.ops.backends import ShardStats
 
@@ -1269,6 +1270,19 @@ def test_merged_logprobs_without_a_group_is_the_tail_and_the_labelled_logprobs(i
         assert torch.equal(logprob.isnan(), expected.isnan())
         if poison_value == 0.0:
             assert torch.equal(logprob, expected) and torch.all(logprob.cpu()[~labelled.cpu()] == 0)
+    # replay's at TP = 1: the kept sets' -inf in the tail's launch too, the entropy beside it unchanged
+    kept = (torch.rand(n, generator=g) > 0.2).to(DEVICE)
+    with_entropy = ShardStats(max=stats.max, sum_exp=stats.sum_exp, target=stats.target,
+                              sum_exp_shifted=torch.rand(n, generator=g).to(DEVICE))
+    poison = torch.zeros(1, device=DEVICE)
+    merged = reductions.merge_shard_stats(with_entropy, None, backend, logprob_of=(labelled, kept, poison))
+    want = reductions.merge_shard_stats(with_entropy, None, backend)
+    assert want.forward_logprob is None
+    for name in ("max", "log_sum_exp", "lse", "target", "entropy"):
+        assert torch.equal(getattr(merged, name), getattr(want, name)), name
+    expected = backend.labelled_logprob(want.target, want.max, want.log_sum_exp, labelled, poison, kept=kept)
+    assert torch.equal(merged.forward_logprob, expected)
+    assert torch.all(expected.cpu()[~kept.cpu()] == float("-inf"))
 
 
 def _forward_only_worker(rank, world, case, impl, chunk_size):

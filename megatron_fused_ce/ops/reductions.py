@@ -168,8 +168,9 @@ def merge_shard_stats(stats: ShardStats, group, backend, rank_check: Optional[Ra
 def merged_logprobs(stats: ShardStats, group, backend, rank_check: Optional[RankCheck], labelled: Optional[Tensor],
                     call_poison: Callable[[], Tensor]) -> tuple:
     """merge_shard_stats, and a forward-only call's result: the `labelled` rows' log-probs (0
-    elsewhere) plus the call's poison, `call_poison()` read after the merge (the rank check it
-    holds is decided there). At TP > 1 in the merge's own launch (one launch fewer), the rank
+    elsewhere) plus the call's poison, in the merge's own launch (one launch fewer): at TP = 1 the
+    tail's, `call_poison()` (the label checks') read before it; at TP > 1 the gathered merge's,
+    `call_poison()` read after the gather (the rank check it holds is decided there) or the rank
     check's poison taken in the kernel. -> (statistics, log-probs)."""
     if group_size(group) == 1:
         merged = merge_shard_stats(stats, group, backend, logprob_of=(labelled, None, call_poison()))
