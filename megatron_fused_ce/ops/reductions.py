@@ -161,7 +161,7 @@ def merge_shard_stats(stats: ShardStats, group, backend, rank_check: Optional[Ra
         tail = backend.merged_tail(stats.max, stats.sum_exp, stats.sum_exp_shifted,
                                    None if logprob_of is None else (stats.target, *logprob_of))
         return MergedStats(lse=tail[1], target=stats.target, sum_logits=stats.sum_logits, entropy=tail[2],
-                           max=stats.max, log_sum_exp=tail[0], forward_logprob=tail[3] if len(tail) > 3 else None)
+                           max=stats.max, log_sum_exp=tail[0], forward_logprob=None if logprob_of is None else tail[3])
     return _gathered_merge(stats, group, backend, rank_check)[0]
 
 

@@ -604,14 +604,6 @@ def _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.co
     tl.store(poison_ptr, poison)
 
 
-@cached_launch
-@triton.jit
-def _mask_verdict_kernel(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr,
-                         MISSING_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
-    """The verdict where the mask has no rows (no entries' program to record it)."""
-    _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG, MISSING_FLAG, CHECK_MISSING, HAS_BASE)
-
-
 def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
                 num_valid_cols: int, max_set_rows: int, vocab: int, num_cols: int, flags: Optional[Tensor],
                 check_missing: bool, fingerprint: bool = False, base_poison: Optional[Tensor] = None,
@@ -641,34 +633,33 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     # each row's duplicate check, then the columns' use, then the verdict's ticket
     use_cols = num_cols if count_use else 0
     table = torch.zeros(2 * total + use_cols + 1, dtype=torch.int32, device=device)
+    column_use, ticket = table[2 * total:2 * total + use_cols], table[2 * total + use_cols:]
     bits = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device)
     has_set, kept = bits[:rows], bits[rows:2 * rows]
     valid, is_label = bits[2 * rows:].view(2, total).unbind(0)
     poison = None if flags is None else torch.empty(1, dtype=torch.float32, device=device)
-    verdict = dict(BAD_FLAG=SAMPLING_MASK_BAD, MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing,
-                   HAS_BASE=base_poison is not None)
-    verdict_args = (counts, counts if flags is None else flags, poison if poison is not None else counts,
-                    base_poison if base_poison is not None else counts)
     _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
                             FINGERPRINT=fingerprint, BLOCK=ROWS_SCAN_BLOCK, num_warps=ROWS_SCAN_WARPS)
+    # (the verdict by the entries' last program: a mask has at least one position, replay_tiling's)
     _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
                                   set_labels, kept, slot, col, position, row_of, table, dw_key, place, row_place, valid,
-                                  is_label, table[2 * total:2 * total + use_cols] if count_use else table,
-                                  table[2 * total + use_cols:], *verdict_args[1:],
+                                  is_label, column_use, ticket, counts if flags is None else flags,
+                                  counts if poison is None else poison,
+                                  counts if base_poison is None else base_poison,
                                   rows,
                                   total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
                                   FINGERPRINT=fingerprint, COUNT_USE=count_use, BLOCK_E=LAYOUT_BLOCK_E,
                                   SORT_BLOCK=min(LAYOUT_SORT_BLOCK, next_power_of_2(-(-total // max(rows, 1)))),
-                                  VERDICT=flags is not None and rows > 0, **verdict, num_warps=2)
-    if flags is not None and rows == 0:
-        _mask_verdict_kernel[(1,)](*verdict_args, **verdict)
+                                  VERDICT=flags is not None, BAD_FLAG=SAMPLING_MASK_BAD,
+                                  MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing,
+                                  HAS_BASE=base_poison is not None, num_warps=2)
     return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
                 starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
                 position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None,
                 valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
                 dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place),
                 row_place=(int(num_cols), row_place), counts=counts,
-                column_use=table[2 * total:2 * total + use_cols] if count_use else None,
+                column_use=column_use if count_use else None,
                 poison=poison, chunk_kernels=(gather_chunk, scatter_chunk, slot_rows))
 
 
