@@ -20,7 +20,8 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from megatron_fused_ce.ops.backends import triton_common  # noqa: E402
-from megatron_fused_ce.ops.backends.triton_common import CachedLaunch, _launch_key  # noqa: E402
+from megatron_fused_ce.ops.backends.triton_common import (  # noqa: E402
+    CachedLaunch, _kind, _launch_key, _specialization, _specializer)
 
 
 def _scaled_gather(x_ptr, y_ptr, out_ptr, n, stride, scale, BLOCK: tl.constexpr, ADD_Y: tl.constexpr = True):
@@ -60,6 +61,44 @@ def test_the_key_declines_what_it_does_not_cover():
     assert _key([1, 2]) is None  # another kind of argument: Triton's own launch
     assert _key(torch.zeros(4), OPTION=[1]) is None  # an unhashable option
     assert _key(torch.zeros(4), 3, 2.0, BLOCK=8) is not None
+
+
+def _argument_lists():
+    """Argument lists across what the key separates: tensors aligned or not, of other dtypes, a
+    CPU one and a Parameter; ints 1, multiples of 16 or not, beyond int32 and int64; floats,
+    bools, None; each with options."""
+    base = torch.zeros(64)
+    tensors = [base, base[1:], base[4:], base.double(), torch.nn.Parameter(torch.zeros(8))]
+    ints = [1, 0, 16, 17, -5, -48, 2**31 - 1, 2**31, 2**31 + 16, 2**40, 2**63 + 16, 2**64 - 16]
+    lists = []
+    for i, tensor in enumerate(tensors):
+        for j, number in enumerate(ints):
+            lists.append(((tensor, number, tensors[(i + j) % len(tensors)], 0.5 * j, j % 2 == 0, None),
+                          {"BLOCK": 64 << (j % 2), "num_warps": 4}))
+    lists.append(((), {}))
+    lists.append(((3,), {"BLOCK": 8}))
+    return lists
+
+
+def test_the_generated_specializers_give_the_general_key_and_values():
+    """The launches compute the key with a function generated for the arguments' kinds: it must
+    give _specialization's key and values for every argument list of those kinds."""
+    for args, options in _argument_lists():
+        specialize = _specializer(tuple(map(_kind, args)))
+        assert specialize is not None
+        assert specialize(args, options) == _specialization(args, options)
+
+
+def test_a_specializer_declines_arguments_of_other_kinds():
+    base = torch.zeros(4)
+    specialize = _specializer(("tensor", "int", "float"))
+    assert specialize((base, 3, 0.5), {}) == _specialization((base, 3, 0.5), {})
+    # another kind at a position, or another count: (None, None), the launch derives the kinds again
+    for args in ((base, 3.0, 0.5), (base, True, 0.5), (3, 3, 0.5), (base, 3, None), (base, 3), (base, 3, 0.5, 1)):
+        assert specialize(args, {}) == (None, None)
+    # a kind the key does not cover: no specializer (Triton's own launch)
+    assert _kind([1, 2]) is None and _kind(torch.float32) is None
+    assert _specializer(("tensor", None)) is None
 
 
 def test_trailing_parameters_follow_the_kernel_order_with_defaults():
@@ -162,3 +201,17 @@ def test_a_cached_launch_is_captured_by_a_cuda_graph(launcher):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=0)
+
+
+@cuda
+def test_launches_alternating_kinds_of_arguments_match_torch(launcher):
+    """A launch site whose arguments change kind (here the scale, an int then a float) takes the
+    specializer of the new kinds: each kind its own kernel, each launch torch's values."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x, y = (torch.randn(300, device="cuda", generator=g) for _ in range(2))
+    for repeat in range(3):
+        for scale in (2, 0.5, 4, 0.25):  # (powers of two: x * scale + y rounds once, fused or not)
+            out = torch.full((300,), float("nan"), device="cuda")
+            launcher[(5,)](x, y, out, 300, 1, scale, BLOCK=64)
+            torch.testing.assert_close(out, x * scale + y, rtol=0, atol=0)
+    assert len(launcher._compiled) == 2  # an int scale (not 1) and a float one

@@ -194,10 +194,11 @@ def union_logits(rows: Tensor, weight: Tensor, set_rows: Optional[Tensor], tile_
     tiles = cdiv(count, tile_rows)
     programs = _programs_per_tile(max_union, LOGITS_BLOCK_U)
     if tiles and programs > 0:
+        interpreted = _interpreting()  # (an environment read: host time, once)
         _union_logits_kernel[(tiles, programs)](
             rows, rows.stride(0), weight, weight.stride(0), rows if set_rows is None else set_rows, tile_start, uids,
             out, out.stride(0), count, rows.shape[1], BM=tile_rows, BLOCK_U=LOGITS_BLOCK_U, BLOCK_K=LOGITS_BLOCK_K,
-            UPCAST=_interpreting(), BF16_BY_HAND=_interpreting() and out.dtype == torch.bfloat16,
+            UPCAST=interpreted, BF16_BY_HAND=interpreted and out.dtype == torch.bfloat16,
             PRECISION=FP32_PRECISION, HAS_SET_ROWS=set_rows is not None, num_warps=LOGITS_WARPS,
             num_stages=LOGITS_STAGES)
     return out
@@ -219,11 +220,12 @@ def union_sum_rows(dz: Tensor, src: Tensor, tile_start: Tensor, uids: Tensor, ou
     tiles = cdiv(count, tile_rows)
     if tiles and hidden:
         group = SUM_GROUP_TILES_BY_COLUMNS if by_columns else SUM_GROUP_TILES
+        interpreted = _interpreting()
         _union_sum_rows_kernel[(tiles * cdiv(hidden, SUM_BLOCK_H),)](
             dz, dz.stride(0), src, src.stride(0), tile_start, uids, out if out_rows is None else out_rows, out,
             out.stride(0), count, hidden, BM=tile_rows, BLOCK_U=SUM_BLOCK_U, BLOCK_H=SUM_BLOCK_H,
-            UPCAST=_interpreting() or dz.dtype != src.dtype,
-            BF16_BY_HAND=_interpreting() and out.dtype == torch.bfloat16, PRECISION=FP32_PRECISION,
+            UPCAST=interpreted or dz.dtype != src.dtype,
+            BF16_BY_HAND=interpreted and out.dtype == torch.bfloat16, PRECISION=FP32_PRECISION,
             HAS_OUT_ROWS=out_rows is not None, ACCUMULATE=accumulate, num_warps=SUM_WARPS,
             GROUP_TILES=group, num_stages=SUM_STAGES_BY_COLUMNS if by_columns else SUM_STAGES)
     return out
