@@ -507,10 +507,13 @@ def run_batches(model, batches: List[dict], make_loss_func: Callable,
         return forward_fn(chunk, batch), make_loss_func(chunk, batch)
 
     rows, length = batches[0]["tokens"].shape
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), micro_batch_size=rows, forward_only=forward_only,
-        seq_length=length * parallel_state.get_context_parallel_world_size())  # the whole sequence
+    # the backward on this thread: with one GPU a process, autograd's device thread only adds its
+    # hand-off (~0.3 ms of host a backward on H200 hosts; docs/performance.md, "RL passes")
+    with torch.autograd.set_multithreading_enabled(False):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), micro_batch_size=rows, forward_only=forward_only,
+            seq_length=length * parallel_state.get_context_parallel_world_size())  # the whole sequence
 
 
 def optimizer_step(model, optimizer, progress, batches: List[dict], make_loss_func: Callable,

@@ -102,7 +102,7 @@ import torch
 
 from bench import methods
 from bench.kernels import kernel_check_and_breakdown, sampler_kernel_check
-from bench.measure import REPO, log
+from bench.measure import REPO, add_backward_thread_option, log, set_backward_thread
 from bench.methods import (DEFAULT_IMPLS, QUICK_SHAPES_CPU, QUICK_SHAPES_GPU, RL_GRID, RL_IMPLS, SAMPLERS, SHAPES,
                            SPREADS, SWEEP_HV, SWEEP_IMPLS, SWEEP_N, parse_chunks, parse_shapes)
 from bench.report import environment, grid_plot, markdown, plot, write_json
@@ -144,7 +144,9 @@ def main(argv=None):
     tpg.add_argument("--no-check", action="store_true", help="TP: skip the fp32 reference (errors)")
     tpg.add_argument("--device", choices=("cuda", "cpu"), help=argparse.SUPPRESS)  # debug: --device cpu
     tpg.add_argument("--backend", choices=("nccl", "gloo"), help=argparse.SUPPRESS)  # debug: --backend gloo
+    add_backward_thread_option(p)
     args = p.parse_args(argv)
+    set_backward_thread(args.backward_thread)
     if args.grid == "rl":
         args.impls = args.impls or RL_IMPLS
         args.shapes = args.shapes or ",".join("x".join(map(str, shape)) for shape in RL_GRID)

@@ -35,6 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import megatron_fused_ce  # noqa: E402
+from bench.measure import add_backward_thread_option, set_backward_thread  # noqa: E402
 from real_loop_curves import package_source  # noqa: E402  (a revision's or a checkout's package code)
 from sampling_mask_bench import kept_sets  # noqa: E402
 
@@ -122,7 +123,9 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=50, help="kept ids a token (replay)")
     p.add_argument("--calls", type=int, default=200, help="calls of each version, alternating")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    add_backward_thread_option(p)
     args = p.parse_args(argv)
+    set_backward_thread(args.backward_thread)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     n, hidden, vocab = (int(x) for x in args.shape.split("x"))
@@ -135,7 +138,8 @@ def main(argv=None):
         w.requires_grad_()
         ids, offsets, labels = kept_sets(args.sets, n, vocab, args.k, device, g)
         print(f"{args.shape} on {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}; "
-              f"this tree against {label}; {args.calls} calls of each, alternating")
+              f"this tree against {label}; {args.calls} calls of each, alternating"
+              + ("; backward on the calling thread" if args.backward_thread == "calling" else ""))
         print("| method | version | host µs | from idle µs | kernels | kernel µs |")
         print("|---|---|---|---|---|---|")
         for method in args.method.split(","):

@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.measure import make_inputs  # noqa: E402  (the benchmark's inputs and steps)
+from bench.measure import add_backward_thread_option, make_inputs, set_backward_thread  # noqa: E402
 from bench.methods import MAKERS  # noqa: E402
 from megatron_fused_ce.ops import agreement, remembered_routes  # noqa: E402
 
@@ -89,7 +89,9 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=20, help="calls per round")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the figures here")
+    add_backward_thread_option(p)
     args = p.parse_args(argv)
+    set_backward_thread(args.backward_thread)
     n, hdim, v = (int(x) for x in args.shape.split("x"))
     if args.tp > 1:  # every rank runs the same steps; the collectives keep them in step
         from bench.tp import TP_MAKERS, tp_context, tp_inputs
@@ -105,7 +107,8 @@ def main(argv=None):
     say = print if rank == 0 else (lambda *a, **k: None)
     results = {}
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    say(f"{args.shape}{f' per rank, TP = {args.tp}' if args.tp > 1 else ''} on {where}, µs a call (medians)")
+    say(f"{args.shape}{f' per rank, TP = {args.tp}' if args.tp > 1 else ''} on {where}, µs a call (medians)"
+        + (", backward on the calling thread" if args.backward_thread == "calling" else ""))
     say(f"{'method':24s} {'back to back':>13s} {'from idle':>10s} {'host':>8s}" + ("  kernels" if args.kernels else ""))
     for name in (args.impls or (TP_IMPLS if args.tp > 1 else IMPLS)).split(","):
         settings = (True, False) if args.general_path else (True,)
@@ -136,7 +139,7 @@ def main(argv=None):
         ctx.dist.destroy_process_group()
     if args.json and rank == 0:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "device": args.device, "methods": results}, f, indent=1)
+            json.dump({"shape": args.shape, "device": args.device, "backward_thread": args.backward_thread, "methods": results}, f, indent=1)
 
 
 if __name__ == "__main__":

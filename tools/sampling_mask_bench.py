@@ -73,6 +73,9 @@ from megatron_fused_ce import linear_logprobs  # noqa: E402
 from megatron_fused_ce.cuda_graphs import thread_local_capture  # noqa: E402
 from megatron_fused_ce.ops import remembered_routes, replay  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench.measure import add_backward_thread_option, set_backward_thread  # noqa: E402
+
 SHAPES = "8192x4096x128256,8192x2304x256000,16384x3584x152064"
 ZIPF_EXPONENT = 1.1
 
@@ -329,7 +332,8 @@ def benchmark(args):
     remembered_routes.ENABLED = not args.general_path
     say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
         f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}, tp {args.tp}"
-        + (f", CUDA graphs ({args.graphed})" if args.graphed else ""))
+        + (f", CUDA graphs ({args.graphed})" if args.graphed else "")
+        + (", backward on the calling thread" if args.backward_thread == "calling" else ""))
     say("| shape NxHxV | sets | K | K / V | route | plain ms | replay ms | replay / plain | target | lp err |")
     say("|---|---|---|---|---|---|---|---|---|---|")
     failed = 0
@@ -471,7 +475,9 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallelism: launch with torchrun --nproc_per_node TP (one process per GPU; "
                         "gloo with --device cpu); V in --shapes is then the per-rank shard")
+    add_backward_thread_option(p)
     args = p.parse_args(argv)
+    set_backward_thread(args.backward_thread)
     if args.tp < 1:
         p.error("--tp must be at least 1")
     if args.tp > 1 and (args.breakdown or args.fidelity):
