@@ -394,10 +394,12 @@ def mock_batches(args, parallel_state, iteration):
 def run(model, batches, args, forward_only=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=forward_only)
+    # the backward on this thread (docs/performance.md, "RL passes"; examples/example_common.run_batches)
+    with torch.autograd.set_multithreading_enabled(False):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=forward_only)
 
 
 def reduce_losses(args, metrics, parallel_state):
