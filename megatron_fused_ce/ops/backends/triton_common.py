@@ -97,8 +97,8 @@ class CachedLaunch:
         self._compiled: dict = {}
         self._direct = (knobs is not None and isinstance(kernel, JITFunction) and not interpreting()
                         and _current_device is not None and _current_stream is not None)
-        # the key of the argument kinds this kernel was last launched with (a launch site passes the
-        # same kinds every call): `_specializer`'s function, (None, None) for other kinds
+        # the function that keys the argument kinds this kernel was last launched with (a launch
+        # site passes the same kinds every call; `_specializer`), (None, None) for other kinds
         self._specialize = _no_specializer
 
     def __getattr__(self, name):  # arg_names, fn, ... of the kernel
