@@ -20,8 +20,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from megatron_fused_ce.ops.backends import triton_common  # noqa: E402
-from megatron_fused_ce.ops.backends.triton_common import (  # noqa: E402
-    CachedLaunch, _kind, _launch_key, _specialization, _specializer)
+from megatron_fused_ce.ops.backends.triton_common import CachedLaunch, _kind, _launch_key, _specializer  # noqa: E402
 
 
 def _scaled_gather(x_ptr, y_ptr, out_ptr, n, stride, scale, BLOCK: tl.constexpr, ADD_Y: tl.constexpr = True):
@@ -32,6 +31,28 @@ def _scaled_gather(x_ptr, y_ptr, out_ptr, n, stride, scale, BLOCK: tl.constexpr,
     if ADD_Y:
         value += tl.load(y_ptr + offsets, mask=keep, other=0.0)
     tl.store(out_ptr + offsets, value, mask=keep)
+
+
+def _specialization(args: tuple, options: dict) -> tuple:
+    """The reference the generated specializers must equal: (key, values) by a loop over the
+    arguments, each dispatched on its type (triton_common._specializer says what the key holds)."""
+    key = []
+    values = list(args)
+    for index, arg in enumerate(args):
+        kind = type(arg)
+        if kind is torch.Tensor or (kind is not int and isinstance(arg, torch.Tensor)):
+            address = arg.data_ptr()
+            key += (arg.dtype, (not address & 15) + 2 * arg.is_cuda)
+            values[index] = address
+        elif kind is int:
+            key.append(1 if arg == 1 else (32 if arg & 15 else 48) if -2147483648 <= arg <= 2147483647
+                       else (64 if arg < 2**63 else 65, not arg & 15))
+        elif kind is float or kind is bool or arg is None:
+            key.append(kind)
+        else:
+            return None, None
+    key.append(tuple(options.items()))
+    return tuple(key), values
 
 
 def _key(*args, **options):

@@ -169,44 +169,15 @@ def cached_launch(kernel) -> CachedLaunch:
 
 
 def _launch_key(args: tuple, options: dict):
-    """What Triton's specialization of these arguments depends on (`_specialization`'s key), or
-    None where an argument or an option is of a kind not covered here."""
-    key = _specialization(args, options)[0]
+    """What Triton's specialization of these arguments depends on (`_specializer`'s key), or None
+    where an argument or an option is of a kind not covered here."""
+    specialize = _specializer(tuple(map(_kind, args)))
+    key = None if specialize is None else specialize(args, options)[0]
     try:
         hash(key)
     except TypeError:  # an unhashable option
         return None
     return key
-
-
-def _specialization(args: tuple, options: dict) -> tuple:
-    """(key, values): what Triton's specialization of these arguments depends on, and the
-    arguments as the compiled kernel's launcher takes them (a tensor as its address); (None, None)
-    where an argument is of a kind not covered here. The key: a tensor's dtype, then whether its
-    address is a multiple of 16 plus 2 where it is on a CUDA device; an int's being 1, its width
-    (i32 / i64 / u64) and whether it is a multiple of 16; the type of a float or a bool, None; then
-    the options (constexprs, num_warps, ...) by name and value (unhashable where an option is). One
-    flat tuple (a tensor adds two items, its dtype, which nothing else adds, and a number 0-3; an
-    i32 adds 32 or 48, the latter a multiple of 16). The launches compute it with `_specializer`'s
-    functions, which must give the same (key, values): this is their definition."""
-    key = []
-    values = list(args)
-    append = key.append
-    for index, arg in enumerate(args):
-        kind = type(arg)
-        if kind is Tensor or (kind is not int and isinstance(arg, Tensor)):
-            address = arg.data_ptr()
-            key += (arg.dtype, (not address & 15) + 2 * arg.is_cuda)
-            values[index] = address
-        elif kind is int:
-            append(1 if arg == 1 else (32 if arg & 15 else 48) if -2147483648 <= arg <= 2147483647
-                   else (64 if arg < 2**63 else 65, not arg & 15))
-        elif kind is float or kind is bool or arg is None:
-            append(kind)
-        else:
-            return None, None
-    append(tuple(options.items()))
-    return tuple(key), values
 
 
 # The kinds of positional arguments a key covers, as `_kind` names them (None: another kind).
@@ -223,11 +194,18 @@ def _no_specializer(args: tuple, options: dict) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _specializer(kinds: tuple):
-    """`_specialization` for argument lists of these kinds, as one generated function (None where
-    a kind is not covered): (key, values) equal to `_specialization`'s, or (None, None) where the
-    arguments are of other kinds. The general loop dispatches on every argument's type and grows
-    two lists, ~10 us of host time for a launch of 20 arguments on an H200 host, about half of a
-    cached launch; this reads each argument once, in straight-line code."""
+    """For argument lists of these kinds (`_kind`'s, by position), one generated function
+    (args, options) -> (key, values): what Triton's specialization of the arguments depends on, and
+    the arguments as the compiled kernel's launcher takes them (a tensor as its address); (None,
+    None) where the arguments are of other kinds. None where a kind is not covered. The key: a
+    tensor's dtype, then whether its address is a multiple of 16 plus 2 where it is on a CUDA
+    device; an int's being 1, its width (i32 / i64 / u64) and whether it is a multiple of 16; the
+    type of a float or a bool, None; then the options (constexprs, num_warps, ...) by name and
+    value (unhashable where an option is). One flat tuple (a tensor adds two items, its dtype, which
+    nothing else adds, and a number 0-3; an i32 adds 32 or 48, the latter a multiple of 16).
+    Straight-line code, each argument read once: a loop dispatching on every argument's type took
+    ~10 us of host time for a launch of 20 arguments on an H200 host, about half of a cached
+    launch (tests/test_cached_launch.py keeps that loop as the reference)."""
     if None in kinds:
         return None
     names = [f"a{i}" for i in range(len(kinds))]
@@ -239,7 +217,7 @@ def _specializer(kinds: tuple):
             body.append(f"    p_{a} = {a}.data_ptr()")
             key += [f"{a}.dtype", f"(not p_{a} & 15) + 2 * {a}.is_cuda"]
             values.append(f"p_{a}")
-        elif kind == "int":  # (_specialization's classes of an int)
+        elif kind == "int":  # (1, else i32 / i64 / u64 and divisibility by 16)
             key.append(f"(1 if {a} == 1 else (32 if {a} & 15 else 48) if -2147483648 <= {a} <= 2147483647 "
                        f"else (64 if {a} < 2**63 else 65, not {a} & 15))")
             values.append(a)
