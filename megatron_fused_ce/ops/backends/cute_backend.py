@@ -72,13 +72,19 @@ def supported(logits_dtype: torch.dtype, num_rows: int, num_cols: int, num_valid
             and num_rows * num_cols < 2**31 and inv_temperature == 1.0 and _available(device))
 
 
+# the shard's target of a row whose label is ignored (the label kernel's): the kernel's ignore_index
+IGNORED_TARGET = -1
+
+
 def ce_dlogits_(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """Overwrite a chunk of logits [n, V] with softmax - one_hot(target) (every target a valid
-    column) and return the fp32 per-row (loss = lse - z_target, lse)."""
+    """Overwrite a chunk of logits [n, V] with softmax - one_hot(target) and return the fp32 per-row
+    (loss = lse - z_target, lse); a row whose target is IGNORED_TARGET gets zeros and loss 0 (the
+    kernel reads no target logit there: at index -1 it read before the chunk, an illegal address
+    where the chunk starts an allocation)."""
     n = logits.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    _kernel()(logits, target, None, loss, lse, logits, None)
+    _kernel()(logits, target, None, loss, lse, logits, None, IGNORED_TARGET)
     return loss, lse
 
 
@@ -86,17 +92,20 @@ def reference_kernel(x: Tensor, target: Tensor, target_logit: Optional[Tensor], 
                      lse: Optional[Tensor], dx: Optional[Tensor], weight: Optional[Tensor],
                      ignore_index: int = -100) -> None:
     """QuACK's `cross_entropy_fwd_out` contract in torch (fp32 math): loss, lse and dx written in
-    place, dx = softmax(x) - one_hot(target)."""
+    place, dx = softmax(x) - one_hot(target); a row whose target is `ignore_index` gets loss 0 and
+    dx 0 (its lse is written)."""
     z = x.float()
     row_lse = torch.logsumexp(z, dim=1)
     rows = torch.arange(x.shape[0], device=x.device)
-    loss.copy_(row_lse - z[rows, target])
+    ignored = target == ignore_index
+    at = torch.where(ignored, 0, target)
+    loss.copy_(torch.where(ignored, 0.0, row_lse - z[rows, at]))
     if lse is not None:
         lse.copy_(row_lse)
     if dx is not None:
         grad = torch.exp(z - row_lse.unsqueeze(1))
-        grad[rows, target] -= 1.0
-        dx.copy_(grad)
+        grad[rows, at] -= torch.where(ignored, 0.0, 1.0)
+        dx.copy_(grad.masked_fill(ignored.unsqueeze(1), 0.0))
 
 
 # epilogue -> (tile_m, tile_n, pingpong, cluster_m, cluster_n, swap_ab): the QuACK SM90 configuration
