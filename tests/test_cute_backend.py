@@ -243,6 +243,94 @@ def test_one_pass_with_a_factor_per_token_equals_two_passes(reference_kernel):
         assert reference.rel_err(a, b) < 1e-2
 
 
+def _general_path_calls(monkeypatch, module) -> list:
+    """One entry per call of `module`'s loss through the general path (token_statistics)."""
+    calls = []
+    original = module.token_statistics
+    monkeypatch.setattr(module, "token_statistics", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def test_ignored_rows_reach_the_kernel_as_its_ignore_index(monkeypatch):
+    """Rows of ignored labels stay in a later call's chunk (their factor 0): the row kernel is called
+    with the label kernel's target of such a row as its ignore_index, so that QuACK's kernel reads
+    no target logit there (at index -1 it read before the chunk: an illegal address on the GPU
+    where the chunk starts an allocation) and gives them zero dlogits and loss 0; the loss and
+    gradients stay the float64 reference's."""
+    seen = []
+
+    def kernel(x, target, target_logit, loss, lse, dx, weight, ignore_index=-100):
+        seen.append((target.clone(), ignore_index))
+        cute_backend.reference_kernel(x, target, target_logit, loss, lse, dx, weight, ignore_index)
+        ignored = target == ignore_index
+        assert (dx[ignored] == 0).all() and (loss[ignored] == 0).all()
+
+    monkeypatch.setattr(cute_backend, "_kernel", lambda: kernel)
+    monkeypatch.setattr(cute_backend, "_available", lambda device: True)
+    case = dict(_case(67), chunk_size=None)
+    labels = case["labels"].reshape(-1)
+    assert (labels == -100).any()
+    for _ in range(3):  # the later calls keep every row
+        got = _run_ce(case)
+    target, ignore_index = seen[-1]
+    assert target.numel() == labels.numel()
+    assert ((target == ignore_index) == (labels == -100)).all()
+    _check(case, got, "mean", 3.5, "ignored rows in the chunk")
+
+
+ROUTE_CASES = ["ce mean", "ce sum", "grpo", "ce mean, second backward", "grpo, second backward"]
+
+
+def _route_equals_general_path(monkeypatch, case, loss, kernel_rows, device="cpu"):
+    """Three calls of a signature through the general path, then three with routes on: the third
+    skips the general path and runs the route the second recorded, with one call of the row kernel
+    (`kernel_rows`: the row counts of its calls), and its loss, dX and dW are the general path's
+    bit for bit; then, the kernel switched off, a call does not take that route."""
+    import sys
+
+    from megatron_fused_ce.ops import agreement, remembered_routes
+
+    module = sys.modules["megatron_fused_ce.losses.linear_grpo" if loss.startswith("grpo")
+                         else "megatron_fused_ce.losses.linear_cross_entropy"]
+    general = _general_path_calls(monkeypatch, module)
+    retain = loss.endswith("second backward")
+
+    def call():
+        if loss.startswith("grpo"):
+            return _run_grpo(case, retain=retain, device=device)[0]
+        return _run_ce(case, reduction=loss.split()[1].rstrip(","), retain=retain)
+
+    agreement.forget_signatures()
+    monkeypatch.setattr(remembered_routes, "ENABLED", False)
+    want = [call() for _ in range(3)]
+    monkeypatch.setattr(remembered_routes, "ENABLED", True)
+    agreement.forget_signatures()
+    general.clear()
+    got = [call() for _ in range(2)]
+    calls = len(kernel_rows)
+    got.append(call())
+    assert len(general) == 2, "the third call runs the route the second recorded"
+    assert next(reversed(remembered_routes._ROUTES.values())).row_kernel
+    assert kernel_rows[calls:] == [case["labels"].numel()]
+    for name, a, b in zip(("loss", "dX", "dW"), got[2], want[2]):
+        assert torch.equal(a, b), f"{loss}: {name}"
+    monkeypatch.setattr(cute_backend, "ENABLED", False)
+    general.clear()
+    call()
+    assert len(general) == 1 and len(kernel_rows) == calls + 1
+    agreement.forget_signatures()
+
+
+@pytest.mark.parametrize("loss", ROUTE_CASES)
+def test_one_pass_on_the_remembered_route_equals_the_general_path(reference_kernel, monkeypatch, loss):
+    """A remembered signature's route (ops/remembered_routes.py) takes the row kernel where the
+    general path takes it (one chunk, a count on the device: a factor per row in the dX and dW
+    GEMMs, ignored rows at zero) and gives its loss, dX and dW bit for bit, those of a second
+    backward through the retained graph too (recomputed from the saved offsets and coefficients);
+    with the kernel switched off the recorded route is not taken (_route_equals_general_path)."""
+    _route_equals_general_path(monkeypatch, dict(_case(61), chunk_size=None), loss, reference_kernel)
+
+
 def _grpo_cp_data():
     """[B, T] = [3, 8] bf16 GRPO inputs (unpadded vocab 104, temperature 1: the kernel's conditions),
     masked tokens, per-sequence advantages, old log-probs near the policy's."""
@@ -359,6 +447,22 @@ def test_quack_kernel_on_gpu_matches_float64(monkeypatch, main_grad):
     assert calls
     _check(case, tuple(t.cpu() for t in got), "mean", 3.5, f"QuACK main_grad={main_grad}",
            row="QuACK row kernel (GPU)")
+
+
+@pytest.mark.skipif(not _quack_on_this_gpu(), reason="QuACK's kernel runs on an SM90/SM100 GPU with quack-kernels")
+@pytest.mark.parametrize("loss", ROUTE_CASES)
+def test_quack_kernel_on_the_remembered_route_on_gpu(monkeypatch, loss):
+    """QuACK's own kernel on the remembered route (vocab 16384, 1037 rows in one chunk, ignored
+    labels): the route's loss, dX and dW are the general path's bit for bit
+    (_route_equals_general_path)."""
+    case = make_case(29, 1, dtype=torch.bfloat16, seq=61, batch=17, hidden=64, vocab=16384, extra_pad=0,
+                     temperature=1.0, chunk_size=None)
+    if not loss.startswith("grpo"):  # (GRPO's helper moves its leaves itself, its reference on CPU)
+        case = dict(case, hidden=case["hidden"].cuda(), weight=case["weight"].cuda(), labels=case["labels"].cuda())
+    kernel = cute_backend._kernel()
+    rows = []
+    monkeypatch.setattr(cute_backend, "_kernel", lambda: lambda x, *a, **k: rows.append(x.shape[0]) or kernel(x, *a, **k))
+    _route_equals_general_path(monkeypatch, case, loss, rows, device="cuda")
 
 
 @pytest.mark.skipif(not _quack_on_this_gpu(), reason="QuACK's kernel runs on an SM90/SM100 GPU with quack-kernels")

@@ -495,7 +495,8 @@ def linear_grpo_loss(
                              must_agree=must_agree, expected_upstream_grad=expected_upstream_grad, ahead=ahead,
                              label_mask=label_mask)
     if (stats.straight is not None and route_key is not None
-            and stats.straight.route == "gradients in forward, statistics then dlogits"):
+            and stats.straight.route in ("gradients in forward, statistics then dlogits",
+                                         "gradients in forward, row kernel")):
         remembered_routes.remember(route_key, remembered_routes.GRPORoute(stats.straight, impl))
     with torch.no_grad():
         metrics = forward_grad.metrics(stats.target.shape[0], cp_group, stats.poison)

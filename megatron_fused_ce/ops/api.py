@@ -29,7 +29,7 @@ from torch import Tensor
 from . import agreement as agreement_memo, backends, deferred_errors, lean, reductions, replay, sampling
 from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, flag_argument, integer_argument,
                         is_int, value_code)
-from .forward_grad import ForwardGradLoss
+from .forward_grad import PER_ROW, ForwardGradLoss
 from .chunked import ChunkSpec, LinearLogprobDlogitsInForward, LinearLossGradInForward, autocast_off, softmax_statistics
 from .fast import FAST_CHUNKS, EarlyProduct, StatsWithDlogits, chunk_logits, fused_statistics, last_chunk_start
 from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
@@ -391,8 +391,9 @@ class StraightFacts(NamedTuple):
     check: a call makes its own), the remembered signature, the label kernel's arguments."""
 
     # "gradients in forward, one launch" (its statistics and dlogits from stats_dlogits), "gradients
-    # in forward, statistics then dlogits", "log-probs forward-only" (TP = 1: the stats launch
-    # finishes each row), "log-probs forward-only, merged" (TP > 1), "log-probs dlogits in forward"
+    # in forward, row kernel" (the backend's one pass, a factor per row), "gradients in forward,
+    # statistics then dlogits", "log-probs forward-only" (TP = 1: the stats launch finishes each
+    # row), "log-probs forward-only, merged" (TP > 1), "log-probs dlogits in forward"
     route: str
     spec: Any
     signature: tuple
@@ -845,15 +846,17 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
             one_chunk = (agreed.remembered and main_grad_param is None
                          and expected_upstream_grad is None and logits_dtype is None and tiling is FAST_CHUNKS
                          and 0 < num_rows <= chunk_size)
-            # (its plan: the one launch, or the stats and dlogits kernels; not a one-pass row kernel's)
+            # (its plan: the one launch, the stats and dlogits kernels, or a one-pass row kernel with
+            # a factor per row: the plan of a count on the device, a remembered signature's)
             plan = FAST_CHUNKS.forward_plan(hidden2d, weight, spec, forward_grad, needs_dx,
                                             num_labelled) if one_chunk else None
             straight = _straight_facts(
                 "gradients in forward, one launch" if isinstance(plan, StatsWithDlogits)
+                else "gradients in forward, row kernel" if plan is PER_ROW
                 else "gradients in forward, statistics then dlogits", agreed, spec,
                 ignore_index, tp_group=tp_group, weight=weight, weight_param=weight_param,
                 accumulate_into_main_grad=accumulate_into_main_grad,
-                applies=one_chunk and (plan is None or isinstance(plan, StatsWithDlogits)))
+                applies=one_chunk and (plan is None or plan is PER_ROW or isinstance(plan, StatsWithDlogits)))
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
                               poison=_device_poison(device_checks, rank_check), backend=backend,

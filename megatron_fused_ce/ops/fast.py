@@ -435,15 +435,28 @@ def _one_pass_scale(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: T
     per-token gradient is c (softmax - one_hot) (`forward_grad.one_hot_scale`:
     cross-entropy without smoothing or z-loss, GRPO), whole-shard GEMMs in the input dtype, and the
     row kernel's own conditions (its `supported`)."""
-    row_kernel = spec.backend.row_kernel
-    if (row_kernel is None or reductions.group_size(spec.tp_group) != 1
-            or spec.want_entropy or spec.want_sum_logits
-            or spec.logits_dtype is not None):
-        return None
-    if not row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
-                                spec.inv_temperature, rows.device):
+    if not row_kernel_takes(spec, rows, weight, chunk_rows):
         return None
     return forward_grad.one_hot_scale(num_labelled)
+
+
+def row_kernel_takes(spec, rows: Tensor, weight: Tensor, chunk_rows: int) -> bool:
+    """Whether the backend's one-pass row kernel takes chunks of `chunk_rows` rows of this shard,
+    whatever the loss (_one_pass_scale's conditions but the loss's own)."""
+    row_kernel = spec.backend.row_kernel
+    return (row_kernel is not None and reductions.group_size(spec.tp_group) == 1
+            and not spec.want_entropy and not spec.want_sum_logits and spec.logits_dtype is None
+            and row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
+                                     spec.inv_temperature, rows.device))
+
+
+def row_kernel_statistics_(logits: Tensor, local_target: Tensor, spec) -> reductions.MergedStats:
+    """The row kernel's one pass over a whole-vocab chunk: its logits become softmax - one_hot in
+    place, its statistics come from the kernel's (loss, lse) as offsets M = z_y, log S = loss (M +
+    log S = lse, and log p_y = -loss exactly)."""
+    loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
+    target = lse - loss
+    return reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss)
 
 
 class StatsWithDlogits:
@@ -607,10 +620,7 @@ class FastChunks(MergedAfterLoop):
         if isinstance(plan, StatsWithDlogits):
             return plan.run_(logits, local_target, spec, labelled), logits
         # the logits become softmax - one_hot in the same pass that takes lse
-        loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
-        target = lse - loss
-        # offsets M = z_y, log S = loss: M + log S = lse, and log p_y = -loss exactly
-        return reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss), logits
+        return row_kernel_statistics_(logits, local_target, spec), logits
 
     def forward_grads(self, plan, logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor, spec,
                       merged, coefs: dict, dx_chunk: Optional[Tensor], dw_out: Optional[Tensor], *,

@@ -24,8 +24,10 @@ Routes:
   takes it; else the statistics (fast.merged_chunk_statistics), the loss's per-token coefficients
   — GRPO's per-token kernel with its metrics — and the dlogits kernel), the dX GEMM and the start
   of dX's TP sum, the dW GEMM, the loss value itself the node's output; the general path's first
-  backward, and its second through a retained graph, from the same coefficients. (A backend whose
-  one-pass row kernel takes the chunk, QuACK's, keeps the general path.)
+  backward, and its second through a retained graph, from the same coefficients. Where the
+  backend's one-pass row kernel takes the chunk (QuACK's, TP = 1), it makes the statistics and
+  softmax - one_hot, and each row's factor is applied in the dX and dW GEMMs
+  (fast.row_scaled_grad_gemms), as the general path does with a count on the device.
 - `LogprobRoute`: `linear_logprobs` of one chunk without entropy, sampler or sampling mask:
   forward-only (the reference and old-policy passes) or with the dlogits made in the forward; and
   forward-only from the fused statistics GEMM (no logits in memory), in any number of chunks.
@@ -67,7 +69,8 @@ from .api import LabelledCount, LogprobsOutput, StraightFacts
 from .chunked import (coefficients, first_order_only, forward_stats, input_grad_from_coefs,
                       logprobs_with_dlogits, recompute_grads, token_coefficients, weight_grad_from_coefs)
 from .fast import (FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_dlogits_, chunk_logits, fused_statistics,
-                   grad_gemms, labelled_gemm_statistics, logits_partials, merged_chunk_statistics, runs_stats_dlogits)
+                   grad_gemms, labelled_gemm_statistics, logits_partials, merged_chunk_statistics, row_kernel_statistics_,
+                   row_kernel_takes, row_scaled_grad_gemms, runs_stats_dlogits)
 from .gemm import gemm_input, logits_gemm
 from .main_grad import saved_tensors_hooks_active
 from .reductions import merged_logprobs
@@ -213,19 +216,28 @@ class _Route:
 
 class _LossRoute(_Route):
     """A loss on the forward-gradient contract (forward_grad.py) of one whole-vocab chunk: its node
-    is `StraightLoss`; the loss's value from `loss`. `one_launch` (TP = 1): the statistics and
-    dlogits come from the backend's one launch (fast.StatsWithDlogits), else from the statistics'
-    launch(es) (merged over TP ranks) and the dlogits kernel (the general path's plan None)."""
+    is `StraightLoss`; the loss's value from `loss`. At TP = 1, `row_kernel`: the backend's one-pass
+    row kernel makes the statistics and softmax - one_hot, a factor per row applied in the GEMMs
+    (the general path's plan PER_ROW); `one_launch`: the statistics and dlogits come from the
+    backend's one launch (fast.StatsWithDlogits); else from the statistics' launch(es) (merged over
+    TP ranks) and the dlogits kernel (the general path's plan None)."""
 
     def __init__(self, facts: StraightFacts, impl: str):
         super().__init__(facts, impl)
         self.one_launch = facts.route == "gradients in forward, one launch"
+        self.row_kernel = facts.route == "gradients in forward, row kernel"
 
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
-        # (the one-launch kernel is the general path's choice where it runs and the loss takes it)
-        return not saved_tensors_hooks_active() and (
-            not self.may_take_one_launch or self.facts.group is not None  # (one launch: TP = 1 only)
-            or runs_stats_dlogits(self.facts.spec, hidden, weight) == self.one_launch)
+        # (the row kernel, then the one launch, are the general path's choices where they run and
+        # the loss takes them: both at TP = 1 only)
+        if saved_tensors_hooks_active():
+            return False
+        if self.facts.group is not None:
+            return True
+        if row_kernel_takes(self.facts.spec, hidden, weight, hidden.shape[0]) != self.row_kernel:
+            return False
+        return (self.row_kernel or not self.may_take_one_launch
+                or runs_stats_dlogits(self.facts.spec, hidden, weight) == self.one_launch)
 
     may_take_one_launch = True  # the loss's dlogits may come from the one launch (its c is known before)
 
@@ -312,18 +324,26 @@ class StraightLoss(torch.autograd.Function):
                                                                                        labelled)
             poison = route.poison(scalars, spec)
         else:
-            merged, _ = merged_chunk_statistics(logits, local_target, spec)
+            if route.row_kernel:  # (TP = 1) the logits become softmax - one_hot in the pass that takes lse
+                merged = row_kernel_statistics_(logits, local_target, spec)
+            else:
+                merged, _ = merged_chunk_statistics(logits, local_target, spec)
             poison = route.poison(scalars, spec)  # (after the merge: the rank check's verdict in it)
             route.before_coefficients(forward_grad, poison)
             coefs = token_coefficients(forward_grad, merged, slice(0, full.shape[0]), count, labelled)
-            chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
+            if not route.row_kernel:
+                chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dx = full.new_empty(full.shape) if hidden.requires_grad else None
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if weight.requires_grad else None
         # (dX's sum over TP ranks starts right after its GEMM, beside the dW GEMM)
         dx_sum = None if dx is None or spec.tp_group is None else reductions.InputGradSum(dx, spec.tp_group,
                                                                                            spec.sequence_parallel)
-        grad_gemms(gemm_input(logits, full), full, weight, spec, dx, dw, dw_accumulate=False,
-                   after_dx=None if dx_sum is None else dx_sum.start)
+        if route.row_kernel:  # c_i (softmax - one_hot): each row's factor applied in the GEMMs
+            row_scaled_grad_gemms(gemm_input(logits, full), full, weight, spec, dx, dw, coefs["p"],
+                                  dw_accumulate=False)
+        else:
+            grad_gemms(gemm_input(logits, full), full, weight, spec, dx, dw, dw_accumulate=False,
+                       after_dx=None if dx_sum is None else dx_sum.start)
         del logits  # (its dlogits: freed once the GEMMs are queued, as the general path's chunk)
         loss = route.loss(forward_grad, merged, labelled, count, poison)
         ctx.route, ctx.spec, ctx.dx, ctx.dw = route, spec, dx if dx_sum is None else dx_sum, dw
