@@ -17,8 +17,10 @@ import torch
 import reference
 from dist import run_workers
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
+from megatron_fused_ce.ops import agreement, remembered_routes
 from megatron_fused_ce.ops.backends import cute_backend
 from op_cases import TOL, make_case, reference_ce
+from route_checks import count_general_calls, routed_equals_general
 
 
 def _case(seed, **kwargs):
@@ -243,14 +245,6 @@ def test_one_pass_with_a_factor_per_token_equals_two_passes(reference_kernel):
         assert reference.rel_err(a, b) < 1e-2
 
 
-def _general_path_calls(monkeypatch, module) -> list:
-    """One entry per call of `module`'s loss through the general path (token_statistics)."""
-    calls = []
-    original = module.token_statistics
-    monkeypatch.setattr(module, "token_statistics", lambda *a, **k: calls.append(1) or original(*a, **k))
-    return calls
-
-
 def test_ignored_rows_reach_the_kernel_as_its_ignore_index(monkeypatch):
     """Rows of ignored labels stay in a later call's chunk (their factor 0): the row kernel is called
     with the label kernel's target of such a row as its ignore_index, so that QuACK's kernel reads
@@ -282,17 +276,15 @@ ROUTE_CASES = ["ce mean", "ce sum", "grpo", "ce mean, second backward", "grpo, s
 
 
 def _route_equals_general_path(monkeypatch, case, loss, kernel_rows, device="cpu"):
-    """Three calls of a signature through the general path, then three with routes on: the third
-    skips the general path and runs the route the second recorded, with one call of the row kernel
-    (`kernel_rows`: the row counts of its calls), and its loss, dX and dW are the general path's
-    bit for bit; then, the kernel switched off, a call does not take that route."""
+    """route_checks.routed_equals_general for a loss on the row kernel: the routed call's loss, dX
+    and dW are the general path's bit for bit, each routed call calls the kernel once over the
+    chunk (the third, the route, too: `kernel_rows` the row counts of its calls), the route taken
+    is the row kernel's; then, the kernel switched off, a call does not take that route."""
     import sys
-
-    from megatron_fused_ce.ops import agreement, remembered_routes
 
     module = sys.modules["megatron_fused_ce.losses.linear_grpo" if loss.startswith("grpo")
                          else "megatron_fused_ce.losses.linear_cross_entropy"]
-    general = _general_path_calls(monkeypatch, module)
+    general = count_general_calls(monkeypatch, module)
     retain = loss.endswith("second backward")
 
     def call():
@@ -301,23 +293,14 @@ def _route_equals_general_path(monkeypatch, case, loss, kernel_rows, device="cpu
         return _run_ce(case, reduction=loss.split()[1].rstrip(","), retain=retain)
 
     agreement.forget_signatures()
-    monkeypatch.setattr(remembered_routes, "ENABLED", False)
-    want = [call() for _ in range(3)]
-    monkeypatch.setattr(remembered_routes, "ENABLED", True)
-    agreement.forget_signatures()
-    general.clear()
-    got = [call() for _ in range(2)]
-    calls = len(kernel_rows)
-    got.append(call())
-    assert len(general) == 2, "the third call runs the route the second recorded"
+    before = len(kernel_rows) + 3  # (the general path's three calls)
+    routed_equals_general(monkeypatch, call, general, ("loss", "dX", "dW"), loss)
+    assert kernel_rows[before:] == [case["labels"].numel()] * 3
     assert next(reversed(remembered_routes._ROUTES.values())).row_kernel
-    assert kernel_rows[calls:] == [case["labels"].numel()]
-    for name, a, b in zip(("loss", "dX", "dW"), got[2], want[2]):
-        assert torch.equal(a, b), f"{loss}: {name}"
     monkeypatch.setattr(cute_backend, "ENABLED", False)
     general.clear()
     call()
-    assert len(general) == 1 and len(kernel_rows) == calls + 1
+    assert len(general) == 1 and len(kernel_rows) == before + 3
     agreement.forget_signatures()
 
 

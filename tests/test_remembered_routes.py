@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from route_checks import count_general_calls, routed_equals_general  # noqa: E402
 from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
 import megatron_fused_ce.losses.linear_cross_entropy  # noqa: E402,F401
@@ -39,23 +40,10 @@ def tb(monkeypatch):
     agreement.forget_signatures()
 
 
-def _count_general_calls(monkeypatch, module) -> list:
-    """One entry per call through the general path (token_statistics, as `module` calls it)."""
-    calls = []
-    original = module.token_statistics
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, "token_statistics", counted)
-    return calls
-
-
 @pytest.fixture
 def general_calls(monkeypatch):
     """linear_cross_entropy's calls through the general path."""
-    return _count_general_calls(monkeypatch, ce_module)
+    return count_general_calls(monkeypatch, ce_module)
 
 
 @pytest.fixture
@@ -63,7 +51,7 @@ def general_logprob_calls(monkeypatch):
     """linear_logprobs' calls through the general path."""
     from megatron_fused_ce.ops import api
 
-    return _count_general_calls(monkeypatch, api)
+    return count_general_calls(monkeypatch, api)
 
 
 def _inputs(tb, seed, hidden_shape=None, rows=None):
@@ -89,24 +77,6 @@ def _call(h0, w0, y, vocab, reduction, grad=(True, True), upstream=(3.0,), **ext
     return loss.detach(), h.grad, w.grad
 
 
-def _routed_equals_general(monkeypatch, call, general_calls, names, what) -> tuple:
-    """Three calls of one signature through the general path, then three with routes on: the third
-    runs the route the second recorded (the first remembered call), and its outputs (`names`) are
-    the general path's bit for bit. -> the routed call's outputs."""
-    monkeypatch.setattr(remembered_routes, "ENABLED", False)
-    want = [call() for _ in range(3)]
-    monkeypatch.setattr(remembered_routes, "ENABLED", True)
-    agreement.forget_signatures()
-    general_calls.clear()
-    got = [call() for _ in range(3)]
-    assert len(general_calls) == 2, "the third call runs the route the second recorded"
-    assert len(got[2]) == len(want[2])
-    for i, (a, b) in enumerate(zip(got[2], want[2])):
-        name = names[i] if i < len(names) else f"output {i}"
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: {name}"
-    return got[2]
-
-
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("case", ["plain", "3-d hidden, int32 labels", "dX only", "dW only",
                                   "second backward, loss scale 1e-5", "fewer rows than one launch needs"])
@@ -123,7 +93,7 @@ def test_cross_entropy_route_equals_the_general_path(tb, general_calls, monkeypa
     kwargs = dict(grad={"dX only": (True, False), "dW only": (False, True)}.get(case, (True, True)),
                   upstream=(1e-5, 3.0) if case.startswith("second") else (3.0,))
 
-    got = _routed_equals_general(monkeypatch, lambda: _call(h, w, y, vocab, reduction, **kwargs), general_calls,
+    got = routed_equals_general(monkeypatch, lambda: _call(h, w, y, vocab, reduction, **kwargs), general_calls,
                                  ("loss", "dX", "dW"), case)
     assert next(reversed(remembered_routes._ROUTES.values())).one_launch == (not case.startswith("fewer"))
 
@@ -212,7 +182,7 @@ def test_logprob_routes_equal_the_general_path(tb, general_logprob_calls, monkey
                 (out.logprobs * upstream * scale).sum().backward(retain_graph=i == 0 and "second" in case)
         return out.logprobs.detach(), h.grad, w.grad
 
-    got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW"), case)
+    got = routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW"), case)
     with torch.no_grad():  # the old-policy pass gives the training pass's log-probs (ratio 1)
         assert torch.equal(linear_logprobs(h0, w0, y, vocab_size=vocab, temperature=0.7, impl="triton").logprobs,
                            got[0])
@@ -243,7 +213,7 @@ def test_per_token_cross_entropy_route_equals_the_general_path(tb, general_calls
                 (loss * upstream * scale).sum().backward(retain_graph=i == 0 and "second" in case)
         return loss.detach(), h.grad, w.grad
 
-    got = _routed_equals_general(monkeypatch, call, general_calls, ("losses", "dX", "dW"), case)
+    got = routed_equals_general(monkeypatch, call, general_calls, ("losses", "dX", "dW"), case)
     logits = (h0.double().reshape(-1, h0.shape[-1]) @ w0.double().T)[:, :vocab] / 0.7
     flat = y.reshape(-1)
     ref = -torch.log_softmax(logits, -1).gather(1, flat.clamp(min=0)[:, None])[:, 0].where(flat >= 0, 0.0)
@@ -315,7 +285,7 @@ def test_replay_route_equals_the_general_path(tb, general_logprob_calls, monkeyp
             loss.backward()
         return out.logprobs.detach(), h.grad, w.grad, None if out.entropy is None else out.entropy.detach()
 
-    got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW", "entropy"),
+    got = routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs", "dX", "dW", "entropy"),
                                  case)
     route = next(reversed(remembered_routes._ROUTES.values()))
     assert type(route).__name__ == "ReplayRoute" and route.plain_pass == bool(missing)
@@ -365,7 +335,7 @@ def test_replay_route_checks_the_mask_on_the_device(tb, general_logprob_calls):
 @pytest.fixture
 def general_grpo_calls(monkeypatch):
     """linear_grpo_loss' calls through the general path."""
-    return _count_general_calls(monkeypatch, sys.modules["megatron_fused_ce.losses.linear_grpo"])
+    return count_general_calls(monkeypatch, sys.modules["megatron_fused_ce.losses.linear_grpo"])
 
 
 @pytest.mark.parametrize("case", ["grpo", "dapo, old and reference log-probs, KL", "sequence-first, normalizer",
@@ -404,7 +374,7 @@ def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch,
             (loss * scale).backward(retain_graph=i + 1 < len(scales))
         return (loss.detach(), h.grad, w.grad) + tuple(m.detach() for m in metrics.values())
 
-    _routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)  # then the metrics
+    routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)  # then the metrics
 
 
 def test_grpo_route_follows_the_configs_values(tb, general_grpo_calls):
@@ -556,7 +526,7 @@ def test_forward_only_route_with_the_fused_statistics_gemm(tb, general_logprob_c
                                     chunk_size=chunk_size).logprobs,)
 
     events.clear()
-    got = _routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs",), f"chunk_size {chunk_size}")
+    got = routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs",), f"chunk_size {chunk_size}")
     assert remembered_routes.lookup(next(reversed(remembered_routes._ROUTES))).fused
     assert events.count("statistics GEMM") == 6  # (every call's statistics from the fused GEMM)
     events.clear()
