@@ -450,14 +450,6 @@ def row_kernel_takes(spec, rows: Tensor, weight: Tensor, chunk_rows: int) -> boo
                                      spec.inv_temperature, rows.device))
 
 
-def row_kernel_statistics_(logits: Tensor, local_target: Tensor, spec) -> reductions.MergedStats:
-    """The row kernel's one pass over a whole-vocab chunk: its logits become softmax - one_hot in
-    place, its statistics come from the kernel's (loss, lse) as offsets M = z_y, log S = loss (M +
-    log S = lse, and log p_y = -loss exactly)."""
-    loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
-    target = lse - loss
-    return reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss)
-
 
 class StatsWithDlogits:
     """A FastChunks plan: each chunk's statistics and its dlogits from one launch of the backend's
@@ -615,12 +607,21 @@ class FastChunks(MergedAfterLoop):
         """-> (the chunk's statistics merged over TP ranks, its logits: its dlogits already where the
         `plan` made them). `labelled`: the chunk's rows whose labels are not ignored (None: all)."""
         logits = chunk_logits(h, weight, spec)
+        return self.logits_statistics_(plan, logits, local_target, spec, labelled), logits
+
+    def logits_statistics_(self, plan, logits: Tensor, local_target: Tensor, spec,
+                           labelled: Optional[Tensor] = None) -> reductions.MergedStats:
+        """A chunk's statistics from its logits as the `plan` makes them (forward_statistics' step
+        after the GEMM): its dlogits made in place of the logits where the plan makes them."""
         if plan is None:
-            return merged_chunk_statistics(logits, local_target, spec)[0], logits
+            return merged_chunk_statistics(logits, local_target, spec)[0]
         if isinstance(plan, StatsWithDlogits):
-            return plan.run_(logits, local_target, spec, labelled), logits
-        # the logits become softmax - one_hot in the same pass that takes lse
-        return row_kernel_statistics_(logits, local_target, spec), logits
+            return plan.run_(logits, local_target, spec, labelled)
+        # the logits become softmax - one_hot in the same pass that takes lse; offsets M = z_y,
+        # log S = loss: M + log S = lse, and log p_y = -loss exactly
+        loss, lse = spec.backend.row_kernel.ce_dlogits_(logits, local_target)
+        target = lse - loss
+        return reductions.MergedStats(lse=lse, target=target, max=target, log_sum_exp=loss)
 
     def forward_grads(self, plan, logits: Tensor, h: Tensor, weight: Tensor, local_target: Tensor, spec,
                       merged, coefs: dict, dx_chunk: Optional[Tensor], dw_out: Optional[Tensor], *,

@@ -68,10 +68,10 @@ from . import agreement as agreement_memo, api, backends, deferred_errors, reduc
 from .api import LabelledCount, LogprobsOutput, StraightFacts
 from .chunked import (coefficients, first_order_only, forward_stats, input_grad_from_coefs,
                       logprobs_with_dlogits, recompute_grads, token_coefficients, weight_grad_from_coefs)
-from .fast import (FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_dlogits_, chunk_logits, fused_statistics,
-                   grad_gemms, labelled_gemm_statistics, logits_partials, merged_chunk_statistics, row_kernel_statistics_,
-                   row_kernel_takes, row_scaled_grad_gemms, runs_stats_dlogits)
-from .gemm import gemm_input, logits_gemm
+from .fast import (FAST_CHUNKS, FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_logits, fused_statistics,
+                   labelled_gemm_statistics, logits_partials, row_kernel_takes, runs_stats_dlogits)
+from .forward_grad import PER_ROW
+from .gemm import logits_gemm
 from .main_grad import saved_tensors_hooks_active
 from .reductions import merged_logprobs
 
@@ -299,10 +299,11 @@ class StraightLoss(torch.autograd.Function):
     """A _LossRoute's node: the general path's work for its one chunk, in its order —
     LinearLossGradInForward's gather of the sequence (sequence parallelism), EarlyProduct's logits
     GEMM, _DeviceChecks' label kernel (with the loss's label mask; at TP > 1 with the rank check's
-    pieces), the statistics and dlogits of LinearLossGradInForward's step (StatsWithDlogits' one
-    launch, or fast.merged_chunk_statistics — over TP ranks, the rank check riding on the merge —
-    the loss's per-token coefficients and the dlogits kernel), the dX GEMM and the start of dX's TP
-    sum, the dW GEMM — and the loss value as the output (the general path adds a zero anchor to
+    pieces), the statistics and dlogits of LinearLossGradInForward's step by the plan the general
+    path chose (fast.FastChunks' logits_statistics_ and forward_grads: StatsWithDlogits' one
+    launch; the row kernel; or fast.merged_chunk_statistics — over TP ranks, the rank check riding
+    on the merge — the loss's per-token coefficients and the dlogits kernel), the dX GEMM and the
+    start of dX's TP sum, the dW GEMM — and the loss value as the output (the general path adds a zero anchor to
     it, which changes no bit). Backward: dX (summed over TP ranks) and dW made in the forward,
     scaled by the upstream gradient as LinearLossGradInForward's first backward scales them; a
     second backward through a retained graph recomputes them from the coefficients, as that node's
@@ -318,32 +319,23 @@ class StraightLoss(torch.autograd.Function):
         local_target, labelled, counts, scalars, spec = route.device_checks(labels, weight, label_mask,
                                                                             agree_tensors, call_values)
         count = LabelledCount(counts, scalars, labelled)
+        # the general path's plan for the chunk (fast.FastChunks.forward_plan's choice, remembered)
+        plan = (StatsWithDlogits(forward_grad.scale_before_statistics(count)) if route.one_launch
+                else PER_ROW if route.row_kernel else None)
+        merged = FAST_CHUNKS.logits_statistics_(plan, logits, local_target, spec, labelled)
+        poison = route.poison(scalars, spec)  # (after the merge: the rank check's verdict in it)
         coefs = None
-        if route.one_launch:  # (the coefficients only if a second backward comes)
-            merged = StatsWithDlogits(forward_grad.scale_before_statistics(count)).run_(logits, local_target, spec,
-                                                                                       labelled)
-            poison = route.poison(scalars, spec)
-        else:
-            if route.row_kernel:  # (TP = 1) the logits become softmax - one_hot in the pass that takes lse
-                merged = row_kernel_statistics_(logits, local_target, spec)
-            else:
-                merged, _ = merged_chunk_statistics(logits, local_target, spec)
-            poison = route.poison(scalars, spec)  # (after the merge: the rank check's verdict in it)
+        if not route.one_launch:  # (with the one launch: the coefficients only if a second backward comes)
             route.before_coefficients(forward_grad, poison)
             coefs = token_coefficients(forward_grad, merged, slice(0, full.shape[0]), count, labelled)
-            if not route.row_kernel:
-                chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dx = full.new_empty(full.shape) if hidden.requires_grad else None
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if weight.requires_grad else None
         # (dX's sum over TP ranks starts right after its GEMM, beside the dW GEMM)
         dx_sum = None if dx is None or spec.tp_group is None else reductions.InputGradSum(dx, spec.tp_group,
                                                                                            spec.sequence_parallel)
-        if route.row_kernel:  # c_i (softmax - one_hot): each row's factor applied in the GEMMs
-            row_scaled_grad_gemms(gemm_input(logits, full), full, weight, spec, dx, dw, coefs["p"],
-                                  dw_accumulate=False)
-        else:
-            grad_gemms(gemm_input(logits, full), full, weight, spec, dx, dw, dw_accumulate=False,
-                       after_dx=None if dx_sum is None else dx_sum.start)
+        FAST_CHUNKS.forward_grads(plan, logits, full, weight, local_target, spec, merged, coefs, dx, dw,
+                                  dw_accumulate=False, dw_scale=1.0, cast_dw_to=None,
+                                  after_dx=None if dx_sum is None else dx_sum.start)
         del logits  # (its dlogits: freed once the GEMMs are queued, as the general path's chunk)
         loss = route.loss(forward_grad, merged, labelled, count, poison)
         ctx.route, ctx.spec, ctx.dx, ctx.dw = route, spec, dx if dx_sum is None else dx_sum, dw
