@@ -55,13 +55,13 @@ def test_host_ab_runs_two_versions_in_one_process_on_cpu():
     pass's log-probs)."""
     out = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "host_ab.py"), "--against", REPO, "--device", "cpu",
-         "--shape", "64x32x300", "--k", "4", "--calls", "2", "--method", "replay,logprobs,ce,forward"],
+         "--shape", "64x32x300", "--k", "4", "--calls", "2", "--method", "replay,logprobs,ce,grpo,forward"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "µs" not in line]
     assert [row[1].strip().split()[0] for row in rows] == ["replay", "replay", "logprobs", "logprobs", "ce", "ce",
-                                                           "forward", "forward"]
-    assert out.stdout.count("dX apart 0.0e+00, dW apart 0.0e+00") == 3, out.stdout
+                                                           "grpo", "grpo", "forward", "forward"]
+    assert out.stdout.count("dX apart 0.0e+00, dW apart 0.0e+00") == 4, out.stdout
     assert out.stdout.count("forward: log-probs apart 0.0e+00") == 1, out.stdout
 
 

@@ -13,10 +13,11 @@ one process after the other cannot see a 10 % change; one process can.
 megatron_fused_ce/; its package is imported under another name (the package imports itself
 relatively), beside this tree's. Methods (forward + backward of a mean over the tokens, bf16 on
 GPUs): `replay` (linear_logprobs with a sampling mask of K ids a token, `--sets` zipf or random as
-tools/sampling_mask_bench.py draws them), `logprobs`, `ce` (linear_cross_entropy), and `forward`
-(log-probs under no_grad, a forward pass alone). Per method and version: medians (and quartiles)
-over `--calls` calls of each, and how far the two versions' dX and dW (forward: log-probs) are
-apart (max |difference| / max |value|): 0 where they compute alike.
+tools/sampling_mask_bench.py draws them), `logprobs`, `ce` (linear_cross_entropy), `grpo`
+(linear_grpo_loss with the default GRPOConfig over 8 sequences, as tools/benchmark.py's
+`ours_grpo`), and `forward` (log-probs under no_grad, a forward pass alone). Per method and
+version: medians (and quartiles) over `--calls` calls of each, and how far the two versions' dX
+and dW (forward: log-probs) are apart (max |difference| / max |value|): 0 where they compute alike.
 """
 
 import argparse
@@ -55,12 +56,19 @@ def import_against(spec: str, work: str):
 
 
 def make_step(package, method: str, h, w, y, mask):
+    batch = 8 if h.shape[0] % 8 == 0 else 1  # (grpo: sequences of the tokens)
+    advantages = torch.linspace(-1.0, 1.0, batch, device=h.device)
+    sequence_mask = torch.ones(batch, h.shape[0] // batch, device=h.device)
+
     def step():
         if method == "forward":  # the reference / old-policy pass: its log-probs, no graph
             with torch.no_grad():
                 return (package.linear_logprobs(h, w, y).logprobs,)
         if method == "ce":
             loss = package.linear_cross_entropy(h, w, y)
+        elif method == "grpo":
+            loss, _ = package.losses.linear_grpo_loss(h.view(batch, -1, h.shape[-1]), w, y.view(batch, -1),
+                                                      advantages, sequence_mask, package.losses.GRPOConfig())
         else:
             lp = package.linear_logprobs(h, w, y, sampling_mask=mask if method == "replay" else None).logprobs
             loss = -lp.sum() / lp.numel()
@@ -118,7 +126,7 @@ def main(argv=None):
     p.add_argument("--against", required=True,
                    help="a git revision of this checkout, or a folder with megatron_fused_ce/")
     p.add_argument("--shape", default="2048x4096x19008", help="NxHxV")
-    p.add_argument("--method", default="replay", help="comma list of replay, logprobs, ce, forward")
+    p.add_argument("--method", default="replay", help="comma list of replay, logprobs, ce, grpo, forward")
     p.add_argument("--sets", default="zipf", choices=("zipf", "random"))
     p.add_argument("--k", type=int, default=50, help="kept ids a token (replay)")
     p.add_argument("--calls", type=int, default=200, help="calls of each version, alternating")
