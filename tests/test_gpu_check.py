@@ -13,9 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tools" / "gpu_check.sh"
-STAGES = ["env", "tests", "multigpu", "pretrain", "examples", "real_loop", "tools", "bench", "bench_rl", "summary"]
+STAGES = ["env", "tests", "cute", "multigpu", "pretrain", "examples", "real_loop", "tools", "bench", "bench_rl", "summary"]
 
 
 def gpu_check(*args, env=None, timeout=120):
@@ -66,6 +68,9 @@ def test_dry_run_on_four_gpus(tmp_path):
         assert m, command
         files += m.group(1).split()
     assert sorted(files) == sorted(f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py"))
+    # QuACK's paths: their tests in a step of their own (the extra imports only on GPU machines)
+    assert steps["cute_tests"][2] == (f"{sys.executable} -m pytest tests/test_cute_backend.py "
+                                      "tests/test_cuda_steady_state.py -q -p no:cacheprovider")
     # every NCCL suite file once (the shell's glob orders them by the locale's collation)
     multigpu = steps["multigpu"][2]
     assert multigpu.startswith(f"{torchrun} -m pytest tests/test_multigpu"), multigpu
@@ -114,6 +119,19 @@ def test_env_stage_runs_and_the_summary_reads_it(tmp_path):
     table = (tmp_path / "summary.md").read_text()
     assert re.search(r"^\| env \| env \| pass \| \d+ s \| .*torch ", table, re.M), table
     assert table in result.stdout
+
+
+def test_cute_stage_is_skipped_with_its_reason_where_the_extra_does_not_import(tmp_path):
+    """Without quack-kernels and nvidia-cutlass-dsl (every CPU machine) the QuACK stage runs no
+    tests and says why in the table, rather than passing as if it had checked those paths."""
+    if subprocess.run([sys.executable, "-c", "import quack, cutlass"], capture_output=True).returncode == 0:
+        pytest.skip("the cute extra imports here: the stage runs its tests")
+    result = gpu_check("--gpus", "1", "--out", str(tmp_path), "cute", "summary")
+    assert result.returncode == 0, result.stdout + result.stderr
+    status = (tmp_path / "cute_tests.status").read_text()
+    assert "stage=cute" in status and "rc=skip" in status and "reason=the cute extra does not import" in status
+    table = (tmp_path / "summary.md").read_text()
+    assert re.search(r"^\| cute \| cute_tests \| skip", table, re.M), table
 
 
 # ------------------------------------------------------------------------------------------------

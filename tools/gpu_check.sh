@@ -16,6 +16,10 @@
 #              its gloo-worker tests start fresh processes on a CUDA machine). A shard that runs
 #              out of time shows its progress in the table; more shards, or its files (the first
 #              line of its log) run on their own, finish it
+#   cute       the tests of the paths through QuACK's kernels (the `cute` extra: its row kernel on
+#              the remembered routes, its dW GEMM, the steady state with it), which the tests stage
+#              runs with the extra only where it is installed; skipped, with the reason, where
+#              quack-kernels / nvidia-cutlass-dsl do not import
 #   multigpu   the NCCL suites at the visible GPU count N (skipped below 2 GPUs):
 #              torchrun --nproc_per_node N -m pytest tests/test_multigpu*.py -m multigpu
 #   pretrain   the README's main job on the GPUs: examples/pretrain_gpt.py, TP 2 (and PP 2 on a
@@ -48,7 +52,7 @@ N=${GPU_CHECK_GPUS:-}
 EXAMPLE_STEPS=${GPU_CHECK_STEPS:-5}
 TEST_SHARDS=${GPU_CHECK_TEST_SHARDS:-8}
 DRY=0
-ALL_STAGES=(env tests multigpu pretrain examples real_loop tools bench bench_rl summary)
+ALL_STAGES=(env tests cute multigpu pretrain examples real_loop tools bench bench_rl summary)
 stages=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -187,6 +191,15 @@ stage_tests() {  # the test files dealt out largest first, each to the shard wit
     step_side_by_side "tests_$((i + 1))" 590 "$PY" -m pytest ${files[i]} -q -p no:cacheprovider
   done
   wait_side_by_side
+}
+
+stage_cute() {
+  if [ $DRY = 0 ] && ! "$PY" -c "import quack, cutlass" > /dev/null 2>&1; then
+    skip cute_tests "the cute extra does not import here (pip install -e '.[cute]')"
+    return
+  fi
+  step cute_tests 500 "$PY" -m pytest tests/test_cute_backend.py tests/test_cuda_steady_state.py -q \
+    -p no:cacheprovider
 }
 
 stage_multigpu() {

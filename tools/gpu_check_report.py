@@ -234,6 +234,7 @@ def benchmark_figure(folder: Path):
 FIGURES = {  # step name (or its prefix before "_") -> key figure of its log
     "env": lambda text, folder: first(r"^GPUs: (.*)$", text),
     "tests": lambda text, folder: pytest_counts(text),
+    "cute": lambda text, folder: pytest_counts(text),
     "multigpu": lambda text, folder: pytest_counts(text),
     "pretrain": lambda text, folder: training_figure(text),
     "examples_rl_curves": lambda text, folder: rl_curves_figure(text),
@@ -253,6 +254,7 @@ FIGURES = {  # step name (or its prefix before "_") -> key figure of its log
 
 FAILURE_FIGURES = {  # failed (or cut short) steps whose log says more than its last error line
     "tests": lambda text: pytest_failure(text) or pytest_progress(text),
+    "cute": lambda text: pytest_failure(text) or pytest_progress(text),
     "multigpu": lambda text: pytest_failure(text) or pytest_progress(text),
 }
 
