@@ -5,7 +5,7 @@ At the row counts RL runs (1–4k tokens per rank) a call's time is its host tim
 is deciding, not launching: checking and normalizing arguments, picking the backend, the tiling and
 the chunk plan, building the chunk spec, the statistics' and the loss's bookkeeping (~1 ms of
 Python around ~10 launches for cross-entropy at 2048×2048×19008 on an H200 host, where the same
-launches in straight-line code take ~0.5 ms: docs/benchmarks.md, "RL shapes"). Every one of those
+launches in straight-line code take ~0.5 ms: docs/design.md §10.9). Every one of those
 decisions is a function of the call's signature — shapes, dtypes, requires_grad, grad mode, the
 Python-level options — and of what the signature's first call agreed (agreement.py). So where the
 general path makes a later call of a remembered signature along a route listed here, it records
