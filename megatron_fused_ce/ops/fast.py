@@ -450,7 +450,6 @@ def row_kernel_takes(spec, rows: Tensor, weight: Tensor, chunk_rows: int) -> boo
                                      spec.inv_temperature, rows.device))
 
 
-
 class StatsWithDlogits:
     """A FastChunks plan: each chunk's statistics and its dlogits from one launch of the backend's
     `stats_dlogits`, where the host would launch the stats kernel, the merge's tail and the

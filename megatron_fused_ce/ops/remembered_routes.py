@@ -303,11 +303,11 @@ class StraightLoss(torch.autograd.Function):
     path chose (fast.FastChunks' logits_statistics_ and forward_grads: StatsWithDlogits' one
     launch; the row kernel; or fast.merged_chunk_statistics — over TP ranks, the rank check riding
     on the merge — the loss's per-token coefficients and the dlogits kernel), the dX GEMM and the
-    start of dX's TP sum, the dW GEMM — and the loss value as the output (the general path adds a zero anchor to
-    it, which changes no bit). Backward: dX (summed over TP ranks) and dW made in the forward,
-    scaled by the upstream gradient as LinearLossGradInForward's first backward scales them; a
-    second backward through a retained graph recomputes them from the coefficients, as that node's
-    does."""
+    start of dX's TP sum, the dW GEMM — and the loss value as the output (the general path adds a
+    zero anchor to it, which changes no bit). Backward: dX (summed over TP ranks) and dW made in the
+    forward, scaled by the upstream gradient as LinearLossGradInForward's first backward scales
+    them; a second backward through a retained graph recomputes them from the coefficients, as that
+    node's does."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, route: _LossRoute, forward_grad, label_mask, agree_tensors, call_values,
