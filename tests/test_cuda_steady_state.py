@@ -15,6 +15,7 @@ CPU; tests/test_multigpu.py at TP = 2 over NCCL).
   gradients, bit for bit. torch.cuda.make_graphed_callables (a graph for the forward and one for
   the backward, autograd between them: how docs/performance.md runs the RL passes) does the same
   for cross-entropy, log-probs with entropy and GRPO with every option.
+- A first call and later ones leave nothing in reference cycles (tests/test_reference_cycles.py).
 - With the backward on the calling thread (autograd's multithreading off, docs/performance.md's
   advice for RL trainers), the same gradients, bit for bit, and no host synchronization.
 """
@@ -25,8 +26,10 @@ import gc
 import pytest
 import torch
 
+from gc_cycles import kinds, left_in_cycles
 from megatron_fused_ce import check_deferred_errors, linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+from megatron_fused_ce.ops import agreement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA synchronizations, kernels and graphs")
 
@@ -213,6 +216,20 @@ def test_kernels_per_call_are_bounded(name, record_property):
     print(f"{name}: {len(kernels)} CUDA kernels per call: " + " | ".join(k[:60] for k in kernels))
     bound = MAX_REPLAY_KERNELS[name] if name in MAX_REPLAY_KERNELS else MAX_KERNELS[name.split(":")[0]]
     assert len(kernels) <= bound, kernels
+
+
+@pytest.mark.parametrize("name", list(_paths()) + list(_replay_paths()))
+def test_first_and_later_calls_leave_no_reference_cycles(name):
+    """Nothing left to Python's cyclic collector (tests/test_reference_cycles.py says why) by a
+    first call or by later ones, whose remembered routes launch the Triton kernels the CPU's test
+    interprets."""
+    call = {**_paths(), **_replay_paths()}[name]
+    first_inputs, later_inputs = _leaves(1), _leaves(2)
+    agreement.forget_signatures()
+    first = left_in_cycles(lambda: call(first_inputs))
+    later = left_in_cycles(lambda: call(later_inputs), 3)
+    assert not first, f"first call: {kinds(first)}"
+    assert not later, f"later calls: {kinds(later)}"
 
 
 def _collect_dropped_graphs():

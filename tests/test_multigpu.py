@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import reference
 from dist import init_nccl_once
+from gc_cycles import kinds, left_in_cycles
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 
@@ -239,8 +240,35 @@ def _steady_call_inputs(seed, kept_sets=False):
     return h, w, y, rollout
 
 
-@pytest.mark.parametrize("path", ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo", "replay",
-                                  "replay_tiles"])
+def _steady_path_call(path, h, w, y, r):
+    """One call of `path` (its forward and backward) at TP over the world's NCCL group."""
+    kw = dict(tp_group=dist.group.WORLD)
+    if path.startswith("replay"):
+        out = linear_logprobs(h, w, y, **kw, sampling_mask=r["kept"])
+        out.logprobs.sum().backward()
+        return out.logprobs
+    if path == "forward_only":
+        with torch.no_grad():
+            return linear_logprobs(h, w, y, **kw).logprobs
+    if path.startswith("logprobs"):
+        out = linear_logprobs(h, w, y, **kw, return_entropy=path.endswith("entropy"))
+        (out.logprobs.sum() + (out.entropy.sum() if out.entropy is not None else 0)).backward()
+        return out.logprobs
+    if path == "cross_entropy":
+        loss = linear_cross_entropy(h, w, y, **kw)
+    else:
+        loss, _ = linear_grpo_loss(h, w, r["labels"], r["adv"], r["mask"], _STEADY_GRPO, old_logprobs=r["old"],
+                                   reference_logprobs=r["reference"], sampling_logprobs=r["sampling"], **kw)
+    loss.backward()
+    return loss
+
+
+_STEADY_GRPO = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, use_bias_correction_kl=True,
+                          is_correction="token_truncate", is_clip_max=2.0)
+STEADY_PATHS = ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo", "replay", "replay_tiles"]
+
+
+@pytest.mark.parametrize("path", STEADY_PATHS)
 def test_nccl_second_call_makes_no_host_synchronization(path, monkeypatch):
     """TP over NCCL, bf16, Triton: the second call of a signature runs under
     torch.cuda.set_sync_debug_mode("error") (no agreement read-back, nothing sized by a count; the
@@ -252,37 +280,13 @@ def test_nccl_second_call_makes_no_host_synchronization(path, monkeypatch):
     if path == "replay_tiles":
         monkeypatch.setattr(replay, "FORCE_PIECES", "tiles")
 
-    config = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, use_bias_correction_kl=True,
-                        is_correction="token_truncate", is_clip_max=2.0)
-
-    def call(h, w, y, r):
-        kw = dict(tp_group=dist.group.WORLD)
-        if path.startswith("replay"):
-            out = linear_logprobs(h, w, y, **kw, sampling_mask=r["kept"])
-            out.logprobs.sum().backward()
-            return out.logprobs
-        if path == "forward_only":
-            with torch.no_grad():
-                return linear_logprobs(h, w, y, **kw).logprobs
-        if path.startswith("logprobs"):
-            out = linear_logprobs(h, w, y, **kw, return_entropy=path.endswith("entropy"))
-            (out.logprobs.sum() + (out.entropy.sum() if out.entropy is not None else 0)).backward()
-            return out.logprobs
-        if path == "cross_entropy":
-            loss = linear_cross_entropy(h, w, y, **kw)
-        else:
-            loss, _ = linear_grpo_loss(h, w, r["labels"], r["adv"], r["mask"], config, old_logprobs=r["old"],
-                                       reference_logprobs=r["reference"], sampling_logprobs=r["sampling"], **kw)
-        loss.backward()
-        return loss
-
-    call(*_steady_call_inputs(1, kept_sets=path.startswith("replay")))
+    _steady_path_call(path, *_steady_call_inputs(1, kept_sets=path.startswith("replay")))
     second = _steady_call_inputs(2, kept_sets=path.startswith("replay"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     error = None
     try:
-        out = call(*second)
+        out = _steady_path_call(path, *second)
     except RuntimeError as err:
         error = str(err)
     finally:
@@ -290,6 +294,24 @@ def test_nccl_second_call_makes_no_host_synchronization(path, monkeypatch):
     gathered = _gather((error, error is None and bool(torch.isfinite(out).all())))
     assert all(e is None and finite for e, finite in gathered), gathered
     check_deferred_errors()
+
+
+@pytest.mark.parametrize("path", STEADY_PATHS)
+def test_nccl_first_and_later_calls_leave_no_reference_cycles(path, monkeypatch):
+    """TP over NCCL: a first call and later ones (the remembered routes, dX's sum started in the
+    forward) leave nothing to Python's cyclic collector (tests/test_reference_cycles.py says why)."""
+    from megatron_fused_ce.ops import agreement, replay
+
+    if path == "replay_tiles":
+        monkeypatch.setattr(replay, "FORCE_PIECES", "tiles")
+    kept_sets = path.startswith("replay")
+    first_inputs = _steady_call_inputs(1, kept_sets=kept_sets)
+    later_inputs = _steady_call_inputs(2, kept_sets=kept_sets)
+    agreement.forget_signatures()
+    first = kinds(left_in_cycles(lambda: _steady_path_call(path, *first_inputs)))
+    later = kinds(left_in_cycles(lambda: _steady_path_call(path, *later_inputs), 3))
+    gathered = _gather((first, later))
+    assert all(not f and not later for f, later in gathered), gathered
 
 
 @pytest.mark.parametrize("what", ["labels", "advantages", "mask", "none"])

@@ -290,8 +290,11 @@ class GRPORoute(_LossRoute):
 
     def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
         forward_grad.reported = forward_grad.metrics(labelled.shape[0], None, poison)
-        if forward_grad.loss_value is not None:
-            return forward_grad.loss_value
+        # handed over, not kept: this output's node holds forward_grad (its ctx), so a reference to
+        # the output from there would be a cycle, left to Python's collector every call
+        loss, forward_grad.loss_value = forward_grad.loss_value, None
+        if loss is not None:
+            return loss
         return forward_grad.reported["loss"].clone()  # (not a view: the output may be changed in place)
 
 
