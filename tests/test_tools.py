@@ -48,6 +48,22 @@ def test_host_time_runs_on_cpu(tmp_path):
     assert set(figures["ours_grpo"]) == {"back_to_back_us", "from_idle_us", "host_us"}
 
 
+def test_host_time_reports_what_the_calls_leave_to_the_cyclic_collector(tmp_path):
+    """tools/host_time.py --gc (docs/performance.md's figures of the collector's cost): per method, the
+    objects a call leaves in reference cycles (the package's calls: none) and the collections per
+    1000 calls, in the table and the JSON."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "host_time.py"), "--device", "cpu", "--shape", "64x32x100",
+         "--rounds", "1", "--calls", "2", "--impls", "ours_ce,ours_grpo", "--gc", "30",
+         "--json", str(tmp_path / "t.json")],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("0 objects left in reference cycles a call") == 2, out.stdout
+    collector = json.load(open(tmp_path / "t.json"))["methods"]["ours_grpo"]["collector"]
+    assert collector["cycle_objects_per_call"] == 0 and len(collector["collections_per_1000"]) == 3
+    assert collector["mean_host_us"] > 0
+
+
 def test_host_ab_runs_two_versions_in_one_process_on_cpu():
     """tools/host_ab.py (docs/benchmarks.md's in-process A/B of host time) on the CPU, against this
     checkout's own folder: the second copy of the package imports under another name beside the

@@ -10,13 +10,17 @@ rounds; one process, one shape.
     torchrun --nproc_per_node 2 tools/host_time.py --tp 2 --shape 2048x4096x19008   # V per rank, NCCL
 
 `--kernels` adds the CUDA kernels of one call (torch.profiler; copies and memsets aside, the
-collectives among them). `--general-path` adds each method with every call through the general
+collectives among them). `--gc N` adds what a method leaves to Python's cyclic collector: the
+objects a call leaves in reference cycles, and over N more calls (the collector on, as in a
+trainer) the collections of each generation and the host time they took per 1000 calls, with the
+mean host time a call (where collections show: medians hide them). `--general-path` adds each method with every call through the general
 path (ops/remembered_routes.py off: no route run straight), in rounds alternating with the default
 in the same process. For an A/B of two trees, tools/host_ab.py runs both in one process, their
 calls alternating (hosts drift between processes by more than most changes of host time).
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -76,6 +80,47 @@ def kernels_per_call(step) -> int:
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
 
 
+def collector_cost(step, device, calls: int) -> dict:
+    """What `step` leaves to the cyclic collector (after measure's warm-up): objects in reference
+    cycles a call (20 calls under gc.DEBUG_SAVEALL), then over `calls` calls the collections of
+    each generation and their host ms per 1000 calls, and the mean µs of host a call."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(20):
+            step()
+        gc.collect()
+    finally:
+        gc.set_debug(0)
+    left = len(gc.garbage) / 20
+    gc.garbage.clear()
+    collections, started = [], []
+
+    def note(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        else:
+            collections.append((info["generation"], time.perf_counter() - started.pop()))
+
+    sync()
+    gc.callbacks.append(note)
+    host = 0.0
+    try:
+        for _ in range(calls):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            host += time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(note)
+    per_1000 = 1000 / calls
+    return dict(cycle_objects_per_call=left,
+                collections_per_1000=[sum(1 for g, _ in collections if g == gen) * per_1000 for gen in range(3)],
+                collection_ms_per_1000=sum(t for _, t in collections) * 1e3 * per_1000,
+                mean_host_us=host / calls * 1e6)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="2048x4096x19008", help="N x H x V (per rank)")
@@ -85,6 +130,8 @@ def main(argv=None):
     p.add_argument("--kernels", action="store_true", help="also the CUDA kernels of one call")
     p.add_argument("--general-path", action="store_true",
                    help="also every call through the general path (no remembered route), rounds alternating")
+    p.add_argument("--gc", type=int, default=0, metavar="N",
+                   help="also what the calls leave to Python's cyclic collector, over N more calls")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20, help="calls per round")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -132,9 +179,23 @@ def main(argv=None):
                     step()
                 results[label]["kernels"] = kernels_per_call(step)
                 remembered_routes.ENABLED = True
+            if args.gc:
+                remembered_routes.ENABLED = routes
+                agreement.forget_signatures()
+                step = make(name)
+                for _ in range(3):
+                    step()
+                results[label]["collector"] = collector_cost(step, device, args.gc)
+                remembered_routes.ENABLED = True
             r = results[label]
             say(f"{label:24s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}"
                 + (f"  {r['kernels']:7d}" if "kernels" in r else ""), flush=True)
+            if "collector" in r:
+                c = r["collector"]
+                say(f"{'':24s} {c['cycle_objects_per_call']:.0f} objects left in reference cycles a call; per 1000 "
+                    f"calls {'/'.join(f'{x:.0f}' for x in c['collections_per_1000'])} collections of generation "
+                    f"0/1/2 taking {c['collection_ms_per_1000']:.1f} ms; mean host {c['mean_host_us']:.0f} µs a call",
+                    flush=True)
     if args.tp > 1:
         ctx.dist.destroy_process_group()
     if args.json and rank == 0:
