@@ -6,7 +6,7 @@ the node's own output left 62 objects a call: a collection every ~11 calls, and 
 full one of ~60 ms), and under Megatron's manual garbage collection (the collector off between its
 explicit runs) the tensors in those cycles stay allocated until the next run. So each path's first
 and later calls (the general path, then the remembered routes) run under gc.DEBUG_SAVEALL here, at
-TP = 1 and 2, and nothing may be found.
+TP = 1 and 2 (and GRPO at CP = 2), and nothing may be found.
 
 GRPO's route with its per-token kernel (which writes the loss on its own: the object that made the
 cycle) runs under Triton's interpreter on a CPU; the interpreter's launcher makes cycles of its own
@@ -95,13 +95,23 @@ PATHS = {
 }
 
 
+# GRPO under context parallelism (the world as the CP group, the whole weight on every rank): its
+# token-level and sequence-level paths
+CP_PATHS = {"grpo_context_parallel": _grpo(GRPOConfig()),
+            "grpo_sequence_level_context_parallel": _grpo(GRPOConfig(loss_type="grpo", beta=0.1,
+                                                                     importance_sampling_level="sequence"))}
+
+
 def _cycles_worker(rank, world):
     """{path: (kinds left by its first call, by its three later calls)} on this rank."""
-    common = dict(tp_group=dist.group.WORLD, vocab_size=VOCAB) if world > 1 else dict(vocab_size=VOCAB)
+    tp = dict(tp_group=dist.group.WORLD, vocab_size=VOCAB) if world > 1 else dict(vocab_size=VOCAB)
+    cases = [(name, path, _inputs(rank, world), tp) for name, path in PATHS.items()]
+    if world > 1:
+        cp = dict(cp_group=dist.group.WORLD, vocab_size=VOCAB)
+        cases += [(name, path, _inputs(), cp) for name, path in CP_PATHS.items()]
     report = {}
-    for name, path in PATHS.items():
+    for name, path, inputs, common in cases:
         agreement.forget_signatures()
-        inputs = _inputs(rank, world)
         first = left_in_cycles(lambda: path(*inputs, **common), 1)  # the general path
         later = left_in_cycles(lambda: path(*inputs, **common), 3)  # remembered routes, where the path has one
         report[name] = (kinds(first), kinds(later))
