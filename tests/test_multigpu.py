@@ -240,6 +240,11 @@ def _steady_call_inputs(seed, kept_sets=False):
     return h, w, y, rollout
 
 
+_STEADY_GRPO = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, use_bias_correction_kl=True,
+                          is_correction="token_truncate", is_clip_max=2.0)
+STEADY_PATHS = ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo", "replay", "replay_tiles"]
+
+
 def _steady_path_call(path, h, w, y, r):
     """One call of `path` (its forward and backward) at TP over the world's NCCL group."""
     kw = dict(tp_group=dist.group.WORLD)
@@ -261,11 +266,6 @@ def _steady_path_call(path, h, w, y, r):
                                    reference_logprobs=r["reference"], sampling_logprobs=r["sampling"], **kw)
     loss.backward()
     return loss
-
-
-_STEADY_GRPO = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, use_bias_correction_kl=True,
-                          is_correction="token_truncate", is_clip_max=2.0)
-STEADY_PATHS = ["forward_only", "logprobs", "logprobs_entropy", "cross_entropy", "grpo", "replay", "replay_tiles"]
 
 
 @pytest.mark.parametrize("path", STEADY_PATHS)
@@ -313,8 +313,8 @@ def test_nccl_first_and_later_calls_leave_no_reference_cycles(path, monkeypatch)
     agreement.forget_signatures()
     first = kinds(left_in_cycles(lambda: _steady_path_call(path, *first_inputs)))
     later = kinds(left_in_cycles(lambda: _steady_path_call(path, *later_inputs), 3))
-    gathered = _gather((first, later))
-    assert all(not f and not later for f, later in gathered), gathered
+    gathered = _gather((first, later))  # (every rank's)
+    assert all(not left_by_first and not left_by_later for left_by_first, left_by_later in gathered), gathered
 
 
 @pytest.mark.parametrize("what", ["labels", "advantages", "mask", "none"])

@@ -11,12 +11,13 @@ rounds; one process, one shape.
 
 `--kernels` adds the CUDA kernels of one call (torch.profiler; copies and memsets aside, the
 collectives among them). `--gc N` adds what a method leaves to Python's cyclic collector: the
-objects a call leaves in reference cycles, and over N more calls (the collector on, as in a
-trainer) the collections of each generation and the host time they took per 1000 calls, with the
-mean host time a call (where collections show: medians hide them). `--general-path` adds each method with every call through the general
-path (ops/remembered_routes.py off: no route run straight), in rounds alternating with the default
-in the same process. For an A/B of two trees, tools/host_ab.py runs both in one process, their
-calls alternating (hosts drift between processes by more than most changes of host time).
+objects a call leaves in reference cycles, and over N more calls (the collector on, as in a trainer)
+the collections of each generation and the host time they took per 1000 calls, with the mean host
+time a call (where collections show: medians hide them). `--general-path` adds each method with
+every call through the general path (ops/remembered_routes.py off: no route run straight), in rounds
+alternating with the default in the same process. For an A/B of two trees, tools/host_ab.py runs
+both in one process, their calls alternating (hosts drift between processes by more than most
+changes of host time).
 """
 
 import argparse
