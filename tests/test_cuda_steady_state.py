@@ -26,10 +26,10 @@ import gc
 import pytest
 import torch
 
-from gc_cycles import kinds, left_in_cycles
 from megatron_fused_ce import check_deferred_errors, linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
 from megatron_fused_ce.ops import agreement
+from megatron_fused_ce.testing.gc_cycles import kinds, left_in_cycles
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA synchronizations, kernels and graphs")
 

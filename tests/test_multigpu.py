@@ -42,9 +42,9 @@ import torch.distributed as dist
 
 import reference
 from dist import init_nccl_once
-from gc_cycles import kinds, left_in_cycles
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+from megatron_fused_ce.testing.gc_cycles import kinds, left_in_cycles
 
 pytestmark = pytest.mark.multigpu
 GRPO_EVERY_OPTION = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, kl_estimator="k3",

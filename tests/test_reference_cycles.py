@@ -25,12 +25,12 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from dist import run_workers  # noqa: E402
-from gc_cycles import kinds, left_in_cycles  # noqa: E402
 from sampling_mask_cases import random_sets  # noqa: E402
 from megatron_fused_ce import linear_cross_entropy, linear_logprobs  # noqa: E402
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo  # noqa: E402
 from megatron_fused_ce.losses import linear_grpo_loss  # noqa: E402
 from megatron_fused_ce.ops import agreement  # noqa: E402
+from megatron_fused_ce.testing.gc_cycles import kinds, left_in_cycles  # noqa: E402
 
 B, T, H, V, VOCAB = 4, 8, 16, 80, 75  # V rows of the weight, VOCAB of them real (a padded vocab)
 EVERY_OPTION = GRPOConfig(loss_type="dapo", delta=3.0, dual_clip_c=3.0, beta=0.05, kl_estimator="k3",

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.measure import add_backward_thread_option, make_inputs, set_backward_thread  # noqa: E402
 from bench.methods import MAKERS  # noqa: E402
 from megatron_fused_ce.ops import agreement, remembered_routes  # noqa: E402
+from megatron_fused_ce.testing.gc_cycles import left_in_cycles  # noqa: E402
 
 IMPLS = "floor_fwd,floor,ours_fwd,ours_ce,ours_logprobs,ours_grpo"
 TP_IMPLS = "ours_fwd,ours_ce,ours_logprobs,ours_grpo"  # (tools/bench/tp.py's makers)
@@ -86,16 +87,7 @@ def collector_cost(step, device, calls: int) -> dict:
     cycles a call (20 calls under gc.DEBUG_SAVEALL), then over `calls` calls the collections of
     each generation and their host ms per 1000 calls, and the mean µs of host a call."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        for _ in range(20):
-            step()
-        gc.collect()
-    finally:
-        gc.set_debug(0)
-    left = len(gc.garbage) / 20
-    gc.garbage.clear()
+    left = len(left_in_cycles(step, 20)) / 20
     collections, started = [], []
 
     def note(phase, info):

@@ -1,5 +1,6 @@
-"""What a block of code leaves in reference cycles (for tests/test_reference_cycles.py, which says
-why it matters, and tests/test_cuda_steady_state.py)."""
+"""What a block of code leaves in reference cycles: objects only Python's cyclic collector frees
+(tests/test_reference_cycles.py says why a call must leave none; tools/host_time.py --gc counts
+them a call)."""
 
 import collections
 import gc
