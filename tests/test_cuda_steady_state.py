@@ -43,8 +43,9 @@ GRPO_OPTION_SETS = {
 }
 MAX_KERNELS = {"cross_entropy": 30, "cross_entropy_per_token": 30, "logprobs": 30, "logprobs_entropy": 30,
                "forward_only": 30, "grpo": 40}
-# Measured on an H200 (torch 2.11, Triton 3.6): forward-only 3 at TP = 1 (the GEMM, the label and statistics
-# kernels; 10 before its epilogue went into the statistics kernel), log-probs 10 (23 with entropy; 12
+# Measured on an H200 (torch 2.11, Triton 3.6): forward-only 2 at TP = 1 (the GEMM and one launch of label
+# checks and log-probs; 3 with the label and statistics kernels apart, 10 before its epilogue went into
+# the statistics kernel), log-probs 10 (23 with entropy; 12
 # before the row scaling read the upstream gradient of the sum in place, 17 before their statistics
 # and dlogits came from one launch, 21 before the labelled log-prob took the poison and the
 # backward's row scaling the label mask), cross-entropy 10 (12 with the statistics and

@@ -220,6 +220,53 @@ def test_per_token_cross_entropy_route_equals_the_general_path(tb, general_calls
     torch.testing.assert_close(got[0].double().reshape(-1), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["one launch", "one launch, int32 labels of a 2-d batch", "above its bound"])
+def test_forward_only_route_takes_one_launch_for_the_labels_and_log_probs(tb, general_logprob_calls, monkeypatch,
+                                                                          case):
+    """A routed forward-only call at TP = 1 (a reference or old-policy pass) of at most
+    LABEL_LOGPROB_MAX_ROWS rows takes the backend's one launch of label checks and log-probs
+    (backends.LabelLogprob) where the general path launches the label kernel and the stats kernel:
+    the same log-probs bit for bit; above the bound the route launches the two as well. A later
+    call with a label outside the vocab: NaN in every row and the error at the next check."""
+    from dataclasses import replace
+
+    from megatron_fused_ce.ops.backends import LabelLogprob
+
+    h, w, y, vocab = _inputs(tb, 7, hidden_shape=(3, -1) if "2-d" in case else None,
+                             rows=3 * (tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) + 2))
+    if "int32" in case:
+        y = y.int()
+    if case == "above its bound":
+        monkeypatch.setattr(tb, "LABEL_LOGPROB_MAX_ROWS", y.numel() - 1)
+    runs = []
+
+    def run(logits, *args):
+        runs.append(logits.shape[0])
+        return tb.label_logprob(logits, *args)
+
+    monkeypatch.setattr(tb, "BACKEND", replace(tb.BACKEND, label_logprob=LabelLogprob(tb.label_logprob_applies, run)))
+
+    def call(labels=y):
+        with torch.no_grad():
+            return (linear_logprobs(h, w, labels, vocab_size=vocab, temperature=0.7, impl="triton").logprobs,)
+
+    got = routed_equals_general(monkeypatch, call, general_logprob_calls, ("log-probs",), case)[0]
+    assert runs == ([] if case == "above its bound" else [y.numel()])
+    assert got.shape == y.shape
+    logits = (h.double().reshape(-1, h.shape[-1]) @ w.double().T)[:, :vocab] / 0.7
+    flat = y.reshape(-1).long()
+    ref = torch.log_softmax(logits, -1).gather(1, flat.clamp(min=0)[:, None])[:, 0].where(flat >= 0, 0.0)
+    torch.testing.assert_close(got.double().reshape(-1), ref, rtol=1e-5, atol=1e-5)
+    deferred_errors.check_deferred_errors()
+    bad = y.clone()
+    bad.view(-1)[5] = vocab + 3
+    general_logprob_calls.clear()
+    out = call(bad)[0]
+    assert not general_logprob_calls and torch.isnan(out).all()
+    with pytest.raises(ValueError, match="labels outside"):
+        deferred_errors.check_deferred_errors()
+
+
 def test_logprob_routes_are_not_taken_for_other_arguments(tb, general_logprob_calls):
     """Entropy (without a sampling mask), a sampler setting, or several chunks keep the general path."""
     h, w, y, vocab = _inputs(tb, 5)

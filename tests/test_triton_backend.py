@@ -200,6 +200,58 @@ def test_forward_only_logprobs_of_one_chunk_take_the_fused_epilogue(small_blocks
             assert torch.equal(out, with_grad.detach())
 
 
+# ----------------------------------------------------------------------------- label_logprob
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("rows, v, pad", [("programs + 5", 300, 13), ("2 x programs", 100, 0), (6, 64, 9)])
+def test_label_logprob_is_the_label_and_stats_kernels(small_blocks, monkeypatch, dtype, temperature, rows, v, pad):
+    """backends.LabelLogprob (a forward-only chunk at TP = 1: the label checks and the log-probs in
+    one launch) against the two launches it stands for, label_targets then shard_logprob: the same
+    log-probs bit for bit from the raw labels (ignored ones, a padded vocab, temperature, labels
+    read through a stride); a label outside [0, true_vocab) anywhere — negative, in the padding or
+    past it — NaN in every row and deferred_errors' flag, as the label kernel records them; the
+    float64 reference otherwise."""
+    tb = small_blocks
+    monkeypatch.setattr(tb, "LABEL_BLOCK", 8)  # (the verdict's read in several steps)
+    programs = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE)  # (from these rows the stats kernel takes rows whole)
+    n = {"programs + 5": programs + 5, "2 x programs": 2 * programs}.get(rows, rows)
+    logits, g = _chunk(n, v, dtype, seed=v + pad + 2)
+    nvc = v - pad
+    assert tb.label_logprob_applies(n, nvc, DEVICE)
+    labels = torch.randint(0, nvc, (n, 2), generator=g)
+    labels[torch.rand(n, generator=g) < 0.3, 0] = -100
+    labels = labels.to(DEVICE)[:, 0]  # (strided)
+    for bad in (None, -7, nvc, v + 5):
+        y = labels.clone() if bad is None else labels.clone().index_fill_(0, torch.tensor([n // 2], device=DEVICE), bad)
+        y = torch.stack([y, y], 1)[:, 0]
+        flags, want_flags = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        got = tb.label_logprob(logits, y, -100, nvc, 0, nvc, 1.0 / temperature, flags)
+        target, _, _, scalars = tb.label_targets(y, -100, nvc, 0, v, want_flags)
+        want = tb.shard_logprob(logits, target, nvc, 1.0 / temperature, scalars[:1])[0]
+        assert got.dtype == torch.float32 and got.shape == (n,)
+        assert torch.equal(flags, want_flags) and flags.item() == (0 if bad is None else 1), bad
+        if bad is not None:
+            assert torch.isnan(got).all() and torch.isnan(want).all(), bad
+            continue
+        assert torch.equal(got, want)
+        z = logits.double() / temperature
+        ref = torch.log_softmax(z[:, :nvc], -1).gather(1, y.clamp(min=0)[:, None])[:, 0].where(y >= 0, 0.0)
+        _close(got, ref, dtype, "log-probs")
+
+
+def test_label_logprob_applies_to_the_stats_kernels_whole_rows_up_to_its_bound(tb, monkeypatch):
+    """Where the stats kernel would split rows (fewer rows than its programs fill, wide rows) or
+    above LABEL_LOGPROB_MAX_ROWS rows, the two launches stay."""
+    rows = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE)
+    assert tb.label_logprob_applies(rows, 5 * tb.STATS_BLOCK_N, DEVICE)
+    assert not tb.label_logprob_applies(rows - 1, 5 * tb.STATS_BLOCK_N, DEVICE)
+    assert tb.label_logprob_applies(rows - 1, tb.STATS_BLOCK_N, DEVICE)
+    assert not tb.label_logprob_applies(0, tb.STATS_BLOCK_N, DEVICE)
+    assert not tb.label_logprob_applies(rows, 0, DEVICE)
+    monkeypatch.setattr(tb, "LABEL_LOGPROB_MAX_ROWS", rows)
+    assert not tb.label_logprob_applies(rows + 1, tb.STATS_BLOCK_N, DEVICE)
+
+
 # ---------------------------------------------------------------------------- shard_dlogits_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

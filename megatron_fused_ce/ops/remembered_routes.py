@@ -29,8 +29,10 @@ Routes:
   softmax - one_hot, and each row's factor is applied in the dX and dW GEMMs
   (fast.row_scaled_grad_gemms), as the general path does with a count on the device.
 - `LogprobRoute`: `linear_logprobs` of one chunk without entropy, sampler or sampling mask:
-  forward-only (the reference and old-policy passes) or with the dlogits made in the forward; and
-  forward-only from the fused statistics GEMM (no logits in memory), in any number of chunks.
+  forward-only (the reference and old-policy passes; at TP = 1 up to a few thousand rows the label
+  checks and log-probs in one launch, backends.LabelLogprob) or with the dlogits made in the
+  forward; and forward-only from the fused statistics GEMM (no logits in memory), in any number of
+  chunks.
   `PerTokenLossRoute`: `linear_cross_entropy`'s per-token losses ("none" without label smoothing
   or z-loss: Megatron's output layer) on the same routes, negated.
 - `ReplayRoute`: `linear_logprobs` with a sampling mask (replay.py), with or without entropy,
@@ -385,7 +387,8 @@ LOGPROB_ROUTES = ("log-probs forward-only", "log-probs forward-only, merged", "l
 class LogprobRoute(_Route):
     """linear_logprobs' routes of one chunk without entropy, sampler or sampling mask (module doc):
     forward-only (the reference and old-policy passes: the logits GEMM, the label kernel, then at
-    TP = 1 the stats kernel finishing each row's log-prob, at TP > 1 the statistics merged over
+    TP = 1 the stats kernel finishing each row's log-prob — the two in one launch where the
+    backend's label_logprob applies —, at TP > 1 the statistics merged over
     the ranks — the rank check riding on the merge — and the labelled log-probs' kernel; or, above
     fast.FUSED_STATS_MIN_BYTES of logits, the fused statistics GEMM over every row, the label
     kernel, the merge and the log-probs), or with
@@ -407,6 +410,14 @@ class LogprobRoute(_Route):
             return rows * weight.shape[0] * weight.element_size() <= FUSED_STATS_MIN_BYTES
         return fused_statistics(self.facts.spec.backend, hidden, weight) == self.fused
 
+    def label_logprob_takes(self, hidden: Tensor) -> bool:
+        """Whether a forward-only chunk at TP = 1 takes the backend's one launch of label checks and
+        log-probs (backends.LabelLogprob: the label kernel's and the stats kernel's results, the same
+        bits): the route's host time at RL row counts is its launches and their allocations."""
+        spec = self.facts.spec
+        return (not self.merged and self.facts.group is None and spec.backend.label_logprob is not None
+                and spec.backend.label_logprob.applies(hidden.shape[0], spec.num_valid_cols, hidden.device))
+
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> LogprobsOutput:
         facts = self.facts
         if self.differentiable:
@@ -417,6 +428,11 @@ class LogprobRoute(_Route):
             _, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
             _, logprob = merged_logprobs(partials, spec.tp_group, spec.backend, spec.rank_check, labelled,
                                          lambda: self.poison(scalars, spec))
+        elif self.label_logprob_takes(hidden):  # (TP = 1: the label kernel's and the stats kernel's work)
+            spec = facts.spec
+            logprob = spec.backend.label_logprob.run(
+                chunk_logits(hidden, weight, spec), flat_labels, facts.ignore_index, facts.true_vocab,
+                facts.vocab_start, spec.num_valid_cols, spec.inv_temperature, deferred_errors.flags(hidden.device))
         else:
             full = reductions.gather_sequence(hidden, self.group()) if facts.spec.sequence_parallel else hidden
             logits = chunk_logits(full, weight, facts.spec)

@@ -12,6 +12,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
 | `stats_dlogits`: one launch giving a whole-vocab chunk's statistics and its dlogits, coefficients known before the statistics (cross-entropy, log-probs), the same bits | `shard_stats` + `merged_tail` + `shard_dlogits_` | Triton |
+| `label_logprob`: a forward-only chunk's label checks and log-probs in one launch (TP = 1, a few thousand rows), the same bits | `label_targets` + `shard_logprob` | Triton |
 | `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
 | `weight_grad_gemm`: the dW GEMMs (write, add in place, add a sum and cast) | cuBLAS | QuACK, added to "auto" |
 
@@ -100,6 +101,19 @@ class StatsDlogits:
 
 
 @dataclass(frozen=True)
+class LabelLogprob:
+    """One launch over a forward-only chunk whose shard is the whole vocab (TP = 1) giving each
+    row's labelled log-prob from the raw labels, with label_targets' check of them (a label
+    outside [0, true_vocab): NaN in every row and deferred_errors' flag): `run(logits, labels,
+    ignore_index, true_vocab, vocab_start, num_valid_cols, inv_temperature, flags)` for chunks of
+    which `applies(rows, num_valid_cols, device)`; the log-probs of `label_targets` then
+    `shard_logprob`, bit for bit."""
+
+    applies: Callable
+    run: Callable
+
+
+@dataclass(frozen=True)
 class WeightGradGemm:
     """dW GEMMs: `into_(out, a, b, accumulate=, alpha=, add=)` writes or adds alpha * a @ b (with
     `add`: alpha * a @ b + add, written in out's dtype) and returns False, having done nothing,
@@ -155,6 +169,7 @@ class Backend:
     gemm_dlogits: Optional[FusedGemm] = None
     row_kernel: Optional[RowKernel] = None
     stats_dlogits: Optional[StatsDlogits] = None
+    label_logprob: Optional[LabelLogprob] = None
     weight_grad_gemm: Optional[WeightGradGemm] = None
     # sampling-mask replay's layout of the kept entries and the mask's device checks in kernels
     # (replay.KeptEntries; None: its torch definition)

@@ -46,7 +46,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from . import Backend, FusedGemm, ShardStats, StatsDlogits, torch_backend, triton_gemm_dlogits, triton_gemm_stats
+from ..deferred_errors import LABELS_OUT_OF_RANGE
+from . import (Backend, FusedGemm, LabelLogprob, ShardStats, StatsDlogits, torch_backend, triton_gemm_dlogits,
+               triton_gemm_stats)
 from .triton_common import (cached_launch, cdiv, f32 as _f32, interpreting as _interpreting, next_power_of_2,
                             sm_count as _sm_count)
 from .replay_triton import fingerprint_terms
@@ -305,6 +307,73 @@ def shard_logprob(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv
                           finish=finished + (_f32(poison),))
     log_sum_exp, lse, logprob = finished
     return logprob, stats.max, log_sum_exp, stats.target, lse
+
+
+# A forward-only chunk of at most LABEL_LOGPROB_MAX_ROWS rows (the reference and old-policy passes of
+# RL micro-batches, where a call's time is its host's) takes its label checks and log-probs from one
+# launch instead of the label kernel's and the stats kernel's. Every program reads every label for
+# the verdict (bad labels poison every row), so that no program waits for another: bytes that grow
+# with rows x programs, hence the bound (above it the GPU sets the call's time, and two launches
+# cost nothing there).
+LABEL_LOGPROB_MAX_ROWS = 4096
+LABEL_BLOCK = 1024  # labels per step of the verdict's read
+# its persistent programs: on an H200 (bf16, 1024-4096 rows x 19008-64128 columns), 16 per SM as fast
+# as a program per row (whose verdict reads would grow with rows squared); 4 per SM 10-35 % slower
+LABEL_LOGPROB_PROGRAMS_PER_SM = 16
+
+
+@cached_launch
+@triton.jit
+def _label_logprob_kernel(logits_ptr, stride_row, labels_ptr, labels_stride, logprob_ptr, flags_ptr, n, ignore_index,
+                          true_vocab, vocab_start, v_local, num_valid_cols, inv_temperature,
+                          BLOCK_N: tl.constexpr, LABEL_BLOCK: tl.constexpr, PRECISE_LOG: tl.constexpr,
+                          BAD_LABELS: tl.constexpr):
+    # the labels' verdict, label_targets': a labelled position whose label is outside [0, true_vocab)
+    bad_rows = tl.zeros([LABEL_BLOCK], tl.int32)
+    for start in range(0, n, LABEL_BLOCK):
+        offsets = start + tl.arange(0, LABEL_BLOCK)
+        label = tl.load(labels_ptr + offsets.to(tl.int64) * labels_stride, mask=offsets < n, other=ignore_index)
+        bad_rows = tl.maximum(bad_rows, ((label != ignore_index) & ((label < 0) | (label >= true_vocab))).to(tl.int32))
+    bad = tl.max(bad_rows, axis=0)
+    poison = tl.where(bad != 0, float("nan"), 0.0)  # (label_targets' poison: x + 0 is x)
+    if tl.program_id(0) == 0:
+        tl.store(flags_ptr, tl.load(flags_ptr) | (bad.to(tl.int64) * BAD_LABELS))
+    # persistent over rows; each row the stats kernel's (one split) and _finish_row's log-prob
+    for row in range(tl.program_id(0), n, tl.num_programs(0)):
+        row_ptr = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride_row  # (64-bit offsets)
+        label = tl.load(labels_ptr + (tl.full([], 0, tl.int64) + row) * labels_stride)
+        local = label - vocab_start
+        on_shard = (label != ignore_index) & (label >= 0) & (label < true_vocab) & (local >= 0) & (local < v_local)
+        m, s, _, _ = _online_softmax_sums(row_ptr, 0, num_valid_cols, inv_temperature, False, False, BLOCK_N)
+        z_t, in_block = _target_logit(row_ptr, tl.where(on_shard, local, -1), num_valid_cols, inv_temperature)
+        log_s = _log(s, PRECISE_LOG)
+        tl.store(logprob_ptr + row, tl.where(in_block, (z_t - m) - log_s, 0.0) + poison)
+
+
+def label_logprob_applies(num_rows: int, num_valid_cols: int, device: torch.device) -> bool:
+    """Where `label_logprob` runs: at most LABEL_LOGPROB_MAX_ROWS rows, each of which the stats
+    kernel would take whole (one split: as many rows as PROGRAMS_PER_SM fills, or rows of one
+    block), so that its log-probs are shard_logprob's."""
+    return (0 < num_rows <= LABEL_LOGPROB_MAX_ROWS and num_valid_cols > 0
+            and (num_rows >= PROGRAMS_PER_SM * _sm_count(device) or num_valid_cols <= STATS_BLOCK_N))
+
+
+def label_logprob(logits: Tensor, labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int,
+                  num_valid_cols: int, inv_temperature: float, flags: Tensor) -> Tensor:
+    """backends.LabelLogprob's run: the log-probs (fp32 [rows]) of `labels` (int64, the raw labels
+    of the chunk's rows) over a whole-vocab chunk of `logits`, where label_logprob_applies."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    n = logits.shape[0]
+    logprob = torch.empty(n, dtype=torch.float32, device=logits.device)
+    _label_logprob_kernel[(min(n, LABEL_LOGPROB_PROGRAMS_PER_SM * _sm_count(logits.device)),)](
+        logits, logits.stride(0), labels, labels.stride(0), logprob, flags, n, int(ignore_index), int(true_vocab),
+        int(vocab_start), logits.shape[1], num_valid_cols, float(inv_temperature),
+        BLOCK_N=STATS_BLOCK_N, LABEL_BLOCK=LABEL_BLOCK, PRECISE_LOG=not _interpreting(),
+        BAD_LABELS=LABELS_OUT_OF_RANGE,
+        num_warps=STATS_WARPS,  # (the statistics' reduction order: the stats kernel's)
+    )
+    return logprob
 
 
 def _launch_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
@@ -1031,4 +1100,5 @@ BACKEND = Backend(
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
     stats_dlogits=StatsDlogits(applies=stats_dlogits_applies, run_=stats_dlogits_),
+    label_logprob=LabelLogprob(applies=label_logprob_applies, run=label_logprob),
 )
