@@ -45,11 +45,11 @@ MAX_KERNELS = {"cross_entropy": 30, "cross_entropy_per_token": 30, "logprobs": 3
                "forward_only": 30, "grpo": 40}
 # Measured on an H200 (torch 2.11, Triton 3.6): forward-only 2 at TP = 1 (the GEMM and one launch of label
 # checks and log-probs; 3 with the label and statistics kernels apart, 10 before its epilogue went into
-# the statistics kernel), log-probs 10 (23 with entropy; 12
+# the statistics kernel), log-probs 9 (10 with the label kernel apart, 23 with entropy; 12
 # before the row scaling read the upstream gradient of the sum in place, 17 before their statistics
 # and dlogits came from one launch, 21 before the labelled log-prob took the poison and the
-# backward's row scaling the label mask), cross-entropy 10 (12 with the statistics and
-# dlogits kernels apart), GRPO 9 with each option set (its per-token terms: one kernel, triton_grpo.py;
+# backward's row scaling the label mask), cross-entropy 9 (10 with the label kernel apart, 12 with the
+# statistics and dlogits kernels apart), GRPO 9 with each option set (its per-token terms: one kernel, triton_grpo.py;
 # 12 before its remembered route's lean node: the stats launch finishing its rows at TP = 1, no zero
 # anchor, the poison and the loss written by the per-token kernel; 14 before the label kernel read
 # its mask; 14 with a normalizer given as a CUDA tensor, whose check on the device takes five small

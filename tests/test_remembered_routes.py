@@ -224,7 +224,7 @@ def test_per_token_cross_entropy_route_equals_the_general_path(tb, general_calls
 def test_forward_only_route_takes_one_launch_for_the_labels_and_log_probs(tb, general_logprob_calls, monkeypatch,
                                                                           case):
     """A routed forward-only call at TP = 1 (a reference or old-policy pass) of at most
-    LABEL_LOGPROB_MAX_ROWS rows takes the backend's one launch of label checks and log-probs
+    LABELS_IN_LAUNCH_MAX_ROWS rows takes the backend's one launch of label checks and log-probs
     (backends.LabelLogprob) where the general path launches the label kernel and the stats kernel:
     the same log-probs bit for bit; above the bound the route launches the two as well. A later
     call with a label outside the vocab: NaN in every row and the error at the next check."""
@@ -237,7 +237,7 @@ def test_forward_only_route_takes_one_launch_for_the_labels_and_log_probs(tb, ge
     if "int32" in case:
         y = y.int()
     if case == "above its bound":
-        monkeypatch.setattr(tb, "LABEL_LOGPROB_MAX_ROWS", y.numel() - 1)
+        monkeypatch.setattr(tb, "LABELS_IN_LAUNCH_MAX_ROWS", y.numel() - 1)
     runs = []
 
     def run(logits, *args):
@@ -263,6 +263,61 @@ def test_forward_only_route_takes_one_launch_for_the_labels_and_log_probs(tb, ge
     general_logprob_calls.clear()
     out = call(bad)[0]
     assert not general_logprob_calls and torch.isnan(out).all()
+    with pytest.raises(ValueError, match="labels outside"):
+        deferred_errors.check_deferred_errors()
+
+
+@pytest.mark.parametrize("case", ["cross-entropy mean", "cross-entropy sum", "log-probs", "log-probs dW only",
+                                  "cross-entropy mean above its bound"])
+def test_routes_take_the_label_checks_in_their_launch_of_statistics_and_dlogits(tb, general_logprob_calls, general_calls,
+                                                                                monkeypatch, case):
+    """At TP = 1 a routed cross-entropy or log-probs call whose statistics and dlogits come from one
+    launch, of at most LABELS_IN_LAUNCH_MAX_ROWS rows, takes the label checks in that launch
+    (backends.LabelsInLaunch: a launch and its host work fewer than the label kernel's): loss or
+    log-probs, dX and dW the general path's bit for bit, whatever the upstream gradient; above the
+    bound the route launches the label kernel. A later call with a label outside the vocab: NaN
+    and the error at the next check."""
+    from dataclasses import replace
+
+    h0, w0, y, vocab = _inputs(tb, 8)
+    if case.endswith("above its bound"):
+        monkeypatch.setattr(tb, "LABELS_IN_LAUNCH_MAX_ROWS", y.numel() - 1)
+    runs, original = [], tb.BACKEND.stats_dlogits
+
+    def run_(logits, *args, **kwargs):
+        runs.append(kwargs)
+        return original.with_labels.run_(logits, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "BACKEND", replace(tb.BACKEND, stats_dlogits=replace(
+        original, with_labels=replace(original.with_labels, run_=run_))))
+    upstream = torch.linspace(-1.0, 2.0, y.numel(), device=DEVICE)
+
+    def call(labels=y):
+        h = h0.clone().requires_grad_("dW only" not in case)
+        w = w0.clone().requires_grad_()
+        if case.startswith("log-probs"):
+            out = linear_logprobs(h, w, labels, vocab_size=vocab, temperature=0.7, impl="triton").logprobs
+            (out * upstream).sum().backward()
+        else:
+            out = linear_cross_entropy(h, w, labels, vocab_size=vocab, temperature=0.7, impl="triton",
+                                       reduction=case.split()[1])
+            (out * 1e-5).backward()
+        return out.detach(), h.grad, w.grad
+
+    general = general_logprob_calls if case.startswith("log-probs") else general_calls
+    got = routed_equals_general(monkeypatch, call, general, ("output", "dX", "dW"), case)
+    kind = (dict(logprob=True) if case.startswith("log-probs") else dict(mean=case.split()[1] == "mean"))
+    assert runs == ([] if case.endswith("above its bound") else [kind]), runs
+    if case.startswith("log-probs"):
+        logits = (h0.double() @ w0.double().T)[:, :vocab] / 0.7
+        ref = torch.log_softmax(logits, -1).gather(1, y.clamp(min=0)[:, None])[:, 0].where(y >= 0, 0.0)
+        torch.testing.assert_close(got[0].double(), ref, rtol=1e-5, atol=1e-5)
+    deferred_errors.check_deferred_errors()
+    bad = y.clone()
+    bad[3] = vocab + 3
+    general.clear()
+    out = call(bad)[0]
+    assert not general and torch.isnan(out).all()
     with pytest.raises(ValueError, match="labels outside"):
         deferred_errors.check_deferred_errors()
 

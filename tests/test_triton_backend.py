@@ -241,14 +241,14 @@ def test_label_logprob_is_the_label_and_stats_kernels(small_blocks, monkeypatch,
 
 def test_label_logprob_applies_to_the_stats_kernels_whole_rows_up_to_its_bound(tb, monkeypatch):
     """Where the stats kernel would split rows (fewer rows than its programs fill, wide rows) or
-    above LABEL_LOGPROB_MAX_ROWS rows, the two launches stay."""
+    above LABELS_IN_LAUNCH_MAX_ROWS rows, the two launches stay."""
     rows = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE)
     assert tb.label_logprob_applies(rows, 5 * tb.STATS_BLOCK_N, DEVICE)
     assert not tb.label_logprob_applies(rows - 1, 5 * tb.STATS_BLOCK_N, DEVICE)
     assert tb.label_logprob_applies(rows - 1, tb.STATS_BLOCK_N, DEVICE)
     assert not tb.label_logprob_applies(0, tb.STATS_BLOCK_N, DEVICE)
     assert not tb.label_logprob_applies(rows, 0, DEVICE)
-    monkeypatch.setattr(tb, "LABEL_LOGPROB_MAX_ROWS", rows)
+    monkeypatch.setattr(tb, "LABELS_IN_LAUNCH_MAX_ROWS", rows)
     assert not tb.label_logprob_applies(rows + 1, tb.STATS_BLOCK_N, DEVICE)
 
 
@@ -358,6 +358,55 @@ def test_stats_dlogits_equals_the_stats_and_dlogits_kernels(small_blocks, dtype,
     if logprob:  # the poison reaches every log-prob
         assert tb.stats_dlogits_(logits.clone(), target, nvc, inv_t, labelled, logprob=True,
                                  poison=torch.full((1,), float("nan"), device=DEVICE))[4].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["ce mean", "ce sum", "logprobs"])
+def test_stats_dlogits_with_labels_is_the_label_kernel_then_stats_dlogits(small_blocks, monkeypatch, dtype, mode):
+    """The one launch with the label checks in it (TP = 1, a few thousand rows) gives, bit for bit,
+    what label_targets then stats_dlogits_ give (cross-entropy's mean with the device count's
+    1 / labelled rows, a sum's c, log-probs with the labels' poison): the statistics, the dlogits in
+    place, the log-probs, and the label kernel's targets, labelled rows, counts and scalars, from
+    raw labels read through a stride (ignored ones, a padded vocab, temperature); a label outside
+    [0, true_vocab) anywhere: the same verdict, flag and poison."""
+    tb = small_blocks
+    monkeypatch.setattr(tb, "LABEL_BLOCK", 8)  # (the totals' read in several steps)
+    n = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) + 5
+    v, pad = 150, 13
+    nvc = v - pad
+    row_bytes = v * logits_bytes(dtype)
+    assert tb.stats_dlogits_with_labels_applies(n, nvc, row_bytes, DEVICE)
+    assert not tb.stats_dlogits_with_labels_applies(n - 6, nvc, row_bytes, DEVICE)  # (stats_dlogits' rows)
+    monkeypatch.setattr(tb, "LABELS_IN_LAUNCH_MAX_ROWS", n - 1)
+    assert not tb.stats_dlogits_with_labels_applies(n, nvc, row_bytes, DEVICE)
+    logits, g = _chunk(n, v, dtype, seed=37)
+    labels = torch.randint(0, nvc, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.3] = -100
+    labels = labels.to(DEVICE)
+    inv_t = 1.0 / 0.7
+    logprob, mean = mode == "logprobs", mode == "ce mean"
+    for bad in (None, -3, nvc + 1):
+        y = labels.clone()
+        if bad is not None:
+            y[n // 3] = bad
+        y = torch.stack([y, y], 1)[:, 0]  # (strided)
+        flags, want_flags = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        got_logits, want_logits = logits.clone(), logits.clone()
+        got = tb.stats_dlogits_with_labels_(got_logits, y, -100, nvc, 0, nvc, inv_t, flags, mean=mean, scale=0.25,
+                                           logprob=logprob)
+        target, labelled, counts, scalars = tb.label_targets(y, -100, nvc, 0, v, want_flags)
+        want = tb.stats_dlogits_(want_logits, target, nvc, inv_t, labelled,
+                                 scale=None if logprob else scalars[1] if mean else 0.25, logprob=logprob,
+                                 poison=scalars[:1] if logprob else None)
+        assert torch.equal(flags, want_flags) and flags.item() == (0 if bad is None else 1), bad
+        names = ("max", "target", "log S", "lse", "log-probs", "targets", "labelled", "counts", "scalars")
+        for name, a, b in zip(names, got, (*want, target, labelled, counts, scalars)):
+            assert (a is None) == (b is None), name
+            if a is not None:  # (bit for bit, NaN where the other has NaN: the poison)
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(got_logits, want_logits), mode
+        if logprob:
+            assert got[4].isnan().all() == (bad is not None)
 
 
 @pytest.mark.parametrize("what", ["ce mean", "ce sum", "logprobs"])

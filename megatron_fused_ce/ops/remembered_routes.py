@@ -70,8 +70,8 @@ from . import agreement as agreement_memo, api, backends, deferred_errors, reduc
 from .api import LabelledCount, LogprobsOutput, StraightFacts
 from .chunked import (coefficients, first_order_only, forward_stats, input_grad_from_coefs,
                       logprobs_with_dlogits, recompute_grads, token_coefficients, weight_grad_from_coefs)
-from .fast import (FAST_CHUNKS, FUSED_STATS_MIN_BYTES, StatsWithDlogits, chunk_logits, fused_statistics,
-                   labelled_gemm_statistics, logits_partials, row_kernel_takes, runs_stats_dlogits)
+from .fast import (FAST_CHUNKS, FUSED_STATS_MIN_BYTES, DlogitsMadeInForward, StatsWithDlogits, chunk_logits,
+                   fused_statistics, labelled_gemm_statistics, logits_partials, row_kernel_takes, runs_stats_dlogits)
 from .forward_grad import PER_ROW
 from .gemm import logits_gemm
 from .main_grad import saved_tensors_hooks_active
@@ -193,6 +193,24 @@ class _Route:
             api.call_code(facts.signature_code, call_values), agree_tensors if facts.signature_code is not None else (),
             label_mask)
         return local_target, labelled, counts, scalars, flags
+
+    def labels_in_launch(self, rows: Tensor, weight: Tensor) -> bool:
+        """Whether a chunk of `rows` takes its label checks in its launch of statistics and dlogits
+        (TP = 1, where the backend's stats_dlogits.with_labels applies: a launch and its host work
+        fewer, the same bits as the label kernel and that launch)."""
+        spec = self.facts.spec
+        with_labels = None if spec.backend.stats_dlogits is None else spec.backend.stats_dlogits.with_labels
+        row_bytes = weight.shape[0] * (4 if spec.logits_dtype is not None else weight.element_size())
+        return (with_labels is not None and self.facts.group is None and rows.shape[0] <= spec.chunk_size
+                and with_labels.applies(rows.shape[0], spec.num_valid_cols, row_bytes, rows.device))
+
+    def stats_dlogits_with_labels_(self, logits: Tensor, flat_labels: Tensor, **kind) -> tuple:
+        """backends.LabelsInLaunch's run_ on the chunk (`kind`: mean=, scale= or logprob=), its
+        device checks recorded in deferred_errors' flags as the label kernel records them."""
+        facts, spec = self.facts, self.facts.spec
+        return spec.backend.stats_dlogits.with_labels.run_(
+            logits, flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, spec.num_valid_cols,
+            spec.inv_temperature, deferred_errors.flags(logits.device), **kind)
 
     def first_logits(self, hidden: Tensor, weight: Tensor) -> Optional[Tensor]:
         """The call's logits GEMM, launched before the rest of its host work (the node, the label
@@ -321,13 +339,22 @@ class StraightLoss(torch.autograd.Function):
         full = reductions.gather_sequence(hidden, route.group()) if facts.spec.sequence_parallel else hidden
         if logits is None:  # (route.first_logits' where it launched them)
             logits = chunk_logits(full, weight, facts.spec)
-        local_target, labelled, counts, scalars, spec = route.device_checks(labels, weight, label_mask,
-                                                                            agree_tensors, call_values)
-        count = LabelledCount(counts, scalars, labelled)
-        # the general path's plan for the chunk (fast.FastChunks.forward_plan's choice, remembered)
-        plan = (StatsWithDlogits(forward_grad.scale_before_statistics(count)) if route.one_launch
-                else PER_ROW if route.row_kernel else None)
-        merged = FAST_CHUNKS.logits_statistics_(plan, logits, local_target, spec, labelled)
+        if route.one_launch and label_mask is None and route.labels_in_launch(full, weight):
+            # the label kernel's work in the one launch (cross-entropy's route: its c 1 / labelled
+            # rows, "mean", or 1, "sum": CrossEntropyGrads.scale_before_statistics')
+            row_max, target, log_sum_exp, lse, _, local_target, labelled, counts, scalars = \
+                route.stats_dlogits_with_labels_(logits, labels, mean=forward_grad.mean)
+            spec, plan = facts.spec, StatsWithDlogits(None)
+            merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+            count = LabelledCount(counts, scalars, labelled)
+        else:
+            local_target, labelled, counts, scalars, spec = route.device_checks(labels, weight, label_mask,
+                                                                                agree_tensors, call_values)
+            count = LabelledCount(counts, scalars, labelled)
+            # the general path's plan for the chunk (fast.FastChunks.forward_plan's choice, remembered)
+            plan = (StatsWithDlogits(forward_grad.scale_before_statistics(count)) if route.one_launch
+                    else PER_ROW if route.row_kernel else None)
+            merged = FAST_CHUNKS.logits_statistics_(plan, logits, local_target, spec, labelled)
         poison = route.poison(scalars, spec)  # (after the merge: the rank check's verdict in it)
         coefs = None
         if not route.one_launch:  # (with the one launch: the coefficients only if a second backward comes)
@@ -464,9 +491,15 @@ class StraightLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, route: LogprobRoute, logits):
-        local_target, labelled, _, scalars, spec = route.device_checks(labels, weight)
-        logprob, _, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec,
-                                                 lambda: route.poison(scalars, spec), logits)
+        if logits is not None and route.labels_in_launch(hidden, weight):
+            # the label kernel's work in the launch of statistics, log-probs and D (TP = 1)
+            spec = route.facts.spec
+            _, _, _, _, logprob, _, labelled, _, _ = route.stats_dlogits_with_labels_(logits, labels, logprob=True)
+            made = DlogitsMadeInForward.of(logits, weight, hidden.requires_grad, labelled)
+        else:
+            local_target, labelled, _, scalars, spec = route.device_checks(labels, weight)
+            logprob, _, made = logprobs_with_dlogits(hidden, weight, local_target, labelled, spec,
+                                                     lambda: route.poison(scalars, spec), logits)
         ctx.spec, ctx.made = spec, made
         ctx.save_for_backward(hidden, weight)
         return logprob

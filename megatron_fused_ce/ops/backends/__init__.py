@@ -13,6 +13,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
 | `stats_dlogits`: one launch giving a whole-vocab chunk's statistics and its dlogits, coefficients known before the statistics (cross-entropy, log-probs), the same bits | `shard_stats` + `merged_tail` + `shard_dlogits_` | Triton |
 | `label_logprob`: a forward-only chunk's label checks and log-probs in one launch (TP = 1, a few thousand rows), the same bits | `label_targets` + `shard_logprob` | Triton |
+| `stats_dlogits.with_labels`: the one launch of statistics and dlogits with the label checks in it (TP = 1, a few thousand rows), the same bits | `label_targets` + `stats_dlogits` | Triton |
 | `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
 | `weight_grad_gemm`: the dW GEMMs (write, add in place, add a sum and cast) | cuBLAS | QuACK, added to "auto" |
 
@@ -89,15 +90,28 @@ class RowKernel:
 
 
 @dataclass(frozen=True)
+class LabelsInLaunch:
+    """StatsDlogits' launch with label_targets' work in it (no mask, no rank check: TP = 1):
+    `run_(logits, labels, ignore_index, true_vocab, vocab_start, num_valid_cols, inv_temperature,
+    flags, mean=, scale=, logprob=)` -> StatsDlogits' five results and label_targets' last four
+    (targets, labelled, counts, scalars), for chunks of which `applies(rows, num_valid_cols,
+    row_bytes, device)`; the same bits as the two launches."""
+
+    applies: Callable
+    run_: Callable
+
+
+@dataclass(frozen=True)
 class StatsDlogits:
     """One launch over a chunk of a whole-vocab shard (TP = 1: nothing to merge between the two)
     giving each row's statistics and leaving its dlogits in place, where the dlogits' coefficients
     are known before the statistics: `run_(logits, local_target, num_valid_cols, inv_temperature,
     labelled, scale=, logprob=, poison=)` for chunks of which `applies(rows, num_valid_cols,
-    device)`."""
+    device)`; `with_labels`, the same with the label checks in the launch (None: not available)."""
 
     applies: Callable
     run_: Callable
+    with_labels: Optional[LabelsInLaunch] = None
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from ..deferred_errors import LABELS_OUT_OF_RANGE
-from . import (Backend, FusedGemm, LabelLogprob, ShardStats, StatsDlogits, torch_backend, triton_gemm_dlogits,
+from . import (Backend, FusedGemm, LabelLogprob, LabelsInLaunch, ShardStats, StatsDlogits, torch_backend, triton_gemm_dlogits,
                triton_gemm_stats)
 from .triton_common import (cached_launch, cdiv, f32 as _f32, interpreting as _interpreting, next_power_of_2,
                             sm_count as _sm_count)
@@ -142,7 +142,8 @@ def _stats_kernel(
         z_t, in_block = _target_logit(row_ptr, t, num_valid_cols, inv_temperature)
         tl.store(target_out_ptr + row, z_t)
         if FINISH:
-            _finish_row(row, m, s, z_t, in_block, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG)
+            _finish_row(row, m, s, z_t, in_block, log_sum_exp_ptr, lse_ptr, logprob_ptr, tl.load(poison_ptr),
+                        PRECISE_LOG)
 
 
 @triton.jit
@@ -155,13 +156,14 @@ def _log(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _finish_row(rows, m, s, z_t, labelled, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG: tl.constexpr,
+def _finish_row(rows, m, s, z_t, labelled, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison, PRECISE_LOG: tl.constexpr,
                 mask=None):
-    """torch_backend.finish_logprob of rows whose merged max m, sum exp(z - m) s and target z_t are known."""
+    """torch_backend.finish_logprob of rows whose merged max m, sum exp(z - m) s and target z_t are
+    known; `poison` the call's (0, or NaN where its device checks failed)."""
     log_s = _log(s, PRECISE_LOG)
     tl.store(log_sum_exp_ptr + rows, log_s, mask=mask)
     tl.store(lse_ptr + rows, m + log_s, mask=mask)
-    logprob = tl.where(labelled, (z_t - m) - log_s, 0.0) + tl.load(poison_ptr)
+    logprob = tl.where(labelled, (z_t - m) - log_s, 0.0) + poison
     tl.store(logprob_ptr + rows, logprob, mask=mask)
 
 
@@ -192,7 +194,7 @@ def _merge_kernel(
         t = tl.load(label_ptr + rows, mask=row_ok, other=-1)
         z_t = tl.load(target_ptr + rows, mask=row_ok, other=0.0)
         _finish_row(rows, m, tl.where(row_ok, s, 1.0), z_t, (t >= 0) & (t < num_valid_cols), log_sum_exp_ptr,
-                    lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG, mask=row_ok)
+                    lse_ptr, logprob_ptr, tl.load(poison_ptr), PRECISE_LOG, mask=row_ok)
     if WANT_SUM:
         pl = tl.load(psum_logits_ptr + offs, mask=mask, other=0.0)
         tl.store(sum_logits_ptr + rows, tl.sum(pl, axis=1), mask=row_ok)
@@ -236,6 +238,42 @@ def _dlogits_kernel(
 
 
 
+@triton.jit
+def _stats_dlogits_row(logits_ptr, stride_row, row, t, labelled, scale, poison, max_ptr, target_out_ptr,
+                       log_sum_exp_ptr, lse_ptr, logprob_ptr, num_cols, num_valid_cols, inv_temperature,
+                       LOGPROB: tl.constexpr, STATS_N: tl.constexpr, DLOGITS_N: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, PRECISE_LOG: tl.constexpr):
+    """One row of stats_dlogits_: its statistics' loop (the stats kernel's, and merged_tail's log:
+    the same bits; the log-probs shard_logprob's), then again its logits, into dlogits (the
+    dlogits kernel's math with the row's coefficients). `t`: its target on the shard (-1: none);
+    `labelled`: whether its label is kept; `poison`: the call's (LOGPROB)."""
+    row_ptr = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride_row  # (64-bit offsets)
+    m, s, _, _ = _online_softmax_sums(row_ptr, 0, num_valid_cols, inv_temperature, False, False, STATS_N)
+    z_t, _ = _target_logit(row_ptr, t, num_valid_cols, inv_temperature)
+    tl.store(max_ptr + row, m)
+    tl.store(target_out_ptr + row, z_t)
+    log_s = _log(s, PRECISE_LOG)
+    if LOGPROB:  # d log p_y / d z = one_hot - softmax (every row: the backward masks g)
+        _finish_row(row, m, s, z_t, labelled, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison, PRECISE_LOG)
+        coef_p = -1.0
+        coef_t = 1.0
+    else:  # c (softmax - one_hot), c = 0 in the rows of ignored labels
+        tl.store(log_sum_exp_ptr + row, log_s)
+        tl.store(lse_ptr + row, m + log_s)
+        coef_p = scale * labelled.to(tl.float32)
+        coef_t = -coef_p
+    for col0 in range(0, num_cols, DLOGITS_N):
+        cols = col0 + tl.arange(0, DLOGITS_N)
+        valid = cols < num_valid_cols
+        z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
+        grad = tl.exp((z - m) - log_s) * coef_p
+        grad += tl.where(cols == t, coef_t, 0.0)
+        grad = tl.where(valid, grad * inv_temperature, 0.0)
+        if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates
+            grad = round_bf16_by_hand(grad)
+        tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < num_cols)
+
+
 @cached_launch
 @triton.jit
 def _stats_dlogits_kernel(
@@ -245,42 +283,17 @@ def _stats_dlogits_kernel(
     LOGPROB: tl.constexpr, HAS_LABELLED: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
     STATS_N: tl.constexpr, DLOGITS_N: tl.constexpr, ROUND_BF16: tl.constexpr, PRECISE_LOG: tl.constexpr,
 ):
-    # Persistent over rows. Each row is read by the statistics' loop (the stats kernel's, and
-    # merged_tail's log: the same bits; the log-probs shard_logprob's), then again by the dlogits'
-    # loop (the dlogits kernel's math with the row's coefficients).
+    # persistent over rows, each row read twice (_stats_dlogits_row)
     if SCALE_IN_MEMORY:
         scale = tl.load(scale_ptr)
+    poison = 0.0
+    if LOGPROB:
+        poison = tl.load(poison_ptr)
     for row in range(tl.program_id(0), n, tl.num_programs(0)):
-        row_ptr = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride_row  # (64-bit offsets)
-        m, s, _, _ = _online_softmax_sums(row_ptr, 0, num_valid_cols, inv_temperature, False, False, STATS_N)
-        t = tl.load(target_ptr + row)
-        z_t, _ = _target_logit(row_ptr, t, num_valid_cols, inv_temperature)
-        tl.store(max_ptr + row, m)
-        tl.store(target_out_ptr + row, z_t)
-        labelled = (tl.load(labelled_ptr + row) != 0) if HAS_LABELLED else True
-        log_s = _log(s, PRECISE_LOG)
-        if LOGPROB:  # d log p_y / d z = one_hot - softmax (every row: the backward masks g)
-            _finish_row(row, m, s, z_t, labelled, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison_ptr, PRECISE_LOG)
-            coef_p = -1.0
-            coef_t = 1.0
-        else:  # c (softmax - one_hot), c = 0 in the rows of ignored labels
-            tl.store(log_sum_exp_ptr + row, log_s)
-            tl.store(lse_ptr + row, m + log_s)
-            if HAS_LABELLED:
-                coef_p = scale * labelled.to(tl.float32)
-            else:
-                coef_p = scale
-            coef_t = -coef_p
-        for col0 in range(0, num_cols, DLOGITS_N):
-            cols = col0 + tl.arange(0, DLOGITS_N)
-            valid = cols < num_valid_cols
-            z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
-            grad = tl.exp((z - m) - log_s) * coef_p
-            grad += tl.where(cols == t, coef_t, 0.0)
-            grad = tl.where(valid, grad * inv_temperature, 0.0)
-            if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates
-                grad = round_bf16_by_hand(grad)
-            tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < num_cols)
+        labelled = (tl.load(labelled_ptr + row) != 0) if HAS_LABELLED else (row >= 0)
+        _stats_dlogits_row(logits_ptr, stride_row, row, tl.load(target_ptr + row), labelled, scale, poison, max_ptr,
+                           target_out_ptr, log_sum_exp_ptr, lse_ptr, logprob_ptr, num_cols, num_valid_cols,
+                           inv_temperature, LOGPROB, STATS_N, DLOGITS_N, ROUND_BF16, PRECISE_LOG)
 
 
 def shard_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
@@ -309,17 +322,45 @@ def shard_logprob(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv
     return logprob, stats.max, log_sum_exp, stats.target, lse
 
 
-# A forward-only chunk of at most LABEL_LOGPROB_MAX_ROWS rows (the reference and old-policy passes of
-# RL micro-batches, where a call's time is its host's) takes its label checks and log-probs from one
-# launch instead of the label kernel's and the stats kernel's. Every program reads every label for
-# the verdict (bad labels poison every row), so that no program waits for another: bytes that grow
-# with rows x programs, hence the bound (above it the GPU sets the call's time, and two launches
-# cost nothing there).
-LABEL_LOGPROB_MAX_ROWS = 4096
-LABEL_BLOCK = 1024  # labels per step of the verdict's read
-# its persistent programs: on an H200 (bf16, 1024-4096 rows x 19008-64128 columns), 16 per SM as fast
-# as a program per row (whose verdict reads would grow with rows squared); 4 per SM 10-35 % slower
+# Labels in the statistics' launch. A chunk of at most LABELS_IN_LAUNCH_MAX_ROWS rows at TP = 1 (the
+# passes of RL micro-batches, where a call's time is its host's) takes label_targets' work from the
+# launch that reads its logits instead of a launch of its own: forward-only log-probs
+# (`label_logprob`), cross-entropy's and log-probs' statistics with their dlogits
+# (`stats_dlogits_with_labels_`). Every program reads every label for the call's totals (the
+# verdict: bad labels poison every row; the labelled count: a mean's 1 / count), so that no
+# program waits for another: bytes that grow with rows x programs, hence the bound (above it the
+# GPU sets the call's time, and a launch more costs nothing there).
+LABELS_IN_LAUNCH_MAX_ROWS = 4096
+LABEL_BLOCK = 1024  # labels per step of the totals' read
+# label_logprob's persistent programs: on an H200 (bf16, 1024-4096 rows x 19008-64128 columns), 16
+# per SM as fast as a program per row (whose reads of the labels would grow with rows squared); 4
+# per SM 10-35 % slower
 LABEL_LOGPROB_PROGRAMS_PER_SM = 16
+
+
+@triton.jit
+def _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_BLOCK: tl.constexpr):
+    """(labelled rows, whether a labelled row's label lies outside [0, true_vocab)) of the call:
+    label_targets' count and verdict (the same integer sums)."""
+    labelled_rows = tl.zeros([LABEL_BLOCK], tl.int64)
+    bad_rows = tl.zeros([LABEL_BLOCK], tl.int32)
+    for start in range(0, n, LABEL_BLOCK):
+        offsets = start + tl.arange(0, LABEL_BLOCK)
+        label = tl.load(labels_ptr + offsets.to(tl.int64) * labels_stride, mask=offsets < n, other=ignore_index)
+        labelled = label != ignore_index
+        labelled_rows += labelled.to(tl.int64)
+        bad_rows = tl.maximum(bad_rows, (labelled & ((label < 0) | (label >= true_vocab))).to(tl.int32))
+    return tl.sum(labelled_rows, axis=0), tl.max(bad_rows, axis=0)
+
+
+@triton.jit
+def _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, v_local):
+    """(the row's target on this shard, -1 where none; whether its label is kept): label_targets'."""
+    label = tl.load(labels_ptr + (tl.full([], 0, tl.int64) + row) * labels_stride)
+    labelled = label != ignore_index
+    local = label - vocab_start
+    on_shard = labelled & (label >= 0) & (label < true_vocab) & (local >= 0) & (local < v_local)
+    return tl.where(on_shard, local, -1), labelled
 
 
 @cached_launch
@@ -328,33 +369,57 @@ def _label_logprob_kernel(logits_ptr, stride_row, labels_ptr, labels_stride, log
                           true_vocab, vocab_start, v_local, num_valid_cols, inv_temperature,
                           BLOCK_N: tl.constexpr, LABEL_BLOCK: tl.constexpr, PRECISE_LOG: tl.constexpr,
                           BAD_LABELS: tl.constexpr):
-    # the labels' verdict, label_targets': a labelled position whose label is outside [0, true_vocab)
-    bad_rows = tl.zeros([LABEL_BLOCK], tl.int32)
-    for start in range(0, n, LABEL_BLOCK):
-        offsets = start + tl.arange(0, LABEL_BLOCK)
-        label = tl.load(labels_ptr + offsets.to(tl.int64) * labels_stride, mask=offsets < n, other=ignore_index)
-        bad_rows = tl.maximum(bad_rows, ((label != ignore_index) & ((label < 0) | (label >= true_vocab))).to(tl.int32))
-    bad = tl.max(bad_rows, axis=0)
+    # (no `_` before the loop: Triton would carry it through the loop with the count's type)
+    labelled_rows, bad = _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_BLOCK)
     poison = tl.where(bad != 0, float("nan"), 0.0)  # (label_targets' poison: x + 0 is x)
     if tl.program_id(0) == 0:
         tl.store(flags_ptr, tl.load(flags_ptr) | (bad.to(tl.int64) * BAD_LABELS))
     # persistent over rows; each row the stats kernel's (one split) and _finish_row's log-prob
     for row in range(tl.program_id(0), n, tl.num_programs(0)):
         row_ptr = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride_row  # (64-bit offsets)
-        label = tl.load(labels_ptr + (tl.full([], 0, tl.int64) + row) * labels_stride)
-        local = label - vocab_start
-        on_shard = (label != ignore_index) & (label >= 0) & (label < true_vocab) & (local >= 0) & (local < v_local)
+        t, _ = _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, v_local)
         m, s, _, _ = _online_softmax_sums(row_ptr, 0, num_valid_cols, inv_temperature, False, False, BLOCK_N)
-        z_t, in_block = _target_logit(row_ptr, tl.where(on_shard, local, -1), num_valid_cols, inv_temperature)
+        z_t, in_block = _target_logit(row_ptr, t, num_valid_cols, inv_temperature)
         log_s = _log(s, PRECISE_LOG)
         tl.store(logprob_ptr + row, tl.where(in_block, (z_t - m) - log_s, 0.0) + poison)
 
 
+@cached_launch
+@triton.jit
+def _stats_dlogits_labels_kernel(
+    logits_ptr, stride_row, labels_ptr, labels_stride, scale, max_ptr, target_out_ptr, log_sum_exp_ptr, lse_ptr,
+    logprob_ptr, local_target_ptr, labelled_ptr, counts_ptr, scalars_ptr, flags_ptr,
+    n, ignore_index, true_vocab, vocab_start, num_cols, num_valid_cols, inv_temperature,
+    LOGPROB: tl.constexpr, MEAN: tl.constexpr, LABEL_BLOCK: tl.constexpr, BAD_LABELS: tl.constexpr,
+    STATS_N: tl.constexpr, DLOGITS_N: tl.constexpr, ROUND_BF16: tl.constexpr, PRECISE_LOG: tl.constexpr,
+):
+    # the call's totals, label_targets' (the same values in every program), written by the first
+    count, bad = _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_BLOCK)
+    poison = tl.where(bad != 0, float("nan"), 0.0)
+    inverse = 1.0 / tl.maximum(count, 1).to(tl.float32)
+    if tl.program_id(0) == 0:
+        tl.store(counts_ptr, count)
+        tl.store(counts_ptr + 1, bad.to(tl.int64))
+        tl.store(scalars_ptr, poison)
+        tl.store(scalars_ptr + 1, inverse)
+        tl.store(scalars_ptr + 2, -inverse)
+        tl.store(flags_ptr, tl.load(flags_ptr) | (bad.to(tl.int64) * BAD_LABELS))
+    if MEAN:  # cross-entropy's mean: c = 1 / labelled rows
+        scale = inverse
+    for row in range(tl.program_id(0), n, tl.num_programs(0)):
+        t, labelled = _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, num_cols)
+        tl.store(local_target_ptr + row, t)
+        tl.store(labelled_ptr + row, labelled.to(tl.int8))
+        _stats_dlogits_row(logits_ptr, stride_row, row, t, labelled, scale, poison, max_ptr, target_out_ptr,
+                           log_sum_exp_ptr, lse_ptr, logprob_ptr, num_cols, num_valid_cols, inv_temperature, LOGPROB,
+                           STATS_N, DLOGITS_N, ROUND_BF16, PRECISE_LOG)
+
+
 def label_logprob_applies(num_rows: int, num_valid_cols: int, device: torch.device) -> bool:
-    """Where `label_logprob` runs: at most LABEL_LOGPROB_MAX_ROWS rows, each of which the stats
+    """Where `label_logprob` runs: at most LABELS_IN_LAUNCH_MAX_ROWS rows, each of which the stats
     kernel would take whole (one split: as many rows as PROGRAMS_PER_SM fills, or rows of one
     block), so that its log-probs are shard_logprob's."""
-    return (0 < num_rows <= LABEL_LOGPROB_MAX_ROWS and num_valid_cols > 0
+    return (0 < num_rows <= LABELS_IN_LAUNCH_MAX_ROWS and num_valid_cols > 0
             and (num_rows >= PROGRAMS_PER_SM * _sm_count(device) or num_valid_cols <= STATS_BLOCK_N))
 
 
@@ -507,6 +572,44 @@ def stats_dlogits_(logits: Tensor, local_target: Tensor, num_valid_cols: int, in
         num_warps=STATS_WARPS,  # (the statistics' reduction order: the stats kernel's)
     )
     return outs if logprob else outs + (None,)
+
+
+def stats_dlogits_with_labels_applies(num_rows: int, num_valid_cols: int, row_bytes: int,
+                                     device: torch.device) -> bool:
+    """Where `stats_dlogits_with_labels_` runs: where stats_dlogits_ does, up to
+    LABELS_IN_LAUNCH_MAX_ROWS rows."""
+    return num_rows <= LABELS_IN_LAUNCH_MAX_ROWS and stats_dlogits_applies(num_rows, num_valid_cols, row_bytes, device)
+
+
+def stats_dlogits_with_labels_(logits: Tensor, labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int,
+                               num_valid_cols: int, inv_temperature: float, flags: Tensor, *, mean: bool = False,
+                               scale: float = 1.0, logprob: bool = False) -> tuple:
+    """label_targets (without a mask or a rank check) then stats_dlogits_, in one launch: from the
+    raw `labels` (int64 [rows]) each row's target and whether it is kept, the call's labelled count,
+    its verdict and poison (`flags`: deferred_errors' word), then the statistics and dlogits with
+    c = 1 / labelled rows (`mean`) or `scale`, or (`logprob`) one_hot - softmax and the log-probs
+    plus the poison; the same bits as the two launches. -> (max, target, log S, lse, log-probs or
+    None, targets on the shard, labelled (bool), counts (int64 [2]), scalars (fp32 [3])):
+    label_targets' last four."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    n, num_cols = logits.shape
+    device = logits.device
+    f32 = torch.empty(5 * n + 3, dtype=torch.float32, device=device)
+    words = torch.empty(n + 2, dtype=torch.int64, device=device)
+    labelled = torch.empty(n, dtype=torch.uint8, device=device)
+    outs = f32[:5 * n].view(5, n).unbind(0)
+    scalars, local_target, counts = f32[5 * n:], words[:n], words[n:]
+    programs = max(1, min(n, STATS_DLOGITS_PROGRAMS_PER_SM * _sm_count(device)))
+    _stats_dlogits_labels_kernel[(programs,)](
+        logits, logits.stride(0), labels, labels.stride(0), float(scale), *outs, local_target, labelled, counts, scalars,
+        flags, n, int(ignore_index), int(true_vocab), int(vocab_start), num_cols, num_valid_cols,
+        float(inv_temperature), LOGPROB=logprob, MEAN=mean, LABEL_BLOCK=LABEL_BLOCK, BAD_LABELS=LABELS_OUT_OF_RANGE,
+        STATS_N=STATS_BLOCK_N, DLOGITS_N=DLOGITS_BLOCK_N,
+        ROUND_BF16=_interpreting() and logits.dtype == torch.bfloat16, PRECISE_LOG=not _interpreting(),
+        num_warps=STATS_WARPS,  # (the statistics' reduction order: the stats kernel's)
+    )
+    return (*outs[:4], outs[4] if logprob else None, local_target, labelled.view(torch.bool), counts, scalars)
 
 
 @cached_launch
@@ -1099,6 +1202,8 @@ BACKEND = Backend(
     merge_gathered=merge_gathered, merged_tail=merged_tail, labelled_logprob=labelled_logprob,
     gemm_stats=FusedGemm(supported=triton_gemm_stats.supported, run=triton_gemm_stats.gemm_shard_stats),
     gemm_dlogits=FusedGemm(supported=gemm_dlogits_supported, run=triton_gemm_dlogits.gemm_dlogits),
-    stats_dlogits=StatsDlogits(applies=stats_dlogits_applies, run_=stats_dlogits_),
+    stats_dlogits=StatsDlogits(applies=stats_dlogits_applies, run_=stats_dlogits_,
+                               with_labels=LabelsInLaunch(applies=stats_dlogits_with_labels_applies,
+                                                          run_=stats_dlogits_with_labels_)),
     label_logprob=LabelLogprob(applies=label_logprob_applies, run=label_logprob),
 )
