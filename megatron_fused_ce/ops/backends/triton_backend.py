@@ -47,8 +47,8 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from ..deferred_errors import LABELS_OUT_OF_RANGE
-from . import (Backend, FusedGemm, LabelLogprob, LabelsInLaunch, ShardStats, StatsDlogits, torch_backend, triton_gemm_dlogits,
-               triton_gemm_stats)
+from . import (Backend, FusedGemm, LabelLogprob, LabelsInLaunch, ShardStats, StatsDlogits, torch_backend,
+               triton_gemm_dlogits, triton_gemm_stats)
 from .triton_common import (cached_launch, cdiv, f32 as _f32, interpreting as _interpreting, next_power_of_2,
                             sm_count as _sm_count)
 from .replay_triton import fingerprint_terms
@@ -290,7 +290,7 @@ def _stats_dlogits_kernel(
     if LOGPROB:
         poison = tl.load(poison_ptr)
     for row in range(tl.program_id(0), n, tl.num_programs(0)):
-        labelled = (tl.load(labelled_ptr + row) != 0) if HAS_LABELLED else (row >= 0)
+        labelled = (tl.load(labelled_ptr + row) != 0) if HAS_LABELLED else (row >= 0)  # (true, as a tensor)
         _stats_dlogits_row(logits_ptr, stride_row, row, tl.load(target_ptr + row), labelled, scale, poison, max_ptr,
                            target_out_ptr, log_sum_exp_ptr, lse_ptr, logprob_ptr, num_cols, num_valid_cols,
                            inv_temperature, LOGPROB, STATS_N, DLOGITS_N, ROUND_BF16, PRECISE_LOG)
@@ -339,6 +339,18 @@ LABEL_LOGPROB_PROGRAMS_PER_SM = 16
 
 
 @triton.jit
+def _label_target(label, ignore_index, true_vocab, vocab_start, v_local):
+    """What a label means (label_targets' definition, for a label or a block of them): (its target
+    on this shard, -1 where none; whether it is kept; whether it is kept and outside [0,
+    true_vocab): a bad label)."""
+    labelled = label != ignore_index
+    in_range = (label >= 0) & (label < true_vocab)
+    local = label - vocab_start
+    on_shard = labelled & in_range & (local >= 0) & (local < v_local)
+    return tl.where(on_shard, local, -1), labelled, labelled & ~in_range
+
+
+@triton.jit
 def _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_BLOCK: tl.constexpr):
     """(labelled rows, whether a labelled row's label lies outside [0, true_vocab)) of the call:
     label_targets' count and verdict (the same integer sums)."""
@@ -347,9 +359,9 @@ def _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_
     for start in range(0, n, LABEL_BLOCK):
         offsets = start + tl.arange(0, LABEL_BLOCK)
         label = tl.load(labels_ptr + offsets.to(tl.int64) * labels_stride, mask=offsets < n, other=ignore_index)
-        labelled = label != ignore_index
+        _target, labelled, bad_block = _label_target(label, ignore_index, true_vocab, 0, 1)  # (no shard's target)
         labelled_rows += labelled.to(tl.int64)
-        bad_rows = tl.maximum(bad_rows, (labelled & ((label < 0) | (label >= true_vocab))).to(tl.int32))
+        bad_rows = tl.maximum(bad_rows, bad_block.to(tl.int32))
     return tl.sum(labelled_rows, axis=0), tl.max(bad_rows, axis=0)
 
 
@@ -357,10 +369,8 @@ def _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_
 def _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, v_local):
     """(the row's target on this shard, -1 where none; whether its label is kept): label_targets'."""
     label = tl.load(labels_ptr + (tl.full([], 0, tl.int64) + row) * labels_stride)
-    labelled = label != ignore_index
-    local = label - vocab_start
-    on_shard = labelled & (label >= 0) & (label < true_vocab) & (local >= 0) & (local < v_local)
-    return tl.where(on_shard, local, -1), labelled
+    target, labelled, _bad = _label_target(label, ignore_index, true_vocab, vocab_start, v_local)
+    return target, labelled
 
 
 @cached_launch
@@ -779,14 +789,12 @@ def _label_targets_kernel(labels_ptr, target_ptr, labelled_ptr, counts_ptr, scal
             position_terms, hash_terms = fingerprint_terms(label, offsets.to(tl.int64), in_rows, True)
             position_sum += position_terms
             hash_sum += hash_terms
-        labelled = (label != ignore_index) & in_rows
-        in_range = (label >= 0) & (label < true_vocab)
-        local = label - vocab_start
-        on_shard = labelled & in_range & (local >= 0) & (local < v_local)
-        tl.store(target_ptr + offsets, tl.where(on_shard, local, -1), mask=in_rows)
+        # (a position past the rows reads ignore_index: not kept, not bad)
+        target, labelled, bad_block = _label_target(label, ignore_index, true_vocab, vocab_start, v_local)
+        tl.store(target_ptr + offsets, target, mask=in_rows)
         tl.store(labelled_ptr + offsets, labelled.to(tl.int8), mask=in_rows)
         labelled_rows += labelled.to(tl.int64)
-        bad_rows = tl.maximum(bad_rows, (labelled & ~in_range).to(tl.int32))
+        bad_rows = tl.maximum(bad_rows, bad_block.to(tl.int32))
     bad = tl.max(bad_rows, axis=0).to(tl.int64)
     tl.store(counts_ptr, tl.sum(labelled_rows, axis=0))
     tl.store(counts_ptr + 1, bad)
