@@ -77,6 +77,19 @@ def no_deferred_error_left():
         pytest.fail(f"the test left a deferred error unread: {error}")
 
 
+@pytest.fixture(autouse=True)
+def no_grpo_kernel_fallback_left():
+    """A test leaves GRPO's per-token kernel in use: a call whose kernel failed (a compiler bug,
+    linear_grpo._kernel_failed) sends every later call of its config to the definition, so that a
+    later test of the kernel would check the definition instead."""
+    yield
+    linear_grpo = sys.modules.get("megatron_fused_ce.losses.linear_grpo")
+    if linear_grpo is not None and linear_grpo._FAILED_CONFIGS:
+        failed = set(linear_grpo._FAILED_CONFIGS)
+        linear_grpo._FAILED_CONFIGS.clear()
+        pytest.fail(f"the test left GRPO's per-token kernel failed for {failed}")
+
+
 @pytest.fixture
 def reference_kernel(monkeypatch):
     """QuACK's one-pass row kernel replaced by its torch contract (cute_backend.reference_kernel) and

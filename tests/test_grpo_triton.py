@@ -304,6 +304,32 @@ def test_config_mutation_is_seen(triton_grpo):
     assert not torch.equal(first, second)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="per-token inputs on another device than hidden's: a GPU")
+def test_per_token_inputs_on_the_cpu_keep_the_kernel(triton_grpo, monkeypatch):
+    """Advantages, mask and old log-probs given on the CPU beside CUDA hidden states move to the
+    GPU (as grpo_loss moves them): the per-token kernel runs on them (no fallback, which would
+    then hold for every later call of the config) and gives the values of the same call with
+    every input on the GPU, bit for bit."""
+    monkeypatch.setattr(linear_grpo, "_FAILED_CONFIGS", set())
+    g = torch.Generator().manual_seed(9)
+    batch, length, hidden, vocab = 2, 8, 16, 40
+    h = torch.randn(batch, length, hidden, generator=g).to(DEVICE)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.3).to(DEVICE)
+    labels = torch.randint(0, vocab, (batch, length), generator=g).to(DEVICE)
+    adv, mask = torch.randn(batch, generator=g), torch.rand(batch, length, generator=g) > 0.2
+    old = torch.randn(batch, length, generator=g) * 0.3 - 3.5
+    results = []
+    for device in ("cpu", DEVICE, "cpu"):  # (the third call: a remembered route's)
+        hh = h.clone().requires_grad_()
+        loss, _ = linear_grpo_loss(hh, w, labels, adv.to(device), mask.to(device), GRPOConfig(), impl="triton",
+                                   old_logprobs=old.to(device), vocab_size=vocab)
+        loss.backward()
+        results.append((loss.detach(), hh.grad))
+    assert not linear_grpo._FAILED_CONFIGS
+    for got in (results[0], results[2]):
+        assert all(map(torch.equal, got, results[1]))
+
+
 def test_a_kernel_that_fails_falls_back_to_the_definition(monkeypatch):
     """A kernel that does not compile (a compiler bug of some Triton version) leaves the call to the
     definition, with one warning, and is not tried again for that config."""

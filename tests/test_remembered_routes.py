@@ -575,7 +575,7 @@ def test_a_route_launches_its_logits_gemm_first(tb, monkeypatch, path):
         elif path == "log-probs":
             out = linear_logprobs(h, w, y, vocab_size=vocab, impl="triton").logprobs.sum()
         else:
-            out, _ = linear_grpo_loss(h.view(1, *h.shape), w, y.clamp(min=0).view(1, -1), torch.ones(1),
+            out, _ = linear_grpo_loss(h.view(1, *h.shape), w, y.clamp(min=0).view(1, -1), torch.ones(1, device=h.device),
                                       (y != -100).float().view(1, -1), GRPOConfig(), vocab_size=vocab, impl="triton")
         out.backward()
         return out.detach(), h.grad, w.grad

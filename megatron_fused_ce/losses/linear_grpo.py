@@ -363,6 +363,13 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
                      sampling_logprobs is not None)
 
 
+def _on_device_of(hidden, *tensors) -> tuple:
+    """`tensors` (None, or anything the checks refuse, as given) on `hidden`'s device."""
+    device = hidden.device if isinstance(hidden, Tensor) else None
+    return tuple(t.to(device) if device is not None and isinstance(t, Tensor) and t.device != device else t
+                 for t in tensors)
+
+
 def linear_grpo_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -409,6 +416,10 @@ def linear_grpo_loss(
     engine's sampling distribution, and a sampled token outside its set is excluded. Recompute
     path (module doc).
     """
+    # per-token inputs given elsewhere (advantages on the CPU, say) move to hidden's device, as
+    # grpo_loss moves them to its log-probs': the label and per-token kernels read them beside the logits
+    advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs = _on_device_of(
+        hidden, advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)
     # a later call of a route the general path recorded: straight through (ops/remembered_routes.py)
     route_key = None if sampling_mask is not None or cp_group is not None else remembered_routes.call_key(
         "linear_grpo_loss", hidden, weight, labels, tp_group,
