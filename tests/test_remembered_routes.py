@@ -230,8 +230,6 @@ def test_forward_only_route_takes_one_launch_for_the_labels_and_log_probs(tb, ge
     call with a label outside the vocab: NaN in every row and the error at the next check."""
     from dataclasses import replace
 
-    from megatron_fused_ce.ops.backends import LabelLogprob
-
     h, w, y, vocab = _inputs(tb, 7, hidden_shape=(3, -1) if "2-d" in case else None,
                              rows=3 * (tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) + 2))
     if "int32" in case:
@@ -244,7 +242,7 @@ def test_forward_only_route_takes_one_launch_for_the_labels_and_log_probs(tb, ge
         runs.append(logits.shape[0])
         return tb.label_logprob(logits, *args)
 
-    monkeypatch.setattr(tb, "BACKEND", replace(tb.BACKEND, label_logprob=LabelLogprob(tb.label_logprob_applies, run)))
+    monkeypatch.setattr(tb, "BACKEND", replace(tb.BACKEND, label_logprob=replace(tb.BACKEND.label_logprob, run=run)))
 
     def call(labels=y):
         with torch.no_grad():
@@ -477,6 +475,53 @@ def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch,
         return (loss.detach(), h.grad, w.grad) + tuple(m.detach() for m in metrics.values())
 
     routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)  # then the metrics
+
+
+@pytest.mark.parametrize("case", ["in the stats launch", "sequence-first", "above its bound"])
+def test_grpo_route_takes_the_label_checks_in_its_stats_launch(tb, general_grpo_calls, monkeypatch, case):
+    """At TP = 1 a routed GRPO call of at most LABELS_IN_LAUNCH_MAX_ROWS rows takes the label
+    kernel's work, its mask among it, in the stats launch that finishes each row
+    (backends.LabelLogprob.with_statistics): loss, metrics, dX and dW the general path's bit for
+    bit (masked positions with any label, the sequence-first layout); above the bound the route
+    launches the label kernel."""
+    from dataclasses import replace
+
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    g = torch.Generator().manual_seed(12)
+    batch, hdim, vocab = 4, 16, 140
+    length = tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) // batch + 3  # (rows the stats kernel takes whole)
+    h0 = torch.randn(batch, length, hdim, generator=g).to(DEVICE)
+    w0 = (torch.randn(150, hdim, generator=g) / math.sqrt(hdim) * 3).to(DEVICE)
+    y = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = (torch.rand(batch, length, generator=g) > 0.3).float()
+    y[mask == 0] = vocab + 7  # (a masked position's label is never read as one)
+    y, mask = y.to(DEVICE), mask.to(DEVICE)
+    advantages = torch.randn(batch, generator=g).to(DEVICE)
+    first = case == "sequence-first"
+    if case == "above its bound":
+        monkeypatch.setattr(tb, "LABELS_IN_LAUNCH_MAX_ROWS", batch * length - 1)
+    runs, original = [], tb.BACKEND.label_logprob
+
+    def with_statistics(logits, *args):
+        runs.append(logits.shape[0])
+        return original.with_statistics(logits, *args)
+
+    monkeypatch.setattr(tb, "BACKEND", replace(tb.BACKEND, label_logprob=replace(original,
+                                                                                 with_statistics=with_statistics)))
+
+    def call():
+        h = (h0.transpose(0, 1).contiguous() if first else h0).clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        loss, metrics = linear_grpo_loss(h, w, y.t() if first else y, advantages, mask, GRPOConfig(),
+                                         vocab_size=vocab, impl="triton", sequence_parallel=first)
+        loss.backward()
+        return (loss.detach(), h.grad, w.grad) + tuple(m.detach() for m in metrics.values())
+
+    got = routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)
+    assert runs == ([] if case == "above its bound" else [batch * length]), runs
+    assert torch.isfinite(got[0])
+    deferred_errors.check_deferred_errors()
 
 
 def test_grpo_route_follows_the_configs_values(tb, general_grpo_calls):

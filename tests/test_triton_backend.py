@@ -201,8 +201,7 @@ def test_forward_only_logprobs_of_one_chunk_take_the_fused_epilogue(small_blocks
 
 
 # ----------------------------------------------------------------------------- label_logprob
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype, temperature", [(torch.float32, 1.0), (torch.bfloat16, 0.7)])
 @pytest.mark.parametrize("rows, v, pad", [("programs + 5", 300, 13), ("2 x programs", 100, 0), (6, 64, 9)])
 def test_label_logprob_is_the_label_and_stats_kernels(small_blocks, monkeypatch, dtype, temperature, rows, v, pad):
     """backends.LabelLogprob (a forward-only chunk at TP = 1: the label checks and the log-probs in
@@ -237,6 +236,49 @@ def test_label_logprob_is_the_label_and_stats_kernels(small_blocks, monkeypatch,
         z = logits.double() / temperature
         ref = torch.log_softmax(z[:, :nvc], -1).gather(1, y.clamp(min=0)[:, None])[:, 0].where(y >= 0, 0.0)
         _close(got, ref, dtype, "log-probs")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", [None, "bool [B, T]", "float [T, B] read transposed"])
+def test_label_statistics_is_the_label_kernel_then_shard_logprob(small_blocks, monkeypatch, dtype, mask):
+    """backends.LabelLogprob's with_statistics (GRPO's route at TP = 1: the label checks, its label
+    mask among them, in the stats launch that finishes each row) against label_targets then
+    shard_logprob with the labels' poison: statistics, log-probs, targets, labelled rows, counts
+    and scalars bit for bit (NaN where the other has NaN), the verdict's flag; positions the mask
+    drops are ignored, whatever their label."""
+    tb = small_blocks
+    monkeypatch.setattr(tb, "LABEL_BLOCK", 8)
+    n = 2 * (tb.PROGRAMS_PER_SM * tb._sm_count(DEVICE) + 3)
+    v, pad = 120, 7
+    nvc = v - pad
+    logits, g = _chunk(n, v, dtype, seed=41)
+    labels = torch.randint(0, nvc, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.2] = -100
+    keep = torch.rand(2, n // 2, generator=g) > 0.3
+    keep[0, 1] = keep[1, 0] = True  # (position 1 kept by either layout of the mask: the bad label's below)
+    label_mask = None
+    if mask == "bool [B, T]":
+        label_mask = keep.to(DEVICE)
+    elif mask is not None:  # labels [T, B] (sequence first), the mask [B, T] read through its transpose
+        label_mask = keep.float().to(DEVICE).t()
+    for bad in (None, nvc + 4):
+        y = labels.clone()
+        if bad is not None:
+            y[1] = bad
+        y = y.to(DEVICE)
+        flags, want_flags = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        got = tb.label_statistics(logits, y, -100, nvc, 0, nvc, 1 / 0.7, flags, label_mask)
+        target, labelled, counts, scalars = tb.label_targets(y, -100, nvc, 0, v, want_flags, label_mask=label_mask)
+        logprob, row_max, log_sum_exp, z_t, lse = tb.shard_logprob(logits, target, nvc, 1 / 0.7, scalars[:1])
+        assert torch.equal(flags, want_flags) and flags.item() == (0 if bad is None else 1)
+        names = ("max", "target", "log S", "lse", "log-probs", "targets", "labelled", "counts", "scalars")
+        for name, a, b in zip(names, got, (row_max, z_t, log_sum_exp, lse, logprob, target, labelled, counts,
+                                           scalars)):
+            assert a.dtype == b.dtype, name
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+        if mask is not None:
+            dropped = ~label_mask.bool().reshape(-1)
+            assert not got[6][dropped].any() and (got[5][dropped] == -1).all()
 
 
 def test_label_logprob_applies_to_the_stats_kernels_whole_rows_up_to_its_bound(tb, monkeypatch):

@@ -43,7 +43,10 @@ Routes:
 
 Every route but the replay's launches its call's first GEMM (the logits, or the fused statistics)
 before the rest of its host work: at RL row counts an eager call from an idle GPU waits for what
-the host does before that launch.
+the host does before that launch. At TP = 1, up to a few thousand rows, the label kernel's work
+rides in the launch that then reads the logits (the stats launch finishing each row:
+backends.LabelLogprob; cross-entropy's and log-probs' one launch of statistics and dlogits:
+stats_dlogits.with_labels), the same bits a launch fewer.
 
 At TP > 1 a route makes what the general path's remembered signature makes for the ranks to agree
 on: the label kernel's fingerprints of the signature, the labels and the loss's must-agree
@@ -194,7 +197,16 @@ class _Route:
             label_mask)
         return local_target, labelled, counts, scalars, flags
 
-    def labels_in_launch(self, rows: Tensor, weight: Tensor) -> bool:
+    def labels_in_stats_launch(self, rows: Tensor) -> bool:
+        """Whether a chunk of `rows` at TP = 1 whose statistics the stats launch finishes takes the
+        label kernel's work in that launch (backends.LabelLogprob: the two launches' results, the
+        same bits): the route's host time at RL row counts is its launches and their allocations."""
+        spec = self.facts.spec
+        return (self.facts.group is None and spec.backend.label_logprob is not None
+                and not (spec.want_sum_logits or spec.want_entropy)
+                and spec.backend.label_logprob.applies(rows.shape[0], spec.num_valid_cols, rows.device))
+
+    def labels_in_one_launch(self, rows: Tensor, weight: Tensor) -> bool:
         """Whether a chunk of `rows` takes its label checks in its launch of statistics and dlogits
         (TP = 1, where the backend's stats_dlogits.with_labels applies: a launch and its host work
         fewer, the same bits as the label kernel and that launch)."""
@@ -203,6 +215,14 @@ class _Route:
         row_bytes = weight.shape[0] * (4 if spec.logits_dtype is not None else weight.element_size())
         return (with_labels is not None and self.facts.group is None and rows.shape[0] <= spec.chunk_size
                 and with_labels.applies(rows.shape[0], spec.num_valid_cols, row_bytes, rows.device))
+
+    def stats_with_labels(self, logits: Tensor, flat_labels: Tensor, label_mask: Optional[Tensor]) -> tuple:
+        """backends.LabelLogprob's with_statistics on the chunk (where labels_in_stats_launch), its
+        device checks recorded as the label kernel records them."""
+        facts, spec = self.facts, self.facts.spec
+        return spec.backend.label_logprob.with_statistics(
+            logits, flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, spec.num_valid_cols,
+            spec.inv_temperature, deferred_errors.flags(logits.device), label_mask)
 
     def stats_dlogits_with_labels_(self, logits: Tensor, flat_labels: Tensor, **kind) -> tuple:
         """backends.LabelsInLaunch's run_ on the chunk (`kind`: mean=, scale= or logprob=), its
@@ -339,12 +359,20 @@ class StraightLoss(torch.autograd.Function):
         full = reductions.gather_sequence(hidden, route.group()) if facts.spec.sequence_parallel else hidden
         if logits is None:  # (route.first_logits' where it launched them)
             logits = chunk_logits(full, weight, facts.spec)
-        if route.one_launch and label_mask is None and route.labels_in_launch(full, weight):
+        if route.one_launch and label_mask is None and route.labels_in_one_launch(full, weight):
             # the label kernel's work in the one launch (cross-entropy's route: its c 1 / labelled
             # rows, "mean", or 1, "sum": CrossEntropyGrads.scale_before_statistics')
             row_max, target, log_sum_exp, lse, _, local_target, labelled, counts, scalars = \
                 route.stats_dlogits_with_labels_(logits, labels, mean=forward_grad.mean)
             spec, plan = facts.spec, StatsWithDlogits(None)
+            merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+            count = LabelledCount(counts, scalars, labelled)
+        elif not (route.one_launch or route.row_kernel) and route.labels_in_stats_launch(full):
+            # the label kernel's work in the stats launch that finishes each row (GRPO's route; its
+            # mask joins the labels there)
+            row_max, target, log_sum_exp, lse, _, local_target, labelled, counts, scalars = \
+                route.stats_with_labels(logits, labels, label_mask)
+            spec, plan = facts.spec, None
             merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
             count = LabelledCount(counts, scalars, labelled)
         else:
@@ -437,14 +465,6 @@ class LogprobRoute(_Route):
             return rows * weight.shape[0] * weight.element_size() <= FUSED_STATS_MIN_BYTES
         return fused_statistics(self.facts.spec.backend, hidden, weight) == self.fused
 
-    def label_logprob_takes(self, hidden: Tensor) -> bool:
-        """Whether a forward-only chunk at TP = 1 takes the backend's one launch of label checks and
-        log-probs (backends.LabelLogprob: the label kernel's and the stats kernel's results, the same
-        bits): the route's host time at RL row counts is its launches and their allocations."""
-        spec = self.facts.spec
-        return (not self.merged and self.facts.group is None and spec.backend.label_logprob is not None
-                and spec.backend.label_logprob.applies(hidden.shape[0], spec.num_valid_cols, hidden.device))
-
     def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> LogprobsOutput:
         facts = self.facts
         if self.differentiable:
@@ -455,7 +475,7 @@ class LogprobRoute(_Route):
             _, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
             _, logprob = merged_logprobs(partials, spec.tp_group, spec.backend, spec.rank_check, labelled,
                                          lambda: self.poison(scalars, spec))
-        elif self.label_logprob_takes(hidden):  # (TP = 1: the label kernel's and the stats kernel's work)
+        elif not self.merged and self.labels_in_stats_launch(hidden):  # (TP = 1: the label and stats kernels' work)
             spec = facts.spec
             logprob = spec.backend.label_logprob.run(
                 chunk_logits(hidden, weight, spec), flat_labels, facts.ignore_index, facts.true_vocab,
@@ -491,7 +511,7 @@ class StraightLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, route: LogprobRoute, logits):
-        if logits is not None and route.labels_in_launch(hidden, weight):
+        if logits is not None and route.labels_in_one_launch(hidden, weight):
             # the label kernel's work in the launch of statistics, log-probs and D (TP = 1)
             spec = route.facts.spec
             _, _, _, _, logprob, _, labelled, _, _ = route.stats_dlogits_with_labels_(logits, labels, logprob=True)

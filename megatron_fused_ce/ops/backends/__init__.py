@@ -12,7 +12,7 @@ capability, and the chunk loop asks for the capability, never for a backend by n
 | `gemm_stats`: statistics in the logits GEMM's epilogue (no logits in memory) | logits GEMM + `shard_stats` | Triton |
 | `gemm_dlogits`: dlogits in the logits GEMM's epilogue, offsets known | logits GEMM + `shard_dlogits_` | Triton |
 | `stats_dlogits`: one launch giving a whole-vocab chunk's statistics and its dlogits, coefficients known before the statistics (cross-entropy, log-probs), the same bits | `shard_stats` + `merged_tail` + `shard_dlogits_` | Triton |
-| `label_logprob`: a forward-only chunk's label checks and log-probs in one launch (TP = 1, a few thousand rows), the same bits | `label_targets` + `shard_logprob` | Triton |
+| `label_logprob`: a chunk's label checks and log-probs (and statistics) in one launch (TP = 1, a few thousand rows), the same bits | `label_targets` + `shard_logprob` | Triton |
 | `stats_dlogits.with_labels`: the one launch of statistics and dlogits with the label checks in it (TP = 1, a few thousand rows), the same bits | `label_targets` + `stats_dlogits` | Triton |
 | `row_kernel`: one pass giving lse and softmax - one_hot | `shard_stats` + merge + `shard_dlogits_` | QuACK (CuTe DSL), added to "auto" |
 | `weight_grad_gemm`: the dW GEMMs (write, add in place, add a sum and cast) | cuBLAS | QuACK, added to "auto" |
@@ -116,15 +116,17 @@ class StatsDlogits:
 
 @dataclass(frozen=True)
 class LabelLogprob:
-    """One launch over a forward-only chunk whose shard is the whole vocab (TP = 1) giving each
-    row's labelled log-prob from the raw labels, with label_targets' check of them (a label
-    outside [0, true_vocab): NaN in every row and deferred_errors' flag): `run(logits, labels,
-    ignore_index, true_vocab, vocab_start, num_valid_cols, inv_temperature, flags)` for chunks of
-    which `applies(rows, num_valid_cols, device)`; the log-probs of `label_targets` then
-    `shard_logprob`, bit for bit."""
+    """One launch over a chunk whose shard is the whole vocab (TP = 1) giving each row's labelled
+    log-prob from the raw labels, with label_targets' check of them (a label outside [0,
+    true_vocab): NaN in every row and deferred_errors' flag): `run(logits, labels, ignore_index,
+    true_vocab, vocab_start, num_valid_cols, inv_temperature, flags)` (forward-only: the log-probs)
+    and `with_statistics(..., label_mask=)` (shard_logprob's five results and label_targets' last
+    four), for chunks of which `applies(rows, num_valid_cols, device)`; the bits of `label_targets`
+    then `shard_logprob`."""
 
     applies: Callable
     run: Callable
+    with_statistics: Callable
 
 
 @dataclass(frozen=True)

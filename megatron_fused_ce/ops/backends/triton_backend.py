@@ -351,14 +351,28 @@ def _label_target(label, ignore_index, true_vocab, vocab_start, v_local):
 
 
 @triton.jit
-def _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_BLOCK: tl.constexpr):
+def _masked_labels(labels_ptr, labels_stride, positions, inside, ignore_index, mask_ptr, mask_cols, mask_stride0,
+                   mask_stride1, HAS_MASK: tl.constexpr):
+    """The labels at `positions` (ignore_index outside), ignore_index where the label mask is 0
+    (label_targets' `label_mask`, read in the labels' layout)."""
+    label = tl.load(labels_ptr + positions * labels_stride, mask=inside, other=ignore_index)
+    if HAS_MASK:
+        at = (positions // mask_cols) * mask_stride0 + (positions % mask_cols) * mask_stride1
+        label = tl.where(tl.load(mask_ptr + at, mask=inside, other=1) != 0, label, ignore_index)
+    return label
+
+
+@triton.jit
+def _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, mask_ptr, mask_cols, mask_stride0,
+                  mask_stride1, HAS_MASK: tl.constexpr, LABEL_BLOCK: tl.constexpr):
     """(labelled rows, whether a labelled row's label lies outside [0, true_vocab)) of the call:
     label_targets' count and verdict (the same integer sums)."""
     labelled_rows = tl.zeros([LABEL_BLOCK], tl.int64)
     bad_rows = tl.zeros([LABEL_BLOCK], tl.int32)
     for start in range(0, n, LABEL_BLOCK):
         offsets = start + tl.arange(0, LABEL_BLOCK)
-        label = tl.load(labels_ptr + offsets.to(tl.int64) * labels_stride, mask=offsets < n, other=ignore_index)
+        label = _masked_labels(labels_ptr, labels_stride, offsets.to(tl.int64), offsets < n, ignore_index, mask_ptr,
+                               mask_cols, mask_stride0, mask_stride1, HAS_MASK)
         _target, labelled, bad_block = _label_target(label, ignore_index, true_vocab, 0, 1)  # (no shard's target)
         labelled_rows += labelled.to(tl.int64)
         bad_rows = tl.maximum(bad_rows, bad_block.to(tl.int32))
@@ -366,32 +380,61 @@ def _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_
 
 
 @triton.jit
-def _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, v_local):
+def _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, v_local, mask_ptr, mask_cols,
+               mask_stride0, mask_stride1, HAS_MASK: tl.constexpr):
     """(the row's target on this shard, -1 where none; whether its label is kept): label_targets'."""
-    label = tl.load(labels_ptr + (tl.full([], 0, tl.int64) + row) * labels_stride)
+    label = _masked_labels(labels_ptr, labels_stride, tl.full([], 0, tl.int64) + row, row >= 0, ignore_index,
+                           mask_ptr, mask_cols, mask_stride0, mask_stride1, HAS_MASK)
     target, labelled, _bad = _label_target(label, ignore_index, true_vocab, vocab_start, v_local)
     return target, labelled
+
+
+@triton.jit
+def _store_totals(counts_ptr, scalars_ptr, flags_ptr, count, bad, poison, inverse, BAD_LABELS: tl.constexpr):
+    """label_targets' counts (labelled rows, verdict) and scalars (poison, 1 / count, its negative),
+    and the verdict's flag."""
+    tl.store(counts_ptr, count)
+    tl.store(counts_ptr + 1, bad.to(tl.int64))
+    tl.store(scalars_ptr, poison)
+    tl.store(scalars_ptr + 1, inverse)
+    tl.store(scalars_ptr + 2, -inverse)
+    tl.store(flags_ptr, tl.load(flags_ptr) | (bad.to(tl.int64) * BAD_LABELS))
 
 
 @cached_launch
 @triton.jit
 def _label_logprob_kernel(logits_ptr, stride_row, labels_ptr, labels_stride, logprob_ptr, flags_ptr, n, ignore_index,
                           true_vocab, vocab_start, v_local, num_valid_cols, inv_temperature,
+                          max_ptr, target_out_ptr, log_sum_exp_ptr, lse_ptr, local_target_ptr, labelled_ptr,
+                          counts_ptr, scalars_ptr, mask_ptr, mask_cols, mask_stride0, mask_stride1,
                           BLOCK_N: tl.constexpr, LABEL_BLOCK: tl.constexpr, PRECISE_LOG: tl.constexpr,
-                          BAD_LABELS: tl.constexpr):
+                          BAD_LABELS: tl.constexpr, EVERY_OUTPUT: tl.constexpr, HAS_MASK: tl.constexpr):
     # (no `_` before the loop: Triton would carry it through the loop with the count's type)
-    labelled_rows, bad = _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_BLOCK)
+    count, bad = _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, mask_ptr, mask_cols,
+                               mask_stride0, mask_stride1, HAS_MASK, LABEL_BLOCK)
     poison = tl.where(bad != 0, float("nan"), 0.0)  # (label_targets' poison: x + 0 is x)
     if tl.program_id(0) == 0:
-        tl.store(flags_ptr, tl.load(flags_ptr) | (bad.to(tl.int64) * BAD_LABELS))
+        if EVERY_OUTPUT:
+            _store_totals(counts_ptr, scalars_ptr, flags_ptr, count, bad, poison,
+                          1.0 / tl.maximum(count, 1).to(tl.float32), BAD_LABELS)
+        else:
+            tl.store(flags_ptr, tl.load(flags_ptr) | (bad.to(tl.int64) * BAD_LABELS))
     # persistent over rows; each row the stats kernel's (one split) and _finish_row's log-prob
     for row in range(tl.program_id(0), n, tl.num_programs(0)):
         row_ptr = logits_ptr + (tl.full([], 0, tl.int64) + row) * stride_row  # (64-bit offsets)
-        t, _ = _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, v_local)
+        t, labelled = _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, v_local,
+                                 mask_ptr, mask_cols, mask_stride0, mask_stride1, HAS_MASK)
         m, s, _, _ = _online_softmax_sums(row_ptr, 0, num_valid_cols, inv_temperature, False, False, BLOCK_N)
         z_t, in_block = _target_logit(row_ptr, t, num_valid_cols, inv_temperature)
-        log_s = _log(s, PRECISE_LOG)
-        tl.store(logprob_ptr + row, tl.where(in_block, (z_t - m) - log_s, 0.0) + poison)
+        if EVERY_OUTPUT:  # (shard_logprob's, and label_targets' per row)
+            tl.store(max_ptr + row, m)
+            tl.store(target_out_ptr + row, z_t)
+            tl.store(local_target_ptr + row, t)
+            tl.store(labelled_ptr + row, labelled.to(tl.int8))
+            _finish_row(row, m, s, z_t, in_block, log_sum_exp_ptr, lse_ptr, logprob_ptr, poison, PRECISE_LOG)
+        else:
+            log_s = _log(s, PRECISE_LOG)
+            tl.store(logprob_ptr + row, tl.where(in_block, (z_t - m) - log_s, 0.0) + poison)
 
 
 @cached_launch
@@ -404,20 +447,17 @@ def _stats_dlogits_labels_kernel(
     STATS_N: tl.constexpr, DLOGITS_N: tl.constexpr, ROUND_BF16: tl.constexpr, PRECISE_LOG: tl.constexpr,
 ):
     # the call's totals, label_targets' (the same values in every program), written by the first
-    count, bad = _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, LABEL_BLOCK)
+    count, bad = _label_totals(labels_ptr, labels_stride, n, ignore_index, true_vocab, labels_ptr, 1, 0, 0, False,
+                               LABEL_BLOCK)
     poison = tl.where(bad != 0, float("nan"), 0.0)
     inverse = 1.0 / tl.maximum(count, 1).to(tl.float32)
     if tl.program_id(0) == 0:
-        tl.store(counts_ptr, count)
-        tl.store(counts_ptr + 1, bad.to(tl.int64))
-        tl.store(scalars_ptr, poison)
-        tl.store(scalars_ptr + 1, inverse)
-        tl.store(scalars_ptr + 2, -inverse)
-        tl.store(flags_ptr, tl.load(flags_ptr) | (bad.to(tl.int64) * BAD_LABELS))
+        _store_totals(counts_ptr, scalars_ptr, flags_ptr, count, bad, poison, inverse, BAD_LABELS)
     if MEAN:  # cross-entropy's mean: c = 1 / labelled rows
         scale = inverse
     for row in range(tl.program_id(0), n, tl.num_programs(0)):
-        t, labelled = _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, num_cols)
+        t, labelled = _row_label(labels_ptr, labels_stride, row, ignore_index, true_vocab, vocab_start, num_cols,
+                                 labels_ptr, 1, 0, 0, False)
         tl.store(local_target_ptr + row, t)
         tl.store(labelled_ptr + row, labelled.to(tl.int8))
         _stats_dlogits_row(logits_ptr, stride_row, row, t, labelled, scale, poison, max_ptr, target_out_ptr,
@@ -437,18 +477,50 @@ def label_logprob(logits: Tensor, labels: Tensor, ignore_index: int, true_vocab:
                   num_valid_cols: int, inv_temperature: float, flags: Tensor) -> Tensor:
     """backends.LabelLogprob's run: the log-probs (fp32 [rows]) of `labels` (int64, the raw labels
     of the chunk's rows) over a whole-vocab chunk of `logits`, where label_logprob_applies."""
+    return _launch_label_logprob(logits, labels, ignore_index, true_vocab, vocab_start, num_valid_cols,
+                                 inv_temperature, flags, None, False)
+
+
+def label_statistics(logits: Tensor, labels: Tensor, ignore_index: int, true_vocab: int, vocab_start: int,
+                     num_valid_cols: int, inv_temperature: float, flags: Tensor,
+                     label_mask: Optional[Tensor] = None) -> tuple:
+    """backends.LabelLogprob's with_statistics: label_targets (with `label_mask`, without a rank
+    check) then shard_logprob with the labels' poison, in the same launch -> (max, target, log S,
+    lse, log-probs, targets on the shard, labelled (bool), counts, scalars), where
+    label_logprob_applies."""
+    return _launch_label_logprob(logits, labels, ignore_index, true_vocab, vocab_start, num_valid_cols,
+                                 inv_temperature, flags, label_mask, True)
+
+
+def _launch_label_logprob(logits, labels, ignore_index, true_vocab, vocab_start, num_valid_cols, inv_temperature,
+                          flags, label_mask, every_output: bool):
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     n = logits.shape[0]
-    logprob = torch.empty(n, dtype=torch.float32, device=logits.device)
-    _label_logprob_kernel[(min(n, LABEL_LOGPROB_PROGRAMS_PER_SM * _sm_count(logits.device)),)](
-        logits, logits.stride(0), labels, labels.stride(0), logprob, flags, n, int(ignore_index), int(true_vocab),
-        int(vocab_start), logits.shape[1], num_valid_cols, float(inv_temperature),
+    device = logits.device
+    f32 = torch.empty(5 * n + 3 if every_output else n, dtype=torch.float32, device=device)
+    outs = f32[:5 * n].view(5, n).unbind(0) if every_output else (f32,) * 5
+    scalars = f32[5 * n:] if every_output else f32
+    words = torch.empty(n + 2, dtype=torch.int64, device=device) if every_output else labels
+    local_target, counts = (words[:n], words[n:]) if every_output else (labels, labels)
+    labelled = torch.empty(n, dtype=torch.uint8, device=device) if every_output else labels
+    mask = label_mask
+    if mask is not None:  # read in the labels' layout, whatever its strides (label_targets')
+        mask = mask if mask.dim() == 2 else mask.reshape(1, -1)
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)
+    _label_logprob_kernel[(min(n, LABEL_LOGPROB_PROGRAMS_PER_SM * _sm_count(device)),)](
+        logits, logits.stride(0), labels, labels.stride(0), outs[4], flags, n, int(ignore_index), int(true_vocab),
+        int(vocab_start), logits.shape[1], num_valid_cols, float(inv_temperature), *outs[:4], local_target,
+        labelled, counts, scalars,
+        *((mask, mask.shape[1], mask.stride(0), mask.stride(1)) if mask is not None else (labels, 1, 0, 0)),
         BLOCK_N=STATS_BLOCK_N, LABEL_BLOCK=LABEL_BLOCK, PRECISE_LOG=not _interpreting(),
-        BAD_LABELS=LABELS_OUT_OF_RANGE,
+        BAD_LABELS=LABELS_OUT_OF_RANGE, EVERY_OUTPUT=every_output, HAS_MASK=mask is not None,
         num_warps=STATS_WARPS,  # (the statistics' reduction order: the stats kernel's)
     )
-    return logprob
+    if not every_output:
+        return f32
+    return (*outs, local_target, labelled.view(torch.bool), counts, scalars)
 
 
 def _launch_stats(logits: Tensor, local_target: Tensor, num_valid_cols: int, inv_temperature: float,
@@ -1213,5 +1285,5 @@ BACKEND = Backend(
     stats_dlogits=StatsDlogits(applies=stats_dlogits_applies, run_=stats_dlogits_,
                                with_labels=LabelsInLaunch(applies=stats_dlogits_with_labels_applies,
                                                           run_=stats_dlogits_with_labels_)),
-    label_logprob=LabelLogprob(applies=label_logprob_applies, run=label_logprob),
+    label_logprob=LabelLogprob(applies=label_logprob_applies, run=label_logprob, with_statistics=label_statistics),
 )
