@@ -498,12 +498,13 @@ def _launch_label_logprob(logits, labels, ignore_index, true_vocab, vocab_start,
         logits = logits.contiguous()
     n = logits.shape[0]
     device = logits.device
-    f32 = torch.empty(5 * n + 3 if every_output else n, dtype=torch.float32, device=device)
-    outs = f32[:5 * n].view(5, n).unbind(0) if every_output else (f32,) * 5
-    scalars = f32[5 * n:] if every_output else f32
-    words = torch.empty(n + 2, dtype=torch.int64, device=device) if every_output else labels
-    local_target, counts = (words[:n], words[n:]) if every_output else (labels, labels)
-    labelled = torch.empty(n, dtype=torch.uint8, device=device) if every_output else labels
+    if every_output:  # (one split a buffer, as stats_dlogits_with_labels_ cuts its own)
+        *outs, scalars = torch.empty(5 * n + 3, dtype=torch.float32, device=device).split((n, n, n, n, n, 3))
+        local_target, counts = torch.empty(n + 2, dtype=torch.int64, device=device).split((n, 2))
+        labelled = torch.empty(n, dtype=torch.uint8, device=device)
+    else:  # (the log-probs only: the other pointers unused)
+        logprob = torch.empty(n, dtype=torch.float32, device=device)
+        outs, scalars, local_target, counts, labelled = (logprob,) * 5, logprob, labels, labels, labels
     mask = label_mask
     if mask is not None:  # read in the labels' layout, whatever its strides (label_targets')
         mask = mask if mask.dim() == 2 else mask.reshape(1, -1)
@@ -519,7 +520,7 @@ def _launch_label_logprob(logits, labels, ignore_index, true_vocab, vocab_start,
         num_warps=STATS_WARPS,  # (the statistics' reduction order: the stats kernel's)
     )
     if not every_output:
-        return f32
+        return outs[4]
     return (*outs, local_target, labelled.view(torch.bool), counts, scalars)
 
 
@@ -677,11 +678,10 @@ def stats_dlogits_with_labels_(logits: Tensor, labels: Tensor, ignore_index: int
         logits = logits.contiguous()
     n, num_cols = logits.shape
     device = logits.device
-    f32 = torch.empty(5 * n + 3, dtype=torch.float32, device=device)
-    words = torch.empty(n + 2, dtype=torch.int64, device=device)
+    # three allocations, each cut by one split (a view op apiece is host time at RL row counts)
+    *outs, scalars = torch.empty(5 * n + 3, dtype=torch.float32, device=device).split((n, n, n, n, n, 3))
+    local_target, counts = torch.empty(n + 2, dtype=torch.int64, device=device).split((n, 2))
     labelled = torch.empty(n, dtype=torch.uint8, device=device)
-    outs = f32[:5 * n].view(5, n).unbind(0)
-    scalars, local_target, counts = f32[5 * n:], words[:n], words[n:]
     programs = max(1, min(n, STATS_DLOGITS_PROGRAMS_PER_SM * _sm_count(device)))
     _stats_dlogits_labels_kernel[(programs,)](
         logits, logits.stride(0), labels, labels.stride(0), float(scale), *outs, local_target, labelled, counts, scalars,
