@@ -274,7 +274,8 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
     monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)
     monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_V", 16)  # (the dense blocks' rows in several blocks)
     monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_E", 4)
-    monkeypatch.setattr(replay_triton, "ROWS_SCAN_BLOCK", 2048 if seed == 0 else 16)  # (the scan's carries)
+    # (the positions in one block of the scan, or in several: its carries)
+    monkeypatch.setattr(replay_triton, "ROWS_SCAN_BLOCK", 64 if seed == 0 else 16)
     g = torch.Generator().manual_seed(seed)
     vocab, positions = 97, 60
     sizes = torch.randint(1, 12, (positions,), generator=g)
@@ -324,7 +325,7 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
         assert not block[~ref.has_set[start:end]].any()
 
 
-@pytest.mark.parametrize("scan_block", [2048, 4])
+@pytest.mark.parametrize("scan_block", [16, 4])  # (the 12 positions in one block, or in several)
 @pytest.mark.parametrize("bad", ["none", "offsets", "ids", "duplicate", "missing"])
 def test_layout_kernels_check_the_mask(triton_kernels, bad, scan_block, monkeypatch):
     """The kernels' verdict (deferred_errors' flags, NaN poison) is MaskCheck.deferred_poison's and

@@ -360,7 +360,9 @@ LAYOUT_BLOCK_E = 64
 # reduction (each had its own): 11.2 -> 9.7 us at 2048 rows, 40.9 -> 34.9 at 8192, 80.4 -> 68.1 at
 # 16384; with the fingerprint (TP > 1) 10.4 -> 8.4, 35.6 -> 27.6, 70.7 -> 55.1 (the same outputs);
 # 2048 by 8 warps still the fastest of 512-4096 by 2-16 at 2048-16384 rows.
-ROWS_SCAN_BLOCK = 2048
+# (Under the interpreter, blocks of 64: it reduces and scans lane by lane in Python, masked lanes
+# too, so that 2048 lanes for a test's few dozen rows were most of a replay test's time.)
+ROWS_SCAN_BLOCK = 64 if _interpreting() else 2048
 ROWS_SCAN_WARPS = 8
 # A set is checked for duplicates by a sort in its program where it holds at most the sort's block of
 # ids: the power of 2 at or above the call's mean set size, at most LAYOUT_SORT_BLOCK; a larger set
