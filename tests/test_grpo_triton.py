@@ -304,6 +304,26 @@ def test_config_mutation_is_seen(triton_grpo):
     assert not torch.equal(first, second)
 
 
+def test_a_kernel_out_of_memory_is_raised_not_taken_for_a_compiler_failure(monkeypatch):
+    """The per-token kernel's launch running out of memory raises to the caller: it is no compiler
+    failure, so the config stays on the kernel for later calls (no fallback, no warning)."""
+    def out_of_memory():
+        def kernel(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return kernel
+
+    monkeypatch.setattr(linear_grpo, "_whole_call_kernel", out_of_memory)
+    monkeypatch.setattr(linear_grpo, "_FAILED_CONFIGS", set())
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(2, 6, 8, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(20, 8, generator=g).to(DEVICE)
+    labels = torch.randint(0, 20, (2, 6), generator=g).to(DEVICE)
+    adv, mask = torch.randn(2, generator=g).to(DEVICE), torch.ones(2, 6).to(DEVICE)
+    with pytest.raises(torch.OutOfMemoryError):
+        linear_grpo_loss(h, w, labels, adv, mask, GRPOConfig(epsilon_low=0.19), impl="triton")
+    assert not linear_grpo._FAILED_CONFIGS
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="per-token inputs on another device than hidden's: a GPU")
 def test_per_token_inputs_on_the_cpu_keep_the_kernel(triton_grpo, monkeypatch):
     """Advantages, mask and old log-probs given on the CPU beside CUDA hidden states move to the

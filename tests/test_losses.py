@@ -1490,6 +1490,21 @@ def test_failed_compilation_falls_back_to_eager_with_one_warning(monkeypatch):
         torch.testing.assert_close(b, c, rtol=0, atol=0)
 
 
+def test_compiled_terms_out_of_memory_raise_and_keep_compiling(monkeypatch):
+    """A compiled evaluation running out of memory raises to the caller: it is no compiler failure,
+    so its key is not sent to the eager definition for the rest of the process."""
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    data = make_batch(seed=7)
+    monkeypatch.setattr(grpo, "FUSE_ON_CPU", True)
+    monkeypatch.setattr(grpo, "_compiled_functions", {})
+    monkeypatch.setattr(grpo.torch, "compile", lambda fn, **kwargs: out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        _fused_and_log_prob_losses(data)
+    assert grpo._compiled_functions and None not in grpo._compiled_functions.values()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("chunk_size", [7, None], ids=["chunks", "one_chunk"])
 def test_cuda_compiled_terms_equal_eager_and_make_no_host_sync(monkeypatch, chunk_size):

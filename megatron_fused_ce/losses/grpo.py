@@ -823,6 +823,8 @@ def fused(function: Callable, config: GRPOConfig, device: torch.device, *args, s
             compiled = _compiled(function, config, key)
             if compiled is not None:
                 return compiled(*args)
+        except torch.OutOfMemoryError:  # (memory, not the compiler: no reason to stop compiling this key)
+            raise
         except Exception as error:  # noqa: BLE001 - any compiler failure: the eager definition is the same
             _compiled_functions[key] = None
             if not _warned_compile_failure:

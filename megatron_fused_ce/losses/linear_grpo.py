@@ -354,6 +354,8 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
                                                 ignore_index, sequence_first, poison=poison, check_normalizer=True)
                 return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, checked_normalizer(),
                                             labels, ignore_index, sequence_first, poison=poison)
+            except torch.OutOfMemoryError:  # (memory, not the compiler: the definition needs more)
+                raise
             except Exception as error:  # noqa: BLE001 - a compiler failure: the definition computes the same
                 _kernel_failed(config, error)
         return fused(_whole_call_terms, config, device, target, row_max, log_sum_exp, *inputs,
