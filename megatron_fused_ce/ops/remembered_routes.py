@@ -359,20 +359,19 @@ class StraightLoss(torch.autograd.Function):
         full = reductions.gather_sequence(hidden, route.group()) if facts.spec.sequence_parallel else hidden
         if logits is None:  # (route.first_logits' where it launched them)
             logits = chunk_logits(full, weight, facts.spec)
+        # at TP = 1 the label kernel's work in the launch that reads the logits, where one applies:
+        # the one launch of statistics and dlogits (cross-entropy's route: its c 1 / labelled rows,
+        # "mean", or 1, "sum": CrossEntropyGrads.scale_before_statistics'), or the stats launch that
+        # finishes each row (GRPO's route; its mask joins the labels there)
+        in_launch = plan = None
         if route.one_launch and label_mask is None and route.labels_in_one_launch(full, weight):
-            # the label kernel's work in the one launch (cross-entropy's route: its c 1 / labelled
-            # rows, "mean", or 1, "sum": CrossEntropyGrads.scale_before_statistics')
-            row_max, target, log_sum_exp, lse, _, local_target, labelled, counts, scalars = \
-                route.stats_dlogits_with_labels_(logits, labels, mean=forward_grad.mean)
-            spec, plan = facts.spec, StatsWithDlogits(None)
-            merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
-            count = LabelledCount(counts, scalars, labelled)
+            plan = StatsWithDlogits(None)
+            in_launch = route.stats_dlogits_with_labels_(logits, labels, mean=forward_grad.mean)
         elif not (route.one_launch or route.row_kernel) and route.labels_in_stats_launch(full):
-            # the label kernel's work in the stats launch that finishes each row (GRPO's route; its
-            # mask joins the labels there)
-            row_max, target, log_sum_exp, lse, _, local_target, labelled, counts, scalars = \
-                route.stats_with_labels(logits, labels, label_mask)
-            spec, plan = facts.spec, None
+            in_launch = route.stats_with_labels(logits, labels, label_mask)
+        if in_launch is not None:
+            row_max, target, log_sum_exp, lse, _, local_target, labelled, counts, scalars = in_launch
+            spec = facts.spec
             merged = reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
             count = LabelledCount(counts, scalars, labelled)
         else:
