@@ -15,6 +15,8 @@ and gradients, so that the kernel's wiring into the chunk loop is covered as wel
 
 import math
 import os
+import re
+import warnings
 from dataclasses import replace
 from functools import partial
 
@@ -304,23 +306,46 @@ def test_config_mutation_is_seen(triton_grpo):
     assert not torch.equal(first, second)
 
 
-def test_a_kernel_out_of_memory_is_raised_not_taken_for_a_compiler_failure(monkeypatch):
-    """The per-token kernel's launch running out of memory raises to the caller: it is no compiler
-    failure, so the config stays on the kernel for later calls (no fallback, no warning)."""
-    def out_of_memory():
+# what the per-token kernel's launch may raise that is not the compiler's: (error, whether a CUDA
+# graph is being captured)
+NOT_THE_COMPILERS = {
+    "out of memory": (torch.OutOfMemoryError("CUDA out of memory"), False),
+    "sync debug mode": (RuntimeError("called a synchronizing CUDA operation"), False),
+    "CUDA error": (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    "launch refused": (RuntimeError("Triton Error [CUDA]: operation not permitted when stream is capturing"), False),
+    "cpu tensor": (ValueError("Pointer argument (at 5) cannot be accessed from Triton (cpu tensor?)"), False),
+    "while capturing": (RuntimeError("an error of any kind"), True),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_THE_COMPILERS))
+def test_a_kernel_failure_outside_the_compiler_is_raised_not_taken_for_one(monkeypatch, case):
+    """The per-token kernel's launch running out of memory, meeting a CUDA error, a synchronizing
+    call under the sync debug mode's "error", a tensor it cannot read, or failing while a CUDA
+    graph is captured raises to the caller: none is a compiler failure, so the config stays on the
+    kernel for later calls (no fallback to the definition for the rest of the process, no
+    warning)."""
+    error, capturing = NOT_THE_COMPILERS[case]
+
+    def failing():
         def kernel(*args, **kwargs):
-            raise torch.OutOfMemoryError("CUDA out of memory")
+            raise error
         return kernel
 
-    monkeypatch.setattr(linear_grpo, "_whole_call_kernel", out_of_memory)
+    monkeypatch.setattr(linear_grpo, "_whole_call_kernel", failing)
     monkeypatch.setattr(linear_grpo, "_FAILED_CONFIGS", set())
+    if capturing:
+        for name in ("is_available", "is_initialized", "is_current_stream_capturing"):
+            monkeypatch.setattr(torch.cuda, name, lambda: True)
     g = torch.Generator().manual_seed(8)
     h = torch.randn(2, 6, 8, generator=g).to(DEVICE).requires_grad_()
     w = torch.randn(20, 8, generator=g).to(DEVICE)
     labels = torch.randint(0, 20, (2, 6), generator=g).to(DEVICE)
     adv, mask = torch.randn(2, generator=g).to(DEVICE), torch.ones(2, 6).to(DEVICE)
-    with pytest.raises(torch.OutOfMemoryError):
-        linear_grpo_loss(h, w, labels, adv, mask, GRPOConfig(epsilon_low=0.19), impl="triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (a fallback warns)
+        with pytest.raises(type(error), match=re.escape(str(error))):
+            linear_grpo_loss(h, w, labels, adv, mask, GRPOConfig(epsilon_low=0.19), impl="triton")
     assert not linear_grpo._FAILED_CONFIGS
 
 

@@ -10,6 +10,7 @@ torch.autograd of the same formulas on a traced graph, and the compiled evaluati
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import warnings
 
@@ -1490,17 +1491,28 @@ def test_failed_compilation_falls_back_to_eager_with_one_warning(monkeypatch):
         torch.testing.assert_close(b, c, rtol=0, atol=0)
 
 
-def test_compiled_terms_out_of_memory_raise_and_keep_compiling(monkeypatch):
-    """A compiled evaluation running out of memory raises to the caller: it is no compiler failure,
-    so its key is not sent to the eager definition for the rest of the process."""
-    def out_of_memory(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory")
+@pytest.mark.parametrize("error, capturing", [
+    (torch.OutOfMemoryError("CUDA out of memory"), False),
+    (RuntimeError("called a synchronizing CUDA operation"), False),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (RuntimeError("an error of any kind"), True),
+], ids=["out of memory", "sync debug mode", "CUDA error", "while capturing"])
+def test_compiled_terms_failing_outside_the_compiler_raise_and_keep_compiling(monkeypatch, error, capturing):
+    """A compiled evaluation running out of memory, meeting a CUDA error or a synchronizing call
+    under the sync debug mode's "error", or failing while a CUDA graph is captured raises to the
+    caller: none is a compiler failure (grpo.compiler_failure), so its key is not sent to the eager
+    definition for the rest of the process."""
+    def failing(*args):
+        raise error
 
     data = make_batch(seed=7)
     monkeypatch.setattr(grpo, "FUSE_ON_CPU", True)
     monkeypatch.setattr(grpo, "_compiled_functions", {})
-    monkeypatch.setattr(grpo.torch, "compile", lambda fn, **kwargs: out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError):
+    monkeypatch.setattr(grpo.torch, "compile", lambda fn, **kwargs: failing)
+    if capturing:
+        for name in ("is_available", "is_initialized", "is_current_stream_capturing"):
+            monkeypatch.setattr(torch.cuda, name, lambda: True)
+    with pytest.raises(type(error), match=re.escape(str(error))):
         _fused_and_log_prob_losses(data)
     assert grpo._compiled_functions and None not in grpo._compiled_functions.values()
 

@@ -786,6 +786,31 @@ _compiled_functions: Dict[tuple, Optional[Callable]] = {}  # None: compilation f
 _warned_compile_failure = False
 
 
+def compiler_failure(error: Exception) -> bool:
+    """Whether `error`, raised by a compiled evaluation or a kernel's launch, may be the compiler's
+    (a version's bug: the definition computes the same, so the caller falls back to it for this
+    config from then on). Not where the fault lies outside the compiler, which the caller must see
+    and which the fallback would hide for the rest of the process: running out of memory, a CUDA
+    error (a faulty launch, a device fault), a tensor the kernel cannot read (on the CPU), a
+    synchronizing call under torch.cuda.set_sync_debug_mode("error"), anything raised while a CUDA
+    graph is being captured."""
+    if isinstance(error, _NOT_THE_COMPILERS):
+        return False
+    message = str(error)
+    if any(sign in message for sign in _NOT_THE_COMPILERS_MESSAGES):
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_initialized()
+                and torch.cuda.is_current_stream_capturing())
+
+
+_NOT_THE_COMPILERS = tuple(kind for kind in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None))
+                           if kind is not None)
+# torch's sync debug error, CUDA errors as torch and Triton's launcher word them, Triton's refusal of
+# a CPU tensor
+_NOT_THE_COMPILERS_MESSAGES = ("synchronizing CUDA operation", "CUDA error", "Triton Error [CUDA]",
+                               "cannot be accessed from Triton")
+
+
 def _fuses(device: torch.device) -> bool:
     wanted = (FUSE_ON_CUDA and device.type == "cuda") or (FUSE_ON_CPU and device.type == "cpu")
     # not while tracing (an enclosing torch.compile fuses the eager definition itself) nor under a
@@ -823,9 +848,9 @@ def fused(function: Callable, config: GRPOConfig, device: torch.device, *args, s
             compiled = _compiled(function, config, key)
             if compiled is not None:
                 return compiled(*args)
-        except torch.OutOfMemoryError:  # (memory, not the compiler: no reason to stop compiling this key)
-            raise
-        except Exception as error:  # noqa: BLE001 - any compiler failure: the eager definition is the same
+        except Exception as error:  # noqa: BLE001 - a compiler failure: the eager definition is the same
+            if not compiler_failure(error):
+                raise
             _compiled_functions[key] = None
             if not _warned_compile_failure:
                 _warned_compile_failure = True

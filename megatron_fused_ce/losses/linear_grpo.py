@@ -54,8 +54,9 @@ from ..ops.agreement import flag_argument, integer_argument
 from ..ops.api import (CallValue, call_values, first_product_ahead, linear_logprobs, masked_labels,
                        must_agree_tensors, token_statistics)
 from ..ops.forward_grad import PER_ROW, ForwardGradLoss, TokenGrads
-from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, field_values, fused, grpo_loss,
-                   loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums, token_inputs)
+from .grpo import (BatchTotals, GRPOConfig, TokenInputs, check_grpo_arguments, compiler_failure, field_values, fused,
+                   grpo_loss, loss_and_metrics, metric_names, metric_vector, reduce_token_terms, term_sums,
+                   token_inputs)
 from .nll import Normalizer, given_count, is_count, read_on_host
 
 
@@ -354,9 +355,9 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
                                                 ignore_index, sequence_first, poison=poison, check_normalizer=True)
                 return _whole_call_kernel()(config, target, row_max, log_sum_exp, *inputs, checked_normalizer(),
                                             labels, ignore_index, sequence_first, poison=poison)
-            except torch.OutOfMemoryError:  # (memory, not the compiler: the definition needs more)
-                raise
             except Exception as error:  # noqa: BLE001 - a compiler failure: the definition computes the same
+                if not compiler_failure(error):
+                    raise
                 _kernel_failed(config, error)
         return fused(_whole_call_terms, config, device, target, row_max, log_sum_exp, *inputs,
                      normalizer_tensor(), labels, ignore_index, sequence_first) + (None,)
