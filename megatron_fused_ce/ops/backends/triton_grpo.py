@@ -454,10 +454,11 @@ def whole_call_terms(config, target, row_max, log_sum_exp, advantages, mask, old
                        else 2)
     names, options = _options(config, sampling is not None, on_policy, sequence_first, normalizer_kind)
     device = target.device
-    grad = torch.empty(target.shape[0], dtype=torch.float32, device=device)
-    neg_grad = torch.empty_like(grad)
-    metrics = torch.empty(len(names), dtype=torch.float32, device=device)
-    scratch = torch.empty(2 * num_rows, dtype=torch.float32, device=device)
+    rows = target.shape[0]
+    # one allocation cut by one split (an allocation apiece is host time at RL row counts); the loss
+    # apart: it is the output of the route's node, which must not be a view
+    grad, neg_grad, metrics, scratch = torch.empty(2 * rows + len(names) + 2 * num_rows, dtype=torch.float32,
+                                                   device=device).split((rows, rows, len(names), 2 * num_rows))
     loss = None if poison is None else torch.empty((), dtype=torch.float32, device=device)
     block_t = min(next_power_of_2(row_length), TILE_ELEMENTS)
     block_b = max(TILE_ELEMENTS // block_t, 1)
