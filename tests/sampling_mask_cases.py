@@ -111,7 +111,7 @@ def check(case, results, what):
 
 # ops that only view their input: left out of the op-count tests' counts
 VIEWS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand", "alias",
-         "as_strided", "detach", "lift_fresh", "permute", "split", "unbind", "reshape"}
+         "as_strided", "detach", "lift_fresh", "permute", "split", "split_with_sizes", "unbind", "reshape"}
 # replay's phases, (owner, method): what a call does in each, for the op-count tests
 PHASES = {"entries": (replay.KeptEntries, "__init__"), "forward": (replay.ReplayChunks, "merged_statistics"),
           "backward": (replay.ReplayChunks, "recompute_grads")}

@@ -624,21 +624,17 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     total, rows = ids.numel(), offsets.numel() - 1
     ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
     m = max_set_rows
-    # three allocations: the int64 fields, the bool ones, the poison
+    # four allocations (the int64 fields, the zeroed int32 ones, the bool ones, the poison), each cut
+    # by one split: a view op apiece is host time at every call
     words = torch.empty(_COUNTS + 2 * rows + 2 + 5 * m + 7 * total, dtype=torch.int64, device=device)
-    counts, layout = words[:_COUNTS], words[_COUNTS:_COUNTS + rows + 2]
-    rank = words[_COUNTS + rows + 2:_COUNTS + 2 * rows + 2]
-    set_dest, set_rows, starts, ends, set_labels = words[_COUNTS + 2 * rows + 2:_COUNTS + 2 * rows + 2 + 5 * m].view(
-        5, m).unbind(0)
-    slot, col, position, row_of, dw_key, place, row_place = words[_COUNTS + 2 * rows + 2 + 5 * m:].view(
-        7, total).unbind(0)
+    (counts, layout, rank, set_dest, set_rows, starts, ends, set_labels, slot, col, position, row_of, dw_key, place,
+     row_place) = words.split((_COUNTS, rows + 2, rows) + (m,) * 5 + (total,) * 7)
     # each row's duplicate check, then the columns' use, then the verdict's ticket
     use_cols = num_cols if count_use else 0
     table = torch.zeros(2 * total + use_cols + 1, dtype=torch.int32, device=device)
-    column_use, ticket = table[2 * total:2 * total + use_cols], table[2 * total + use_cols:]
-    bits = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device)
-    has_set, kept = bits[:rows], bits[rows:2 * rows]
-    valid, is_label = bits[2 * rows:].view(2, total).unbind(0)
+    column_use, ticket = table.split((2 * total, use_cols, 1))[1:]
+    has_set, kept, valid, is_label = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device).split(
+        (rows, rows, total, total))
     poison = None if flags is None else torch.empty(1, dtype=torch.float32, device=device)
     _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
                             FINGERPRINT=fingerprint, BLOCK=ROWS_SCAN_BLOCK, num_warps=ROWS_SCAN_WARPS)

@@ -516,10 +516,10 @@ def union_layouts(slot: Tensor, col: Tensor, valid: Tensor, set_rows: Optional[T
     num_words = first_words + (cdiv(pairs[1], 32) if second is not None else 0)
     blocks = cdiv(num_words, PACK_BLOCK_WORDS)
     # one zero fill: the flags (a byte a pair), the pack launch's published sums and its ticket
-    zeroed = torch.zeros(num_words * 4 + blocks + 1, dtype=torch.int64, device=device)
-    named, status, ticket = zeroed[:num_words * 4].view(torch.int8), zeroed[num_words * 4:-1], zeroed[-1:]
-    table = torch.empty(2 * num_words, dtype=torch.int32, device=device)
-    bits, upto = table[:num_words], table[num_words:]
+    named, status, ticket = torch.zeros(num_words * 4 + blocks + 1, dtype=torch.int64, device=device).split(
+        (num_words * 4, blocks, 1))
+    named = named.view(torch.int8)
+    bits, upto = torch.empty(2 * num_words, dtype=torch.int32, device=device).split((num_words, num_words))
     sizes = [size for layout in layouts for size in (layout.tiles + 1, layout.capacity + 1, total)]
     outputs = torch.empty(sum(sizes), dtype=torch.int64, device=device).split(sizes)
     valid = valid.view(torch.uint8)
