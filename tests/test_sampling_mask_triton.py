@@ -265,12 +265,15 @@ def _layouts(replay_triton, ids, offsets, labels, labelled, vocab, vocab_start, 
     return torch_entries, kernel_entries, counts, missing
 
 
+@pytest.mark.parametrize("narrow", [True, False], ids=["int32 scan", "int64 scan"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch):
+def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, narrow, monkeypatch):
     """replay_triton.kept_layout gives KeptEntries' torch fields exactly (rows without a set,
     unlabelled rows, padding slots, ids off this shard, labels in and out of their sets, several
-    blocks of rows and of entries), MaskCheck's device counts and the mask's fingerprint."""
+    blocks of rows and of entries), MaskCheck's device counts and the mask's fingerprint, with the
+    rows' scan in int32 (a mask of fewer than 2^31 ids) or in int64."""
     replay_triton = triton_kernels["replay_triton"]
+    monkeypatch.setattr(replay_triton, "NARROW_SCAN", narrow)
     monkeypatch.setattr(replay_triton, "LAYOUT_BLOCK_E", 4)
     monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_V", 16)  # (the dense blocks' rows in several blocks)
     monkeypatch.setattr(replay_triton, "SLOT_ROW_BLOCK_E", 4)
@@ -325,16 +328,19 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, monkeypatch
         assert not block[~ref.has_set[start:end]].any()
 
 
+@pytest.mark.parametrize("narrow", [True, False], ids=["int32 scan", "int64 scan"])
 @pytest.mark.parametrize("scan_block", [16, 4])  # (the 12 positions in one block, or in several)
-@pytest.mark.parametrize("bad", ["none", "offsets", "ids", "duplicate", "missing"])
-def test_layout_kernels_check_the_mask(triton_kernels, bad, scan_block, monkeypatch):
+@pytest.mark.parametrize("bad", ["none", "offsets", "offsets beyond int32", "ids", "duplicate", "missing"])
+def test_layout_kernels_check_the_mask(triton_kernels, bad, scan_block, narrow, monkeypatch):
     """The kernels' verdict (deferred_errors' flags, NaN poison) is MaskCheck.deferred_poison's and
     missing_set_poison's, and the layout of a bad mask stays in range, in one block of rows or
-    carried from block to block (an offset that falls back across blocks among them)."""
+    carried from block to block (an offset that falls back across blocks among them, one beyond
+    what int32 holds: clamped before the int32 scan narrows it)."""
     from megatron_fused_ce.ops import deferred_errors
 
     replay_triton = triton_kernels["replay_triton"]
     monkeypatch.setattr(replay_triton, "ROWS_SCAN_BLOCK", scan_block)
+    monkeypatch.setattr(replay_triton, "NARROW_SCAN", narrow)
     g = torch.Generator().manual_seed(5)
     vocab, positions, k = 50, 12, 4
     ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(positions)]).reshape(-1)
@@ -343,6 +349,8 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad, scan_block, monkeypa
     labelled = torch.ones(positions, dtype=torch.bool)
     if bad == "offsets":
         offsets[4] = offsets[6] + 2  # (falls back across a block of 4 rows: the carried running max)
+    elif bad == "offsets beyond int32":
+        offsets[5] = 2 ** 40 + offsets[5]  # (its low 32 bits a valid offset)
     elif bad == "ids":
         ids[9] = vocab + 3
     elif bad == "duplicate":
@@ -357,13 +365,14 @@ def test_layout_kernels_check_the_mask(triton_kernels, bad, scan_block, monkeypa
     want = ((deferred_errors.SAMPLING_MASK_BAD if bool((counts[:3] > 0).any()) else 0)
             | (deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET if missing else 0))
     # (the torch definitions find what was broken; a bad offset also empties a row's layout range)
-    assert bool(want & deferred_errors.SAMPLING_MASK_BAD) == (bad in ("offsets", "ids", "duplicate")), want
-    assert bool(want & deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET) == (bad in ("offsets", "missing")), want
+    bad_offsets = bad.startswith("offsets")
+    assert bool(want & deferred_errors.SAMPLING_MASK_BAD) == (bad_offsets or bad in ("ids", "duplicate")), want
+    assert bool(want & deferred_errors.SAMPLING_MASK_NEW_EMPTY_SET) == (bad_offsets or bad == "missing"), want
     assert int(flags) == want
     assert bool(torch.isnan(got.poison).all()) == bool(want) and (want or float(got.poison) == 0.0)
     assert torch.equal(got.counts[3:5], counts[3:5]) and int(got.counts[6]) == missing
     assert bool((got.counts[:3] > 0).any()) == bool((counts[:3] > 0).any())
-    if bad != "offsets":  # (valid offsets: the counts are MaskCheck's)
+    if not bad_offsets:  # (valid offsets: the counts are MaskCheck's)
         assert torch.equal(got.counts[:3], counts[:3])
     # the labels' poison added in (the call's one poison): NaN stays NaN, 0 gives the verdict's
     for base in (0.0, float("nan")):
