@@ -492,6 +492,18 @@ def label_statistics(logits: Tensor, labels: Tensor, ignore_index: int, true_voc
                                  inv_temperature, flags, label_mask, True)
 
 
+def _label_mask_arguments(label_mask: Optional[Tensor], stand_in: Tensor) -> tuple:
+    """The label kernels' (mask, columns, stride 0, stride 1) of a label mask, read in the labels'
+    layout whatever its strides (a bool mask as its bytes); `stand_in` and a layout no kernel reads
+    where there is none."""
+    if label_mask is None:
+        return stand_in, 1, 0, 0
+    mask = label_mask if label_mask.dim() == 2 else label_mask.reshape(1, -1)
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    return mask, mask.shape[1], mask.stride(0), mask.stride(1)
+
+
 def _launch_label_logprob(logits, labels, ignore_index, true_vocab, vocab_start, num_valid_cols, inv_temperature,
                           flags, label_mask, every_output: bool):
     if logits.stride(1) != 1:
@@ -505,18 +517,13 @@ def _launch_label_logprob(logits, labels, ignore_index, true_vocab, vocab_start,
     else:  # (the log-probs only: the other pointers unused)
         logprob = torch.empty(n, dtype=torch.float32, device=device)
         outs, scalars, local_target, counts, labelled = (logprob,) * 5, logprob, labels, labels, labels
-    mask = label_mask
-    if mask is not None:  # read in the labels' layout, whatever its strides (label_targets')
-        mask = mask if mask.dim() == 2 else mask.reshape(1, -1)
-        if mask.dtype == torch.bool:
-            mask = mask.view(torch.uint8)
     _label_logprob_kernel[(min(n, LABEL_LOGPROB_PROGRAMS_PER_SM * _sm_count(device)),)](
         logits, logits.stride(0), labels, labels.stride(0), outs[4], flags, n, int(ignore_index), int(true_vocab),
         int(vocab_start), logits.shape[1], num_valid_cols, float(inv_temperature), *outs[:4], local_target,
         labelled, counts, scalars,
-        *((mask, mask.shape[1], mask.stride(0), mask.stride(1)) if mask is not None else (labels, 1, 0, 0)),
+        *_label_mask_arguments(label_mask, labels),
         BLOCK_N=STATS_BLOCK_N, LABEL_BLOCK=LABEL_BLOCK, PRECISE_LOG=not _interpreting(),
-        BAD_LABELS=LABELS_OUT_OF_RANGE, EVERY_OUTPUT=every_output, HAS_MASK=mask is not None,
+        BAD_LABELS=LABELS_OUT_OF_RANGE, EVERY_OUTPUT=every_output, HAS_MASK=label_mask is not None,
         num_warps=STATS_WARPS,  # (the statistics' reduction order: the stats kernel's)
     )
     if not every_output:
@@ -902,11 +909,6 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
         return torch_backend.label_targets(labels, ignore_index, true_vocab, vocab_start, v_local, flags,
                                            signature_code, agree_tensors, label_mask)
     labels = labels.contiguous()
-    mask = None
-    if label_mask is not None:  # read in the labels' layout, whatever its strides
-        mask = label_mask if label_mask.dim() == 2 else label_mask.reshape(1, -1)
-        if mask.dtype == torch.bool:
-            mask = mask.view(torch.uint8)
     n = labels.numel()
     local_target = torch.empty(n, dtype=torch.int64, device=labels.device)
     labelled = torch.empty(n, dtype=torch.uint8, device=labels.device)
@@ -917,9 +919,8 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
     _label_targets_kernel[(1,)](labels, local_target, labelled, counts, scalars, flags if flags is not None else counts,
                                 n, int(ignore_index), int(true_vocab), int(vocab_start), int(v_local),
                                 *_pieces(signature_code or 0),
-                                *((mask, mask.shape[1], mask.stride(0), mask.stride(1)) if mask is not None
-                                  else (counts, 1, 0, 0)),
-                                HAS_FLAGS=flags is not None, HAS_CHECK=checked, HAS_MASK=mask is not None,
+                                *_label_mask_arguments(label_mask, counts),
+                                HAS_FLAGS=flags is not None, HAS_CHECK=checked, HAS_MASK=label_mask is not None,
                                 BLOCK=1024, num_warps=4)
     if checked:
         for i, tensor in enumerate(agree_tensors):
