@@ -405,15 +405,16 @@ def test_replay_route_equals_the_general_path(tb, general_logprob_calls, monkeyp
 
 
 def test_replay_route_checks_the_mask_on_the_device(tb, general_logprob_calls):
-    """A routed replay call whose mask lists an id twice at a position: its log-probs are NaN and
-    the error is raised at the next check, as the general path's later calls do; a mask keeping no
-    id takes the general path (nothing to replay)."""
+    """A routed replay call whose mask lists an id twice at a position, or whose labels hold one
+    outside [0, vocab) (checked by the layout's launch where no plain pass runs): its log-probs are
+    NaN and the error is raised at the next check, as the general path's later calls do; a mask
+    keeping no id takes the general path (nothing to replay)."""
     h0, w0, y, vocab = _inputs(tb, 7, rows=24)
     ids, offsets = _kept_sets(y, vocab, 4, (3, 5))
 
-    def call(mask):
+    def call(mask, labels=y):
         h = h0.clone().requires_grad_()
-        out = linear_logprobs(h, w0, y, vocab_size=vocab, impl="triton", sampling_mask=mask)
+        out = linear_logprobs(h, w0, labels, vocab_size=vocab, impl="triton", sampling_mask=mask)
         torch.where(out.logprobs.isfinite(), out.logprobs, 0.0).sum().backward()
         return out.logprobs.detach()
 
@@ -427,6 +428,15 @@ def test_replay_route_checks_the_mask_on_the_device(tb, general_logprob_calls):
     assert call((bad, offsets)).isnan().all() and not general_logprob_calls
     with pytest.raises(ValueError, match="listed twice|sampling_mask"):
         deferred_errors.check_deferred_errors()
+    for label in (vocab, -3):
+        out_of_range = y.clone()
+        # (a labelled position; its set stays as it was)
+        out_of_range.view(-1)[int((y.view(-1) != -100).nonzero()[0])] = label
+        assert call((ids, offsets), out_of_range).isnan().all() and not general_logprob_calls
+        with pytest.raises(ValueError, match="labels outside"):
+            deferred_errors.check_deferred_errors()
+    call((ids, offsets))
+    deferred_errors.check_deferred_errors()
     general_logprob_calls.clear()
     call((ids[:0], torch.zeros_like(offsets)))
     assert len(general_logprob_calls) == 1

@@ -9,6 +9,7 @@ as in tests/test_triton_backend.py. Integer-valued inputs: both backends see the
 kept labels match exactly and the values to fp32 rounding.
 """
 
+import functools
 import os
 
 import pytest
@@ -72,10 +73,12 @@ def test_triton_backend_matches_torch(triton_kernels, force, monkeypatch, reques
 
 
 # ---------------------------------------------------------------- the kept-set kernels against the torch math
-def _kept_entries(seed, *, dtype, pool, hidden=40, positions=60, vocab=97, tp=2, rank=1, max_k=11):
+def _kept_entries(seed, *, dtype, pool, hidden=40, positions=60, vocab=97, tp=2, rank=1, max_k=11,
+                  every_row_a_slot=False):
     """Inputs of one shard's kept-set math: sets drawn from `pool` ids (a small pool: ids shared
     by many rows, long runs of one id in the sorted entries), a fifth empty, a fifth of
-    the positions unlabelled, the shard [rank * V_local, ...) of a padded vocab."""
+    the positions unlabelled, the shard [rank * V_local, ...) of a padded vocab; three padding
+    slots past the rows with a set, or with `every_row_a_slot` as many slots as rows."""
     g = torch.Generator().manual_seed(seed)
     v_local = -(-(vocab + 3) // tp)
     vocab_start, num_valid = rank * v_local, min(max(vocab - rank * v_local, 0), v_local)
@@ -92,7 +95,8 @@ def _kept_entries(seed, *, dtype, pool, hidden=40, positions=60, vocab=97, tp=2,
     labelled = torch.rand(positions, generator=g) > 0.2
     # three padding slots past the rows with a set, as a call sized from the host's counts has
     entries = replay.KeptEntries(ids.to(DEVICE), offsets.to(DEVICE), labels.to(DEVICE), labelled.to(DEVICE),
-                                 vocab_start, num_valid, int(((sizes > 0) & labelled).sum()) + 3)
+                                 vocab_start, num_valid,
+                                 positions if every_row_a_slot else int(((sizes > 0) & labelled).sum()) + 3)
     h = torch.randint(-2, 3, (positions, hidden), generator=g).to(dtype).to(DEVICE)
     w = (torch.randint(-2, 3, (v_local, hidden), generator=g) * 0.25).to(dtype).to(DEVICE)
     return entries, h, w, g
@@ -182,6 +186,60 @@ def test_entry_kernels_match_the_torch_math(triton_kernels, terms, monkeypatch):
         assert got.dtype == want.dtype == dtype
         torch.testing.assert_close(got, want, rtol=tol, atol=1e-6)
         assert bool((got[~entries.valid] == 0).all()) and bool((got[entries.valid] != 0).any())
+
+
+@pytest.mark.parametrize("want_entropy", [True, False], ids=["entropy", "no-entropy"])
+@pytest.mark.parametrize("logprobs", ["logprobs", "poisoned", "no-logprobs"])
+def test_entry_stats_finish_the_rows_as_the_tail_launch_does(triton_kernels, want_entropy, logprobs, monkeypatch):
+    """Where every row is a slot and no merge over TP ranks follows (replay at TP = 1 without a
+    plain pass), the statistics' launch finishes the rows itself: the fields (a row without a set
+    holding the placeholders, 1), log S, lse, the entropy and the labelled log-probs (0 where not
+    labelled, -inf where the label is not kept, plus the poison, NaN included) are, bit for bit,
+    those of the placeholders filled first, the launch without `finish` and then the tail's launch
+    (merged_tail), on each backend; the two backends agree to fp32 rounding. Rows whose slots are
+    not all the rows are refused (their rows without a set would keep no placeholders)."""
+    from megatron_fused_ce.ops.backends import replay_torch, torch_backend
+
+    replay_triton = triton_kernels["replay_triton"]
+    if DEVICE.type == "cuda":
+        from megatron_fused_ce.ops.backends import triton_backend
+    else:
+        triton_backend = triton_kernels["triton_backend"]
+    monkeypatch.setattr(replay_triton, "STATS_BLOCK_E", 4)
+    entries, h, w, g = _kept_entries(5, dtype=torch.float32, pool=97, every_row_a_slot=True)
+    rows = entries.labelled.numel()
+    assert not bool(entries.has_set.all()) and not bool(entries.kept.all()) and bool(entries.has_set.any())
+    z = replay_torch.entry_logits(h, w, entries, 0.7, None, 1 << 20)
+    fields = 4 if want_entropy else 3
+    poison = torch.full((1,), float("nan") if logprobs == "poisoned" else 0.0, device=DEVICE)
+    logprob_of = None if logprobs == "no-logprobs" else (entries.labelled, entries.kept, poison)
+    made = {}
+    for math, tail_math in ((replay_triton, triton_backend), (replay_torch, torch_backend)):
+        into, tail = torch.full((fields, rows + 1), 3.0, device=DEVICE), torch.full((4, rows + 1), 5.0, device=DEVICE)
+        assert math.entry_stats(z.clone(), entries, want_entropy, into, finish=(tail, logprob_of)) is None
+        placeholders = torch.ones(fields, rows + 1, device=DEVICE)
+        math.entry_stats(z.clone(), entries, want_entropy, placeholders)
+        want = tail_math.merged_tail(placeholders[0, :rows], placeholders[1, :rows],
+                                     placeholders[3, :rows] if want_entropy else None,
+                                     None if logprob_of is None else (placeholders[2, :rows], *logprob_of))
+        bits = dict(rtol=0, atol=0, equal_nan=True)  # (a row with no entry on this shard: -inf, NaN entropy)
+        torch.testing.assert_close(into[:, :rows], placeholders[:, :rows], **bits)
+        for i, value in enumerate(want):
+            if value is not None:
+                torch.testing.assert_close(tail[i, :rows], value, **bits, msg=f"{math.__name__}: tail row {i}")
+        made[math] = (into[:, :rows], tail[:, :rows])
+        with pytest.raises(ValueError, match="a slot for every row"):
+            short, _, _, _ = _kept_entries(5, dtype=torch.float32, pool=97)
+            math.entry_stats(z.clone(), short, want_entropy, into, finish=(tail, logprob_of))
+    (into, tail), (into_ref, tail_ref) = made[replay_triton], made[replay_torch]
+    torch.testing.assert_close(into, into_ref, rtol=1e-5, atol=1e-6)
+    written = [0, 1] + ([2] if want_entropy else []) + ([3] if logprob_of is not None else [])
+    torch.testing.assert_close(tail[written], tail_ref[written], rtol=1e-5, atol=1e-5, equal_nan=True)
+    if logprob_of is not None:
+        logprob = tail[3]
+        assert bool((logprob[~entries.labelled] == 0).all()) if logprobs == "logprobs" else bool(logprob.isnan().all())
+        if logprobs == "logprobs":
+            assert bool((logprob[entries.labelled & ~entries.kept] == float("-inf")).all())
 
 
 def test_entry_kernels_gather_gate_and_write_blocks(triton_kernels, monkeypatch):
@@ -307,6 +365,16 @@ def test_layout_kernels_match_the_torch_layout(triton_kernels, seed, narrow, mon
     use = torch.bincount(ref.col[ref.valid], minlength=num_valid + 2)
     assert got.column_use.dtype == torch.int32 and torch.equal(got.column_use.long(), use)
     assert ref.column_use is None
+    # the labelled flags made by the rows' launch from the labels (where it checks them, with no
+    # label kernel before it): the same layout, and no label outside [0, vocab) found
+    flags = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    kernel = functools.partial(replay_triton.kept_layout, vocab=vocab, num_cols=num_valid + 2, flags=flags,
+                               check_missing=False, ignore_index=-100)
+    made = replay.KeptEntries(ids, offsets, labels, None, 49, num_valid, max_set_rows, kernel=kernel)
+    assert made.labelled.dtype == torch.bool and torch.equal(made.labelled, labelled)
+    for name in _LAYOUT_FIELDS:
+        assert torch.equal(getattr(made, name), getattr(ref, name)), name
+    assert int(made.counts[11]) == 0 and int(flags) == 0 and float(made.poison) == 0.0
     # the dense route's chunks: the kernels read and write the places torch does
     cols = num_valid + 2
     logits = torch.randn(max_set_rows, cols, generator=g).to(torch.bfloat16).to(DEVICE)

@@ -539,9 +539,10 @@ class StraightLogprobs(torch.autograd.Function):
 class ReplayRoute(_Route):
     """linear_logprobs' route with a sampling mask (replay.py), with or without entropy, without
     sequence parallelism: the general path's replay branch of token_statistics without its
-    argument handling. Each call makes its own layout and checks from its mask
+    argument handling. Each call runs the label kernel (at TP = 1 without the plain pass, none: the
+    layout's launches check the labels), makes its own layout and checks from its mask
     (replay.replay_tiling: whatever number of ids it keeps, the pieces the sizes choose, the device
-    checks of a remembered signature), then the label kernel's targets, the kept sets' statistics
+    checks of a remembered signature), then the kept sets' statistics
     (at TP > 1 the rank check, the labels' and the mask's fingerprints in it, riding on the merge),
     the labelled log-probs, -inf where the label is not kept, and the entropy, 0 where the label is
     ignored, each plus the call's poison; `StraightReplay`'s backward is the general path's nodes'
@@ -562,14 +563,20 @@ class ReplayRoute(_Route):
         if not mask_check.usable or mask_check.ids.numel() == 0:
             return None
         spec, group = facts.spec, self.group()
-        # (the rank check is made below: the mask's fingerprint joins the labels' pieces)
-        local_target, labelled, _, scalars, flags = self.label_checks(flat_labels, weight)
         needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        if group is None and not self.plain_pass and replay.layout_checks_labels(spec.backend, mask_check.ids):
+            # TP = 1, no plain pass (which alone reads the targets on the shard): the layout's launch
+            # makes the labelled flags and checks the labels (the label kernel's launch fewer)
+            local_target = labelled = label_poison = None
+        else:  # (the rank check is made below: the mask's fingerprint joins the labels' pieces)
+            local_target, labelled, _, scalars, flags = self.label_checks(flat_labels, weight)
+            label_poison = scalars[:1]
         tiling = replay.replay_tiling(mask_check, flat_labels, labelled, facts.vocab_start, spec.num_valid_cols,
                                       facts.true_vocab, needs_grad, plain_pass=self.plain_pass, backend=spec.backend,
                                       check=True, num_cols=weight.shape[0], fingerprint=group is not None,
-                                      label_poison=scalars[:1], max_elements=spec.chunk_size * weight.shape[0],
-                                      weight_grad=weight.requires_grad)
+                                      label_poison=label_poison, max_elements=spec.chunk_size * weight.shape[0],
+                                      weight_grad=weight.requires_grad, ignore_index=facts.ignore_index)
+        labelled = tiling.entries.labelled
         rank_check = None
         if group is not None:  # (the labels' pieces from the label launch, then the mask's fingerprint)
             rank_check = reductions.RankCheck(api._rank_check_values(scalars[3:], tiling.fingerprint),

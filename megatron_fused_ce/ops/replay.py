@@ -40,7 +40,10 @@ or a padding slot, its entries' slot / column / valid / is-label, its label-kept
 range check, and an id twice in its set: the set sorted in the program, or a larger one through a
 hash table of its own), and on a remembered signature one that ORs the verdict into
 deferred_errors' flags and makes the NaN poison (`ReplayChunks.poison`, the label checks' added
-in: the call's one poison). Tests compare them field by field.
+in: the call's one poison). Where a remembered call at TP = 1 runs no plain pass (which alone reads
+the labels' targets on the shard), the same two launches also make the rows' labelled flags from
+the labels and check their range (`layout_checks_labels`): the label kernel's launch fewer. Tests
+compare them field by field.
 
 Per call, on each TP rank (every row of labels, ignored ones included, as in the other paths):
 
@@ -65,7 +68,11 @@ Per call, on each TP rank (every row of labels, ignored ones included, as in the
                              z read off each chunk of logits, then the backend's `entry_stats`
                              over them (Triton: the kept_stats kernel reading z instead of taking
                              dots, one launch; torch: segment reductions)
-    one TP merge             the partials of every row merged by reductions.merge_shard_stats
+    one TP merge             the partials of every row merged by reductions.merge_shard_stats;
+                             at TP = 1 where every row is a slot, none: the statistics' launch
+                             finishes each row (log S, lse, entropy, log-prob: the tail launch's
+                             math, triton_math.store_merged_tail) and a row without a set's
+                             placeholders
 
 Backward (the chunk loop's recompute_grads): every entry's dlogits from the z the forward saved
 (O(entries) floats, no recompute of the logits), the backend's `entry_dlogits` (Triton: one launch
@@ -869,26 +876,39 @@ class ReplayChunks:
         # (finite: an ignored row's results are zeros)
         names = ("max", "sum_exp", "target") + (("sum_exp_shifted",) if spec.want_entropy else ())
         num_rows = rows.shape[0]
+        # every row a slot and no merge over TP ranks after it: the statistics' launch finishes the
+        # rows (the tail's launch and the placeholders' fill fewer; the same bits)
+        finishes = self.by_rows and reductions.group_size(spec.tp_group) == 1
         if self.plain_pass:
             PIECE_COUNTS["plain_rows"] += num_rows
             plain = shard_partials(rows, weight, local_target, spec)
             per_row = torch.stack([getattr(plain, name) for name in names])
             per_row = torch.cat([per_row, per_row[:, :1]], 1)  # (the spare place padding slots land on)
+        elif finishes:  # (the statistics' launch writes the placeholders; the tail's four rows after the fields)
+            per_row = torch.empty(len(names) + 4, num_rows + 1, dtype=torch.float32, device=rows.device)
         else:
             # (max 1, sum_exp 1, target 1: finite, and one op where zeros and a fill are two)
             per_row = torch.ones(len(names), num_rows + 1, dtype=torch.float32, device=rows.device)
+        logprob_of = (entries.labelled, entries.kept, self.poison) if self.logprobs_in_tail else None
         # the set rows' partials replace their plain ones (columns set_dest; padding: the spare one)
-        self._kept_partials(rows, weight, spec, per_row)
+        self._kept_partials(rows, weight, spec, per_row[:len(names)],
+                            finish=(per_row[len(names):], logprob_of) if finishes else None)
         z = self._z
         self._z = None
         stats = ShardStats(**{name: per_row[i, :num_rows] for i, name in enumerate(names)})
-        merged = reductions.merge_shard_stats(
-            stats, spec.tp_group, spec.backend, spec.rank_check,
-            logprob_of=(entries.labelled, entries.kept, self.poison) if self.logprobs_in_tail else None)
+        if finishes:
+            log_sum_exp, lse, entropy, logprob = per_row[len(names):, :num_rows]
+            merged = reductions.MergedStats(
+                lse=lse, target=stats.target, entropy=entropy if spec.want_entropy else None, max=stats.max,
+                log_sum_exp=log_sum_exp, forward_logprob=logprob if logprob_of is not None else None)
+        else:
+            merged = reductions.merge_shard_stats(stats, spec.tp_group, spec.backend, spec.rank_check,
+                                                  logprob_of=logprob_of)
         return ReplayStats(**vars(merged), kept=entries.kept, entry_z=z)
 
-    def _kept_partials(self, rows: Tensor, weight: Tensor, spec, into: Tensor) -> None:
-        """The set rows' partials written into `into` [fields, rows + 1] at columns set_dest."""
+    def _kept_partials(self, rows: Tensor, weight: Tensor, spec, into: Tensor, finish: Optional[tuple] = None) -> None:
+        """The set rows' partials written into `into` [fields, rows + 1] at columns set_dest; with
+        `finish`, the backend's entry_stats' (every row a slot: the tiles and dense routes)."""
         entries = self.entries
         PIECE_COUNTS[self.route + "_rows"] += entries.set_rows.numel()
         if self.sparse:
@@ -909,7 +929,7 @@ class ReplayChunks:
                                       tiles.uids, logits, tiles.max_union, TILE_ROWS)
             # (the entries' z read off the products by the statistics' launch)
             spec.backend.entry_stats(z, entries, spec.want_entropy, into,
-                                     gather=(logits, tiles.place, spec.inv_temperature))
+                                     gather=(logits, tiles.place, spec.inv_temperature), finish=finish)
             return
         by_rows = self.by_rows
         for start, end in row_chunks(entries.set_rows.numel(), spec.chunk_size):
@@ -917,7 +937,7 @@ class ReplayChunks:
             logits = chunk_logits(chunk, weight, spec)
             entries.gather_chunk(z, logits, start, spec.inv_temperature, by_rows)
             del logits
-        spec.backend.entry_stats(z, entries, spec.want_entropy, into)
+        spec.backend.entry_stats(z, entries, spec.want_entropy, into, finish=finish)
 
     def recompute_grads(self, rows: Tensor, weight: Tensor, local_target: Tensor, spec, offsets: tuple,
                         coefs: dict, dx_rows: Optional[Tensor], dw_out: Optional[Tensor], accumulate: bool) -> None:
@@ -1009,11 +1029,17 @@ class ReplayChunks:
             del flat, blocks
 
 
+def layout_checks_labels(backend, ids: Tensor) -> bool:
+    """Whether replay_tiling's layout launch can make and check the rows' labelled flags itself
+    (the backend's kept_layout kernels run on `ids`' device)."""
+    return getattr(backend, "kept_layout", None) is not None and (ids.is_cuda or _interpreting())
+
+
 def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, vocab_start: int, num_valid_cols: int,
                   true_vocab: int, needs_grad: bool, plain_pass: bool, backend=None, check: bool = False,
                   num_cols: Optional[int] = None, fingerprint: bool = False,
                   label_poison: Optional[Tensor] = None, max_elements: Optional[int] = None,
-                  weight_grad: bool = False) -> ReplayChunks:
+                  weight_grad: bool = False, ignore_index: Optional[int] = None) -> ReplayChunks:
     """api.token_statistics' tiling for a call whose mask holds entries (E > 0) over its rows
     (every position of labels), sized from what the host knows on every call of a signature, the
     first included, so that they all compute alike: at most min(rows, E) rows with a set (each
@@ -1026,8 +1052,14 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
     checks'): added into `poison`, so that the call's poison is this one (the kernel adds it).
     `max_elements`: a chunk of logits' elements, the most the union tiles' logits may take (None:
     no tiles). `weight_grad`: the backward will make dW (the union tiles of columns are then made
-    here, with the slots' in one set of launches)."""
+    here, with the slots' in one set of launches). `labelled` None (where `layout_checks_labels`,
+    with `check` and `ignore_index`): the layout's launch makes the rows' labelled flags from the
+    labels and checks them as the label kernel does (entries.labelled; deferred_errors' flag and
+    the poison), one launch fewer."""
     ids = mask_check.ids
+    if labelled is None and not (check and layout_checks_labels(backend, ids)):
+        raise ValueError("replay_tiling: the labels are checked by the layout's launch only with its kernels "
+                         "and the device checks")
     max_set_rows = min(mask_check.offsets.numel() - 1, ids.numel())
     # against the rank's own shard: every rank's set kernels walk every entry (the ids off its shard
     # masked), while the dense route's GEMMs shrink with the shard
@@ -1041,7 +1073,8 @@ def replay_tiling(mask_check: "MaskCheck", labels: Tensor, labelled: Tensor, voc
         kernel = partial(layout, vocab=true_vocab, num_cols=num_cols,
                          flags=deferred_errors.flags(ids.device) if check else None, check_missing=not plain_pass,
                          fingerprint=fingerprint, base_poison=label_poison,
-                         count_use=route == "tiles" and needs_grad and num_cols is not None)
+                         count_use=route == "tiles" and needs_grad and num_cols is not None,
+                         **({} if labelled is not None else {"ignore_index": ignore_index}))
         entries = KeptEntries(ids, mask_check.offsets, labels, labelled, vocab_start, num_valid_cols, max_set_rows,
                               kernel=kernel)
         poison = entries.poison

@@ -58,11 +58,17 @@ def entry_logits(rows: Tensor, weight: Tensor, entries, inv_temperature: float, 
 
 
 def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None, *,
-                gather: Optional[tuple] = None) -> Optional[ShardStats]:
+                gather: Optional[tuple] = None, finish: Optional[tuple] = None) -> Optional[ShardStats]:
     """ShardStats of the set rows (in set_rows order) over their valid entries, from the entries' z;
     with `into`, written there instead (`into_columns`) and None returned. With `gather` (values,
     place [E], 1 / T): the valid entries' z read first, z[e] = fp32(values.flat[place[e]]) / T
-    (the union tiles' products; KeptEntries.gather_places)."""
+    (the union tiles' products; KeptEntries.gather_places). With `finish` (tail, logprob_of), where
+    no merge over TP ranks follows and every row is a slot (`into` given): a row without a set
+    takes placeholders of 1 (max, sum exp, target, and the entropy's sum), and every row's merged
+    tail (torch_backend.merged_tail: log S, lse, entropy, and with `logprob_of` (labelled, kept,
+    poison) the labelled log-probs) is written into tail's rows (fp32 [4, rows + 1])."""
+    if finish is not None and (into is None or entries.set_rows.numel() != entries.labelled.numel()):
+        raise ValueError("entry_stats: finish needs `into` and a slot for every row")
     valid, offsets = entries.valid, entries.offsets
     if gather is not None:
         values, place, inv_temperature = gather
@@ -83,6 +89,19 @@ def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] =
     if into is None:
         return stats
     into_columns(stats, entries, into)
+    if finish is not None:
+        rows = entries.labelled.numel()
+        fields = into[:, :rows]
+        fields.masked_fill_(~entries.has_set, 1.0)
+        tail, logprob_of = finish
+        shifted = fields[3] if want_entropy else None
+        from . import torch_backend  # (it imports this module)
+
+        made = torch_backend.merged_tail(fields[0], fields[1], shifted,
+                                         None if logprob_of is None else (fields[2], *logprob_of))
+        for i, value in enumerate(made):
+            if value is not None:
+                tail[i, :rows] = value
     return None
 
 

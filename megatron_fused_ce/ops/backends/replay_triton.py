@@ -11,7 +11,10 @@ mask's CSR and gathers the weight rows itself.
   chunk GEMM's logits are, then an online max / sum exp / entropy sum over the blocks and the
   label's z; it writes each entry's z for the backward. With FROM_Z it reads the entries' z
   instead (`entry_stats`: the dense route, whose z come off its chunks of logits), or with GATHER
-  reads them at the entries' places in the union tiles' products (and writes them).
+  reads them at the entries' places in the union tiles' products (and writes them). With FINISH
+  (TP = 1, every row a slot: no merge follows) it also writes the row's log S, lse, entropy and
+  log-prob, and a row without a set's placeholders and theirs: the tail launch's math
+  (triton_math), the same bits, one launch and a fill fewer.
 - `_entry_dlogits_kernel`, one program per block of entries: each entry's dlogit from its z, its
   row's merged max and log-sum-exp and the upstream coefficients (`entry_dlogits`), in fp32 or
   rounded to the dense route's GEMM dtype; a log-prob's upstream gradient gated by two row masks
@@ -24,7 +27,8 @@ mask's CSR and gathers the weight rows itself.
   op's fp32 buffer or Megatron's main_grad). A frequent id (in most sets: Zipf) costs one add per
   block of its entries, not one per entry.
 - `kept_layout`: replay.KeptEntries' fields and MaskCheck's device checks (replay.py's module doc)
-  in two launches and a fill (the verdict recorded by the last of the entries' programs), and
+  in two launches and a fill (the verdict recorded by the last of the entries' programs; where
+  asked, the rows' labelled flags made from the labels and their range checked too), and
   where asked each column's count of valid entries (dW's column
   order: replay_union_triton.columns_by_use); `gather_chunk` / `scatter_chunk`: the dense route's
   entries of one chunk of logits in one launch each, `slot_rows` its block of dlogits (zeros and
@@ -41,10 +45,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..deferred_errors import SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
+from ..deferred_errors import LABELS_OUT_OF_RANGE, SAMPLING_MASK_BAD, SAMPLING_MASK_NEW_EMPTY_SET
 from . import ShardStats
 from .triton_common import cached_launch, cdiv, interpreting as _interpreting, next_power_of_2
 from .triton_gemm_stats import round_bf16_by_hand
+from .triton_math import store_merged_tail
 
 # Launch settings (module-level so that tests can shrink them; not a public API).
 STATS_BLOCK_E = 32
@@ -81,10 +86,11 @@ def _dots(h_ptr, stride_h, row, w_ptr, stride_w, col, valid, H, BLOCK_E: tl.cons
 def _kept_stats_kernel(
     h_ptr, stride_h, w_ptr, stride_w, ids_ptr, set_rows_ptr, starts_ptr, ends_ptr, labels_ptr,
     z_ptr, max_ptr, sum_ptr, target_ptr, shifted_ptr, dest_ptr,
+    log_sum_exp_ptr, lse_ptr, entropy_ptr, logprob_ptr, has_set_ptr, labelled_ptr, kept_ptr, poison_ptr,
     H, vocab_start, num_valid_cols, inv_temperature,
     ROUND: tl.constexpr, BF16_BY_HAND: tl.constexpr, WANT_ENTROPY: tl.constexpr, STORE_Z: tl.constexpr,
-    TO_DEST: tl.constexpr, FROM_Z: tl.constexpr, GATHER: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    TO_DEST: tl.constexpr, FROM_Z: tl.constexpr, GATHER: tl.constexpr, FINISH: tl.constexpr, LOGPROB: tl.constexpr,
+    HAS_POISON: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     i = tl.program_id(0)
     at = i
@@ -138,6 +144,19 @@ def _kept_stats_kernel(
     tl.store(target_ptr + at, t)
     if WANT_ENTROPY:
         tl.store(shifted_ptr + at, se)
+    if FINISH:  # (no merge follows: the tail launch's math here; every row is a slot, i a row too)
+        store_merged_tail(at, at >= 0, m, s, se, t, log_sum_exp_ptr, lse_ptr, entropy_ptr, labelled_ptr, kept_ptr,
+                          poison_ptr, logprob_ptr, WANT_ENTROPY, PRECISE, LOGPROB, True, True, HAS_POISON)
+        if tl.load(has_set_ptr + i) == 0:  # row i has no set: the placeholders' (1 each) and their tail
+            one = tl.full([], 1.0, tl.float32)
+            tl.store(max_ptr + i, one)
+            tl.store(sum_ptr + i, one)
+            tl.store(target_ptr + i, one)
+            if WANT_ENTROPY:
+                tl.store(shifted_ptr + i, one)
+            store_merged_tail(i, i >= 0, one, one, one, one, log_sum_exp_ptr, lse_ptr, entropy_ptr, labelled_ptr,
+                              kept_ptr, poison_ptr, logprob_ptr, WANT_ENTROPY, PRECISE, LOGPROB, True, True,
+                              HAS_POISON)
 
 
 def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, round_to: Optional[torch.dtype],
@@ -157,33 +176,44 @@ def kept_stats(rows: Tensor, weight: Tensor, entries, inv_temperature: float, ro
         _kept_stats_kernel[(count,)](
             rows, rows.stride(0), weight, weight.stride(0), entries.ids, entries.set_rows, entries.starts,
             entries.ends, entries.set_labels, z, row_max, sum_exp, target, shifted, entries.set_dest,
-            rows.shape[1], entries.vocab_start, entries.num_valid_cols, float(inv_temperature),
+            *(row_max,) * 8, rows.shape[1], entries.vocab_start, entries.num_valid_cols, float(inv_temperature),
             ROUND=_ROUND.get(round_to, 0), BF16_BY_HAND=by_hand, WANT_ENTROPY=want_entropy, STORE_Z=want_z,
-            TO_DEST=into is not None, FROM_Z=False, GATHER=False, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H,
-            num_warps=WARPS)
+            TO_DEST=into is not None, FROM_Z=False, GATHER=False, FINISH=False, LOGPROB=False, HAS_POISON=False,
+            PRECISE=False, BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
     stats = None if into is not None else ShardStats(max=row_max, sum_exp=sum_exp, target=target,
                                                      sum_exp_shifted=shifted if want_entropy else None)
     return stats, z if want_z else None
 
 
 def entry_stats(z: Tensor, entries, want_entropy: bool, into: Optional[Tensor] = None, *,
-                gather: Optional[tuple] = None) -> Optional[ShardStats]:
+                gather: Optional[tuple] = None, finish: Optional[tuple] = None) -> Optional[ShardStats]:
     """replay_torch.entry_stats (the dense route's statistics from the entries' z) in one launch:
     the kept-stats kernel reading z instead of taking dots; with `into`, written at set_dest; with
-    `gather`, z read at the entries' places first (and stored), in the same launch."""
+    `gather`, z read at the entries' places first (and stored), in the same launch; with `finish`,
+    the tail too, in the same launch (replay_torch.entry_stats says what)."""
     count = entries.set_rows.numel()
     out = into if into is not None else torch.empty(4 if want_entropy else 3, count, dtype=torch.float32,
                                                     device=z.device)
     row_max, sum_exp, target = out[0], out[1], out[2]
     shifted = out[3] if want_entropy else row_max
+    if finish is not None and (into is None or count != entries.labelled.numel()):
+        raise ValueError("entry_stats: finish needs `into` and a slot for every row")
     if count:
         values, place, inv_temperature = gather if gather is not None else (z, z, 1.0)
+        tail_args, logprob_of = (row_max,) * 8, None
+        if finish is not None:
+            tail, logprob_of = finish
+            labelled, kept, poison = logprob_of if logprob_of is not None else (entries.has_set,) * 2 + (None,)
+            tail_args = (*tail[:4], entries.has_set.view(torch.uint8), labelled.view(torch.uint8),
+                         kept.view(torch.uint8), row_max if poison is None else poison)
         _kept_stats_kernel[(count,)](
             values, 0, place, 0, entries.ids, entries.set_rows, entries.starts, entries.ends, entries.set_labels, z,
-            row_max, sum_exp, target, shifted, entries.set_dest, 0, entries.vocab_start, entries.num_valid_cols,
-            float(inv_temperature), ROUND=0, BF16_BY_HAND=False, WANT_ENTROPY=want_entropy, STORE_Z=False,
-            TO_DEST=into is not None, FROM_Z=True, GATHER=gather is not None, BLOCK_E=STATS_BLOCK_E,
-            BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
+            row_max, sum_exp, target, shifted, entries.set_dest, *tail_args, 0, entries.vocab_start,
+            entries.num_valid_cols, float(inv_temperature), ROUND=0, BF16_BY_HAND=False, WANT_ENTROPY=want_entropy,
+            STORE_Z=False, TO_DEST=into is not None, FROM_Z=True, GATHER=gather is not None,
+            FINISH=finish is not None, LOGPROB=logprob_of is not None,
+            HAS_POISON=logprob_of is not None and logprob_of[2] is not None, PRECISE=not _interpreting(),
+            BLOCK_E=STATS_BLOCK_E, BLOCK_H=STATS_BLOCK_H, num_warps=WARPS)
     if into is not None:
         return None
     return ShardStats(max=row_max, sum_exp=sum_exp, target=target, sum_exp_shifted=shifted if want_entropy else None)
@@ -376,9 +406,11 @@ NARROW_SCAN = True
 # test sets a block.)
 LAYOUT_SORT_BLOCK = 1 if _interpreting() else 1024
 # counts: bad offsets, bad ids, duplicates, labelled rows with a (raw) set, without one, rows with a
-# (layout) set, labelled rows without one, the first row without a set, set_rows[0], and the
-# mask's fingerprint (agreement.tensor_fingerprint of cat([offsets, ids])), two sums
-_COUNTS = 11
+# (layout) set, labelled rows without one, the first row without a set, set_rows[0], the mask's
+# fingerprint (agreement.tensor_fingerprint of cat([offsets, ids])), two sums, and the labelled rows
+# whose label lies outside [0, vocab) where the layout checks the labels (kept_layout without
+# `labelled`)
+_COUNTS = 12
 
 
 @triton.jit
@@ -411,10 +443,13 @@ def _block_totals(bad_a, with_a, without_a, missing_a, count_a, plain_a, set_a, 
 @cached_launch
 @triton.jit
 def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_ptr, counts_ptr, rows, total,
-                      FINGERPRINT: tl.constexpr, BLOCK: tl.constexpr, NARROW: tl.constexpr = False):
+                      labels_ptr, ignore_index, FINGERPRINT: tl.constexpr, BLOCK: tl.constexpr,
+                      NARROW: tl.constexpr = False, LABELS: tl.constexpr = False):
     """One program over the positions in blocks (a scan: the layout offsets are a running max).
     A block's two running maxima are one scan and its eight totals one reduction: each pass is a
-    round of the block's warps through shared memory, which the next block waits for."""
+    round of the block's warps through shared memory, which the next block waits for. LABELS: a
+    row is labelled where its label is not ignore_index (label_targets' definition), read off the
+    labels here (the entries' launch writes the flags and checks the labels' range)."""
     first = tl.load(offsets_ptr)
     bad = (first != 0).to(tl.int64)
     tl.store(layout_ptr, first * 0)
@@ -450,7 +485,10 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
         end = tl.maximum(end, carry)
         start = tl.maximum(start, carry)
         r = j - 1
-        labelled = inside & (tl.load(labelled_ptr + r, mask=inside, other=0) != 0)
+        if LABELS:
+            labelled = inside & (tl.load(labels_ptr + r, mask=inside, other=ignore_index) != ignore_index)
+        else:
+            labelled = inside & (tl.load(labelled_ptr + r, mask=inside, other=0) != 0)
         has = labelled & (end > start)
         has32 = has.to(tl.int32)
         tl.store(layout_ptr + j, end, mask=inside)
@@ -483,6 +521,7 @@ def _mask_rows_kernel(offsets_ptr, labelled_ptr, layout_ptr, has_set_ptr, rank_p
     tl.store(counts_ptr + 8, tl.where(count > 0, first_set, first_plain))
     tl.store(counts_ptr + 9, by_position)  # (the entries kernel adds the ids')
     tl.store(counts_ptr + 10, by_hash)
+    tl.store(counts_ptr + 11, first * 0)
 
 
 @cached_launch
@@ -491,10 +530,11 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
                          set_dest_ptr, set_rows_ptr, starts_ptr, ends_ptr, set_labels_ptr, kept_ptr,
                          slot_ptr, col_ptr, position_ptr, row_of_ptr, table_ptr, dw_key_ptr, place_ptr, row_place_ptr,
                          valid_ptr, is_label_ptr, use_ptr, ticket_ptr, flags_ptr, poison_ptr, base_ptr,
-                         rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols,
-                         FINGERPRINT: tl.constexpr, COUNT_USE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         rows, total, max_set_rows, vocab, vocab_start, num_valid_cols, num_cols, labelled_ptr,
+                         ignore_index, FINGERPRINT: tl.constexpr, COUNT_USE: tl.constexpr, BLOCK_E: tl.constexpr,
                          SORT_BLOCK: tl.constexpr, VERDICT: tl.constexpr, BAD_FLAG: tl.constexpr,
-                         MISSING_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
+                         MISSING_FLAG: tl.constexpr, LABELS_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr,
+                         HAS_BASE: tl.constexpr, LABELS: tl.constexpr):
     """One program per row: its slot (or a padding slot), and its entries over its layout range.
     An id twice in the row's set: a set of at most SORT_BLOCK ids is sorted in the program (equal
     neighbours); a larger one is inserted into the row's own hash table (`table_ptr`, int32, 0
@@ -502,13 +542,19 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
     addressing), where an insert that finds its id already there is a duplicate. No sort of the
     call's entries. COUNT_USE: each column's valid entries counted into `use_ptr` (int32, zeros).
     VERDICT: the last program to finish (`ticket_ptr`, int32, zero) records the mask's verdict
-    from every program's counts (`_record_verdict`): no launch of its own."""
+    from every program's counts (`_record_verdict`): no launch of its own. LABELS: each row's
+    labelled flag written to `labelled_ptr` (label_targets' definition, as the rows' launch read
+    it) and a labelled row's label outside [0, vocab) counted (counts[11]) for the verdict."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.load(layout_ptr + r)
     hi = tl.load(layout_ptr + r + 1)
     has = tl.load(has_set_ptr + r) != 0
     rank = tl.load(rank_ptr + r)
     label = tl.load(labels_ptr + r)
+    if LABELS:
+        labelled = label != ignore_index
+        tl.store(labelled_ptr + r, labelled.to(tl.uint8))
+        tl.atomic_add(counts_ptr + 11, r * 0 + 1, mask=labelled & ((label < 0) | (label >= vocab)))
     count = tl.load(counts_ptr + 5)
     row0 = tl.load(counts_ptr + 8)
     tl.store(set_dest_ptr + rank, r, mask=has)
@@ -590,18 +636,20 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
         tl.atomic_add(counts_ptr + 10, by_hash, mask=hi > lo)
     if VERDICT:  # (the ticket's acquire orders every earlier program's counts before the reads)
         if tl.atomic_add(ticket_ptr, 1) == rows - 1:
-            _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG, MISSING_FLAG, CHECK_MISSING,
-                            HAS_BASE)
+            _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG, MISSING_FLAG, LABELS_FLAG,
+                            CHECK_MISSING, HAS_BASE)
 
 
 @triton.jit
 def _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr, MISSING_FLAG: tl.constexpr,
-                    CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
-    """deferred_errors' flags and the call's fp32 poison from the counts (plus the labels' poison).
+                    LABELS_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
+    """deferred_errors' flags and the call's fp32 poison from the counts (plus the labels' poison
+    where the label kernel checked them, or their flag where the rows' launch did).
     The counts read by atomics: other programs of the same launch added to them (a plain load
     could return a line this program's cache held from before)."""
     bad = (tl.atomic_add(counts_ptr + 0, 0) + tl.atomic_add(counts_ptr + 1, 0) + tl.atomic_add(counts_ptr + 2, 0)) > 0
     flags = tl.where(bad, BAD_FLAG, 0).to(tl.int64)
+    flags = flags | tl.where(tl.atomic_add(counts_ptr + 11, 0) > 0, LABELS_FLAG, 0).to(tl.int64)
     if CHECK_MISSING:
         missing = tl.atomic_add(counts_ptr + 6, 0) > 0
         flags = flags | tl.where(missing, MISSING_FLAG, 0).to(tl.int64)
@@ -612,10 +660,10 @@ def _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.co
     tl.store(poison_ptr, poison)
 
 
-def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, vocab_start: int,
+def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Optional[Tensor], vocab_start: int,
                 num_valid_cols: int, max_set_rows: int, vocab: int, num_cols: int, flags: Optional[Tensor],
                 check_missing: bool, fingerprint: bool = False, base_poison: Optional[Tensor] = None,
-                count_use: bool = False) -> dict:
+                count_use: bool = False, ignore_index: Optional[int] = None) -> dict:
     """replay.KeptEntries' fields from the mask's raw offsets (the layout offsets made here, as
     MaskCheck.layout_offsets makes them), the counts of MaskCheck's device checks, and with
     `flags` (deferred_errors' word) the verdict recorded there and a fp32 [1] poison; `dw_key`,
@@ -625,7 +673,10 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     `fingerprint`, counts[9:11] are MaskCheck.fingerprint()'s; `base_poison` (fp32 [1]) is added
     into the poison; with `count_use`, `column_use` (int32 [num_cols]): how many valid entries name
     each column (replay_union_triton.columns_by_use's counts, counted here while the entries are
-    read)."""
+    read). With `labelled` None, the rows' launch makes it from the labels and `ignore_index`
+    (label_targets' definition; `labelled` among the fields) and checks them: a labelled row's
+    label outside [0, vocab) records deferred_errors' LABELS_OUT_OF_RANGE with the verdict (which
+    `flags` must then hold) and poisons the call, as the label kernel's check does."""
     device = ids.device
     total, rows = ids.numel(), offsets.numel() - 1
     ids, offsets, labels = ids.contiguous(), offsets.contiguous(), labels.reshape(-1).contiguous()
@@ -639,12 +690,18 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
     use_cols = num_cols if count_use else 0
     table = torch.zeros(2 * total + use_cols + 1, dtype=torch.int32, device=device)
     column_use, ticket = table.split((2 * total, use_cols, 1))[1:]
-    has_set, kept, valid, is_label = torch.empty(2 * rows + 2 * total, dtype=torch.uint8, device=device).split(
-        (rows, rows, total, total))
+    check_labels = labelled is None
+    if check_labels and (flags is None or ignore_index is None):
+        raise ValueError("kept_layout: labels checked here need the flags word and ignore_index")
+    has_set, kept, valid, is_label, made_labelled = torch.empty(
+        (3 if check_labels else 2) * rows + 2 * total, dtype=torch.uint8, device=device).split(
+        (rows, rows, total, total, rows if check_labels else 0))
+    labelled = made_labelled if check_labels else labelled.view(torch.uint8)
     poison = None if flags is None else torch.empty(1, dtype=torch.float32, device=device)
-    _mask_rows_kernel[(1,)](offsets, labelled.view(torch.uint8), layout, has_set, rank, counts, rows, total,
+    ignored = int(ignore_index if check_labels else 0)
+    _mask_rows_kernel[(1,)](offsets, labelled, layout, has_set, rank, counts, rows, total, labels, ignored,
                             FINGERPRINT=fingerprint, BLOCK=ROWS_SCAN_BLOCK, NARROW=NARROW_SCAN and total < 2**31,
-                            num_warps=ROWS_SCAN_WARPS)
+                            LABELS=check_labels, num_warps=ROWS_SCAN_WARPS)
     # (the verdict by the entries' last program: a mask has at least one position, replay_tiling's)
     _mask_entries_kernel[(rows,)](ids, layout, has_set, rank, labels, counts, set_dest, set_rows, starts, ends,
                                   set_labels, kept, slot, col, position, row_of, table, dw_key, place, row_place, valid,
@@ -653,19 +710,22 @@ def kept_layout(ids: Tensor, offsets: Tensor, labels: Tensor, labelled: Tensor, 
                                   counts if base_poison is None else base_poison,
                                   rows,
                                   total, m, int(vocab), int(vocab_start), int(num_valid_cols), int(num_cols),
+                                  labelled, ignored,
                                   FINGERPRINT=fingerprint, COUNT_USE=count_use, BLOCK_E=LAYOUT_BLOCK_E,
                                   SORT_BLOCK=min(LAYOUT_SORT_BLOCK, next_power_of_2(-(-total // max(rows, 1)))),
                                   VERDICT=flags is not None, BAD_FLAG=SAMPLING_MASK_BAD,
-                                  MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, CHECK_MISSING=check_missing,
-                                  HAS_BASE=base_poison is not None, num_warps=2)
+                                  MISSING_FLAG=SAMPLING_MASK_NEW_EMPTY_SET, LABELS_FLAG=LABELS_OUT_OF_RANGE,
+                                  CHECK_MISSING=check_missing,
+                                  HAS_BASE=base_poison is not None, LABELS=check_labels, num_warps=2)
     return dict(offsets=layout, has_set=has_set.view(torch.bool), set_dest=set_dest, set_rows=set_rows,
                 starts=starts, ends=ends, set_labels=set_labels, kept=kept.view(torch.bool), slot=slot, col=col,
                 position=position, row_of_entry=row_of, fingerprint=counts[9:11] if fingerprint else None,
                 valid=valid.view(torch.bool), is_label=is_label.view(torch.bool),
                 dw_key=dw_key, dw_key_cols=int(num_cols), chunk_place=(int(num_cols), place),
                 row_place=(int(num_cols), row_place), counts=counts,
-                column_use=column_use if count_use else None,
-                poison=poison, chunk_kernels=(gather_chunk, scatter_chunk, slot_rows))
+                column_use=column_use if count_use else None, poison=poison,
+                chunk_kernels=(gather_chunk, scatter_chunk, slot_rows),
+                **({"labelled": made_labelled.view(torch.bool)} if check_labels else {}))
 
 
 # The dense route's entries of one chunk of slots: their places in its block of logits, one launch

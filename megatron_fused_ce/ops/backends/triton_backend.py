@@ -53,6 +53,8 @@ from .triton_common import (cached_launch, cdiv, f32 as _f32, interpreting as _i
                             sm_count as _sm_count)
 from .replay_triton import fingerprint_terms
 from .triton_gemm_stats import round_bf16_by_hand
+from .triton_math import precise_log as _log, store_labelled_logprob as _store_labelled_logprob
+from .triton_math import store_merged_tail
 
 # Launch settings (measured: docs/design.md §10.6). Module-level so that
 # tools/benchmark.py can try a variant; not a public API.
@@ -144,15 +146,6 @@ def _stats_kernel(
         if FINISH:
             _finish_row(row, m, s, z_t, in_block, log_sum_exp_ptr, lse_ptr, logprob_ptr, tl.load(poison_ptr),
                         PRECISE_LOG)
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    """log as torch's CUDA log computes it (libdevice's logf), where PRECISE; else tl.log (the
-    interpreter, which has no libdevice)."""
-    if PRECISE:
-        return libdevice.log(x)
-    return tl.log(x)
 
 
 @triton.jit
@@ -1142,17 +1135,17 @@ def _merged_tail_kernel(max_ptr, sum_exp_ptr, shifted_ptr, log_sum_exp_ptr, lse_
                         HAS_KEPT: tl.constexpr = False, HAS_POISON: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n
-    s = tl.load(sum_exp_ptr + rows, mask=ok, other=1.0)
-    log_s = _log(s, PRECISE)
     row_max = tl.load(max_ptr + rows, mask=ok, other=0.0)
-    tl.store(log_sum_exp_ptr + rows, log_s, mask=ok)
-    tl.store(lse_ptr + rows, row_max + log_s, mask=ok)
+    s = tl.load(sum_exp_ptr + rows, mask=ok, other=1.0)
+    shifted = s  # (read only WANT_ENTROPY)
     if WANT_ENTROPY:
-        # (div_rn: torch's division, rounded to nearest; `/` is the approximate division)
-        tl.store(entropy_ptr + rows, log_s - tl.div_rn(tl.load(shifted_ptr + rows, mask=ok, other=0.0), s), mask=ok)
-    if LOGPROB:  # _labelled_logprob_kernel's math on the values just made
-        _store_labelled_logprob(rows, ok, tl.load(target_ptr + rows, mask=ok, other=0.0), row_max, log_s,
-                                labelled_ptr, kept_ptr, poison_ptr, logprob_ptr, HAS_LABELLED, HAS_KEPT, HAS_POISON)
+        shifted = tl.load(shifted_ptr + rows, mask=ok, other=0.0)
+    target = s  # (read only with LOGPROB)
+    if LOGPROB:
+        target = tl.load(target_ptr + rows, mask=ok, other=0.0)
+    store_merged_tail(rows, ok, row_max, s, shifted, target, log_sum_exp_ptr, lse_ptr, entropy_ptr, labelled_ptr,
+                      kept_ptr, poison_ptr, logprob_ptr, WANT_ENTROPY, PRECISE, LOGPROB, HAS_LABELLED, HAS_KEPT,
+                      HAS_POISON)
 
 
 def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tensor],
@@ -1179,21 +1172,6 @@ def merged_tail(row_max: Tensor, sum_exp: Tensor, sum_exp_shifted: Optional[Tens
         entropy if entropy is not None else lse, *extra, n, WANT_ENTROPY=entropy is not None, BLOCK=block,
         PRECISE=not _interpreting(), **flags, num_warps=4)
     return (log_sum_exp, lse, entropy) if logprob_of is None else (log_sum_exp, lse, entropy, logprob)
-
-
-@triton.jit
-def _store_labelled_logprob(rows, ok, target, row_max, log_sum_exp, labelled_ptr, kept_ptr, poison_ptr, out_ptr,
-                            HAS_LABELLED: tl.constexpr, HAS_KEPT: tl.constexpr, HAS_POISON: tl.constexpr):
-    """torch_backend.labelled_logprob of the rows' values: (z_y - M) - log S, 0 where not
-    labelled, -inf where the label is not kept, plus the poison."""
-    value = (target - row_max) - log_sum_exp
-    if HAS_LABELLED:
-        value = tl.where(tl.load(labelled_ptr + rows, mask=ok, other=0) != 0, value, 0.0)
-    if HAS_KEPT:
-        value = tl.where(tl.load(kept_ptr + rows, mask=ok, other=0) != 0, value, float("-inf"))
-    if HAS_POISON:
-        value = value + tl.load(poison_ptr)
-    tl.store(out_ptr + rows, value, mask=ok)
 
 
 @cached_launch
