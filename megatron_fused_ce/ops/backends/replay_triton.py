@@ -644,7 +644,7 @@ def _mask_entries_kernel(ids_ptr, layout_ptr, has_set_ptr, rank_ptr, labels_ptr,
 def _record_verdict(counts_ptr, flags_ptr, poison_ptr, base_ptr, BAD_FLAG: tl.constexpr, MISSING_FLAG: tl.constexpr,
                     LABELS_FLAG: tl.constexpr, CHECK_MISSING: tl.constexpr, HAS_BASE: tl.constexpr):
     """deferred_errors' flags and the call's fp32 poison from the counts (plus the labels' poison
-    where the label kernel checked them, or their flag where the rows' launch did).
+    where the label kernel checked them, or their flag where this launch did).
     The counts read by atomics: other programs of the same launch added to them (a plain load
     could return a line this program's cache held from before)."""
     bad = (tl.atomic_add(counts_ptr + 0, 0) + tl.atomic_add(counts_ptr + 1, 0) + tl.atomic_add(counts_ptr + 2, 0)) > 0
