@@ -50,7 +50,8 @@ MAX_KERNELS = {"cross_entropy": 30, "cross_entropy_per_token": 30, "logprobs": 3
 # and dlogits came from one launch, 21 before the labelled log-prob took the poison and the
 # backward's row scaling the label mask), cross-entropy 9 (10 with the label kernel apart, 12 with the
 # statistics and dlogits kernels apart), GRPO 9 with each option set (its per-token terms: one kernel, triton_grpo.py;
-# 12 before its remembered route's lean node: the stats launch finishing its rows at TP = 1, no zero
+# a kernel fewer where its statistics, terms and dlogits take one launch, triton_grpo.terms_in_launch_, as
+# here; 12 before its remembered route's lean node: the stats launch finishing its rows at TP = 1, no zero
 # anchor, the poison and the loss written by the per-token kernel; 14 before the label kernel read
 # its mask; 14 with a normalizer given as a CUDA tensor, whose check on the device takes five small
 # kernels, 9 with one given as a number).

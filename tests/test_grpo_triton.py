@@ -157,18 +157,25 @@ def test_no_valid_token(triton_grpo):
     _compare(triton_grpo, config, x, with_old=True, with_sampling=True, normalizer=None, sequence_first=False)
 
 
+@pytest.mark.parametrize("launch", ["terms in one launch", "per-token kernel"])
 @pytest.mark.parametrize("name", ["dapo_delta_dual", "grpo", "sequence_truncate", "dapo_k3_bias"])
-def test_linear_grpo_loss_takes_the_kernel(triton_grpo, name, monkeypatch):
-    """linear_grpo_loss with impl="triton" runs the kernel (counted) and gives the values and
-    gradients of impl="torch", whose epilogue is the torch definition."""
+def test_linear_grpo_loss_takes_the_kernel(triton_grpo, name, launch, monkeypatch):
+    """linear_grpo_loss with impl="triton" runs its kernel (counted): the one launch of statistics,
+    terms and dlogits where it applies (a chunk of every row at TP = 1), else the per-token kernel
+    between the statistics and dlogits launches; either gives the values and gradients of
+    impl="torch", whose epilogue is the torch definition."""
     calls = []
-    kernel = triton_grpo.whole_call_terms
+    if launch == "per-token kernel":  # (where the one launch does not apply)
+        monkeypatch.setattr(triton_grpo, "terms_in_launch_applies", lambda *args: False)
+    name_of = "terms_in_launch_" if launch == "terms in one launch" else "whole_call_terms"
+    kernel = getattr(triton_grpo, name_of)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(linear_grpo, "_whole_call_kernel", lambda: counted)
+    monkeypatch.setattr(triton_grpo, name_of, counted)
+    monkeypatch.setattr(linear_grpo, "_kernel_module", lambda: triton_grpo)
     config = GRPOConfig(**CONFIGS[name])
     g = torch.Generator().manual_seed(4)
     batch, length, hidden, vocab = 3, 8, 16, 40
@@ -320,7 +327,8 @@ NOT_THE_COMPILERS = {
 
 @pytest.mark.parametrize("case", list(NOT_THE_COMPILERS))
 def test_a_kernel_failure_outside_the_compiler_is_raised_not_taken_for_one(monkeypatch, case):
-    """The per-token kernel's launch running out of memory, meeting a CUDA error, a synchronizing
+    """The per-token kernel's launch (or the one launch of statistics, terms and dlogits) running
+    out of memory, meeting a CUDA error, a synchronizing
     call under the sync debug mode's "error", a tensor it cannot read, or failing while a CUDA
     graph is captured raises to the caller: none is a compiler failure, so the config stays on the
     kernel for later calls (no fallback to the definition for the rest of the process, no
@@ -333,6 +341,7 @@ def test_a_kernel_failure_outside_the_compiler_is_raised_not_taken_for_one(monke
         return kernel
 
     monkeypatch.setattr(linear_grpo, "_whole_call_kernel", failing)
+    monkeypatch.setattr(linear_grpo, "_one_launch_kernel", failing)
     monkeypatch.setattr(linear_grpo, "_FAILED_CONFIGS", set())
     if capturing:
         for name in ("is_available", "is_initialized", "is_current_stream_capturing"):
@@ -387,6 +396,7 @@ def test_a_kernel_that_fails_falls_back_to_the_definition(monkeypatch):
         return kernel
 
     monkeypatch.setattr(linear_grpo, "_whole_call_kernel", broken)
+    monkeypatch.setattr(linear_grpo, "_one_launch_kernel", broken)  # (the one launch fails first: one attempt)
     monkeypatch.setattr(linear_grpo, "_FAILED_CONFIGS", set())
     config = GRPOConfig(epsilon_low=0.17)
     g = torch.Generator().manual_seed(8)

@@ -138,13 +138,17 @@ def _ours(o) -> bool:
 def test_grpo_route_with_its_per_token_kernel_leaves_no_reference_cycles(config, monkeypatch):
     from triton_interpret import kernel_modules
 
-    kernel, ran = kernel_modules()["triton_grpo"].whole_call_terms, []
+    module, ran = kernel_modules()["triton_grpo"], []
 
-    def counted(*args, **kwargs):
-        ran.append(1)
-        return kernel(*args, **kwargs)
+    def counted(kernel):
+        def run(*args, **kwargs):
+            ran.append(1)
+            return kernel(*args, **kwargs)
+        return run
 
-    monkeypatch.setattr(linear_grpo, "_whole_call_kernel", lambda: counted)
+    # (its one launch of statistics, terms and dlogits where it applies, else the per-token kernel)
+    monkeypatch.setattr(linear_grpo, "_whole_call_kernel", lambda: counted(module.whole_call_terms))
+    monkeypatch.setattr(linear_grpo, "_one_launch_kernel", lambda: counted(module.terms_in_launch_))
     agreement.forget_signatures()
     path, inputs = _grpo(config, impl="triton"), _inputs()
     first = [o for o in left_in_cycles(lambda: path(*inputs), 1) if _ours(o)]

@@ -487,16 +487,19 @@ def test_grpo_route_equals_the_general_path(tb, general_grpo_calls, monkeypatch,
     routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)  # then the metrics
 
 
-@pytest.mark.parametrize("case", ["in the stats launch", "sequence-first", "above its bound"])
-def test_grpo_route_takes_the_label_checks_in_its_stats_launch(tb, general_grpo_calls, monkeypatch, case):
+@pytest.mark.parametrize("case", ["one launch", "in the stats launch", "sequence-first", "above its bound"])
+def test_grpo_route_takes_the_label_checks_in_its_launch(tb, general_grpo_calls, monkeypatch, case):
     """At TP = 1 a routed GRPO call of at most LABELS_IN_LAUNCH_MAX_ROWS rows takes the label
-    kernel's work, its mask among it, in the stats launch that finishes each row
+    kernel's work, its mask among it, in the launch that reads its logits: GRPO's one launch of
+    statistics, terms and dlogits (triton_grpo.terms_in_launch_, which the general path runs with
+    the label kernel's targets), or where that one does not run (the one launch of statistics and
+    dlogits switched off) the stats launch that finishes each row
     (backends.LabelLogprob.with_statistics): loss, metrics, dX and dW the general path's bit for
     bit (masked positions with any label, the sequence-first layout); above the bound the route
     launches the label kernel."""
     from dataclasses import replace
 
-    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo, linear_grpo_loss
 
     g = torch.Generator().manual_seed(12)
     batch, hdim, vocab = 4, 16, 140
@@ -511,6 +514,8 @@ def test_grpo_route_takes_the_label_checks_in_its_stats_launch(tb, general_grpo_
     first = case == "sequence-first"
     if case == "above its bound":
         monkeypatch.setattr(tb, "LABELS_IN_LAUNCH_MAX_ROWS", batch * length - 1)
+    if case == "in the stats launch":
+        monkeypatch.setattr(tb, "STATS_DLOGITS", False)
     runs, original = [], tb.BACKEND.label_logprob
 
     def with_statistics(logits, *args):
@@ -519,6 +524,17 @@ def test_grpo_route_takes_the_label_checks_in_its_stats_launch(tb, general_grpo_
 
     monkeypatch.setattr(tb, "BACKEND", replace(tb.BACKEND, label_logprob=replace(original,
                                                                                  with_statistics=with_statistics)))
+    one_launch, one_launch_kernel = [], linear_grpo._one_launch_kernel
+
+    def counted():
+        kernel = one_launch_kernel()
+
+        def run(*args, **kwargs):
+            one_launch.append("checked" if kwargs.get("local_target") is not None else "checks the labels")
+            return kernel(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(linear_grpo, "_one_launch_kernel", counted)
 
     def call():
         h = (h0.transpose(0, 1).contiguous() if first else h0).clone().requires_grad_()
@@ -529,7 +545,10 @@ def test_grpo_route_takes_the_label_checks_in_its_stats_launch(tb, general_grpo_
         return (loss.detach(), h.grad, w.grad) + tuple(m.detach() for m in metrics.values())
 
     got = routed_equals_general(monkeypatch, call, general_grpo_calls, ("loss", "dX", "dW"), case)
-    assert runs == ([] if case == "above its bound" else [batch * length]), runs
+    takes_one_launch = case in ("one launch", "sequence-first")
+    # (five calls through the general path, then the routed one)
+    assert one_launch == (["checked"] * 5 + ["checks the labels"] if takes_one_launch else []), one_launch
+    assert runs == ([batch * length] if case == "in the stats launch" else []), runs
     assert torch.isfinite(got[0])
     deferred_errors.check_deferred_errors()
 

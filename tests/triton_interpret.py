@@ -13,8 +13,8 @@ import importlib
 import sys
 
 # in import order: later modules import kernels from the earlier ones
-KERNEL_MODULES = ("triton_math", "triton_grpo", "triton_gemm_stats", "triton_gemm_dlogits", "sampling_triton", "replay_triton",
-                  "replay_union_triton", "triton_backend")
+KERNEL_MODULES = ("triton_math", "triton_gemm_stats", "triton_gemm_dlogits", "sampling_triton", "replay_triton",
+                  "replay_union_triton", "triton_backend", "triton_grpo")
 
 
 def _interpreted(jit_function) -> bool:

@@ -18,7 +18,9 @@ its tokens and the chunk's sums of the loss and metric terms (``GRPOGrads``, on 
 contract of ops/forward_grad.py); the chunk's dlogits, dX and dW follow at once. A call whose loop
 has one chunk (an RL micro-batch) takes all of this, the table and the metrics included, from one
 Triton kernel where the op's backend is Triton's (ops/backends/triton_grpo.py: one launch where
-the compiled function cost ~0.45 ms of host time while the GPU waited). No context-parallel
+the compiled function cost ~0.45 ms of host time while the GPU waited); at TP = 1 where the host
+sets a call's time, in the launch that also makes the chunk's statistics and dlogits
+(fast.TermsInLaunch). No context-parallel
 collective runs inside the chunk loop (CP ranks may have different numbers of chunks). The loss
 value and metrics are formed from the chunks' sums after the loop (one all-reduce SUM and one MAX
 over ``cp_group``).
@@ -117,9 +119,13 @@ class GRPOGrads(ForwardGradLoss):
     (its definition in torch; one compiled function on CUDA), the host's cost of a micro-batch that
     fits one chunk."""
 
-    def __init__(self, config: GRPOConfig, prepare, whole_call=None, num_rows: int = -1, has_sampling: bool = False):
+    def __init__(self, config: GRPOConfig, prepare, whole_call=None, num_rows: int = -1, has_sampling: bool = False,
+                 in_launch=None, in_launch_applies=None):
         self.config, self.prepare = config, prepare
         self.whole_call, self.num_rows = whole_call, num_rows
+        # (no CP) the one launch of statistics, terms and dlogits (fast.TermsInLaunch), and where it runs
+        self.in_launch, self.in_launch_applies = in_launch, in_launch_applies
+        self.launch_grads: Optional[TokenGrads] = None  # what that launch made
         self.has_sampling = has_sampling  # sampling log-probs given: their metrics are reported
         self.reported: Optional[Dict[str, Tensor]] = None  # a remembered route's metrics (GRPORoute.loss)
         # the call's poison where a remembered route knows it before the chunk (GRPORoute): the
@@ -139,7 +145,31 @@ class GRPOGrads(ForwardGradLoss):
 
     masks_unlabelled = True  # token_grads gives 0 in rows without a label
 
+    def terms_in_launch_applies(self, spec, rows: Tensor, weight: Tensor) -> bool:
+        return self.in_launch is not None and rows.shape[0] == self.num_rows and self.in_launch_applies(
+            spec, rows, weight)
+
+    def stats_and_terms_(self, logits: Tensor, spec, **label_checks) -> Optional[tuple]:
+        """triton_grpo.terms_in_launch_ on the call's one chunk (`label_checks`: the label kernel's
+        targets, labelled rows and poison, or what the launch needs to check the labels itself): its
+        gradients and metrics kept (token_grads, metrics), the loss on its own where the poison is in
+        it. None where the kernel does not compile (the logits untouched: the caller takes the
+        launches apart; the config's later calls too, _kernel_failed)."""
+        try:
+            out = self.in_launch(logits, spec.num_valid_cols, spec.inv_temperature, **label_checks)
+        except Exception as error:  # noqa: BLE001 - a compiler failure: the launches apart compute the same
+            if not compiler_failure(error):
+                raise
+            _kernel_failed(self.config, error)
+            return None
+        grad, negative_grad, self.metric_values, self.loss_value = out[4:8]
+        self.launch_grads = TokenGrads(target=grad, lse=negative_grad)
+        self.num_tokens = self.num_rows
+        return out[:4] + (None,) + out[8:]  # (no log-probs: stats_dlogits_with_labels_' order)
+
     def token_grads(self, stats, positions, num_labelled) -> TokenGrads:
+        if self.launch_grads is not None:  # (fast.TermsInLaunch: the whole call's, made in its launch)
+            return self.launch_grads
         if (self.whole_call is not None and self.num_tokens == 0
                 and isinstance(positions, slice) and positions == slice(0, self.num_rows)):
             grad, negative_grad, self.metric_values, self.loss_value = self.whole_call(
@@ -228,6 +258,11 @@ def _kernel_module():
 def _whole_call_kernel():
     """triton_grpo.whole_call_terms (ops/backends/triton_grpo.py)."""
     return _kernel_module().whole_call_terms
+
+
+def _one_launch_kernel():
+    """triton_grpo.terms_in_launch_ (ops/backends/triton_grpo.py)."""
+    return _kernel_module().terms_in_launch_
 
 
 _FAILED_CONFIGS = set()  # field_values of the configs whose kernel did not compile
@@ -362,8 +397,26 @@ def _grpo_grads(config: GRPOConfig, device: torch.device, labels: Tensor, advant
         return fused(_whole_call_terms, config, device, target, row_max, log_sum_exp, *inputs,
                      normalizer_tensor(), labels, ignore_index, sequence_first) + (None,)
 
+    def in_launch(logits, num_valid_cols, inv_temperature, **label_checks) -> tuple:
+        """triton_grpo.terms_in_launch_ of the call's inputs (fast.TermsInLaunch)."""
+        inputs = (advantages, mask, old_logprobs, reference_logprobs, sampling_logprobs)
+        flat_labels = labels.reshape(-1)
+        if kernel_checks:
+            return _one_launch_kernel()(config, logits, *inputs, given, flat_labels, ignore_index, sequence_first,
+                                        num_valid_cols, inv_temperature, check_normalizer=True, **label_checks)
+        return _one_launch_kernel()(config, logits, *inputs, checked_normalizer(), flat_labels, ignore_index,
+                                    sequence_first, num_valid_cols, inv_temperature, **label_checks)
+
+    def in_launch_applies(spec, rows, weight) -> bool:
+        """Where the one launch runs: the per-token kernel's conditions, and the launch's own."""
+        row_bytes = weight.shape[0] * weight.element_size()
+        return (_takes_the_kernel(impl, device, config, mask) and spec.backend.name == "triton"
+                and _kernel_module().terms_in_launch_applies(rows.shape[0], weight.shape[1], spec.num_valid_cols,
+                                                             row_bytes, device))
+
     return GRPOGrads(config, prepare, whole_call if cp_group is None else None, batch * length,
-                     sampling_logprobs is not None)
+                     sampling_logprobs is not None, in_launch=None if cp_group is not None else in_launch,
+                     in_launch_applies=in_launch_applies)
 
 
 def _on_device_of(hidden, *tensors) -> tuple:
@@ -510,6 +563,7 @@ def linear_grpo_loss(
                              label_mask=label_mask)
     if (stats.straight is not None and route_key is not None
             and stats.straight.route in ("gradients in forward, statistics then dlogits",
+                                         "gradients in forward, terms in one launch",
                                          "gradients in forward, row kernel")):
         remembered_routes.remember(route_key, remembered_routes.GRPORoute(stats.straight, impl))
     with torch.no_grad():

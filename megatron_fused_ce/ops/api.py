@@ -31,7 +31,7 @@ from .agreement import (Agreement, finite_real, fingerprint_pieces, fits_int64, 
                         is_int, value_code)
 from .forward_grad import PER_ROW, ForwardGradLoss
 from .chunked import ChunkSpec, LinearLogprobDlogitsInForward, LinearLossGradInForward, autocast_off, softmax_statistics
-from .fast import FAST_CHUNKS, EarlyProduct, StatsWithDlogits, chunk_logits, fused_statistics, last_chunk_start
+from .fast import FAST_CHUNKS, EarlyProduct, StatsWithDlogits, TermsInLaunch, chunk_logits, fused_statistics, last_chunk_start
 from .main_grad import adds_into_main_grad, saved_tensors_hooks_active, unpaired_forward_error
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -391,6 +391,7 @@ class StraightFacts(NamedTuple):
     check: a call makes its own), the remembered signature, the label kernel's arguments."""
 
     # "gradients in forward, one launch" (its statistics and dlogits from stats_dlogits), "gradients
+    # in forward, terms in one launch" (the loss's per-token terms too: fast.TermsInLaunch), "gradients
     # in forward, row kernel" (the backend's one pass, a factor per row), "gradients in forward,
     # statistics then dlogits", "log-probs forward-only" (TP = 1: the stats launch finishes each
     # row), "log-probs forward-only, merged" (TP > 1), "log-probs dlogits in forward"
@@ -852,11 +853,13 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
                                             num_labelled) if one_chunk else None
             straight = _straight_facts(
                 "gradients in forward, one launch" if isinstance(plan, StatsWithDlogits)
+                else "gradients in forward, terms in one launch" if isinstance(plan, TermsInLaunch)
                 else "gradients in forward, row kernel" if plan is PER_ROW
                 else "gradients in forward, statistics then dlogits", agreed, spec,
                 ignore_index, tp_group=tp_group, weight=weight, weight_param=weight_param,
                 accumulate_into_main_grad=accumulate_into_main_grad,
-                applies=one_chunk and (plan is None or plan is PER_ROW or isinstance(plan, StatsWithDlogits)))
+                applies=one_chunk and (plan is None or plan is PER_ROW
+                                       or isinstance(plan, (StatsWithDlogits, TermsInLaunch))))
             return TokenStats(target, lse, sum_logits, entropy, row_index, shape, num_rows, anchor,
                               row_max, log_sum_exp, num_labelled=num_labelled, labelled=labelled,
                               poison=_device_poison(device_checks, rank_check), backend=backend,

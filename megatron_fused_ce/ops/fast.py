@@ -475,6 +475,44 @@ class StatsWithDlogits:
         return reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
 
 
+class TermsInLaunch:
+    """A FastChunks plan: a call's one chunk of every row takes its statistics, the loss's per-token
+    terms (d loss / d lp, the metrics' partial sums) and its dlogits from one launch of the loss's own
+    (`forward_grad.stats_and_terms_`: GRPO's, triton_grpo.terms_in_launch_), where the host would
+    launch the statistics, the per-token kernel and the dlogits kernel (GRPO at TP = 1 where the host
+    sets a call's time: triton_grpo.terms_in_launch_applies). `poison`: the call's (the label
+    checks'), added to the loss's metrics in the launch."""
+
+    def __init__(self, forward_grad: ForwardGradLoss, poison: Optional[Tensor]):
+        self.forward_grad, self.poison = forward_grad, poison
+        self.ran = True  # False where the launch did not compile: the launches apart took the chunk
+
+    @staticmethod
+    def applies(spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor) -> bool:
+        """One chunk of every row of a whole-vocab shard (TP = 1), no entropy or sum of logits, where
+        the loss takes it (its terms_in_launch_applies)."""
+        return (not (spec.want_entropy or spec.want_sum_logits) and reductions.group_size(spec.tp_group) == 1
+                and 0 < rows.shape[0] <= spec.chunk_size and spec.logits_dtype is None
+                and forward_grad.terms_in_launch_applies(spec, rows, weight))
+
+    @classmethod
+    def plan(cls, spec, forward_grad: ForwardGradLoss, rows: Tensor, weight: Tensor,
+             num_labelled) -> Optional["TermsInLaunch"]:
+        if not cls.applies(spec, forward_grad, rows, weight):
+            return None
+        scalars = getattr(num_labelled, "scalars", None)  # (api.LabelledCount: the label checks' poison first)
+        return cls(forward_grad, None if scalars is None else scalars[:1])
+
+    def run_(self, logits: Tensor, local_target: Tensor, spec, labelled: Optional[Tensor]) -> reductions.MergedStats:
+        made = self.forward_grad.stats_and_terms_(logits, spec, local_target=local_target, labelled=labelled,
+                                                  poison=self.poison)
+        if made is None:  # (not compiled: the statistics, then the loss's terms and the dlogits apart)
+            self.ran = False
+            return merged_chunk_statistics(logits, local_target, spec)[0]
+        row_max, target, log_sum_exp, lse = made[:4]
+        return reductions.MergedStats(lse=lse, target=target, max=row_max, log_sum_exp=log_sum_exp)
+
+
 def runs_stats_dlogits(spec, rows: Tensor, weight: Tensor) -> bool:
     """Whether the backend's `stats_dlogits` takes every chunk of `rows` (the last one too): a shard
     with the whole vocab (TP = 1: nothing to merge between the statistics and the dlogits), and
@@ -598,7 +636,8 @@ class FastChunks(MergedAfterLoop):
         scale (a float, or PER_ROW), a StatsWithDlogits, or None (the stats and dlogits kernels)."""
         scale = _one_pass_scale(spec, forward_grad, rows, weight, min(spec.chunk_size, rows.shape[0]), num_labelled)
         if scale is None:
-            return StatsWithDlogits.plan(spec, forward_grad, rows, weight, num_labelled)
+            return (StatsWithDlogits.plan(spec, forward_grad, rows, weight, num_labelled)
+                    or TermsInLaunch.plan(spec, forward_grad, rows, weight, num_labelled))
         return scale
 
     def forward_statistics(self, plan, h: Tensor, weight: Tensor, local_target: Tensor, spec,
@@ -614,7 +653,7 @@ class FastChunks(MergedAfterLoop):
         after the GEMM): its dlogits made in place of the logits where the plan makes them."""
         if plan is None:
             return merged_chunk_statistics(logits, local_target, spec)[0]
-        if isinstance(plan, StatsWithDlogits):
+        if isinstance(plan, (StatsWithDlogits, TermsInLaunch)):
             return plan.run_(logits, local_target, spec, labelled)
         # the logits become softmax - one_hot in the same pass that takes lse; offsets M = z_y,
         # log S = loss: M + log S = lse, and log p_y = -loss exactly
@@ -628,15 +667,17 @@ class FastChunks(MergedAfterLoop):
                       after_dx: Optional[Callable[[], None]] = None) -> Optional[Tensor]:
         """The chunk's dlogits (in place of its logits, unless the `plan` made them), then dX and dW
         (see grad_gemms)."""
-        if plan is None:
+        made = isinstance(plan, StatsWithDlogits) or (isinstance(plan, TermsInLaunch) and plan.ran)
+        if plan is None or (isinstance(plan, TermsInLaunch) and not plan.ran):
             chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dlogits = gemm_input(logits, h)
         kwargs = dict(dw_accumulate=dw_accumulate, dw_scale=dw_scale, cast_dw_to=cast_dw_to, after_dx=after_dx)
-        if isinstance(plan, StatsWithDlogits):  # the coefficients are in the dlogits
+        if made:  # the coefficients are in the dlogits
             return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, **kwargs)
         if plan is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
             return row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **kwargs)
-        return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=plan or 1.0, **kwargs)
+        return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out,
+                          scale=1.0 if plan is None or isinstance(plan, TermsInLaunch) else plan, **kwargs)
 
 
 FAST_CHUNKS = FastChunks()

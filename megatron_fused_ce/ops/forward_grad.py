@@ -79,3 +79,14 @@ class ForwardGradLoss:
 
     def scale_before_statistics(self, num_labelled) -> Union[float, Tensor, None]:
         return None
+
+    def terms_in_launch_applies(self, spec, rows: Tensor, weight: Tensor) -> bool:
+        """Whether this call's one chunk of every row may take its statistics, the loss's per-token
+        terms and its dlogits from one launch (`stats_and_terms_`: fast.TermsInLaunch), beyond the
+        chunk's own conditions."""
+        return False
+
+    def stats_and_terms_(self, logits: Tensor, spec, **label_checks):
+        """The one launch of fast.TermsInLaunch on the chunk's logits (dlogits in their place): the
+        loss's terms kept for token_grads and its value, -> the launch's statistics and label checks."""
+        raise NotImplementedError

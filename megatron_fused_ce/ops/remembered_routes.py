@@ -21,7 +21,8 @@ Routes:
   `StraightLoss`: (under sequence parallelism the gather of the sequence,) the logits GEMM, the
   label kernel (which checks the labels on the device, deferred_errors.py; GRPO's with its mask),
   the statistics and dlogits (at TP = 1 one launch, fast.StatsWithDlogits, where cross-entropy
-  takes it; else the statistics (fast.merged_chunk_statistics), the loss's per-token coefficients
+  takes it, and GRPO's statistics, terms, metrics and dlogits in one, fast.TermsInLaunch, where it
+  takes that; else the statistics (fast.merged_chunk_statistics), the loss's per-token coefficients
   — GRPO's per-token kernel with its metrics — and the dlogits kernel), the dX GEMM and the start
   of dX's TP sum, the dW GEMM, the loss value itself the node's output; the general path's first
   backward, and its second through a retained graph, from the same coefficients. Where the
@@ -73,7 +74,8 @@ from . import agreement as agreement_memo, api, backends, deferred_errors, reduc
 from .api import LabelledCount, LogprobsOutput, StraightFacts
 from .chunked import (coefficients, first_order_only, forward_stats, input_grad_from_coefs,
                       logprobs_with_dlogits, recompute_grads, token_coefficients, weight_grad_from_coefs)
-from .fast import (FAST_CHUNKS, FUSED_STATS_MIN_BYTES, DlogitsMadeInForward, StatsWithDlogits, chunk_logits,
+from .fast import (FAST_CHUNKS, FUSED_STATS_MIN_BYTES, DlogitsMadeInForward, StatsWithDlogits, TermsInLaunch,
+                   chunk_logits,
                    fused_statistics, labelled_gemm_statistics, logits_partials, row_kernel_takes, runs_stats_dlogits)
 from .forward_grad import PER_ROW
 from .gemm import logits_gemm
@@ -232,6 +234,15 @@ class _Route:
             logits, flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, spec.num_valid_cols,
             spec.inv_temperature, deferred_errors.flags(logits.device), **kind)
 
+    def stats_and_terms_with_labels_(self, forward_grad, logits: Tensor, label_mask: Optional[Tensor]) -> tuple:
+        """fast.TermsInLaunch's launch on the chunk with the label checks in it (the loss's
+        stats_and_terms_ on its own labels, given its label mask), recorded as the label kernel
+        records them -> stats_dlogits_with_labels_' tuple."""
+        facts = self.facts
+        return forward_grad.stats_and_terms_(
+            logits, facts.spec, label_mask=label_mask, true_vocab=facts.true_vocab, vocab_start=facts.vocab_start,
+            flags=deferred_errors.flags(logits.device))
+
     def first_logits(self, hidden: Tensor, weight: Tensor) -> Optional[Tensor]:
         """The call's logits GEMM, launched before the rest of its host work (the node, the label
         kernel, a loss's per-call objects): an eager call from an idle GPU waits for whatever the
@@ -361,13 +372,21 @@ class StraightLoss(torch.autograd.Function):
             logits = chunk_logits(full, weight, facts.spec)
         # at TP = 1 the label kernel's work in the launch that reads the logits, where one applies:
         # the one launch of statistics and dlogits (cross-entropy's route: its c 1 / labelled rows,
-        # "mean", or 1, "sum": CrossEntropyGrads.scale_before_statistics'), or the stats launch that
-        # finishes each row (GRPO's route; its mask joins the labels there)
+        # "mean", or 1, "sum": CrossEntropyGrads.scale_before_statistics'), GRPO's one launch of
+        # statistics, terms and dlogits, or the stats launch that finishes each row (GRPO's route
+        # beyond that launch's rows; its mask joins the labels there)
         in_launch = plan = None
         if route.one_launch and label_mask is None and route.labels_in_one_launch(full, weight):
             plan = StatsWithDlogits(None)
             in_launch = route.stats_dlogits_with_labels_(logits, labels, mean=forward_grad.mean)
-        elif not (route.one_launch or route.row_kernel) and route.labels_in_stats_launch(full):
+        elif not (route.one_launch or route.row_kernel) and TermsInLaunch.applies(facts.spec, forward_grad, full,
+                                                                                  weight):
+            # (GRPO's: the general path's plan where it applies) the statistics, the loss's terms
+            # and metrics and the dlogits in one launch, the label checks in it; where it does not
+            # compile, the launches apart below (the logits untouched)
+            in_launch = route.stats_and_terms_with_labels_(forward_grad, logits, label_mask)
+            plan = None if in_launch is None else TermsInLaunch(forward_grad, None)
+        if in_launch is None and not (route.one_launch or route.row_kernel) and route.labels_in_stats_launch(full):
             in_launch = route.stats_with_labels(logits, labels, label_mask)
         if in_launch is not None:
             row_max, target, log_sum_exp, lse, _, local_target, labelled, counts, scalars = in_launch
