@@ -379,10 +379,11 @@ class StraightLoss(torch.autograd.Function):
         if route.one_launch and label_mask is None and route.labels_in_one_launch(full, weight):
             plan = StatsWithDlogits(None)
             in_launch = route.stats_dlogits_with_labels_(logits, labels, mean=forward_grad.mean)
-        elif not (route.one_launch or route.row_kernel) and TermsInLaunch.applies(facts.spec, forward_grad, full,
-                                                                                  weight):
-            # (GRPO's: the general path's plan where it applies) the statistics, the loss's terms
-            # and metrics and the dlogits in one launch, the label checks in it; where it does not
+        elif (not (route.one_launch or route.row_kernel) and facts.group is None
+              and TermsInLaunch.applies(facts.spec, forward_grad, full, weight)):
+            # (GRPO's at TP = 1: the general path's plan where it applies; the remembered spec holds
+            # no group, a call's own is set by device_checks) the statistics, the loss's terms and
+            # metrics and the dlogits in one launch, the label checks in it; where it does not
             # compile, the launches apart below (the logits untouched)
             in_launch = route.stats_and_terms_with_labels_(forward_grad, logits, label_mask)
             plan = None if in_launch is None else TermsInLaunch(forward_grad, None)
