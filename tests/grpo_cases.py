@@ -1,6 +1,30 @@
-"""GRPO option sets (GRPOConfig keyword arguments) that the per-token kernel's tests and the one
-launch's share (tests/test_grpo_triton.py, tests/test_grpo_one_launch.py): each loss type, clip
-variant, KL estimator and clamp, train/inference correction."""
+"""What the per-token kernel's tests and the one launch's share (tests/test_grpo_triton.py,
+tests/test_grpo_one_launch.py): the kernels' module, interpreted on a CPU machine (imported before
+Triton loads: it sets TRITON_INTERPRET), and the GRPO option sets (GRPOConfig keyword arguments):
+each loss type, clip variant, KL estimator and clamp, train/inference correction."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="module")
+def triton_grpo():
+    """ops/backends/triton_grpo.py, its kernels interpreted without a GPU."""
+    if DEVICE.type != "cuda":
+        from triton_interpret import kernel_modules
+
+        return kernel_modules()["triton_grpo"]
+    from megatron_fused_ce.ops.backends import triton_grpo as module
+
+    return module
+
 
 CONFIGS = {
     "dapo": dict(),

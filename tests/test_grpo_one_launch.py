@@ -13,34 +13,19 @@ error. Without a GPU the kernel runs under Triton's interpreter; fp32 tolerances
 kernel's own test (rtol 2e-6 on the per-token terms, 1e-5 on the metrics: sums in another order).
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from grpo_cases import CONFIGS, DEVICE, triton_grpo  # noqa: F401  (first: it sets the interpreter up; the fixture)
 
 pytest.importorskip("triton")
 
-from grpo_cases import CONFIGS  # noqa: E402
-from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce.losses import GRPOConfig  # noqa: E402
 from megatron_fused_ce.losses import linear_grpo  # noqa: E402
 from megatron_fused_ce.losses.grpo import metric_names  # noqa: E402
 from megatron_fused_ce.ops import deferred_errors  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-
-
-@pytest.fixture(scope="module")
-def triton_grpo():
-    if DEVICE.type != "cuda":
-        return kernel_modules()["triton_grpo"]
-    from megatron_fused_ce.ops.backends import triton_grpo as module
-
-    return module
 
 
 def _case(seed, batch, length, *, cols, valid_cols, sequence_first, per_token_adv=False):

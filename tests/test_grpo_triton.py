@@ -14,7 +14,6 @@ and gradients, so that the kernel's wiring into the chunk loop is covered as wel
 """
 
 import math
-import os
 import re
 import warnings
 from dataclasses import replace
@@ -23,29 +22,16 @@ from functools import partial
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from grpo_cases import CONFIGS, DEVICE, triton_grpo  # noqa: F401  (first: it sets the interpreter up; the fixture)
 
 pytest.importorskip("triton")
 
-from grpo_cases import CONFIGS  # noqa: E402
-from triton_interpret import kernel_modules  # noqa: E402
 from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss  # noqa: E402
 from megatron_fused_ce.losses import linear_grpo  # noqa: E402
 from megatron_fused_ce.losses.grpo import metric_names  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # the interpreter evaluates both sides of a select: -inf - -inf where an excluded token is masked
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-
-
-@pytest.fixture(scope="module")
-def triton_grpo():
-    if DEVICE.type != "cuda":
-        return kernel_modules()["triton_grpo"]
-    from megatron_fused_ce.ops.backends import triton_grpo as module
-
-    return module
 
 
 
