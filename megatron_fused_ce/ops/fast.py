@@ -667,17 +667,17 @@ class FastChunks(MergedAfterLoop):
                       after_dx: Optional[Callable[[], None]] = None) -> Optional[Tensor]:
         """The chunk's dlogits (in place of its logits, unless the `plan` made them), then dX and dW
         (see grad_gemms)."""
-        made = isinstance(plan, StatsWithDlogits) or (isinstance(plan, TermsInLaunch) and plan.ran)
-        if plan is None or (isinstance(plan, TermsInLaunch) and not plan.ran):
+        if isinstance(plan, TermsInLaunch) and not plan.ran:  # (the launches apart took the chunk)
+            plan = None
+        if plan is None:
             chunk_dlogits_(logits, local_target, spec, (merged.max, merged.log_sum_exp), coefs)
         dlogits = gemm_input(logits, h)
         kwargs = dict(dw_accumulate=dw_accumulate, dw_scale=dw_scale, cast_dw_to=cast_dw_to, after_dx=after_dx)
-        if made:  # the coefficients are in the dlogits
+        if isinstance(plan, (StatsWithDlogits, TermsInLaunch)):  # the coefficients are in the dlogits
             return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, **kwargs)
         if plan is PER_ROW:  # c_i = the coefficient of softmax: dlogits = c_i (softmax - one_hot)
             return row_scaled_grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, coefs["p"], **kwargs)
-        return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out,
-                          scale=1.0 if plan is None or isinstance(plan, TermsInLaunch) else plan, **kwargs)
+        return grad_gemms(dlogits, h, weight, spec, dx_chunk, dw_out, scale=plan or 1.0, **kwargs)
 
 
 FAST_CHUNKS = FastChunks()
