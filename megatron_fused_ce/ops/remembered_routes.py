@@ -43,8 +43,9 @@ Routes:
   nodes' in one.
 
 Every route but the replay's launches its call's first GEMM (the logits, or the fused statistics)
-before the rest of its host work: at RL row counts an eager call from an idle GPU waits for what
-the host does before that launch. At TP = 1, up to a few thousand rows, the label kernel's work
+before the rest of its host work, its own checks included (where one fails, the general path runs
+and the product is dropped): at RL row counts an eager call from an idle GPU waits for what the
+host does before that launch. At TP = 1, up to a few thousand rows, the label kernel's work
 rides in the launch that then reads the logits (the stats launch finishing each row:
 backends.LabelLogprob; cross-entropy's and log-probs' one launch of statistics and dlogits:
 stats_dlogits.with_labels), the same bits a launch fewer.
@@ -153,21 +154,33 @@ class _Route:
         """The entry point's result, as the general path makes it; None where the route does not hold.
         `call`: what `run` takes beyond the tensors (a loss's per-call objects)."""
         hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
+        shape = labels.shape
+        flat_labels = labels if labels.dim() == 1 else labels.reshape(-1)
+        if flat_labels.dtype == torch.int32:
+            flat_labels = flat_labels.long()
+        # the call's first GEMM before the checks below: an eager call from an idle GPU waits for
+        # the host's work before that launch (the checks took 20-45 us of it on an H200 host); where
+        # one fails, the general path runs and this product is dropped unused
+        first = self.first_product(hidden2d, weight, flat_labels)
         if not (agreement_memo.still_remembered(self.facts.signature)
                 and (self.facts.group is None or self.facts.group() is not None)
                 and backends.select(self.impl, hidden.device) is self.facts.spec.backend
                 and not _autocast_on(hidden.device) and self.holds(hidden2d, weight)):
             return None
-        if labels.dtype == torch.int32:
-            labels = labels.long()
-        return self.run(hidden2d, weight, labels if labels.dim() == 1 else labels.reshape(-1), labels.shape, **call)
+        return self.run(hidden2d, weight, flat_labels, shape, first, **call)
+
+    def first_product(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor):
+        """The route's first GEMM, launched before the rest of the call's host work: its logits
+        (first_logits), or None where the route makes it later."""
+        return self.first_logits(hidden, weight)
 
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         """Whether the general path would take this route now, beyond the key, the signature, the
         backend and autocast."""
         raise NotImplementedError
 
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape):
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, first):
+        """The route's work; `first`: first_product's."""
         raise NotImplementedError
 
     def device_checks(self, flat_labels: Tensor, weight: Tensor, label_mask: Optional[Tensor] = None,
@@ -244,10 +257,9 @@ class _Route:
             flags=deferred_errors.flags(logits.device))
 
     def first_logits(self, hidden: Tensor, weight: Tensor) -> Optional[Tensor]:
-        """The call's logits GEMM, launched before the rest of its host work (the node, the label
-        kernel, a loss's per-call objects): an eager call from an idle GPU waits for whatever the
-        host does before this launch. None under sequence parallelism (the node gathers the
-        sequence first)."""
+        """The call's logits GEMM, launched before the rest of its host work (the route's checks,
+        the node, the label kernel, a loss's per-call objects). None under sequence parallelism
+        (the node gathers the sequence first)."""
         spec = self.facts.spec
         if spec.sequence_parallel:
             return None
@@ -308,9 +320,8 @@ class CrossEntropyRoute(_LossRoute):
         super().__init__(facts, impl)
         self.forward_grad = forward_grad
 
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
-        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None, (), (),
-                                  self.first_logits(hidden, weight))
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, first) -> Tensor:
+        return StraightLoss.apply(hidden, weight, flat_labels, self, self.forward_grad, None, (), (), first)
 
     def loss(self, forward_grad, merged, labelled, count, poison) -> Tensor:
         # TokenStats.negative_logprob_total's kernel
@@ -327,13 +338,12 @@ class GRPORoute(_LossRoute):
 
     may_take_one_launch = False  # (a GRPO token's coefficient needs its log-prob first)
 
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *, per_call) -> tuple:
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, first, *, per_call) -> tuple:
         """`per_call()`: the call's (GRPOGrads, label mask, agree_tensors, call_values), made while
         the logits GEMM runs."""
-        logits = self.first_logits(hidden, weight)
         forward_grad, label_mask, agree_tensors, call_values = per_call()
         loss = StraightLoss.apply(hidden, weight, flat_labels, self, forward_grad, label_mask, agree_tensors,
-                                  call_values, logits)
+                                  call_values, first)
         return loss, forward_grad.reported
 
     def before_coefficients(self, forward_grad, poison: Tensor) -> None:
@@ -368,7 +378,7 @@ class StraightLoss(torch.autograd.Function):
                 logits):
         facts = route.facts
         full = reductions.gather_sequence(hidden, route.group()) if facts.spec.sequence_parallel else hidden
-        if logits is None:  # (route.first_logits' where it launched them)
+        if logits is None:  # (route.first_product's where it launched them)
             logits = chunk_logits(full, weight, facts.spec)
         # at TP = 1 the label kernel's work in the launch that reads the logits, where one applies:
         # the one launch of statistics and dlogits (cross-entropy's route: its c 1 / labelled rows,
@@ -484,24 +494,31 @@ class LogprobRoute(_Route):
             return rows * weight.shape[0] * weight.element_size() <= FUSED_STATS_MIN_BYTES
         return fused_statistics(self.facts.spec.backend, hidden, weight) == self.fused
 
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> LogprobsOutput:
+    def first_product(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor):
+        """The logits, or with `fused` the statistics GEMM's partials (it reads the labels itself,
+        as fast.EarlyProduct launches it)."""
+        if self.fused:
+            facts = self.facts
+            return labelled_gemm_statistics(hidden, weight, flat_labels, facts.spec, facts.vocab_start,
+                                            facts.ignore_index)
+        return self.first_logits(hidden, weight)
+
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, first) -> LogprobsOutput:
         facts = self.facts
         if self.differentiable:
-            logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self, self.first_logits(hidden, weight))
-        elif self.fused:  # the statistics GEMM first (it reads the labels itself), as fast.EarlyProduct launches it
-            partials = labelled_gemm_statistics(hidden, weight, flat_labels, facts.spec, facts.vocab_start,
-                                                facts.ignore_index)
+            logprob = StraightLogprobs.apply(hidden, weight, flat_labels, self, first)
+        elif self.fused:  # (`first`: the statistics GEMM's partials)
             _, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
-            _, logprob = merged_logprobs(partials, spec.tp_group, spec.backend, spec.rank_check, labelled,
+            _, logprob = merged_logprobs(first, spec.tp_group, spec.backend, spec.rank_check, labelled,
                                          lambda: self.poison(scalars, spec))
         elif not self.merged and self.labels_in_stats_launch(hidden):  # (TP = 1: the label and stats kernels' work)
             spec = facts.spec
             logprob = spec.backend.label_logprob.run(
-                chunk_logits(hidden, weight, spec), flat_labels, facts.ignore_index, facts.true_vocab,
-                facts.vocab_start, spec.num_valid_cols, spec.inv_temperature, deferred_errors.flags(hidden.device))
+                first, flat_labels, facts.ignore_index, facts.true_vocab, facts.vocab_start, spec.num_valid_cols,
+                spec.inv_temperature, deferred_errors.flags(hidden.device))
         else:
             full = reductions.gather_sequence(hidden, self.group()) if facts.spec.sequence_parallel else hidden
-            logits = chunk_logits(full, weight, facts.spec)
+            logits = first if first is not None else chunk_logits(full, weight, facts.spec)
             local_target, labelled, _, scalars, spec = self.device_checks(flat_labels, weight)
             if self.merged:  # (the log-probs in the merge's launch)
                 _, logprob = merged_logprobs(logits_partials(logits, local_target, spec), spec.tp_group, spec.backend,
@@ -517,8 +534,8 @@ class PerTokenLossRoute(LogprobRoute):
     Megatron's output layer and MTP heads) on LogprobRoute's routes: -log p_y, as the general path
     makes them (TokenStats.negative_logprob of the log-prob routes' values: the same bits)."""
 
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape) -> Tensor:
-        return -super().run(hidden, weight, flat_labels, shape).logprobs
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, first) -> Tensor:
+        return -super().run(hidden, weight, flat_labels, shape, first).logprobs
 
 
 class StraightLogprobs(torch.autograd.Function):
@@ -576,7 +593,10 @@ class ReplayRoute(_Route):
     def holds(self, hidden: Tensor, weight: Tensor) -> bool:
         return hidden.shape[0] > 0
 
-    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, *,
+    def first_product(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor):
+        return None  # (the mask's layout decides the products)
+
+    def run(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor, shape, first, *,
             sampling_mask) -> Optional[LogprobsOutput]:
         facts = self.facts
         mask_check = replay.MaskCheck(sampling_mask, flat_labels, facts.ignore_index, facts.true_vocab)
