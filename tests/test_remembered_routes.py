@@ -619,10 +619,11 @@ def test_grpo_route_checks_the_labels_on_the_device(tb, general_grpo_calls):
 
 @pytest.mark.parametrize("path", ["cross-entropy", "log-probs", "grpo"])
 def test_a_route_launches_its_logits_gemm_first(tb, monkeypatch, path):
-    """A routed call launches its logits GEMM before the rest of its host work (autograd's node,
-    the label kernel, GRPO's per-call objects): an eager call that finds the GPU idle waits for
-    whatever the host does before that launch. The node takes those logits over: one logits GEMM
-    a call, none of its own."""
+    """A routed call launches its logits GEMM before the rest of its host work (the route's own
+    checks, autograd's node, the label kernel, GRPO's per-call objects): an eager call that finds
+    the GPU idle waits for whatever the host does before that launch. The node takes those logits
+    over: one logits GEMM a call, none of its own. Where a check then fails, the general path runs
+    and the product is dropped: the same bits."""
     from megatron_fused_ce.losses import GRPOConfig, linear_grpo, linear_grpo_loss
     from megatron_fused_ce.ops import fast
 
@@ -640,6 +641,7 @@ def test_a_route_launches_its_logits_gemm_first(tb, monkeypatch, path):
     recording(fast, "logits_gemm", "the node's gemm")
     recording(deferred_errors, "flags", "label checks")
     recording(linear_grpo, "_grpo_grads", "GRPO's per-call objects")
+    recording(agreement, "still_remembered", "route checks")
     h0, w0, y, vocab = _inputs(tb, 31)
 
     def call():
@@ -658,9 +660,18 @@ def test_a_route_launches_its_logits_gemm_first(tb, monkeypatch, path):
     events.clear()
     calls.append(call())
     assert events[0] == "gemm" and events.count("gemm") == 1 and "the node's gemm" not in events, events
+    assert events.index("route checks") > 0, events
     assert "label checks" in events and (path != "grpo" or "GRPO's per-call objects" in events), events
-    for a, b in zip(calls[2], calls[1]):  # the same inputs: the same bits
-        assert torch.equal(a, b)
+    monkeypatch.setattr(remembered_routes, "_autocast_on", lambda device: True)  # (a check that fails)
+    entry_module = {"cross-entropy": "megatron_fused_ce.losses.linear_cross_entropy", "log-probs": "megatron_fused_ce.ops.api",
+                    "grpo": "megatron_fused_ce.losses.linear_grpo"}[path]
+    general = count_general_calls(monkeypatch, sys.modules[entry_module])
+    events.clear()
+    calls.append(call())
+    assert events[0] == "gemm" and events.count("gemm") == 1 and len(general) == 1, events
+    for later in calls[2:]:  # the same inputs: the same bits, routed or not
+        for a, b in zip(later, calls[1]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 16])
