@@ -135,14 +135,42 @@ def test_benchmark_quick_runs_on_cpu(tmp_path):
     errors against the float64 reference, results.json and results.md."""
     import json
 
-    out = _benchmark("--quick", "--impls", "floor,floor_fwd,torch_eager,ours_ce,ours_fwd", "--sweep", "",
+    out = _benchmark("--quick", "--impls", "floor,floor_fwd,torch_eager,ours_ce,ours_fwd,ours_fwd_fused", "--sweep", "",
                      "--spreads", "random", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["impl"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
-    assert set(rows) == {"floor", "floor_fwd", "torch_eager", "ours_ce@auto", "ours_fwd@auto"}
+    assert set(rows) == {"floor", "floor_fwd", "torch_eager", "ours_ce@auto", "ours_fwd@auto", "ours_fwd_fused@auto"}
     assert all("ms" in r for r in rows.values()), rows
     assert rows["ours_ce@auto"]["err_dx"] < 2e-2 and rows["ours_fwd@auto"]["err_logprobs"] < 2e-2
+    assert rows["ours_fwd_fused@auto"]["err_logprobs"] < 2e-2
     assert "### Summary, random logits" in (tmp_path / "results.md").read_text()
+
+
+def test_benchmark_times_a_shapes_methods_in_rounds(monkeypatch):
+    """--interleave (the RL grid's default): after each method's warm-up, one call of each method in
+    turn until each has its repetitions, so that no method meets the host or the GPU's clocks as
+    another one left them; a method that fails leaves the rounds with its row marked, the others
+    go on."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(os.path.join(REPO, "tools"))
+    from bench.run import time_in_rounds
+
+    calls = []
+
+    def method(name, fail_at=None):
+        def step():
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError("broken peer")
+        return step
+
+    rows = [dict(impl=name, flops=1.0) for name in ("a", "b", "c")]
+    args = SimpleNamespace(warmup=1, min_reps=2, max_reps=3, budget_ms=1e9)
+    time_in_rounds([(rows[0], method("a")), (rows[1], method("b", fail_at=3)), (rows[2], method("c"))], args)
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a", "c"], calls
+    assert [len(row.get("times_ms", ())) for row in rows] == [3, 0, 3]
+    assert rows[0]["timed_in_rounds"] and "ms" in rows[2] and "broken peer" in rows[1]["skipped"]
 
 
 def test_benchmark_tensor_parallel_runs_on_cpu(tmp_path):

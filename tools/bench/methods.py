@@ -237,6 +237,32 @@ def make_ours_fwd_graphed(h, w, y, chunk):
     return step
 
 
+class _FusedStatisticsAtEverySize:
+    """While in force, forward-only statistics of any size come from the fused statistics GEMM
+    (fast.FUSED_STATS_MIN_BYTES = 0), as they do above that bound: the two kernels' comparison
+    behind the bound (docs/design.md §10.3)."""
+
+    def __enter__(self):
+        from megatron_fused_ce.ops import fast
+        self.fast, self.bound = fast, fast.FUSED_STATS_MIN_BYTES
+        fast.FUSED_STATS_MIN_BYTES = 0
+
+    def __exit__(self, *exc):
+        self.fast.FUSED_STATS_MIN_BYTES = self.bound
+
+
+def make_ours_fwd_fused(h, w, y, chunk):
+    def call():
+        with _FusedStatisticsAtEverySize():
+            return linear_logprobs(h, w, y, chunk_size=chunk, impl=_impl()).logprobs
+    return _forward_only(call)
+
+
+def make_ours_fwd_fused_graphed(h, w, y, chunk):
+    with _FusedStatisticsAtEverySize():  # (captured with the fused GEMM; a replay reads no setting)
+        return make_ours_fwd_graphed(h, w, y, chunk)
+
+
 SAMPLER_TEMPERATURE = 0.25  # --sampler-temperature
 SAMPLERS = {"ours_top_p": dict(top_p=0.9), "ours_top_k": dict(top_k=50), "ours_topk20": dict(return_topk=20),
             "ours_top_p_flat": dict(top_p=0.9)}
@@ -269,7 +295,7 @@ MAKERS = {**_makers(vars(measure)), **_makers(vars(peers)), **_makers(globals())
 CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_per_token", "ours_ce_graphed", "ours_logprobs_graphed", "ours_grpo_graphed",
            "ours_fwd_graphed", "ours_ce_torch", "ours_ce_main_grad", "ours_ce_main_grad_buffer", "ours_grpo",
            "ours_grpo_every_option",
-           "ours_fwd",
+           "ours_fwd", "ours_fwd_fused", "ours_fwd_fused_graphed",
            "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits",
            *SAMPLERS}  # lean rows take no chunk size
 ALL_CHUNKS = {"ours_logprobs", "ours_ce"}  # run at every --chunks value
