@@ -146,33 +146,6 @@ def test_benchmark_quick_runs_on_cpu(tmp_path):
     assert "### Summary, random logits" in (tmp_path / "results.md").read_text()
 
 
-def test_benchmark_times_a_shapes_methods_in_rounds(monkeypatch):
-    """--interleave (the RL grid's default): after each method's warm-up, one call of each method in
-    turn until each has its repetitions, so that no method meets the host or the GPU's clocks as
-    another one left them; a method that fails leaves the rounds with its row marked, the others
-    go on."""
-    from types import SimpleNamespace
-
-    monkeypatch.syspath_prepend(os.path.join(REPO, "tools"))
-    from bench.run import time_in_rounds
-
-    calls = []
-
-    def method(name, fail_at=None):
-        def step():
-            calls.append(name)
-            if fail_at is not None and calls.count(name) == fail_at:
-                raise RuntimeError("broken peer")
-        return step
-
-    rows = [dict(impl=name, flops=1.0) for name in ("a", "b", "c")]
-    args = SimpleNamespace(warmup=1, min_reps=2, max_reps=3, budget_ms=1e9)
-    time_in_rounds([(rows[0], method("a")), (rows[1], method("b", fail_at=3)), (rows[2], method("c"))], args)
-    assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a", "c"], calls
-    assert [len(row.get("times_ms", ())) for row in rows] == [3, 0, 3]
-    assert rows[0]["timed_in_rounds"] and "ms" in rows[2] and "broken peer" in rows[1]["skipped"]
-
-
 def test_benchmark_tensor_parallel_runs_on_cpu(tmp_path):
     """tools/benchmark.py --tp 2 (what the GPU check runs at TP = the visible GPU count) on two
     gloo processes: per-rank rows against the fp32 reference, the scaling table, the files.

@@ -70,10 +70,7 @@ Memory: "extra" = torch.cuda.max_memory_allocated during one call minus what was
 (inputs, warm caches) minus what it returns (dX and dW in bf16; for main_grad rows dW lives in the
 pre-allocated fp32 main_grad; forward rows return [N] fp32 log-probs), the same definition for
 every method; compared with the dense bf16 logits N*V*2 bytes.
-Timing: CUDA events around each call (every call from an idle GPU), warm-up first, median of the
-repetitions; each method's calls in a block of their own, or with --interleave (the default with
---grid rl) a shape's methods in rounds, one call of each in turn, so that they all meet the same
-host speed and GPU clocks (both drift within seconds: docs/benchmarks.md).
+Timing: CUDA events around each call, warm-up first, median of the repetitions.
 Optionally (no --no-kernels) a per-chunk breakdown (GEMMs vs the Triton kernels) and a kernel
 check of the Triton backend against the torch backend on the GPU.
 Outputs (in --out): results.json (every number), results.md (tables), pareto_<N>x<H>x<V>.png
@@ -136,10 +133,6 @@ def main(argv=None):
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=15)
     p.add_argument("--budget-ms", type=float, default=400.0, help="time to spend per method")
-    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
-                   help="time a shape's methods in rounds, one call of each in turn (after each one's first "
-                        "call and memory), so that all meet the same host and GPU-clock moments; the default "
-                        "with --grid rl (--no-interleave: each method's calls in a block of their own)")
     p.add_argument("--report", help="only write results.md and the plots from this results.json")
     p.add_argument("--time-limit-s", type=float, default=0.0,
                    help="start no further shape / sweep point after this many seconds (0: no limit)")
@@ -157,8 +150,6 @@ def main(argv=None):
     add_backward_thread_option(p)
     args = p.parse_args(argv)
     set_backward_thread(args.backward_thread)
-    if args.interleave is None:
-        args.interleave = args.grid == "rl"
     if args.grid == "rl":
         args.impls = args.impls or RL_IMPLS
         args.shapes = args.shapes or ",".join("x".join(map(str, shape)) for shape in RL_GRID)

@@ -106,35 +106,27 @@ def free():
         torch.cuda.empty_cache()
 
 
-def time_call(step) -> float:
-    """ms of one call of `step` from an idle GPU (CUDA events around it; the wall clock on the CPU)."""
-    if torch.cuda.is_available():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = step()
-        end.record()
-        end.synchronize()
-        del out
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    out = step()
-    elapsed = (time.perf_counter() - t0) * 1e3
-    del out
-    return elapsed
-
-
-def enough_reps(times, min_reps, max_reps, budget_ms) -> bool:
-    return len(times) >= max_reps or (len(times) >= min_reps and sum(times) >= budget_ms)
-
-
 def time_step(step, warmup, min_reps, max_reps, budget_ms):
     for _ in range(warmup):
         out = step()
         del out
     sync()
     times = []
-    while not enough_reps(times, min_reps, max_reps, budget_ms):
-        times.append(time_call(step))
+    while True:
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            out = step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        del out
+        if len(times) >= max_reps or (len(times) >= min_reps and sum(times) >= budget_ms):
+            break
     return statistics.median(times), times
 
 

@@ -8,10 +8,8 @@ import traceback
 
 import torch
 
-import statistics
-
-from .measure import (GIB, Skip, enough_reps, float64_reference, free, log, make_inputs, measure_memory, rel_err,
-                      sync, time_call, time_step, top_probability)
+from .measure import (GIB, Skip, float64_reference, free, log, make_inputs, measure_memory, rel_err, sync,
+                      time_step, top_probability)
 from .methods import ALL_CHUNKS, CHUNKED, MAIN_GRAD, MAKERS, SAMPLERS
 from .report import write_json
 
@@ -49,11 +47,7 @@ def add_x_plain(rows):
             r["note"] = (r.get("note", "") + "; " if r.get("note") else "") + f"× plain {r['x_plain']:.3f}"
 
 
-def run_one(name, chunk, h, w, y, args, reference=None, in_rounds=None):
-    """The row of one method: first call, errors, memory, then its time. `in_rounds` (a list):
-    the method's timing is left to `time_in_rounds` with the shape's other methods — (row, step)
-    appended — except for the main_grad methods, whose weight.main_grad is theirs alone while
-    they run (timed here)."""
+def run_one(name, chunk, h, w, y, args, reference=None):
     n, hdim = h.shape
     v = w.shape[0]
     label = f"{name}@{chunk or 'auto'}" if name in CHUNKED else name
@@ -97,9 +91,6 @@ def run_one(name, chunk, h, w, y, args, reference=None, in_rounds=None):
             row["extra_gib"] = extra / GIB
             row["extra_pct_dense_logits"] = 100.0 * extra / row["dense_logits_bytes"]
             row["extra_pct_dense_logits_8192"] = 100.0 * extra / (2 * 8192 * v)
-        if in_rounds is not None and name not in MAIN_GRAD:
-            in_rounds.append((row, step))
-            return row  # (timed and logged by time_in_rounds)
         ms, times = time_step(step, args.warmup, args.min_reps, args.max_reps, args.budget_ms)
         row.update(ms=ms, times_ms=times, tflops=row["flops"] / ms / 1e9)
     except Skip as exc:
@@ -116,61 +107,12 @@ def run_one(name, chunk, h, w, y, args, reference=None, in_rounds=None):
         if hasattr(w, "grad_added_to_main_grad"):
             del w.grad_added_to_main_grad
         free()
-    _log_row(row)
-    return row
-
-
-def _log_row(row):
     err = row.get("err_logprobs") if row.get("forward_only") else row.get("err_dx")
     status = row.get("skipped") or (f"{row['ms']:.2f} ms  {row['tflops']:.0f} TFLOP/s  "
                                     f"extra {row.get('extra_gib', float('nan')):.3f} GiB  "
                                     f"err {'lp' if row.get('forward_only') else 'dx'} {err} dw {row.get('err_dw')}")
-    log(f"  {row['impl']:28s} {status}")
-
-
-def _failed(row, exc):
-    if isinstance(exc, Skip):
-        row["skipped"] = str(exc)
-    elif isinstance(exc, torch.cuda.OutOfMemoryError):
-        row["skipped"] = "OOM: " + str(exc).split("\n")[0][:200]
-    else:
-        row["skipped"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
-        row["traceback"] = traceback.format_exc()[-2000:]
-
-
-def time_in_rounds(prepared, args):
-    """Time a shape's methods in rounds, one call of each in turn, every call from an idle GPU:
-    each method's warm-up calls, then rounds until each has its repetitions (a method leaves the
-    rounds once it has them). Timed in blocks, one method after another, a method meets the host
-    and the GPU's clocks as the methods before it left them: an H200 under back-to-back GEMMs
-    drops from 1980 to ~1550 MHz within a second or two, and host time a call moves by up to 2x
-    within seconds (docs/benchmarks.md); in rounds every method meets the same moments.
-    `prepared`: (row, step) of run_one's in_rounds; the rows get ms, times_ms and tflops."""
-    active = []
-    for row, step in prepared:
-        try:
-            for _ in range(args.warmup):
-                out = step()
-                del out
-            active.append((row, step, []))
-        except Exception as exc:  # noqa: BLE001  (a broken peer must not stop the run)
-            _failed(row, exc)
-    sync()
-    while active:
-        for entry in list(active):
-            row, step, times = entry
-            try:
-                times.append(time_call(step))
-            except Exception as exc:  # noqa: BLE001
-                _failed(row, exc)
-                active.remove(entry)
-                continue
-            if enough_reps(times, args.min_reps, args.max_reps, args.budget_ms):
-                ms = statistics.median(times)
-                row.update(ms=ms, times_ms=times, tflops=row["flops"] / ms / 1e9, timed_in_rounds=True)
-                active.remove(entry)
-    for row, _ in prepared:
-        _log_row(row)
+    log(f"  {label:28s} {status}")
+    return row
 
 
 def impl_list(spec, chunks):
@@ -205,24 +147,20 @@ def bench_shape(shape, impls, args, device, results, section, check=True, spread
         except torch.cuda.OutOfMemoryError:
             log("  (no float64 reference: OOM; errors not checked)")
         free()
+    floors = {}
     seen = set()
-    in_rounds = [] if getattr(args, "interleave", False) else None
     for name, chunk in impls:
         effective = (name, None if chunk is None else min(chunk, n))
         if effective in seen:  # chunk >= N: the same run as chunk = N
             continue
         seen.add(effective)
-        row = run_one(name, chunk, h, w, y, args, reference, in_rounds)
+        row = run_one(name, chunk, h, w, y, args, reference)
         row.update(section=section, spread=spread, p_top=p_top)
+        if name in ("floor", "floor_fwd") and "ms" in row:
+            floors[name] = row["ms"]
         rows.append(row)
         results["rows"].append(row)
         write_json(results, args.out)
-    if in_rounds:
-        log("  (timed in rounds, one call of each method in turn:)")
-        time_in_rounds(in_rounds, args)
-        in_rounds.clear()
-        free()
-    floors = {row["method"]: row["ms"] for row in rows if row["method"] in ("floor", "floor_fwd") and "ms" in row}
     for row in rows:
         floor = floors.get("floor_fwd" if row.get("forward_only") else "floor")
         if floor and "ms" in row:
