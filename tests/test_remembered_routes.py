@@ -719,6 +719,18 @@ def test_forward_only_route_with_the_fused_statistics_gemm(tb, general_logprob_c
     events.clear()
     assert torch.equal(call()[0], got[0])  # routed again
     assert events[0] == "statistics GEMM" and events.count("statistics GEMM") == 1 and "label checks" in events, events
+    # the same shapes, rows the fused GEMM cannot read (not 16-byte aligned; the key holds no
+    # alignment): not launched ahead of the route's checks, the general path's cuBLAS product instead
+    storage = torch.empty(h0.numel() + 1, dtype=h0.dtype, device=h0.device)
+    misaligned = storage[1:].view(h0.shape)
+    misaligned.copy_(h0)
+    events.clear()
+    general_logprob_calls.clear()
+    with torch.no_grad():
+        out = linear_logprobs(misaligned, w0, y, vocab_size=vocab, temperature=0.7, impl="triton",
+                              chunk_size=chunk_size).logprobs
+    assert "statistics GEMM" not in events and len(general_logprob_calls) == 1, events
+    torch.testing.assert_close(out, got[0], rtol=0, atol=1e-5)
     # float64, from the logits rounded to bf16 as the GEMM rounds them (its fp32 sum may round the
     # other way where float64's lies at a rounding boundary: a bf16 step, 2^-8 of the logit)
     logits = (h0.double() @ w0.double().T).bfloat16().double()[:, :vocab] / 0.7

@@ -496,9 +496,12 @@ class LogprobRoute(_Route):
 
     def first_product(self, hidden: Tensor, weight: Tensor, flat_labels: Tensor):
         """The logits, or with `fused` the statistics GEMM's partials (it reads the labels itself,
-        as fast.EarlyProduct launches it)."""
+        as fast.EarlyProduct launches it); none where that GEMM cannot take these inputs (the key
+        holds no strides or alignment: `holds` then sends the call to the general path)."""
         if self.fused:
             facts = self.facts
+            if not fused_statistics(facts.spec.backend, hidden, weight):
+                return None
             return labelled_gemm_statistics(hidden, weight, flat_labels, facts.spec, facts.vocab_start,
                                             facts.ignore_index)
         return self.first_logits(hidden, weight)
