@@ -389,6 +389,15 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def rel_norm_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (0 when both vanish): a gradient's difference as a whole, where bf16's
+    rounding noise in single entries of a small parameter would set max_rel_diff."""
+    a, b = a.double(), b.double()
+    scale = b.norm().item()
+    diff = (a - b).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
 def megatron_lm_loss_func(loss_mask):
     """pretrain_gpt.py's loss_func on the per-token losses the model returns."""
 

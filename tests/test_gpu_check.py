@@ -21,8 +21,11 @@ STAGES = ["env", "tests", "cute", "multigpu", "pretrain", "examples", "real_loop
 
 
 def gpu_check(*args, env=None, timeout=120):
+    # (the script's own settings from the caller's environment left out: a shell running the check
+    # with GPU_CHECK_TEST_SHARDS or GPU_CHECK_OUT set runs this test as it runs anywhere)
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env=dict(os.environ, PYTHON=sys.executable, **(env or {})))
+                          cwd=REPO, env=dict(outer, PYTHON=sys.executable, **(env or {})))
 
 
 def dry_run(gpus, *stages, out):

@@ -185,7 +185,7 @@ def test_union_sum_rows(case, into, order, monkeypatch):
     """out[r(t * BM + s)] (+)= sum_g dZ[g, s] src[uids[g]]: "slots" overwrites out's rows in slot
     order (dW's use: a tile of columns, its rows of dW), "rows-added" adds into the rows the slots
     name (dX's use: out_rows = the slots' rows, a prefilled buffer; repeated rows only ever get
-    zeros added, as replay's padding slots). Each program order (`by_columns`: groups of tiles,
+    zeros added, as replay's padding slots; an empty union's rows are left unwritten). Each program order (`by_columns`: groups of tiles,
     each group's blocks of H together; the last group partial where the tiles do not divide)
     writes every (tile, block of H) once: a block left out stays NaN or unchanged, one taken twice
     adds twice."""
@@ -208,6 +208,8 @@ def test_union_sum_rows(case, into, order, monkeypatch):
                 out_rows[s] = out_rows[zero_slots[0]]
             wide = _values(inst["g"], (slots + 5, HIDDEN + 8), inst["spec"], dtype).to(DEVICE)
             out = wide[:, 4:4 + HIDDEN] if inst["spec"]["strided"] else wide[:, :HIDDEN]
+            if zero_slots:  # (adding zeros there would write +0.0)
+                out[out_rows[zero_slots].to(DEVICE)] = -0.0
             before = out.clone().cpu().double()
             union_triton.union_sum_rows(dz, inst["weight"], inst["tile_start"], inst["uids"], out, inst["bm"],
                                         out_rows=out_rows.to(DEVICE), accumulate=True, by_columns=by_columns)
@@ -224,8 +226,8 @@ def test_union_sum_rows(case, into, order, monkeypatch):
             ref = dzt.T @ wt  # (zeros for the empty union)
             if into == "rows-added":
                 rows = out_rows[tile.start:tile.stop]
-                if a == b:  # adds zeros: the row as it was
-                    assert torch.equal(got[rows].double(), before[rows])
+                if a == b:  # an empty union: its rows neither read nor written (-0.0 stays)
+                    assert torch.equal(got[rows].double(), before[rows]) and bool(got[rows].signbit().all())
                     continue
                 ref = ref + before[rows]
                 _assert_rounded(got[rows], ref, dzt.abs().T @ wt.abs() + before[rows].abs(), inst["spec"]["exact"])
