@@ -219,6 +219,31 @@ def test_sampling_mask_bench_smoke_mode():
     assert all(math.isfinite(float(row[8])) and float(row[10].strip()) < 1e-2 for row in rows), out.stdout
 
 
+def test_sampling_mask_bench_main_grad_step():
+    """--main-grad: a step adds replay's dW into the weight's fp32 main_grad, the dW a step without
+    it returns (two steps: twice it), and dX is the same."""
+    import importlib.util
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("sampling_mask_bench_under_test",
+                                                  os.path.join(repo, "tools", "sampling_mask_bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(96, 16, generator=g).requires_grad_()
+    w = torch.randn(300, 16, generator=g).requires_grad_()
+    ids, offsets, labels = bench.kept_sets("zipf", 96, 300, 8, torch.device("cpu"), g)
+    dx, dw = bench.make_step(h, w, labels, 64, (ids, offsets))()
+    step = bench.make_step(h, w, labels, 64, (ids, offsets), main_grad=True)
+    dx_main, dw_returned = step()
+    assert dw_returned is None and step.weight.main_grad.dtype == torch.float32
+    torch.testing.assert_close(dx_main, dx, rtol=0, atol=0)
+    torch.testing.assert_close(step.weight.main_grad, dw, rtol=1e-6, atol=1e-6)
+    step()
+    torch.testing.assert_close(step.weight.main_grad, 2 * dw, rtol=1e-6, atol=1e-6)
+
+
 def test_sampling_mask_bench_tp2_on_cpu():
     """--tp 2 under torchrun (gloo): V is each rank's shard, the sets drawn over the global vocab;
     rank 0 alone prints the table, rows on both routes, replay's log-probs near float64."""

@@ -10,6 +10,7 @@ linear_logprobs(...) fwd+bwd, same inputs, same process, bf16.
     python tools/sampling_mask_bench.py --fidelity       # the drift table of docs/design.md §8.3 (CPU)
     python tools/sampling_mask_bench.py --graphed        # both ops replayed from CUDA graphs (GPU)
     python tools/sampling_mask_bench.py --graphed step   # ... each step (forward + backward) one graph
+    python tools/sampling_mask_bench.py --main-grad      # dW added into an fp32 main_grad (Megatron's way)
     torchrun --nproc_per_node 4 tools/sampling_mask_bench.py --tp 4 --shapes 8192x4096x32064  # V: per rank
 
 Kept sets (K ids per token, the sampled label one of them):
@@ -233,19 +234,25 @@ def plain_breakdown(h, w, y, chunk, device, reps: int) -> str:
     return f"    plain breakdown ms: forward {fwd:.2f}; backward {total - fwd:.2f}; total {total:.2f}"
 
 
-def make_step(h, w, y, chunk, mask=None, group=None, graphed=False):
+def make_step(h, w, y, chunk, mask=None, group=None, graphed=False, main_grad=False):
     """One forward + backward of the op (replay where `mask` is given); with `graphed`, replayed
     from CUDA graphs captured once (torch.cuda.make_graphed_callables, the mask's tensors among the
-    captured inputs)."""
+    captured inputs); with `main_grad`, dW added into an fp32 `w.main_grad` (Megatron's
+    gradient-accumulation fusion) instead of returned."""
     def loss_of(h, w, y, *mask):
-        lp = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask or None, tp_group=group).logprobs
+        lp = linear_logprobs(h, w, y, chunk_size=chunk, sampling_mask=mask or None, tp_group=group,
+                             accumulate_into_main_grad=main_grad).logprobs
         return -lp.sum() / lp.numel()
 
-    if graphed:  # leaves of its own: no autograd node of an earlier step's graph on them
+    if graphed or main_grad:  # leaves of its own: no autograd node of an earlier step's graph on them
         h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    if main_grad:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     inputs = (h, w, y) + tuple(mask or ())
     if graphed == "step":
-        return step_graph(lambda: torch.autograd.grad(loss_of(*inputs), (h, w)), h.device)
+        step = step_graph(lambda: torch.autograd.grad(loss_of(*inputs), (h, w), allow_unused=main_grad), h.device)
+        step.weight = w
+        return step
     loss = loss_of
     if graphed:
         # an earlier row's graphs destroyed now, not by a garbage collection during this capture
@@ -257,8 +264,8 @@ def make_step(h, w, y, chunk, mask=None, group=None, graphed=False):
             loss = torch.cuda.make_graphed_callables(loss_of, inputs)
 
     def step():
-        return torch.autograd.grad(loss(*inputs), (h, w))
-    step.device = h.device
+        return torch.autograd.grad(loss(*inputs), (h, w), allow_unused=main_grad)
+    step.device, step.weight = h.device, w  # (the weight whose main_grad the steps add to)
     return step
 
 
@@ -333,7 +340,8 @@ def benchmark(args):
     say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
         f"chunk_size {args.chunk_size or 'auto'}, pieces {args.pieces}, tp {args.tp}"
         + (f", CUDA graphs ({args.graphed})" if args.graphed else "")
-        + (", backward on the calling thread" if args.backward_thread == "calling" else ""))
+        + (", backward on the calling thread" if args.backward_thread == "calling" else "")
+        + (", dW into main_grad" if args.main_grad else ""))
     say("| shape NxHxV | sets | K | K / V | route | plain ms | replay ms | replay / plain | target | lp err |")
     say("|---|---|---|---|---|---|---|---|---|---|")
     failed = 0
@@ -348,8 +356,8 @@ def benchmark(args):
         own = torch.Generator(device=device).manual_seed(1 + rank)
         w = (torch.randn(vocab, hdim, device=device, generator=own) * (2 / math.sqrt(hdim))).bfloat16().requires_grad_()
         y_plain = torch.randint(0, full_vocab, (n,), device=device, generator=g)
-        plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size, group=group, graphed=args.graphed), args.warmup,
-                           args.reps, group)
+        plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size, group=group, graphed=args.graphed,
+                                     main_grad=args.main_grad), args.warmup, args.reps, group)
         if args.breakdown:
             say(plain_breakdown(h, w, y_plain, args.chunk_size, device, args.reps), flush=True)
         for kind in args.sets.split(","):
@@ -359,7 +367,7 @@ def benchmark(args):
                 before = dict(replay.PIECE_COUNTS)
                 make_step(h, w, labels, args.chunk_size, mask, group)()  # one eager call: which kind scored the rows
                 counts = {key: replay.PIECE_COUNTS[key] - before.get(key, 0) for key in replay.PIECE_COUNTS}
-                step = make_step(h, w, labels, args.chunk_size, mask, group, args.graphed)
+                step = make_step(h, w, labels, args.chunk_size, mask, group, args.graphed, args.main_grad)
                 route = max(("sparse", "tiles", "dense"), key=lambda name: counts.get(name + "_rows", 0))
                 replay_ms = time_ms(step, args.warmup, args.reps, group)
                 ratio = replay_ms / plain_ms
@@ -470,6 +478,9 @@ def main(argv=None):
                    help="both ops replayed from CUDA graphs: make_graphed_callables' forward and backward graphs "
                         "(autograd between them), or with 'step' each forward + backward one graph (the GPU's cost "
                         "alone)")
+    p.add_argument("--main-grad", action="store_true",
+                   help="both ops add dW into an fp32 weight.main_grad (accumulate_into_main_grad, Megatron's "
+                        "gradient-accumulation fusion) instead of returning it")
     p.add_argument("--fidelity", action="store_true", help="print the engine/trainer drift table instead")
     p.add_argument("--smoke", action="store_true", help="a CPU run of one small shape, both kinds of rows")
     p.add_argument("--tp", type=int, default=1,
