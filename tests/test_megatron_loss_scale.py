@@ -95,7 +95,8 @@ def _worker(rank, world, setup: Setup, kinds):
             report[f"{kind} {mode} checks"] = len(checks) - before
             report["last_stage"] = parallel_state.is_pipeline_last_stage()
         uninstall_fused_output_layer(chunks)
-        report[kind] = {mode: _differences(grads[mode], grads["unfused"]) for mode in ("fused:expected", "fused:buffer")}
+        report[kind] = {mode: _differences(grads[mode], grads["unfused"])
+                        for mode in ("fused:expected", "fused:buffer")}
     return report
 
 

@@ -185,10 +185,10 @@ def test_union_sum_rows(case, into, order, monkeypatch):
     """out[r(t * BM + s)] (+)= sum_g dZ[g, s] src[uids[g]]: "slots" overwrites out's rows in slot
     order (dW's use: a tile of columns, its rows of dW), "rows-added" adds into the rows the slots
     name (dX's use: out_rows = the slots' rows, a prefilled buffer; repeated rows only ever get
-    zeros added, as replay's padding slots; an empty union's rows are left unwritten). Each program order (`by_columns`: groups of tiles,
-    each group's blocks of H together; the last group partial where the tiles do not divide)
-    writes every (tile, block of H) once: a block left out stays NaN or unchanged, one taken twice
-    adds twice."""
+    zeros added, as replay's padding slots; an empty union's rows are left unwritten). Each program
+    order (`by_columns`: groups of tiles, each group's blocks of H together; the last group partial
+    where the tiles do not divide) writes every (tile, block of H) once: a block left out stays NaN
+    or unchanged, one taken twice adds twice."""
     union_triton, inst = case
     by_columns = order != "blocks-of-h"
     if by_columns:

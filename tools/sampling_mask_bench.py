@@ -244,7 +244,8 @@ def make_step(h, w, y, chunk, mask=None, group=None, graphed=False, main_grad=Fa
                              accumulate_into_main_grad=main_grad).logprobs
         return -lp.sum() / lp.numel()
 
-    if graphed or main_grad:  # leaves of its own: no autograd node of an earlier step's graph on them
+    if graphed or main_grad:  # leaves of its own: no autograd node of an earlier step's graph on
+        # them, and the main_grad this step adds to on its own weight, not on the caller's
         h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
     if main_grad:
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)

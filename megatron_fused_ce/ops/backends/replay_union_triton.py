@@ -181,7 +181,7 @@ def _union_sum_rows_kernel(
     at = out_ptr + out_row[:, None] * stride_out + hh[None, :]
     ok = slot_ok[:, None] & h_ok[None, :]
     if ACCUMULATE:  # an empty union adds nothing: its rows neither read nor written
-        ok = ok & (tl.full([BM, BLOCK_H], 0, tl.int64) + end > start)
+        ok = ok & (tl.full([BM, BLOCK_H], 0, tl.int64) + end > start)  # (a block: the interpreter's masks)
         acc += tl.load(at, mask=ok, other=0.0).to(tl.float32)
     tl.store(at, _to_store(acc, out_ptr.dtype.element_ty, BF16_BY_HAND), mask=ok)
 
