@@ -4,16 +4,16 @@ A bf16 GPTModel (Float16Module + DDP) under Megatron's schedules, PP=2, 4 micro-
 `calculate_per_token_loss` off (Megatron's default: each micro-batch's loss divided by its count and
 the number of micro-batches, so the loss's upstream gradient is ~1/(tokens x micro-batches)) and
 on. The fused output layer adds dW straight into `main_grad` (gradient-accumulation fusion); the
-unfused run is Megatron's own. Every parameter's `main_grad` must agree at bf16 level for SFT, DPO
-and GRPO, with the loss funcs told the schedule's number of micro-batches (dW added in the forward
-times the expected upstream gradient) and not told (with calculate_per_token_loss off, dW is then held in an fp32 buffer until the
-backward).
-Before, the fused output weight's gradient was off by 0.25-0.39 (max-relative) with
-calculate_per_token_loss off. The output layer's gradient is compared entry by entry, the rest of
-a rank's gradient as a whole (||fused - unfused|| / ||unfused||): single entries of a small
-parameter far from the output layer (the first layer's 32-wide norm weight) carry the two paths'
-different bf16 roundings of the logits, 1.5-2.5 % of their largest entry depending on the torch /
-megatron-core / CPU they run on, while a wrong loss scale moves the whole gradient.
+unfused run is Megatron's own. Every rank's `main_grad` must agree at bf16 level for SFT, DPO and
+GRPO, with the loss funcs told the schedule's number of micro-batches (dW added in the forward times
+the expected upstream gradient) and not told (with calculate_per_token_loss off, dW is then held in
+an fp32 buffer until the backward): dW added in the forward with a wrong expected upstream
+gradient would put the output weight's gradient off by that factor. The output layer's gradient is
+compared entry by entry, the rest of a rank's gradient as a whole (||fused - unfused|| /
+||unfused||): single entries of a small parameter far from the output layer (the first layer's
+32-wide norm weight) carry the two paths' different bf16 roundings of the logits, 1.5-2.5 % of
+their largest entry depending on the torch / megatron-core / CPU they run on, while a wrong loss
+scale moves the whole gradient.
 """
 
 from __future__ import annotations
