@@ -146,6 +146,53 @@ def test_benchmark_quick_runs_on_cpu(tmp_path):
     assert "### Summary, random logits" in (tmp_path / "results.md").read_text()
 
 
+def test_benchmark_paired_floor_on_cpu(tmp_path):
+    """`--paired-floor`: every row but the floors is timed in alternation with its own floor, the
+    3-GEMM one for forward + backward rows and the 1-GEMM one for forward-only rows, and its x floor
+    is against those floor times (not the shape's floor row, timed at another moment)."""
+    out = _benchmark("--quick", "--impls", "floor,floor_fwd,ours_ce,ours_fwd", "--sweep", "", "--spreads", "random",
+                     "--paired-floor", "--steady-ms", "1", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert not rows["floor"].get("floor_paired") and rows["floor"]["x_floor"] == 1.0
+    for impl in ("ours_ce@auto", "ours_fwd@auto"):
+        r = rows[impl]
+        assert r["floor_paired"] and len(r["floor_times_ms"]) == len(r["times_ms"]) >= 2, r
+        assert r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"])
+    assert "timed in alternation" in (tmp_path / "results.md").read_text()
+
+
+def test_paired_timing_alternates_a_row_with_the_floor_of_its_kind():
+    """measure.time_paired calls floor, row, floor, row, ... (warm-up and steady phase included), and
+    run.run_one pairs a forward-only row with the 1-GEMM floor, a forward + backward row with the
+    3-GEMM floor."""
+    import argparse
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        from bench import measure, run
+    finally:
+        sys.path.pop(0)
+    calls = []
+
+    def stub(name):
+        def step():
+            calls.append(name)
+            return None
+        return step
+
+    ms, times, floor_ms, floor_times = measure.time_paired(stub("row"), stub("floor"), 2, 3, 5, 0.0)
+    assert calls == ["floor", "row"] * 5 and len(times) == len(floor_times) == 3
+    args = argparse.Namespace(warmup=1, min_reps=2, max_reps=2, budget_ms=0.0, steady_ms=0.0)
+    h = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 8, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 40, (16,))
+    for name, floor in (("ours_fwd", "floor_fwd"), ("ours_ce", "floor")):
+        calls.clear()
+        row = run.run_one(name, None, h, w, y, args, None, {"floor": stub("floor"), "floor_fwd": stub("floor_fwd")})
+        assert calls == [floor] * 3 and row["floor_paired"], (name, calls, row.get("skipped"))
+
+
 def test_benchmark_tensor_parallel_runs_on_cpu(tmp_path):
     """tools/benchmark.py --tp 2 (what the GPU check runs at TP = the visible GPU count) on two
     gloo processes: per-rank rows against the fp32 reference, the scaling table, the files.

@@ -5,10 +5,12 @@
     python tools/benchmark.py --quick               # tiny shapes (smoke test; runs on CPU too)
     python tools/benchmark.py --shapes 8192x4096x128256 --impls floor,ours_ce,ours_ce_lean --spreads peaked
     python tools/benchmark.py --grid rl             # the RL shapes: x floor against N (rl_grid.png)
+    python tools/benchmark.py --grid rl --paired-floor --steady-ms 250   # each row timed in alternation with its floor
 
 What is measured, per shape (N tokens, H hidden, V vocab) and logit spread:
   floor              the 3 GEMMs every fwd+bwd method must do (logits, dX, dW: 6*N*H*V flops),
-                     cuBLAS, measured in this run. x_floor of a method = its time / this time.
+                     cuBLAS, measured in this run. x_floor of a method = its time / this time
+                     (--paired-floor: / the floor calls timed in alternation with the method's).
   floor_fwd          the 1 logits GEMM (2*N*H*V): the floor of the forward-only rows (*_fwd).
   torch_eager        materialized logits, .float(), F.cross_entropy (what users write)
   torch_compile      torch.compile of the same function
@@ -133,6 +135,11 @@ def main(argv=None):
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=15)
     p.add_argument("--budget-ms", type=float, default=400.0, help="time to spend per method")
+    p.add_argument("--paired-floor", action="store_true",
+                   help="time each row in alternation with its floor (floor, row, floor, row, ...): x floor "
+                        "against floor times taken in the same GPU state (bench/measure.time_paired)")
+    p.add_argument("--steady-ms", type=float, default=0.0,
+                   help="with --paired-floor: run the row and its floor in turn this long before timing them")
     p.add_argument("--report", help="only write results.md and the plots from this results.json")
     p.add_argument("--time-limit-s", type=float, default=0.0,
                    help="start no further shape / sweep point after this many seconds (0: no limit)")

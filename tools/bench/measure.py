@@ -130,6 +130,49 @@ def time_step(step, warmup, min_reps, max_reps, budget_ms):
     return statistics.median(times), times
 
 
+def _timed_call(step):
+    """One call from an idle GPU: ms by CUDA events around it (host clock off CUDA)."""
+    if torch.cuda.is_available():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = step()
+        end.record()
+        end.synchronize()
+        del out
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    out = step()
+    del out
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_paired(step, floor_step, warmup, min_reps, max_reps, budget_ms, steady_ms=0.0):
+    """A method and its floor timed in alternation (floor, method, floor, method, ...), each call
+    from an idle GPU -> (method ms, its times, floor ms, the floor's times), medians.
+
+    Under a sustained load an H200's GEMMs run up to ~20 % slower than from a cool start (its power
+    and temperature; the same GEMMs 0.81 -> 0.98 ms after 1.5 s of load), so a floor timed a few
+    seconds apart from a method moves the method's x floor by as much. In alternation both see the
+    GPU in the same state. `steady_ms`: first run both in turn for that long, so that they are
+    timed at the clocks a training loop holds the GPU at."""
+    for _ in range(warmup):
+        floor_step()
+        step()
+    sync()
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < steady_ms:
+        floor_step()
+        step()
+    sync()
+    times, floor_times = [], []
+    while True:
+        floor_times.append(_timed_call(floor_step))
+        times.append(_timed_call(step))
+        if len(times) >= max_reps or (len(times) >= min_reps and sum(times) >= budget_ms):
+            break
+    return statistics.median(times), times, statistics.median(floor_times), floor_times
+
+
 def _nbytes(t):
     return 0 if t is None else t.numel() * t.element_size()
 

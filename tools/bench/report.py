@@ -40,7 +40,9 @@ def markdown(results):
         ptop = {(r["N"], r["H"], r["V"]): r.get("p_top") for r in rows}
         lines += [f"### Summary, {spread} logits: x floor (extra memory, % of the dense bf16 logits)", "",
                   "Fwd+bwd rows against the 3-GEMM floor, forward-only rows (`*_fwd`) against the 1-GEMM "
-                  "floor, both measured in this run. Mean top-token probability: "
+                  "floor, " + ("each row's floor timed in alternation with it (`--paired-floor`)"
+                               if any(r.get("floor_paired") for r in rows) else "both measured in this run")
+                  + ". Mean top-token probability: "
                   + ", ".join(f"{s[0]}x{s[1]}x{s[2]}: {ptop.get(s, float('nan')):.3f}" for s in shapes), "",
                   "| method | " + " | ".join(f"{s[0]}x{s[1]}x{s[2]}" for s in shapes) + " |",
                   "|---|" + "---|" * len(shapes)]

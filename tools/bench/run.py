@@ -9,7 +9,7 @@ import traceback
 import torch
 
 from .measure import (GIB, Skip, float64_reference, free, log, make_inputs, measure_memory, rel_err, sync,
-                      time_step, top_probability)
+                      time_paired, time_step, top_probability)
 from .methods import ALL_CHUNKS, CHUNKED, MAIN_GRAD, MAKERS, SAMPLERS
 from .report import write_json
 
@@ -47,7 +47,9 @@ def add_x_plain(rows):
             r["note"] = (r.get("note", "") + "; " if r.get("note") else "") + f"× plain {r['x_plain']:.3f}"
 
 
-def run_one(name, chunk, h, w, y, args, reference=None):
+def run_one(name, chunk, h, w, y, args, reference=None, floor_steps=None):
+    """`floor_steps` ({"floor": step, "floor_fwd": step}, --paired-floor): the row is timed in
+    alternation with its floor (measure.time_paired) and its x floor is against those times."""
     n, hdim = h.shape
     v = w.shape[0]
     label = f"{name}@{chunk or 'auto'}" if name in CHUNKED else name
@@ -91,7 +93,13 @@ def run_one(name, chunk, h, w, y, args, reference=None):
             row["extra_gib"] = extra / GIB
             row["extra_pct_dense_logits"] = 100.0 * extra / row["dense_logits_bytes"]
             row["extra_pct_dense_logits_8192"] = 100.0 * extra / (2 * 8192 * v)
-        ms, times = time_step(step, args.warmup, args.min_reps, args.max_reps, args.budget_ms)
+        if floor_steps and not getattr(step, "is_floor", False):
+            floor_step = floor_steps["floor_fwd" if row["forward_only"] else "floor"]
+            ms, times, floor_ms, floor_times = time_paired(step, floor_step, args.warmup, args.min_reps,
+                                                           args.max_reps, args.budget_ms, args.steady_ms)
+            row.update(floor_ms=floor_ms, floor_times_ms=floor_times, x_floor=ms / floor_ms, floor_paired=True)
+        else:
+            ms, times = time_step(step, args.warmup, args.min_reps, args.max_reps, args.budget_ms)
         row.update(ms=ms, times_ms=times, tflops=row["flops"] / ms / 1e9)
     except Skip as exc:
         row["skipped"] = str(exc)
@@ -149,12 +157,15 @@ def bench_shape(shape, impls, args, device, results, section, check=True, spread
         free()
     floors = {}
     seen = set()
+    # --paired-floor: each row timed in alternation with its own floor (made once per shape)
+    floor_steps = ({name: MAKERS[name](h, w, y, None) for name in ("floor", "floor_fwd")}
+                   if getattr(args, "paired_floor", False) else None)
     for name, chunk in impls:
         effective = (name, None if chunk is None else min(chunk, n))
         if effective in seen:  # chunk >= N: the same run as chunk = N
             continue
         seen.add(effective)
-        row = run_one(name, chunk, h, w, y, args, reference)
+        row = run_one(name, chunk, h, w, y, args, reference, floor_steps)
         row.update(section=section, spread=spread, p_top=p_top)
         if name in ("floor", "floor_fwd") and "ms" in row:
             floors[name] = row["ms"]
@@ -163,12 +174,12 @@ def bench_shape(shape, impls, args, device, results, section, check=True, spread
         write_json(results, args.out)
     for row in rows:
         floor = floors.get("floor_fwd" if row.get("forward_only") else "floor")
-        if floor and "ms" in row:
+        if floor and "ms" in row and not row.get("floor_paired"):
             row["x_floor"] = row["ms"] / floor
             row["floor_ms"] = floor
     add_x_plain(rows)
     write_json(results, args.out)
-    del h, w, y, reference
+    del h, w, y, reference, floor_steps
     free()
     return rows
 
