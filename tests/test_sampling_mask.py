@@ -439,6 +439,35 @@ def test_sampling_mask_bench_runs_on_cpu():
         assert 0 < float(line.split("|")[4]) <= 1 and math.isfinite(float(line.split("|")[8])), out.stdout
 
 
+def test_sampling_mask_bench_paired_times_replay_between_plain_calls():
+    """`--paired`: replay's reps alternate with plain log-probs' (plain, replay, plain, ...: both timed
+    in the same GPU state), warm-up and steady phase included, and each row's plain ms are the plain
+    calls timed between its own (the CLI on the CPU)."""
+    tool = _bench_tool()
+    calls = []
+
+    class Step:
+        device = torch.device("cpu")
+
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self):
+            calls.append(self.name)
+
+    replay_ms, plain_ms = tool.time_paired_ms(Step("replay"), Step("plain"), warmup=1, reps=3)
+    assert calls == ["plain", "replay"] * 4 and replay_ms >= 0 and plain_ms >= 0
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "sampling_mask_bench.py"), "--device", "cpu",
+         "--shapes", "256x32x3000", "--ks", "5", "--sets", "zipf", "--reps", "2", "--chunk-size", "128",
+         "--paired", "--steady-ms", "1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("| 256x32x3000")]
+    plain, replay_, ratio = (float(line.split("|")[i]) for i in (6, 7, 8))
+    assert ratio == pytest.approx(replay_ / plain, rel=0.02, abs=0.006), line
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 @pytest.mark.parametrize("mode", [[], ["step"]], ids=["forward-and-backward-graphs", "one-graph-a-step"])
 def test_sampling_mask_bench_replays_from_cuda_graphs(mode):

@@ -11,6 +11,7 @@ linear_logprobs(...) fwd+bwd, same inputs, same process, bf16.
     python tools/sampling_mask_bench.py --graphed        # both ops replayed from CUDA graphs (GPU)
     python tools/sampling_mask_bench.py --graphed step   # ... each step (forward + backward) one graph
     python tools/sampling_mask_bench.py --main-grad      # dW added into an fp32 main_grad (Megatron's way)
+    python tools/sampling_mask_bench.py --paired --steady-ms 300   # each row timed in alternation with plain
     torchrun --nproc_per_node 4 tools/sampling_mask_bench.py --tp 4 --shapes 8192x4096x32064  # V: per rank
 
 Kept sets (K ids per token, the sampled label one of them):
@@ -106,30 +107,56 @@ def time_ms(step, warmup: int, reps: int, group=None) -> float:
     """Median over `reps` of a rep's time; with a TP `group`, of the slowest rank's time of each rep."""
     for _ in range(warmup):
         step()
-    cuda = torch.cuda.is_available() and step.device.type == "cuda"
-    times = []
+    return statistics.median(_slowest(step.device, [_rep_ms(step, group) for _ in range(reps)], group))
+
+
+def time_paired_ms(step, plain_step, warmup: int, reps: int, group=None, steady_ms: float = 0.0) -> tuple:
+    """(replay ms, plain ms): medians of reps timed in alternation, plain, replay, plain, replay, ...
+    (`--paired`), so that both see the GPU in the same state: under a sustained load an H200's GEMMs
+    run up to ~20 % slower than from a cool start (docs/bench/rl_grid_paired_h200.md), and plain
+    log-probs are GEMMs where replay is mostly not. `steady_ms`: first run both in turn that long."""
+    for _ in range(warmup):
+        plain_step()
+        step()
+    _sync(step.device)
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < steady_ms:
+        plain_step()
+        step()
+    times, plain_times = [], []
     for _ in range(reps):
-        _sync(step.device)
-        if group is not None:
-            # every rank starts the rep together: no rank's time includes waiting for a late peer
-            dist.barrier(group=group)
-            _sync(step.device)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
+        plain_times.append(_rep_ms(plain_step, group))
+        times.append(_rep_ms(step, group))
+    return (statistics.median(_slowest(step.device, times, group)),
+            statistics.median(_slowest(step.device, plain_times, group)))
+
+
+def _rep_ms(step, group=None) -> float:
+    """One call's time from an idle device: CUDA events, the host's clock off CUDA."""
+    _sync(step.device)
     if group is not None:
-        slowest = torch.tensor(times, dtype=torch.float64, device=step.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        times = slowest.tolist()
-    return statistics.median(times)
+        # every rank starts the rep together: no rank's time includes waiting for a late peer
+        dist.barrier(group=group)
+        _sync(step.device)
+    if torch.cuda.is_available() and step.device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    step()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _slowest(device, times: list, group=None) -> list:
+    """With a TP `group`, each rep's time on its slowest rank; else the times."""
+    if group is None:
+        return times
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest.tolist()
 
 
 def _sync(device):
@@ -357,8 +384,9 @@ def benchmark(args):
         own = torch.Generator(device=device).manual_seed(1 + rank)
         w = (torch.randn(vocab, hdim, device=device, generator=own) * (2 / math.sqrt(hdim))).bfloat16().requires_grad_()
         y_plain = torch.randint(0, full_vocab, (n,), device=device, generator=g)
-        plain_ms = time_ms(make_step(h, w, y_plain, args.chunk_size, group=group, graphed=args.graphed,
-                                     main_grad=args.main_grad), args.warmup, args.reps, group)
+        plain_step = make_step(h, w, y_plain, args.chunk_size, group=group, graphed=args.graphed,
+                               main_grad=args.main_grad)
+        plain_ms = time_ms(plain_step, args.warmup, args.reps, group)
         if args.breakdown:
             say(plain_breakdown(h, w, y_plain, args.chunk_size, device, args.reps), flush=True)
         for kind in args.sets.split(","):
@@ -370,7 +398,11 @@ def benchmark(args):
                 counts = {key: replay.PIECE_COUNTS[key] - before.get(key, 0) for key in replay.PIECE_COUNTS}
                 step = make_step(h, w, labels, args.chunk_size, mask, group, args.graphed, args.main_grad)
                 route = max(("sparse", "tiles", "dense"), key=lambda name: counts.get(name + "_rows", 0))
-                replay_ms = time_ms(step, args.warmup, args.reps, group)
+                if args.paired:  # this row's plain time: the plain calls timed between its own
+                    replay_ms, plain_ms = time_paired_ms(step, plain_step, args.warmup, args.reps, group,
+                                                         args.steady_ms)
+                else:
+                    replay_ms = time_ms(step, args.warmup, args.reps, group)
                 ratio = replay_ms / plain_ms
                 target = target_ratio(kind, k)
                 met = ratio <= target
@@ -385,6 +417,7 @@ def benchmark(args):
                         f"{counts.get('dense_rows', 0)} dense, "
                           f"{counts.get('plain_rows', 0)} plain (empty set)", flush=True)
                 del ids, offsets, labels, mask, step
+        del plain_step
     if group is not None:
         if device.type == "cuda":  # the CUDA graphs holding NCCL collectives go before their communicator
             gc.collect()
@@ -482,6 +515,11 @@ def main(argv=None):
     p.add_argument("--main-grad", action="store_true",
                    help="both ops add dW into an fp32 weight.main_grad (accumulate_into_main_grad, Megatron's "
                         "gradient-accumulation fusion) instead of returning it")
+    p.add_argument("--paired", action="store_true",
+                   help="time each replay row in alternation with plain log-probs (plain, replay, plain, ...): "
+                        "the row's plain ms are the plain calls timed between its own")
+    p.add_argument("--steady-ms", type=float, default=0.0,
+                   help="with --paired: run both in turn this long before timing them")
     p.add_argument("--fidelity", action="store_true", help="print the engine/trainer drift table instead")
     p.add_argument("--smoke", action="store_true", help="a CPU run of one small shape, both kinds of rows")
     p.add_argument("--tp", type=int, default=1,
