@@ -32,7 +32,8 @@
 #              losses), profile_op, host_sync_cost, host_time, main_grad_loss_scale, sampling_mask_bench,
 #              make_text_dataset, benchmark --quick
 #   bench      tools/benchmark.py at 8192x4096x128256 on one GPU, and at TP = N (2 or more GPUs)
-#   bench_rl   tools/benchmark.py --grid rl at two RL shapes (2048 and 8192 tokens, a 32064-id shard), and
+#   bench_rl   tools/benchmark.py --grid rl at two RL shapes (2048 and 8192 tokens, a 32064-id shard; each
+#              row timed in alternation with its floor), and
 #              tools/host_ab.py's in-process A/B of host time run against this checkout itself
 #   summary    one table (stage, step, result, time, key figure) from the logs: summary.md
 #
@@ -267,10 +268,11 @@ stage_bench() {
 }
 
 stage_bench_rl() {
-  # RL shapes (micro-batches of 2048 and 8192 tokens, a vocab shard of 32064): the host's work per call shows
+  # RL shapes (micro-batches of 2048 and 8192 tokens, a vocab shard of 32064): the host's work per call shows;
+  # each row timed in alternation with its floor (the GPU's GEMMs slow under load: docs/bench/rl_grid_paired_h200.md)
   step bench_rl 300 "$PY" tools/benchmark.py --grid rl --shapes 2048x4096x32064,8192x4096x32064 \
     --impls floor,floor_fwd,torch_compile,torch_compile_fwd,megatron_fused,ours_ce,ours_logprobs,ours_grpo,ours_fwd,ours_ce_graphed,ours_fwd_graphed \
-    --time-limit-s 240 --out "$OUT/bench_rl"
+    --paired-floor --steady-ms 200 --time-limit-s 240 --out "$OUT/bench_rl"
   step bench_rl_host_ab 60 "$PY" tools/host_ab.py --against . --shape 2048x4096x19008 --method replay,logprobs \
     --calls 50
 }
