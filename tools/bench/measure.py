@@ -150,9 +150,10 @@ def time_paired(step, floor_step, warmup, min_reps, max_reps, budget_ms, steady_
     """A method and its floor timed in alternation (floor, method, floor, method, ...), each call
     from an idle GPU -> (method ms, its times, floor ms, the floor's times), medians.
 
-    Under a sustained load an H200's GEMMs run up to ~20 % slower than from a cool start (its power
-    and temperature; the same GEMMs 0.81 -> 0.98 ms after 1.5 s of load), so a floor timed a few
-    seconds apart from a method moves the method's x floor by as much. In alternation both see the
+    Under a sustained load an H200's GEMMs run up to ~20 % slower than from a cool start (the same
+    GEMMs 0.81 -> 0.98 ms after 1.5 s of back-to-back calls; its SM clock read 1980 MHz idle, 1380-1650
+    under load), so a floor timed a few seconds apart from a method moves the method's x floor by as
+    much. In alternation both see the
     GPU in the same state. `steady_ms`: first run both in turn for that long, so that they are
     timed at the clocks a training loop holds the GPU at."""
     for _ in range(warmup):
