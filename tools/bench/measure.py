@@ -108,23 +108,11 @@ def free():
 
 def time_step(step, warmup, min_reps, max_reps, budget_ms):
     for _ in range(warmup):
-        out = step()
-        del out
+        step()
     sync()
     times = []
     while True:
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            out = step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        del out
+        times.append(_timed_call(step))
         if len(times) >= max_reps or (len(times) >= min_reps and sum(times) >= budget_ms):
             break
     return statistics.median(times), times
