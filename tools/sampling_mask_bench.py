@@ -76,7 +76,7 @@ from megatron_fused_ce.cuda_graphs import thread_local_capture  # noqa: E402
 from megatron_fused_ce.ops import remembered_routes, replay  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench.measure import add_backward_thread_option, set_backward_thread  # noqa: E402
+from bench.measure import add_backward_thread_option, set_backward_thread, time_paired  # noqa: E402
 
 SHAPES = "8192x4096x128256,8192x2304x256000,16384x3584x152064"
 ZIPF_EXPONENT = 1.1
@@ -112,21 +112,18 @@ def time_ms(step, warmup: int, reps: int, group=None) -> float:
 
 def time_paired_ms(step, plain_step, warmup: int, reps: int, group=None, steady_ms: float = 0.0) -> tuple:
     """(replay ms, plain ms): medians of reps timed in alternation, plain, replay, plain, replay, ...
-    (`--paired`), so that both see the GPU in the same state: under a sustained load an H200's GEMMs
-    run up to ~20 % slower than from a cool start (docs/bench/rl_grid_paired_h200.md), and plain
-    log-probs are GEMMs where replay is mostly not. `steady_ms`: first run both in turn that long."""
-    for _ in range(warmup):
-        plain_step()
-        step()
-    _sync(step.device)
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < steady_ms:
-        plain_step()
-        step()
-    times, plain_times = [], []
-    for _ in range(reps):
-        plain_times.append(_rep_ms(plain_step, group))
-        times.append(_rep_ms(step, group))
+    (`--paired`; bench/measure.time_paired), so that both see the GPU in the same state: under a
+    sustained load an H200's GEMMs slow down (docs/bench/rl_grid_paired_h200.md), and plain
+    log-probs are GEMMs where replay is mostly not. `steady_ms`: first run both in turn that long
+    (with a TP `group`, the same number of times on every rank: the steps hold collectives)."""
+    def agree(count: int) -> int:
+        most = torch.tensor([count], dtype=torch.int64, device=step.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        return int(most.item())
+
+    _, times, _, plain_times = time_paired(step, plain_step, warmup, reps, reps, 0.0, steady_ms,
+                                           timed_call=lambda fn: _rep_ms(fn, group),
+                                           agree_count=agree if group is not None else None)
     return (statistics.median(_slowest(step.device, times, group)),
             statistics.median(_slowest(step.device, plain_times, group)))
 
@@ -386,7 +383,8 @@ def benchmark(args):
         y_plain = torch.randint(0, full_vocab, (n,), device=device, generator=g)
         plain_step = make_step(h, w, y_plain, args.chunk_size, group=group, graphed=args.graphed,
                                main_grad=args.main_grad)
-        plain_ms = time_ms(plain_step, args.warmup, args.reps, group)
+        # (--paired: each row times plain between its own calls instead)
+        plain_ms = None if args.paired else time_ms(plain_step, args.warmup, args.reps, group)
         if args.breakdown:
             say(plain_breakdown(h, w, y_plain, args.chunk_size, device, args.reps), flush=True)
         for kind in args.sets.split(","):

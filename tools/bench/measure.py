@@ -134,29 +134,38 @@ def _timed_call(step):
     return (time.perf_counter() - t0) * 1e3
 
 
-def time_paired(step, floor_step, warmup, min_reps, max_reps, budget_ms, steady_ms=0.0):
+def time_paired(step, floor_step, warmup, min_reps, max_reps, budget_ms, steady_ms=0.0, timed_call=None,
+                agree_count=None):
     """A method and its floor timed in alternation (floor, method, floor, method, ...), each call
     from an idle GPU -> (method ms, its times, floor ms, the floor's times), medians.
 
     Under a sustained load an H200's GEMMs run up to ~20 % slower than from a cool start (the same
-    GEMMs 0.81 -> 0.98 ms after 1.5 s of back-to-back calls; its SM clock read 1980 MHz idle, 1380-1650
-    under load), so a floor timed a few seconds apart from a method moves the method's x floor by as
-    much. In alternation both see the
-    GPU in the same state. `steady_ms`: first run both in turn for that long, so that they are
-    timed at the clocks a training loop holds the GPU at."""
+    GEMMs 0.81 -> 0.98 ms after 1.5 s of back-to-back calls; its SM clock read 1980 MHz idle,
+    1380-1650 under load), so a floor timed a few seconds apart from a method moves the method's
+    x floor by as much. In alternation both see the GPU in the same state. `steady_ms`: first run
+    both in turn about that long, so that they are timed at the clocks a training loop holds the
+    GPU at. `timed_call(step) -> ms` times one call (default: CUDA events from an idle GPU);
+    `agree_count(n) -> n` makes the steady phase's number of pairs the same on every rank where the
+    steps hold collectives (a phase by each rank's own clock would pair them unevenly)."""
+    timed_call = timed_call or _timed_call
     for _ in range(warmup):
         floor_step()
         step()
     sync()
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < steady_ms:
+    if steady_ms > 0:
+        t0 = time.perf_counter()
         floor_step()
         step()
-    sync()
+        sync()
+        pairs = math.ceil(steady_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)) - 1
+        for _ in range(agree_count(pairs) if agree_count else pairs):
+            floor_step()
+            step()
+        sync()
     times, floor_times = [], []
     while True:
-        floor_times.append(_timed_call(floor_step))
-        times.append(_timed_call(step))
+        floor_times.append(timed_call(floor_step))
+        times.append(timed_call(step))
         if len(times) >= max_reps or (len(times) >= min_reps and sum(times) >= budget_ms):
             break
     return statistics.median(times), times, statistics.median(floor_times), floor_times
