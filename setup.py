@@ -17,7 +17,8 @@ setup(
         "megatron": ["megatron-core>=0.16.1", "pyyaml", "tqdm", "psutil"],
         "triton": ["triton>=3.0"],
         # hypothesis pinned: its derandomized examples (tests/test_fuzz.py) depend on the version
-        "test": ["pytest>=7", "hypothesis==6.170.15", "megatron-core>=0.16.1", "triton>=3.0", "pyyaml",
+        # pytest-xdist: the README's test command runs the suite in two processes (-n 2)
+        "test": ["pytest>=7", "pytest-xdist>=3.2", "hypothesis==6.170.15", "megatron-core>=0.16.1", "triton>=3.0", "pyyaml",
                  "tqdm", "psutil", "einops", "tokenizers"],  # einops: megatron's Megatron-FSDP adapter (tests/test_megatron_fsdp.py)
         # examples/rollout.py --plot and the tools' PNGs; bench holds it too (its plots)
         "plot": ["matplotlib"],

@@ -12,6 +12,10 @@ sys.path.insert(0, os.path.dirname(__file__))  # `from dist import run_workers`,
 import dist  # noqa: E402  (imports torch; its gloo workers re-apply this file's monkeypatches)
 import reference  # noqa: E402
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # the README's `-n 2`: pytest-xdist's worker processes
+    # share the cores: each worker's intra-op threads its share of them, not all of them each
+    dist.torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 _UNSET = object()
 
 
@@ -119,13 +123,24 @@ def pytest_collectreport(report):
 def pytest_sessionfinish(session, exitstatus):
     """A run whose every selected module skipped itself (`torchrun --nproc_per_node 2 -m pytest
     tests/test_multigpu.py -m multigpu` on a machine without 2 GPUs) ends with exit status 0 and
-    the reason, not pytest's 5 ("no tests ran"), which torchrun would report as a failed child."""
+    the reason, not pytest's 5 ("no tests ran"), which torchrun would report as a failed child.
+    In a pytest-xdist worker, what its tests measured goes to the controller, which prints the
+    tables (pytest_testnodedown)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["reference_tables"] = reference.export()
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and _SKIPPED_MODULES:
         session.exitstatus = pytest.ExitCode.OK
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         for module, reason in _SKIPPED_MODULES:
             line = f"{module} skipped: {reason}"
             reporter.write_line(line) if reporter is not None else print(line)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a finished worker's measurements joined into the run's tables."""
+    reference.merge(getattr(node, "workeroutput", {}).get("reference_tables", []))
 
 
 def pytest_terminal_summary(terminalreporter):

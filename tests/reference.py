@@ -28,6 +28,20 @@ def tables() -> list:
     ]
 
 
+def export() -> list:
+    """Every table's entries as lists of (key, value) pairs: what a pytest-xdist worker hands its
+    controller (conftest), whose tables are printed."""
+    return [list(results.items()) for _, results in tables()]
+
+
+def merge(exported: list) -> None:
+    """Another process's `export()` joined into these tables (the worst value of each entry)."""
+    for (_, results), items in zip(tables(), exported):
+        for key, value in items:
+            key = tuple(key) if isinstance(key, list) else key
+            results[key] = max(results.get(key, 0.0), value)
+
+
 def rel_err(out, ref) -> float:
     out, ref = out.detach().double(), ref.detach().double()
     denom = ref.norm().item()
