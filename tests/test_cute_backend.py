@@ -23,6 +23,13 @@ from op_cases import TOL, make_case, reference_ce
 from route_checks import count_general_calls, routed_equals_general
 
 
+@pytest.fixture(autouse=True)
+def every_chunk_worth_launching(monkeypatch):
+    """The tests' chunks hold far less work than cute_backend.MIN_CHUNK_WORK: QuACK's kernels are
+    taken at every size here, except where a test sets the threshold itself."""
+    monkeypatch.setattr(cute_backend, "MIN_CHUNK_WORK", 0)
+
+
 def _case(seed, **kwargs):
     # vocab a multiple of 8 and no padding rows: the kernel's conditions at TP = 1
     return make_case(seed, 1, dtype=torch.bfloat16, seq=23, batch=3, hidden=32, vocab=104, extra_pad=0,
@@ -396,17 +403,37 @@ def test_one_pass_not_taken_under_tensor_parallelism():
 def test_without_quack_or_a_hopper_gpu_nothing_changes():
     """Where QuACK does not import (CPU CI) or the device is not SM90/SM100, `supported` is False
     and the chunk loop keeps the statistics + dlogits kernels."""
-    assert not cute_backend.supported(torch.bfloat16, 64, 1024, 1024, 1.0, torch.device("cpu"))
-    assert not cute_backend.supported(torch.float32, 64, 1024, 1024, 1.0, torch.device("cpu"))
+    assert not cute_backend.supported(torch.bfloat16, 64, 1024, 1024, 1.0, torch.device("cpu"), 4096)
+    assert not cute_backend.supported(torch.float32, 64, 1024, 1024, 1.0, torch.device("cpu"), 4096)
 
 
 def test_chunks_of_2_to_the_31_elements_keep_the_triton_kernels(reference_kernel):
     """A chunk of 2^31 or more logits (an explicit chunk_size or max_chunk_bytes above the default
     1 GiB) is not handed to QuACK's kernel: its indexing is not known to be 64-bit."""
     cpu = torch.device("cpu")
-    assert cute_backend.supported(torch.bfloat16, 16383, 131072, 131072, 1.0, cpu)
-    assert not cute_backend.supported(torch.bfloat16, 16384, 131072, 131072, 1.0, cpu)
-    assert not cute_backend.supported(torch.bfloat16, 16384, 152064, 152064, 1.0, cpu)
+    assert cute_backend.supported(torch.bfloat16, 16383, 131072, 131072, 1.0, cpu, 4096)
+    assert not cute_backend.supported(torch.bfloat16, 16384, 131072, 131072, 1.0, cpu, 4096)
+    assert not cute_backend.supported(torch.bfloat16, 16384, 152064, 152064, 1.0, cpu, 4096)
+
+
+def test_chunks_below_the_work_threshold_keep_the_triton_kernels_and_cublas(reference_kernel, reference_gemms,
+                                                                           monkeypatch):
+    """QuACK's row kernel and dW GEMM run only for chunks of at least MIN_CHUNK_WORK multiply-adds
+    (rows x vocab x hidden): below it their launches' host time would set a small call's time.
+    Chunks of 7 rows of 104 x 32: with the threshold one above a chunk's work neither runs; at it
+    both do, but the last chunk's dW GEMM (6 rows, less work) runs on cuBLAS, added to the fp32 sum
+    of the others and cast. Loss, dX and dW the float64 reference's either way."""
+    case = _case(41)
+    rows, vocab, hidden = case["labels"].numel(), case["weight"].shape[0], case["hidden"].shape[-1]
+    assert case["chunk_size"] == 7 and rows % 7 == 6
+    chunk_work = 7 * vocab * hidden
+    monkeypatch.setattr(cute_backend, "MIN_CHUNK_WORK", chunk_work + 1)
+    _check(case, _run_ce(case), "mean", 3.5, "below the threshold")
+    assert reference_kernel == [] and reference_gemms == []
+    monkeypatch.setattr(cute_backend, "MIN_CHUNK_WORK", chunk_work)
+    _check(case, _run_ce(case), "mean", 3.5, "at the threshold")
+    assert reference_kernel == [7] * (rows // 7) + [6]
+    assert len(reference_gemms) == rows // 7 and all(kind != "add_cast" for _, kind in reference_gemms)
 
 
 def _quack_on_this_gpu() -> bool:

@@ -447,7 +447,7 @@ def row_kernel_takes(spec, rows: Tensor, weight: Tensor, chunk_rows: int) -> boo
     return (row_kernel is not None and reductions.group_size(spec.tp_group) == 1
             and not spec.want_entropy and not spec.want_sum_logits and spec.logits_dtype is None
             and row_kernel.supported(rows.dtype, chunk_rows, weight.shape[0], spec.num_valid_cols,
-                                     spec.inv_temperature, rows.device))
+                                     spec.inv_temperature, rows.device, weight.shape[1]))
 
 
 class StatsWithDlogits:

@@ -55,6 +55,12 @@ def make_ours_ce(h, w, y, chunk, memory_mode="fast"):
     return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode), h, w)
 
 
+def make_ours_ce_triton(h, w, y, chunk):
+    """ours_ce on the Triton kernels and cuBLAS alone (impl="triton"): none of QuACK's kernels, where
+    the `cute` extra is installed, whatever the chunk's size (cute_backend.MIN_CHUNK_WORK)."""
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl="triton"), h, w)
+
+
 def make_ours_ce_per_token(h, w, y, chunk):
     """Megatron's output layer with the fused loss: per-token losses (reduction="none"), then the
     loss function's mean over the tokens."""
@@ -119,18 +125,23 @@ def _grpo_inputs(h, y):
     return batch, adv, mask
 
 
-def make_ours_grpo(h, w, y, chunk, memory_mode="fast", tp_group=None):
+def make_ours_grpo(h, w, y, chunk, memory_mode="fast", tp_group=None, impl=None):
     fn, GRPOConfig = _linear_grpo()
     batch, adv, mask = _grpo_inputs(h, y)
     config = GRPOConfig()
     hb, yb = h.view(batch, -1, h.shape[-1]), y.view(batch, -1)
 
     def step():
-        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode,
+        loss, _ = fn(hb, w, yb, adv, mask, config, chunk_size=chunk, impl=impl or _impl(), memory_mode=memory_mode,
                      tp_group=tp_group)
         return _grads(loss, h, w)
     step.loss_kind = "grpo"
     return step
+
+
+def make_ours_grpo_triton(h, w, y, chunk):
+    """ours_grpo on the Triton kernels and cuBLAS alone (impl="triton"; see make_ours_ce_triton)."""
+    return make_ours_grpo(h, w, y, chunk, impl="triton")
 
 
 def make_ours_grpo_every_option(h, w, y, chunk):
@@ -294,7 +305,7 @@ def _makers(namespace):
 MAKERS = {**_makers(vars(measure)), **_makers(vars(peers)), **_makers(globals())}
 CHUNKED = {"ours_logprobs", "ours_ce", "ours_ce_per_token", "ours_ce_graphed", "ours_logprobs_graphed", "ours_grpo_graphed",
            "ours_fwd_graphed", "ours_ce_torch", "ours_ce_main_grad", "ours_ce_main_grad_buffer", "ours_grpo",
-           "ours_grpo_every_option",
+           "ours_grpo_every_option", "ours_ce_triton", "ours_grpo_triton",
            "ours_fwd", "ours_fwd_fused", "ours_fwd_fused_graphed",
            "ours_fwd_entropy", "ours_ce_fp32_logits", "ours_logprobs_fp32_logits",
            *SAMPLERS}  # lean rows take no chunk size

@@ -83,7 +83,7 @@ class FusedGemm:
 class RowKernel:
     """One pass over a chunk of logits giving each row's (loss = lse - z_target, lse) and leaving
     softmax - one_hot(target) in place: `ce_dlogits_(logits, target)`, where
-    `supported(dtype, rows, cols, valid_cols, inv_temperature, device)`."""
+    `supported(dtype, rows, cols, valid_cols, inv_temperature, device, hidden)`."""
 
     supported: Callable
     ce_dlogits_: Callable

@@ -24,6 +24,9 @@ tried on an H100 for the bounded default's chunks (docs/design.md §10.11): no a
 disk). There, QuACK's GEMMs were also timed for the logits and dX GEMMs and were not faster than
 cuBLAS on every shape, which keeps them. SM90 only: the configurations were measured there.
 
+Both run only for chunks of at least MIN_CHUNK_WORK multiply-adds: below it their launches' host
+time, more than the Triton and cuBLAS launches', sets a call's time (docs/design.md §10.12).
+
 Both reach the chunk loop as capabilities of the "auto" backend (`ROW_KERNEL`, `WEIGHT_GRAD_GEMM`,
 backends/__init__.py). `_kernel()` and `_gemm()` are the only calls into QuACK (`cross_entropy_fwd_out`, `gemm_tuned.fn`);
 tests replace them with `reference_kernel` / `reference_gemm` (the same contracts in torch), and
@@ -45,6 +48,20 @@ from .triton_common import compute_capability
 ENABLED = os.environ.get("MEGATRON_FUSED_CE_CUTE", "1") not in ("0", "", "false", "False")
 _DTYPES = (torch.bfloat16, torch.float16)
 
+# The least work of a chunk (rows x vocab columns x hidden, a GEMM's multiply-adds) for which
+# QuACK's kernels run. Their launches take more host time than the Triton and cuBLAS launches they
+# replace (110-400 us more a call of cross-entropy or GRPO on an H200 host), which a call whose GPU
+# work is shorter than the host's pays in full: at 2048 x 2048 x 19008 (8.0e10) the Triton path
+# took 842 / 1158 us a call back to back (cross-entropy / GRPO) against 1160 / 1488 with QuACK's,
+# and from 2048 x 2048 x 32064 (1.3e11) on QuACK's was level or ahead (docs/design.md §10.12).
+MIN_CHUNK_WORK = 1e11
+
+
+def worth_launching(num_rows: int, num_cols: int, hidden: int) -> bool:
+    """Whether a chunk of `num_rows` rows of `num_cols` vocab columns over `hidden` has the work
+    that hides the host time of QuACK's launches (MIN_CHUNK_WORK)."""
+    return num_rows * num_cols * hidden >= MIN_CHUNK_WORK
+
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
@@ -63,13 +80,14 @@ def _available(device: torch.device) -> bool:
 
 
 def supported(logits_dtype: torch.dtype, num_rows: int, num_cols: int, num_valid_cols: int,
-              inv_temperature: float, device: torch.device) -> bool:
+              inv_temperature: float, device: torch.device, hidden: int) -> bool:
     """Whether `ce_dlogits_` runs for a chunk of this kind: whole unpadded rows in bf16/fp16
     (a multiple of 8 columns, 16-byte rows), temperature 1, fewer than 2^31 elements (the limit
-    the Triton kernels lift with 64-bit row offsets; not relied on here), on an SM90/SM100 GPU
-    with QuACK."""
+    the Triton kernels lift with 64-bit row offsets; not relied on here), the work of
+    `worth_launching` (with the chunk's `hidden` size), on an SM90/SM100 GPU with QuACK."""
     return (ENABLED and logits_dtype in _DTYPES and num_valid_cols == num_cols and num_cols % 8 == 0
-            and num_rows * num_cols < 2**31 and inv_temperature == 1.0 and _available(device))
+            and num_rows * num_cols < 2**31 and inv_temperature == 1.0
+            and worth_launching(num_rows, num_cols, hidden) and _available(device))
 
 
 # the shard's target of a row whose label is ignored (the label kernel's): the kernel's ignore_index
@@ -148,10 +166,12 @@ def _tma_ok(t: Tensor) -> bool:
 def weight_grad_supported(a: Tensor, b: Tensor, out_dtype: torch.dtype, *, accumulate: bool = False,
                           add: Optional[Tensor] = None) -> bool:
     """Whether weight_grad_into_ runs for these inputs and a contiguous `out` of `out_dtype`:
-    inputs both bf16 / fp16, `out` their dtype or fp32, every operand addressable by TMA, QuACK
-    on an SM90 GPU, MEGATRON_FUSED_CE_CUTE not 0."""
+    inputs both bf16 / fp16, `out` their dtype or fp32, the work of `worth_launching` (a: [vocab,
+    rows], b: [rows, hidden]), every operand addressable by TMA, QuACK on an SM90 GPU,
+    MEGATRON_FUSED_CE_CUTE not 0."""
     out_row_bytes = b.shape[-1] * torch.finfo(out_dtype).bits // 8
     return (ENABLED and a.dtype in _DTYPES and b.dtype == a.dtype and out_dtype in (a.dtype, torch.float32)
+            and a.dim() == 2 and b.dim() == 2 and worth_launching(a.shape[1], a.shape[0], b.shape[1])
             and (add is None or (add.dtype == torch.float32 and not accumulate))
             and out_row_bytes % 16 == 0 and _gemm_available(a.device)
             and all(_tma_ok(t) for t in (a, b) + (() if add is None else (add,))))
