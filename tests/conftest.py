@@ -97,8 +97,8 @@ def no_grpo_kernel_fallback_left():
 @pytest.fixture
 def reference_kernel(monkeypatch):
     """QuACK's one-pass row kernel replaced by its torch contract (cute_backend.reference_kernel) and
-    declared available, so that the chunk loop's use of it runs on CPU; returns the list of calls
-    (row counts)."""
+    declared available for chunks of any size, so that the chunk loop's use of it runs on CPU;
+    returns the list of calls (row counts)."""
     from megatron_fused_ce.ops.backends import cute_backend
 
     calls = []
@@ -109,6 +109,7 @@ def reference_kernel(monkeypatch):
 
     monkeypatch.setattr(cute_backend, "_kernel", lambda: counted)
     monkeypatch.setattr(cute_backend, "_available", lambda device: True)
+    monkeypatch.setattr(cute_backend, "MIN_CHUNK_WORK", 0)  # (the tests' chunks hold far less work)
     return calls
 
 
