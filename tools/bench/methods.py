@@ -51,14 +51,15 @@ def make_ours_logprobs(h, w, y, chunk, memory_mode="fast"):
                                            memory_mode=memory_mode).logprobs.sum() / n, h, w)
 
 
-def make_ours_ce(h, w, y, chunk, memory_mode="fast"):
-    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=_impl(), memory_mode=memory_mode), h, w)
+def make_ours_ce(h, w, y, chunk, memory_mode="fast", impl=None):
+    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl=impl or _impl(), memory_mode=memory_mode),
+                          h, w)
 
 
 def make_ours_ce_triton(h, w, y, chunk):
     """ours_ce on the Triton kernels and cuBLAS alone (impl="triton"): none of QuACK's kernels, where
     the `cute` extra is installed, whatever the chunk's size (cute_backend.MIN_CHUNK_WORK)."""
-    return lambda: _grads(linear_cross_entropy(h, w, y, chunk_size=chunk, impl="triton"), h, w)
+    return make_ours_ce(h, w, y, chunk, impl="triton")
 
 
 def make_ours_ce_per_token(h, w, y, chunk):

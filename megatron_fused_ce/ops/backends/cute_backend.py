@@ -171,10 +171,10 @@ def weight_grad_supported(a: Tensor, b: Tensor, out_dtype: torch.dtype, *, accum
     MEGATRON_FUSED_CE_CUTE not 0."""
     out_row_bytes = b.shape[-1] * torch.finfo(out_dtype).bits // 8
     return (ENABLED and a.dtype in _DTYPES and b.dtype == a.dtype and out_dtype in (a.dtype, torch.float32)
-            and a.dim() == 2 and b.dim() == 2 and worth_launching(a.shape[1], a.shape[0], b.shape[1])
             and (add is None or (add.dtype == torch.float32 and not accumulate))
             and out_row_bytes % 16 == 0 and _gemm_available(a.device)
-            and all(_tma_ok(t) for t in (a, b) + (() if add is None else (add,))))
+            and all(_tma_ok(t) for t in (a, b) + (() if add is None else (add,)))  # (2-D operands)
+            and worth_launching(a.shape[1], a.shape[0], b.shape[1]))
 
 
 def weight_grad_into_(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool = False, alpha: float = 1.0,
