@@ -193,6 +193,27 @@ def test_paired_timing_alternates_a_row_with_the_floor_of_its_kind():
         assert calls == [floor] * 3 and row["floor_paired"], (name, calls, row.get("skipped"))
 
 
+def test_benchmark_environment_on_a_cuda_machine(monkeypatch):
+    """The results' environment where CUDA is available (its GPU-only entry, whether QuACK's row
+    kernel is on, asked the way cute_backend answers it): recorded, no exception."""
+    from megatron_fused_ce.ops.backends import cute_backend
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        from bench import report
+    finally:
+        sys.path.pop(0)
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "a GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(multi_processor_count=132, total_memory=2**30))
+    for available in (False, True):
+        monkeypatch.setattr(cute_backend, "_available", lambda device: available)
+        assert report.environment()["cute_row_kernel"] is available
+
+
 def test_benchmark_tensor_parallel_runs_on_cpu(tmp_path):
     """tools/benchmark.py --tp 2 (what the GPU check runs at TP = the visible GPU count) on two
     gloo processes: per-rank rows against the fp32 reference, the scaling table, the files.

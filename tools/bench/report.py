@@ -341,7 +341,8 @@ def environment():
             env[dist] = None
     if torch.cuda.is_available():
         from megatron_fused_ce.ops.backends import cute_backend
-        env["cute_row_kernel"] = cute_backend.supported(torch.bfloat16, 8, 8, 8, 1.0, torch.device("cuda"))
+        # (where a chunk holds the work of cute_backend.worth_launching)
+        env["cute_row_kernel"] = cute_backend.ENABLED and cute_backend._available(torch.device("cuda"))
     try:
         git = ["git", "-C", str(REPO)]
         head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
