@@ -81,6 +81,42 @@ def test_host_ab_runs_two_versions_in_one_process_on_cpu():
     assert out.stdout.count("forward: log-probs apart 0.0e+00") == 1, out.stdout
 
 
+def test_host_time_alternates_methods_in_rounds(tmp_path, monkeypatch):
+    """tools/host_time.py --alternate: a round of each method in turn, the order reversed every
+    other round, each method's figures the medians of its own rounds; without it, one method's
+    rounds after another's."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import host_time
+    finally:
+        sys.path.pop(0)
+    order = []
+
+    def maker(name):
+        def make(*args):
+            step = lambda: None  # noqa: E731
+            step.name = name
+            return step
+        return make
+
+    def measure(step, device, rounds, calls):
+        order.append((step.name, rounds))
+        return (len(order), 2.0 * len(order), 3.0)
+
+    monkeypatch.setattr(host_time, "MAKERS", {"a": maker("a"), "b": maker("b")})
+    monkeypatch.setattr(host_time, "measure", measure)
+    out = tmp_path / "alternate.json"
+    host_time.main(["--device", "cpu", "--shape", "8x4x10", "--impls", "a,b", "--alternate", "--rounds", "3",
+                    "--json", str(out)])
+    assert order == [("a", 1), ("b", 1), ("b", 1), ("a", 1), ("a", 1), ("b", 1)]
+    figures = json.loads(out.read_text())
+    assert figures["alternate"] and figures["methods"]["a"]["back_to_back_us"] == 4  # median of 1, 4, 5
+    assert figures["methods"]["b"]["from_idle_us"] == 6  # median of 2, 3, 6 (x 2)
+    order.clear()
+    host_time.main(["--device", "cpu", "--shape", "8x4x10", "--impls", "a,b", "--rounds", "3"])
+    assert order == [("a", 3), ("b", 3)]
+
+
 def test_host_time_runs_at_tp2_on_cpu(tmp_path):
     """tools/host_time.py --tp 2 under torchrun (gloo on the CPU; NCCL on GPUs: docs/benchmarks.md's
     TP = 2 A/B): every rank runs the TP methods on its vocab shard, rank 0 prints their figures and

@@ -15,7 +15,9 @@ objects a call leaves in reference cycles, and over N more calls (the collector 
 the collections of each generation and the host time they took per 1000 calls, with the mean host
 time a call (where collections show: medians hide them). `--general-path` adds each method with
 every call through the general path (ops/remembered_routes.py off: no route run straight), in rounds
-alternating with the default in the same process. For an A/B of two trees, tools/host_ab.py runs
+alternating with the default in the same process. `--alternate` times the methods themselves that
+way (a round of each in turn, the order reversed every other round): an A/B of methods in one
+process, which a GPU's clock and a host's state drift across less. For an A/B of two trees, tools/host_ab.py runs
 both in one process, their calls alternating (hosts drift between processes by more than most
 changes of host time).
 """
@@ -125,6 +127,9 @@ def main(argv=None):
                    help="also every call through the general path (no remembered route), rounds alternating")
     p.add_argument("--gc", type=int, default=0, metavar="N",
                    help="also what the calls leave to Python's cyclic collector, over N more calls")
+    p.add_argument("--alternate", action="store_true",
+                   help="time the methods in alternating rounds (one round of each in turn, the order reversed "
+                        "every other round), not one method's rounds after another's: an A/B of methods")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20, help="calls per round")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -150,50 +155,61 @@ def main(argv=None):
     say(f"{args.shape}{f' per rank, TP = {args.tp}' if args.tp > 1 else ''} on {where}, µs a call (medians)"
         + (", backward on the calling thread" if args.backward_thread == "calling" else ""))
     say(f"{'method':24s} {'back to back':>13s} {'from idle':>10s} {'host':>8s}" + ("  kernels" if args.kernels else ""))
-    for name in (args.impls or (TP_IMPLS if args.tp > 1 else IMPLS)).split(","):
-        settings = (True, False) if args.general_path else (True,)
-        rounds = {routes: [] for routes in settings}
-        for _ in range(args.rounds if args.general_path else 1):
-            for routes in settings:  # (each setting from its signature's first call on)
+    names = (args.impls or (TP_IMPLS if args.tp > 1 else IMPLS)).split(",")
+    settings = (True, False) if args.general_path else (True,)
+    # what is timed in alternating rounds: every method and setting (--alternate), else each method's settings
+    groups = ([[(name, routes) for name in names for routes in settings]] if args.alternate
+              else [[(name, routes) for routes in settings] for name in names])
+    for group in groups:
+        rounds = {key: [] for key in group}
+        alternating = len(group) > 1
+        for r in range(args.rounds if alternating else 1):
+            for name, routes in group if r % 2 == 0 else group[::-1]:  # (each from its signature's first call on)
                 remembered_routes.ENABLED = routes
                 agreement.forget_signatures()
                 step = make(name)
-                rounds[routes].append(measure(step, device, 1 if args.general_path else args.rounds, args.calls))
+                rounds[name, routes].append(measure(step, device, 1 if alternating else args.rounds, args.calls))
         remembered_routes.ENABLED = True
-        for routes in settings:
-            label = name if routes else f"{name} (general)"
-            results[label] = dict(zip(("back_to_back_us", "from_idle_us", "host_us"),
-                                      (statistics.median(r[k] for r in rounds[routes]) for k in range(3))))
-            if args.kernels and device.type == "cuda":
-                remembered_routes.ENABLED = routes
-                agreement.forget_signatures()
-                step = make(name)
-                for _ in range(3):  # (a signature's first call, then the one that records its route)
-                    step()
-                results[label]["kernels"] = kernels_per_call(step)
-                remembered_routes.ENABLED = True
-            if args.gc:
-                remembered_routes.ENABLED = routes
-                agreement.forget_signatures()
-                step = make(name)
-                for _ in range(3):
-                    step()
-                results[label]["collector"] = collector_cost(step, device, args.gc)
-                remembered_routes.ENABLED = True
-            r = results[label]
-            say(f"{label:24s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}"
-                + (f"  {r['kernels']:7d}" if "kernels" in r else ""), flush=True)
-            if "collector" in r:
-                c = r["collector"]
-                say(f"{'':24s} {c['cycle_objects_per_call']:.0f} objects left in reference cycles a call; per 1000 "
-                    f"calls {'/'.join(f'{x:.0f}' for x in c['collections_per_1000'])} collections of generation "
-                    f"0/1/2 taking {c['collection_ms_per_1000']:.1f} ms; mean host {c['mean_host_us']:.0f} µs a call",
-                    flush=True)
+        report(group, rounds, results, args, make, device, say)
     if args.tp > 1:
         ctx.dist.destroy_process_group()
     if args.json and rank == 0:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "device": args.device, "backward_thread": args.backward_thread, "methods": results}, f, indent=1)
+            json.dump({"shape": args.shape, "device": args.device, "backward_thread": args.backward_thread,
+                       "alternate": args.alternate, "methods": results}, f, indent=1)
+
+
+def report(group, rounds, results, args, make, device, say):
+    """The medians of a group's rounds, each method's extras (--kernels, --gc), one line each."""
+    for name, routes in group:
+        label = name if routes else f"{name} (general)"
+        results[label] = dict(zip(("back_to_back_us", "from_idle_us", "host_us"),
+                                  (statistics.median(r[k] for r in rounds[name, routes]) for k in range(3))))
+        if args.kernels and device.type == "cuda":
+            remembered_routes.ENABLED = routes
+            agreement.forget_signatures()
+            step = make(name)
+            for _ in range(3):  # (a signature's first call, then the one that records its route)
+                step()
+            results[label]["kernels"] = kernels_per_call(step)
+            remembered_routes.ENABLED = True
+        if args.gc:
+            remembered_routes.ENABLED = routes
+            agreement.forget_signatures()
+            step = make(name)
+            for _ in range(3):
+                step()
+            results[label]["collector"] = collector_cost(step, device, args.gc)
+            remembered_routes.ENABLED = True
+        r = results[label]
+        say(f"{label:24s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}"
+            + (f"  {r['kernels']:7d}" if "kernels" in r else ""), flush=True)
+        if "collector" in r:
+            c = r["collector"]
+            say(f"{'':24s} {c['cycle_objects_per_call']:.0f} objects left in reference cycles a call; per 1000 "
+                f"calls {'/'.join(f'{x:.0f}' for x in c['collections_per_1000'])} collections of generation "
+                f"0/1/2 taking {c['collection_ms_per_1000']:.1f} ms; mean host {c['mean_host_us']:.0f} µs a call",
+                flush=True)
 
 
 if __name__ == "__main__":
