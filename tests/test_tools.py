@@ -4,6 +4,7 @@ tests/test_gpu_check.py fails for a tool that no test starts)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
@@ -15,6 +16,16 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tools_module(name: str):
+    """A module of tools/ ("host_time", "bench.report"), imported with tools/ on sys.path for the
+    import only (the tools import their siblings as top-level modules)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def test_host_sync_cost_runs_on_cpu():
@@ -85,11 +96,7 @@ def test_host_time_alternates_methods_in_rounds(tmp_path, monkeypatch):
     """tools/host_time.py --alternate: a round of each method in turn, the order reversed every
     other round, each method's figures the medians of its own rounds; without it, one method's
     rounds after another's."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        import host_time
-    finally:
-        sys.path.pop(0)
+    host_time = tools_module("host_time")
     order = []
 
     def maker(name):
@@ -204,11 +211,7 @@ def test_paired_timing_alternates_a_row_with_the_floor_of_its_kind():
     3-GEMM floor."""
     import argparse
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        from bench import measure, run
-    finally:
-        sys.path.pop(0)
+    measure, run = tools_module("bench.measure"), tools_module("bench.run")
     calls = []
 
     def stub(name):
@@ -234,11 +237,7 @@ def test_benchmark_environment_on_a_cuda_machine(monkeypatch):
     kernel is on, asked the way cute_backend answers it): recorded, no exception."""
     from megatron_fused_ce.ops.backends import cute_backend
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        from bench import report
-    finally:
-        sys.path.pop(0)
+    report = tools_module("bench.report")
     import types
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -297,11 +296,7 @@ print("peak GPU memory allocated (max over ranks): 2.5 GiB")
 
 
 def _real_loop_tool():
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        import real_loop_curves as tool
-    finally:
-        sys.path.pop(0)
+    tool = tools_module("real_loop_curves")
     return tool
 
 
