@@ -10,9 +10,10 @@ every chunk of the benchmark shapes (docs/design.md §10.6).
 
 It applies where nothing has to be merged between the two (the shard holds the whole vocab: TP = 1)
 and each row's gradient is c_i (softmax - one_hot), at temperature 1 with no vocab padding:
-cross-entropy with "mean" / "sum" reduction, no label smoothing and no z-loss (one c for every
-row, applied by the dX / dW GEMMs as their alpha), and the fused GRPO loss (c_i per row, applied
-to the chunk's dX rows and hidden rows: fast.row_scaled_grad_gemms). No pass scales dlogits.
+cross-entropy with "mean" / "sum" reduction, no label smoothing and no z-loss ("sum": one c for
+every row, applied by the dX / dW GEMMs as their alpha; "mean": c_i = 1 / the labelled rows, a
+count on the device, 0 where ignored), and the fused GRPO loss (c_i per row); a c_i per row is
+applied to the chunk's dX rows and hidden rows (fast.row_scaled_grad_gemms). No pass scales dlogits.
 Everything else, and every machine without QuACK or a Hopper GPU, keeps the Triton kernels.
 
 The weight-gradient GEMMs (`weight_grad_into_`): dW = dlogits.T @ h per chunk, written in fp32 by
