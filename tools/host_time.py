@@ -17,9 +17,9 @@ time a call (where collections show: medians hide them). `--general-path` adds e
 every call through the general path (ops/remembered_routes.py off: no route run straight), in rounds
 alternating with the default in the same process. `--alternate` times the methods themselves that
 way (a round of each in turn, the order reversed every other round): an A/B of methods in one
-process, which a GPU's clock and a host's state drift across less. For an A/B of two trees, tools/host_ab.py runs
-both in one process, their calls alternating (hosts drift between processes by more than most
-changes of host time).
+process, which a GPU's clock and a host's state drift across less. For an A/B of two trees,
+tools/host_ab.py runs both in one process, their calls alternating (hosts drift between processes
+by more than most changes of host time).
 """
 
 import argparse
