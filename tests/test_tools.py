@@ -235,11 +235,12 @@ def test_paired_timing_alternates_a_row_with_the_floor_of_its_kind():
 def test_benchmark_environment_on_a_cuda_machine(monkeypatch):
     """The results' environment where CUDA is available (its GPU-only entry, whether QuACK's row
     kernel is on, asked the way cute_backend answers it): recorded, no exception."""
+    import types
+
     from megatron_fused_ce.ops.backends import cute_backend
 
     report = tools_module("bench.report")
-    import types
-
+    monkeypatch.setattr(cute_backend, "ENABLED", True)  # (whatever MEGATRON_FUSED_CE_CUTE says here)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "a GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -296,8 +297,7 @@ print("peak GPU memory allocated (max over ranks): 2.5 GiB")
 
 
 def _real_loop_tool():
-    tool = tools_module("real_loop_curves")
-    return tool
+    return tools_module("real_loop_curves")
 
 
 def test_real_loop_wrapper_passes_its_arguments(tmp_path):
