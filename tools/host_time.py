@@ -179,6 +179,25 @@ def main(argv=None):
                        "alternate": args.alternate, "methods": results}, f, indent=1)
 
 
+def with_routes(routes: bool, fn):
+    """fn() with the remembered routes on or off (then on again)."""
+    remembered_routes.ENABLED = routes
+    try:
+        return fn()
+    finally:
+        remembered_routes.ENABLED = True
+
+
+def warmed_step(make, name):
+    """A fresh step of the method `name` past its signature's first call, the one that records its
+    route and the route's first (which compiles the route's own kernel variants)."""
+    agreement.forget_signatures()
+    step = make(name)
+    for _ in range(3):
+        step()
+    return step
+
+
 def report(group, rounds, results, args, make, device, say):
     """The medians of a group's rounds, each method's extras (--kernels, --gc), one line each."""
     for name, routes in group:
@@ -186,21 +205,10 @@ def report(group, rounds, results, args, make, device, say):
         results[label] = dict(zip(("back_to_back_us", "from_idle_us", "host_us"),
                                   (statistics.median(r[k] for r in rounds[name, routes]) for k in range(3))))
         if args.kernels and device.type == "cuda":
-            remembered_routes.ENABLED = routes
-            agreement.forget_signatures()
-            step = make(name)
-            for _ in range(3):  # (a signature's first call, then the one that records its route)
-                step()
-            results[label]["kernels"] = kernels_per_call(step)
-            remembered_routes.ENABLED = True
+            results[label]["kernels"] = with_routes(routes, lambda: kernels_per_call(warmed_step(make, name)))
         if args.gc:
-            remembered_routes.ENABLED = routes
-            agreement.forget_signatures()
-            step = make(name)
-            for _ in range(3):
-                step()
-            results[label]["collector"] = collector_cost(step, device, args.gc)
-            remembered_routes.ENABLED = True
+            results[label]["collector"] = with_routes(
+                routes, lambda: collector_cost(warmed_step(make, name), device, args.gc))
         r = results[label]
         say(f"{label:24s} {r['back_to_back_us']:13.0f} {r['from_idle_us']:10.0f} {r['host_us']:8.0f}"
             + (f"  {r['kernels']:7d}" if "kernels" in r else ""), flush=True)
