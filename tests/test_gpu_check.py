@@ -157,6 +157,12 @@ LOGS = {
                  "\rpretrain: 100%|##########| 20/20 [00:04<00:00, 5.2it/s, lm loss=4.5678, tok/s=950, loss_mem=1.06MiB]\n"),
     "examples_grpo": ("examples", "1", "step 0 ...\nTraceback (most recent call last):\n  File \"x.py\"\n"
                                        "ValueError: global_batch_size 24 must split into DP=2 ranks\n"),
+    "examples_rl_curves": ("examples", "0",
+                           "| run | steps | reward, first 3 | reward, last 5 | best | first step ≥ 0.9 | last accuracy |\n"
+                           "|---|---:|---:|---:|---:|---:|---:|\n| sft | 5 | 0.066 | 0.070 | 0.071 | - | 0.000 |\n"
+                           "| grpo | 5 | 0.000 | 0.002 | 0.007 | - | 0.000 |\n\n"
+                           "| run | steps | mean policy ratio | clip fraction | KL to the reference |\n"
+                           "|---|---:|---:|---:|---:|\n| grpo | 5 | 1.0063 | 0.01821 | 6.4416 |\n"),
     "examples_megatron_lm": ("examples", "0",
                              "first batch: lm loss fused 6.900000 vs unfused 6.900001, |difference| 1.00e-06\n"
                              "iteration 1/20: lm loss 6.9000 | mtp_1 loss 6.9100\n"
@@ -236,6 +242,7 @@ def test_summary_table_from_synthetic_logs(tmp_path):
         "multigpu": ("pass", "58 passed, 12 skipped"),
         "pretrain": ("pass", r"fused vs unfused \|difference\| 1.19e-06; last step lm loss=4.5678, tok/s=950"),
         "examples_grpo": ("FAIL", "ValueError: global_batch_size 24 must split into DP=2 ranks"),
+        "examples_rl_curves": ("pass", "sft reward 0.066 -> 0.070, grpo reward 0.000 -> 0.002"),
         "examples_megatron_lm": ("pass", r"fused vs unfused \|difference\| 1.00e-06; last iteration 20/20: "
                                          r"lm loss 3.2100"),
         "real_loop": ("TIMEOUT", "over its 570 s limit; fused 30 steps, lm loss 6.1"),
@@ -254,6 +261,8 @@ def test_summary_table_from_synthetic_logs(tmp_path):
         stage, step, got_result, seconds, got_figure = rows[name]
         assert (stage, got_result) == (LOGS[name][0], result), rows[name]
         assert got_figure.startswith(figure), (name, got_figure)
+    # (the whole figure: a GRPO run's policy table, below the rewards, is not read as rewards)
+    assert rows["examples_rl_curves"][4] == expected["examples_rl_curves"][1]
     assert rows["tests_1"][3] == "400 s" and rows["env"][3] == "12 s" and rows["bench_tp"][3] == "-"
 
 

@@ -198,7 +198,9 @@ def sampling_mask_figure(text):
 
 def rl_curves_figure(text):
     """tools/rl_curves.py: each run's reward over its first 3 and last 5 evaluated steps."""
-    rows = re.findall(r"^\| (\w+) \| \d+ \| ([\d.]+) \| ([\d.]+) \|", text, re.M)
+    # (the reward table only: a GRPO run's policy table below it has the same layout of numbers)
+    rewards = text.partition("| reward, first 3 |")[2].split("\n\n")[0]
+    rows = re.findall(r"^\| (\w+) \| \d+ \| ([\d.]+) \| ([\d.]+) \|", rewards, re.M)
     return ", ".join(f"{run} reward {first} -> {last}" for run, first, last in rows) or None
 
 
