@@ -331,6 +331,73 @@ def test_logprob_routes_are_not_taken_for_other_arguments(tb, general_logprob_ca
         assert len(general_logprob_calls) == 3, extra
 
 
+def test_options_given_as_tensors_keep_the_general_path(tb, general_calls, general_logprob_calls):
+    """An option given as a 0-d tensor (vocab_size, return_entropy) is held by a key by identity,
+    not by value: changed in place between calls, a route recorded for the old value would run
+    (the loss over the old vocab, no entropy). Every such call takes the general path, which reads
+    the values."""
+    h, w, y, vocab = _inputs(tb, 8)
+    y = torch.where(y >= 100, -100, y)  # labels below both vocab sizes
+    vocab_size = torch.tensor(vocab)
+    for _ in range(3):
+        _call(h, w, y, vocab_size, "mean")
+    vocab_size.fill_(100)
+    loss, dx, dw = _call(h, w, y, vocab_size, "mean")
+    expected = _call(h, w, y, 100, "mean")
+    assert torch.equal(loss, expected[0]) and torch.equal(dx, expected[1]) and torch.equal(dw, expected[2])
+    assert len(general_calls) == 5
+
+    wants_entropy = torch.tensor(False)
+    for _ in range(3):
+        with torch.no_grad():
+            assert linear_logprobs(h, w, y, vocab_size=vocab, impl="triton", return_entropy=wants_entropy).entropy is None
+    wants_entropy.fill_(True)
+    with torch.no_grad():
+        out = linear_logprobs(h, w, y, vocab_size=vocab, impl="triton", return_entropy=wants_entropy)
+        expected = linear_logprobs(h, w, y, vocab_size=vocab, impl="triton", return_entropy=True)
+    assert out.entropy is not None and torch.equal(out.entropy, expected.entropy)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_results_do_not_depend_on_the_default_dtype(tb, impl):
+    """torch.set_default_dtype(torch.bfloat16), common around a model's construction, changes
+    nothing: every call (the general path's two, then the route) gives the bits it gives under
+    float32. (A mean's 1 / count came from an integer's reciprocal, which takes the default dtype:
+    rounded to bf16, the loss, dX and dW were 2e-3 off with 19 labelled tokens.)"""
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    h, w, y, vocab = _inputs(tb, 9, hidden_shape=(2, 13), rows=26)
+    advantages, mask = torch.tensor([0.7, -1.2], device=DEVICE), torch.ones(2, 13, device=DEVICE)
+
+    def calls():
+        results = []
+        for _ in range(3):
+            for reduction in ("mean", "sum"):
+                hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+                loss = linear_cross_entropy(hh, ww, y, vocab_size=vocab, temperature=0.7, impl=impl, reduction=reduction)
+                results += [loss.detach(), *torch.autograd.grad(loss, (hh, ww))]
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            out = linear_logprobs(hh, ww, y, vocab_size=vocab, impl=impl)
+            results += [out.logprobs.detach(), *torch.autograd.grad(out.logprobs.sum(), (hh, ww))]
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            loss, metrics = linear_grpo_loss(hh, ww, y, advantages, mask, GRPOConfig(beta=0.1), vocab_size=vocab,
+                                             impl=impl, old_logprobs=torch.full((2, 13), -5.0, device=DEVICE),
+                                             reference_logprobs=torch.full((2, 13), -4.0, device=DEVICE))
+            results += [loss.detach(), *torch.autograd.grad(loss, (hh, ww)), *metrics.values()]
+        return results
+
+    expected = calls()
+    agreement.forget_signatures()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = calls()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
 def _kept_sets(labels, vocab, seed, sizes, without_set=()):
     """(token_ids, offsets): at each position a set of sizes[i % len(sizes)] ids holding the label
     at two of every three labelled positions (the others' log-probs are -inf); no set at the

@@ -95,13 +95,19 @@ def call_key(fn_name: str, hidden, weight, labels, tp_group, options: tuple) -> 
     """The raw arguments of a call as a route's key: what the general path's decisions depend on
     (shapes, dtypes, devices, requires_grad, grad mode, the TP group, every Python-level option);
     None where no route applies (off, something that is not a tensor, under torch.compile's
-    tracing)."""
+    tracing, an option given as a tensor: a key holds a tensor by identity, not by the value it may
+    have been changed to in place)."""
     if not (ENABLED and isinstance(hidden, Tensor) and isinstance(weight, Tensor)
             and isinstance(labels, Tensor)) or torch.compiler.is_compiling():  # (traced: the general path)
         return None
+    typed = []
+    for value in options:
+        if isinstance(value, Tensor):
+            return None
+        typed.append((type(value), value))
     return (fn_name, hidden.shape, hidden.dtype, hidden.device, hidden.requires_grad, weight.shape, weight.dtype,
             weight.device, weight.requires_grad, labels.shape, labels.dtype, labels.device, torch.is_grad_enabled(),
-            None if tp_group is None else id(tp_group), tuple([(type(v), v) for v in options]))
+            None if tp_group is None else id(tp_group), tuple(typed))
 
 
 def layout(value):

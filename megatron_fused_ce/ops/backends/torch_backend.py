@@ -317,7 +317,9 @@ def label_targets(labels: Tensor, ignore_index: int, true_vocab: int, vocab_star
     counts = torch.stack([labelled.sum(), bad.to(torch.int64)])
     if flags is not None:
         flags.bitwise_or_(counts[1:])
-    inverse = counts[0].clamp(min=1).reciprocal().to(torch.float32)
+    # (in fp32 whatever torch's default dtype: an integer's reciprocal takes the default, bf16 after
+    # torch.set_default_dtype(torch.bfloat16))
+    inverse = counts[0].clamp(min=1).to(torch.float32).reciprocal()
     scalars = torch.stack([torch.where(bad, float("nan"), 0.0).to(torch.float32), inverse, -inverse])
     if signature_code is not None:
         from ..agreement import fingerprint_pieces, tensor_fingerprint  # (agreement imports the backends)
