@@ -26,7 +26,7 @@ from grpo_cases import CONFIGS, DEVICE, triton_grpo  # noqa: F401  (first: it se
 
 pytest.importorskip("triton")
 
-from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss  # noqa: E402
+from megatron_fused_ce.losses import GRPOConfig, grpo_loss, linear_grpo_loss  # noqa: E402
 from megatron_fused_ce.losses import linear_grpo  # noqa: E402
 from megatron_fused_ce.losses.grpo import metric_names  # noqa: E402
 
@@ -172,6 +172,51 @@ def test_linear_grpo_loss_takes_the_kernel(triton_grpo, name, launch, monkeypatc
         torch.testing.assert_close(m_triton[key], m_torch[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     torch.testing.assert_close(dx_triton, dx_torch, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dw_triton, dw_torch, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # (the interpreter's numpy)
+@pytest.mark.parametrize("launch", ["terms in one launch", "per-token kernel"])
+@pytest.mark.parametrize("name", ["dapo", "cispo", "sapo", "dapo_delta_dual"])
+def test_a_ratio_that_overflows_leaves_the_gradient_finite(triton_grpo, name, launch, monkeypatch):
+    """A token whose ratio exp(lp - old) overflows fp32 (lp - old > 88.7: an old log-prob of -200)
+    where the loss does not depend on the ratio — clipped (A > 0), dual-clipped (A < 0), CISPO's
+    detached ratio, SAPO's saturated gate — has the gradient of the formula there: d loss/dr is 0,
+    and 0 · inf made the token's gradient NaN, and with it dX and all of dW. Both the definition
+    (impl="torch") and the kernel against the same call in float64, where the ratio is finite."""
+    if launch == "per-token kernel":
+        monkeypatch.setattr(triton_grpo, "terms_in_launch_applies", lambda *args: False)
+    monkeypatch.setattr(linear_grpo, "_kernel_module", lambda: triton_grpo)
+    config = GRPOConfig(**CONFIGS[name])
+    g = torch.Generator().manual_seed(5)
+    batch, length, hidden, vocab = 2, 6, 16, 40
+    h = torch.randn(batch, length, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * 0.3
+    labels = torch.randint(0, vocab, (batch, length), generator=g)
+    # the far token in each row clipped (A > 0), and with A < 0 dual-clipped or its gate saturated
+    # (plain PPO has no bound there: the loss itself overflows, as in float64 it is ~1e85)
+    adv = torch.tensor([1.0, 1.0 if name == "dapo" else -1.0], dtype=torch.float64)
+    old = torch.randn(batch, length, generator=g, dtype=torch.float64) * 0.3 - 3.5
+    old[:, 2] = -200.0
+    mask = torch.ones(batch, length, dtype=torch.float64)
+    # float64 dense log-probs under grpo_loss: exp(196) is finite there
+    h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp64 = torch.log_softmax(h64 @ w64.T, dim=-1).gather(-1, labels[..., None])[..., 0]
+    loss64, _ = grpo_loss(lp64, adv, mask, config, old_logprobs=old)
+    expected = (loss64.detach(), *torch.autograd.grad(loss64, (h64, w64)))
+    assert all(torch.isfinite(t).all() for t in expected)
+    results = {}
+    for impl in ("torch", "triton"):
+        hh = h.to(DEVICE, torch.float32).requires_grad_()
+        ww = w.to(DEVICE, torch.float32).requires_grad_()
+        loss, metrics = linear_grpo_loss(hh, ww, labels.to(DEVICE), adv.to(DEVICE, torch.float32),
+                                         mask.to(DEVICE, torch.float32), config, impl=impl,
+                                         old_logprobs=old.to(DEVICE, torch.float32))
+        loss.backward()
+        results[impl] = (loss.detach().cpu(), hh.grad.cpu(), ww.grad.cpu())
+    for impl, got in results.items():
+        for what, a, b in zip(("loss", "dX", "dW"), got, expected):
+            assert torch.isfinite(a).all(), (impl, what)
+            torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{impl} {what}: {m}")
 
 
 @pytest.mark.parametrize("value", [7.0, 0.0, -1.0, math.inf, math.nan], ids=repr)

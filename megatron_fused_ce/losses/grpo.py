@@ -764,10 +764,13 @@ def reduce_token_terms(config: GRPOConfig, logprobs, advantages, weights, scale,
     terms = token_terms(config, logprobs, advantages, weights, scale, old=old, reference=reference,
                         sampling=sampling, sequence_log_rho=sequence_log_rho,
                         sequence_log_ratio=sequence_log_ratio)
+    # d loss/dr · r, 0 where d loss/dr is 0 (a clipped token, CISPO's): there r may have overflowed
+    # to inf (lp - old > 88.7 in fp32), and 0 · inf would make the token's gradient NaN
+    through_ratio = torch.where(terms.grad_ratio == 0, 0.0, terms.grad_ratio * terms.ratio)
     if sequence_log_ratio is None:  # dr/dlp = r
-        grad, sequence_grad = terms.grad_logprob + terms.grad_ratio * terms.ratio, None
+        grad, sequence_grad = terms.grad_logprob + through_ratio, None
     else:  # GSPO: r = exp(sequence mean), dr/d(mean) = r, summed over the sequence's tokens
-        grad, sequence_grad = terms.grad_logprob, (terms.grad_ratio * terms.ratio).sum(-1)
+        grad, sequence_grad = terms.grad_logprob, through_ratio.sum(-1)
     per_token = [terms.pg] + ([terms.kl] if terms.kl is not None else []) + list(terms.numerators.values())
     count = len(per_token)
     sums = torch.stack(per_token).reshape(count, -1).sum(1)

@@ -329,8 +329,10 @@ def _token_terms(logprob, labelled, weights, adv, old, sampling, reference, sequ
         d_dlp = d_dlp + BETA * dkl_dlp
         kl_term = loss_weight * kl
 
-    # d loss / d lp = d/dlp at fixed r + d/dr · dr/dlp (= r), 0 without a label
-    grad = loss_weight * d_dlp + (loss_weight * d_dr) * ratio
+    # d loss / d lp = d/dlp at fixed r + d/dr · dr/dlp (= r), 0 without a label; the second term 0
+    # where d/dr is (r may be inf there: grpo.reduce_token_terms)
+    through_ratio = loss_weight * d_dr
+    grad = loss_weight * d_dlp + tl.where(through_ratio == 0.0, 0.0, through_ratio * ratio)
     grad = tl.where(labelled, grad, 0.0)
     error = zero
     if HAS_SAMPLING:
