@@ -91,6 +91,18 @@ def real_argument(value):
     return value
 
 
+def typed_options(values) -> Optional[tuple]:
+    """Python-level options as a call key holds them: ((type, value), ...); None where one is a
+    tensor, which a key would hold by identity, so that a value changed in place between calls
+    would find the key of the old one (such calls make no key)."""
+    typed = []
+    for value in values:
+        if isinstance(value, Tensor):
+            return None
+        typed.append((type(value), value))
+    return tuple(typed)
+
+
 def _is_numpy_bool(value) -> bool:
     return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
 

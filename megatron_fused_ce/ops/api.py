@@ -204,13 +204,11 @@ def _call_key(fn_name, hidden, weight, labels, tp_group, plain: tuple, extra_che
     agreed = tuple([(name, "tensor", tuple(value.shape), value.dtype) if isinstance(value, Tensor)
                     else (name, CallValue, type(value.value)) if isinstance(value, CallValue)
                     else (name, type(value), value) for name, value in must_agree.items()])
-    typed = []
-    for value in plain:
-        if isinstance(value, Tensor):  # (held by identity: a value changed in place would pass unchecked)
-            return None
-        typed.append((type(value), value))
+    options = agreement_memo.typed_options(plain)
+    if options is None:
+        return None
     return (fn_name, id(tp_group), hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
-            weight.device, labels.shape, labels.dtype, labels.device, tuple(typed),
+            weight.device, labels.shape, labels.dtype, labels.device, options,
             tuple(extra_checks), agreed, _mask_layout(mask_check))
 
 
@@ -951,9 +949,9 @@ def first_product_ahead(fn_name, hidden, weight, *options) -> tuple:
             return None, None
     except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
         return None, None
-    for value in options:
-        if isinstance(value, Tensor):  # (hashed by identity: not a plain value)
-            return None, None
+    options = agreement_memo.typed_options(options)
+    if options is None:
+        return None, None
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     key = (fn_name, hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype, weight.device,
            needs_grad, options)

@@ -95,19 +95,16 @@ def call_key(fn_name: str, hidden, weight, labels, tp_group, options: tuple) -> 
     """The raw arguments of a call as a route's key: what the general path's decisions depend on
     (shapes, dtypes, devices, requires_grad, grad mode, the TP group, every Python-level option);
     None where no route applies (off, something that is not a tensor, under torch.compile's
-    tracing, an option given as a tensor: a key holds a tensor by identity, not by the value it may
-    have been changed to in place)."""
+    tracing, an option given as a tensor: agreement.typed_options)."""
     if not (ENABLED and isinstance(hidden, Tensor) and isinstance(weight, Tensor)
             and isinstance(labels, Tensor)) or torch.compiler.is_compiling():  # (traced: the general path)
         return None
-    typed = []
-    for value in options:
-        if isinstance(value, Tensor):
-            return None
-        typed.append((type(value), value))
+    typed = agreement_memo.typed_options(options)
+    if typed is None:
+        return None
     return (fn_name, hidden.shape, hidden.dtype, hidden.device, hidden.requires_grad, weight.shape, weight.dtype,
             weight.device, weight.requires_grad, labels.shape, labels.dtype, labels.device, torch.is_grad_enabled(),
-            None if tp_group is None else id(tp_group), tuple(typed))
+            None if tp_group is None else id(tp_group), typed)
 
 
 def layout(value):
