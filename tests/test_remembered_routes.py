@@ -358,6 +358,38 @@ def test_options_given_as_tensors_keep_the_general_path(tb, general_calls, gener
     assert out.entropy is not None and torch.equal(out.entropy, expected.entropy)
 
 
+@pytest.mark.parametrize("path", ["cross-entropy", "log-probs", "grpo"])
+def test_inputs_changed_in_place_before_the_backward_are_refused_on_every_call(tb, path):
+    """hidden or weight changed in place between a call's forward and its backward: autograd's
+    error on every call of a signature, the routed ones too (a route's node makes its gradients
+    in the forward: without autograd's version check on its saved inputs it handed them back,
+    the gradients at the old values, where the general path raises)."""
+    from megatron_fused_ce.losses import GRPOConfig, linear_grpo_loss
+
+    h0, w0, y, vocab = _inputs(tb, 9)
+
+    def forward(h, w):
+        if path == "cross-entropy":
+            return linear_cross_entropy(h, w, y, vocab_size=vocab, impl="triton")
+        if path == "log-probs":
+            return linear_logprobs(h, w, y, vocab_size=vocab, impl="triton").logprobs.sum()
+        mask = (y >= 0).float()
+        return linear_grpo_loss(h[None], w, y[None], torch.ones(1, device=DEVICE), mask[None], GRPOConfig(),
+                                vocab_size=vocab, old_logprobs=torch.full_like(mask[None], -4.0), impl="triton")[0]
+
+    for changed in [None, None, None, "hidden", "weight", None]:
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        hidden, weight = h.clone(), w.clone()  # non-leaf inputs, changed in place below
+        loss = forward(hidden, weight)
+        if changed is None:
+            loss.backward()
+            continue
+        with torch.no_grad():
+            (hidden if changed == "hidden" else weight).mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_results_do_not_depend_on_the_default_dtype(tb, impl):
     """torch.set_default_dtype(torch.bfloat16), common around a model's construction, changes

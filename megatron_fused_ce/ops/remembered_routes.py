@@ -441,6 +441,7 @@ class StraightLoss(torch.autograd.Function):
     @first_order_only
     def backward(ctx, g):
         dx, dw = ctx.dx, ctx.dw
+        hidden, weight, local_target = ctx.saved_tensors  # (autograd's check: not changed in place since)
         if dx is not None or dw is not None:  # the first backward: what the forward made, times g
             ctx.dx = ctx.dw = None
             backend = ctx.route.facts.spec.backend
@@ -449,7 +450,6 @@ class StraightLoss(torch.autograd.Function):
             if isinstance(dx, reductions.InputGradSum):  # (summed over TP ranks: started in the forward)
                 dx = dx.result()
             return backend.scale_(dx, g, dw), dw, None, None, None, None, None, None, None
-        hidden, weight, local_target = ctx.saved_tensors
         spec, merged, coefs = ctx.spec, ctx.merged, ctx.coefs
         if coefs is None:
             coefs = token_coefficients(ctx.forward_grad, merged, slice(0, ctx.full_shape[0]), ctx.count,
