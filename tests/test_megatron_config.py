@@ -188,7 +188,8 @@ def test_megatron_lm_flag_logits_dtype():
 def test_logits_dtype_reaches_the_op():
     """FusedCEConfig(logits_dtype="float32") in the fused output layer: bf16 inputs give the
     per-token cross-entropy at fp32 accuracy against float64 (bf16 logits: >10x further), and the
-    greedy argmax (which takes no logits_dtype) still runs."""
+    greedy argmax (which takes no logits_dtype) still runs; without a dim it is refused (torch's
+    argmax() of a tensor is the flat one, not the vocab's)."""
     import types
 
     from megatron_fused_ce.megatron.output_layer import FusedOutputLayer
@@ -210,6 +211,8 @@ def test_logits_dtype_reaches_the_op():
         ce = lazy.cross_entropy(labels)
         errors[dtype] = ((ce.double() - ref).norm() / ref.norm()).item()
         assert lazy.argmax(-1).shape == (6, 2)
+        with pytest.raises(RuntimeError, match="only over the vocab"):  # torch's no-dim argmax is flat
+            lazy.argmax()
     assert errors["float32"] <= 1e-5 and errors[None] > 10 * errors["float32"], errors
 
 

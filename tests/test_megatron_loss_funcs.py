@@ -170,3 +170,51 @@ def test_loss_funcs_count_excluded_tokens_and_empty_rows():
                                          sft_weight=0.5)(None)
     assert torch.isfinite(loss_sum) and int(pairs) == 2
     assert out["num_excluded_tokens"].tolist() == [1.0, 2.0]
+
+
+class _LabelsSeen(_LogprobsStub):
+    """The stub, keeping the labels the loss func asks log-probs for."""
+
+    def __call__(self, output_tensor, model, labels, cu_seqlens=None, **replay):
+        self.labels = labels
+        return super().__call__(output_tensor, model, labels)
+
+
+def _each_loss_func(post, labels, mask):
+    """The three loss funcs on the stub's log-probs, each through its log-probs path."""
+    lp = post.logprobs
+    yield "sft", lambda: sft_loss_func(post, None, labels, mask)(None)
+    yield "dpo", lambda: dpo_loss_func(post, None, labels, mask, lp.detach() + 0.1, sft_weight=0.5)(None)
+    yield "grpo", lambda: grpo_loss_func(post, None, labels, mask, torch.randn(lp.shape[0]), GRPOConfig(),
+                                         old_logprobs=lp.detach() - 0.1)(None)
+
+
+@pytest.mark.parametrize("mask_shape", [(5,), (1, 5), (4, 1)])
+def test_loss_funcs_refuse_a_mask_of_another_shape_than_the_labels(mask_shape):
+    """A loss mask that is not [b, s] like the labels ([s], [1, s], [b, 1]) raises, without context
+    parallelism too: it used to broadcast into a loss over other tokens (8-34 % off, the count
+    wrong), where under CP the same input raised."""
+    lp = -torch.rand(4, 5, generator=torch.Generator().manual_seed(1))
+    labels = torch.ones(4, 5, dtype=torch.long)
+    for name, call in _each_loss_func(_LabelsSeen(lp), labels, torch.ones(mask_shape)):
+        with pytest.raises(ValueError, match=r"loss_mask shape"):  # (every loss func)
+            call()
+
+
+def test_log_prob_paths_of_the_loss_funcs_never_read_a_masked_label():
+    """A masked position's label (a padded-vocab id or -1 there, as Megatron's own loss accepts)
+    reaches the post-processor as ignore_index: the log-probs paths (DPO, GRPO with entropy or
+    sampler settings, SFT with a weighted mask) accept the batch the fused paths accept, and the
+    unmasked labels arrive unchanged."""
+    lp = -torch.rand(4, 5, generator=torch.Generator().manual_seed(2))
+    labels = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(4, 5)
+    mask[:, -1] = 0.0
+    mask[0, 1] = 0.5  # (a weighted mask: SFT's log-probs path)
+    labels[:, -1] = 100000  # beyond any vocab: read, it would raise
+    for name in ("sft", "dpo", "grpo"):
+        post = _LabelsSeen(lp)
+        dict(_each_loss_func(post, labels, mask))[name]()
+        seen = post.labels
+        assert torch.equal(seen[:, -1], torch.full((4,), post.ignore_index)), name
+        assert torch.equal(seen[:, :-1], labels[:, :-1]), name

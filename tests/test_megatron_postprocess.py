@@ -218,6 +218,48 @@ def test_broadcast_from_last_stage():
                 assert got.dtype == value.dtype and torch.equal(got, value)
 
 
+def _unsendable_values():
+    return {
+        "none": None,
+        "uint8": torch.zeros(2, 3, dtype=torch.uint8),
+        "7 dims": torch.zeros((1,) * 7),
+        "a list": [torch.zeros(2)],
+        "bf16 entropy": LogprobsOutput(torch.zeros(2, 7), torch.zeros(2, 7, dtype=torch.bfloat16)),
+    }
+
+
+def broadcast_refusal_worker(rank, world):
+    from megatron.core import parallel_state
+
+    enable_cpu_mode()
+    init_megatron_parallel(1, world)
+    last = parallel_state.is_pipeline_last_stage()
+    refused = {}
+    for name, value in _unsendable_values().items():
+        try:
+            broadcast_from_last_stage(value if last else None)
+        except ValueError as error:
+            refused[name] = str(error)
+    # the stages are still in step: the next broadcast arrives
+    after = broadcast_from_last_stage(torch.arange(4) if last else None)
+    return last, refused, after
+
+
+def test_broadcast_from_last_stage_refuses_a_value_it_cannot_send_on_every_stage():
+    """A value the last stage cannot send (None, a dtype or rank the header cannot describe, an
+    entropy of another dtype than the log-probs' the other stages would make their buffer in)
+    raises ValueError on every stage: before, the last stage raised before the header's broadcast
+    and the others waited in it."""
+    names = set(_unsendable_values())
+    for last, refused, after in run_workers(broadcast_refusal_worker, 2):
+        assert set(refused) == names and torch.equal(after, torch.arange(4))
+        if last:
+            assert "must pass a value" in refused["none"] and "torch.uint8" in refused["uint8"]
+            assert "at most 6 dims" in refused["7 dims"] and "entropy" in refused["bf16 entropy"]
+        else:
+            assert all("cannot be sent" in message for message in refused.values())
+
+
 # ------------------------------------------------------------------------------------------------
 # The point of it all: with fusion on, no [tokens, V/TP] tensor is ever allocated.
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ collective, so bad input raises the same ``ValueError`` on every rank instead of
 * every rank passes the same optional arguments (they decide which collectives run);
 * any local argument error (bad shape, bad option, bad normalizer) raises on every rank.
 
+The agreement is remembered per signature (the function, the groups, ``B`` and the flags): a
+later call of it makes no collective for it, so a rank that alone passes bad input after its peers
+agreed raises alone while they go on to the loss's sums (docs/reliability.md, "Not caught").
+
 ``T_local`` may differ between ranks. What cannot be seen is a rank passing whole sequences of the
 same length as the other ranks' slices: slicing is the caller's contract.
 """

@@ -140,7 +140,10 @@ def batch_on_this_cp_rank(batch: Mapping, cp_group, *, cu_seqlens_padded: Option
 def gather_from_cp_ranks(local: Tensor, cp_group, *,
                              cu_seqlens_padded: Optional[Tensor] = None) -> Tensor:
     """`[b, s]` from every CP rank's `[b, s / CP]` slice of it (dim 1), in the original order, on
-    every rank of the group (an all-gather over CP; differentiable). Without CP: `local`."""
+    every rank of the group (an all-gather over CP). Differentiable as a sum over ranks: a slice's
+    gradient is the sum of every rank's gradient for it, each rank's loss a part of the total (a
+    loss computed alike on every rank from the gathered tensor counts CP times; divide it by CP,
+    or use the losses' own CP sums). Without CP: `local`."""
     cp_size, _ = _size_and_rank(cp_group)
     if cp_size == 1:
         return local

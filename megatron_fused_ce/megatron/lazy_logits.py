@@ -93,7 +93,8 @@ class LazyLogits(torch.Tensor):
         """`[b, s, h]` (`[b, s/TP, h]` under sequence parallelism): the last stage's output."""
         return self.hidden.transpose(0, 1)
 
-    def argmax(self, dim: Optional[int] = -1, keepdim: bool = False) -> Tensor:
+    def argmax(self, dim: Optional[int] = None, keepdim: bool = False) -> Tensor:
+        # (no dim: torch's flat argmax over every element, which is not the vocab's: refused)
         if not _last_dim(dim, self.dim()) or keepdim:
             raise RuntimeError(f"LazyLogits.argmax: only over the vocab (dim=-1), got dim={dim}, "
                                f"keepdim={keepdim}")

@@ -112,6 +112,13 @@ def _scored_mask(post_processor: LogprobsPostProcessor, model, loss_mask: Tensor
     return torch.where(scored, loss_mask.float(), torch.zeros((), device=loss_mask.device))
 
 
+def _unmasked(labels: Tensor, loss_mask: Tensor, post_processor: LogprobsPostProcessor) -> Tensor:
+    """The labels, ignore_index where the loss mask is 0, for the log-probs paths: a masked
+    position's label is never read (a padded-vocab id or -1 there passes, as in Megatron's own loss
+    and in the fused cross-entropy and GRPO paths, which skip masked tokens)."""
+    return torch.where(loss_mask != 0, labels, post_processor.ignore_index)
+
+
 def _count(mask: Tensor) -> Tensor:
     return (mask != 0).sum().to(torch.int)
 
@@ -147,6 +154,8 @@ class _ContextParallel:
         self.model = model
         if self.group is not None:
             self._agree(fn_name, post_processor, output_tensor, labels, per_token, packing, sampling_mask)
+        elif isinstance(labels, Tensor):  # (a mask of another shape would broadcast into a wrong loss)
+            _check_per_token_shapes(labels, per_token, "")
 
     def _agree(self, fn_name, post_processor, output_tensor, labels, per_token, packing, sampling_mask=None):
         """Shapes checked on every rank and the verdict shared over CP and TP, before any
@@ -161,15 +170,8 @@ class _ContextParallel:
                 raise ValueError(f"labels shape {tuple(labels.shape)} does not match the model output "
                                  f"{tuple(output_tensor.shape)} (tokens {tuple(expected)}): under context "
                                  "parallelism labels and masks are this CP rank's slice of every sequence")
-            for name, tensor in per_token.items():
-                allowed = [tuple(labels.shape)]
-                if name == "advantages":
-                    allowed += [(labels.shape[0],), (labels.shape[0], 1)]
-                if tensor is not None and (not isinstance(tensor, Tensor) or tuple(tensor.shape) not in allowed):
-                    got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-                    raise ValueError(f"{name} shape {got} != labels shape {tuple(labels.shape)}: under "
-                                     "context parallelism every per-token input is this CP rank's "
-                                     "slice, cut like the labels")
+            _check_per_token_shapes(labels, per_token, ": under context parallelism every per-token "
+                                                        "input is this CP rank's slice, cut like the labels")
             post_processor.scored_labels(labels, self.model, **packing)  # packing offsets
             if sampling_mask is not None:  # the whole mask, on every rank: a rank's op sees its part
                 vocab = post_processor.vocab_size
@@ -244,6 +246,17 @@ class _ContextParallel:
         return float(g)
 
 
+def _check_per_token_shapes(labels: Tensor, per_token: Mapping[str, Optional[Tensor]], why: str) -> None:
+    """Every per-token input given has the labels' shape (`advantages` also [b] or [b, 1])."""
+    for name, tensor in per_token.items():
+        allowed = [tuple(labels.shape)]
+        if name == "advantages" and labels.dim():
+            allowed += [(labels.shape[0],), (labels.shape[0], 1)]
+        if tensor is not None and (not isinstance(tensor, Tensor) or tuple(tensor.shape) not in allowed):
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} shape {got} != labels shape {tuple(labels.shape)}{why}")
+
+
 def _per_token_loss(model) -> bool:
     try:
         return bool(getattr(unwrap_model(model).config, "calculate_per_token_loss", True))
@@ -294,7 +307,8 @@ def sft_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
                                            expected_upstream_grad=cp.upstream_grad(
                                                megatron_count, num_microbatches, inputs))
         else:
-            lp = post_processor(output_tensor, model, labels, **packing).logprobs
+            lp = post_processor(output_tensor, model, _unmasked(labels, loss_mask, post_processor),
+                                **packing).logprobs
             loss_sum, _ = nll_loss(lp, mask, normalizer=1)
             count = _count(_without_excluded(mask, lp))
         # token-level: this CP rank's partial sum and count (they add up over CP)
@@ -332,7 +346,7 @@ def dpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module,
     def loss_func(output_tensor: Tensor):
         cp = _ContextParallel("dpo_loss_func", post_processor, model, output_tensor, labels,
                               {"loss_mask": loss_mask, "reference_logprobs": reference_logprobs})
-        lp = post_processor(output_tensor, model, labels).logprobs
+        lp = post_processor(output_tensor, model, _unmasked(labels, loss_mask, post_processor)).logprobs
         mask = _scored_mask(post_processor, model, loss_mask, labels)
         pairs = torch.tensor(lp.shape[0] // 2, dtype=torch.int, device=lp.device)
         chosen_mask = mask[0::2]
@@ -447,7 +461,7 @@ def grpo_loss_func(post_processor: LogprobsPostProcessor, model: torch.nn.Module
                 model, linear_grpo_loss, advantages=advantages, mask=mask, config=config, **inputs, **kwargs,
                 expected_upstream_grad=cp.upstream_grad(count_for_megatron, num_microbatches, inputs))
         else:
-            out = post_processor(output_tensor, model, labels, **replay)
+            out = post_processor(output_tensor, model, _unmasked(labels, loss_mask, post_processor), **replay)
             loss, metrics = grpo_loss(out.logprobs, advantages, mask, config, **kwargs,
                                       entropy=out.entropy)
             count, count_for_megatron = megatron_count(out.logprobs)

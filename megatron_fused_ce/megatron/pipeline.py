@@ -28,6 +28,7 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _MAX_DIMS = 6
 _TENSOR, _LOGPROBS, _LOGPROBS_WITH_ENTROPY = 1, 2, 3
 _WITH_TOPK = 2  # added to a _LOGPROBS kind: topk_logprobs / topk_ids follow (k in the header)
+_UNSENDABLE = -1  # the header's kind where the last stage's value cannot be sent: every stage raises
 
 BroadcastValue = Union[Tensor, LogprobsOutput]
 
@@ -35,6 +36,35 @@ BroadcastValue = Union[Tensor, LogprobsOutput]
 def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
         torch.device("cpu")
+
+
+def _unsendable(value) -> Optional[str]:
+    """Why the last stage's `value` cannot be sent as the header describes it (None: it can)."""
+    if value is None:
+        return "the last stage must pass a value"
+    first = value.logprobs if isinstance(value, LogprobsOutput) else value
+    if not isinstance(first, Tensor):
+        return f"a tensor or LogprobsOutput, got {type(value).__name__}"
+    if first.dim() > _MAX_DIMS:
+        return f"at most {_MAX_DIMS} dims, got {first.dim()}"
+    if first.dtype not in _DTYPES:
+        return f"a dtype among {', '.join(map(str, _DTYPES))}, got {first.dtype}"
+    if not isinstance(value, LogprobsOutput):
+        return None
+    # the other stages make their buffers from the log-probs' shape and dtype (top-k: fp32 / int64)
+    entropy = value.entropy
+    if entropy is not None and (not isinstance(entropy, Tensor) or entropy.shape != first.shape
+                                or entropy.dtype != first.dtype):
+        return "the entropy must have the log-probs' shape and dtype"
+    if (value.topk_ids is None) != (value.topk_logprobs is None):
+        return "topk_logprobs and topk_ids go together"
+    if value.topk_ids is not None:
+        k = value.topk_ids.shape[-1] if value.topk_ids.dim() else -1
+        for name, tensor, dtype in (("topk_logprobs", value.topk_logprobs, torch.float32),
+                                    ("topk_ids", value.topk_ids, torch.int64)):
+            if tensor.shape != first.shape + (k,) or tensor.dtype != dtype:
+                return f"{name} must be {dtype} of the log-probs' shape + (k,)"
+    return None
 
 
 def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_group=None,
@@ -57,12 +87,13 @@ def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_grou
     sender = dist.get_rank() == src
 
     header = torch.zeros(4 + _MAX_DIMS, dtype=torch.int64, device=_comm_device())
-    if sender:
-        if value is None:
-            raise ValueError("broadcast_from_last_stage: the last stage must pass a value")
+    # (a value that cannot be sent still sends the header, marked: a stage that raised alone would
+    # leave the others waiting in the broadcast)
+    problem = _unsendable(value) if sender else None
+    if problem is not None:
+        header[0] = _UNSENDABLE
+    elif sender:
         first = value.logprobs if isinstance(value, LogprobsOutput) else value
-        if first.dim() > _MAX_DIMS:
-            raise ValueError(f"at most {_MAX_DIMS} dims, got {first.dim()}")
         kind = _TENSOR
         if isinstance(value, LogprobsOutput):
             kind = _LOGPROBS if value.entropy is None else _LOGPROBS_WITH_ENTROPY
@@ -74,6 +105,9 @@ def broadcast_from_last_stage(value: Optional[BroadcastValue] = None, *, pp_grou
         header = header.to(first.device)
     dist.broadcast(header, src=src, group=pp_group)
     kind, dtype, ndim, topk = header[:4].tolist()
+    if kind == _UNSENDABLE:
+        raise ValueError(f"broadcast_from_last_stage: {problem}" if sender else
+                         "broadcast_from_last_stage: the last stage's value cannot be sent (it raised why there)")
     shape = header[4:4 + ndim].tolist()
 
     def one(tensor: Optional[Tensor], shape=shape, dtype=_DTYPES[dtype]) -> Tensor:
