@@ -43,6 +43,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -135,7 +136,13 @@ def model_args(p, data_dir, iters, distributed_optimizer=True, stack="local"):
     ]
 
 
-_PORTS = iter(range(29500, 29900))
+def free_port() -> int:
+    """A TCP port free now, the OS's choice: runs side by side, and other torchrun jobs on the
+    machine (29500 is torchrun's default), each rendezvous on their own (a fixed range from 29500
+    met another job's port under a loaded test run)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_one(name, argv, logs, env, work, launch=None):
@@ -144,7 +151,7 @@ def run_one(name, argv, logs, env, work, launch=None):
     launch = launch or {}
     env = dict(env, **launch.get("env", {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-           "--master_port", str(next(_PORTS)), str(launch.get("script", SCRIPT))] + argv + [
+           "--master_port", str(free_port()), str(launch.get("script", SCRIPT))] + argv + [
                "--data-cache-path", str(work / f"cache_{name}")]
     start = time.time()
     log_path = logs / f"{name}.log"
