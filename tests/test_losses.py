@@ -1561,3 +1561,39 @@ def test_token_table_names_known_before_the_inputs(name):
         inputs, _ = token_inputs(torch.ones(2), torch.ones(2, 3), cfg, like=like, old_logprobs=old,
                                  reference_logprobs=reference, sampling_logprobs=sampling)
         assert linear_grpo._input_names(cfg, old, reference, sampling) == inputs.present(), (name, old is None)
+
+
+# ---- half-precision log-probs: the losses' sums in fp32 ----------------------------------------------
+
+
+def test_half_precision_logprobs_are_summed_in_fp32():
+    """bf16 log-probs (a log_softmax of materialized bf16 logits) give the losses of their values
+    summed in float64, to fp32 accuracy: summed in bf16, a sequence's score near -1000 moved in
+    steps of 4, and DPO's margin (two such sums' difference) came out 0 for -0.022 (the loss at
+    log 2, no preference signal); their gradients come back in bf16."""
+    g = torch.Generator().manual_seed(3)
+    batch, length = 4, 1024
+    lp = (-torch.rand(batch, length, generator=g, dtype=F64) * 2).bfloat16()
+    reference = (lp.double() + torch.randn(batch, length, generator=g, dtype=F64) * 0.01).float()
+    mask = torch.ones(batch, length)
+    scores, reference_scores = lp.double().sum(-1), reference.double().sum(-1)
+    margin = (scores[0::2] - reference_scores[0::2]) - (scores[1::2] - reference_scores[1::2])
+    expected = {
+        "dpo": (-torch.nn.functional.logsigmoid(0.1 * margin)).mean(),
+        "nll": -lp.double().sum() / mask.sum(),
+        "grpo": -(torch.exp(lp.double() - reference.double()) * 0.5).mean(),  # dapo, A = 0.5, old = reference
+    }
+    calls = {
+        "dpo": lambda x: dpo_loss(x, reference, mask, beta=0.1),
+        "nll": lambda x: nll_loss(x, mask),
+        "grpo": lambda x: grpo_loss(x, torch.full((batch,), 0.5), mask, GRPOConfig(loss_type="dapo"),
+                                    old_logprobs=reference),
+    }
+    for name, call in calls.items():
+        x = lp.clone().requires_grad_()
+        loss, metrics = call(x)
+        loss.backward()
+        assert x.grad.dtype == torch.bfloat16, name
+        torch.testing.assert_close(loss.double(), expected[name], rtol=2e-6, atol=0, msg=name)
+        if name == "dpo":
+            torch.testing.assert_close(metrics["reward_margin"].double(), 0.1 * margin.mean(), rtol=1e-4, atol=0)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..ops.agreement import flag_argument
 from .context_parallel import agree_on_inputs, sum_over_cp
-from .nll import (Normalizer, as_weights, check_bool, check_normalizer, check_number,
+from .nll import (Normalizer, as_weights, at_least_fp32, check_bool, check_normalizer, check_number,
                   exclude_impossible_tokens, given_count, masked_sum, safe_divide)
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -132,6 +132,7 @@ def dpo_loss(
         batch_size=policy_logprobs.shape[0] if isinstance(policy_logprobs, torch.Tensor)
         and policy_logprobs.dim() > 0 else None,
         flags=[("normalizer", normalizer is not None), ("sft_normalizer", sft_normalizer is not None)])
+    policy_logprobs = at_least_fp32(policy_logprobs)
     reference = reference_logprobs.detach().to(policy_logprobs.dtype)
     weights, excluded = exclude_impossible_tokens(as_weights(mask, policy_logprobs),
                                                   policy_logprobs, reference)

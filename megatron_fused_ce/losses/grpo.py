@@ -52,6 +52,7 @@ from .context_parallel import agree_on_inputs, max_over_cp, sum_over_cp
 from .nll import (
     Normalizer,
     as_weights,
+    at_least_fp32,
     check_bool,
     check_normalizer,
     check_number,
@@ -955,7 +956,7 @@ def grpo_loss(
     check_grpo_arguments("grpo_loss", logprobs, advantages, mask, config, old_logprobs=old_logprobs,
                          reference_logprobs=reference_logprobs, sampling_logprobs=sampling_logprobs,
                          entropy=entropy, normalizer=normalizer, cp_group=cp_group)
-    tokens = _tokens(logprobs, advantages, mask, config, old_logprobs, reference_logprobs,
+    tokens = _tokens(at_least_fp32(logprobs), advantages, mask, config, old_logprobs, reference_logprobs,
                      sampling_logprobs)
     if isinstance(normalizer, Tensor):  # a count on a GPU, checked there (nll.given_count)
         normalizer = given_count(normalizer, tokens.logprobs)

@@ -43,6 +43,14 @@ __all__ = [
 ]
 
 
+def at_least_fp32(logprobs: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 log-probs as fp32 (their gradient flows back in their own dtype), others as they
+    are: the losses sum hundreds of log-probs per sequence or batch, and in bf16 a sum near -1000
+    moves in steps of 4, where a DPO margin (a difference of two such sums) or a loss value lives
+    in the last digits (a bf16 margin of 0 for a float64 one of -0.022)."""
+    return logprobs.float() if logprobs.dtype in (torch.bfloat16, torch.float16) else logprobs
+
+
 def as_weights(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The mask as float weights with the dtype and device of ``like``."""
     return mask.to(dtype=like.dtype, device=like.device)
@@ -198,6 +206,7 @@ def nll_loss(
 
     agree_on_inputs("nll_loss", check, cp_group=cp_group, device=getattr(logprobs, "device", None),
                     flags=[("normalizer", normalizer is not None)])
+    logprobs = at_least_fp32(logprobs)
     weights, excluded = exclude_impossible_tokens(as_weights(mask, logprobs), logprobs)
     sums = sum_over_cp({"total": masked_sum(logprobs, weights), "tokens": weights.sum(),
                         "excluded": excluded.sum().to(weights.dtype)}, cp_group)
