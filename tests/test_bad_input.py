@@ -125,6 +125,11 @@ def _case(name, rank):
         fn, kw["z_loss_weight"] = linear_cross_entropy, float("inf")
     elif name == "logits_dtype":
         kw["logits_dtype"] = torch.float16
+    # -- flags given as strings: a truthy 'no' / 'False' must not switch them on ------------------
+    elif name == "return_entropy_str":
+        kw["return_entropy"] = "no"
+    elif name == "accumulate_into_main_grad_str":
+        fn, kw["accumulate_into_main_grad"] = linear_cross_entropy, "False"
     return fn, h, w, y, kw
 
 
@@ -151,6 +156,8 @@ CASES = {
     "ignore_index_too_large": "ignore_index", "int8_labels": "labels", "int16_labels": "labels",
     "uint8_labels": "labels", "temperature_inf": "temperature", "temperature_nan_on_rank1": "temperature",
     "z_loss_weight_inf": "z_loss_weight", "logits_dtype": "logits_dtype",
+    "return_entropy_str": "return_entropy must be True or False",
+    "accumulate_into_main_grad_str": "accumulate_into_main_grad must be True or False",
 }
 
 

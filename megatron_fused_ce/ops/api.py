@@ -669,6 +669,10 @@ def token_statistics(fn_name, hidden, weight, labels, *, tp_group, vocab_size, t
     main_grad_param = (weight_param if isinstance(weight_param, Tensor)
                        and adds_into_main_grad(weight_param, accumulate_into_main_grad) else None)
     extra_checks = dict(extra_checks or {})
+    # (a truthy string, 'no' included, must not switch an option on, as in the losses' options)
+    extra_checks["flags"] = next((f"{name} must be True or False, got {value!r}" for name, value in (
+        ("sequence_parallel", sequence_parallel), ("accumulate_into_main_grad", accumulate_into_main_grad),
+        ("return_entropy", want_entropy)) if not isinstance(value, bool)), None)
     extra_checks["main_grad"] = unpaired_forward_error(main_grad_param) if needs_grad else None
     extra_checks["expected_upstream_grad"] = expected_upstream_grad_problem(expected_upstream_grad)
     if not extra_checks["expected_upstream_grad"] and expected_upstream_grad is not None:
