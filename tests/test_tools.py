@@ -129,8 +129,7 @@ def test_host_time_runs_at_tp2_on_cpu(tmp_path):
     TP = 2 A/B): every rank runs the TP methods on its vocab shard, rank 0 prints their figures and
     writes the JSON."""
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-         str(_real_loop_tool().free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
          os.path.join(REPO, "tools", "host_time.py"), "--tp", "2", "--device", "cpu", "--shape", "32x16x50",
          "--rounds", "1", "--calls", "2", "--json", str(tmp_path / "t.json")],
         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})

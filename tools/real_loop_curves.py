@@ -43,7 +43,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -136,22 +135,14 @@ def model_args(p, data_dir, iters, distributed_optimizer=True, stack="local"):
     ]
 
 
-def free_port() -> int:
-    """A TCP port free now, the OS's choice: runs side by side, and other torchrun jobs on the
-    machine (29500 is torchrun's default), each rendezvous on their own (a fixed range from 29500
-    met another job's port under a loaded test run)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_one(name, argv, logs, env, work, launch=None):
-    """Start one training process (its own rendezvous port and dataset-index cache). `launch`:
+    """Start one training process (its own rendezvous port, `--standalone`'s free one where a
+    fixed port could meet another torchrun job's, and dataset-index cache). `launch`:
     another `script` and environment entries (`env`) for this run (old code, its GPU)."""
     launch = launch or {}
     env = dict(env, **launch.get("env", {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-           "--master_port", str(free_port()), str(launch.get("script", SCRIPT))] + argv + [
+           "--standalone", str(launch.get("script", SCRIPT))] + argv + [
                "--data-cache-path", str(work / f"cache_{name}")]
     start = time.time()
     log_path = logs / f"{name}.log"
